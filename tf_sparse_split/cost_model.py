@@ -1,0 +1,289 @@
+"""Run-time cost model that picks the dense/sparse split threshold.
+
+``SparseSplitMatMul`` sends rows of its activation operand whose density
+(nonzeros / K) is above a threshold to a dense GEMM and the rest to a CSR
+SpMM. Which threshold is fastest depends on the machine, the problem size and
+the sparsity pattern, so it is fitted at run time from the timings the op
+itself records (K.-Y. Peng, "Adaptive runtime exploiting sparsity in tensor
+of deep learning on heterogeneous systems", NTU 2017): each path is modelled
+as
+
+    time = overhead + work / rate
+
+with ``time`` in seconds, ``work`` in floating-point operations (flop) and
+``rate`` in flop/s, where
+
+* dense path:  ``work = 2 * rows_dense * (K - zero_cols_skipped) * N``
+  against ``TIME_DENSE``;
+* sparse path: ``work = 2 * nnz_sparse * N`` against ``TIME_SPARSE``.
+
+The two parameters are fitted by least squares (numpy) with both kept
+nonnegative: a negative coefficient is clipped to zero and the other one
+refitted. A path that did no work in a call (``work == 0``) is not a sample
+for that path: the op spends nothing there, and the model predicts 0 s for
+zero work. Nothing is hard-coded about the break-even point; it follows from
+the two measured rates (see DESIGN.md, "Performance notes").
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from tf_sparse_split import stats as _stats
+
+__all__ = ["CostModel", "PathFit", "DENSE", "SPARSE", "candidate_thresholds"]
+
+DENSE = "dense"
+SPARSE = "sparse"
+_PATHS = (DENSE, SPARSE)
+
+
+@dataclasses.dataclass(frozen=True)
+class PathFit:
+    """Fitted ``time = overhead + work / rate`` of one path.
+
+    Attributes:
+      overhead: seconds per call, >= 0.
+      rate: flop/s, > 0 (``inf`` when the time did not grow with the work).
+      num_samples: samples the fit used.
+      rms_error: root-mean-square residual of the fit, in seconds.
+    """
+
+    overhead: float
+    rate: float
+    num_samples: int
+    rms_error: float
+
+    def predict(self, work):
+        """Predicted seconds for ``work`` flop (0 s when ``work`` is 0)."""
+        work = np.asarray(work, dtype=np.float64)
+        per_flop = 0.0 if math.isinf(self.rate) else 1.0 / self.rate
+        t = self.overhead + work * per_flop
+        return np.where(work > 0, t, 0.0)
+
+
+def _fit_line(work, time):
+    """Nonnegative least-squares fit of time = c0 + c1 * work.
+
+    Returns (c0, c1) with both >= 0: solve the unconstrained problem; if a
+    coefficient comes out negative, set it to zero and refit the other alone.
+    """
+    w = np.asarray(work, dtype=np.float64)
+    t = np.asarray(time, dtype=np.float64)
+    if w.size == 1 or np.ptp(w) <= 1e-12 * max(abs(w).max(), 1.0):
+        # No spread in work: the overhead cannot be told apart from the rate,
+        # so attribute all time to the work (line through the origin).
+        c0, c1 = 0.0, float(np.dot(w, t) / np.dot(w, w))
+    else:
+        design = np.stack([np.ones_like(w), w], axis=1)
+        (c0, c1), *_ = np.linalg.lstsq(design, t, rcond=None)
+        c0, c1 = float(c0), float(c1)
+    if c0 < 0.0:
+        c0, c1 = 0.0, float(np.dot(w, t) / np.dot(w, w))
+    if c1 < 0.0:
+        c0, c1 = float(np.mean(t)), 0.0
+    return max(c0, 0.0), max(c1, 0.0)
+
+
+def candidate_thresholds(bins=_stats.DENSITY_BINS):
+    """The thresholds :meth:`CostModel.best_threshold` compares: the density
+    bin edges ``0, 1/bins, ..., 1`` (floats)."""
+    return [j / bins for j in range(bins + 1)]
+
+
+class CostModel:
+    """Per-path linear timing model fitted to the op's statistics.
+
+    Usage::
+
+        model = CostModel()
+        for s in stats_vectors:          # each a float64 [NUM_STATS] vector
+            model.add_stats(s)
+        model.fit()
+        t = model.best_threshold(hist, m, k, k_live, n)   # or None
+
+    Samples accumulate until :meth:`reset`; :meth:`fit` uses all of them.
+    """
+
+    def __init__(self):
+        self._samples = {p: ([], []) for p in _PATHS}
+        self._fits = {}
+
+    # -- samples ----------------------------------------------------------
+    def reset(self):
+        """Drops all samples and fits."""
+        self._samples = {p: ([], []) for p in _PATHS}
+        self._fits = {}
+
+    def add_sample(self, path, work, seconds):
+        """Adds one timing sample.
+
+        Args:
+          path: ``"dense"`` or ``"sparse"``.
+          work: flop done by that path in the call (samples with work <= 0
+            are ignored, see the module docstring).
+          seconds: wall-clock seconds that path took.
+
+        Raises:
+          ValueError: on an unknown path, or a negative / non-finite time or
+            work.
+        """
+        if path not in _PATHS:
+            raise ValueError(f"path must be 'dense' or 'sparse', got {path!r}")
+        work, seconds = float(work), float(seconds)
+        if not (math.isfinite(work) and math.isfinite(seconds)) or \
+                seconds < 0 or work < 0:
+            raise ValueError(
+                f"work and seconds must be finite and >= 0, got work={work}, "
+                f"seconds={seconds}")
+        if work <= 0:
+            return
+        self._samples[path][0].append(work)
+        self._samples[path][1].append(seconds)
+
+    def add_stats(self, stats_vector):
+        """Adds the dense and sparse samples of one op call.
+
+        Args:
+          stats_vector: array-like of length ``stats.NUM_STATS`` as returned
+            by ``sparse_split_matmul(..., return_stats=True)``.
+
+        Raises:
+          ValueError: if it has the wrong length.
+        """
+        v = np.asarray(stats_vector, dtype=np.float64).reshape(-1)
+        if v.shape[0] != _stats.NUM_STATS:
+            raise ValueError(
+                f"expected {_stats.NUM_STATS} statistics, got {v.shape[0]}")
+        k_live = v[_stats.K] - v[_stats.ZERO_COLS_SKIPPED]
+        dense_work = 2.0 * v[_stats.ROWS_DENSE] * k_live * v[_stats.N]
+        sparse_work = 2.0 * v[_stats.NNZ_SPARSE] * v[_stats.N]
+        self.add_sample(DENSE, dense_work, v[_stats.TIME_DENSE])
+        self.add_sample(SPARSE, sparse_work, v[_stats.TIME_SPARSE])
+
+    def num_samples(self, path):
+        """Number of samples held for ``path``."""
+        return len(self._samples[path][0])
+
+    # -- fitting ----------------------------------------------------------
+    def fit(self, min_samples=1):
+        """Fits every path that has at least ``min_samples`` samples.
+
+        A path with fewer samples has no fit afterwards (see :meth:`fitted`).
+
+        Returns:
+          dict ``{path: PathFit}`` of the paths that were fitted.
+
+        Raises:
+          ValueError: if ``min_samples`` < 1.
+        """
+        if int(min_samples) < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        self._fits = {}
+        for path in _PATHS:
+            work, time = self._samples[path]
+            if len(work) < min_samples:
+                continue
+            c0, c1 = _fit_line(work, time)
+            w, t = np.asarray(work), np.asarray(time)
+            rms = float(np.sqrt(np.mean((c0 + c1 * w - t) ** 2)))
+            rate = math.inf if c1 == 0.0 else 1.0 / c1
+            self._fits[path] = PathFit(c0, rate, len(work), rms)
+        return dict(self._fits)
+
+    def fitted(self, path):
+        """The :class:`PathFit` of ``path``, or None if it is not fitted."""
+        return self._fits.get(path)
+
+    def rate(self, path):
+        """Fitted rate of ``path`` in flop/s, or None if not fitted."""
+        f = self._fits.get(path)
+        return None if f is None else f.rate
+
+    def overhead(self, path):
+        """Fitted per-call overhead of ``path`` in seconds, or None."""
+        f = self._fits.get(path)
+        return None if f is None else f.overhead
+
+    # -- prediction -------------------------------------------------------
+    @staticmethod
+    def _check_problem(histogram, m, k, k_live, n):
+        hist = np.asarray(histogram, dtype=np.float64).reshape(-1)
+        if hist.size < 1 or np.any(hist < 0) or not np.all(np.isfinite(hist)):
+            raise ValueError("histogram must be a nonempty vector of finite "
+                             "counts >= 0")
+        if m < 0 or k < 0 or n < 0 or not 0 <= k_live <= k:
+            raise ValueError(
+                f"need m, k, n >= 0 and 0 <= k_live <= k, got m={m}, k={k}, "
+                f"k_live={k_live}, n={n}")
+        return hist
+
+    def predicted_time(self, histogram, m, k, k_live, n, threshold):
+        """Predicted seconds of one call at ``threshold``.
+
+        Rows in density bins whose upper edge is <= ``threshold`` go sparse
+        with ``nnz ~= bin_center_density * k`` each; the other rows go dense
+        over ``k_live`` columns. ``m`` is accepted for symmetry with the
+        statistics (the rows are those counted in ``histogram``).
+
+        Raises:
+          RuntimeError: if either path is not fitted.
+          ValueError: on inconsistent sizes.
+        """
+        hist = self._check_problem(histogram, m, k, k_live, n)
+        if DENSE not in self._fits or SPARSE not in self._fits:
+            raise RuntimeError(
+                "both paths must be fitted to predict a split (have: "
+                f"{sorted(self._fits)})")
+        bins = hist.size
+        centers = (np.arange(bins) + 0.5) / bins
+        sparse_bins = int(math.floor(float(threshold) * bins + 1e-9))
+        sparse_bins = min(max(sparse_bins, 0), bins)
+        rows_sparse_nnz = np.sum(hist[:sparse_bins] * centers[:sparse_bins] * k)
+        rows_dense = np.sum(hist[sparse_bins:])
+        dense_work = 2.0 * rows_dense * k_live * n
+        sparse_work = 2.0 * rows_sparse_nnz * n
+        return float(self._fits[DENSE].predict(dense_work) +
+                     self._fits[SPARSE].predict(sparse_work))
+
+    def best_threshold(self, histogram, m, k, k_live, n):
+        """Fastest threshold among the density-bin edges.
+
+        Args:
+          histogram: rows per row-density bin for one call (the
+            ``stats.HISTOGRAM`` slice; an average over calls, fractional, is
+            fine).
+          m: rows of the activation operand in one call.
+          k: its columns (K).
+          k_live: K minus the all-zero columns the op skips.
+          n: columns of the weight operand (N).
+
+        Returns:
+          the threshold in ``candidate_thresholds()`` with the smallest
+          predicted time (ties go to the smaller threshold, i.e. more rows
+          dense), as a Python float; or **None** when only one path (or no
+          path) has been fitted: with no measurement of the other path there
+          is nothing to compare, and the caller should keep its current
+          threshold.
+
+        Raises:
+          ValueError: on inconsistent sizes or a bad histogram.
+        """
+        hist = self._check_problem(histogram, m, k, k_live, n)
+        if DENSE not in self._fits or SPARSE not in self._fits:
+            return None
+        best, best_t = None, math.inf
+        for thr in candidate_thresholds(hist.size):
+            t = self.predicted_time(hist, m, k, k_live, n, thr)
+            if t < best_t - 1e-15:
+                best, best_t = thr, t
+        return float(best)
+
+    def summary(self):
+        """dict: ``{path: {"overhead_s", "rate_flops", "samples"}}``."""
+        return {
+            p: {"overhead_s": f.overhead, "rate_flops": f.rate,
+                "samples": f.num_samples}
+            for p, f in self._fits.items()
+        }
