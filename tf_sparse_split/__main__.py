@@ -1,0 +1,8 @@
+"""``python -m tf_sparse_split``: the ``tf-sparse-split`` command line."""
+
+import sys
+
+from tf_sparse_split.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The ``tf-sparse-split`` command line.
+
+Subcommands:
+
+``train``
+    Trains a ReLU MLP (``Dense``-ReLU hidden layers, softmax output) on
+    scikit-learn's embedded 8x8 digits or on MNIST IDX files, with
+    :class:`~tf_sparse_split.layers.SparseSplitDense` layers and the
+    :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` (K.-Y. Peng,
+    "Adaptive runtime exploiting sparsity in tensor of deep learning on
+    heterogeneous systems", NTU 2017), or with plain ``keras.layers.Dense``
+    (``--baseline``), or both in turn from the same initial weights
+    (``--compare``). Prints, per epoch, the time in seconds, loss and
+    accuracy, and each sparse-split layer's input sparsity and threshold;
+    at the end the test accuracy.
+
+Run as ``tf-sparse-split train ...`` or ``python -m tf_sparse_split train ...``.
+:func:`main` returns the exit code (0 success, 1 runtime error such as
+missing data or an unbuilt op library, 2 bad arguments).
+"""
+
+import argparse
+import sys
+import time
+
+__all__ = ["main", "build_parser", "build_mlp"]
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _hidden_sizes(text):
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(
+            "give at least one hidden size, e.g. 512,512")
+    return [_positive_int(p) for p in parts]
+
+
+def _threshold(text):
+    if text.strip().lower() == "auto":
+        return -1.0
+    from tf_sparse_split.layers import validate_threshold
+
+    try:
+        return validate_threshold(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"{e} (or 'auto')") from None
+
+
+def build_parser():
+    """The ``argparse`` parser of the ``tf-sparse-split`` command."""
+    parser = argparse.ArgumentParser(
+        prog="tf-sparse-split",
+        description="Sparse-split matmul for Keras: exploit the zeros of "
+                    "ReLU activations at run time.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    train = sub.add_parser(
+        "train", help="train an MLP with SparseSplitDense layers",
+        description="Train a ReLU MLP with SparseSplitDense layers and the "
+                    "threshold-tuning callback (or plain Dense with "
+                    "--baseline, or both with --compare).")
+    train.add_argument(
+        "--data", metavar="DIR", default=None,
+        help="directory with MNIST IDX files (t10k-images-idx3-ubyte[.gz], "
+             "t10k-labels-idx1-ubyte[.gz], train-* optional); default: "
+             "scikit-learn's embedded 8x8 digits")
+    train.add_argument("--epochs", type=_positive_int, default=5,
+                       help="epochs (default 5)")
+    train.add_argument("--batch-size", type=_positive_int, default=128,
+                       help="batch size (default 128)")
+    train.add_argument("--hidden", type=_hidden_sizes, default=[512, 512],
+                       metavar="N,N,...",
+                       help="hidden layer sizes (default 512,512)")
+    train.add_argument("--lr", type=_positive_float, default=1e-3,
+                       help="Adam learning rate (default 1e-3)")
+    train.add_argument("--seed", type=int, default=0,
+                       help="random seed (default 0)")
+    train.add_argument(
+        "--threshold", type=_threshold, default=-1.0, metavar="T|auto",
+        help="initial split threshold in [0, 1], or 'auto' (default): the "
+             "callback tunes it after each epoch")
+    mode = train.add_mutually_exclusive_group()
+    mode.add_argument("--baseline", action="store_true",
+                      help="use plain keras.layers.Dense instead")
+    mode.add_argument("--compare", action="store_true",
+                      help="train both (same seed) and print a side-by-side "
+                           "summary")
+    train.add_argument("--quiet", action="store_true",
+                       help="no progress bar or per-epoch lines; only the "
+                            "summary")
+    return parser
+
+
+def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0):
+    """An MLP ``input -> [hidden ReLU]* -> softmax``.
+
+    Args:
+      input_dim: features per example.
+      hidden: list of hidden layer widths.
+      num_classes: output classes.
+      sparse: SparseSplitDense layers (True) or keras.layers.Dense (False).
+      threshold: initial threshold of the SparseSplitDense layers.
+
+    Returns:
+      an uncompiled ``keras.Sequential``; layers are named ``hidden_1``, ...,
+      ``output``.
+    """
+    import keras
+
+    from tf_sparse_split.layers import SparseSplitDense
+
+    def dense(units, activation, name):
+        if sparse:
+            return SparseSplitDense(units, activation=activation,
+                                    threshold=threshold, name=name)
+        return keras.layers.Dense(units, activation=activation, name=name)
+
+    layers = [keras.Input((input_dim,))]
+    for i, width in enumerate(hidden):
+        layers.append(dense(width, "relu", f"hidden_{i + 1}"))
+    layers.append(dense(num_classes, "softmax", "output"))
+    return keras.Sequential(layers, name="sparse_mlp" if sparse else "mlp")
+
+
+def _epoch_printer(epochs, layer_names, out):
+    import keras
+
+    class EpochPrinter(keras.callbacks.Callback):
+        """Prints one summary line per epoch plus one per layer."""
+
+        def __init__(self):
+            super().__init__()
+            self.times = []
+            self._start = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            elapsed = time.perf_counter() - self._start
+            self.times.append(elapsed)
+            logs = logs or {}
+            if out is None:
+                return
+            print(f"epoch {epoch + 1}/{epochs}: time {elapsed:.2f} s, "
+                  f"loss {logs.get('loss', float('nan')):.4f}, "
+                  f"accuracy {logs.get('accuracy', float('nan')):.4f}",
+                  file=out, flush=True)
+            for name in layer_names:
+                sp = logs.get(f"{name}/sparsity")
+                th = logs.get(f"{name}/threshold")
+                if sp is None or th is None:
+                    continue
+                th_text = "auto" if th < 0 else f"{th:.4f}"
+                print(f"  {name}: input sparsity {sp:.3f}, threshold "
+                      f"{th_text}", file=out, flush=True)
+
+    return EpochPrinter()
+
+
+def _run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
+    """Trains one model; returns a dict of results."""
+    import keras
+
+    from tf_sparse_split.callbacks import SplitThresholdCallback
+
+    keras.utils.set_random_seed(args.seed)
+    model = build_mlp(x_train.shape[1], args.hidden, num_classes,
+                      sparse=sparse, threshold=args.threshold)
+    model.compile(optimizer=keras.optimizers.Adam(args.lr),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"], jit_compile=False)
+    kind = "sparse-split" if sparse else "baseline"
+    sizes = "-".join(str(s) for s in
+                     [x_train.shape[1], *args.hidden, num_classes])
+    if out is not None:
+        print(f"model: {kind} MLP {sizes} "
+              f"({'SparseSplitDense' if sparse else 'keras.layers.Dense'})",
+              file=out, flush=True)
+    layer_names = [l.name for l in model.layers] if sparse else []
+    printer = _epoch_printer(args.epochs, layer_names,
+                             None if args.quiet else out)
+    callbacks = []
+    split_cb = None
+    if sparse:
+        split_cb = SplitThresholdCallback()
+        callbacks.append(split_cb)
+    if not args.quiet:
+        # Our printer must run after the progress bar finishes its line.
+        callbacks.append(keras.callbacks.ProgbarLogger())
+    callbacks.append(printer)
+    history = model.fit(
+        x_train, y_train, epochs=args.epochs, batch_size=args.batch_size,
+        shuffle=True, callbacks=callbacks, verbose=0 if args.quiet else 1)
+    test_loss, test_acc = model.evaluate(x_test, y_test,
+                                         batch_size=args.batch_size,
+                                         verbose=0)
+    result = {
+        "kind": kind,
+        "epoch_times": list(printer.times),
+        "time_per_epoch": sum(printer.times) / max(len(printer.times), 1),
+        "loss": float(history.history["loss"][-1]),
+        "accuracy": float(history.history["accuracy"][-1]),
+        "test_loss": float(test_loss),
+        "test_accuracy": float(test_acc),
+        "thresholds": ({l.name: l.threshold for l in model.layers}
+                       if sparse else {}),
+    }
+    if out is not None:
+        print(f"{kind}: test accuracy {result['test_accuracy']:.4f}, test "
+              f"loss {result['test_loss']:.4f}, time/epoch "
+              f"{result['time_per_epoch']:.2f} s", file=out, flush=True)
+    return result
+
+
+def _print_compare(sparse_res, base_res, out):
+    rows = [
+        ("time/epoch (s)", "time_per_epoch", "{:.2f}"),
+        ("final loss", "loss", "{:.4f}"),
+        ("final accuracy", "accuracy", "{:.4f}"),
+        ("test accuracy", "test_accuracy", "{:.4f}"),
+    ]
+    print("", file=out)
+    print(f"{'':<18}{'sparse-split':>14}{'baseline':>14}", file=out)
+    for label, key, fmt in rows:
+        print(f"{label:<18}{fmt.format(sparse_res[key]):>14}"
+              f"{fmt.format(base_res[key]):>14}", file=out)
+    if sparse_res["time_per_epoch"] > 0:
+        ratio = base_res["time_per_epoch"] / sparse_res["time_per_epoch"]
+        print(f"speed-up (baseline time / sparse-split time): {ratio:.2f}x",
+              file=out, flush=True)
+
+
+def _cmd_train(args, out):
+    from tf_sparse_split import datasets
+
+    if args.data is None:
+        (x_train, y_train), (x_test, y_test) = datasets.load_digits(
+            seed=args.seed)
+        data_name = "scikit-learn digits (8x8, embedded)"
+    else:
+        (x_train, y_train), (x_test, y_test) = datasets.load_mnist(args.data)
+        data_name = f"MNIST IDX files in {args.data}"
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    print(f"data: {data_name}: {x_train.shape[0]} train / {x_test.shape[0]} "
+          f"test examples, {x_train.shape[1]} features, {num_classes} "
+          f"classes, input sparsity {float((x_train == 0).mean()):.3f}",
+          file=out, flush=True)
+    if args.compare:
+        sparse_res = _run(args, True, x_train, y_train, x_test, y_test,
+                          num_classes, out)
+        base_res = _run(args, False, x_train, y_train, x_test, y_test,
+                        num_classes, out)
+        _print_compare(sparse_res, base_res, out)
+    else:
+        _run(args, not args.baseline, x_train, y_train, x_test, y_test,
+             num_classes, out)
+    return 0
+
+
+def main(argv=None):
+    """Entry point of ``tf-sparse-split``; returns the exit code.
+
+    Args:
+      argv: argument list without the program name (default ``sys.argv[1:]``).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or bad arguments (2)
+        return int(e.code) if isinstance(e.code, int) else 2
+    out = sys.stdout
+    try:
+        if args.command == "train":
+            return _cmd_train(args, out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tf-sparse-split: error: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:  # includes LibraryLoadError
+        print(f"tf-sparse-split: error: {e}", file=sys.stderr)
+        return 1
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
