@@ -1,0 +1,236 @@
+"""Tests of tf_sparse_split.layers.SparseSplitDense (needs the op library)."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparse_split as tfss
+from tf_sparse_split import stats
+from tf_sparse_split.layers import SparseSplitDense
+
+tfss.load_library()  # fail loudly if the op library is not built
+
+
+def _sparse_input(shape, zero_fraction, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[rng.random(shape) < zero_fraction] = 0.0
+    assert np.count_nonzero(x) > 0
+    return x
+
+
+def _twin_dense(layer, input_dim):
+    """A keras.layers.Dense with the same weights as ``layer``."""
+    dense = keras.layers.Dense(layer.units, activation=layer.activation,
+                               use_bias=layer.use_bias, dtype=layer.dtype)
+    dense.build((None, input_dim))
+    dense.set_weights(layer.get_weights()[:-1])  # drop the threshold
+    return dense
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.0, -1.0])
+@pytest.mark.parametrize("shape", [(37, 23), (5, 7, 23), (2, 3, 4, 23)])
+def test_forward_matches_dense(shape, threshold):
+    x = _sparse_input(shape, 0.7, seed=len(shape))
+    layer = SparseSplitDense(13, activation="relu", threshold=threshold)
+    y = layer(x)
+    assert y.shape == shape[:-1] + (13,)
+    ref = _twin_dense(layer, shape[-1])(x)
+    np.testing.assert_allclose(y.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
+    # Against a float64 reference too.
+    w, b, _ = layer.get_weights()
+    ref64 = np.maximum(x.astype(np.float64) @ w.astype(np.float64) + b, 0)
+    np.testing.assert_allclose(y.numpy(), ref64, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_float64_and_no_bias():
+    x = _sparse_input((19, 11), 0.5, seed=3).astype(np.float64)
+    layer = SparseSplitDense(6, use_bias=False, dtype="float64",
+                             threshold=0.25)
+    y = layer(x)
+    assert y.dtype == tf.float64
+    assert len(layer.get_weights()) == 2  # kernel, threshold
+    np.testing.assert_allclose(y.numpy(), x @ layer.get_weights()[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_mixed_precision_computes_in_float32():
+    x = _sparse_input((16, 32), 0.6, seed=4)
+    layer = SparseSplitDense(8, dtype="mixed_float16")
+    y = layer(x)
+    assert y.dtype == tf.float16
+    w, b, _ = layer.get_weights()
+    np.testing.assert_allclose(y.numpy().astype(np.float32), x @ w + b,
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_rank1_input_is_rejected():
+    layer = SparseSplitDense(4)
+    with pytest.raises(ValueError):
+        layer(np.ones((5,), np.float32))
+
+
+def test_weights_and_threshold_variable():
+    layer = SparseSplitDense(5, threshold=0.25)
+    assert layer.threshold == 0.25  # before build
+    layer.build((None, 9))
+    weights = layer.get_weights()
+    assert [w.shape for w in weights] == [(9, 5), (5,), ()]
+    assert float(weights[2]) == 0.25
+    assert layer.threshold_var.trainable is False
+    assert len(layer.trainable_weights) == 2
+    assert len(layer.non_trainable_weights) == 1
+    layer.set_threshold(0.75)
+    assert layer.threshold == 0.75
+    assert float(layer.get_weights()[2]) == 0.75
+    assert layer.supports_jit is False
+
+
+@pytest.mark.parametrize("bad", [1.5, float("nan"), "abc", None, True])
+def test_bad_threshold_raises_value_error(bad):
+    with pytest.raises(ValueError):
+        SparseSplitDense(4, threshold=bad)
+    layer = SparseSplitDense(4)
+    layer.build((None, 3))
+    with pytest.raises(ValueError):
+        layer.set_threshold(bad)
+    assert layer.threshold == -1.0
+
+
+def test_lora_and_quantization_are_refused():
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        SparseSplitDense(4, lora_rank=2)
+    layer = SparseSplitDense(4)
+    layer.build((None, 3))
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        layer.enable_lora(2)
+    with pytest.raises(NotImplementedError, match="quantization"):
+        layer.quantize("int8")
+
+
+def test_config_round_trip():
+    layer = SparseSplitDense(7, activation="relu", threshold=0.375,
+                             name="ssd")
+    config = layer.get_config()
+    assert config["threshold"] == 0.375 and config["units"] == 7
+    assert "lora_rank" not in config
+    clone = SparseSplitDense.from_config(config)
+    assert clone.threshold == 0.375 and clone.units == 7
+    assert clone.name == "ssd"
+    assert keras.saving.get_registered_object(
+        "tf_sparse_split>SparseSplitDense") is SparseSplitDense
+    # After a change, the config carries the current value.
+    layer.build((None, 4))
+    layer.set_threshold(0.5)
+    assert layer.get_config()["threshold"] == 0.5
+
+
+def test_keras_save_load_round_trip(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((20,)),
+        SparseSplitDense(16, activation="relu", threshold=0.25),
+        SparseSplitDense(3, activation="softmax"),
+    ])
+    model.layers[1].set_threshold(0.625)
+    x = _sparse_input((30, 20), 0.8, seed=5)
+    before = model.predict(x, verbose=0)
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.layers[0], SparseSplitDense)
+    assert loaded.layers[0].threshold == 0.25
+    assert loaded.layers[1].threshold == 0.625
+    after = loaded.predict(x, verbose=0)
+    np.testing.assert_array_equal(before, after)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stats_are_readable_and_match_the_input():
+    x = _sparse_input((48, 64), 0.9, seed=6)
+    x[3] = 0.0  # an all-zero row
+    x[:, 5] = 0.0  # an all-zero column
+    layer = SparseSplitDense(10, threshold=1.0)
+    with pytest.raises(RuntimeError):
+        layer.latest_stats()
+    layer(x)
+    s = layer.latest_stats()
+    assert s["nnz"] == np.count_nonzero(x)
+    assert (s["m"], s["k"], s["n"]) == (48, 64, 10)
+    assert s["rows_dense"] == 0 and s["rows_sparse"] == 48
+    assert s["nnz_sparse"] == np.count_nonzero(x)
+    assert s["zero_cols_skipped"] >= 1
+    assert sum(s["histogram"]) == 48
+    assert s["sparsity"] == pytest.approx(1 - np.count_nonzero(x) / x.size)
+    assert s["threshold"] == 1.0
+    assert s["time_sparse"] >= 0.0 and s["time_dense"] >= 0.0
+
+    layer.set_threshold(0.0)
+    layer(x)
+    s = layer.latest_stats()
+    nonzero_rows = int(np.count_nonzero(np.count_nonzero(x, axis=1)))
+    assert s["rows_dense"] == nonzero_rows
+    assert s["rows_dense"] + s["rows_sparse"] == 48
+
+    acc = layer.accumulated_stats()
+    assert acc["calls"] == 2
+    assert acc["nnz"] == 2 * np.count_nonzero(x)
+    assert acc["m"] == 96 and acc["k"] == 64
+    assert acc["threshold"] == pytest.approx(0.5)
+    assert acc["sparsity"] == pytest.approx(s["sparsity"])
+    layer.reset_stats()
+    acc = layer.accumulated_stats()
+    assert acc["calls"] == 0 and acc["nnz"] == 0
+    assert math.isnan(acc["sparsity"])
+    assert layer.latest_stats()["nnz"] == np.count_nonzero(x)  # kept
+
+
+def test_stats_update_under_tf_function_and_are_not_weights():
+    layer = SparseSplitDense(8, threshold=0.5)
+    layer.build((None, 12))
+    n_weights = len(layer.weights)
+
+    @tf.function
+    def f(x):
+        return layer(x)
+
+    x1 = _sparse_input((10, 12), 0.5, seed=7)
+    x2 = _sparse_input((10, 12), 0.9, seed=8)
+    f(x1)
+    assert layer.latest_stats()["nnz"] == np.count_nonzero(x1)
+    f(x2)  # same trace, new values
+    assert layer.latest_stats()["nnz"] == np.count_nonzero(x2)
+    assert layer.accumulated_stats()["calls"] == 2
+    # The threshold variable is read at run time, not frozen in the trace.
+    layer.set_threshold(1.0)
+    f(x2)
+    assert layer.latest_stats()["rows_dense"] == 0
+    assert len(layer.weights) == n_weights == 3
+
+
+def test_training_step_matches_dense():
+    keras.utils.set_random_seed(1)
+    x = _sparse_input((64, 24), 0.75, seed=9)
+    y = np.random.default_rng(9).integers(0, 4, 64)
+
+    def model(layer_cls, **kw):
+        return keras.Sequential([
+            keras.Input((24,)),
+            layer_cls(16, activation="relu", **kw),
+            layer_cls(4, activation="softmax", **kw),
+        ])
+
+    ours = model(SparseSplitDense, threshold=0.5)
+    ref = model(keras.layers.Dense)
+    ref.set_weights([w for w in ours.get_weights() if w.ndim > 0])
+    for m in (ours, ref):
+        m.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy",
+                  jit_compile=False)
+        m.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+    ours_w = [w for w in ours.get_weights() if w.ndim > 0]
+    for a, b in zip(ours_w, ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
