@@ -1,0 +1,96 @@
+"""Tests of the tf-sparse-split command line (in-process; needs the op)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tf_sparse_split as tfss
+from tf_sparse_split import cli
+
+tfss.load_library()  # fail loudly if the op library is not built
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["train", "--epochs", "1", "--hidden", "32,16", "--batch-size", "128"]
+
+
+def _run(capsys, argv):
+    rc = cli.main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_train_sparse_on_digits(capsys):
+    rc, out, _ = _run(capsys, SMALL + ["--epochs", "2"])
+    assert rc == 0
+    assert "data: scikit-learn digits" in out
+    assert "1438 train / 359 test examples, 64 features" in out
+    assert "model: sparse-split MLP 64-32-16-10 (SparseSplitDense)" in out
+    assert re.search(r"epoch 1/2: time \d+\.\d\d s, loss \d\.\d{4}, "
+                     r"accuracy \d\.\d{4}", out)
+    assert "epoch 2/2: time" in out
+    for name in ("hidden_1", "hidden_2", "output"):
+        m = re.search(rf"  {name}: input sparsity (\d\.\d{{3}}), threshold "
+                      r"(\d\.\d{4})", out)
+        assert m, out
+        assert 0.0 < float(m.group(1)) < 1.0
+    m = re.search(r"sparse-split: test accuracy (\d\.\d{4})", out)
+    assert m and float(m.group(1)) > 0.2  # better than chance after 2 epochs
+
+
+def test_train_baseline(capsys):
+    rc, out, _ = _run(capsys, SMALL + ["--baseline", "--quiet"])
+    assert rc == 0
+    assert "model: baseline MLP 64-32-16-10 (keras.layers.Dense)" in out
+    assert "input sparsity" not in out.split("model:")[1]
+    assert "epoch 1/1" not in out  # --quiet
+    assert re.search(r"baseline: test accuracy \d\.\d{4}", out)
+
+
+def test_train_compare(capsys):
+    rc, out, _ = _run(capsys, SMALL + ["--compare", "--threshold", "0.5"])
+    assert rc == 0
+    assert "model: sparse-split MLP" in out and "model: baseline MLP" in out
+    assert re.search(r"\s+sparse-split\s+baseline", out)
+    for label in ("time/epoch (s)", "final loss", "final accuracy",
+                  "test accuracy"):
+        assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d+", out), \
+            label
+    assert re.search(r"speed-up \(baseline time / sparse-split time\): "
+                     r"\d+\.\d\dx", out)
+    # Same seed, same data, same results to float rounding: the final
+    # training losses agree closely.
+    loss = re.search(r"final loss\s+(\d+\.\d+)\s+(\d+\.\d+)", out)
+    assert abs(float(loss.group(1)) - float(loss.group(2))) < 2e-3
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--hidden", "0"], ["train", "--threshold", "2"],
+    ["train", "--epochs", "-1"], ["train", "--baseline", "--compare"],
+    ["nope"], [],
+])
+def test_bad_arguments_exit_2(capsys, argv):
+    rc, _, err = _run(capsys, argv)
+    assert rc == 2
+    assert "usage:" in err
+
+
+def test_missing_data_dir_exits_1(capsys, tmp_path):
+    rc, _, err = _run(capsys, SMALL + ["--data", str(tmp_path / "none")])
+    assert rc == 1
+    assert "MNIST directory not found" in err
+
+
+def test_python_dash_m_help():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run(
+        [sys.executable, "-m", "tf_sparse_split", "train", "--help"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: tf-sparse-split train" in proc.stdout
+    assert "--baseline" in proc.stdout and "--compare" in proc.stdout
