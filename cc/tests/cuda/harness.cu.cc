@@ -1,0 +1,866 @@
+// Standalone test + benchmark for the CUDA kernels of sparse_matmul_cuda.h.
+//
+// Needs only nvcc, a GPU and cuBLAS (no TensorFlow, no PyTorch). Build and run
+// with run_harness.sh beside this file. Method after K.-Y. Peng, "Adaptive
+// runtime exploiting sparsity in tensor of deep learning on heterogeneous
+// systems", NTU 2017.
+//
+// Part 1 (tests): for each shape m x k x n and sparsity, fresh random inputs
+// with real zeros; every kernel is compared with a CPU float64 reference.
+// Structural outputs (counts, CSR, CSC, gathers, untouched rows) must match
+// exactly; numeric outputs must satisfy the normwise relative error
+//     err = max|got - ref| / max|ref|  <= 1e-5 (float), 1e-12 (double)
+// (and be exactly 0 where the reference output is all zero). NaN in the
+// activation must give NaN exactly where the reference does. One PASS/FAIL
+// line per case; the exit status is nonzero if any case fails.
+//
+// Part 2 (benchmark): CSR SpMM, SpMM^T (CSC build included) and SDDMM against
+// the dense cuBLAS SGEMM of the same shape, in the same run, timed with CUDA
+// events (warm-up, median of repeats), plus a device-to-device cudaMemcpy for
+// the achieved bandwidth; printed as a markdown table.
+//
+// Options: --tests-only, --bench-only, --quick (skip the two large shapes).
+// Exit codes: 0 all passed, 1 a test failed or a CUDA error, 77 no CUDA device.
+
+#include "../../kernels/cuda/sparse_matmul_cuda.h"
+
+#include <cuda_runtime.h>
+
+#ifndef TFSS_HARNESS_NO_CUBLAS
+#include <cublas_v2.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace tf_sparse_split {
+namespace harness {
+
+#define HCHECK(expr)                                                             \
+  do {                                                                           \
+    const cudaError_t e_ = (expr);                                               \
+    if (e_ != cudaSuccess) {                                                     \
+      std::fprintf(stderr, "CUDA error %s (%d) at %s:%d: %s\n", cudaGetErrorName(e_), \
+                   static_cast<int>(e_), __FILE__, __LINE__, #expr);            \
+      std::exit(1);                                                              \
+    }                                                                            \
+  } while (0)
+
+#ifndef TFSS_HARNESS_NO_CUBLAS
+#define BCHECK(expr)                                                             \
+  do {                                                                           \
+    const cublasStatus_t s_ = (expr);                                            \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                           \
+      std::fprintf(stderr, "cuBLAS error %d at %s:%d: %s\n", static_cast<int>(s_), \
+                   __FILE__, __LINE__, #expr);                                   \
+      std::exit(1);                                                              \
+    }                                                                            \
+  } while (0)
+#endif
+
+// ---------------------------------------------------------------------------
+// Small utilities.
+
+// Device buffer; size 0 gives a null pointer (the kernels must accept that).
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  DevBuf() = default;
+  explicit DevBuf(size_t count) { Alloc(count); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() {
+    if (p != nullptr) cudaFree(p);
+  }
+  void Alloc(size_t count) {
+    if (p != nullptr) HCHECK(cudaFree(p));
+    p = nullptr;
+    n = count;
+    if (count > 0) HCHECK(cudaMalloc(&p, count * sizeof(T)));
+  }
+  void Upload(const std::vector<T>& h) {
+    Alloc(h.size());
+    if (n > 0) HCHECK(cudaMemcpy(p, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> Download() const {
+    std::vector<T> h(n);
+    if (n > 0) HCHECK(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// Untyped scratch.
+struct DevBytes {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit DevBytes(size_t bytes) : n(bytes) {
+    if (bytes > 0) HCHECK(cudaMalloc(&p, bytes));
+  }
+  DevBytes(const DevBytes&) = delete;
+  DevBytes& operator=(const DevBytes&) = delete;
+  ~DevBytes() {
+    if (p != nullptr) cudaFree(p);
+  }
+};
+
+// splitmix64: fast, reproducible, good enough for test data.
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed) {}
+  uint64_t Next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double Uniform() { return (Next() >> 11) * (1.0 / 9007199254740992.0); }  // [0, 1)
+  // Nonzero value in +-[0.05, 1).
+  double Value() {
+    const double mag = 0.05 + 0.95 * Uniform();
+    return (Next() & 1) ? mag : -mag;
+  }
+};
+
+// Runs fn(begin, end) over [0, total) on all host cores.
+void HostParallelFor(int64_t total, const std::function<void(int64_t, int64_t)>& fn) {
+  if (total <= 0) return;
+  int64_t threads = std::max(1u, std::thread::hardware_concurrency());
+  threads = std::min<int64_t>(threads, total);
+  if (threads == 1) {
+    fn(0, total);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t chunk = (total + threads - 1) / threads;
+  for (int64_t t = 0; t < threads; ++t) {
+    const int64_t b = t * chunk, e = std::min(total, b + chunk);
+    if (b < e) pool.emplace_back(fn, b, e);
+  }
+  for (auto& th : pool) th.join();
+}
+
+template <typename T>
+const char* TypeName();
+template <>
+const char* TypeName<float>() { return "float32"; }
+template <>
+const char* TypeName<double>() { return "float64"; }
+
+template <typename T>
+double Tolerance();
+template <>
+double Tolerance<float>() { return 1e-5; }
+template <>
+double Tolerance<double>() { return 1e-12; }
+
+// Records check outcomes of one case.
+struct CaseLog {
+  bool ok = true;
+  double worst_err = 0.0;
+  std::string failures;
+  void Fail(const std::string& what) {
+    ok = false;
+    failures += "    FAIL " + what + "\n";
+  }
+  void Expect(bool cond, const std::string& what) {
+    if (!cond) Fail(what);
+  }
+};
+
+// Normwise comparison of a numeric output against a float64 reference.
+// Elements where the reference is NaN must be NaN; +-Inf must match exactly.
+template <typename T>
+void CompareNumeric(const std::vector<T>& got, const std::vector<double>& ref, double tol,
+                    const std::string& what, CaseLog* log) {
+  if (got.size() != ref.size()) {
+    log->Fail(what + ": size mismatch");
+    return;
+  }
+  double max_ref = 0.0, max_diff = 0.0;
+  size_t special_bad = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double r = ref[i], g = static_cast<double>(got[i]);
+    if (std::isnan(r) || std::isinf(r)) {
+      const bool same = std::isnan(r) ? std::isnan(g) : (g == r);
+      if (!same) ++special_bad;
+      continue;
+    }
+    if (!std::isfinite(g)) {
+      ++special_bad;
+      continue;
+    }
+    max_ref = std::max(max_ref, std::fabs(r));
+    max_diff = std::max(max_diff, std::fabs(g - r));
+  }
+  char buf[256];
+  if (special_bad != 0) {
+    std::snprintf(buf, sizeof(buf), "%s: %zu NaN/Inf mismatches", what.c_str(), special_bad);
+    log->Fail(buf);
+    return;
+  }
+  if (max_ref == 0.0) {
+    if (max_diff != 0.0) {
+      std::snprintf(buf, sizeof(buf), "%s: reference all zero, got max|x| = %g", what.c_str(),
+                    max_diff);
+      log->Fail(buf);
+    }
+    return;
+  }
+  const double err = max_diff / max_ref;
+  log->worst_err = std::max(log->worst_err, err);
+  if (!(err <= tol)) {
+    std::snprintf(buf, sizeof(buf), "%s: rel err %.3e > %.1e", what.c_str(), err, tol);
+    log->Fail(buf);
+  }
+}
+
+template <typename U>
+bool SameBits(const std::vector<U>& a, const std::vector<U>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(U)) == 0);
+}
+
+// ---------------------------------------------------------------------------
+// CPU float64 references.
+
+template <typename T>
+struct HostCsr {
+  std::vector<int64_t> row_ptr;
+  std::vector<int32_t> col_idx;
+  std::vector<T> values;
+};
+
+// CSR of rows `rows` of the row-major [m, k] matrix a.
+template <typename T>
+HostCsr<T> RefCsr(const std::vector<T>& a, int64_t k, const std::vector<int64_t>& rows) {
+  HostCsr<T> c;
+  c.row_ptr.push_back(0);
+  for (int64_t i : rows) {
+    for (int64_t j = 0; j < k; ++j) {
+      const T v = a[i * k + j];
+      if (v != T(0)) {
+        c.col_idx.push_back(static_cast<int32_t>(j));
+        c.values.push_back(v);
+      }
+    }
+    c.row_ptr.push_back(static_cast<int64_t>(c.col_idx.size()));
+  }
+  return c;
+}
+
+// out[r, :] = sum_j a[rows[r], j] * b[j, :], zeros of a skipped (the
+// documented semantics); b is [k, n].
+template <typename T>
+std::vector<double> RefSpmm(const std::vector<T>& a, const std::vector<T>& b, int64_t k,
+                            int64_t n, const std::vector<int64_t>& rows) {
+  const int64_t R = static_cast<int64_t>(rows.size());
+  std::vector<double> out(static_cast<size_t>(R * n), 0.0);
+  HostParallelFor(R, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      double* o = out.data() + r * n;
+      const int64_t i = rows[r];
+      for (int64_t j = 0; j < k; ++j) {
+        const double v = a[i * k + j];
+        if (v == 0.0) continue;
+        const T* br = b.data() + j * n;
+        for (int64_t c = 0; c < n; ++c) o[c] += v * static_cast<double>(br[c]);
+      }
+    }
+  });
+  return out;
+}
+
+// dW[k, n] = sum_{r} a[rows[r], :]^T dy[rows[r], :], zeros of a skipped.
+template <typename T>
+std::vector<double> RefSpmmT(const std::vector<T>& a, const std::vector<T>& dy, int64_t k,
+                             int64_t n, const std::vector<int64_t>& rows) {
+  std::vector<double> out(static_cast<size_t>(k * n), 0.0);
+  HostParallelFor(k, [&](int64_t j0, int64_t j1) {
+    for (int64_t i : rows) {
+      const T* dyr = dy.data() + i * n;
+      for (int64_t j = j0; j < j1; ++j) {
+        const double v = a[i * k + j];
+        if (v == 0.0) continue;
+        double* o = out.data() + j * n;
+        for (int64_t c = 0; c < n; ++c) o[c] += v * static_cast<double>(dyr[c]);
+      }
+    }
+  });
+  return out;
+}
+
+// out[i, j] = mask[i, j] != 0 ? dot(x[i, :], y[j, :]) : 0.
+template <typename T>
+std::vector<double> RefSddmm(const std::vector<T>& mask, const std::vector<T>& x,
+                             const std::vector<T>& y, int64_t m, int64_t k, int64_t n) {
+  std::vector<double> out(static_cast<size_t>(m * k), 0.0);
+  HostParallelFor(m, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t j = 0; j < k; ++j) {
+        if (mask[i * k + j] == T(0)) continue;
+        double s = 0.0;
+        for (int64_t c = 0; c < n; ++c) {
+          s += static_cast<double>(x[i * n + c]) * static_cast<double>(y[j * n + c]);
+        }
+        out[i * k + j] = s;
+      }
+    }
+  });
+  return out;
+}
+
+template <typename T>
+std::vector<T> Transposed(const std::vector<T>& a, int64_t rows, int64_t cols) {
+  std::vector<T> t(a.size());
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) t[j * rows + i] = a[i * cols + j];
+  return t;
+}
+
+template <typename T>
+std::vector<T> RandomSparse(Rng* rng, int64_t count, double sparsity) {
+  std::vector<T> v(static_cast<size_t>(count));
+  for (auto& x : v) x = rng->Uniform() < sparsity ? T(0) : static_cast<T>(rng->Value());
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// One test case: every kernel at shape m x k x n and one sparsity of A.
+
+template <typename T>
+bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, uint64_t seed) {
+  const double tol = Tolerance<T>();
+  cudaStream_t st;
+  HCHECK(cudaStreamCreate(&st));
+  CaseLog log;
+  Rng rng(seed);
+  std::vector<T> a = RandomSparse<T>(&rng, m * k, sparsity);
+  if (with_nan && m * k > 0) {
+    a[(m / 2) * k + k / 2] = std::numeric_limits<T>::quiet_NaN();
+    if (m * k > 1) a[0] = std::numeric_limits<T>::infinity();
+  }
+  const std::vector<T> b = RandomSparse<T>(&rng, k * n, 0.0);   // weights [k, n]
+  const std::vector<T> dy = RandomSparse<T>(&rng, m * n, 0.0);  // [m, n]
+  const std::vector<T> at = Transposed(a, m, k);                // physical [k, m]
+  const std::vector<T> bt = Transposed(b, k, n);                // physical [n, k]
+
+  DevBuf<T> d_a, d_at, d_b, d_bt, d_dy;
+  d_a.Upload(a);
+  d_at.Upload(at);
+  d_b.Upload(b);
+  d_bt.Upload(bt);
+  d_dy.Upload(dy);
+
+  // Reference counts.
+  std::vector<int64_t> ref_row(m, 0), ref_col(k, 0);
+  int64_t ref_total = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < k; ++j)
+      if (a[i * k + j] != T(0)) ++ref_row[i], ++ref_col[j], ++ref_total;
+
+  std::vector<int64_t> all_rows(m), sub_rows;
+  for (int64_t i = 0; i < m; ++i) all_rows[i] = i;
+  for (int64_t i = m - 1; i >= 0; --i)
+    if (i % 2 == 1) sub_rows.push_back(i);  // odd rows, descending order
+  const int64_t n_sub = static_cast<int64_t>(sub_rows.size());
+  DevBuf<int64_t> d_sub;
+  d_sub.Upload(sub_rows);
+
+  // 1. CountNonzeros, both layouts.
+  DevBuf<int64_t> d_row_nnz(m), d_col_nnz(k), d_total(1);
+  for (int tr = 0; tr < 2; ++tr) {
+    const bool t = tr == 1;
+    HCHECK(CountNonzerosGpu<T>(t ? d_at.p : d_a.p, t ? k : m, t ? m : k, t, d_row_nnz.p,
+                               d_col_nnz.p, d_total.p, st));
+    HCHECK(cudaStreamSynchronize(st));
+    const std::string tag = t ? " (transpose_a)" : "";
+    log.Expect(d_row_nnz.Download() == ref_row, "CountNonzeros row_nnz" + tag);
+    log.Expect(d_col_nnz.Download() == ref_col, "CountNonzeros col_nnz" + tag);
+    log.Expect(d_total.Download()[0] == ref_total, "CountNonzeros total" + tag);
+  }
+
+  // 2. CSR build: all rows and a subset, both layouts; exact.
+  auto build_csr = [&](bool t, const int64_t* rows, int64_t n_rows, DevBuf<int64_t>* ptr,
+                       DevBuf<int32_t>* idx, DevBuf<T>* val) {
+    size_t ws = 0;
+    HCHECK(BuildCsrRowPtrWorkspaceBytes(n_rows, &ws));
+    DevBytes w(ws);
+    ptr->Alloc(static_cast<size_t>(n_rows + 1));
+    HCHECK(BuildCsrRowPtrGpu(d_row_nnz.p, rows, n_rows, ptr->p, w.p, ws, st));
+    int64_t nnz = 0;
+    HCHECK(cudaMemcpyAsync(&nnz, ptr->p + n_rows, sizeof(int64_t), cudaMemcpyDeviceToHost, st));
+    HCHECK(cudaStreamSynchronize(st));
+    idx->Alloc(static_cast<size_t>(nnz));
+    val->Alloc(static_cast<size_t>(nnz));
+    HCHECK(FillCsrGpu<T>(t ? d_at.p : d_a.p, t ? k : m, t ? m : k, t, rows, n_rows, ptr->p,
+                         idx->p, val->p, st));
+    HCHECK(cudaStreamSynchronize(st));
+    return nnz;
+  };
+  const HostCsr<T> ref_csr = RefCsr(a, k, all_rows);
+  const HostCsr<T> ref_sub = RefCsr(a, k, sub_rows);
+  DevBuf<int64_t> d_ptr, d_sptr;
+  DevBuf<int32_t> d_idx, d_sidx;
+  DevBuf<T> d_val, d_sval;
+  int64_t nnz = 0, nnz_sub = 0;
+  for (int tr = 1; tr >= 0; --tr) {  // ends with the row-major build kept
+    const bool t = tr == 1;
+    const std::string tag = t ? " (transpose_a)" : "";
+    // Row nnz of op(a) are layout-independent; recount from this layout.
+    HCHECK(CountNonzerosGpu<T>(t ? d_at.p : d_a.p, t ? k : m, t ? m : k, t, d_row_nnz.p,
+                               d_col_nnz.p, nullptr, st));
+    nnz = build_csr(t, nullptr, m, &d_ptr, &d_idx, &d_val);
+    log.Expect(d_ptr.Download() == ref_csr.row_ptr, "CSR row_ptr" + tag);
+    log.Expect(d_idx.Download() == ref_csr.col_idx, "CSR col_idx" + tag);
+    log.Expect(SameBits(d_val.Download(), ref_csr.values), "CSR values" + tag);
+    nnz_sub = build_csr(t, d_sub.p, n_sub, &d_sptr, &d_sidx, &d_sval);
+    log.Expect(d_sptr.Download() == ref_sub.row_ptr, "CSR(subset) row_ptr" + tag);
+    log.Expect(d_sidx.Download() == ref_sub.col_idx, "CSR(subset) col_idx" + tag);
+    log.Expect(SameBits(d_sval.Download(), ref_sub.values), "CSR(subset) values" + tag);
+  }
+  GpuCsr<T> csr;
+  csr.row_ptr = d_ptr.p;
+  csr.col_idx = d_idx.p;
+  csr.values = d_val.p;
+  csr.n_rows = m;
+  csr.n_cols = k;
+  csr.nnz = nnz;
+  GpuCsr<T> scsr = csr;
+  scsr.row_ptr = d_sptr.p;
+  scsr.col_idx = d_sidx.p;
+  scsr.values = d_sval.p;
+  scsr.n_rows = n_sub;
+  scsr.nnz = nnz_sub;
+
+  const T sentinel = T(7.25);
+  // 3. CSR SpMM: full (vector path when n allows), padded ldc (scalar path),
+  //    subset with untouched rows, determinism.
+  const std::vector<double> ref_c = RefSpmm(a, b, k, n, all_rows);
+  {
+    DevBuf<T> d_c;
+    d_c.Upload(std::vector<T>(static_cast<size_t>(m * n), sentinel));
+    HCHECK(CsrSpmmGpu<T>(csr, nullptr, d_b.p, n, n, d_c.p, n, st));
+    HCHECK(cudaStreamSynchronize(st));
+    const std::vector<T> c1 = d_c.Download();
+    CompareNumeric(c1, ref_c, tol, "CsrSpmm", &log);
+    HCHECK(CsrSpmmGpu<T>(csr, nullptr, d_b.p, n, n, d_c.p, n, st));
+    HCHECK(cudaStreamSynchronize(st));
+    log.Expect(SameBits(d_c.Download(), c1), "CsrSpmm deterministic bits");
+
+    const int64_t ldc = n + 1;
+    DevBuf<T> d_cp;
+    d_cp.Upload(std::vector<T>(static_cast<size_t>(m * ldc), sentinel));
+    HCHECK(CsrSpmmGpu<T>(csr, nullptr, d_b.p, n, n, d_cp.p, ldc, st));
+    HCHECK(cudaStreamSynchronize(st));
+    const std::vector<T> cp = d_cp.Download();
+    std::vector<T> cp_valid(static_cast<size_t>(m * n));
+    bool pad_ok = true;
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) cp_valid[i * n + j] = cp[i * ldc + j];
+      pad_ok = pad_ok && cp[i * ldc + n] == sentinel;
+    }
+    CompareNumeric(cp_valid, ref_c, tol, "CsrSpmm ldc=n+1", &log);
+    log.Expect(pad_ok, "CsrSpmm ldc=n+1 padding untouched");
+
+    DevBuf<T> d_cs;
+    d_cs.Upload(std::vector<T>(static_cast<size_t>(m * n), sentinel));
+    HCHECK(CsrSpmmGpu<T>(scsr, d_sub.p, d_b.p, n, n, d_cs.p, n, st));
+    HCHECK(cudaStreamSynchronize(st));
+    const std::vector<T> cs = d_cs.Download();
+    std::vector<T> cs_rows(static_cast<size_t>(n_sub * n));
+    std::vector<double> ref_rows(static_cast<size_t>(n_sub * n));
+    std::vector<char> in_sub(static_cast<size_t>(m), 0);
+    for (int64_t r = 0; r < n_sub; ++r) {
+      in_sub[sub_rows[r]] = 1;
+      for (int64_t j = 0; j < n; ++j) {
+        cs_rows[r * n + j] = cs[sub_rows[r] * n + j];
+        ref_rows[r * n + j] = ref_c[sub_rows[r] * n + j];
+      }
+    }
+    bool untouched = true;
+    for (int64_t i = 0; i < m; ++i)
+      if (!in_sub[i])
+        for (int64_t j = 0; j < n; ++j) untouched = untouched && cs[i * n + j] == sentinel;
+    CompareNumeric(cs_rows, ref_rows, tol, "CsrSpmm(subset rows)", &log);
+    log.Expect(untouched, "CsrSpmm(subset) other rows untouched");
+  }
+
+  // 4. Column compaction (exact gathers), both layouts of a and of b.
+  {
+    std::vector<int64_t> live;
+    for (int64_t j = 0; j < k; ++j)
+      if (ref_col[j] != 0) live.push_back(j);
+    const int64_t L = static_cast<int64_t>(live.size());
+    std::vector<T> ref_a(static_cast<size_t>(m * L)), ref_b(static_cast<size_t>(L * n));
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = 0; c < L; ++c) ref_a[i * L + c] = a[i * k + live[c]];
+    for (int64_t c = 0; c < L; ++c)
+      for (int64_t j = 0; j < n; ++j) ref_b[c * n + j] = b[live[c] * n + j];
+    DevBuf<int64_t> d_live;
+    d_live.Upload(live);
+    DevBuf<T> d_ao(static_cast<size_t>(m * L)), d_bo(static_cast<size_t>(L * n));
+    for (int ta = 0; ta < 2; ++ta) {
+      const bool t = ta == 1;  // transpose_a and transpose_b together
+      HCHECK(CompactColumnsGpu<T>(t ? d_at.p : d_a.p, t ? k : m, t ? m : k, t,
+                                  t ? d_bt.p : d_b.p, t ? n : k, t ? k : n, t, d_live.p, L,
+                                  d_ao.p, d_bo.p, st));
+      HCHECK(cudaStreamSynchronize(st));
+      const std::string tag = t ? " (transposed inputs)" : "";
+      log.Expect(SameBits(d_ao.Download(), ref_a), "CompactColumns a_out" + tag);
+      log.Expect(SameBits(d_bo.Download(), ref_b), "CompactColumns b_out" + tag);
+    }
+    // GatherSubmatrix with both index lists (subset rows x live columns).
+    DevBuf<T> d_g(static_cast<size_t>(n_sub * L));
+    HCHECK(GatherSubmatrixGpu<T>(d_at.p, k, m, true, d_sub.p, n_sub, d_live.p, L, d_g.p, st));
+    HCHECK(cudaStreamSynchronize(st));
+    std::vector<T> ref_g(static_cast<size_t>(n_sub * L));
+    for (int64_t r = 0; r < n_sub; ++r)
+      for (int64_t c = 0; c < L; ++c) ref_g[r * L + c] = a[sub_rows[r] * k + live[c]];
+    log.Expect(SameBits(d_g.Download(), ref_g), "GatherSubmatrix rows x cols (transpose_a)");
+  }
+
+  // 5. CSR -> CSC (exact, rows ascending within a column).
+  {
+    std::vector<int64_t> ref_cp(static_cast<size_t>(k + 1), 0);
+    std::vector<int32_t> ref_ri;
+    std::vector<T> ref_cv;
+    for (int64_t j = 0; j < k; ++j) {
+      for (int64_t i = 0; i < m; ++i) {
+        if (a[i * k + j] != T(0)) {
+          ref_ri.push_back(static_cast<int32_t>(i));
+          ref_cv.push_back(a[i * k + j]);
+        }
+      }
+      ref_cp[j + 1] = static_cast<int64_t>(ref_ri.size());
+    }
+    size_t ws = 0;
+    HCHECK(CsrToCscWorkspaceBytes(m, k, nnz, &ws));
+    DevBytes w(ws);
+    DevBuf<int64_t> d_cp(static_cast<size_t>(k + 1));
+    DevBuf<int32_t> d_ri(static_cast<size_t>(nnz));
+    DevBuf<T> d_cv(static_cast<size_t>(nnz));
+    HCHECK(CsrToCscGpu<T>(csr, d_cp.p, d_ri.p, d_cv.p, w.p, ws, st));
+    HCHECK(cudaStreamSynchronize(st));
+    log.Expect(d_cp.Download() == ref_cp, "CsrToCsc col_ptr");
+    log.Expect(d_ri.Download() == ref_ri, "CsrToCsc row_idx");
+    log.Expect(SameBits(d_cv.Download(), ref_cv), "CsrToCsc values");
+  }
+
+  // 6. SpMM^T: dW = A^T dY (overwrite), accumulate, subset with dy_rows map,
+  //    determinism.
+  {
+    const std::vector<double> ref_dw = RefSpmmT(a, dy, k, n, all_rows);
+    size_t ws = 0;
+    HCHECK(CsrSpmmTransposeWorkspaceBytes<T>(m, k, nnz, &ws));
+    DevBytes w(ws);
+    DevBuf<T> d_dw;
+    d_dw.Upload(std::vector<T>(static_cast<size_t>(k * n), sentinel));
+    HCHECK(CsrSpmmTransposeGpu<T>(csr, nullptr, d_dy.p, n, n, d_dw.p, n, false, w.p, ws, st));
+    HCHECK(cudaStreamSynchronize(st));
+    const std::vector<T> dw1 = d_dw.Download();
+    CompareNumeric(dw1, ref_dw, tol, "CsrSpmmTranspose", &log);
+    HCHECK(CsrSpmmTransposeGpu<T>(csr, nullptr, d_dy.p, n, n, d_dw.p, n, false, w.p, ws, st));
+    HCHECK(cudaStreamSynchronize(st));
+    log.Expect(SameBits(d_dw.Download(), dw1), "CsrSpmmTranspose deterministic bits");
+
+    const std::vector<T> d0 = RandomSparse<T>(&rng, k * n, 0.0);
+    std::vector<double> ref_acc(ref_dw);
+    for (size_t i = 0; i < ref_acc.size(); ++i) ref_acc[i] += static_cast<double>(d0[i]);
+    d_dw.Upload(d0);
+    HCHECK(CsrSpmmTransposeGpu<T>(csr, nullptr, d_dy.p, n, n, d_dw.p, n, true, w.p, ws, st));
+    HCHECK(cudaStreamSynchronize(st));
+    CompareNumeric(d_dw.Download(), ref_acc, tol, "CsrSpmmTranspose accumulate", &log);
+
+    const std::vector<double> ref_sdw = RefSpmmT(a, dy, k, n, sub_rows);
+    size_t ws2 = 0;
+    HCHECK(CsrSpmmTransposeWorkspaceBytes<T>(n_sub, k, nnz_sub, &ws2));
+    DevBytes w2(ws2);
+    d_dw.Upload(std::vector<T>(static_cast<size_t>(k * n), sentinel));
+    HCHECK(CsrSpmmTransposeGpu<T>(scsr, d_sub.p, d_dy.p, n, n, d_dw.p, n, false, w2.p, ws2,
+                                  st));
+    HCHECK(cudaStreamSynchronize(st));
+    CompareNumeric(d_dw.Download(), ref_sdw, tol, "CsrSpmmTranspose(subset, dy_rows)", &log);
+  }
+
+  // 7. SDDMM: mask = A, x = dY [m, n], y = B [k, n] (the ReLU dX pattern).
+  {
+    const std::vector<double> ref_s = RefSddmm(a, dy, b, m, k, n);
+    DevBuf<T> d_s;
+    d_s.Upload(std::vector<T>(static_cast<size_t>(m * k), sentinel));
+    HCHECK(SddmmGpu<T>(d_a.p, d_dy.p, d_b.p, m, k, n, d_s.p, st));
+    HCHECK(cudaStreamSynchronize(st));
+    const std::vector<T> s1 = d_s.Download();
+    // The mask's NaN/Inf are positions, not values, for SDDMM.
+    CompareNumeric(s1, ref_s, tol, "Sddmm", &log);
+    HCHECK(SddmmGpu<T>(d_a.p, d_dy.p, d_b.p, m, k, n, d_s.p, st));
+    HCHECK(cudaStreamSynchronize(st));
+    log.Expect(SameBits(d_s.Download(), s1), "Sddmm deterministic bits");
+  }
+
+  // 8. ScatterRows / ZeroRows (exact).
+  {
+    const std::vector<T> src = RandomSparse<T>(&rng, n_sub * n, 0.3);
+    DevBuf<T> d_src, d_c;
+    d_src.Upload(src);
+    std::vector<T> expect(static_cast<size_t>(m * n), sentinel);
+    d_c.Upload(expect);
+    HCHECK(ScatterRowsGpu<T>(d_src.p, d_sub.p, n_sub, n, d_c.p, n, st));
+    HCHECK(cudaStreamSynchronize(st));
+    for (int64_t r = 0; r < n_sub; ++r)
+      for (int64_t j = 0; j < n; ++j) expect[sub_rows[r] * n + j] = src[r * n + j];
+    log.Expect(SameBits(d_c.Download(), expect), "ScatterRows");
+    HCHECK(ZeroRowsGpu<T>(d_sub.p, n_sub, n, d_c.p, n, st));
+    HCHECK(cudaStreamSynchronize(st));
+    for (int64_t r = 0; r < n_sub; ++r)
+      for (int64_t j = 0; j < n; ++j) expect[sub_rows[r] * n + j] = T(0);
+    log.Expect(SameBits(d_c.Download(), expect), "ZeroRows");
+  }
+
+  HCHECK(cudaStreamDestroy(st));
+  std::printf("%s %-8s m=%-5lld k=%-5lld n=%-5lld sparsity=%-4.2f%s nnz=%-8lld max rel err %.2e "
+              "(bound %.0e)\n",
+              log.ok ? "PASS" : "FAIL", TypeName<T>(), static_cast<long long>(m),
+              static_cast<long long>(k), static_cast<long long>(n), sparsity,
+              with_nan ? " +NaN/Inf" : "", static_cast<long long>(nnz), log.worst_err, tol);
+  if (!log.ok) std::fputs(log.failures.c_str(), stdout);
+  std::fflush(stdout);
+  return log.ok;
+}
+
+// ---------------------------------------------------------------------------
+// Benchmark.
+
+// Median of `reps` timings of fn (each bracketed by events) after `warmup`.
+float TimeMs(const std::function<void()>& fn, cudaStream_t st, int warmup = 3, int reps = 20) {
+  for (int i = 0; i < warmup; ++i) fn();
+  HCHECK(cudaStreamSynchronize(st));
+  cudaEvent_t e0, e1;
+  HCHECK(cudaEventCreate(&e0));
+  HCHECK(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    HCHECK(cudaEventRecord(e0, st));
+    fn();
+    HCHECK(cudaEventRecord(e1, st));
+    HCHECK(cudaEventSynchronize(e1));
+    float ms = 0.f;
+    HCHECK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms);
+  }
+  HCHECK(cudaEventDestroy(e0));
+  HCHECK(cudaEventDestroy(e1));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Device-to-device copy bandwidth, counting read + write bytes.
+double MemcpyGBs(cudaStream_t st) {
+  const size_t bytes = size_t{256} << 20;
+  DevBytes src(bytes), dst(bytes);
+  HCHECK(cudaMemsetAsync(src.p, 1, bytes, st));
+  const float ms = TimeMs(
+      [&] { HCHECK(cudaMemcpyAsync(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice, st)); }, st);
+  return 2.0 * bytes / (ms * 1e-3) / 1e9;
+}
+
+void Bench(bool quick) {
+  cudaStream_t st;
+  HCHECK(cudaStreamCreate(&st));
+  const double copy_gbs = MemcpyGBs(st);
+#ifndef TFSS_HARNESS_NO_CUBLAS
+  cublasHandle_t h;
+  BCHECK(cublasCreate(&h));
+  BCHECK(cublasSetStream(h, st));
+  BCHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));  // full FP32, no TF32
+#endif
+  std::printf("\n## Benchmark (float32; median of 20 after 3 warm-up; CUDA events)\n\n");
+  std::printf("ratio = cuBLAS ms / ours ms (> 1: ours faster). GB/s = compulsory bytes "
+              "(sparse operand + dense operand read once + output written) / time; memcpy GB/s "
+              "= device-to-device copy, read + write bytes. SpMM^T includes the CSC build "
+              "(per-call cost in a backward pass); 'prep ms' is the CSR build (count + row_ptr "
+              "+ fill) for SpMM, the CSC build alone for SpMM^T. cuBLAS: SGEMM, FP32 math "
+              "(no TF32).\n\n");
+  std::printf("| shape m x k x n | sparsity | op | cuBLAS ms | ours ms | ratio | prep ms | "
+              "ours GB/s | memcpy GB/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  struct Shape {
+    int64_t m, k, n;
+  };
+  std::vector<Shape> shapes = {{256, 1024, 1024}, {1024, 4096, 1024}};
+  if (quick) shapes = {{256, 1024, 1024}};
+  const double sparsities[] = {0.0, 0.5, 0.9, 0.99, 1.0};
+  for (const Shape& s : shapes) {
+    const int64_t m = s.m, k = s.k, n = s.n;
+    for (double sp : sparsities) {
+      Rng rng(0x5eed ^ static_cast<uint64_t>(m * 131 + k * 7 + n) ^
+              static_cast<uint64_t>(sp * 1000));
+      DevBuf<float> d_a, d_b, d_dy, d_c(static_cast<size_t>(m * n)),
+          d_dw(static_cast<size_t>(k * n)), d_s(static_cast<size_t>(m * k));
+      d_a.Upload(RandomSparse<float>(&rng, m * k, sp));
+      d_b.Upload(RandomSparse<float>(&rng, k * n, 0.0));
+      d_dy.Upload(RandomSparse<float>(&rng, m * n, 0.0));
+      // CSR build with buffers sized for the worst case (no host round trip).
+      DevBuf<int64_t> d_rn(static_cast<size_t>(m)), d_cn(static_cast<size_t>(k)),
+          d_ptr(static_cast<size_t>(m + 1));
+      DevBuf<int32_t> d_idx(static_cast<size_t>(m * k));
+      DevBuf<float> d_val(static_cast<size_t>(m * k));
+      size_t ws = 0;
+      HCHECK(BuildCsrRowPtrWorkspaceBytes(m, &ws));
+      DevBytes w(ws);
+      auto build = [&] {
+        HCHECK(CountNonzerosGpu<float>(d_a.p, m, k, false, d_rn.p, d_cn.p, nullptr, st));
+        HCHECK(BuildCsrRowPtrGpu(d_rn.p, nullptr, m, d_ptr.p, w.p, ws, st));
+        HCHECK(FillCsrGpu<float>(d_a.p, m, k, false, nullptr, m, d_ptr.p, d_idx.p, d_val.p, st));
+      };
+      const float build_ms = TimeMs(build, st);
+      int64_t nnz = 0;
+      HCHECK(cudaMemcpy(&nnz, d_ptr.p + m, sizeof(int64_t), cudaMemcpyDeviceToHost));
+      GpuCsr<float> csr;
+      csr.row_ptr = d_ptr.p;
+      csr.col_idx = d_idx.p;
+      csr.values = d_val.p;
+      csr.n_rows = m;
+      csr.n_cols = k;
+      csr.nnz = nnz;
+
+      const float one = 1.f, zero = 0.f;
+      float gemm_ms = NAN, gemm_t_ms = NAN, gemm_s_ms = NAN;
+#ifndef TFSS_HARNESS_NO_CUBLAS
+      // Row-major C[m,n] = A[m,k] B[k,n]  <=>  column-major C^T = B^T A^T.
+      gemm_ms = TimeMs([&] {
+        BCHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, &one, d_b.p, n, d_a.p, k, &zero,
+                           d_c.p, n));
+      }, st);
+      // dW[k,n] = A^T dY.
+      gemm_t_ms = TimeMs([&] {
+        BCHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, n, k, m, &one, d_dy.p, n, d_a.p, k,
+                           &zero, d_dw.p, n));
+      }, st);
+      // S[m,k] = dY[m,n] B[k,n]^T (dense equivalent of the SDDMM).
+      gemm_s_ms = TimeMs([&] {
+        BCHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, k, m, n, &one, d_b.p, n, d_dy.p, n,
+                           &zero, d_s.p, k));
+      }, st);
+#else
+      (void)one;
+      (void)zero;
+#endif
+      const float spmm_ms =
+          TimeMs([&] { HCHECK(CsrSpmmGpu<float>(csr, nullptr, d_b.p, n, n, d_c.p, n, st)); }, st);
+
+      size_t wst = 0;
+      HCHECK(CsrSpmmTransposeWorkspaceBytes<float>(m, k, nnz, &wst));
+      DevBytes wt(wst);
+      const float spmmt_ms = TimeMs([&] {
+        HCHECK(CsrSpmmTransposeGpu<float>(csr, nullptr, d_dy.p, n, n, d_dw.p, n, false, wt.p, wst,
+                                          st));
+      }, st);
+      size_t wsc = 0;
+      HCHECK(CsrToCscWorkspaceBytes(m, k, nnz, &wsc));
+      DevBytes wc(wsc);
+      DevBuf<int64_t> d_cp(static_cast<size_t>(k + 1));
+      DevBuf<int32_t> d_ri(static_cast<size_t>(nnz));
+      DevBuf<float> d_cv(static_cast<size_t>(nnz));
+      const float csc_ms = TimeMs([&] {
+        HCHECK(CsrToCscGpu<float>(csr, d_cp.p, d_ri.p, d_cv.p, wc.p, wsc, st));
+      }, st);
+      const float sddmm_ms =
+          TimeMs([&] { HCHECK(SddmmGpu<float>(d_a.p, d_dy.p, d_b.p, m, k, n, d_s.p, st)); }, st);
+
+      const double f = sizeof(float);
+      const double csr_bytes = nnz * (4.0 + f) + (m + 1) * 8.0;
+      const double spmm_bytes = csr_bytes + k * n * f + m * n * f;
+      const double spmmt_bytes = csr_bytes + m * n * f + k * n * f;
+      const double sddmm_bytes = m * k * f + m * n * f + k * n * f + m * k * f;
+      char shape[64];
+      std::snprintf(shape, sizeof(shape), "%lldx%lldx%lld", static_cast<long long>(m),
+                    static_cast<long long>(k), static_cast<long long>(n));
+      auto row = [&](const char* op, float base, float ours, float prep, double bytes) {
+        std::printf("| %s | %.2f | %s | %.4f | %.4f | %.2f | %.4f | %.1f | %.1f |\n", shape, sp,
+                    op, base, ours, base / ours, prep, bytes / (ours * 1e-3) / 1e9, copy_gbs);
+      };
+      row("SpMM C=A*B", gemm_ms, spmm_ms, build_ms, spmm_bytes);
+      row("SpMM^T dW=A^T*dY", gemm_t_ms, spmmt_ms, csc_ms, spmmt_bytes);
+      row("SDDMM (dY*B^T)[A!=0]", gemm_s_ms, sddmm_ms, 0.f, sddmm_bytes);
+      std::fflush(stdout);
+    }
+  }
+#ifndef TFSS_HARNESS_NO_CUBLAS
+  BCHECK(cublasDestroy(h));
+#else
+  std::printf("\n(built without cuBLAS: TFSS_HARNESS_NO_CUBLAS; the cuBLAS column is nan)\n");
+#endif
+  HCHECK(cudaStreamDestroy(st));
+}
+
+int Main(int argc, char** argv) {
+  bool tests = true, bench = true, quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--tests-only") {
+      bench = false;
+    } else if (arg == "--bench-only") {
+      tests = false;
+    } else if (arg == "--quick") {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--tests-only|--bench-only] [--quick]\n", argv[0]);
+      return 2;
+    }
+  }
+  int devices = 0;
+  const cudaError_t e = cudaGetDeviceCount(&devices);
+  if (e != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device (%s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    return 77;
+  }
+  cudaDeviceProp prop;
+  HCHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device 0: %s, sm_%d%d, %d SMs, %.1f GiB\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0);
+
+  int failed = 0, passed = 0;
+  if (tests) {
+    std::printf("\n## Tests: every kernel vs a CPU float64 reference; normwise relative error "
+                "max|got-ref|/max|ref| <= 1e-5 (float32), <= 1e-12 (float64); structural "
+                "outputs exact\n\n");
+    struct Shape {
+      int64_t m, k, n;
+    };
+    std::vector<Shape> small = {{0, 0, 0}, {0, 5, 3}, {4, 0, 3}, {4, 5, 0},
+                                {1, 1, 1}, {7, 13, 5}, {1000, 3, 17}, {33, 70, 129}};
+    std::vector<Shape> large = {{256, 1024, 1024}, {1024, 4096, 1024}};
+    if (quick) large.clear();
+    const double sparsities[] = {0.0, 0.5, 0.9, 0.99, 1.0};
+    uint64_t seed = 1;
+    auto tally = [&](bool ok) { ok ? ++passed : ++failed; };
+    for (const Shape& s : small) {
+      for (double sp : sparsities) {
+        tally(RunCase<float>(s.m, s.k, s.n, sp, false, seed++));
+        tally(RunCase<double>(s.m, s.k, s.n, sp, false, seed++));
+      }
+    }
+    tally(RunCase<float>(7, 13, 5, 0.5, true, seed++));
+    tally(RunCase<double>(33, 70, 129, 0.5, true, seed++));
+    for (const Shape& s : large)
+      for (double sp : sparsities) tally(RunCase<float>(s.m, s.k, s.n, sp, false, seed++));
+    std::printf("\n%d passed, %d failed\n", passed, failed);
+  }
+  if (bench) Bench(quick);
+  return failed == 0 ? 0 : 1;
+}
+
+}  // namespace harness
+}  // namespace tf_sparse_split
+
+int main(int argc, char** argv) { return tf_sparse_split::harness::Main(argc, argv); }
