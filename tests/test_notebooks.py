@@ -1,0 +1,46 @@
+"""The quick-start notebook is valid nbformat 4 and its code runs."""
+
+import json
+from pathlib import Path
+
+import tf_sparse_split as tfss
+
+tfss.load_library()  # the notebook needs the op library
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / \
+    "01_quickstart.ipynb"
+
+
+def _load():
+    with open(NOTEBOOK, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_notebook_is_nbformat_4():
+    nb = _load()
+    assert nb["nbformat"] == 4 and nb["nbformat_minor"] >= 4
+    assert nb["metadata"]["kernelspec"]["language"] == "python"
+    ids = [c["id"] for c in nb["cells"]]
+    assert len(set(ids)) == len(ids)
+    for cell in nb["cells"]:
+        assert cell["cell_type"] in ("markdown", "code")
+        assert isinstance(cell["source"], list) and cell["source"]
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None
+    text = "".join("".join(c["source"]) for c in nb["cells"])
+    for needle in ("SparseSplitDense", "SplitThresholdCallback",
+                   "latest_stats", "load_digits"):
+        assert needle in text
+
+
+def test_notebook_code_runs(capsys):
+    nb = _load()
+    namespace = {"__name__": "__notebook__"}
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            exec(compile("".join(cell["source"]), str(NOTEBOOK), "exec"),
+                 namespace)
+    out = capsys.readouterr().out
+    assert "reloaded identical: True" in out
+    assert namespace["diff"] < 1e-5
+    assert len(namespace["callback"].history) == namespace["EPOCHS"]
