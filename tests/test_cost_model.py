@@ -161,3 +161,17 @@ def test_bad_samples_and_sizes_raise():
 def test_candidates_are_bin_edges():
     c = candidate_thresholds()
     assert c[0] == 0.0 and c[-1] == 1.0 and len(c) == stats.DENSITY_BINS + 1
+
+
+def test_narrow_work_spread_fits_through_origin():
+    # Work within 10% of each other, times noisy: a free slope would come
+    # from the noise, so the model fits the rate alone.
+    cm = CostModel()
+    works = np.array([2.60e6, 2.52e6, 2.66e6, 2.68e6])
+    times = np.array([1.29e-3, 1.26e-3, 1.15e-3, 1.40e-3])
+    for w, t in zip(works, times):
+        cm.add_sample(SPARSE, w, t)
+    cm.fit()
+    assert cm.overhead(SPARSE) == 0.0
+    assert cm.rate(SPARSE) == pytest.approx(
+        np.dot(works, works) / np.dot(works, times))

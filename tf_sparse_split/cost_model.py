@@ -19,7 +19,8 @@ with ``time`` in seconds, ``work`` in floating-point operations (flop) and
 
 The two parameters are fitted by least squares (numpy) with both kept
 nonnegative: a negative coefficient is clipped to zero and the other one
-refitted. A path that did no work in a call (``work == 0``) is not a sample
+refitted. When the samples' work values span less than a factor of two the
+overhead cannot be told from the rate, and the line goes through the origin. A path that did no work in a call (``work == 0``) is not a sample
 for that path: the op spends nothing there, and the model predicts 0 s for
 zero work. Nothing is hard-coded about the break-even point; it follows from
 the two measured rates (see DESIGN.md, "Performance notes").
@@ -63,17 +64,27 @@ class PathFit:
         return np.where(work > 0, t, 0.0)
 
 
+# Below this spread of the work values, (max - min) / max, a path is fitted
+# through the origin (rate only): a call's work hardly varies within one
+# layer unless its threshold changes, and a two-parameter fit to nearly
+# equal abscissae would take its slope from timing noise.
+_MIN_RELATIVE_SPREAD = 0.5
+
+
 def _fit_line(work, time):
     """Nonnegative least-squares fit of time = c0 + c1 * work.
 
     Returns (c0, c1) with both >= 0: solve the unconstrained problem; if a
     coefficient comes out negative, set it to zero and refit the other alone.
+    With too little spread in ``work`` (see _MIN_RELATIVE_SPREAD) it fits
+    c1 alone (c0 = 0).
     """
     w = np.asarray(work, dtype=np.float64)
     t = np.asarray(time, dtype=np.float64)
-    if w.size == 1 or np.ptp(w) <= 1e-12 * max(abs(w).max(), 1.0):
-        # No spread in work: the overhead cannot be told apart from the rate,
-        # so attribute all time to the work (line through the origin).
+    if w.size == 1 or np.ptp(w) < _MIN_RELATIVE_SPREAD * w.max():
+        # Too little spread in work: the overhead cannot be told apart from
+        # the rate (timing noise would decide the slope), so attribute all
+        # time to the work (line through the origin).
         c0, c1 = 0.0, float(np.dot(w, t) / np.dot(w, w))
     else:
         design = np.stack([np.ones_like(w), w], axis=1)
