@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# CUDA compile check (no GPU needed): compiles every cc/**/*.cu.cc with nvcc
+# (-x cu -c) for Hopper SASS (-gencode arch=compute_90,code=sm_90) and a
+# portable PTX target (-gencode arch=compute_80,code=compute_80), checks that
+# each object is not empty (the GOOGLE_CUDA/__CUDACC__ guard must not hide
+# the code from nvcc), that the kernels file and its header are harmless to a
+# plain C++ compiler, and links the standalone harness, all in a temporary
+# directory. Exits nonzero if anything fails; where no nvcc exists it prints
+# 'CUDA compile check skipped: nvcc not found' and exits 0.
+# About 1 minute on a 2-core machine.
+set -uo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=../cc/tests/cuda/find_cuda.sh
+source "${root}/cc/tests/cuda/find_cuda.sh"
+
+if ! tfss_find_nvcc; then
+  echo "CUDA compile check skipped: nvcc not found"
+  exit 0
+fi
+
+start=${SECONDS}
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/tfss_cuda_check.XXXXXX")"
+trap 'rm -rf "${tmp}"' EXIT
+echo "nvcc: ${TFSS_NVCC} ($("${TFSS_NVCC}" --version | grep -o 'release [0-9.]*' | head -n 1))"
+
+mapfile -t srcs < <(cd "${root}" && find cc -name '*.cu.cc' -type f | LC_ALL=C sort)
+if [[ ${#srcs[@]} == 0 ]]; then
+  echo "CUDA compile check FAILED: no cc/**/*.cu.cc files found"
+  exit 1
+fi
+
+if tfss_find_cublas "${tmp}"; then
+  echo "cuBLAS: ${TFSS_CUBLAS_WHERE}"
+  harness_defs=()
+else
+  echo "note: cuBLAS not found (set CUBLAS_ROOT); the harness is compiled and linked with" \
+       "-DTFSS_HARNESS_NO_CUBLAS (its cuBLAS baseline code is not checked)"
+  harness_defs=(-DTFSS_HARNESS_NO_CUBLAS)
+fi
+
+gencode=(-gencode arch=compute_90,code=sm_90 -gencode arch=compute_80,code=compute_80)
+jobs="$(nproc 2>/dev/null || echo 2)"
+failed=0
+declare -a objs=()
+
+# One nvcc per file (both targets in one object); up to $jobs files at once.
+compile() {  # $1 = source relative to root, $2 = object
+  local extra=()
+  [[ "$1" == cc/tests/cuda/* ]] && extra=("${TFSS_CUBLAS_CFLAGS[@]}" "${harness_defs[@]}")
+  local cmd=("${TFSS_NVCC}" -std=c++17 -O3 "${gencode[@]}" "${extra[@]}" -I"${root}"
+             -x cu -c "${root}/$1" -o "$2")
+  echo "+ ${cmd[*]}"
+  if ! "${cmd[@]}" > "$2.log" 2>&1; then
+    echo "FAILED: $1"
+    cat "$2.log"
+    return 1
+  fi
+  [[ -s "$2.log" ]] && cat "$2.log"  # warnings
+  # (grep without -q: an early exit would SIGPIPE nm and fail under pipefail)
+  if ! nm --defined-only "$2" 2>/dev/null | grep ' [TW] ' >/dev/null; then
+    echo "FAILED: $1 compiled to an object with no code (guard hid it from nvcc?)"
+    return 1
+  fi
+  return 0
+}
+
+declare -a pids=()
+declare -A pid_src=()
+for src in "${srcs[@]}"; do
+  obj="${tmp}/$(echo "${src}" | tr '/' '_').o"
+  objs+=("${obj}")
+  compile "${src}" "${obj}" &
+  pids+=($!)
+  pid_src[$!]="${src}"
+  while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || true; done
+done
+for pid in "${pids[@]}"; do
+  if ! wait "${pid}"; then failed=1; fi
+done
+
+# A plain C++ compiler must see the kernels file as an empty unit and accept
+# the header (it only needs the CUDA runtime headers).
+if command -v g++ >/dev/null 2>&1; then
+  # nvcc's own include directory, as its driver reports it.
+  cuda_inc="$("${TFSS_NVCC}" --dryrun -x cu -c /dev/null 2>&1 |
+              sed -n 's/.*INCLUDES="-I\([^" ]*\).*/\1/p' | head -n 1)"
+  for src in "${srcs[@]}"; do
+    [[ "${src}" == cc/kernels/* ]] || continue
+    if ! g++ -std=c++17 -fsyntax-only -x c++ "${root}/${src}"; then
+      echo "FAILED: g++ does not accept ${src} as an (empty) C++ unit"; failed=1
+    fi
+  done
+  for hdr in "${root}"/cc/kernels/cuda/*.h; do
+    if ! g++ -std=c++17 -fsyntax-only -I"${cuda_inc}" -x c++ "${hdr}"; then
+      echo "FAILED: g++ cannot compile ${hdr#"${root}"/} as plain C++"; failed=1
+    fi
+  done
+fi
+
+# Link the harness from the objects just built (both targets embedded).
+if [[ ${failed} == 0 ]]; then
+  link=("${TFSS_NVCC}" "${gencode[@]}" "${tmp}/cc_tests_cuda_harness.cu.cc.o"
+        "${tmp}/cc_kernels_cuda_sparse_matmul.cu.cc.o" -o "${tmp}/tfss_cuda_harness"
+        "${TFSS_CUBLAS_LDFLAGS[@]}")
+  echo "+ ${link[*]}"
+  if ! "${link[@]}"; then
+    echo "FAILED: linking the harness"; failed=1
+  fi
+fi
+
+elapsed=$((SECONDS - start))
+if [[ ${failed} != 0 ]]; then
+  echo "CUDA compile check FAILED (${elapsed} s)"
+  exit 1
+fi
+echo "CUDA compile check passed: ${#srcs[@]} file(s) for sm_90 + compute_80 PTX, harness" \
+     "linked (${elapsed} s)"
+exit 0
