@@ -255,8 +255,7 @@ def _cmd_train(args, out):
     from tf_sparse_split import datasets
 
     if args.data is None:
-        (x_train, y_train), (x_test, y_test) = datasets.load_digits(
-            seed=args.seed)
+        (x_train, y_train), (x_test, y_test) = datasets.load_digits()  # fixed split
         data_name = "scikit-learn digits (8x8, embedded)"
     else:
         (x_train, y_train), (x_test, y_test) = datasets.load_mnist(args.data)
