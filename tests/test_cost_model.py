@@ -175,3 +175,31 @@ def test_narrow_work_spread_fits_through_origin():
     assert cm.overhead(SPARSE) == 0.0
     assert cm.rate(SPARSE) == pytest.approx(
         np.dot(works, works) / np.dot(works, times))
+
+
+from hypothesis import given, settings, strategies as st
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dense_rate=st.floats(1e8, 1e12), sparse_rate=st.floats(1e8, 1e12),
+    dense_overhead=st.floats(0.0, 1e-3), sparse_overhead=st.floats(0.0, 1e-3),
+    hist=st.lists(st.integers(0, 200), min_size=stats.DENSITY_BINS,
+                  max_size=stats.DENSITY_BINS).filter(lambda h: sum(h) > 0),
+    k=st.integers(1, 4096), n=st.integers(1, 4096), dead=st.floats(0, 1),
+)
+def test_best_threshold_is_the_argmin_of_predicted_time(
+        dense_rate, sparse_rate, dense_overhead, sparse_overhead, hist, k, n,
+        dead):
+    cm = CostModel()
+    _fill(cm, DENSE, dense_overhead, dense_rate, [1e6, 1e7, 1e8])
+    _fill(cm, SPARSE, sparse_overhead, sparse_rate, [1e6, 1e7, 1e8])
+    cm.fit()
+    m = sum(hist)
+    k_live = int(round(k * (1 - dead)))
+    best = cm.best_threshold(hist, m, k, k_live, n)
+    times = [cm.predicted_time(hist, m, k, k_live, n, t)
+             for t in candidate_thresholds()]
+    assert best in candidate_thresholds()
+    assert cm.predicted_time(hist, m, k, k_live, n, best) <= min(times) * (
+        1 + 1e-12) + 1e-18

@@ -234,3 +234,11 @@ def test_training_step_matches_dense():
     ours_w = [w for w in ours.get_weights() if w.ndim > 0]
     for a, b in zip(ours_w, ref.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_other_keras_backend_is_refused(monkeypatch):
+    # Only the TensorFlow backend can run the op; the check reads
+    # keras.backend.backend() when a layer is made.
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(RuntimeError, match="TensorFlow backend.*'jax'"):
+        SparseSplitDense(3)
