@@ -98,7 +98,7 @@ constexpr int kCountRowsPerWarp = 16;
 constexpr int kCountRowsPerBlock = kCountWarps * kCountRowsPerWarp;
 
 template <typename T>
-__global__ void __launch_bounds__(kWarp * kCountWarps)
+__global__ void __launch_bounds__(kWarp * kCountWarps, 2)
     CountNonzerosKernel(const T* __restrict__ a, int64_t P, int64_t Q,
                         unsigned long long* __restrict__ phys_row_nnz,
                         unsigned long long* __restrict__ phys_col_nnz,
@@ -325,7 +325,7 @@ __global__ void ScatterRowsKernel(const T* __restrict__ src,
 constexpr int kSpmmWarps = 4;
 
 template <typename T, typename IndexT, int V, bool kAccumulate>
-__global__ void __launch_bounds__(kWarp * kSpmmWarps)
+__global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
     CompressedTimesDenseKernel(const int64_t* __restrict__ ptr,
                                const IndexT* __restrict__ idx,
                                const T* __restrict__ val, int64_t n_rows,
@@ -661,7 +661,8 @@ cudaError_t BuildCsrRowPtrGpu(const int64_t* row_nnz, const int64_t* rows, int64
   GatherRowCountsKernel<<<GridX(CeilDiv(n_rows + 1, 256)), 256, 0, stream>>>(row_nnz, rows,
                                                                            n_rows, counts);
   TFSS_RETURN_LAUNCH_ERROR();
-  return cub::DeviceScan::ExclusiveSum(cub_temp, cub_bytes, counts, row_ptr, n_rows + 1,
+  return cub::DeviceScan::ExclusiveSum(cub_temp, cub_bytes, static_cast<const int64_t*>(counts),
+                                       row_ptr, n_rows + 1,
                                        stream);
 }
 
