@@ -532,8 +532,13 @@ cudaError_t LayoutCscScratch(void* base, int64_t n_cols, int64_t nnz, CscScratch
 // SDDMM.
 constexpr int kSddmmWarps = 8;
 
-// n > 32: the warp computes each live dot together.
-template <typename T, int V>
+// n > 32: the warp computes each live dot together. Lane l accumulates the
+// groups of G = 16 / sizeof(T) elements starting at G * l, G * (l + 32), ...
+// in order, then a fixed butterfly sums the lanes. kVecLoad only selects
+// 16-byte loads (when n % G == 0 and x, y are 16-byte aligned); the order of
+// the sum is the same either way, so the bits depend on n alone, not on the
+// alignment of the buffers.
+template <typename T, bool kVecLoad>
 __global__ void __launch_bounds__(kWarp * kSddmmWarps)
     SddmmWarpDotKernel(const T* __restrict__ mask, const T* __restrict__ x,
                        const T* __restrict__ y, int64_t m, int64_t k, int64_t n,
@@ -556,12 +561,20 @@ __global__ void __launch_bounds__(kWarp * kSddmmWarps)
       bal &= bal - 1u;
       const T* yj = y + (j0 + src) * n;
       T part = T(0);
-      for (int64_t t = static_cast<int64_t>(lane) * V; t < n; t += static_cast<int64_t>(kWarp) * V) {
-        T xv[V], yv[V];
-        LoadRO(xi + t, xv);
-        LoadRO(yj + t, yv);
+      constexpr int G = kVec16<T>;
+      for (int64_t t = static_cast<int64_t>(lane) * G; t < n; t += static_cast<int64_t>(kWarp) * G) {
+        if (kVecLoad) {
+          T xv[G], yv[G];
+          LoadRO(xi + t, xv);
+          LoadRO(yj + t, yv);
 #pragma unroll
-        for (int v = 0; v < V; ++v) part = fma(xv[v], yv[v], part);
+          for (int v = 0; v < G; ++v) part = fma(xv[v], yv[v], part);
+        } else {
+#pragma unroll
+          for (int v = 0; v < G; ++v) {
+            if (t + v < n) part = fma(__ldg(xi + t + v), __ldg(yj + t + v), part);
+          }
+        }
       }
 #pragma unroll
       for (int off = kWarp / 2; off > 0; off >>= 1) {
@@ -884,13 +897,13 @@ cudaError_t SddmmGpu(const T* mask, const T* x, const T* y, int64_t m, int64_t k
   const int64_t n_tiles = m * CeilDiv(k, kWarp);
   const unsigned grid = GridX(CeilDiv(n_tiles, kSddmmWarps));
   const unsigned block = kWarp * kSddmmWarps;
-  constexpr int V = kVec16<T>;
-  if (n <= kWarp) {
+  constexpr int G = kVec16<T>;
+  if (n <= kWarp) {  // the kernel (and so the summation order) depends on n only
     SddmmLaneDotKernel<T><<<grid, block, 0, stream>>>(mask, x, y, m, k, n, out);
-  } else if (n % V == 0 && Aligned16(x) && Aligned16(y)) {
-    SddmmWarpDotKernel<T, V><<<grid, block, 0, stream>>>(mask, x, y, m, k, n, out);
+  } else if (n % G == 0 && Aligned16(x) && Aligned16(y)) {
+    SddmmWarpDotKernel<T, true><<<grid, block, 0, stream>>>(mask, x, y, m, k, n, out);
   } else {
-    SddmmWarpDotKernel<T, 1><<<grid, block, 0, stream>>>(mask, x, y, m, k, n, out);
+    SddmmWarpDotKernel<T, false><<<grid, block, 0, stream>>>(mask, x, y, m, k, n, out);
   }
   TFSS_RETURN_LAUNCH_ERROR();
   return cudaSuccess;

@@ -31,7 +31,9 @@
 //  * Deterministic: every output element is accumulated by one thread in a
 //    fixed order (ascending k for SpMM, ascending CSR row for SpMM^T, a fixed
 //    lane-strided order plus a fixed butterfly tree for SDDMM), so the same
-//    inputs give the same bits on every run. Integer counts use atomics,
+//    inputs give the same bits on every run. The order depends on the sizes
+//    only: not on pointer alignment (which picks 16-byte or scalar loads),
+//    leading dimensions or launch geometry. Integer counts use atomics,
 //    which are exact and order-independent.
 //  * Empty problems (any size 0) are valid: outputs are written as the
 //    definitions say (e.g. zeros) and no zero-size grid is ever launched.

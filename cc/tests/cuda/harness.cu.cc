@@ -456,6 +456,14 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     HCHECK(CsrSpmmGpu<T>(csr, nullptr, d_b.p, n, n, d_c.p, n, st));
     HCHECK(cudaStreamSynchronize(st));
     log.Expect(SameBits(d_c.Download(), c1), "CsrSpmm deterministic bits");
+    // A misaligned copy of b (scalar path) must give the same bits.
+    DevBuf<T> d_bo(static_cast<size_t>(k * n + 1));
+    if (k * n > 0) {
+      HCHECK(cudaMemcpy(d_bo.p + 1, d_b.p, k * n * sizeof(T), cudaMemcpyDeviceToDevice));
+    }
+    HCHECK(CsrSpmmGpu<T>(csr, nullptr, d_bo.p + 1, n, n, d_c.p, n, st));
+    HCHECK(cudaStreamSynchronize(st));
+    log.Expect(SameBits(d_c.Download(), c1), "CsrSpmm bits independent of alignment");
 
     const int64_t ldc = n + 1;
     DevBuf<T> d_cp;
@@ -605,6 +613,17 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     HCHECK(SddmmGpu<T>(d_a.p, d_dy.p, d_b.p, m, k, n, d_s.p, st));
     HCHECK(cudaStreamSynchronize(st));
     log.Expect(SameBits(d_s.Download(), s1), "Sddmm deterministic bits");
+    // Misaligned copies of x and y (scalar loads) must give the same bits.
+    DevBuf<T> d_xo(static_cast<size_t>(m * n + 1)), d_yo(static_cast<size_t>(k * n + 1));
+    if (m * n > 0) {
+      HCHECK(cudaMemcpy(d_xo.p + 1, d_dy.p, m * n * sizeof(T), cudaMemcpyDeviceToDevice));
+    }
+    if (k * n > 0) {
+      HCHECK(cudaMemcpy(d_yo.p + 1, d_b.p, k * n * sizeof(T), cudaMemcpyDeviceToDevice));
+    }
+    HCHECK(SddmmGpu<T>(d_a.p, d_xo.p + 1, d_yo.p + 1, m, k, n, d_s.p, st));
+    HCHECK(cudaStreamSynchronize(st));
+    log.Expect(SameBits(d_s.Download(), s1), "Sddmm bits independent of alignment");
   }
 
   // 8. ScatterRows / ZeroRows (exact).
