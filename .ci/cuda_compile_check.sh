@@ -66,13 +66,11 @@ compile() {  # $1 = source relative to root, $2 = object
 }
 
 declare -a pids=()
-declare -A pid_src=()
 for src in "${srcs[@]}"; do
   obj="${tmp}/$(echo "${src}" | tr '/' '_').o"
   objs+=("${obj}")
   compile "${src}" "${obj}" &
   pids+=($!)
-  pid_src[$!]="${src}"
   while (( $(jobs -rp | wc -l) >= jobs )); do wait -n || true; done
 done
 for pid in "${pids[@]}"; do
