@@ -1,0 +1,177 @@
+// pybind11 module tf_sparse_split._kernels: numpy access to the framework-free
+// kernels of cc/kernels (tests and benchmarks without TensorFlow overhead).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/kernels/sparse_matmul.h"
+
+namespace py = pybind11;
+
+namespace tf_sparse_split {
+namespace {
+
+// A ParallelFor over `threads` std::threads (<= 1: the calling thread).
+ParallelFor ThreadFor(int threads) {
+  return [threads](int64_t total, int64_t,
+                   const std::function<void(int64_t, int64_t)>& fn) {
+    if (total <= 0) return;
+    const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, total));
+    if (t == 1) {
+      fn(0, total);
+      return;
+    }
+    const int64_t chunk = (total + t - 1) / t;
+    std::vector<std::thread> pool;
+    for (int64_t i = 1; i < t; ++i) {
+      const int64_t b = i * chunk, e = std::min(total, b + chunk);
+      if (b < e) pool.emplace_back(fn, b, e);
+    }
+    fn(0, std::min(total, chunk));
+    for (auto& th : pool) th.join();
+  };
+}
+
+int DefaultThreads() {
+  unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+template <typename T>
+using Arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+void Require2d(const Arr<T>& x, const char* name) {
+  if (x.ndim() != 2)
+    throw py::value_error(std::string(name) + " must be 2-D, got " +
+                          std::to_string(x.ndim()) + "-D");
+}
+
+template <typename T>
+py::tuple RowColNnz(const Arr<T>& a, bool transpose, int threads) {
+  Require2d(a, "a");
+  const int64_t pr = a.shape(0), pc = a.shape(1);
+  const int64_t m = transpose ? pc : pr, k = transpose ? pr : pc;
+  py::array_t<int64_t> row({m}), col({k});
+  int64_t nnz;
+  {
+    py::gil_scoped_release release;
+    nnz = CountNonzeros<T>(a.data(), pr, pc, transpose, row.mutable_data(),
+                           col.mutable_data(), ThreadFor(threads));
+  }
+  return py::make_tuple(row, col, nnz);
+}
+
+template <typename T>
+py::tuple CsrOf(const Arr<T>& a, bool transpose, int threads) {
+  Require2d(a, "a");
+  const int64_t pr = a.shape(0), pc = a.shape(1);
+  const int64_t m = transpose ? pc : pr, k = transpose ? pr : pc;
+  if (k >= (int64_t{1} << 31)) throw py::value_error("k must be < 2^31");
+  std::vector<int64_t> row(m), col(k), rows(m);
+  for (int64_t i = 0; i < m; ++i) rows[i] = i;
+  Csr<T> csr;
+  {
+    py::gil_scoped_release release;
+    auto pfor = ThreadFor(threads);
+    CountNonzeros<T>(a.data(), pr, pc, transpose, row.data(), col.data(), pfor);
+    BuildCsr<T>(a.data(), pr, pc, transpose, rows.data(), m, row.data(), &csr,
+                pfor);
+  }
+  py::array_t<int64_t> indptr(csr.row_ptr.size());
+  std::copy(csr.row_ptr.begin(), csr.row_ptr.end(), indptr.mutable_data());
+  py::array_t<int32_t> indices(csr.col_idx.size());
+  std::copy(csr.col_idx.begin(), csr.col_idx.end(), indices.mutable_data());
+  py::array_t<T> data(csr.values.size());
+  std::copy(csr.values.begin(), csr.values.end(), data.mutable_data());
+  return py::make_tuple(indptr, indices, data, py::make_tuple(m, k));
+}
+
+template <typename T>
+py::array_t<T> Spmm(const Arr<int64_t>& indptr, const Arr<int32_t>& indices,
+                    const Arr<T>& data, const Arr<T>& b, int threads) {
+  Require2d(b, "b");
+  const int64_t m = indptr.size() - 1, k = b.shape(0), n = b.shape(1);
+  if (m < 0) throw py::value_error("indptr must have at least one entry");
+  if (indices.size() != data.size())
+    throw py::value_error("indices and data differ in length");
+  const int64_t* ip = indptr.data();
+  if (ip[0] != 0 || ip[m] != data.size())
+    throw py::value_error("indptr must start at 0 and end at nnz");
+  for (int64_t i = 0; i < m; ++i)
+    if (ip[i + 1] < ip[i]) throw py::value_error("indptr must be non-decreasing");
+  for (int64_t p = 0; p < indices.size(); ++p)
+    if (indices.data()[p] < 0 || indices.data()[p] >= k)
+      throw py::value_error("column index out of range [0, b.shape[0])");
+  Csr<T> csr;
+  csr.row_ptr.assign(ip, ip + m + 1);
+  csr.col_idx.assign(indices.data(), indices.data() + indices.size());
+  csr.values.assign(data.data(), data.data() + data.size());
+  // The SpMM assumes ascending column indices within a row.
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t p = ip[i] + 1; p < ip[i + 1]; ++p)
+      if (csr.col_idx[p] <= csr.col_idx[p - 1])
+        throw py::value_error("column indices must be strictly ascending per row");
+  std::vector<int64_t> rows(m);
+  for (int64_t i = 0; i < m; ++i) rows[i] = i;
+  py::array_t<T> out({m, n});
+  {
+    py::gil_scoped_release release;
+    CsrSpmm<T>(csr, rows.data(), m, b.data(), k, n, n, out.mutable_data(), n,
+               ThreadFor(threads));
+  }
+  return out;
+}
+
+template <typename T>
+py::array_t<T> SddmmPy(const Arr<T>& mask, const Arr<T>& x, const Arr<T>& y,
+                       int threads) {
+  Require2d(mask, "mask");
+  Require2d(x, "x");
+  Require2d(y, "y");
+  const int64_t m = mask.shape(0), k = mask.shape(1), n = x.shape(1);
+  if (x.shape(0) != m || y.shape(0) != k || y.shape(1) != n)
+    throw py::value_error("shapes must be mask [m,k], x [m,n], y [k,n]");
+  py::array_t<T> out({m, k});
+  {
+    py::gil_scoped_release release;
+    Sddmm<T>(mask.data(), x.data(), y.data(), m, k, n, out.mutable_data(),
+             ThreadFor(threads));
+  }
+  return out;
+}
+
+template <typename T>
+void Bind(py::module_& mod) {
+  mod.def("row_col_nnz", &RowColNnz<T>, py::arg("a"), py::arg("transpose") = false,
+          py::arg("threads") = DefaultThreads(),
+          "Per-row and per-column nonzero counts of op(a) and the total nnz.\n"
+          "Returns (row_nnz int64[m], col_nnz int64[k], nnz).");
+  mod.def("csr_from_dense", &CsrOf<T>, py::arg("a"), py::arg("transpose") = false,
+          py::arg("threads") = DefaultThreads(),
+          "CSR of op(a): (indptr int64[m+1], indices int32[nnz], data[nnz], (m, k)).");
+  mod.def("csr_spmm", &Spmm<T>, py::arg("indptr"), py::arg("indices"),
+          py::arg("data"), py::arg("b"), py::arg("threads") = DefaultThreads(),
+          "CSR SpMM: returns the dense [m, n] product of the CSR [m, k] and b [k, n].");
+  mod.def("sddmm", &SddmmPy<T>, py::arg("mask"), py::arg("x"), py::arg("y"),
+          py::arg("threads") = DefaultThreads(),
+          "SDDMM: out[i,j] = mask[i,j] != 0 ? dot(x[i], y[j]) : 0 for mask [m,k], "
+          "x [m,n], y [k,n].");
+}
+
+}  // namespace
+}  // namespace tf_sparse_split
+
+PYBIND11_MODULE(_kernels, mod) {
+  mod.doc() =
+      "numpy access to tf_sparse_split's framework-free CPU kernels "
+      "(float64 overloads first, then float32).";
+  tf_sparse_split::Bind<double>(mod);
+  tf_sparse_split::Bind<float>(mod);
+  mod.attr("DENSITY_BINS") = tf_sparse_split::kDensityBins;
+}

@@ -1,0 +1,195 @@
+"""Build script for tf_sparse_split.
+
+Builds two native pieces against the TensorFlow installed in the *current*
+environment (its headers, compile and link flags and C++ ABI, read from
+``tf.sysconfig``):
+
+* ``tf_sparse_split/_sparse_split_ops*.so`` -- the op library: the
+  framework-free kernels (cc/kernels), the TF ops (cc/ops) and the graph
+  rewrite pass (cc/rewrite), loaded with ``tf.load_op_library``;
+* ``tf_sparse_split/_kernels*.so`` -- a pybind11 module giving numpy access to
+  the cc/kernels code (no TensorFlow inside).
+
+Install with ``pip install --no-build-isolation .``: build isolation would
+download a second TensorFlow (hundreds of MB) into a throwaway environment,
+and the library must be built against the TensorFlow it will be loaded into.
+
+Environment variables:
+
+* ``TFSS_MARCH``: the ``-march`` value (default ``native``: the machine that
+  builds is the machine that runs; set e.g. ``x86-64-v3`` for a portable
+  build). ``TFSS_MARCH=none`` passes no ``-march`` at all.
+* ``TFSS_WITH_CUDA``: ``auto`` (default), ``0`` or ``1``. CUDA kernels are
+  only built into the op library for a CUDA-enabled TensorFlow; with
+  ``tensorflow-cpu`` the CPU build is used and this is reported.
+"""
+
+import glob
+import os
+import platform
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TF_MIN, TF_MAX = (2, 21), (2, 22)  # supported: 2.21.x
+VERSION = {}
+with open(os.path.join(HERE, "tf_sparse_split", "_version.py")) as f:
+    exec(f.read(), VERSION)
+
+
+def _fail(msg):
+    sys.stderr.write("\ntf_sparse_split build error: " + msg + "\n\n")
+    raise SystemExit(1)
+
+
+def _tensorflow():
+    try:
+        import tensorflow as tf  # noqa: F401
+    except ImportError:
+        _fail(
+            "TensorFlow is not installed in this environment. Install it first "
+            "(`pip install 'tensorflow-cpu==2.21.*'` or `pip install "
+            "'tensorflow==2.21.*'`), then `pip install --no-build-isolation .`."
+        )
+    ver = tuple(int(x) for x in tf.__version__.split(".")[:2])
+    if not (TF_MIN <= ver < TF_MAX):
+        _fail(
+            f"TensorFlow {tf.__version__} is not supported; tf_sparse_split "
+            f"supports {TF_MIN[0]}.{TF_MIN[1]}.x. Install `tensorflow-cpu==2.21.*`."
+        )
+    return tf
+
+
+def _march_flags():
+    march = os.environ.get("TFSS_MARCH", "native").strip()
+    if march.lower() in ("", "none"):
+        return [], "default (no -march)"
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686"):
+        return ([f"-mcpu={march}"] if march != "native" else ["-mcpu=native"],
+                f"-mcpu={march}")
+    return [f"-march={march}"], f"-march={march}"
+
+
+def _predefined_macros(flags):
+    """The compiler's predefined macros under these flags ('' if unknown)."""
+    import subprocess
+
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        return subprocess.run(
+            [cxx, *flags, "-dM", "-E", "-x", "c++", os.devnull],
+            capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def _isa_of(flags):
+    """The SIMD instruction sets the compiler enables with these flags."""
+    out = _predefined_macros(flags)
+    if not out:
+        return "unknown"
+    found = [name for macro, name in (
+        ("__AVX512F__", "AVX-512F"), ("__AVX2__", "AVX2"), ("__FMA__", "FMA"),
+        ("__AVX__", "AVX"), ("__SSE4_2__", "SSE4.2"), ("__SSE2__", "SSE2"),
+        ("__ARM_NEON", "NEON")) if f"#define {macro} " in out]
+    return ", ".join(found) or "scalar"
+
+
+class BuildExt(build_ext):
+    """Fills in TensorFlow's flags at build time (not at import of setup.py,
+    so `setup.py --version` etc. work without TensorFlow)."""
+
+    def build_extensions(self):
+        tf = _tensorflow()
+        march, march_desc = _march_flags()
+        if "#define __AVX512FP16__ " in _predefined_macros(march):
+            # TF 2.21's bundled Eigen does not compile with AVX512-FP16 under
+            # GCC 12 (PacketMathFP16.h); fp16 arithmetic is not used here.
+            march.append("-mno-avx512fp16")
+            march_desc += " -mno-avx512fp16"
+        isa = _isa_of(march)
+        cuda = os.environ.get("TFSS_WITH_CUDA", "auto").lower()
+        is_cuda_tf = bool(tf.sysconfig.get_build_info().get("is_cuda_build"))
+        if cuda == "1" and not is_cuda_tf:
+            _fail("TFSS_WITH_CUDA=1 but this TensorFlow is not a CUDA build; "
+                  "install `tensorflow[and-cuda]==2.21.*` or use TFSS_WITH_CUDA=0.")
+        print(f"tf_sparse_split: building against TensorFlow {tf.__version__} "
+              f"with {march_desc} -> instruction sets: {isa}; CUDA kernels in "
+              f"op library: {'no (CPU-only TensorFlow)' if not is_cuda_tf else 'no (not yet wired)'}")
+        common = ["-O3", "-std=c++17", "-fPIC", "-Wno-sign-compare", *march]
+        for ext in self.extensions:
+            if ext.name.endswith("_sparse_split_ops"):
+                ext.extra_compile_args = [
+                    *common, *tf.sysconfig.get_compile_flags(),
+                    "-Wno-deprecated-declarations", "-Wno-unused-result"]
+                ext.extra_link_args = [*tf.sysconfig.get_link_flags()]
+            else:
+                import pybind11
+
+                ext.include_dirs.append(pybind11.get_include())
+                ext.extra_compile_args = [*common, "-fvisibility=hidden"]
+        # Record what the library was built against; the loader checks it.
+        # Written beside the built extensions (wheel) and, for in-place and
+        # editable builds, into the source package as well.
+        targets = {os.path.join(self.build_lib, "tf_sparse_split")}
+        if self.inplace or getattr(self, "editable_mode", False):
+            targets.add(os.path.join(HERE, "tf_sparse_split"))
+        for pkg_dir in targets:
+            os.makedirs(pkg_dir, exist_ok=True)
+            with open(os.path.join(pkg_dir, "_build_info.py"), "w") as f:
+                f.write('"""Written by setup.py at build time."""\n')
+                f.write(f"TF_VERSION = {tf.__version__!r}\n")
+                f.write(f"MARCH = {march_desc!r}\n")
+                f.write(f"ISA = {isa!r}\n")
+                f.write(f"CUDA = {is_cuda_tf and cuda != '0'!r}\n")
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
+        super().build_extensions()
+
+
+def _sources(*patterns):
+    out = []
+    for p in patterns:
+        out += sorted(glob.glob(os.path.join(p), recursive=True))
+    return [s for s in out if not s.endswith(".cu.cc")]
+
+
+KERNELS = _sources("cc/kernels/*.cc")
+ops_ext = Extension(
+    "tf_sparse_split._sparse_split_ops",
+    sources=KERNELS + _sources("cc/ops/*.cc", "cc/rewrite/*.cc"),
+    include_dirs=["."],
+    language="c++",
+)
+kernels_ext = Extension(
+    "tf_sparse_split._kernels",
+    sources=KERNELS + _sources("cc/python/*.cc"),
+    include_dirs=["."],
+    language="c++",
+)
+
+with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    long_description = f.read()
+
+setup(
+    name="tf_sparse_split",
+    version=VERSION["__version__"],
+    description=("TensorFlow ops, Keras layers and a callback that exploit "
+                 "run-time sparsity in activations by splitting dense and "
+                 "sparse work."),
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tf_sparse_split", "tf_sparse_split.*"]),
+    ext_modules=[ops_ext, kernels_ext],
+    cmdclass={"build_ext": BuildExt},
+    # TensorFlow itself is not listed: `tensorflow` and `tensorflow-cpu` are
+    # different distributions providing the same module, and the op library
+    # must be built against the one already installed (checked at build).
+    install_requires=["numpy>=1.26", "keras>=3.10,<4", "scikit-learn>=1.3"],
+    extras_require={"test": ["pytest>=8", "hypothesis>=6", "nbformat>=5"]},
+    entry_points={"console_scripts": ["tf-sparse-split = tf_sparse_split.cli:main"]},
+    zip_safe=False,
+)

@@ -1,0 +1,33 @@
+"""tf_sparse_split: TensorFlow ops, Keras layers and a callback that exploit
+the zeros appearing at run time in activations (ReLU outputs, dropout masks,
+dead feature maps).
+
+Public API:
+
+* :func:`load_library` -- loads the compiled op library (lazily).
+* :func:`sparse_split_matmul` -- the ``SparseSplitMatMul`` op.
+* :class:`SparseSplitDense` -- drop-in for ``keras.layers.Dense``.
+* :class:`SplitThresholdCallback` -- fits the cost model and tunes thresholds.
+
+Sources: K.-Y. Peng, *Adaptive runtime exploiting sparsity in tensor of deep
+learning on heterogeneous systems*, NTU 2017; R. Sun and L. Zhang, *Dynamic
+Sparse Method for Deep Learning Execution*, 2019; Z. Song et al., *DNN
+Training Acceleration via Exploring GPGPU Friendly Sparsity*, arXiv 2203.05705.
+"""
+
+from tf_sparse_split._version import __version__
+from tf_sparse_split._loader import load_library, LibraryLoadError
+from tf_sparse_split.ops import sparse_split_matmul
+from tf_sparse_split.layers import SparseSplitDense
+from tf_sparse_split.callbacks import SplitThresholdCallback
+from tf_sparse_split.cost_model import CostModel
+
+__all__ = [
+    "__version__",
+    "load_library",
+    "LibraryLoadError",
+    "sparse_split_matmul",
+    "SparseSplitDense",
+    "SplitThresholdCallback",
+    "CostModel",
+]

@@ -1,0 +1,108 @@
+"""Python wrappers of the sparse-split ops and their registered gradients."""
+
+import tensorflow as tf
+
+from tf_sparse_split._loader import load_library
+
+_FLOAT_DTYPES = (tf.float32, tf.float64)
+
+
+def _invalid(msg):
+    return tf.errors.InvalidArgumentError(None, None, msg)
+
+
+def _as_threshold(threshold):
+    t = tf.convert_to_tensor(threshold)
+    if not t.dtype.is_floating and not t.dtype.is_integer:
+        raise _invalid(f"threshold must be a real number, got dtype {t.dtype.name}")
+    return tf.cast(t, tf.float32)
+
+
+def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
+                        transpose_b=False, return_stats=False, name=None):
+    """Matrix product ``op(a) @ op(b)`` that skips the zeros of ``a``.
+
+    The rows of ``op(a)`` (the activation operand) whose density -- the
+    fraction of nonzeros -- is above ``threshold`` go to a dense GEMM (Eigen
+    on TensorFlow's intra-op thread pool); the other rows go to a tiled CSR
+    SpMM whose cost is proportional to their nonzeros; all-zero columns of
+    ``op(a)`` are compacted away from the dense part together with the
+    matching rows of ``op(b)``. The result equals ``tf.matmul``'s to float
+    rounding at any threshold; only the speed changes. Method: K.-Y. Peng,
+    *Adaptive runtime exploiting sparsity in tensor of deep learning on
+    heterogeneous systems*, NTU 2017 (split by run-time density statistics).
+
+    Gradients are registered for ``a`` and ``b``; the one for ``b``
+    (``op(a)^T @ dY``) runs through this op with ``a`` as its sparse operand,
+    so its cost is proportional to ``nnz(a) * N``, not ``M * K * N``.
+
+    Non-finite values: NaN/Inf in ``a`` propagate as in ``tf.matmul``. Where
+    ``a`` is exactly zero the product is skipped, so a NaN/Inf in ``b`` facing
+    only zeros of ``a`` gives 0 instead of NaN (as in ``tf.sparse``) -- on the
+    sparse path and for compacted all-zero columns.
+
+    Args:
+      a: float32 or float64 tensor ``[M, K]`` (``[K, M]`` if ``transpose_a``).
+      b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if ``transpose_b``).
+      threshold: scalar row-density threshold in ``[0, 1]`` (fraction of
+        nonzeros), or negative to let the op choose it from the rates of the
+        two paths it measured on this machine. A float or a scalar tensor
+        (e.g. a non-trainable variable a callback assigns).
+      transpose_a: if True, multiply by ``a^T``.
+      transpose_b: if True, multiply by ``b^T``.
+      return_stats: if True, also return the per-call statistics.
+      name: optional op name.
+
+    Returns:
+      The product ``[M, N]`` of the inputs' dtype; with ``return_stats``, a
+      tuple ``(product, stats)`` where ``stats`` is a float64 vector laid out
+      as in :mod:`tf_sparse_split.stats` (rows dense/sparse, nnz, all-zero
+      columns skipped, seconds in each part, threshold used, ...).
+
+    Raises:
+      tf.errors.InvalidArgumentError: for a dtype other than float32/float64
+        or differing between ``a`` and ``b``, a rank other than 2, mismatched
+        inner dimensions, a non-scalar threshold or one above 1 or NaN.
+      ValueError: for rank/shape errors detected while tracing a
+        ``tf.function`` (shape inference).
+    """
+    lib = load_library()
+    with tf.name_scope(name or "SparseSplitMatMul"):
+        a = tf.convert_to_tensor(a)
+        b = tf.convert_to_tensor(b, dtype_hint=a.dtype)
+        if a.dtype not in _FLOAT_DTYPES:
+            raise _invalid(
+                f"sparse_split_matmul: a must be float32 or float64, got {a.dtype.name}")
+        if b.dtype != a.dtype:
+            raise _invalid(
+                f"sparse_split_matmul: b has dtype {b.dtype.name} but a has {a.dtype.name}")
+        product, stats = lib.sparse_split_mat_mul(
+            a, b, _as_threshold(threshold), transpose_a=transpose_a,
+            transpose_b=transpose_b)
+    return (product, stats) if return_stats else product
+
+
+@tf.RegisterGradient("SparseSplitMatMul")
+def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
+    """Gradients of ``op(a) @ op(b)``; the ``b`` gradient exploits a's zeros."""
+    a, b, threshold = op.inputs
+    ta = op.get_attr("transpose_a")
+    tb = op.get_attr("transpose_b")
+    lib = load_library()
+
+    def sparse(x, y, transpose_a):
+        return lib.sparse_split_mat_mul(x, y, threshold, transpose_a=transpose_a)[0]
+
+    if not ta and not tb:    # C = A B
+        grad_a = tf.matmul(grad, b, transpose_b=True)
+        grad_b = sparse(a, grad, True)                       # A^T dC
+    elif not ta and tb:      # C = A B^T
+        grad_a = tf.matmul(grad, b)
+        grad_b = tf.transpose(sparse(a, grad, True))         # (A^T dC)^T
+    elif ta and not tb:      # C = A^T B
+        grad_a = tf.matmul(b, grad, transpose_b=True)
+        grad_b = sparse(a, grad, False)                      # A dC
+    else:                    # C = A^T B^T
+        grad_a = tf.matmul(b, grad, transpose_a=True, transpose_b=True)
+        grad_b = tf.transpose(sparse(a, grad, False))        # (A dC)^T
+    return grad_a, grad_b, None

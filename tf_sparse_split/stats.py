@@ -1,0 +1,72 @@
+"""Layout of the per-call statistics vector emitted by the sparse-split ops.
+
+``sparse_split_matmul(..., return_stats=True)`` returns, beside the product, a
+float64 vector of length :data:`NUM_STATS`. Its entries (indices below) are
+the same as ``StatIndex`` in ``cc/kernels/sparse_matmul.h``:
+
+==================  =====================================================
+index               meaning
+==================  =====================================================
+ROWS_DENSE          rows of op(a) sent to the dense GEMM
+ROWS_SPARSE         rows sent to the CSR SpMM (including all-zero rows)
+NNZ                 nonzeros of op(a)
+ZERO_COLS_SKIPPED   all-zero columns of op(a) compacted away
+TIME_DENSE          seconds in the dense part (gather + GEMM + scatter)
+TIME_SPARSE         seconds in the sparse part (CSR build + SpMM)
+TIME_ANALYZE        seconds measuring densities and choosing the split
+THRESHOLD           density threshold actually used, in [0, 1]
+M, K, N             the problem size: op(a) is [M, K], op(b) is [K, N]
+NNZ_SPARSE          nonzeros in the rows sent to the SpMM
+HISTOGRAM           slice: rows of op(a) per row-density bin, DENSITY_BINS
+                    equal bins over [0, 1] (a density of 1.0 is in the last)
+==================  =====================================================
+
+Density of a row is ``nnz(row) / K``; sparsity is ``1 - density``.
+"""
+
+ROWS_DENSE = 0
+ROWS_SPARSE = 1
+NNZ = 2
+ZERO_COLS_SKIPPED = 3
+TIME_DENSE = 4
+TIME_SPARSE = 5
+TIME_ANALYZE = 6
+THRESHOLD = 7
+M = 8
+K = 9
+N = 10
+NNZ_SPARSE = 11
+DENSITY_BINS = 16
+HISTOGRAM = slice(12, 12 + DENSITY_BINS)
+NUM_STATS = 12 + DENSITY_BINS
+
+NAMES = (
+    "rows_dense", "rows_sparse", "nnz", "zero_cols_skipped", "time_dense",
+    "time_sparse", "time_analyze", "threshold", "m", "k", "n", "nnz_sparse",
+) + tuple(f"hist_{i}" for i in range(DENSITY_BINS))
+
+
+def as_dict(stats):
+    """Returns the named scalar entries of one statistics vector as floats.
+
+    Args:
+      stats: array-like of length ``NUM_STATS`` (numpy or eager tensor).
+
+    Returns:
+      dict from the names in :data:`NAMES` (without the histogram) to floats,
+      plus ``"histogram"``: a list of ``DENSITY_BINS`` row counts and
+      ``"sparsity"``: the fraction of zeros in op(a) (``nan`` if it is empty).
+
+    Raises:
+      ValueError: if ``stats`` does not have ``NUM_STATS`` entries.
+    """
+    import numpy as np
+
+    v = np.asarray(stats, dtype=np.float64).reshape(-1)
+    if v.shape[0] != NUM_STATS:
+        raise ValueError(f"expected {NUM_STATS} statistics, got {v.shape[0]}")
+    out = {name: float(v[i]) for i, name in enumerate(NAMES[:12])}
+    out["histogram"] = [float(x) for x in v[HISTOGRAM]]
+    elems = v[M] * v[K]
+    out["sparsity"] = float(1.0 - v[NNZ] / elems) if elems > 0 else float("nan")
+    return out
