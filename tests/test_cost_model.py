@@ -203,3 +203,39 @@ def test_best_threshold_is_the_argmin_of_predicted_time(
     assert best in candidate_thresholds()
     assert cm.predicted_time(hist, m, k, k_live, n, best) <= min(times) * (
         1 + 1e-12) + 1e-18
+
+
+def test_warmup_samples_are_discarded():
+    cm = CostModel(warmup_samples=1)
+    cm.add_sample(DENSE, 1e8, 1.0)  # slow first call: dropped
+    _fill(cm, DENSE, 0.0, 1e11, [1e7, 1e8])
+    cm.add_sample(SPARSE, 0.0, 0.0)  # zero work does not use up the warm-up
+    cm.add_sample(SPARSE, 1e6, 5.0)
+    _fill(cm, SPARSE, 0.0, 1e10, [1e6, 1e7])
+    cm.fit()
+    assert cm.num_samples(DENSE) == 2 and cm.num_samples(SPARSE) == 2
+    assert cm.rate(DENSE) == pytest.approx(1e11)
+    assert cm.rate(SPARSE) == pytest.approx(1e10)
+    for bad in (-1, 0.5, True):
+        with pytest.raises(ValueError):
+            CostModel(warmup_samples=bad)
+
+
+def test_nnz_corrects_the_bin_center_estimate():
+    # All rows at density 0.01, i.e. in bin 0 whose center is 1/32: without
+    # the measured nnz the sparse work looks 3x too large.
+    m, k, n = 256, 1024, 512
+    hist = np.zeros(stats.DENSITY_BINS)
+    hist[0] = m
+    nnz = 0.01 * m * k
+    # dense: 2*m*k*n / 1e11 = 2.7 ms; sparse with the measured nnz:
+    # 2*nnz*n / 1.5e9 = 1.8 ms; with bin centers: 5.6 ms.
+    cm = _two_paths(dense_rate=1e11, sparse_rate=1.5e9)
+    assert cm.best_threshold(hist, m, k, k, n) == 0.0
+    assert cm.best_threshold(hist, m, k, k, n, nnz=nnz) == pytest.approx(
+        1 / stats.DENSITY_BINS)
+    exact_sparse = 1e-5 + 2 * nnz * n / 1.5e9
+    assert cm.predicted_time(hist, m, k, k, n, 1.0, nnz=nnz) == \
+        pytest.approx(exact_sparse)
+    with pytest.raises(ValueError):
+        cm.predicted_time(hist, m, k, k, n, 1.0, nnz=-1.0)

@@ -53,9 +53,9 @@ def _check_int(name, value, minimum):
 class _LayerState:
     """Per-layer bookkeeping of the callback."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, warmup_samples):
         self.layer = layer
-        self.cost_model = CostModel()
+        self.cost_model = CostModel(warmup_samples=warmup_samples)
         self.initial_threshold = layer.threshold
         self.epoch_sum = np.zeros(_stats.NUM_STATS)
         self.epoch_calls = 0
@@ -86,7 +86,7 @@ class SplitThresholdCallback(keras.callbacks.Callback):
       one timing sample per path and adds it to the epoch's totals.
     * ``on_epoch_end``: fits each layer's cost model (all samples so far),
       sets the threshold to ``CostModel.best_threshold`` for the epoch's
-      mean row-density histogram (kept unchanged while only one path has
+      mean row-density histogram and nonzero count (kept unchanged while only one path has
       ``min_samples`` samples), and writes ``logs[f"{layer.name}/sparsity"]``
       (fraction of zeros in the layer's input over the epoch) and
       ``logs[f"{layer.name}/threshold"]`` (the threshold for the next epoch)
@@ -111,17 +111,21 @@ class SplitThresholdCallback(keras.callbacks.Callback):
         alternating thresholds 1.0 / 0.0 (0 = no exploration: then the cost
         model only learns the paths the layers' thresholds use).
       min_samples: int >= 1, timing samples a path needs before it is fitted.
+      warmup_samples: int >= 0, the first samples of each path and layer
+        that are discarded (first calls are slow: allocation, page faults).
       verbose: 0 (silent) or 1 (print one line per layer per epoch).
 
     Raises:
       ValueError: on invalid arguments.
     """
 
-    def __init__(self, explore_batches=4, min_samples=2, verbose=0):
+    def __init__(self, explore_batches=6, min_samples=2, warmup_samples=1,
+                 verbose=0):
         super().__init__()
         self.explore_batches = _check_int("explore_batches", explore_batches,
                                           0)
         self.min_samples = _check_int("min_samples", min_samples, 1)
+        self.warmup_samples = _check_int("warmup_samples", warmup_samples, 0)
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         self.verbose = int(verbose)
@@ -139,7 +143,7 @@ class SplitThresholdCallback(keras.callbacks.Callback):
         known = {id(s.layer) for s in self._states}
         for layer in find_split_layers(self.model):
             if id(layer) not in known:
-                state = _LayerState(layer)
+                state = _LayerState(layer, self.warmup_samples)
                 if layer.threshold_var is not None:
                     layer.reset_stats()
                     state.snapshot()
@@ -240,7 +244,8 @@ class SplitThresholdCallback(keras.callbacks.Callback):
         m = v[_stats.M] / calls
         n = v[_stats.N] / calls
         k_live = min(max(k - v[_stats.ZERO_COLS_SKIPPED] / calls, 0.0), k)
-        best = cm.best_threshold(hist, m, k, k_live, n)
+        nnz = v[_stats.NNZ] / calls
+        best = cm.best_threshold(hist, m, k, k_live, n, nnz=nnz)
         if best is not None:
             s.layer.set_threshold(best)
         entry["threshold"] = s.layer.threshold

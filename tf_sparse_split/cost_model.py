@@ -117,13 +117,28 @@ class CostModel:
     Samples accumulate until :meth:`reset`; :meth:`fit` uses all of them.
     """
 
-    def __init__(self):
+    def __init__(self, warmup_samples=0):
+        """Args:
+          warmup_samples: int >= 0, the first samples of each path to
+            discard: the first calls of a path are slow for reasons the model
+            does not describe (allocation, page faults, thread-pool start).
+
+        Raises:
+          ValueError: if ``warmup_samples`` is not an int >= 0.
+        """
+        if isinstance(warmup_samples, bool) or \
+                not isinstance(warmup_samples, int) or warmup_samples < 0:
+            raise ValueError(
+                f"warmup_samples must be an int >= 0, got {warmup_samples!r}")
+        self.warmup_samples = warmup_samples
+        self._skipped = {p: 0 for p in _PATHS}
         self._samples = {p: ([], []) for p in _PATHS}
         self._fits = {}
 
     # -- samples ----------------------------------------------------------
     def reset(self):
-        """Drops all samples and fits."""
+        """Drops all samples and fits (the warm-up count starts over)."""
+        self._skipped = {p: 0 for p in _PATHS}
         self._samples = {p: ([], []) for p in _PATHS}
         self._fits = {}
 
@@ -133,7 +148,8 @@ class CostModel:
         Args:
           path: ``"dense"`` or ``"sparse"``.
           work: flop done by that path in the call (samples with work <= 0
-            are ignored, see the module docstring).
+            are ignored, see the module docstring; the first
+            ``warmup_samples`` ones with work > 0 are discarded).
           seconds: wall-clock seconds that path took.
 
         Raises:
@@ -149,6 +165,9 @@ class CostModel:
                 f"work and seconds must be finite and >= 0, got work={work}, "
                 f"seconds={seconds}")
         if work <= 0:
+            return
+        if self._skipped[path] < self.warmup_samples:
+            self._skipped[path] += 1
             return
         self._samples[path][0].append(work)
         self._samples[path][1].append(seconds)
@@ -230,13 +249,17 @@ class CostModel:
                 f"k_live={k_live}, n={n}")
         return hist
 
-    def predicted_time(self, histogram, m, k, k_live, n, threshold):
+    def predicted_time(self, histogram, m, k, k_live, n, threshold,
+                       nnz=None):
         """Predicted seconds of one call at ``threshold``.
 
         Rows in density bins whose upper edge is <= ``threshold`` go sparse
         with ``nnz ~= bin_center_density * k`` each; the other rows go dense
-        over ``k_live`` columns. ``m`` is accepted for symmetry with the
-        statistics (the rows are those counted in ``histogram``).
+        over ``k_live`` columns. When the call's total ``nnz`` is given, the
+        bin-center estimates are scaled so that they add up to it (the
+        centers alone overestimate very sparse rows: a row of density 0.01
+        sits in bin 0, whose center is 1/32). ``m`` is accepted for symmetry
+        with the statistics (the rows are those counted in ``histogram``).
 
         Raises:
           RuntimeError: if either path is not fitted.
@@ -249,6 +272,12 @@ class CostModel:
                 f"{sorted(self._fits)})")
         bins = hist.size
         centers = (np.arange(bins) + 0.5) / bins
+        if nnz is not None:
+            estimate = float(np.sum(hist * centers * k))
+            if nnz < 0 or not math.isfinite(nnz):
+                raise ValueError(f"nnz must be finite and >= 0, got {nnz}")
+            if estimate > 0:
+                centers = centers * (float(nnz) / estimate)
         sparse_bins = int(math.floor(float(threshold) * bins + 1e-9))
         sparse_bins = min(max(sparse_bins, 0), bins)
         rows_sparse_nnz = np.sum(hist[:sparse_bins] * centers[:sparse_bins] * k)
@@ -258,7 +287,7 @@ class CostModel:
         return float(self._fits[DENSE].predict(dense_work) +
                      self._fits[SPARSE].predict(sparse_work))
 
-    def best_threshold(self, histogram, m, k, k_live, n):
+    def best_threshold(self, histogram, m, k, k_live, n, nnz=None):
         """Fastest threshold among the density-bin edges.
 
         Args:
@@ -269,6 +298,9 @@ class CostModel:
           k: its columns (K).
           k_live: K minus the all-zero columns the op skips.
           n: columns of the weight operand (N).
+          nnz: optional nonzeros of the activation operand in one call; when
+            given, the per-bin nonzero estimates are scaled to add up to it
+            (see :meth:`predicted_time`).
 
         Returns:
           the threshold in ``candidate_thresholds()`` with the smallest
@@ -286,7 +318,7 @@ class CostModel:
             return None
         best, best_t = None, math.inf
         for thr in candidate_thresholds(hist.size):
-            t = self.predicted_time(hist, m, k, k_live, n, thr)
+            t = self.predicted_time(hist, m, k, k_live, n, thr, nnz=nnz)
             if t < best_t - 1e-15:
                 best, best_t = thr, t
         return float(best)
