@@ -224,7 +224,7 @@ constexpr int64_t kNb = Vec<T>::kLanes * kVecs;
 
 // Tiles the SpMM aims for (several per thread for balance), and the fewest
 // rows a tile's row group may have.
-constexpr int64_t kTargetTiles = 32;
+constexpr int64_t kTargetTiles = 16;
 constexpr int64_t kMinGroupRows = 64;
 
 // How many nonzeros ahead the SpMM prefetches B rows.
@@ -237,7 +237,7 @@ static_assert(kVecBytes * kVecs == 256, "prefetch covers 4 cache lines");
 // and stores its output segment).
 template <typename T>
 int64_t KBlock(int64_t k, int64_t nnz, int64_t n_rows) {
-  const int64_t budget = 256 * 1024;  // bytes of B kept hot
+  const int64_t budget = 512 * 1024;  // bytes of B kept hot
   int64_t kb = budget / (kNb<T> * static_cast<int64_t>(sizeof(T)));
   const double row_density =
       static_cast<double>(nnz) / (static_cast<double>(std::max<int64_t>(1, n_rows)) * k);
@@ -245,13 +245,16 @@ int64_t KBlock(int64_t k, int64_t nnz, int64_t n_rows) {
   return std::max<int64_t>(1, std::min(k, kb));
 }
 
-// Rows [r0, r1) of the CSR times the kNb<T>-wide column panel of B whose row
-// q starts at b + q * ldb (packed: ldb = kNb), written to columns
-// [c0, c0 + kNb) of the output rows. K-blocked; cursor has r1 - r0 entries.
+// Rows [r0, r1) of the CSR times the kNb<T>-wide column panel of B starting
+// at column c0 (row q at b + q * ldb + c0), written to columns [c0, c0 + kNb)
+// of the output rows. K-blocked; cursor has r1 - r0 entries. With `pack`
+// (kb * kNb elements), each K block of the panel is first copied to it:
+// contiguous rows avoid the cache-set conflicts of a power-of-two ldb (all
+// rows of a column block would map to a few sets).
 template <typename T>
 void SpmmPanel(const Csr<T>& csr, const int64_t* out_rows, int64_t r0,
                int64_t r1, const T* b, int64_t k, int64_t ldb, int64_t c0,
-               T* c, int64_t ldc, int64_t kb, int64_t* cursor) {
+               T* c, int64_t ldc, int64_t kb, int64_t* cursor, T* pack) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::kLanes;
   const int64_t* rp = csr.row_ptr.data();
@@ -261,6 +264,17 @@ void SpmmPanel(const Csr<T>& csr, const int64_t* out_rows, int64_t r0,
   for (int64_t k0 = 0; k0 < k; k0 += kb) {
     const int64_t k1 = std::min(k, k0 + kb);
     const bool first = k0 == 0;
+    // Row q of the panel block is at bblk + (q - boff) * bld.
+    const T* bblk = b + c0;
+    int64_t bld = ldb, boff = 0;
+    if (pack != nullptr) {
+      for (int64_t q = k0; q < k1; ++q)
+        std::memcpy(pack + (q - k0) * kNb<T>, b + q * ldb + c0,
+                    kNb<T> * sizeof(T));
+      bblk = pack;
+      bld = kNb<T>;
+      boff = k0;
+    }
     for (int64_t r = r0; r < r1; ++r) {
       int64_t p = cursor[r - r0];
       const int64_t end = rp[r + 1];
@@ -272,12 +286,12 @@ void SpmmPanel(const Csr<T>& csr, const int64_t* out_rows, int64_t r0,
         acc[q] = first ? V{} : LoadU<T>(crow + q * L);
       for (; p < end && ci[p] < k1; ++p) {
         const T v = vals[p];
-        const T* brow = b + static_cast<int64_t>(ci[p]) * ldb;
-        if (p + kPrefetchDistance < end) {
+        const T* brow = bblk + (ci[p] - boff) * bld;
+        if (p + kPrefetchDistance < end && ci[p + kPrefetchDistance] < k1) {
           // The B rows are visited in a data-dependent order the hardware
           // prefetcher cannot follow: fetch the 4 lines of a coming one.
           const char* next = reinterpret_cast<const char*>(
-              b + static_cast<int64_t>(ci[p + kPrefetchDistance]) * ldb);
+              bblk + (ci[p + kPrefetchDistance] - boff) * bld);
           __builtin_prefetch(next);
           __builtin_prefetch(next + 64);
           __builtin_prefetch(next + 128);
@@ -327,41 +341,28 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
   const int64_t n_full = n / nb;
   const int64_t n_cblocks = n_full + (n % nb != 0 ? 1 : 0);
   const int64_t nnz = csr.row_ptr[n_rows];
-  // Packing B into contiguous [k, nb] panels avoids the cache-set conflicts
-  // of a power-of-two leading dimension (all rows of a column block would
-  // map to a few sets); it pays off once each B row is reused a few times.
-  const bool pack = n_full > 0 && nnz >= 8 * k;
-  std::unique_ptr<T[]> packed;
-  if (pack) {
-    packed.reset(new T[n_full * k * nb]);
-    pfor(n_full * k, nb * 2, [&](int64_t q0, int64_t q1) {
-      for (int64_t q = q0; q < q1; ++q) {
-        const int64_t cb = q / k, row = q % k;
-        std::memcpy(packed.get() + q * nb, b + row * ldb + cb * nb,
-                    nb * sizeof(T));
-      }
-    });
-  }
+  // Packing pays off once each B row is reused a few times in a tile.
+  const int64_t kb = KBlock<T>(k, nnz, n_rows);
   // Tiles: (column block, row group); enough row groups to feed the pool.
   const int64_t max_groups = (n_rows + kMinGroupRows - 1) / kMinGroupRows;
   const int64_t n_groups = std::max<int64_t>(
       1, std::min(max_groups, (kTargetTiles + n_cblocks - 1) / n_cblocks));
   const int64_t group = (n_rows + n_groups - 1) / n_groups;
   const int64_t tiles = n_cblocks * n_groups;
-  const int64_t kb = KBlock<T>(k, nnz, n_rows);
+  const bool pack = nnz / n_groups >= 4 * k;
   const int64_t cost =
       std::max<int64_t>(1, (nnz / n_groups) * nb / 4 + group * nb);
   pfor(tiles, cost, [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> cursor(group);
+    std::unique_ptr<T[]> pack_buf(pack ? new T[kb * nb] : nullptr);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t cb = t / n_groups, g = t % n_groups;
       const int64_t r0 = g * group, r1 = std::min(n_rows, r0 + group);
       if (r0 >= r1) continue;
       const int64_t c0 = cb * nb;
       if (cb < n_full) {
-        const T* panel = pack ? packed.get() + cb * k * nb : b + c0;
-        SpmmPanel<T>(csr, out_rows, r0, r1, panel, k, pack ? nb : ldb, c0, c,
-                     ldc, kb, cursor.data());
+        SpmmPanel<T>(csr, out_rows, r0, r1, b, k, ldb, c0, c, ldc, kb,
+                     cursor.data(), pack_buf.get());
       } else {
         SpmmTail<T>(csr, out_rows, r0, r1, b, ldb, c0, n, c, ldc);
       }
