@@ -69,7 +69,10 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     lib = load_library()
     with tf.name_scope(name or "SparseSplitMatMul"):
         a = tf.convert_to_tensor(a)
-        b = tf.convert_to_tensor(b, dtype_hint=a.dtype)
+        # Arrays and tensors keep their dtype (a mismatch is an error, not a
+        # silent cast); Python lists/scalars take a's dtype.
+        b = (tf.convert_to_tensor(b) if hasattr(b, "dtype")
+             else tf.convert_to_tensor(b, dtype_hint=a.dtype))
         if a.dtype not in _FLOAT_DTYPES:
             raise _invalid(
                 f"sparse_split_matmul: a must be float32 or float64, got {a.dtype.name}")
