@@ -166,18 +166,22 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
     // Row i of op(a) is physical column i; its column index is the physical
     // row. Each shard owns a range of op rows and scans the physical rows in
     // ascending order, so indices come out sorted.
-    pfor(n_rows, phys_rows * 4, [&](int64_t r0, int64_t r1) {
+    // Branch-free appends: every candidate is written, to its row's next
+    // slot while the row has room and to a scratch slot once it is full, and
+    // the cursor advances only on a nonzero.
+    pfor(n_rows, phys_rows * 2, [&](int64_t r0, int64_t r1) {
       std::vector<int64_t> cursor(rp + r0, rp + r1);
+      int32_t scratch_ci;
+      T scratch_v;
       for (int64_t k = 0; k < phys_rows; ++k) {
         const T* prow = a + k * phys_cols;
         for (int64_t r = r0; r < r1; ++r) {
           const T v = prow[rows[r]];
-          if (v != T(0)) {
-            int64_t& p = cursor[r - r0];
-            ci[p] = static_cast<int32_t>(k);
-            vals[p] = v;
-            ++p;
-          }
+          int64_t& p = cursor[r - r0];
+          const bool room = p < rp[r + 1];
+          *(room ? ci + p : &scratch_ci) = static_cast<int32_t>(k);
+          *(room ? vals + p : &scratch_v) = v;
+          p += (v != T(0));
         }
       }
     });

@@ -9,6 +9,8 @@
 // measured on this machine.
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <string>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -87,7 +89,7 @@ ParallelFor MakeParallelFor(tf::OpKernelContext* ctx) {
   };
 }
 
-// TensorFlow's own CPU "MatMul" kernel, created once per op instance and run
+// TensorFlow's own CPU MatMul kernel, created once per op instance and run
 // in-process on a sub-context: the dense part then runs exactly the GEMM
 // tf.matmul runs (TF's contraction kernel, which a custom op's plain Eigen
 // contraction cannot match: measured 2.7x slower at 1024x4096x1024).
@@ -95,21 +97,13 @@ class TfMatMul {
  public:
   absl::Status Init(tf::OpKernelConstruction* ctx, tf::DataType dtype, bool ta,
                     bool tb) {
-    tf::NodeDef def;
-    def.set_name(absl::StrCat(ctx->def().name(), "/tfss_dense_gemm_", ta, tb));
-    def.set_op("MatMul");
-    def.add_input("a");
-    def.add_input("b");
-    tf::AddNodeAttr("T", dtype, &def);
-    tf::AddNodeAttr("transpose_a", ta, &def);
-    tf::AddNodeAttr("transpose_b", tb, &def);
-    const tf::OpDef* op_def = nullptr;
-    TF_RETURN_IF_ERROR(tf::OpRegistry::Global()->LookUpOpDef("MatMul", &op_def));
-    tf::AddDefaultsToNodeDef(*op_def, &def);
-    absl::Status status;
-    kernel_ = tf::CreateOpKernel(tf::DEVICE_CPU, ctx->device(),
-                                 ctx->device()->GetAllocator({}), def,
-                                 ctx->graph_def_version(), &status);
+    // With oneDNN on (TF's default on x86, unless TF_ENABLE_ONEDNN_OPTS=0),
+    // tf.matmul in a graph runs the oneDNN kernel "_MklMatMul"; use it where
+    // it exists for this dtype, else the plain "MatMul" kernel.
+    absl::Status status = Create(ctx, "_MklMatMul", dtype, ta, tb);
+    if (!OneDnnEnabled() || !status.ok()) {
+      status = Create(ctx, "MatMul", dtype, ta, tb);
+    }
     return status;
   }
 
@@ -140,6 +134,37 @@ class TfMatMul {
   }
 
  private:
+  static bool OneDnnEnabled() {
+    const char* env = std::getenv("TF_ENABLE_ONEDNN_OPTS");
+    if (env == nullptr) return true;
+    const std::string v(env);
+    return !(v == "0" || v == "false" || v == "False" || v == "FALSE");
+  }
+
+  absl::Status Create(tf::OpKernelConstruction* ctx, const char* op,
+                      tf::DataType dtype, bool ta, bool tb) {
+    tf::NodeDef def;
+    def.set_name(absl::StrCat(ctx->def().name(), "/tfss_dense_gemm_", ta, tb));
+    def.set_op(op);
+    def.add_input("a");
+    def.add_input("b");
+    tf::AddNodeAttr("T", dtype, &def);
+    tf::AddNodeAttr("transpose_a", ta, &def);
+    tf::AddNodeAttr("transpose_b", tb, &def);
+    if (std::string(op) == "_MklMatMul") {
+      tf::AddNodeAttr("_kernel", "MklNameChangeOp", &def);
+    }
+    const tf::OpDef* op_def = nullptr;
+    TF_RETURN_IF_ERROR(tf::OpRegistry::Global()->LookUpOpDef(op, &op_def));
+    tf::AddDefaultsToNodeDef(*op_def, &def);
+    absl::Status status;
+    std::unique_ptr<tf::OpKernel> kernel = tf::CreateOpKernel(
+        tf::DEVICE_CPU, ctx->device(), ctx->device()->GetAllocator({}), def,
+        ctx->graph_def_version(), &status);
+    if (status.ok()) kernel_ = std::move(kernel);
+    return status;
+  }
+
   std::unique_ptr<tf::OpKernel> kernel_;
 };
 
@@ -153,6 +178,7 @@ struct RateModel {
   bool calibrated = false;
   double dense_rate = 0.0;
   double sparse_rate = 0.0;
+  double copy_rate = 0.0;  // elements/s gathered into a dense submatrix
 
   void Update(double* rate, double flops, double seconds) {
     // Too-small parts are dominated by fixed overheads; skip them.
@@ -285,6 +311,30 @@ class SparseSplitMatMulOp : public tf::OpKernel {
         nnz_sparse += row_nnz[i];
       }
     }
+    if (thr_in < 0 && !dense_rows.empty() && !sparse_rows.empty()) {
+      // A split gathers the dense rows and scatters their product; when the
+      // predicted saving does not cover that copy, every row goes dense.
+      double dense_rate, sparse_rate, copy_rate;
+      {
+        std::lock_guard<std::mutex> lock(rates.mu);
+        dense_rate = std::max(rates.dense_rate, 1.0);
+        sparse_rate = std::max(rates.sparse_rate, 1.0);
+        copy_rate = std::max(rates.copy_rate, 1.0);
+      }
+      const double rd_ = dense_rows.size();
+      const double all_k = (k - k_live) * 16 >= k ? k_live : k;
+      const double t_all = 2.0 * m * all_k * n / dense_rate;
+      const double t_split = 2.0 * rd_ * k_live * n / dense_rate +
+                             2.0 * nnz_sparse * n / sparse_rate +
+                             rd_ * (k_live + n) / copy_rate;
+      if (t_split >= t_all) {
+        dense_rows.resize(m);
+        for (int64_t i = 0; i < m; ++i) dense_rows[i] = i;
+        sparse_rows.clear();
+        nnz_sparse = 0;
+        thr = 0.0;
+      }
+    }
     const int64_t rd = dense_rows.size(), rs = sparse_rows.size();
     const auto t_analyzed = Clock::now();
 
@@ -375,9 +425,9 @@ class SparseSplitMatMulOp : public tf::OpKernel {
   }
 
  private:
-  // Times both paths once on synthetic data of this call's (k, n), a random
-  // op(a) of min(256, 4096 * 64 / k + 1)-ish rows at 90% sparsity against the
-  // real b, keeping the best of 3 runs each.
+  // Times both paths (and a row gather) once on synthetic data of this
+  // call's (k, n): a random op(a) of clamp(2^22 / k, 16, 256) rows at 90%
+  // sparsity against the real b, keeping the best of 3 runs each.
   absl::Status Calibrate(tf::OpKernelContext* ctx, const tf::Tensor& b,
                          int64_t k, int64_t n, const ParallelFor& pfor,
                          RateModel* model) const {
@@ -402,8 +452,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
                          bt_t.flat<T>().data(), pfor);
       bd = bt_t.flat<T>().data();
     }
-    std::vector<T> c(m * n);
-    double best_d = 1e30, best_s = 1e30;
+    std::vector<T> c(m * n), gathered(m * k);
+    double best_d = 1e30, best_s = 1e30, best_c = 1e30;
     for (int rep = 0; rep < 3; ++rep) {
       tf::Tensor product;
       const auto t0 = Clock::now();
@@ -411,13 +461,18 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       const auto t1 = Clock::now();
       CsrSpmm<T>(csr, rows.data(), m, bd, k, n, n, c.data(), n, pfor);
       const auto t2 = Clock::now();
+      GatherSubmatrix<T>(a, m, k, false, rows.data(), m, nullptr, k,
+                         gathered.data(), pfor);
+      const auto t3 = Clock::now();
       best_d = std::min(best_d, Seconds(t0, t1));
       best_s = std::min(best_s, Seconds(t1, t2));
+      best_c = std::min(best_c, Seconds(t2, t3));
     }
     std::lock_guard<std::mutex> lock(model->mu);
     if (!model->calibrated) {
       model->dense_rate = 2.0 * m * k * n / std::max(best_d, 1e-9);
       model->sparse_rate = 2.0 * nnz * n / std::max(best_s, 1e-9);
+      model->copy_rate = static_cast<double>(m) * k / std::max(best_c, 1e-9);
       model->calibrated = true;
     }
     return absl::OkStatus();
