@@ -45,8 +45,12 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       a: float32 or float64 tensor ``[M, K]`` (``[K, M]`` if ``transpose_a``).
       b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if ``transpose_b``).
       threshold: scalar row-density threshold in ``[0, 1]`` (fraction of
-        nonzeros), or negative to let the op choose it from the rates of the
-        two paths it measured on this machine. A float or a scalar tensor
+        nonzeros): rows above it go dense, rows at or below it sparse --
+        except that when the only such rows are all-zero and fewer than 1/8
+        of the rows, every row goes dense (cheaper than gathering the rest;
+        same result). Negative: the op chooses it from the rates of the two
+        paths it measured on this machine for this (K, N), and may send every
+        row dense when the split would not pay for gathering the dense rows. A float or a scalar tensor
         (e.g. a non-trainable variable a callback assigns).
       transpose_a: if True, multiply by ``a^T``.
       transpose_b: if True, multiply by ``b^T``.

@@ -311,6 +311,15 @@ class SparseSplitMatMulOp : public tf::OpKernel {
         nnz_sparse += row_nnz[i];
       }
     }
+    if (!dense_rows.empty() && nnz_sparse == 0 &&
+        static_cast<int64_t>(sparse_rows.size()) * 8 < m) {
+      // The only "sparse" rows are a few all-zero ones: multiplying them
+      // densely is cheaper than gathering every other row around them, and
+      // gives the same (zero) rows.
+      dense_rows.resize(m);
+      for (int64_t i = 0; i < m; ++i) dense_rows[i] = i;
+      sparse_rows.clear();
+    }
     if (thr_in < 0 && !dense_rows.empty() && !sparse_rows.empty()) {
       // A split gathers the dense rows and scatters their product; when the
       // predicted saving does not cover that copy, every row goes dense.
