@@ -348,10 +348,22 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const auto t_analyzed = Clock::now();
 
     // --- Dense part. --------------------------------------------------------
-    // Compaction costs a gather of op(a) and op(b); when rows are gathered
-    // anyway it is nearly free, otherwise require enough dead columns.
-    const bool compact =
-        rd > 0 && k_live < k && (rd < m || (k - k_live) * 16 >= k);
+    // Compaction saves 2 * rd * (k - k_live) * n flops and costs a gather of
+    // the live rows of op(b) (and of op(a) when its rows are not gathered
+    // anyway): decided with the measured rates once calibrated, else by a
+    // fixed rule (at least 1/16 of the columns dead).
+    bool compact = rd > 0 && k_live < k;
+    if (compact) {
+      std::lock_guard<std::mutex> lock(rates.mu);
+      if (rates.calibrated) {
+        const double saved = 2.0 * rd * (k - k_live) * n / rates.dense_rate;
+        const double copied =
+            static_cast<double>(k_live) * n + (rd == m ? rd * k_live : 0.0);
+        compact = saved > copied / rates.copy_rate;
+      } else {
+        compact = rd < m || (k - k_live) * 16 >= k;
+      }
+    }
     const int64_t kc = compact ? k_live : k;
     tf::Tensor* out = nullptr;
     if (rd < m) {
