@@ -173,7 +173,10 @@ def test_stats_are_readable_and_match_the_input():
     layer(x)
     s = layer.latest_stats()
     nonzero_rows = int(np.count_nonzero(np.count_nonzero(x, axis=1)))
-    assert s["rows_dense"] == nonzero_rows
+    # Threshold 0 sends the nonzero rows dense; a few (< 1/8) all-zero rows
+    # go dense with them rather than forcing a gather (see the op's doc).
+    zero_rows = 48 - nonzero_rows
+    assert s["rows_dense"] == (48 if zero_rows * 8 < 48 else nonzero_rows)
     assert s["rows_dense"] + s["rows_sparse"] == 48
 
     acc = layer.accumulated_stats()
