@@ -19,14 +19,27 @@ Environment variables:
 * ``TFSS_MARCH``: the ``-march`` value (default ``native``: the machine that
   builds is the machine that runs; set e.g. ``x86-64-v3`` for a portable
   build). ``TFSS_MARCH=none`` passes no ``-march`` at all.
-* ``TFSS_WITH_CUDA``: ``auto`` (default), ``0`` or ``1``. CUDA kernels are
-  only built into the op library for a CUDA-enabled TensorFlow; with
-  ``tensorflow-cpu`` the CPU build is used and this is reported.
+* ``TFSS_WITH_CUDA``: ``auto`` (default), ``0`` or ``1``. ``auto`` builds the
+  CUDA kernels into the op library only when ``nvcc`` is found (``NVCC``,
+  else ``PATH``, else ``/usr/local/cuda/bin/nvcc``) AND the installed
+  TensorFlow is a CUDA build (``tf.sysconfig.get_build_info()
+  ["is_cuda_build"]``); with ``tensorflow-cpu`` it builds CPU-only and says
+  so. ``1`` requires both and fails with a message otherwise; ``0`` never
+  builds them. A CUDA build compiles ``cc/kernels/**/*.cu.cc`` and
+  ``cc/ops/**/*.cu.cc`` with nvcc (``-x cu -std=c++17 -O3``, SASS for
+  ``TFSS_CUDA_ARCH``, default ``90``, plus ``compute_80`` PTX,
+  ``-Xcompiler -fPIC``, TensorFlow's include flags), links the objects and
+  ``-lcudart`` into the op library, and compiles its ``.cc`` files with
+  ``-DGOOGLE_CUDA=1`` (which enables the GPU kernels in
+  ``cc/ops/*_gpu.cc``). ``CUDA_HOME`` (default: the directory above nvcc's
+  ``bin``) gives the CUDA headers and ``libcudart``.
 """
 
 import glob
 import os
 import platform
+import shutil
+import subprocess
 import sys
 
 from setuptools import Extension, find_packages, setup
@@ -97,6 +110,85 @@ def _isa_of(flags):
     return ", ".join(found) or "scalar"
 
 
+def _find_nvcc():
+    """Path of nvcc (NVCC, else PATH, else /usr/local/cuda/bin), or None."""
+    env = os.environ.get("NVCC")
+    if env and os.access(env, os.X_OK):
+        return env
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = "/usr/local/cuda/bin/nvcc"
+    return default if os.access(default, os.X_OK) else None
+
+
+def _cuda_mode(tf):
+    """Decides TFSS_WITH_CUDA: returns (nvcc path or None, description)."""
+    mode = os.environ.get("TFSS_WITH_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        _fail(f"TFSS_WITH_CUDA must be auto, 0 or 1, got {mode!r}.")
+    if mode == "0":
+        return None, "no (TFSS_WITH_CUDA=0)"
+    nvcc = _find_nvcc()
+    is_cuda_tf = bool(tf.sysconfig.get_build_info().get("is_cuda_build"))
+    if mode == "1":
+        if not is_cuda_tf:
+            _fail("TFSS_WITH_CUDA=1 but this TensorFlow is not a CUDA build "
+                  "(tf.sysconfig.get_build_info()['is_cuda_build'] is False, "
+                  "e.g. tensorflow-cpu): GPU kernels could never be loaded "
+                  "into it. Install `tensorflow[and-cuda]==2.21.*` or use "
+                  "TFSS_WITH_CUDA=0/auto.")
+        if nvcc is None:
+            _fail("TFSS_WITH_CUDA=1 but nvcc was not found (looked at $NVCC, "
+                  "PATH and /usr/local/cuda/bin/nvcc). Install the CUDA "
+                  "toolkit or set NVCC, or use TFSS_WITH_CUDA=0/auto.")
+    if not is_cuda_tf:
+        return None, ("no (TFSS_WITH_CUDA=auto: this TensorFlow is CPU-only, "
+                      "is_cuda_build=False)")
+    if nvcc is None:
+        return None, "no (TFSS_WITH_CUDA=auto: nvcc not found)"
+    return nvcc, f"yes ({nvcc})"
+
+
+def _cuda_home(nvcc):
+    return os.environ.get("CUDA_HOME") or os.path.dirname(
+        os.path.dirname(os.path.realpath(nvcc)))
+
+
+def _cuda_sources():
+    """Device code compiled by nvcc (the standalone harness under cc/tests is
+    not part of the op library)."""
+    return sorted(glob.glob("cc/kernels/**/*.cu.cc", recursive=True) +
+                  glob.glob("cc/ops/**/*.cu.cc", recursive=True))
+
+
+def _nvcc_command(nvcc, src, obj, tf_flags):
+    arch = os.environ.get("TFSS_CUDA_ARCH", "90").strip()
+    # TF's flags minus those nvcc does not take as they are (--std=...).
+    keep = [f for f in tf_flags if f.startswith(("-I", "-D"))]
+    return [nvcc, "-x", "cu", "-std=c++17", "-O3",
+            "-gencode", f"arch=compute_{arch},code=sm_{arch}",
+            "-gencode", "arch=compute_80,code=compute_80",
+            "-Xcompiler", "-fPIC", "-DGOOGLE_CUDA=1", "-I.", *keep,
+            "-c", src, "-o", obj]
+
+
+def _compile_cuda(nvcc, build_temp, tf_flags):
+    """nvcc-compiles every CUDA source; returns the object paths."""
+    objs = []
+    for src in _cuda_sources():
+        obj = os.path.join(build_temp, "cuda", src.replace("/", "_") + ".o")
+        os.makedirs(os.path.dirname(obj), exist_ok=True)
+        cmd = _nvcc_command(nvcc, src, obj, tf_flags)
+        print("tf_sparse_split: " + " ".join(cmd), flush=True)
+        try:
+            subprocess.run(cmd, check=True)
+        except subprocess.CalledProcessError as e:
+            _fail(f"nvcc failed on {src} (exit status {e.returncode}).")
+        objs.append(obj)
+    return objs
+
+
 class BuildExt(build_ext):
     """Fills in TensorFlow's flags at build time (not at import of setup.py,
     so `setup.py --version` etc. work without TensorFlow)."""
@@ -110,14 +202,10 @@ class BuildExt(build_ext):
             march.append("-mno-avx512fp16")
             march_desc += " -mno-avx512fp16"
         isa = _isa_of(march)
-        cuda = os.environ.get("TFSS_WITH_CUDA", "auto").lower()
-        is_cuda_tf = bool(tf.sysconfig.get_build_info().get("is_cuda_build"))
-        if cuda == "1" and not is_cuda_tf:
-            _fail("TFSS_WITH_CUDA=1 but this TensorFlow is not a CUDA build; "
-                  "install `tensorflow[and-cuda]==2.21.*` or use TFSS_WITH_CUDA=0.")
+        nvcc, cuda_desc = _cuda_mode(tf)
         print(f"tf_sparse_split: building against TensorFlow {tf.__version__} "
               f"with {march_desc} -> instruction sets: {isa}; CUDA kernels in "
-              f"op library: {'no (CPU-only TensorFlow)' if not is_cuda_tf else 'no (not yet wired)'}")
+              f"op library: {cuda_desc}", flush=True)
         common = ["-O3", "-std=c++17", "-fPIC", "-Wno-sign-compare", *march]
         for ext in self.extensions:
             if ext.name.endswith("_sparse_split_ops"):
@@ -125,6 +213,22 @@ class BuildExt(build_ext):
                     *common, *tf.sysconfig.get_compile_flags(),
                     "-Wno-deprecated-declarations", "-Wno-unused-result"]
                 ext.extra_link_args = [*tf.sysconfig.get_link_flags()]
+                if nvcc is not None:
+                    cuda_home = _cuda_home(nvcc)
+                    ext.extra_objects = _compile_cuda(
+                        nvcc, self.build_temp, tf.sysconfig.get_compile_flags())
+                    ext.extra_compile_args += [
+                        "-DGOOGLE_CUDA=1", f"-I{os.path.join(cuda_home, 'include')}"]
+                    libdirs = [d for d in (os.path.join(cuda_home, "lib64"),
+                                           os.path.join(cuda_home, "lib"))
+                               if os.path.isdir(d)]
+                    ext.extra_link_args += [
+                        *(f"-L{d}" for d in libdirs),
+                        *(f"-Wl,-rpath,{d}" for d in libdirs), "-lcudart"]
+                    print("tf_sparse_split: op library gets -DGOOGLE_CUDA=1, "
+                          f"{len(ext.extra_objects)} nvcc object(s), -lcudart "
+                          f"from {', '.join(libdirs) or '(default path)'}",
+                          flush=True)
             else:
                 import pybind11
 
@@ -143,7 +247,7 @@ class BuildExt(build_ext):
                 f.write(f"TF_VERSION = {tf.__version__!r}\n")
                 f.write(f"MARCH = {march_desc!r}\n")
                 f.write(f"ISA = {isa!r}\n")
-                f.write(f"CUDA = {is_cuda_tf and cuda != '0'!r}\n")
+                f.write(f"CUDA = {nvcc is not None!r}\n")
         if self.parallel is None:
             self.parallel = os.cpu_count() or 1
         super().build_extensions()

@@ -1,10 +1,40 @@
 """Python wrappers of the sparse-split ops and their registered gradients."""
 
+import threading
+import warnings
+
+import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
 
 _FLOAT_DTYPES = (tf.float32, tf.float64)
+
+_no_gpu_warned = False
+_no_gpu_lock = threading.Lock()
+
+
+def _warn_if_no_gpu():
+    """Warns once per process that heterogeneous=True has no GPU to use.
+
+    Called when a ``heterogeneous=True`` op is created (eagerly: each call;
+    under ``tf.function``: at tracing). Only the first time in the process
+    warns; the op then runs the normal CPU split and records
+    ``stats.HETERO_CPU_FALLBACK`` in its statistics.
+    """
+    global _no_gpu_warned
+    if _no_gpu_warned or tf.config.list_physical_devices("GPU"):
+        return
+    with _no_gpu_lock:
+        if _no_gpu_warned:
+            return
+        _no_gpu_warned = True
+    warnings.warn(
+        "tf_sparse_split: heterogeneous=True needs a GPU (dense rows on the "
+        "GPU, sparse rows on the CPU), but TensorFlow sees none; the op runs "
+        "the normal CPU split instead (same results; stats entry "
+        "HETEROGENEOUS = HETERO_CPU_FALLBACK). This warning is shown once.",
+        RuntimeWarning, stacklevel=3)
 
 
 def _invalid(msg):
@@ -19,7 +49,8 @@ def _as_threshold(threshold):
 
 
 def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
-                        transpose_b=False, return_stats=False, name=None):
+                        transpose_b=False, return_stats=False, name=None,
+                        heterogeneous=False):
     """Matrix product ``op(a) @ op(b)`` that skips the zeros of ``a``.
 
     The rows of ``op(a)`` (the activation operand) whose density -- the
@@ -31,6 +62,17 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     rounding at any threshold; only the speed changes. Method: K.-Y. Peng,
     *Adaptive runtime exploiting sparsity in tensor of deep learning on
     heterogeneous systems*, NTU 2017 (split by run-time density statistics).
+
+    Heterogeneous split (``heterogeneous=True``, Peng 2017): on the GPU
+    kernel the sparse rows are copied to host memory and multiplied by the
+    CPU SpMM on TensorFlow's CPU thread pool while the dense rows run on the
+    GPU (cuBLAS through TF's MatMul kernel); the two overlap, and the result
+    is merged on the GPU. The answer is the same. Without a GPU the op runs
+    on its CPU kernel, which does the normal CPU split (identical results to
+    ``heterogeneous=False``) and records ``stats.HETERO_CPU_FALLBACK`` in the
+    ``stats.HETEROGENEOUS`` entry; the first such op created in a process
+    with no visible GPU also issues a ``RuntimeWarning`` (once per process).
+    The gradient's sparse product inherits the flag.
 
     Gradients are registered for ``a`` and ``b``; the one for ``b``
     (``op(a)^T @ dY``) runs through this op with ``a`` as its sparse operand,
@@ -56,6 +98,8 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       transpose_b: if True, multiply by ``b^T``.
       return_stats: if True, also return the per-call statistics.
       name: optional op name.
+      heterogeneous: bool; if True, dense rows on the GPU and sparse rows on
+        the CPU, overlapped (see above). Default False.
 
     Returns:
       The product ``[M, N]`` of the inputs' dtype; with ``return_stats``, a
@@ -70,7 +114,13 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       ValueError: for rank/shape errors detected while tracing a
         ``tf.function`` (shape inference).
     """
+    if not isinstance(heterogeneous, (bool, np.bool_)):
+        raise TypeError(
+            f"heterogeneous must be a bool, got {heterogeneous!r}")
+    heterogeneous = bool(heterogeneous)
     lib = load_library()
+    if heterogeneous:
+        _warn_if_no_gpu()
     with tf.name_scope(name or "SparseSplitMatMul"):
         a = tf.convert_to_tensor(a)
         # Arrays and tensors keep their dtype (a mismatch is an error, not a
@@ -85,7 +135,7 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
                 f"sparse_split_matmul: b has dtype {b.dtype.name} but a has {a.dtype.name}")
         product, stats = lib.sparse_split_mat_mul(
             a, b, _as_threshold(threshold), transpose_a=transpose_a,
-            transpose_b=transpose_b)
+            transpose_b=transpose_b, heterogeneous=heterogeneous)
     return (product, stats) if return_stats else product
 
 
@@ -95,10 +145,12 @@ def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
     a, b, threshold = op.inputs
     ta = op.get_attr("transpose_a")
     tb = op.get_attr("transpose_b")
+    hetero = op.get_attr("heterogeneous")
     lib = load_library()
 
     def sparse(x, y, transpose_a):
-        return lib.sparse_split_mat_mul(x, y, threshold, transpose_a=transpose_a)[0]
+        return lib.sparse_split_mat_mul(x, y, threshold, transpose_a=transpose_a,
+                                        heterogeneous=hetero)[0]
 
     if not ta and not tb:    # C = A B
         grad_a = tf.matmul(grad, b, transpose_b=True)

@@ -19,6 +19,10 @@ M, K, N             the problem size: op(a) is [M, K], op(b) is [K, N]
 NNZ_SPARSE          nonzeros in the rows sent to the SpMM
 HISTOGRAM           slice: rows of op(a) per row-density bin, DENSITY_BINS
                     equal bins over [0, 1] (a density of 1.0 is in the last)
+HETEROGENEOUS       heterogeneous split: HETERO_OFF (not requested),
+                    HETERO_RAN (GPU kernel: dense rows on the GPU, sparse
+                    rows on the CPU) or HETERO_CPU_FALLBACK (requested, but
+                    the CPU kernel ran the normal CPU split)
 ==================  =====================================================
 
 Density of a row is ``nnz(row) / K``; sparsity is ``1 - density``.
@@ -38,12 +42,17 @@ N = 10
 NNZ_SPARSE = 11
 DENSITY_BINS = 16
 HISTOGRAM = slice(12, 12 + DENSITY_BINS)
-NUM_STATS = 12 + DENSITY_BINS
+HETEROGENEOUS = 12 + DENSITY_BINS
+NUM_STATS = 13 + DENSITY_BINS
+
+HETERO_OFF = 0.0
+HETERO_RAN = 1.0
+HETERO_CPU_FALLBACK = 2.0
 
 NAMES = (
     "rows_dense", "rows_sparse", "nnz", "zero_cols_skipped", "time_dense",
     "time_sparse", "time_analyze", "threshold", "m", "k", "n", "nnz_sparse",
-) + tuple(f"hist_{i}" for i in range(DENSITY_BINS))
+) + tuple(f"hist_{i}" for i in range(DENSITY_BINS)) + ("heterogeneous",)
 
 
 def as_dict(stats):
@@ -54,6 +63,7 @@ def as_dict(stats):
 
     Returns:
       dict from the names in :data:`NAMES` (without the histogram) to floats,
+      including ``"heterogeneous"``,
       plus ``"histogram"``: a list of ``DENSITY_BINS`` row counts and
       ``"sparsity"``: the fraction of zeros in op(a) (``nan`` if it is empty).
 
@@ -67,6 +77,7 @@ def as_dict(stats):
         raise ValueError(f"expected {NUM_STATS} statistics, got {v.shape[0]}")
     out = {name: float(v[i]) for i, name in enumerate(NAMES[:12])}
     out["histogram"] = [float(x) for x in v[HISTOGRAM]]
+    out["heterogeneous"] = float(v[HETEROGENEOUS])
     elems = v[M] * v[K]
     out["sparsity"] = float(1.0 - v[NNZ] / elems) if elems > 0 else float("nan")
     return out

@@ -127,8 +127,18 @@ enum StatIndex : int {
   kStatN = 10,              // n: columns of op(b)
   kStatNnzSparse = 11,      // nonzeros in the rows sent sparse
   kStatHistogram = 12,      // [12, 12 + kDensityBins): rows per density bin
-  kNumStats = 12 + kDensityBins,
+  // Heterogeneous split (attr heterogeneous): kHeteroOff, kHeteroRan or
+  // kHeteroCpuFallback below.
+  kStatHeterogeneous = 12 + kDensityBins,
+  kNumStats = 13 + kDensityBins,
 };
+
+// Values of stats[kStatHeterogeneous].
+constexpr double kHeteroOff = 0.0;          // not requested
+constexpr double kHeteroRan = 1.0;          // GPU kernel: dense rows on the
+                                            // GPU, sparse rows on the CPU
+constexpr double kHeteroCpuFallback = 2.0;  // requested, but the CPU kernel
+                                            // ran: the normal CPU split
 
 }  // namespace tf_sparse_split
 

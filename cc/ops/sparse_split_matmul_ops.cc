@@ -42,6 +42,7 @@ REGISTER_OP("SparseSplitMatMul")
     .Attr("transpose_a: bool = false")
     .Attr("transpose_b: bool = false")
     .Attr("T: {float, double}")
+    .Attr("heterogeneous: bool = false")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle a, b, thr;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &a));
@@ -69,7 +70,10 @@ threshold: scalar float32 row-density threshold in [0, 1]; rows of op(a)
   with density above it go to a dense GEMM, the rest to a CSR SpMM. A
   negative value chooses it automatically. The answer does not depend on it.
 product: [m, n].
-stats: float64 [28] per-call statistics (see tf_sparse_split/stats.py).
+heterogeneous: on the GPU kernel, multiply the sparse rows on the CPU (copied
+  to host memory) while the dense rows run on the GPU (Peng 2017). The CPU
+  kernel ignores it (normal CPU split) and records stats[28] = 2.
+stats: float64 [29] per-call statistics (see tf_sparse_split/stats.py).
 )doc");
 
 namespace {
@@ -206,6 +210,9 @@ class SparseSplitMatMulOp : public tf::OpKernel {
   explicit SparseSplitMatMulOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_a", &ta_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
+    // No GPU in this kernel: a heterogeneous split falls back to the normal
+    // CPU split (same result) and says so in the statistics.
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("heterogeneous", &hetero_));
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
     // op(a) as given; gathered rows of op(a) with op(b) as given; gathered
     // rows and compacted columns (op(b) gathered too, never transposed).
@@ -259,6 +266,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     stats[kStatK] = k;
     stats[kStatN] = n;
     stats[kStatThreshold] = thr_in < 0 ? 0.0 : thr_in;
+    stats[kStatHeterogeneous] = hetero_ ? kHeteroCpuFallback : kHeteroOff;
     const tf::TensorShape out_shape({m, n});
     if (m == 0 || n == 0 || k == 0) {
       tf::Tensor* out = nullptr;
@@ -499,7 +507,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     return absl::OkStatus();
   }
 
-  bool ta_ = false, tb_ = false;
+  bool ta_ = false, tb_ = false, hetero_ = false;
   TfMatMul gemm_direct_, gemm_gathered_, gemm_compacted_;
 };
 

@@ -1,0 +1,533 @@
+// SparseSplitMatMul: GPU kernel (layer 2 of DESIGN.md, GPU side).
+//
+// Compiled into the op library only for a CUDA TensorFlow (setup.py defines
+// GOOGLE_CUDA=1 and links the nvcc objects of cc/kernels/cuda and -lcudart);
+// in a CPU-only build this file is an empty translation unit.
+//
+// Same contract as the CPU kernel in sparse_split_matmul_ops.cc: product =
+// op(a) * op(b), rows of op(a) with density above the threshold go to a dense
+// GEMM (TensorFlow's own GPU "MatMul" kernel, i.e. cuBLAS, run in-process on
+// a sub-context on the op's stream), the other rows to the CUDA CSR SpMM of
+// cc/kernels/cuda, and all-zero columns of op(a) are compacted away from the
+// dense part. Everything is enqueued on the op's CUDA stream (taken from the
+// TF GPU device context, as TF's own GPU kernels do); the host waits twice:
+// for the row/column counts (the split is decided on the host) and at the
+// end (the statistics, host-memory output, carry the parts' times).
+//
+// heterogeneous = true (K.-Y. Peng, NTU 2017): the sparse rows are gathered
+// on the GPU and copied to pinned host memory together with b, multiplied by
+// the CPU CSR SpMM of cc/kernels on TF's CPU thread pool while the GPU runs
+// the dense rows, then copied back and scattered into the output. The dense
+// GEMM and the CPU SpMM overlap; TIME_DENSE is the GPU time of the dense part
+// (CUDA events), TIME_SPARSE the host time from enqueueing the copies to the
+// end of the CPU SpMM (it includes the device-to-host transfer).
+//
+// A negative threshold picks the split from the rates this kernel measured
+// for the problem family (dtype, k, n, transpose_b, heterogeneous): until the
+// dense rate is known every nonzero row goes dense, then one call sends every
+// row sparse to measure the sparse rate, then the threshold is
+// (sparse rate / dense rate) * k_live / k as in the CPU kernel.
+#if GOOGLE_CUDA
+
+#define EIGEN_USE_GPU
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cc/kernels/cuda/sparse_matmul_cuda.h"
+#include "cc/kernels/sparse_matmul.h"
+#include "tensorflow/core/framework/node_def_util.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "unsupported/Eigen/CXX11/Tensor"
+
+namespace tf_sparse_split {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using GPUDevice = Eigen::GpuDevice;
+
+absl::Status CudaStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return tf::errors::Internal("SparseSplitMatMul (GPU): ", what, " failed: ",
+                              cudaGetErrorName(err), ": ",
+                              cudaGetErrorString(err));
+}
+
+#define TFSS_CUDA_OK(ctx, expr) OP_REQUIRES_OK(ctx, CudaStatus((expr), #expr))
+
+// Pinned (page-locked) host memory through TF's allocator, for async copies.
+tf::AllocatorAttributes PinnedHost() {
+  tf::AllocatorAttributes attr;
+  attr.set_on_host(true);
+  attr.set_gpu_compatible(true);
+  return attr;
+}
+
+// A CUDA event destroyed with its owner.
+struct Event {
+  cudaEvent_t ev = nullptr;
+  cudaError_t Create() { return cudaEventCreate(&ev); }
+  ~Event() {
+    if (ev != nullptr) cudaEventDestroy(ev);
+  }
+};
+
+double ElapsedSeconds(const Event& a, const Event& b) {
+  float ms = 0.f;
+  if (cudaEventElapsedTime(&ms, a.ev, b.ev) != cudaSuccess) return 0.0;
+  return ms * 1e-3;
+}
+
+// TensorFlow's own GPU MatMul kernel (cuBLAS), created once per op instance
+// and run in-process on a sub-context that shares the op's device context,
+// hence its stream: its work is ordered with ours without synchronisation.
+class GpuMatMul {
+ public:
+  absl::Status Init(tf::OpKernelConstruction* ctx, tf::DataType dtype, bool ta,
+                    bool tb) {
+    tf::NodeDef def;
+    def.set_name(absl::StrCat(ctx->def().name(), "/tfss_gpu_gemm_", ta, tb));
+    def.set_op("MatMul");
+    def.add_input("a");
+    def.add_input("b");
+    tf::AddNodeAttr("T", dtype, &def);
+    tf::AddNodeAttr("transpose_a", ta, &def);
+    tf::AddNodeAttr("transpose_b", tb, &def);
+    const tf::OpDef* op_def = nullptr;
+    TF_RETURN_IF_ERROR(tf::OpRegistry::Global()->LookUpOpDef("MatMul", &op_def));
+    tf::AddDefaultsToNodeDef(*op_def, &def);
+    absl::Status status;
+    kernel_ = tf::CreateOpKernel(tf::DEVICE_GPU, ctx->device(),
+                                 ctx->device()->GetAllocator({}), def,
+                                 ctx->graph_def_version(), &status);
+    return status;
+  }
+
+  // *out = op(a) * op(b) as a new device tensor (enqueued on the stream).
+  absl::Status Run(tf::OpKernelContext* ctx, const tf::Tensor& a,
+                   const tf::Tensor& b, tf::Tensor* out) const {
+    tf::TensorValue inputs[2] = {tf::TensorValue(const_cast<tf::Tensor*>(&a)),
+                                 tf::TensorValue(const_cast<tf::Tensor*>(&b))};
+    tf::AllocatorAttributes in_attrs[2];
+    tf::AllocatorAttributes out_attr;
+    tf::OpKernelContext::Params p;
+    p.device = ctx->device();
+    p.op_kernel = kernel_.get();
+    p.op_device_context = ctx->op_device_context();
+    p.inputs = absl::MakeConstSpan(inputs, 2);
+    p.input_alloc_attrs = absl::MakeConstSpan(in_attrs, 2);
+    p.output_attr_array = &out_attr;
+    p.runner = ctx->runner();
+    p.step_container = ctx->step_container();
+    p.resource_manager = ctx->resource_manager();
+    p.function_library = ctx->function_library();
+    p.cancellation_manager = ctx->cancellation_manager();
+    p.frame_iter = ctx->frame_iter();
+    // The sub-context's constructor makes its Eigen GPU device from
+    // p.op_device_context (the same stream); ~Params frees it.
+    tf::OpKernelContext sub(&p, 1);
+    kernel_->Compute(&sub);
+    TF_RETURN_IF_ERROR(sub.status());
+    *out = *sub.mutable_output(0);
+    return absl::OkStatus();
+  }
+
+ private:
+  std::unique_ptr<tf::OpKernel> kernel_;
+};
+
+// Measured rates of one problem family on this GPU (flop/s); EMA of calls.
+struct GpuRates {
+  std::mutex mu;
+  double dense_rate = 0.0;
+  double sparse_rate = 0.0;
+
+  void Update(double* rate, double flops, double seconds) {
+    if (flops < 2e7 || seconds <= 0.0) return;  // overhead-dominated
+    const double r = flops / seconds;
+    std::lock_guard<std::mutex> lock(mu);
+    *rate = *rate > 0.0 ? 0.8 * *rate + 0.2 * r : r;
+  }
+};
+
+GpuRates& RatesFor(tf::DataType dtype, int64_t k, int64_t n, bool tb,
+                   bool hetero) {
+  static std::mutex* mu = new std::mutex;
+  static auto* models =
+      new std::map<std::tuple<int, int64_t, int64_t, bool, bool>, GpuRates>;
+  std::lock_guard<std::mutex> lock(*mu);
+  return (*models)[std::make_tuple(static_cast<int>(dtype), k, n, tb, hetero)];
+}
+
+ParallelFor HostParallelFor(tf::OpKernelContext* ctx) {
+  // A GPU device (a LocalDevice) carries TF's intra-op CPU thread pool too.
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [pool](int64_t total, int64_t cost,
+                const std::function<void(int64_t, int64_t)>& fn) {
+    if (total <= 0) return;
+    pool->ParallelFor(total, cost, fn);
+  };
+}
+
+}  // namespace
+
+template <typename T>
+class SparseSplitMatMulGpuOp : public tf::OpKernel {
+ public:
+  explicit SparseSplitMatMulGpuOp(tf::OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_a", &ta_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("heterogeneous", &hetero_));
+    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
+    OP_REQUIRES_OK(ctx, gemm_direct_.Init(ctx, dt, ta_, tb_));
+    OP_REQUIRES_OK(ctx, gemm_gathered_.Init(ctx, dt, false, tb_));
+    OP_REQUIRES_OK(ctx, gemm_compacted_.Init(ctx, dt, false, false));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const auto t_start = Clock::now();
+    const tf::Tensor& a = ctx->input(0);
+    const tf::Tensor& b = ctx->input(1);
+    const tf::Tensor& thr_t = ctx->input(2);  // host memory
+    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsMatrix(a.shape()),
+                tf::errors::InvalidArgument(
+                    "SparseSplitMatMul: a must be a matrix (rank 2), got shape ",
+                    a.shape().DebugString()));
+    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsMatrix(b.shape()),
+                tf::errors::InvalidArgument(
+                    "SparseSplitMatMul: b must be a matrix (rank 2), got shape ",
+                    b.shape().DebugString()));
+    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(thr_t.shape()),
+                tf::errors::InvalidArgument(
+                    "SparseSplitMatMul: threshold must be a scalar, got shape ",
+                    thr_t.shape().DebugString()));
+    const float thr_in = thr_t.scalar<float>()();
+    OP_REQUIRES(ctx, !std::isnan(thr_in) && thr_in <= 1.0f,
+                tf::errors::InvalidArgument(
+                    "SparseSplitMatMul: threshold must be in [0, 1] or negative "
+                    "(automatic), got ", thr_in));
+    const int64_t m = a.dim_size(ta_ ? 1 : 0), k = a.dim_size(ta_ ? 0 : 1);
+    const int64_t kb = b.dim_size(tb_ ? 1 : 0), n = b.dim_size(tb_ ? 0 : 1);
+    OP_REQUIRES(
+        ctx, k == kb,
+        tf::errors::InvalidArgument(
+            "SparseSplitMatMul: inner dimensions differ: a shape ",
+            a.shape().DebugString(), " (transpose_a=", ta_, ") and b shape ",
+            b.shape().DebugString(), " (transpose_b=", tb_, ") give ", k,
+            " vs ", kb));
+    OP_REQUIRES(ctx, k < (int64_t{1} << 31),
+                tf::errors::InvalidArgument(
+                    "SparseSplitMatMul: inner dimension ", k,
+                    " exceeds the 2^31-1 supported by the CSR indices"));
+
+    tf::Tensor* stats_t = nullptr;  // host memory
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({kNumStats}),
+                                             &stats_t));
+    double* stats = stats_t->flat<double>().data();
+    std::fill(stats, stats + kNumStats, 0.0);
+    stats[kStatM] = m;
+    stats[kStatK] = k;
+    stats[kStatN] = n;
+    stats[kStatThreshold] = thr_in < 0 ? 0.0 : thr_in;
+    stats[kStatHeterogeneous] = hetero_ ? kHeteroRan : kHeteroOff;
+    const cudaStream_t stream = ctx->eigen_device<GPUDevice>().stream();
+    const tf::TensorShape out_shape({m, n});
+    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
+    if (m == 0 || n == 0 || k == 0) {
+      tf::Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+      if (m * n > 0) {
+        TFSS_CUDA_OK(ctx, cudaMemsetAsync(out->flat<T>().data(), 0,
+                                          sizeof(T) * m * n, stream));
+      }
+      stats[kStatRowsSparse] = m;
+      if (m > 0) stats[kStatHistogram] = m;
+      return;
+    }
+    const T* a_ptr = a.flat<T>().data();
+    const T* b_ptr = b.flat<T>().data();
+    const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
+    const int64_t b_rows = b.dim_size(0), b_cols = b.dim_size(1);
+
+    // --- Analysis: counts on the GPU, the split decided on the host. -------
+    tf::Tensor counts_d, counts_h;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64,
+                                           tf::TensorShape({m + k}), &counts_d));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64,
+                                           tf::TensorShape({m + k}), &counts_h,
+                                           PinnedHost()));
+    int64_t* row_nnz_d = counts_d.flat<int64_t>().data();
+    TFSS_CUDA_OK(ctx, CountNonzerosGpu<T>(a_ptr, a_rows, a_cols, ta_, row_nnz_d,
+                                          row_nnz_d + m, nullptr, stream));
+    const int64_t* row_nnz = counts_h.flat<int64_t>().data();
+    const int64_t* col_nnz = row_nnz + m;
+    TFSS_CUDA_OK(ctx, cudaMemcpyAsync(counts_h.flat<int64_t>().data(), row_nnz_d,
+                                      sizeof(int64_t) * (m + k),
+                                      cudaMemcpyDeviceToHost, stream));
+    TFSS_CUDA_OK(ctx, cudaStreamSynchronize(stream));
+    int64_t nnz = 0;
+    for (int64_t i = 0; i < m; ++i) nnz += row_nnz[i];
+    std::vector<int64_t> live_cols;
+    live_cols.reserve(k);
+    for (int64_t j = 0; j < k; ++j)
+      if (col_nnz[j] != 0) live_cols.push_back(j);
+    const int64_t k_live = static_cast<int64_t>(live_cols.size());
+
+    GpuRates& rates = RatesFor(dt, k, n, tb_, hetero_);
+    double thr = thr_in;
+    if (thr_in < 0) {
+      double dense_rate, sparse_rate;
+      {
+        std::lock_guard<std::mutex> lock(rates.mu);
+        dense_rate = rates.dense_rate;
+        sparse_rate = rates.sparse_rate;
+      }
+      if (dense_rate <= 0.0) {
+        thr = 0.0;  // explore: every nonzero row dense
+      } else if (sparse_rate <= 0.0) {
+        thr = 1.0;  // explore: every row sparse
+      } else {
+        thr = std::min(1.0, std::max(0.0, sparse_rate / dense_rate * k_live /
+                                              static_cast<double>(k)));
+      }
+    }
+    std::vector<int64_t> dense_rows, sparse_rows;
+    dense_rows.reserve(m);
+    sparse_rows.reserve(m);
+    int64_t nnz_sparse = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      const double density = static_cast<double>(row_nnz[i]) / k;
+      stats[kStatHistogram + DensityBin(density)] += 1;
+      if (density > thr) {
+        dense_rows.push_back(i);
+      } else {
+        sparse_rows.push_back(i);
+        nnz_sparse += row_nnz[i];
+      }
+    }
+    const int64_t rd = dense_rows.size(), rs = sparse_rows.size();
+    const bool compact =
+        rd > 0 && k_live < k && (rd < m || (k - k_live) * 16 >= k);
+    const int64_t kc = compact ? k_live : k;
+
+    // Row and column index lists on the device: [dense | sparse | live].
+    const int64_t n_idx = rd + rs + (compact ? kc : 0);
+    tf::Tensor idx_h, idx_d;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64,
+                                           tf::TensorShape({n_idx}), &idx_h,
+                                           PinnedHost()));
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64,
+                                           tf::TensorShape({n_idx}), &idx_d));
+    int64_t* ih = idx_h.flat<int64_t>().data();
+    std::copy(dense_rows.begin(), dense_rows.end(), ih);
+    std::copy(sparse_rows.begin(), sparse_rows.end(), ih + rd);
+    if (compact) std::copy(live_cols.begin(), live_cols.end(), ih + rd + rs);
+    TFSS_CUDA_OK(ctx, cudaMemcpyAsync(idx_d.flat<int64_t>().data(), ih,
+                                      sizeof(int64_t) * n_idx,
+                                      cudaMemcpyHostToDevice, stream));
+    const int64_t* dense_rows_d = idx_d.flat<int64_t>().data();
+    const int64_t* sparse_rows_d = dense_rows_d + rd;
+    const int64_t* live_cols_d = sparse_rows_d + rs;
+    const auto t_analyzed = Clock::now();
+
+    tf::Tensor* out = nullptr;
+    if (rd < m) OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+
+    // --- Heterogeneous: ship the sparse rows and b to the host first. ------
+    const bool cpu_sparse = hetero_ && rs > 0 && nnz_sparse > 0;
+    tf::Tensor as_d, as_h, b_h;
+    Event copied;
+    if (cpu_sparse) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rs, k}), &as_d));
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rs, k}), &as_h,
+                                             PinnedHost()));
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, b.shape(), &b_h, PinnedHost()));
+      TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(a_ptr, a_rows, a_cols, ta_,
+                                              sparse_rows_d, rs, nullptr, k,
+                                              as_d.flat<T>().data(), stream));
+      TFSS_CUDA_OK(ctx, cudaMemcpyAsync(as_h.flat<T>().data(),
+                                        as_d.flat<T>().data(), sizeof(T) * rs * k,
+                                        cudaMemcpyDeviceToHost, stream));
+      TFSS_CUDA_OK(ctx, cudaMemcpyAsync(b_h.flat<T>().data(), b_ptr,
+                                        sizeof(T) * b_rows * b_cols,
+                                        cudaMemcpyDeviceToHost, stream));
+      TFSS_CUDA_OK(ctx, copied.Create());
+      TFSS_CUDA_OK(ctx, cudaEventRecord(copied.ev, stream));
+    }
+
+    // --- Dense part on the GPU (enqueued, not waited for). ------------------
+    Event d0, d1, s0, s1;
+    TFSS_CUDA_OK(ctx, d0.Create());
+    TFSS_CUDA_OK(ctx, d1.Create());
+    TFSS_CUDA_OK(ctx, cudaEventRecord(d0.ev, stream));
+    if (rd == m && !compact) {
+      tf::Tensor product;
+      OP_REQUIRES_OK(ctx, gemm_direct_.Run(ctx, a, b, &product));
+      ctx->set_output(0, product);
+    } else if (rd > 0) {
+      tf::Tensor ad_t, bc_t, cd_t;
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rd, kc}), &ad_t));
+      TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(
+                            a_ptr, a_rows, a_cols, ta_,
+                            rd == m ? nullptr : dense_rows_d, rd,
+                            compact ? live_cols_d : nullptr, kc,
+                            ad_t.flat<T>().data(), stream));
+      if (compact) {
+        OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({kc, n}), &bc_t));
+        TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(b_ptr, b_rows, b_cols, tb_,
+                                                live_cols_d, kc, nullptr, n,
+                                                bc_t.flat<T>().data(), stream));
+        OP_REQUIRES_OK(ctx, gemm_compacted_.Run(ctx, ad_t, bc_t, &cd_t));
+      } else {
+        OP_REQUIRES_OK(ctx, gemm_gathered_.Run(ctx, ad_t, b, &cd_t));
+      }
+      if (rd == m) {
+        ctx->set_output(0, cd_t);
+      } else {
+        TFSS_CUDA_OK(ctx, ScatterRowsGpu<T>(cd_t.flat<T>().data(), dense_rows_d,
+                                            rd, n, out->flat<T>().data(), n,
+                                            stream));
+      }
+    }
+    TFSS_CUDA_OK(ctx, cudaEventRecord(d1.ev, stream));
+
+    // --- Sparse part: CPU (heterogeneous) or GPU CSR SpMM. ------------------
+    TFSS_CUDA_OK(ctx, s0.Create());
+    TFSS_CUDA_OK(ctx, s1.Create());
+    TFSS_CUDA_OK(ctx, cudaEventRecord(s0.ev, stream));
+    double host_sparse_seconds = -1.0;
+    tf::Tensor c_h, c_d, row_ptr_d, col_idx_d, values_d, ws_d, bt_d;
+    if (rs > 0 && nnz_sparse == 0) {
+      TFSS_CUDA_OK(ctx, ZeroRowsGpu<T>(sparse_rows_d, rs, n,
+                                       out->flat<T>().data(), n, stream));
+    } else if (cpu_sparse) {
+      // The GPU keeps running the dense GEMM; the host waits for the copies
+      // only, then multiplies on TF's CPU thread pool.
+      TFSS_CUDA_OK(ctx, cudaEventSynchronize(copied.ev));
+      ParallelFor pfor = HostParallelFor(ctx);
+      std::vector<int64_t> rows(rs), sp_nnz(rs);
+      std::iota(rows.begin(), rows.end(), int64_t{0});
+      for (int64_t r = 0; r < rs; ++r) sp_nnz[r] = row_nnz[sparse_rows[r]];
+      Csr<T> csr;
+      BuildCsr<T>(as_h.flat<T>().data(), rs, k, false, rows.data(), rs,
+                  sp_nnz.data(), &csr, pfor);
+      const T* bd = b_h.flat<T>().data();
+      std::vector<T> bt;
+      if (tb_) {  // the SpMM reads rows of op(b) = b^T
+        bt.resize(k * n);
+        GatherSubmatrix<T>(bd, n, k, true, nullptr, k, nullptr, n, bt.data(),
+                           pfor);
+        bd = bt.data();
+      }
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rs, n}), &c_h,
+                                             PinnedHost()));
+      CsrSpmm<T>(csr, rows.data(), rs, bd, k, n, n, c_h.flat<T>().data(), n,
+                 pfor);
+      host_sparse_seconds = std::chrono::duration<double>(Clock::now() -
+                                                          t_analyzed).count();
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rs, n}), &c_d));
+      TFSS_CUDA_OK(ctx, cudaMemcpyAsync(c_d.flat<T>().data(), c_h.flat<T>().data(),
+                                        sizeof(T) * rs * n,
+                                        cudaMemcpyHostToDevice, stream));
+      TFSS_CUDA_OK(ctx, ScatterRowsGpu<T>(c_d.flat<T>().data(), sparse_rows_d,
+                                          rs, n, out->flat<T>().data(), n,
+                                          stream));
+    } else if (rs > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64,
+                                             tf::TensorShape({rs + 1}), &row_ptr_d));
+      size_t ws_bytes = 0;
+      TFSS_CUDA_OK(ctx, BuildCsrRowPtrWorkspaceBytes(rs, &ws_bytes));
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(
+                              tf::DT_INT8,
+                              tf::TensorShape({static_cast<int64_t>(
+                                  std::max<size_t>(ws_bytes, 1))}),
+                              &ws_d));
+      int64_t* row_ptr = row_ptr_d.flat<int64_t>().data();
+      TFSS_CUDA_OK(ctx, BuildCsrRowPtrGpu(row_nnz_d, sparse_rows_d, rs, row_ptr,
+                                          ws_d.flat<int8_t>().data(), ws_bytes,
+                                          stream));
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(
+                              tf::DT_INT32, tf::TensorShape({nnz_sparse}),
+                              &col_idx_d));
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({nnz_sparse}),
+                                             &values_d));
+      TFSS_CUDA_OK(ctx, FillCsrGpu<T>(a_ptr, a_rows, a_cols, ta_, sparse_rows_d,
+                                      rs, row_ptr, col_idx_d.flat<int32_t>().data(),
+                                      values_d.flat<T>().data(), stream));
+      const T* bd = b_ptr;
+      if (tb_) {  // op(b) = b^T materialised once, row-major [k, n]
+        OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({k, n}), &bt_d));
+        TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(b_ptr, b_rows, b_cols, true,
+                                                nullptr, k, nullptr, n,
+                                                bt_d.flat<T>().data(), stream));
+        bd = bt_d.flat<T>().data();
+      }
+      GpuCsr<T> csr;
+      csr.row_ptr = row_ptr;
+      csr.col_idx = col_idx_d.flat<int32_t>().data();
+      csr.values = values_d.flat<T>().data();
+      csr.n_rows = rs;
+      csr.n_cols = k;
+      csr.nnz = nnz_sparse;
+      TFSS_CUDA_OK(ctx, CsrSpmmGpu<T>(csr, sparse_rows_d, bd, n, n,
+                                      out->flat<T>().data(), n, stream));
+    }
+    TFSS_CUDA_OK(ctx, cudaEventRecord(s1.ev, stream));
+    // The statistics (host memory) carry the times, and the pinned temps
+    // must outlive their copies: wait for the stream.
+    TFSS_CUDA_OK(ctx, cudaStreamSynchronize(stream));
+
+    const double time_dense = ElapsedSeconds(d0, d1);
+    const double time_sparse =
+        host_sparse_seconds >= 0.0 ? host_sparse_seconds : ElapsedSeconds(s0, s1);
+    rates.Update(&rates.dense_rate, 2.0 * rd * kc * n, time_dense);
+    rates.Update(&rates.sparse_rate, 2.0 * nnz_sparse * n, time_sparse);
+
+    stats[kStatRowsDense] = rd;
+    stats[kStatRowsSparse] = rs;
+    stats[kStatNnz] = nnz;
+    stats[kStatZeroColsSkipped] = (rd == 0 || compact) ? k - k_live : 0;
+    stats[kStatTimeDense] = time_dense;
+    stats[kStatTimeSparse] = time_sparse;
+    stats[kStatTimeAnalyze] =
+        std::chrono::duration<double>(t_analyzed - t_start).count();
+    stats[kStatThreshold] = thr;
+    stats[kStatNnzSparse] = nnz_sparse;
+  }
+
+ private:
+  bool ta_ = false, tb_ = false, hetero_ = false;
+  GpuMatMul gemm_direct_, gemm_gathered_, gemm_compacted_;
+};
+
+#define TFSS_REGISTER_GPU(T)                                             \
+  REGISTER_KERNEL_BUILDER(Name("SparseSplitMatMul")                      \
+                              .Device(tf::DEVICE_GPU)                    \
+                              .TypeConstraint<T>("T")                    \
+                              .HostMemory("threshold")                   \
+                              .HostMemory("stats"),                      \
+                          SparseSplitMatMulGpuOp<T>);
+TFSS_REGISTER_GPU(float)
+TFSS_REGISTER_GPU(double)
+#undef TFSS_REGISTER_GPU
+#undef TFSS_CUDA_OK
+
+}  // namespace tf_sparse_split
+
+#endif  // GOOGLE_CUDA
