@@ -193,6 +193,12 @@ class BuildExt(build_ext):
     """Fills in TensorFlow's flags at build time (not at import of setup.py,
     so `setup.py --version` etc. work without TensorFlow)."""
 
+    def run(self):
+        # setuptools' run() clears self.inplace while building (and copies
+        # the extensions afterwards); remember it for _build_info.py.
+        self._tfss_inplace = bool(self.inplace)
+        super().run()
+
     def build_extensions(self):
         tf = _tensorflow()
         march, march_desc = _march_flags()
@@ -238,7 +244,8 @@ class BuildExt(build_ext):
         # Written beside the built extensions (wheel) and, for in-place and
         # editable builds, into the source package as well.
         targets = {os.path.join(self.build_lib, "tf_sparse_split")}
-        if self.inplace or getattr(self, "editable_mode", False):
+        if (self.inplace or getattr(self, "_tfss_inplace", False)
+                or getattr(self, "editable_mode", False)):
             targets.add(os.path.join(HERE, "tf_sparse_split"))
         for pkg_dir in targets:
             os.makedirs(pkg_dir, exist_ok=True)

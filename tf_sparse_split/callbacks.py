@@ -87,7 +87,9 @@ class SplitThresholdCallback(keras.callbacks.Callback):
     * ``on_epoch_end``: fits each layer's cost model (all samples so far),
       sets the threshold to ``CostModel.best_threshold`` for the epoch's
       mean row-density histogram and nonzero count (kept unchanged while only one path has
-      ``min_samples`` samples), and writes ``logs[f"{layer.name}/sparsity"]``
+      ``min_samples`` samples; for a layer with ``heterogeneous=True`` the
+      threshold that balances the two devices, ``max`` instead of sum of
+      the paths' times), and writes ``logs[f"{layer.name}/sparsity"]``
       (fraction of zeros in the layer's input over the epoch) and
       ``logs[f"{layer.name}/threshold"]`` (the threshold for the next epoch)
       so that ``History`` and the progress bar show them.
@@ -245,7 +247,9 @@ class SplitThresholdCallback(keras.callbacks.Callback):
         n = v[_stats.N] / calls
         k_live = min(max(k - v[_stats.ZERO_COLS_SKIPPED] / calls, 0.0), k)
         nnz = v[_stats.NNZ] / calls
-        best = cm.best_threshold(hist, m, k, k_live, n, nnz=nnz)
+        best = cm.best_threshold(
+            hist, m, k, k_live, n, nnz=nnz,
+            heterogeneous=bool(getattr(s.layer, "heterogeneous", False)))
         if best is not None:
             s.layer.set_threshold(best)
         entry["threshold"] = s.layer.threshold

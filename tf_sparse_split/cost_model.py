@@ -24,6 +24,12 @@ overhead cannot be told from the rate, and the line goes through the origin. A p
 for that path: the op spends nothing there, and the model predicts 0 s for
 zero work. Nothing is hard-coded about the break-even point; it follows from
 the two measured rates (see DESIGN.md, "Performance notes").
+
+In a heterogeneous split (``heterogeneous=True`` on the op: dense rows on the
+GPU, sparse rows on the CPU, at the same time) the two paths overlap, so the
+predicted time of a threshold is ``max(T_dense, T_sparse)`` -- the later of
+the two devices' finishing times -- instead of their sum, and the best
+threshold balances the devices rather than minimising total work.
 """
 
 import dataclasses
@@ -250,7 +256,7 @@ class CostModel:
         return hist
 
     def predicted_time(self, histogram, m, k, k_live, n, threshold,
-                       nnz=None):
+                       nnz=None, heterogeneous=False):
         """Predicted seconds of one call at ``threshold``.
 
         Rows in density bins whose upper edge is <= ``threshold`` go sparse
@@ -260,6 +266,8 @@ class CostModel:
         centers alone overestimate very sparse rows: a row of density 0.01
         sits in bin 0, whose center is 1/32). ``m`` is accepted for symmetry
         with the statistics (the rows are those counted in ``histogram``).
+        The two paths' times are added, or with ``heterogeneous=True`` (they
+        run concurrently on two devices) their maximum is taken.
 
         Raises:
           RuntimeError: if either path is not fitted.
@@ -284,10 +292,14 @@ class CostModel:
         rows_dense = np.sum(hist[sparse_bins:])
         dense_work = 2.0 * rows_dense * k_live * n
         sparse_work = 2.0 * rows_sparse_nnz * n
-        return float(self._fits[DENSE].predict(dense_work) +
-                     self._fits[SPARSE].predict(sparse_work))
+        t_dense = float(self._fits[DENSE].predict(dense_work))
+        t_sparse = float(self._fits[SPARSE].predict(sparse_work))
+        if heterogeneous:
+            return max(t_dense, t_sparse)
+        return t_dense + t_sparse
 
-    def best_threshold(self, histogram, m, k, k_live, n, nnz=None):
+    def best_threshold(self, histogram, m, k, k_live, n, nnz=None,
+                       heterogeneous=False):
         """Fastest threshold among the density-bin edges.
 
         Args:
@@ -301,6 +313,9 @@ class CostModel:
           nnz: optional nonzeros of the activation operand in one call; when
             given, the per-bin nonzero estimates are scaled to add up to it
             (see :meth:`predicted_time`).
+          heterogeneous: if True, the dense path (GPU) and the sparse path
+            (CPU) run concurrently: a threshold's predicted time is
+            ``max(T_dense, T_sparse)`` instead of ``T_dense + T_sparse``.
 
         Returns:
           the threshold in ``candidate_thresholds()`` with the smallest
@@ -318,7 +333,8 @@ class CostModel:
             return None
         best, best_t = None, math.inf
         for thr in candidate_thresholds(hist.size):
-            t = self.predicted_time(hist, m, k, k_live, n, thr, nnz=nnz)
+            t = self.predicted_time(hist, m, k, k_live, n, thr, nnz=nnz,
+                                    heterogeneous=heterogeneous)
             if t < best_t - 1e-15:
                 best, best_t = thr, t
         return float(best)

@@ -84,6 +84,15 @@ class SparseSplitDense(keras.layers.Dense):
         ``threshold_var`` (so a compiled ``tf.function`` reads the current
         value; a callback changes it with ``.assign()``) and saved with the
         model.
+      heterogeneous: bool (default False), passed to the op: on a GPU the
+        dense rows run on the GPU while the sparse rows run on the CPU
+        (overlapped, K.-Y. Peng, NTU 2017), and the
+        :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` picks
+        the threshold that balances the two devices' finishing times
+        (``CostModel.best_threshold(..., heterogeneous=True)``). Without a
+        GPU the op runs the normal CPU split (same results), records
+        ``stats.HETERO_CPU_FALLBACK`` and warns once per process
+        (``RuntimeWarning``). Saved in ``get_config``.
       lora_rank, lora_alpha, quantization_config: accepted for signature
         compatibility with ``Dense`` but must be None: LoRA and quantization
         would replace the kernel the op multiplies by, so they are refused
@@ -129,9 +138,14 @@ class SparseSplitDense(keras.layers.Dense):
         lora_alpha=None,
         quantization_config=None,
         threshold=-1.0,
+        heterogeneous=False,
         **kwargs,
     ):
         _check_backend()
+        if not isinstance(heterogeneous, (bool, np.bool_)):
+            raise ValueError(
+                f"heterogeneous must be a bool, got {heterogeneous!r}")
+        self.heterogeneous = bool(heterogeneous)
         if lora_rank is not None or lora_alpha is not None:
             raise NotImplementedError(
                 "SparseSplitDense does not support LoRA (lora_rank/lora_alpha)"
@@ -221,7 +235,7 @@ class SparseSplitDense(keras.layers.Dense):
             x2d = tf.reshape(x, [-1, input_dim])
         y, stats_vec = sparse_split_matmul(
             x2d, kernel, threshold=tf.convert_to_tensor(self.threshold_var),
-            return_stats=True)
+            return_stats=True, heterogeneous=self.heterogeneous)
         self._record_stats(stats_vec)
         if rank != 2:
             out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], axis=0)
@@ -309,8 +323,8 @@ class SparseSplitDense(keras.layers.Dense):
         Returns:
           dict with the keys of ``stats.as_dict``: counts (rows, nnz, skipped
           columns, ``m``) and times (seconds) are sums over calls and
-          ``"histogram"`` sums the row counts; ``"threshold"``, ``"k"`` and
-          ``"n"`` are averages over calls; ``"sparsity"`` is the fraction of
+          ``"histogram"`` sums the row counts; ``"threshold"``, ``"k"``,
+          ``"n"`` and ``"heterogeneous"`` are averages over calls; ``"sparsity"`` is the fraction of
           zeros over all rows seen (``nan`` without calls); plus
           ``"calls"``, the number of calls.
 
@@ -320,7 +334,8 @@ class SparseSplitDense(keras.layers.Dense):
         total, calls = self.accumulated_stats_vector()
         v = total.copy()
         if calls > 0:
-            for i in (_stats.THRESHOLD, _stats.K, _stats.N):
+            for i in (_stats.THRESHOLD, _stats.K, _stats.N,
+                      _stats.HETEROGENEOUS):
                 v[i] = total[i] / calls
         out = _stats.as_dict(v)
         out["calls"] = calls
@@ -343,6 +358,7 @@ class SparseSplitDense(keras.layers.Dense):
         for key in ("lora_rank", "lora_alpha"):
             config.pop(key, None)
         config["threshold"] = self.threshold
+        config["heterogeneous"] = self.heterogeneous
         return config
 
     def save_own_variables(self, store):

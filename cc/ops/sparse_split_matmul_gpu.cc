@@ -59,7 +59,6 @@ namespace tf = ::tensorflow;
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using GPUDevice = Eigen::GpuDevice;
 
 absl::Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
@@ -246,7 +245,9 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     stats[kStatN] = n;
     stats[kStatThreshold] = thr_in < 0 ? 0.0 : thr_in;
     stats[kStatHeterogeneous] = hetero_ ? kHeteroRan : kHeteroOff;
-    const cudaStream_t stream = ctx->eigen_device<GPUDevice>().stream();
+    // The op's stream, as TF's own GPU kernels get it (eigen_device<Eigen::GpuDevice>()
+    // returns this same device; the inline accessor needs no exported symbol).
+    const cudaStream_t stream = ctx->eigen_gpu_device().stream();
     const tf::TensorShape out_shape({m, n});
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
     if (m == 0 || n == 0 || k == 0) {

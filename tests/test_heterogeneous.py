@@ -1,0 +1,406 @@
+"""Tests of the heterogeneous split (dense rows on the GPU, sparse rows on
+the CPU; K.-Y. Peng, NTU 2017): the op attribute, the CPU fallback and its
+warning, the max-of-both-devices cost model, the layer argument, the
+callback plumbing, the TFSS_WITH_CUDA build switch, and (only with a GPU)
+the GPU kernel against tf.matmul."""
+
+import ast
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparse_split as tfss
+from tf_sparse_split import ops as tfss_ops
+from tf_sparse_split import stats as S
+from tf_sparse_split.callbacks import SplitThresholdCallback
+from tf_sparse_split.cost_model import DENSE, SPARSE, CostModel, candidate_thresholds
+from tf_sparse_split.layers import SparseSplitDense
+
+tfss.load_library()  # fail loudly if the op library is not built
+
+HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sparse_input(m, k, zero_fraction, seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(dtype)
+    # Rows of varied density, some all-zero rows and all-zero columns.
+    keep = rng.random((m, k)) >= (zero_fraction * rng.random((m, 1)) * 2).clip(0, 1)
+    x *= keep
+    x[:, ::7] = 0
+    x[::5] = 0
+    return x
+
+
+@pytest.fixture
+def fresh_warning_state(monkeypatch):
+    monkeypatch.setattr(tfss_ops, "_no_gpu_warned", False)
+
+
+# -- the op attribute ------------------------------------------------------
+
+def _matmul_nodes(graph_def):
+    return [n for n in graph_def.node if n.op == "SparseSplitMatMul"]
+
+
+@pytest.mark.parametrize("hetero", [None, False, True])
+def test_attr_default_and_graph_round_trip(hetero, fresh_warning_state):
+    kwargs = {} if hetero is None else {"heterogeneous": hetero}
+
+    @tf.function
+    def f(a, b):
+        return tfss.sparse_split_matmul(a, b, 0.5, **kwargs)
+
+    spec = tf.TensorSpec([None, 6], tf.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gd = f.get_concrete_function(spec, tf.TensorSpec([6, 3])).graph.as_graph_def()
+    (node,) = _matmul_nodes(gd)
+    assert node.attr["heterogeneous"].b is bool(hetero)
+    # Through a serialized GraphDef into a fresh graph.
+    gd2 = tf.compat.v1.GraphDef.FromString(gd.SerializeToString())
+    with tf.Graph().as_default() as g:
+        tf.graph_util.import_graph_def(gd2, name="")
+        ops = [op for op in g.get_operations() if op.type == "SparseSplitMatMul"]
+        assert len(ops) == 1
+        assert ops[0].get_attr("heterogeneous") is bool(hetero)
+
+
+def test_graph_def_without_the_attr_gets_the_default():
+    # A graph written before the attr existed: importing adds the default.
+    @tf.function
+    def f(a, b):
+        return tfss.sparse_split_matmul(a, b, 0.5)
+
+    gd = f.get_concrete_function(tf.TensorSpec([4, 6]),
+                                 tf.TensorSpec([6, 3])).graph.as_graph_def()
+    (node,) = _matmul_nodes(gd)
+    del node.attr["heterogeneous"]
+    with tf.Graph().as_default() as g:
+        tf.graph_util.import_graph_def(gd, name="")
+        (op,) = [o for o in g.get_operations() if o.type == "SparseSplitMatMul"]
+        assert op.get_attr("heterogeneous") is False
+
+
+def test_attr_type_is_checked():
+    with pytest.raises(TypeError):
+        tfss.sparse_split_matmul(np.ones((2, 2), np.float32),
+                                 np.ones((2, 2), np.float32), heterogeneous="yes")
+
+
+# -- the CPU fallback --------------------------------------------------------
+
+@pytest.mark.skipif(HAS_GPU, reason="tests the CPU kernel's fallback")
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.0, -1.0])
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, True)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_cpu_fallback_is_identical(threshold, ta, tb, mode, fresh_warning_state):
+    a = _sparse_input(37, 29, 0.7, seed=1)
+    b = np.random.default_rng(2).standard_normal((29, 11)).astype(np.float32)
+    a_in = a.T.copy() if ta else a
+    b_in = b.T.copy() if tb else b
+
+    def run(hetero):
+        def g(x, y):
+            return tfss.sparse_split_matmul(x, y, threshold, transpose_a=ta,
+                                            transpose_b=tb, return_stats=True,
+                                            heterogeneous=hetero)
+        fn = tf.function(g) if mode == "function" else g
+        p, s = fn(tf.constant(a_in), tf.constant(b_in))
+        return p.numpy(), s.numpy()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        p0, s0 = run(False)
+        p1, s1 = run(True)
+    np.testing.assert_array_equal(p1, p0)  # same kernel, same bits
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(p1, ref, rtol=1e-5, atol=1e-5)
+    assert s0[S.HETEROGENEOUS] == S.HETERO_OFF
+    assert s1[S.HETEROGENEOUS] == S.HETERO_CPU_FALLBACK
+    # Same split decisions (rows, nnz) with and without the flag.
+    for i in (S.NNZ, S.ZERO_COLS_SKIPPED, S.M, S.K, S.N):
+        assert s1[i] == s0[i]
+    if threshold >= 0:
+        for i in (S.ROWS_DENSE, S.ROWS_SPARSE, S.NNZ_SPARSE):
+            assert s1[i] == s0[i]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="tests the CPU kernel's fallback")
+def test_cpu_fallback_gradients_match(fresh_warning_state):
+    a = tf.constant(_sparse_input(16, 12, 0.6, seed=3))
+    b = tf.constant(np.random.default_rng(4).standard_normal((12, 5)).astype(np.float32))
+    grads = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for hetero in (False, True):
+            with tf.GradientTape() as tape:
+                tape.watch([a, b])
+                y = tfss.sparse_split_matmul(a, b, 0.5, heterogeneous=hetero)
+                loss = tf.reduce_sum(y * y)
+            grads.append([g.numpy() for g in tape.gradient(loss, [a, b])])
+    for g0, g1 in zip(*grads):
+        np.testing.assert_array_equal(g1, g0)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the warning is for machines without a GPU")
+def test_warns_once_without_gpu(fresh_warning_state):
+    a = np.eye(3, dtype=np.float32)
+    with pytest.warns(RuntimeWarning, match="heterogeneous=True needs a GPU"):
+        tfss.sparse_split_matmul(a, a, heterogeneous=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would raise
+        tfss.sparse_split_matmul(a, a, heterogeneous=True)
+        tfss.sparse_split_matmul(a, a, heterogeneous=False)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the warning is for machines without a GPU")
+def test_no_warning_without_the_flag(fresh_warning_state):
+    a = np.eye(3, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tfss.sparse_split_matmul(a, a, heterogeneous=False)
+    assert tfss_ops._no_gpu_warned is False
+
+
+# -- cost model: max of both devices instead of the sum ----------------------
+
+def _synthetic_model(dense_rate, sparse_rate, dense_overhead=0.0,
+                     sparse_overhead=0.0):
+    cm = CostModel()
+    for w in (1e8, 2e8, 4e8, 8e8):
+        cm.add_sample(DENSE, w, dense_overhead + w / dense_rate)
+        cm.add_sample(SPARSE, w, sparse_overhead + w / sparse_rate)
+    cm.fit()
+    return cm
+
+
+def test_cost_model_max_picks_a_balanced_threshold():
+    # Equal rates, 10 rows in each of the 16 density bins, no dead columns.
+    # Sum: every row is cheaper sparse (density < 1) -> threshold 1.0.
+    # Max: all sparse costs 10*sum((j+.5)/16) = 80 row-units, balance is at
+    # 12 sparse bins (sparse 45, dense 40) -> threshold 0.75.
+    cm = _synthetic_model(1e10, 1e10)
+    hist = np.full(16, 10.0)
+    m, k, n = 160, 1024, 256
+    thr_sum = cm.best_threshold(hist, m, k, k, n)
+    thr_max = cm.best_threshold(hist, m, k, k, n, heterogeneous=True)
+    assert thr_sum == 1.0
+    assert thr_max == 0.75
+    # Both are the argmin of their own objective over the candidates.
+    cands = candidate_thresholds(16)
+    t_sum = [cm.predicted_time(hist, m, k, k, n, t) for t in cands]
+    t_max = [cm.predicted_time(hist, m, k, k, n, t, heterogeneous=True)
+             for t in cands]
+    assert cands[int(np.argmin(t_sum))] == thr_sum
+    assert cands[int(np.argmin(t_max))] == thr_max
+    assert min(t_max) < cm.predicted_time(hist, m, k, k, n, thr_sum,
+                                          heterogeneous=True)
+
+
+def test_cost_model_max_is_the_max_of_the_paths():
+    cm = _synthetic_model(4e10, 5e9, dense_overhead=1e-4, sparse_overhead=2e-5)
+    hist = np.arange(16, dtype=np.float64)
+    for thr in candidate_thresholds(16):
+        t_sum = cm.predicted_time(hist, 120, 512, 400, 64, thr)
+        t_max = cm.predicted_time(hist, 120, 512, 400, 64, thr, heterogeneous=True)
+        assert t_max <= t_sum + 1e-15
+        # sum = dense + sparse and max = max(dense, sparse): recover both.
+        parts = _split_parts(cm, hist, 120, 512, 400, 64, thr)
+        assert t_sum == pytest.approx(sum(parts), rel=1e-12)
+        assert t_max == pytest.approx(max(parts), rel=1e-12)
+
+
+def _split_parts(cm, hist, m, k, k_live, n, thr):
+    bins = hist.size
+    centers = (np.arange(bins) + 0.5) / bins
+    sb = min(max(int(np.floor(thr * bins + 1e-9)), 0), bins)
+    dense = cm.fitted(DENSE).predict(2.0 * hist[sb:].sum() * k_live * n)
+    sparse = cm.fitted(SPARSE).predict(2.0 * (hist[:sb] * centers[:sb] * k).sum() * n)
+    return float(dense), float(sparse)
+
+
+def test_cost_model_max_goes_all_dense_when_the_gpu_is_much_faster():
+    # A GPU 1000x faster than the CPU SpMM: offloading anything only delays.
+    cm = _synthetic_model(1e13, 1e10)
+    hist = np.full(16, 10.0)
+    assert cm.best_threshold(hist, 160, 1024, 1024, 256, heterogeneous=True) == 0.0
+
+
+def test_cost_model_heterogeneous_needs_both_fits():
+    cm = CostModel()
+    cm.add_sample(DENSE, 1e8, 1e-3)
+    cm.fit()
+    assert cm.best_threshold(np.ones(16), 16, 64, 64, 8, heterogeneous=True) is None
+
+
+# -- the layer ---------------------------------------------------------------
+
+def test_layer_argument_serialization():
+    default = SparseSplitDense(4)
+    assert default.heterogeneous is False
+    assert default.get_config()["heterogeneous"] is False
+    layer = SparseSplitDense(4, threshold=0.25, heterogeneous=True, name="h")
+    cfg = layer.get_config()
+    assert cfg["heterogeneous"] is True and cfg["threshold"] == 0.25
+    clone = SparseSplitDense.from_config(cfg)
+    assert clone.heterogeneous is True
+    ser = keras.saving.serialize_keras_object(layer)
+    back = keras.saving.deserialize_keras_object(ser)
+    assert isinstance(back, SparseSplitDense) and back.heterogeneous is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError):
+            SparseSplitDense(4, heterogeneous=bad)
+
+
+def test_layer_saved_model_file_round_trip(tmp_path, fresh_warning_state):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((9,)),
+                              SparseSplitDense(5, heterogeneous=True, name="h")])
+    x = _sparse_input(8, 9, 0.6, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        y = model.predict(x, verbose=0)
+        path = str(tmp_path / "m.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+        y2 = loaded.predict(x, verbose=0)
+    assert loaded.get_layer("h").heterogeneous is True
+    np.testing.assert_array_equal(y2, y)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="tests the CPU kernel's fallback")
+def test_layer_fallback_matches_and_warns_once(fresh_warning_state):
+    keras.utils.set_random_seed(1)
+    x = _sparse_input(12, 10, 0.5, seed=6)
+    plain = SparseSplitDense(3, threshold=0.5)
+    hetero = SparseSplitDense(3, threshold=0.5, heterogeneous=True)
+    y0 = plain(x)
+    hetero.build(x.shape)
+    hetero.set_weights(plain.get_weights())
+    with pytest.warns(RuntimeWarning, match="heterogeneous=True"):
+        y1 = hetero(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hetero(x)
+    np.testing.assert_array_equal(y1.numpy(), y0.numpy())
+    assert hetero.latest_stats()["heterogeneous"] == S.HETERO_CPU_FALLBACK
+    assert plain.latest_stats()["heterogeneous"] == S.HETERO_OFF
+
+
+def test_callback_passes_the_layer_flag(monkeypatch, fresh_warning_state):
+    seen = []
+    original = CostModel.best_threshold
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("heterogeneous"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CostModel, "best_threshold", spy)
+    keras.utils.set_random_seed(0)
+    x = _sparse_input(64, 16, 0.7, seed=7)
+    y = np.random.default_rng(8).integers(0, 2, 64)
+    model = keras.Sequential([
+        keras.Input((16,)),
+        SparseSplitDense(8, activation="relu", heterogeneous=True, name="het"),
+        SparseSplitDense(2, name="plain"),
+    ])
+    model.compile("sgd", "sparse_categorical_crossentropy", jit_compile=False)
+    cb = SplitThresholdCallback(explore_batches=4, min_samples=1,
+                                warmup_samples=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        model.fit(x, y, batch_size=8, epochs=1, callbacks=[cb], verbose=0)
+    assert sorted(seen) == [False, True]
+
+
+# -- the build switch ----------------------------------------------------------
+
+def _setup_functions():
+    """setup.py's imports and functions, without running setup()."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    tree.body = [n for n in tree.body
+                 if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef))]
+    ns = {"__file__": os.path.join(ROOT, "setup.py")}
+    exec(compile(tree, "setup.py", "exec"), ns)
+    return ns
+
+
+@pytest.mark.skipif(tf.sysconfig.get_build_info().get("is_cuda_build", False),
+                    reason="checks the CPU-only TensorFlow case")
+def test_tfss_with_cuda_on_cpu_only_tensorflow(monkeypatch):
+    ns = _setup_functions()
+    monkeypatch.setenv("TFSS_WITH_CUDA", "auto")
+    nvcc, desc = ns["_cuda_mode"](tf)
+    assert nvcc is None and "CPU-only" in desc
+    monkeypatch.setenv("TFSS_WITH_CUDA", "0")
+    assert ns["_cuda_mode"](tf)[0] is None
+    for bad in ("1", "yes"):
+        monkeypatch.setenv("TFSS_WITH_CUDA", bad)
+        with pytest.raises(SystemExit):
+            ns["_cuda_mode"](tf)
+
+
+def test_nvcc_command_and_sources():
+    ns = _setup_functions()
+    cmd = ns["_nvcc_command"]("nvcc", "cc/kernels/cuda/x.cu.cc", "x.o",
+                              ["-I/tf/include", "-D_GLIBCXX_USE_CXX11_ABI=1",
+                               "--std=c++17"])
+    for flag in ("-x", "cu", "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
+                 "arch=compute_90,code=sm_90", "arch=compute_80,code=compute_80",
+                 "-I/tf/include", "-D_GLIBCXX_USE_CXX11_ABI=1"):
+        assert flag in cmd
+    assert "--std=c++17" not in cmd
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        srcs = ns["_cuda_sources"]()
+    finally:
+        os.chdir(cwd)
+    assert "cc/kernels/cuda/sparse_matmul.cu.cc" in srcs
+    assert not any(s.startswith("cc/tests/") for s in srcs)  # harness has main()
+
+
+# -- the GPU kernel (skipped without a GPU) ------------------------------------
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("hetero", [False, True])
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 1.0, -1.0])
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False),
+                                   (True, True)])
+def test_gpu_kernel_matches_tf_matmul(hetero, threshold, ta, tb):
+    for dtype, tol in ((np.float32, 1e-4), (np.float64, 1e-10)):
+        a = _sparse_input(300, 257, 0.8, seed=9, dtype=dtype)
+        b = np.random.default_rng(10).standard_normal((257, 130)).astype(dtype)
+        a_in = a.T.copy() if ta else a
+        b_in = b.T.copy() if tb else b
+        with tf.device("/GPU:0"):
+            for _ in range(3):  # automatic mode explores over calls
+                p, s = tfss.sparse_split_matmul(
+                    a_in, b_in, threshold, transpose_a=ta, transpose_b=tb,
+                    return_stats=True, heterogeneous=hetero)
+            ref = tf.matmul(a_in, b_in, transpose_a=ta, transpose_b=tb)
+        assert p.device.endswith("GPU:0")
+        np.testing.assert_allclose(p.numpy(), ref.numpy(), rtol=tol, atol=tol)
+        s = s.numpy()
+        assert s[S.HETEROGENEOUS] == (S.HETERO_RAN if hetero else S.HETERO_OFF)
+        assert s[S.ROWS_DENSE] + s[S.ROWS_SPARSE] == 300
+        assert s[S.NNZ] == np.count_nonzero(a)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
+def test_gpu_kernel_empty_and_all_zero():
+    with tf.device("/GPU:0"):
+        z = tfss.sparse_split_matmul(np.zeros((0, 4), np.float32),
+                                     np.ones((4, 3), np.float32))
+        assert z.shape == (0, 3)
+        y = tfss.sparse_split_matmul(np.zeros((5, 4), np.float32),
+                                     np.ones((4, 3), np.float32), 0.5,
+                                     heterogeneous=True)
+    np.testing.assert_array_equal(y.numpy(), np.zeros((5, 3), np.float32))
