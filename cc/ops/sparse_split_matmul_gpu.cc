@@ -26,7 +26,9 @@
 // for the problem family (dtype, k, n, transpose_b, heterogeneous): until the
 // dense rate is known every nonzero row goes dense, then one call sends every
 // row sparse to measure the sparse rate, then the threshold is
-// (sparse rate / dense rate) * k_live / k as in the CPU kernel.
+// (sparse rate / dense rate) * k_live / k as in the CPU kernel, or, for a
+// heterogeneous split, the density-bin edge that minimises
+// max(T_dense_gpu, T_sparse_cpu) (both devices finish together).
 #if GOOGLE_CUDA
 
 #define EIGEN_USE_GPU
@@ -36,6 +38,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -303,9 +306,34 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
         thr = 0.0;  // explore: every nonzero row dense
       } else if (sparse_rate <= 0.0) {
         thr = 1.0;  // explore: every row sparse
-      } else {
+      } else if (!hetero_) {
         thr = std::min(1.0, std::max(0.0, sparse_rate / dense_rate * k_live /
                                               static_cast<double>(k)));
+      } else {
+        // The two devices run concurrently: pick the density-bin edge that
+        // minimises the later finishing time, max(T_dense, T_sparse), as
+        // CostModel.best_threshold(heterogeneous=True) does.
+        std::vector<double> bin_rows(kDensityBins, 0.0), bin_nnz(kDensityBins, 0.0);
+        for (int64_t i = 0; i < m; ++i) {
+          const int bin = DensityBin(static_cast<double>(row_nnz[i]) / k);
+          bin_rows[bin] += 1;
+          bin_nnz[bin] += row_nnz[i];
+        }
+        double best = std::numeric_limits<double>::infinity(), rows_sparse = 0,
+               nnz_sp = 0;
+        for (int edge = 0; edge <= kDensityBins; ++edge) {
+          if (edge > 0) {  // bins below `edge` go sparse
+            rows_sparse += bin_rows[edge - 1];
+            nnz_sp += bin_nnz[edge - 1];
+          }
+          const double t_dense = 2.0 * (m - rows_sparse) * k_live * n / dense_rate;
+          const double t_sparse = 2.0 * nnz_sp * n / sparse_rate;
+          const double t = std::max(t_dense, t_sparse);
+          if (t < best) {
+            best = t;
+            thr = static_cast<double>(edge) / kDensityBins;
+          }
+        }
       }
     }
     std::vector<int64_t> dense_rows, sparse_rows;
@@ -321,6 +349,14 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
         sparse_rows.push_back(i);
         nnz_sparse += row_nnz[i];
       }
+    }
+    if (!dense_rows.empty() && nnz_sparse == 0 &&
+        static_cast<int64_t>(sparse_rows.size()) * 8 < m) {
+      // As in the CPU kernel: a few all-zero "sparse" rows go dense with the
+      // rest rather than forcing a gather of every other row.
+      dense_rows.resize(m);
+      std::iota(dense_rows.begin(), dense_rows.end(), int64_t{0});
+      sparse_rows.clear();
     }
     const int64_t rd = dense_rows.size(), rs = sparse_rows.size();
     const bool compact =
