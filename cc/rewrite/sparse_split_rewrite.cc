@@ -258,6 +258,12 @@ absl::Status RunImpl(const tf::GraphOptimizationPassOptions& options,
       }
     }
   }
+  if (graph_reason.empty() && absl::StartsWith(fn, "__wrapped__")) {
+    // A single eager op run as a function (TF's run_eager_op_as_function):
+    // not a user graph; its input is an _Arg, so only producers="any" would
+    // match, and then every eager tf.matmul would change op.
+    graph_reason = "single eager op run as a function";
+  }
   bool has_other_device = false;  // a non-CPU device the pass has no kernel for
   std::string other_device;
   if (options.device_set != nullptr) {
