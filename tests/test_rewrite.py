@@ -366,3 +366,22 @@ def test_conv2d_entry_when_op_registered(rw):
     x = tf.constant(rng.standard_normal((2, 9, 9, 4)).astype(np.float32))
     _assert_close(f(x), tf.nn.conv2d(tf.nn.relu(x), k, 1, "SAME"), 1e-5)
     assert rw.counters().get("Conv2D") == 1
+
+
+def test_declines_nodes_in_xla_scope(rw):
+    """Nodes carrying XLA clustering attributes (_XlaCompile/_XlaScope) are
+    left alone (a jit_compile=True function body is compiled by XLA and not
+    shown to the pass at all; see test_declines_jit_compiled_function)."""
+    rw.enable()
+    w = tf.ones([6, 3])
+
+    @tf.function
+    def g(x):
+        with tf.xla.experimental.jit_scope():
+            return tf.matmul(tf.nn.relu(x), w, name="mm_scope")
+
+    x = tf.ones([4, 6])
+    _assert_close(g(x), tf.matmul(tf.nn.relu(x), w), 1e-6)
+    assert rw.counters() == {}
+    (rec,) = _records("declined", "mm_scope")
+    assert "XLA" in rec["reason"], rec
