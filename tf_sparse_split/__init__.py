@@ -8,6 +8,8 @@ Public API:
 * :func:`sparse_split_matmul` -- the ``SparseSplitMatMul`` op.
 * :class:`SparseSplitDense` -- drop-in for ``keras.layers.Dense``.
 * :class:`SplitThresholdCallback` -- fits the cost model and tunes thresholds.
+* :mod:`tf_sparse_split.rewrite` -- graph-rewrite pass switch: existing
+  ``MatMul`` graphs use the sparse-split op (``rewrite.enable()``).
 
 Sources: K.-Y. Peng, *Adaptive runtime exploiting sparsity in tensor of deep
 learning on heterogeneous systems*, NTU 2017; R. Sun and L. Zhang, *Dynamic
@@ -21,6 +23,7 @@ from tf_sparse_split.ops import sparse_split_matmul
 from tf_sparse_split.layers import SparseSplitDense
 from tf_sparse_split.callbacks import SplitThresholdCallback
 from tf_sparse_split.cost_model import CostModel
+from tf_sparse_split import rewrite
 
 __all__ = [
     "__version__",
@@ -30,4 +33,5 @@ __all__ = [
     "SparseSplitDense",
     "SplitThresholdCallback",
     "CostModel",
+    "rewrite",
 ]

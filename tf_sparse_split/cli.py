@@ -14,6 +14,15 @@ Subcommands:
     accuracy, and each sparse-split layer's input sparsity and threshold;
     at the end the test accuracy.
 
+``profile MODEL_PATH``
+    Loads a SavedModel directory or a ``.keras`` file, runs it on sample
+    inputs (random with ReLU-like sparsity, or ``--input x.npy``) and prints,
+    for every MatMul/Conv2D node, the activation sparsity and the op time of
+    ``tf.matmul`` against ``sparse_split_matmul`` on the captured operands,
+    and whether the graph-rewrite pass (:mod:`tf_sparse_split.rewrite`) would
+    replace it. On GPU machines Keras needs ``jit_compile=False`` for the
+    pass to apply.
+
 Run as ``tf-sparse-split train ...`` or ``python -m tf_sparse_split train ...``.
 :func:`main` returns the exit code (0 success, 1 runtime error such as
 missing data or an unbuilt op library, 2 bad arguments).
@@ -108,7 +117,66 @@ def build_parser():
     train.add_argument("--quiet", action="store_true",
                        help="no progress bar or per-epoch lines; only the "
                             "summary")
+    prof = sub.add_parser(
+        "profile", help="measure activation sparsity and dense vs split op "
+                        "time for each MatMul/Conv2D of a model",
+        description="Load a SavedModel directory or .keras file, run it on "
+                    "sample inputs and time tf.matmul against "
+                    "sparse_split_matmul on every MatMul's captured operands. "
+                    "On GPU machines compile Keras models with "
+                    "jit_compile=False for the rewrite pass to apply.")
+    prof.add_argument("model", metavar="MODEL_PATH",
+                      help="SavedModel directory or .keras file")
+    prof.add_argument("--input", metavar="X.npy", default=None,
+                      help="input array (.npy) for a single-input model; "
+                           "default: random inputs")
+    prof.add_argument("--batch-size", type=_positive_int, default=128,
+                      help="batch size of random inputs (default 128)")
+    prof.add_argument("--input-sparsity", type=_fraction, default=0.5,
+                      help="fraction of zeros of random inputs (default 0.5, "
+                           "as after a ReLU)")
+    prof.add_argument("--threshold", type=_threshold, default=-1.0,
+                      metavar="T|auto", help="split threshold (default auto)")
+    prof.add_argument("--repeats", type=_positive_int, default=10,
+                      help="timed repetitions per op (median; default 10)")
+    prof.add_argument("--signature", default=None,
+                      help="SavedModel signature (default serving_default)")
+    prof.add_argument("--seed", type=int, default=0,
+                      help="seed of the random inputs (default 0)")
     return parser
+
+
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _cmd_profile(args, out):
+    import numpy as np
+
+    from tf_sparse_split import profile
+    from tf_sparse_split._loader import load_library
+
+    load_library()
+    inputs = None
+    input_desc = (f"random, relu(normal) with {args.input_sparsity:.2f} zeros, "
+                  f"seed {args.seed}")
+    if args.input is not None:
+        if not __import__("os").path.isfile(args.input):
+            raise FileNotFoundError(f"no such input file: {args.input}")
+        inputs = [np.load(args.input)]
+        input_desc = f"from {args.input}, {float(np.mean(inputs[0] == 0)):.3f} zeros"
+    desc, rows, shapes = profile.profile_model(
+        args.model, inputs=inputs, batch_size=args.batch_size,
+        input_sparsity=args.input_sparsity, threshold=args.threshold,
+        repeats=args.repeats, seed=args.seed, signature=args.signature)
+    profile.format_report(args.model, desc, rows, shapes, input_desc, out)
+    return 0
 
 
 def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0):
@@ -292,6 +360,8 @@ def main(argv=None):
     try:
         if args.command == "train":
             return _cmd_train(args, out)
+        if args.command == "profile":
+            return _cmd_profile(args, out)
     except (FileNotFoundError, ValueError) as e:
         print(f"tf-sparse-split: error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,566 @@
+// The sparse-split graph-rewrite pass (see sparse_split_rewrite.h).
+#include "cc/rewrite/sparse_split_rewrite.h"
+
+#include <algorithm>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
+#include "tensorflow/core/common_runtime/device_set.h"
+#include "tensorflow/core/common_runtime/graph_constructor.h"
+#include "tensorflow/core/common_runtime/shape_refiner.h"
+#include "tensorflow/core/framework/device.h"
+#include "tensorflow/core/framework/function.h"
+#include "tensorflow/core/framework/node_def_util.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/graph/algorithm.h"
+#include "tensorflow/core/graph/graph.h"
+#include "tensorflow/core/platform/logging.h"
+#include "tensorflow/core/util/device_name_utils.h"
+
+namespace tf_sparse_split {
+namespace rewrite {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+constexpr size_t kMaxLogRecords = 100000;
+
+struct State {
+  std::mutex mu;
+  RewriteConfig config;
+  std::map<std::string, int64_t> counters;
+  std::deque<std::string> log;
+};
+
+State& GlobalState() {
+  static State* state = new State;
+  return *state;
+}
+
+void AppendLog(std::vector<std::string>* records) {
+  State& s = GlobalState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (auto& r : *records) {
+    s.log.push_back(std::move(r));
+    if (s.log.size() > kMaxLogRecords) s.log.pop_front();
+  }
+}
+
+const tf::OpDef* LookUpOp(const std::string& name) {
+  const tf::OpDef* def = nullptr;
+  if (!tf::OpRegistry::Global()->LookUpOpDef(name, &def).ok()) return nullptr;
+  return def;
+}
+
+// Op types through which "sparse" passes unchanged (zeros stay zeros), with
+// the data input that carries the value.
+bool IsLookThrough(const tf::Node* n) {
+  static const std::set<std::string>* ops = new std::set<std::string>{
+      "Identity", "Snapshot", "StopGradient", "PreventGradient", "Enter",
+      "Exit", "Switch", "RefSwitch", "Reshape", "Cast", "Transpose",
+      "EnsureShape", "CheckNumerics", "ExpandDims", "Squeeze", "IdentityN"};
+  return ops->count(n->type_string()) > 0;
+}
+
+// True if `n` is a Const (or ZerosLike) whose value is all zeros.
+bool IsZeroConst(const tf::Node* n) {
+  if (n->type_string() == "ZerosLike") return true;
+  if (n->type_string() != "Const") return false;
+  const tf::TensorProto* proto = nullptr;
+  if (!tf::TryGetNodeAttr(n->attrs(), "value", &proto) || proto == nullptr) {
+    return false;
+  }
+  tf::Tensor t;
+  if (!t.FromProto(*proto)) return false;
+  if (t.NumElements() > 4096) return false;
+  switch (t.dtype()) {
+    case tf::DT_FLOAT: {
+      auto v = t.flat<float>();
+      for (int64_t i = 0; i < v.size(); ++i) if (v(i) != 0.0f) return false;
+      return true;
+    }
+    case tf::DT_DOUBLE: {
+      auto v = t.flat<double>();
+      for (int64_t i = 0; i < v.size(); ++i) if (v(i) != 0.0) return false;
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+
+const tf::Node* InputNode(const tf::Node* n, int index, int* port) {
+  const tf::Edge* e = nullptr;
+  if (!n->input_edge(index, &e).ok() || e == nullptr) return nullptr;
+  if (port != nullptr) *port = e->src_output();
+  return e->src();
+}
+
+// The dropout pattern of tf.nn.dropout / Keras: SelectV2(mask, x*scale, 0),
+// or x * Cast(bool mask).
+bool IsDropout(const tf::Node* n) {
+  const std::string& op = n->type_string();
+  if (op == "SelectV2" || op == "Select") {
+    const tf::Node* t = InputNode(n, 1, nullptr);
+    const tf::Node* e = InputNode(n, 2, nullptr);
+    return (t != nullptr && IsZeroConst(t)) || (e != nullptr && IsZeroConst(e));
+  }
+  if (op == "Mul") {
+    for (int i = 0; i < 2; ++i) {
+      const tf::Node* in = InputNode(n, i, nullptr);
+      if (in == nullptr || in->type_string() != "Cast") continue;
+      tf::DataType src_t;
+      if (tf::TryGetNodeAttr(in->attrs(), "SrcT", &src_t) &&
+          src_t == tf::DT_BOOL) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// Finds the producer of the activation (through look-through ops). Returns
+// the name under which it counts as sparse ("Relu", "Dropout", "any:<op>")
+// or "" with *seen set to what was found.
+std::string SparseProducer(const tf::Node* n, int input,
+                           const std::set<std::string>& producers,
+                           std::string* seen) {
+  int port = 0;
+  const tf::Node* src = InputNode(n, input, &port);
+  for (int depth = 0; src != nullptr && depth < 16; ++depth) {
+    const std::string& op = src->type_string();
+    if (producers.count(op)) return op;
+    if (producers.count("Dropout") && IsDropout(src)) return "Dropout";
+    if (!IsLookThrough(src)) break;
+    int next = op == "IdentityN" ? port : 0;
+    src = InputNode(src, next, &port);
+  }
+  *seen = src == nullptr ? "<none>" : src->type_string();
+  if (producers.count("*")) return absl::StrCat("any:", *seen);
+  return "";
+}
+
+std::string DeviceTypeOf(const std::string& device) {
+  tf::DeviceNameUtils::ParsedName parsed;
+  if (!tf::DeviceNameUtils::ParseFullName(device, &parsed) &&
+      !tf::DeviceNameUtils::ParseLocalName(device, &parsed)) {
+    return "";
+  }
+  return parsed.has_type ? parsed.type : "";
+}
+
+bool HasXlaOrTpuAttr(const tf::Node* n, std::string* which) {
+  for (const auto& kv : n->attrs()) {
+    const std::string& k = kv.first;
+    if (absl::StartsWith(k, "_Xla") || absl::StartsWith(k, "_xla") ||
+        absl::StartsWith(k, "_tpu") || absl::StartsWith(k, "_XLA")) {
+      *which = k;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Builds the NodeDef of the replacement: same name, device, attrs that the
+// target op declares (T, transpose_*, strides, ...), and private attrs other
+// than _output_shapes.
+absl::Status BuildTargetDef(const tf::Node* n, const RewriteEntry& e,
+                            const tf::OpDef& target, tf::NodeDef* def) {
+  def->set_name(n->name());
+  def->set_op(e.target_op);
+  def->set_device(n->requested_device());
+  *def->mutable_experimental_debug_info() = n->def().experimental_debug_info();
+  for (int i = 0; i < e.num_data_inputs; ++i) def->add_input(absl::StrCat("in", i));
+  def->add_input("threshold");
+  std::set<std::string> declared;
+  for (const auto& a : target.attr()) declared.insert(a.name());
+  for (const auto& kv : n->attrs()) {
+    if (declared.count(kv.first) ||
+        (absl::StartsWith(kv.first, "_") && kv.first != "_output_shapes")) {
+      (*def->mutable_attr())[kv.first] = kv.second;
+    }
+  }
+  tf::AddDefaultsToNodeDef(target, def);
+  return tf::ValidateNodeDef(*def, target);
+}
+
+struct Candidate {
+  std::string name;
+  const RewriteEntry* entry;
+  std::string producer;
+  tf::NodeDef target_def;
+};
+
+std::string FunctionName(const tf::GraphOptimizationPassOptions& o) {
+  return o.function_def != nullptr ? o.function_def->signature().name() : "";
+}
+
+// Estimated FLOPs from static shapes; -1 if a dimension is unknown.
+double StaticFlops(tf::ShapeRefiner* refiner, const tf::Node* n,
+                   const RewriteEntry& e) {
+  tf::shape_inference::InferenceContext* c = refiner->GetContext(n);
+  if (c == nullptr) return -1;
+  auto dim = [c](tf::shape_inference::ShapeHandle s, int i) -> int64_t {
+    if (!c->RankKnown(s) || i >= c->Rank(s)) return -1;
+    return c->Value(c->Dim(s, i));
+  };
+  if (std::string(e.source_op) == "MatMul") {
+    bool ta = false, tb = false;
+    tf::TryGetNodeAttr(n->attrs(), "transpose_a", &ta);
+    tf::TryGetNodeAttr(n->attrs(), "transpose_b", &tb);
+    int64_t m = dim(c->input(0), ta ? 1 : 0), k = dim(c->input(0), ta ? 0 : 1);
+    int64_t nn = dim(c->input(1), tb ? 0 : 1);
+    if (m < 0 || k < 0 || nn < 0) return -1;
+    return 2.0 * m * k * nn;
+  }
+  // Convolution-like: 2 * |output| * (filter elements / output channels).
+  tf::shape_inference::ShapeHandle out = c->output(0), f = c->input(1);
+  if (!c->FullyDefined(out) || !c->FullyDefined(f)) return -1;
+  double out_elems = 1, f_elems = 1;
+  for (int i = 0; i < c->Rank(out); ++i) out_elems *= c->Value(c->Dim(out, i));
+  for (int i = 0; i < c->Rank(f) - 1; ++i) f_elems *= c->Value(c->Dim(f, i));
+  return 2.0 * out_elems * f_elems;
+}
+
+absl::Status RunImpl(const tf::GraphOptimizationPassOptions& options,
+                     const RewriteConfig& cfg) {
+  tf::Graph* g = options.graph->get();
+  const std::string fn = FunctionName(options);
+  std::vector<std::string> records;
+  auto decline = [&](const tf::Node* n, const std::string& reason) {
+    VLOG(1) << "tf_sparse_split rewrite: leaving " << n->type_string() << " '"
+            << n->name() << "'" << (fn.empty() ? "" : " in function " + fn)
+            << " alone: " << reason;
+    records.push_back(absl::StrCat("action=declined\top=", n->type_string(),
+                                   "\tname=", n->name(), "\tfunction=", fn,
+                                   "\treason=", reason));
+  };
+
+  // Whole-graph reasons to decline.
+  std::string graph_reason;
+  if (options.function_def != nullptr) {
+    for (const char* a : {"_XlaMustCompile", "_XlaCompile"}) {
+      auto it = options.function_def->attr().find(a);
+      if (it != options.function_def->attr().end() && it->second.b()) {
+        graph_reason = absl::StrCat("function is compiled by XLA (", a,
+                                    "=true, e.g. jit_compile=True)");
+      }
+    }
+  }
+  if (graph_reason.empty() && absl::StartsWith(fn, "__wrapped__")) {
+    // A single eager op run as a function (TF's run_eager_op_as_function):
+    // not a user graph; its input is an _Arg, so only producers="any" would
+    // match, and then every eager tf.matmul would change op.
+    graph_reason = "single eager op run as a function";
+  }
+  bool has_other_device = false;  // a non-CPU device the pass has no kernel for
+  std::string other_device;
+  if (options.device_set != nullptr) {
+    for (const tf::Device* d : options.device_set->devices()) {
+      const std::string& t = d->device_type();
+      if (t == "TPU" || t == "TPU_SYSTEM") graph_reason = "TPU system";
+      if (t != tf::DEVICE_CPU) { has_other_device = true; other_device = t; }
+    }
+  }
+
+  std::vector<Candidate> candidates;
+  std::unique_ptr<tf::ShapeRefiner> refiner;
+  for (const tf::Node* n : g->op_nodes()) {
+    const RewriteEntry* entry = nullptr;
+    for (const auto& e : RewriteTable()) {
+      if (n->type_string() == e.source_op) entry = &e;
+    }
+    if (entry == nullptr || !cfg.ops.count(entry->source_op)) continue;
+    if (!graph_reason.empty()) { decline(n, graph_reason); continue; }
+    const tf::OpDef* target = LookUpOp(entry->target_op);
+    if (target == nullptr) {
+      decline(n, absl::StrCat(entry->target_op, " is not registered"));
+      continue;
+    }
+    std::string which;
+    if (HasXlaOrTpuAttr(n, &which)) {
+      decline(n, absl::StrCat("XLA/TPU attribute ", which));
+      continue;
+    }
+    tf::DataType dtype = tf::DT_INVALID;
+    if (!tf::TryGetNodeAttr(n->attrs(), "T", &dtype)) {
+      decline(n, "no T attribute");
+      continue;
+    }
+    bool dtype_ok = false;
+    for (const auto& a : target->attr()) {
+      if (a.name() != "T") continue;
+      for (int t : a.allowed_values().list().type()) dtype_ok |= t == dtype;
+    }
+    if (!dtype_ok) {
+      decline(n, absl::StrCat("dtype ", tf::DataTypeString(dtype),
+                              " not supported by ", entry->target_op));
+      continue;
+    }
+    std::string seen;
+    std::string producer = SparseProducer(n, entry->activation_input,
+                                          cfg.producers, &seen);
+    if (producer.empty()) {
+      decline(n, absl::StrCat("activation input comes from ", seen,
+                              ", not a listed sparse producer"));
+      continue;
+    }
+    Candidate cand{n->name(), entry, producer, {}};
+    absl::Status st = BuildTargetDef(n, *entry, *target, &cand.target_def);
+    if (!st.ok()) {
+      decline(n, absl::StrCat("cannot build replacement: ", st.message()));
+      continue;
+    }
+    const std::string device = n->assigned_device_name().empty()
+                                   ? n->requested_device()
+                                   : n->assigned_device_name();
+    std::string dtype_name = DeviceTypeOf(device);
+    if (!dtype_name.empty()) {
+      if (!tf::KernelDefAvailable(tf::DeviceType(dtype_name), cand.target_def)) {
+        decline(n, absl::StrCat("no ", entry->target_op, " kernel for device ",
+                                device));
+        continue;
+      }
+    } else {
+      if (options.default_function_device != nullptr &&
+          options.default_function_device->device_type() != tf::DEVICE_CPU &&
+          !tf::KernelDefAvailable(
+              tf::DeviceType(options.default_function_device->device_type()),
+              cand.target_def)) {
+        decline(n, absl::StrCat("function runs on ",
+                                options.default_function_device->name(),
+                                " where ", entry->target_op, " has no kernel"));
+        continue;
+      }
+      if (has_other_device &&
+          !tf::KernelDefAvailable(tf::DeviceType(other_device), cand.target_def) &&
+          tf::KernelDefAvailable(tf::DeviceType(other_device), n->def())) {
+        decline(n, absl::StrCat("no device requested and the placer could put ",
+                                n->type_string(), " on ", other_device,
+                                " where ", entry->target_op, " has no kernel"));
+        continue;
+      }
+    }
+    if (cfg.min_flops > 0) {
+      if (refiner == nullptr) {
+        refiner = std::make_unique<tf::ShapeRefiner>(g->versions(),
+                                                     g->op_registry());
+        std::vector<tf::Node*> order;
+        tf::GetReversePostOrder(*g, &order);
+        for (tf::Node* m : order) refiner->AddNode(m).IgnoreError();
+      }
+      double flops = StaticFlops(refiner.get(), n, *entry);
+      if (flops >= 0 && flops < cfg.min_flops) {
+        decline(n, absl::StrCat("flops ", flops, " < min_flops ", cfg.min_flops));
+        continue;
+      }
+    }
+    candidates.push_back(std::move(cand));
+  }
+
+  if (candidates.empty()) {
+    AppendLog(&records);
+    return absl::OkStatus();
+  }
+
+  // Rewrite a copy; install it only if everything succeeded.
+  auto copy = std::make_unique<tf::Graph>(g->flib_def());
+  tf::CopyGraph(*g, copy.get());
+  std::unordered_map<std::string, tf::Node*> by_name;
+  for (tf::Node* n : copy->op_nodes()) by_name[n->name()] = n;
+
+  std::vector<std::string> done;
+  std::map<std::string, int64_t> counted;
+  for (Candidate& cand : candidates) {
+    auto it = by_name.find(cand.name);
+    if (it == by_name.end()) {
+      return tf::errors::Internal("node ", cand.name, " missing in copy");
+    }
+    tf::Node* n = it->second;
+    const RewriteEntry& e = *cand.entry;
+    std::vector<std::pair<tf::Node*, int>> data_in(e.num_data_inputs);
+    std::vector<tf::Node*> control_in;
+    for (const tf::Edge* edge : n->in_edges()) {
+      if (edge->IsControlEdge()) {
+        control_in.push_back(edge->src());
+      } else if (edge->dst_input() < e.num_data_inputs) {
+        data_in[edge->dst_input()] = {edge->src(), edge->src_output()};
+      }
+    }
+    for (int i = 0; i < e.num_data_inputs; ++i) {
+      if (data_in[i].first == nullptr) {
+        return tf::errors::Internal("node ", cand.name, " lacks input ", i);
+      }
+    }
+    struct Out { tf::Node* dst; int src_output; int dst_input; };
+    std::vector<Out> data_out;
+    std::vector<tf::Node*> control_out;
+    for (const tf::Edge* edge : n->out_edges()) {
+      if (edge->IsControlEdge()) {
+        control_out.push_back(edge->dst());
+      } else {
+        data_out.push_back({edge->dst(), edge->src_output(), edge->dst_input()});
+      }
+    }
+    const std::string assigned = n->assigned_device_name();
+    const std::string requested = n->requested_device();
+
+    tf::NodeDef cdef;
+    cdef.set_name(copy->NewName(absl::StrCat(cand.name, "/tfss_threshold")));
+    cdef.set_op("Const");
+    cdef.set_device(requested);
+    tf::Tensor thr(tf::DT_FLOAT, tf::TensorShape({}));
+    thr.scalar<float>()() = cfg.threshold;
+    tf::AddNodeAttr("dtype", tf::DT_FLOAT, &cdef);
+    tf::AddNodeAttr("value", thr, &cdef);
+
+    copy->RemoveNode(n);
+    n = nullptr;
+    absl::Status st;
+    tf::Node* nn = copy->AddNode(cand.target_def, &st);
+    TF_RETURN_IF_ERROR(st);
+    tf::Node* c = copy->AddNode(cdef, &st);
+    TF_RETURN_IF_ERROR(st);
+    nn->set_assigned_device_name(assigned);
+    c->set_assigned_device_name(assigned);
+    for (int i = 0; i < e.num_data_inputs; ++i) {
+      copy->AddEdge(data_in[i].first, data_in[i].second, nn, i);
+    }
+    copy->AddEdge(c, 0, nn, e.num_data_inputs);
+    // Keeps the Const in the activation's control-flow frame.
+    copy->AddControlEdge(data_in[e.activation_input].first, c);
+    for (tf::Node* src : control_in) copy->AddControlEdge(src, nn);
+    std::vector<std::string> outs, couts, cins;
+    for (const Out& o : data_out) {
+      copy->AddEdge(nn, o.src_output, o.dst, o.dst_input);
+      outs.push_back(absl::StrCat(o.dst->name(), ":", o.dst_input));
+    }
+    for (tf::Node* dst : control_out) {
+      copy->AddControlEdge(nn, dst);
+      couts.push_back(dst->name());
+    }
+    for (tf::Node* src : control_in) cins.push_back(src->name());
+    std::sort(outs.begin(), outs.end());
+    std::sort(couts.begin(), couts.end());
+    std::sort(cins.begin(), cins.end());
+    bool ta = false, tb = false;
+    tf::TryGetNodeAttr(nn->attrs(), "transpose_a", &ta);
+    tf::TryGetNodeAttr(nn->attrs(), "transpose_b", &tb);
+    tf::DataType dt = tf::DT_INVALID;
+    tf::TryGetNodeAttr(nn->attrs(), "T", &dt);
+    done.push_back(absl::StrCat(
+        "action=rewritten\top=", e.source_op, "\tnew_op=", e.target_op,
+        "\tname=", cand.name, "\tfunction=", fn, "\tproducer=", cand.producer,
+        "\tdtype=", tf::DataTypeString(dt), "\tdevice=", requested,
+        "\tassigned_device=", assigned, "\ttranspose_a=", ta ? 1 : 0,
+        "\ttranspose_b=", tb ? 1 : 0, "\tthreshold=", cfg.threshold,
+        "\tthreshold_node=", c->name(), "\tcontrol_in=", absl::StrJoin(cins, ","),
+        "\tcontrol_out=", absl::StrJoin(couts, ","),
+        "\tdata_out=", absl::StrJoin(outs, ",")));
+    VLOG(1) << "tf_sparse_split rewrite: " << e.source_op << " '" << cand.name
+            << "' -> " << e.target_op << " (activation from " << cand.producer
+            << ")" << (fn.empty() ? "" : " in function " + fn);
+    counted[e.source_op] += 1;
+  }
+  *options.graph = std::move(copy);
+  for (auto& r : done) records.push_back(std::move(r));
+  AppendLog(&records);
+  State& s = GlobalState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (const auto& kv : counted) s.counters[kv.first] += kv.second;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const std::vector<RewriteEntry>& RewriteTable() {
+  static const std::vector<RewriteEntry>* table = new std::vector<RewriteEntry>{
+      {"MatMul", "SparseSplitMatMul", 0, 2},
+      // Active only when the SparseSplitConv2D op is registered (checked at
+      // pass time): input, filter, threshold -> output, stats.
+      {"Conv2D", "SparseSplitConv2D", 0, 2},
+  };
+  return *table;
+}
+
+std::vector<std::string> ActiveSourceOps() {
+  std::vector<std::string> out;
+  for (const auto& e : RewriteTable()) {
+    if (LookUpOp(e.target_op) != nullptr) out.push_back(e.source_op);
+  }
+  return out;
+}
+
+void SetConfig(const RewriteConfig& config) {
+  State& s = GlobalState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.config = config;
+}
+
+RewriteConfig GetConfig() {
+  State& s = GlobalState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.config;
+}
+
+std::map<std::string, int64_t> Counters() {
+  State& s = GlobalState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.counters;
+}
+
+void ResetCounters() {
+  State& s = GlobalState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.clear();
+}
+
+std::vector<std::string> LogRecords(bool clear) {
+  State& s = GlobalState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  std::vector<std::string> out(s.log.begin(), s.log.end());
+  if (clear) s.log.clear();
+  return out;
+}
+
+absl::Status SparseSplitRewritePass::Run(
+    const tf::GraphOptimizationPassOptions& options) {
+  const RewriteConfig cfg = GetConfig();
+  if (!cfg.enabled) return absl::OkStatus();
+  if (options.graph == nullptr || *options.graph == nullptr) {
+    return absl::OkStatus();
+  }
+  try {
+    absl::Status st = RunImpl(options, cfg);
+    if (!st.ok()) {
+      LOG(WARNING) << "tf_sparse_split rewrite pass failed; graph left "
+                      "unchanged: " << st;
+    }
+  } catch (const std::exception& e) {
+    LOG(WARNING) << "tf_sparse_split rewrite pass failed; graph left "
+                    "unchanged: " << e.what();
+  } catch (...) {
+    LOG(WARNING) << "tf_sparse_split rewrite pass failed; graph left unchanged";
+  }
+  return absl::OkStatus();
+}
+
+// PRE_PLACEMENT, phase 12: after LowerFunctionalOpsPass (phase 10) so the
+// bodies of lowered If/While are in the graph, before placement so the
+// placer sees the new ops (and picks devices that have their kernels).
+REGISTER_OPTIMIZATION(::tensorflow::OptimizationPassRegistry::PRE_PLACEMENT, 12,
+                      SparseSplitRewritePass);
+
+}  // namespace rewrite
+}  // namespace tf_sparse_split

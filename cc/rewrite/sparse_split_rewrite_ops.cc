@@ -1,0 +1,170 @@
+// Small stateful ops through which Python configures the rewrite pass and
+// reads what it did. They live in the op library so that they share the
+// pass's state (a separate pybind11 module would have its own copy).
+// Meant to be run eagerly by tf_sparse_split/rewrite.py.
+#include <string>
+#include <vector>
+
+#include "cc/rewrite/sparse_split_rewrite.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tf_sparse_split {
+namespace rewrite {
+
+namespace tf = ::tensorflow;
+using tf::shape_inference::InferenceContext;
+
+REGISTER_OP("SparseSplitRewriteConfig")
+    .Input("enable: bool")
+    .Input("threshold: float")
+    .Input("min_flops: double")
+    .Input("ops: string")
+    .Input("producers: string")
+    .Output("active_ops: string")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) -> absl::Status {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Configures the sparse-split graph-rewrite pass for graphs optimized from now on.
+
+enable: bool scalar; false switches the pass off.
+threshold: float32 scalar given to every SparseSplit* op the pass adds
+  (negative: automatic).
+min_flops: float64 scalar; nodes with fewer statically known FLOPs are left alone.
+ops: string vector of source op types to rewrite ("MatMul", "Conv2D").
+producers: string vector of activation producer op types ("Relu", ...,
+  "Dropout" for the dropout pattern, "*" for any).
+active_ops: string vector of source op types whose replacement op is registered.
+)doc");
+
+REGISTER_OP("SparseSplitRewriteCounters")
+    .Input("reset: bool")
+    .Output("op_types: string")
+    .Output("counts: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) -> absl::Status {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Nodes rewritten by the sparse-split pass since load (or the last reset), by source op type.
+
+reset: bool scalar; if true the counters are zeroed after being read.
+op_types: string vector [n].
+counts: int64 vector [n].
+)doc");
+
+REGISTER_OP("SparseSplitRewriteLog")
+    .Input("clear: bool")
+    .Output("records: string")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) -> absl::Status {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+What the sparse-split pass did: one tab-separated key=value record per node it rewrote or declined.
+
+clear: bool scalar; if true the log is emptied after being read.
+records: string vector.
+)doc");
+
+namespace {
+
+absl::Status ScalarInput(tf::OpKernelContext* ctx, int i, const char* name) {
+  if (!tf::TensorShapeUtils::IsScalar(ctx->input(i).shape())) {
+    return tf::errors::InvalidArgument(name, " must be a scalar, got shape ",
+                                       ctx->input(i).shape().DebugString());
+  }
+  return absl::OkStatus();
+}
+
+std::set<std::string> StringSet(const tf::Tensor& t) {
+  std::set<std::string> out;
+  auto v = t.flat<tf::tstring>();
+  for (int64_t i = 0; i < v.size(); ++i) out.insert(std::string(v(i)));
+  return out;
+}
+
+void StringVector(tf::OpKernelContext* ctx, int index,
+                  const std::vector<std::string>& values) {
+  tf::Tensor* out = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                          index, tf::TensorShape({(int64_t)values.size()}), &out));
+  auto v = out->flat<tf::tstring>();
+  for (size_t i = 0; i < values.size(); ++i) v(i) = values[i];
+}
+
+class SparseSplitRewriteConfigOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 0, "enable"));
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 1, "threshold"));
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 2, "min_flops"));
+    OP_REQUIRES(ctx, ctx->input(3).dims() == 1 && ctx->input(4).dims() == 1,
+                tf::errors::InvalidArgument(
+                    "ops and producers must be vectors, got shapes ",
+                    ctx->input(3).shape().DebugString(), " and ",
+                    ctx->input(4).shape().DebugString()));
+    RewriteConfig cfg;
+    cfg.enabled = ctx->input(0).scalar<bool>()();
+    cfg.threshold = ctx->input(1).scalar<float>()();
+    cfg.min_flops = ctx->input(2).scalar<double>()();
+    OP_REQUIRES(ctx, !(cfg.threshold > 1.0f) && cfg.threshold == cfg.threshold,
+                tf::errors::InvalidArgument(
+                    "threshold must be in [0, 1] or negative, got ", cfg.threshold));
+    cfg.ops = StringSet(ctx->input(3));
+    cfg.producers = StringSet(ctx->input(4));
+    SetConfig(cfg);
+    StringVector(ctx, 0, ActiveSourceOps());
+  }
+};
+
+class SparseSplitRewriteCountersOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 0, "reset"));
+    auto counters = Counters();
+    if (ctx->input(0).scalar<bool>()()) ResetCounters();
+    std::vector<std::string> names;
+    tf::Tensor* counts = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            1, tf::TensorShape({(int64_t)counters.size()}), &counts));
+    auto c = counts->flat<int64_t>();
+    int64_t i = 0;
+    for (const auto& kv : counters) {
+      names.push_back(kv.first);
+      c(i++) = kv.second;
+    }
+    StringVector(ctx, 0, names);
+  }
+};
+
+class SparseSplitRewriteLogOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 0, "clear"));
+    StringVector(ctx, 0, LogRecords(ctx->input(0).scalar<bool>()()));
+  }
+};
+
+}  // namespace
+
+REGISTER_KERNEL_BUILDER(Name("SparseSplitRewriteConfig").Device(tf::DEVICE_CPU),
+                        SparseSplitRewriteConfigOp);
+REGISTER_KERNEL_BUILDER(Name("SparseSplitRewriteCounters").Device(tf::DEVICE_CPU),
+                        SparseSplitRewriteCountersOp);
+REGISTER_KERNEL_BUILDER(Name("SparseSplitRewriteLog").Device(tf::DEVICE_CPU),
+                        SparseSplitRewriteLogOp);
+
+}  // namespace rewrite
+}  // namespace tf_sparse_split

@@ -1,0 +1,250 @@
+"""``tf-sparse-split profile``: will my model get faster with sparse-split ops?
+
+Loads a SavedModel directory or a ``.keras`` file, runs it once on sample
+inputs, captures the operands of every ``MatMul`` and ``Conv2D`` node (the
+model's function graph with its variables frozen and nested functions
+inlined), and for each reports the measured activation sparsity and the op
+time of TensorFlow's dense op against ``sparse_split_matmul`` on the same
+captured activation and weights, in the same run (K.-Y. Peng, NTU 2017:
+split dense and sparse rows by run-time density).
+
+It also says whether the rewrite pass (:mod:`tf_sparse_split.rewrite`) would
+replace the node with its default producers. On GPU machines Keras compiles
+with XLA by default; the pass applies only with
+``model.compile(..., jit_compile=False)``.
+"""
+
+import os
+import time
+
+import numpy as np
+
+__all__ = ["profile_model", "load_model_function", "NodeProfile"]
+
+_LOOK_THROUGH = {"Identity", "Snapshot", "StopGradient", "Reshape", "Cast",
+                 "Transpose", "EnsureShape", "ExpandDims", "Squeeze"}
+
+
+class NodeProfile(dict):
+    """One row of the report (a dict): name, op, shape, sparsity,
+    zero_columns, dense_s, split_s (None if not timed), producer,
+    rewritable."""
+
+
+def load_model_function(path, signature=None):
+    """A concrete function running the model at ``path``, and a description.
+
+    Args:
+      path: a SavedModel directory or a ``.keras`` file.
+      signature: SavedModel signature key (default ``serving_default``, else
+        the only/first one).
+
+    Returns:
+      ``(concrete_function, description, owner)``; keep ``owner`` (the
+      loaded object) alive while using the function: it holds the variables.
+
+    Raises:
+      FileNotFoundError: if ``path`` does not exist.
+      ValueError: if it is neither a SavedModel nor a ``.keras`` file, or has
+        no usable signature.
+    """
+    import tensorflow as tf
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such model: {path}")
+    if path.endswith(".keras") and os.path.isfile(path):
+        import keras
+
+        model = keras.saving.load_model(path, compile=False)
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in model.inputs]
+        fn = tf.function(lambda *xs: model(list(xs) if len(xs) > 1 else xs[0],
+                                           training=False))
+        return (fn.get_concrete_function(*specs), f"Keras model {model.name!r}",
+                model)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "saved_model.pb")):
+        loaded = tf.saved_model.load(path)
+        sigs = dict(loaded.signatures)
+        if not sigs:
+            raise ValueError(f"SavedModel {path} has no signatures")
+        key = signature or ("serving_default" if "serving_default" in sigs
+                            else sorted(sigs)[0])
+        if key not in sigs:
+            raise ValueError(f"SavedModel {path} has no signature {key!r} "
+                             f"(has {sorted(sigs)})")
+        return sigs[key], f"SavedModel, signature {key!r}", loaded
+    raise ValueError(f"{path} is neither a SavedModel directory nor a .keras file")
+
+
+def _producer(op):
+    """(producer type, rewritable by the default producers)."""
+    from tf_sparse_split.rewrite import DEFAULT_PRODUCERS
+
+    src = op.inputs[0].op
+    for _ in range(16):
+        if src.type in DEFAULT_PRODUCERS:
+            return src.type, True
+        if src.type in ("SelectV2", "Select") and any(
+                i.op.type == "Const" and not np.any(_const(i.op))
+                for i in src.inputs[1:]):
+            return "Dropout", True
+        if src.type not in _LOOK_THROUGH:
+            break
+        src = src.inputs[0].op
+    return src.type, False
+
+
+def _const(op):
+    import tensorflow as tf
+
+    return tf.make_ndarray(op.get_attr("value"))
+
+
+def _median_time(fn, repeats):
+    fn()  # warm-up (and the op's own calibration for 'auto')
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
+                  threshold=-1.0, repeats=10, seed=0, signature=None):
+    """Profiles the MatMul/Conv2D nodes of a model.
+
+    Args:
+      path: SavedModel directory or ``.keras`` file.
+      inputs: list of numpy arrays (one per model input), or None for random
+        inputs: ``relu(normal)`` with ``input_sparsity`` of zeros, unknown
+        dimensions set to ``batch_size``.
+      batch_size: size of unknown dimensions of random inputs.
+      input_sparsity: fraction of zeros of random inputs, in ``[0, 1)``.
+      threshold: threshold given to ``sparse_split_matmul`` (negative: auto).
+      repeats: timed repetitions per op (median reported).
+      seed: seed of the random inputs.
+      signature: SavedModel signature key.
+
+    Returns:
+      ``(description, list of NodeProfile, input shapes)``.
+
+    Raises:
+      FileNotFoundError, ValueError: see :func:`load_model_function`; also
+        ValueError for inputs that do not match the model's inputs.
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework.convert_to_constants import (
+        convert_variables_to_constants_v2)
+
+    from tf_sparse_split.ops import sparse_split_matmul
+
+    fn, desc, owner = load_model_function(path, signature)
+    frozen = convert_variables_to_constants_v2(fn)
+    graph = frozen.graph
+    placeholders = [t for t in frozen.inputs if t.dtype != tf.resource]
+    rng = np.random.default_rng(seed)
+    if inputs is None:
+        inputs = []
+        for t in placeholders:
+            shape = [batch_size if d is None else d for d in t.shape.as_list()]
+            x = np.maximum(rng.standard_normal(shape), 0)
+            # relu(normal) has 50% zeros; move to the requested sparsity.
+            x[rng.random(shape) < max(0.0, (input_sparsity - 0.5) / 0.5)] = 0
+            inputs.append(x.astype(t.dtype.as_numpy_dtype))
+    if len(inputs) != len(placeholders):
+        raise ValueError(f"the model takes {len(placeholders)} inputs, got "
+                         f"{len(inputs)}")
+    feeds = {}
+    for t, x in zip(placeholders, inputs):
+        if not t.shape.is_compatible_with(x.shape):
+            raise ValueError(f"input of shape {x.shape} does not fit the "
+                             f"model input {t.name} of shape {t.shape}")
+        feeds[t.name] = x
+    nodes = [op for op in graph.get_operations()
+             if op.type in ("MatMul", "Conv2D")]
+    fetches = [[op.inputs[0], op.inputs[1]] for op in nodes]
+    with tf.compat.v1.Session(graph=graph) as sess:
+        values = sess.run(fetches, feed_dict=feeds)
+    rows = []
+    for op, (a, b) in zip(nodes, values):
+        producer, rewritable = _producer(op)
+        row = NodeProfile(name=op.name, op=op.type, producer=producer,
+                          rewritable=rewritable, dtype=a.dtype.name,
+                          sparsity=float(np.mean(a == 0)) if a.size else 0.0,
+                          dense_s=None, split_s=None, zero_columns=None)
+        if op.type == "MatMul" and a.dtype in (np.float32, np.float64):
+            ta = op.get_attr("transpose_a")
+            tb = op.get_attr("transpose_b")
+            ea = a.T if ta else a
+            row["shape"] = f"{ea.shape[0]}x{ea.shape[1]}x{b.shape[0] if tb else b.shape[1]}"
+            row["zero_columns"] = float(np.mean(~ea.any(axis=0)))
+            at, bt = tf.constant(a), tf.constant(b)
+            row["dense_s"] = _median_time(
+                lambda: tf.matmul(at, bt, transpose_a=ta, transpose_b=tb).numpy(),
+                repeats)
+            row["split_s"] = _median_time(
+                lambda: sparse_split_matmul(at, bt, threshold, transpose_a=ta,
+                                            transpose_b=tb).numpy(), repeats)
+        elif op.type == "Conv2D":
+            row["shape"] = "x".join(map(str, a.shape)) + " * " + "x".join(map(str, b.shape))
+            strides = op.get_attr("strides")
+            padding = op.get_attr("padding").decode()
+            fmt = op.get_attr("data_format").decode()
+            dil = op.get_attr("dilations")
+            if padding != "EXPLICIT":
+                at, bt = tf.constant(a), tf.constant(b)
+                try:
+                    row["dense_s"] = _median_time(
+                        lambda: tf.nn.conv2d(at, bt, strides, padding,
+                                             data_format=fmt,
+                                             dilations=dil).numpy(), repeats)
+                except tf.errors.OpError:
+                    pass  # e.g. NCHW on CPU
+        else:
+            row["shape"] = f"{a.shape}x{b.shape}"
+        rows.append(row)
+    del owner  # the variables were needed until the graph was frozen and run
+    return desc, rows, [x.shape for x in inputs]
+
+
+def format_report(path, desc, rows, input_shapes, input_desc, out):
+    """Prints the report of :func:`profile_model` to the file ``out``."""
+    print(f"model: {path} ({desc})", file=out)
+    print(f"inputs: {', '.join(str(list(s)) for s in input_shapes)} ({input_desc})",
+          file=out)
+    if not rows:
+        print("no MatMul or Conv2D nodes found", file=out)
+        return
+    width = max(28, max(len(r["name"]) for r in rows) + 2)
+    head = (f"{'node':<{width}}{'op':<8}{'M x K x N':<18}{'input from':<12}"
+            f"{'pass':<6}{'sparsity':>9}{'zero cols':>10}{'dense ms':>10}"
+            f"{'split ms':>10}{'speed-up':>10}")
+    print(head, file=out)
+    tot_d = tot_s = 0.0
+    for r in rows:
+        d, s = r["dense_s"], r["split_s"]
+        zc = "" if r["zero_columns"] is None else f"{r['zero_columns']:.3f}"
+        dt = "" if d is None else f"{d * 1e3:.3f}"
+        st = "n/a" if s is None else f"{s * 1e3:.3f}"
+        sp = "" if (d is None or s is None or s <= 0) else f"{d / s:.2f}x"
+        if d is not None and s is not None:
+            tot_d += d
+            tot_s += s
+        print(f"{r['name']:<{width}}{r['op']:<8}{r['shape']:<18}"
+              f"{r['producer']:<12}{'yes' if r['rewritable'] else 'no':<6}"
+              f"{r['sparsity']:>9.3f}{zc:>10}{dt:>10}{st:>10}{sp:>10}", file=out)
+    if tot_s > 0:
+        print(f"{'total (timed MatMul nodes)':<{width}}{'':<62}{tot_d * 1e3:>10.3f}"
+              f"{tot_s * 1e3:>10.3f}{tot_d / tot_s:>9.2f}x", file=out)
+        rw = [r for r in rows if r["rewritable"] and r["split_s"] is not None]
+        if rw:
+            d = sum(r["dense_s"] for r in rw)
+            s = sum(r["split_s"] for r in rw)
+            print(f"nodes the rewrite pass would replace (pass=yes): dense "
+                  f"{d * 1e3:.3f} ms, split {s * 1e3:.3f} ms, {d / s:.2f}x",
+                  file=out)
+    print("'pass': whether tf_sparse_split.rewrite.enable() (default producers) "
+          "replaces the node. Times: median op time on the captured operands "
+          "(tf.matmul vs sparse_split_matmul, same run). On GPU machines, "
+          "compile Keras models with jit_compile=False for the pass to apply.",
+          file=out)
