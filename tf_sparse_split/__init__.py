@@ -10,6 +10,9 @@ Public API:
 * :class:`SplitThresholdCallback` -- fits the cost model and tunes thresholds.
 * :mod:`tf_sparse_split.rewrite` -- graph-rewrite pass switch: existing
   ``MatMul`` graphs use the sparse-split op (``rewrite.enable()``).
+* :class:`ApproximateRandomDropout` -- row/tile-pattern dropout whose zeros
+  the ops skip; :func:`search_pattern_distribution` -- its pattern search.
+* :class:`SensitivityAwareDropout` -- channel dropout for CNNs (NHWC).
 
 Sources: K.-Y. Peng, *Adaptive runtime exploiting sparsity in tensor of deep
 learning on heterogeneous systems*, NTU 2017; R. Sun and L. Zhang, *Dynamic
@@ -24,6 +27,11 @@ from tf_sparse_split.layers import SparseSplitDense
 from tf_sparse_split.callbacks import SplitThresholdCallback
 from tf_sparse_split.cost_model import CostModel
 from tf_sparse_split import rewrite
+from tf_sparse_split.dropout import (
+    ApproximateRandomDropout,
+    SensitivityAwareDropout,
+    search_pattern_distribution,
+)
 
 __all__ = [
     "__version__",
@@ -34,4 +42,7 @@ __all__ = [
     "SplitThresholdCallback",
     "CostModel",
     "rewrite",
+    "ApproximateRandomDropout",
+    "SensitivityAwareDropout",
+    "search_pattern_distribution",
 ]
