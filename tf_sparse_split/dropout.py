@@ -252,6 +252,12 @@ def search_pattern_distribution(rate, num_units, pattern="row", max_period=8,
     the diversity of random dropout). This is our formulation of the
     paper's SGD-based search (its exact loss was not available to us).
 
+    After the last step the mean is corrected exactly by mixing in the
+    lowest- or highest-rate pattern with a small weight (typically < 1e-2),
+    so ``expected_rate == rate`` to float rounding. ``max_period`` is raised
+    to ``2 * ceil(1 / (1 - rate))`` where needed (capped by the number of
+    columns) so that patterns on both sides of the target exist.
+
     Args:
       rate: target drop rate in ``[0, 1)``.
       num_units: the layer's width (units).
@@ -305,7 +311,7 @@ def search_pattern_distribution(rate, num_units, pattern="row", max_period=8,
             f"columns): the highest pattern rate is 1 - 1/{num_columns}")
     # Make sure the target is inside the range of the candidates' rates.
     need = int(math.ceil(1.0 / (1.0 - rate) - 1e-9))
-    max_period = max(max_period, need)
+    max_period = max(max_period, 2 * need)
     patterns = pattern_list(num_columns, max_period)
     offset_rates = _pattern_rates(patterns, num_columns)
     m = np.array([r.mean() for r in offset_rates])

@@ -1,0 +1,416 @@
+"""Tests of tf_sparse_split.dropout (structured dropout; needs the op library
+for the tests that check what SparseSplitDense skips)."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparse_split as tfss
+from tf_sparse_split import stats
+from tf_sparse_split.dropout import pattern_list
+
+tfss.load_library()  # fail loudly if the op library is not built
+
+
+def _positive(shape, seed=0):
+    """Strictly positive input, so every zero of the output is a drop."""
+    return (np.random.default_rng(seed).random(shape) + 0.5).astype(np.float32)
+
+
+def _masks(layer, steps, batch=None):
+    """``steps`` training masks of ``layer`` drawn inside one tf.function
+    (the way model.fit draws them), as a numpy array."""
+
+    @tf.function
+    def draw():
+        return tf.stack([layer.keep_mask(batch) for _ in range(50)])
+
+    out = [draw().numpy() for _ in range(steps // 50)]
+    return np.concatenate(out)
+
+
+# --------------------------------------------------------------------------
+# the search
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])
+@pytest.mark.parametrize("units", [10, 64, 2048])
+def test_search_reaches_rate_for_every_unit(rate, units):
+    d = tfss.search_pattern_distribution(rate, units, seed=3)
+    assert d.probabilities.shape == (len(d.patterns),)
+    assert np.all(d.probabilities >= 0)
+    assert math.isclose(d.probabilities.sum(), 1.0, abs_tol=1e-12)
+    assert d.expected_rate == pytest.approx(rate, abs=1e-9)
+    # Every unit is dropped with the requested probability (exact formula).
+    np.testing.assert_allclose(d.per_unit_drop_probability(), rate,
+                               atol=1e-9)
+    # The objective went down and the distribution is spread (the entropy
+    # term): more than one pattern has a real share.
+    assert d.loss_history[-1] < d.loss_history[0]
+    if rate < 1 - 1 / units:  # at the top rate only keep-1-of-units fits
+        assert np.sum(d.probabilities > 0.02) >= 2
+
+
+def test_search_is_reproducible_and_seed_dependent():
+    a = tfss.search_pattern_distribution(0.4, 256, seed=7)
+    b = tfss.search_pattern_distribution(0.4, 256, seed=7)
+    c = tfss.search_pattern_distribution(0.4, 256, seed=8, steps=3)
+    np.testing.assert_array_equal(a.probabilities, b.probabilities)
+    np.testing.assert_array_equal(a.loss_history, b.loss_history)
+    assert not np.array_equal(a.loss_history[:3], c.loss_history)
+
+
+def test_search_tile_uses_tile_columns():
+    d = tfss.search_pattern_distribution(0.5, 256, pattern="tile",
+                                         tile_shape=(8, 32))
+    assert d.num_columns == 8
+    assert max(p for _, p in d.patterns) <= 8
+    assert d.expected_rate == pytest.approx(0.5, abs=1e-9)
+
+
+def test_pattern_list():
+    assert pattern_list(5, 8) == [("keep", 1), ("drop", 2), ("drop", 3),
+                                  ("drop", 4), ("drop", 5), ("keep", 3),
+                                  ("keep", 4), ("keep", 5)]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rate=1.0, num_units=8), "rate"),
+    (dict(rate=-0.1, num_units=8), "rate"),
+    (dict(rate=float("nan"), num_units=8), "rate"),
+    (dict(rate=0.95, num_units=10), "not reachable"),
+    (dict(rate=0.5, num_units=0), "num_units"),
+    (dict(rate=0.5, num_units=8, pattern="column"), "pattern"),
+    (dict(rate=0.5, num_units=64, pattern="tile"), "tile_shape"),
+    (dict(rate=0.5, num_units=64, pattern="tile", tile_shape=(4, 48)),
+     "does not divide"),
+    (dict(rate=0.5, num_units=64, pattern="tile", tile_shape=(4, 128)),
+     "wider"),
+    (dict(rate=0.5, num_units=8, lr=0), "lr"),
+    (dict(rate=0.5, num_units=8, steps=0), "steps"),
+])
+def test_search_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfss.search_pattern_distribution(**kwargs)
+
+
+# --------------------------------------------------------------------------
+# ApproximateRandomDropout
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("pattern, rate", [("row", 0.3), ("row", 0.7),
+                                           ("tile", 0.5)])
+def test_realized_drop_rate_per_unit(pattern, rate):
+    # 2000 steps; a unit's drop count is Binomial(2000, rate) across steps
+    # (steps are independent draws), std <= sqrt(0.25 / 2000) = 0.0112. The
+    # tolerance 0.06 is > 5 std per unit (p < 1e-6 per unit, < 1e-4 over all
+    # units by a union bound). The mean over units and steps is checked to
+    # 0.02 (> 5 std of the per-step realized rate, <= 0.2, over 2000 steps).
+    units = 60
+    kw = {"tile_shape": (4, 6)} if pattern == "tile" else {}
+    layer = tfss.ApproximateRandomDropout(rate, pattern=pattern, seed=11, **kw)
+    layer.build((None, units))
+    masks = _masks(layer, 2000, batch=16 if pattern == "tile" else None)
+    drop = 1.0 - masks.reshape(2000, -1, units)  # [steps, rows, units]
+    per_unit = drop.mean(axis=0)
+    np.testing.assert_allclose(per_unit, rate, atol=0.06)
+    assert drop.mean() == pytest.approx(rate, abs=0.02)
+    # Not a fixed mask: masks differ between steps.
+    assert len({m.tobytes() for m in masks[:50]}) > 3
+
+
+@pytest.mark.parametrize("pattern", ["row", "tile"])
+def test_training_rescales_and_inference_is_identity(pattern):
+    kw = {"tile_shape": (8, 16)} if pattern == "tile" else {}
+    layer = tfss.ApproximateRandomDropout(0.5, pattern=pattern, seed=1, **kw)
+    x = _positive((32, 64))
+    np.testing.assert_array_equal(layer(x).numpy(), x)          # default
+    np.testing.assert_array_equal(layer(x, training=False).numpy(), x)
+    for _ in range(5):
+        y = layer(x, training=True).numpy()
+        dropped = y == 0
+        realized = dropped.mean()
+        assert 0 < realized < 1
+        np.testing.assert_allclose(y[~dropped], x[~dropped] / (1 - realized),
+                                   rtol=1e-6)
+        if pattern == "row":  # whole columns, identical for every example
+            assert np.all(dropped == dropped[:1])
+        else:  # whole tiles
+            t = dropped.reshape(4, 8, 4, 16)
+            assert np.all(t == t[:, :1, :, :1])
+
+
+def test_rate_zero_is_identity_in_training():
+    layer = tfss.ApproximateRandomDropout(0.0)
+    x = _positive((4, 8))
+    np.testing.assert_array_equal(layer(x, training=True).numpy(), x)
+
+
+def test_higher_rank_input_drops_last_axis():
+    layer = tfss.ApproximateRandomDropout(0.5, seed=2)
+    x = _positive((3, 5, 16))
+    y = layer(x, training=True).numpy()
+    dropped = y == 0
+    assert np.all(dropped == dropped[:1, :1])
+    assert 0 < dropped.mean() < 1
+
+
+@pytest.mark.parametrize("pattern", ["row", "tile"])
+def test_gradient_flows_only_through_kept_units(pattern):
+    kw = {"tile_shape": (4, 8)} if pattern == "tile" else {}
+    layer = tfss.ApproximateRandomDropout(0.5, pattern=pattern, seed=4, **kw)
+    x = tf.constant(_positive((16, 32)))
+    w = tf.constant(np.random.default_rng(0).standard_normal((32, 1)),
+                    tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+        loss = tf.reduce_sum(tf.matmul(y, w))
+    g = tape.gradient(loss, x).numpy()
+    dropped = y.numpy() == 0
+    scale = 1.0 / (1.0 - dropped.mean())
+    assert np.all(g[dropped] == 0)
+    expected = np.broadcast_to(w.numpy()[:, 0] * scale, g.shape)
+    np.testing.assert_allclose(g[~dropped], expected[~dropped], rtol=1e-6)
+
+
+def test_dense_after_row_dropout_skips_dropped_columns():
+    units = 96
+    drop = tfss.ApproximateRandomDropout(0.5, seed=5)
+    dense = tfss.SparseSplitDense(24)
+    x = _positive((40, units))
+    w_dropped = []
+    for _ in range(5):
+        y = drop(x, training=True)
+        out = dense(y)
+        st = stats.as_dict(dense.latest_stats_vector())
+        zero_cols = int(np.sum(np.all(y.numpy() == 0, axis=0)))
+        assert zero_cols > 0
+        # Forward: every dropped neuron is a compacted-away column.
+        assert st["zero_cols_skipped"] == zero_cols
+        assert st["nnz"] == 40 * (units - zero_cols)
+        # Same result as the full product.
+        np.testing.assert_allclose(
+            out.numpy(), y.numpy() @ dense.kernel.numpy() + dense.bias.numpy(),
+            rtol=1e-5, atol=1e-5)
+        w_dropped.append(zero_cols)
+        # Weight gradient dW = Y^T dOut runs through the op with Y^T as its
+        # sparse operand: the dropped neurons are all-zero rows of Y^T, which
+        # go to the sparse path and cost nothing (nnz 0).
+        d_out = tf.ones((40, 24))
+        _, st_w = tfss.sparse_split_matmul(y, d_out, transpose_a=True,
+                                           return_stats=True)
+        st_w = stats.as_dict(st_w)
+        assert st_w["rows_sparse"] >= zero_cols
+        assert st_w["nnz"] == 40 * (units - zero_cols)
+    assert len(set(w_dropped)) >= 1
+
+
+def test_weight_gradient_of_dense_goes_through_the_op():
+    drop = tfss.ApproximateRandomDropout(0.5, seed=5)
+    dense = tfss.SparseSplitDense(8)
+    x = _positive((16, 32))
+    dense.build((None, 32))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dense(drop(x, training=True)))
+        return tape.gradient(loss, dense.kernel)
+
+    graph = step.get_concrete_function(tf.TensorSpec((16, 32))).graph
+    ops = [op.type for op in graph.get_operations()]
+    # one in the forward pass, one for dW (the dX gradient is a plain MatMul)
+    assert ops.count("SparseSplitMatMul") == 2, ops
+    g = step(x).numpy()
+    assert np.all(np.isfinite(g))
+
+
+def test_dense_after_tile_dropout_sparse_path_touches_only_kept():
+    # Tiles leave no all-zero column (so nothing is compacted); with the
+    # threshold at 1.0 every row goes to the CSR path, whose work is the
+    # nonzeros only.
+    drop = tfss.ApproximateRandomDropout(0.5, pattern="tile",
+                                         tile_shape=(8, 16), seed=6)
+    dense = tfss.SparseSplitDense(16, threshold=1.0)
+    x = _positive((32, 64))
+    y = drop(x, training=True)
+    dense(y)
+    st = stats.as_dict(dense.latest_stats_vector())
+    kept = int(np.count_nonzero(y.numpy()))
+    assert kept < x.size
+    assert st["rows_sparse"] == 32 and st["nnz_sparse"] == kept
+    assert st["zero_cols_skipped"] == 0
+
+
+def test_seeds_make_masks_reproducible():
+    def run(seed):
+        layer = tfss.ApproximateRandomDropout(0.5, seed=seed)
+        x = _positive((2, 40))
+        return np.stack([layer(x, training=True).numpy() for _ in range(20)])
+
+    np.testing.assert_array_equal(run(3), run(3))
+    assert not np.array_equal(run(3), run(4))
+
+
+def test_fit_with_dropout_is_reproducible_and_masks_vary():
+    x = _positive((64, 12))
+    y = np.random.default_rng(1).integers(0, 3, 64)
+
+    def train():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((12,)),
+            tfss.SparseSplitDense(32, activation="relu"),
+            tfss.ApproximateRandomDropout(0.5, seed=9),
+            tfss.SparseSplitDense(3, activation="softmax")])
+        model.compile("sgd", "sparse_categorical_crossentropy",
+                      jit_compile=False)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        return model
+
+    a, b = train(), train()
+    for wa, wb in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_array_equal(wa, wb)
+    # The compiled training step drew different patterns across steps: the
+    # output layer saw different numbers of skipped columns.
+    total, calls = a.layers[2].accumulated_stats_vector()
+    assert calls == 8
+    assert total[stats.ZERO_COLS_SKIPPED] > 0
+
+
+def test_serialization_round_trip(tmp_path):
+    model = keras.Sequential([
+        keras.Input((32,)),
+        tfss.ApproximateRandomDropout(0.3, seed=2, name="ard_row"),
+        tfss.ApproximateRandomDropout(0.6, pattern="tile", tile_shape=(4, 8),
+                                      max_period=5, seed=3, name="ard_tile"),
+        tfss.SparseSplitDense(4)])
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    for name in ("ard_row", "ard_tile"):
+        a, b = model.get_layer(name), loaded.get_layer(name)
+        assert type(b) is tfss.ApproximateRandomDropout
+        assert a.get_config() == b.get_config()
+        assert a.pattern_probabilities() == b.pattern_probabilities()
+    cfg = loaded.get_layer("ard_tile").get_config()
+    assert cfg["tile_shape"] == [4, 8] and cfg["pattern"] == "tile"
+    x = _positive((5, 32))
+    np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6)
+    # from_config with explicit probabilities skips the search.
+    layer = tfss.ApproximateRandomDropout.from_config(
+        model.get_layer("ard_row").get_config())
+    layer.build((None, 32))
+    assert layer.distribution is None
+    assert layer.pattern_probabilities() == \
+        model.get_layer("ard_row").pattern_probabilities()
+
+
+@pytest.mark.parametrize("kwargs, shape, match", [
+    (dict(rate=1.0), (None, 8), "rate"),
+    (dict(rate=-0.5), (None, 8), "rate"),
+    (dict(rate="half"), (None, 8), "rate"),
+    (dict(rate=0.5, pattern="diag"), (None, 8), "pattern"),
+    (dict(rate=0.5, tile_shape=(2, 2)), (None, 8), "only used"),
+    (dict(rate=0.5, pattern="tile", tile_shape=(2, 3)), (None, 8),
+     "does not divide"),
+    (dict(rate=0.5, pattern="tile", tile_shape=(2, 16)), (None, 8), "wider"),
+    (dict(rate=0.5, pattern="tile", tile_shape=(0, 4)), (None, 8),
+     "tile_shape"),
+    (dict(rate=0.5, pattern="tile", tile_shape=4), (None, 8), "tile_shape"),
+    (dict(rate=0.5, probabilities=[["drop", 1, 1.0]]), (None, 8), "period"),
+    (dict(rate=0.5, probabilities=[["drop", 16, 1.0]]), (None, 8),
+     "exceeds"),
+])
+def test_bad_arguments(kwargs, shape, match):
+    with pytest.raises(ValueError, match=match):
+        layer = tfss.ApproximateRandomDropout(**kwargs)
+        layer.build(shape)
+
+
+# --------------------------------------------------------------------------
+# SensitivityAwareDropout
+# --------------------------------------------------------------------------
+def test_sensitivity_dropout_drops_whole_channels_and_matches_conv():
+    layer = tfss.SensitivityAwareDropout(0.25, seed=1)
+    x = _positive((2, 6, 5, 16))
+    np.testing.assert_array_equal(layer(x).numpy(), x)  # inference
+    w = tf.constant(np.random.default_rng(2).standard_normal((3, 3, 16, 4)),
+                    tf.float32)
+    for _ in range(3):
+        y = layer(x, training=True).numpy()
+        dropped = np.all(y == 0, axis=(0, 1, 2))
+        assert dropped.sum() == 4  # round(0.25 * 16)
+        assert not np.any((y == 0)[..., ~dropped])
+        np.testing.assert_allclose(y[..., ~dropped],
+                                   x[..., ~dropped] * 16 / 12, rtol=1e-6)
+        # What a channel-skipping convolution computes: only kept channels.
+        full = tf.nn.conv2d(y, w, 1, "SAME")
+        kept = np.flatnonzero(~dropped)
+        skip = tf.nn.conv2d(tf.gather(y, kept, axis=3),
+                            tf.gather(w, kept, axis=2), 1, "SAME")
+        np.testing.assert_allclose(full.numpy(), skip.numpy(), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_sensitivity_score_and_preference():
+    c = 8
+    layer = tfss.SensitivityAwareDropout(0.5, momentum=0.5, seed=3)
+    scale = np.array([0.01] * 4 + [1.0] * 4, np.float32)
+    x = _positive((4, 3, 3, c)) * scale
+    layer(x, training=True)
+    # First update: the score is the mean |activation| per channel.
+    np.testing.assert_allclose(layer.sensitivity.numpy(),
+                               np.abs(x).mean(axis=(0, 1, 2)), rtol=1e-6)
+    assert int(layer.score_updates.numpy()) == 1
+    counts = np.zeros(c)
+    for _ in range(100):
+        y = layer(x, training=True).numpy()
+        counts += np.all(y == 0, axis=(0, 1, 2))
+    # Low-sensitivity channels (0-3) are dropped far more often.
+    assert counts[:4].mean() > 0.9 * 100
+    assert counts[4:].mean() < 0.1 * 100
+
+
+def test_sensitivity_high_temperature_is_near_uniform():
+    c = 8
+    layer = tfss.SensitivityAwareDropout(0.5, temperature=1e6, seed=4)
+    x = _positive((2, 2, 2, c)) * np.array([0.01] * 4 + [1.0] * 4, np.float32)
+    counts = np.zeros(c)
+    for _ in range(400):
+        counts += np.all(layer(x, training=True).numpy() == 0, axis=(0, 1, 2))
+    # Each channel dropped with prob 0.5: 400 draws, std 10; allow 6 std.
+    np.testing.assert_allclose(counts, 200, atol=60)
+
+
+def test_sensitivity_gradient_and_serialization(tmp_path):
+    layer = tfss.SensitivityAwareDropout(0.5, seed=5)
+    x = tf.constant(_positive((2, 4, 4, 6)))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+        loss = tf.reduce_sum(y)
+    g = tape.gradient(loss, x).numpy()
+    dropped = y.numpy() == 0
+    assert np.all(g[dropped] == 0) and np.allclose(g[~dropped], 2.0)
+    model = keras.Sequential([keras.Input((4, 4, 6)), layer])
+    model.save(tmp_path / "s.keras")
+    loaded = keras.models.load_model(tmp_path / "s.keras")
+    lb = loaded.layers[0]
+    assert type(lb) is tfss.SensitivityAwareDropout
+    assert lb.get_config() == layer.get_config()
+    np.testing.assert_array_equal(lb.sensitivity.numpy(),
+                                  layer.sensitivity.numpy())
+
+
+@pytest.mark.parametrize("kwargs, shape, match", [
+    (dict(rate=1.0), (None, 4, 4, 8), "rate"),
+    (dict(rate=0.5, temperature=0), (None, 4, 4, 8), "temperature"),
+    (dict(rate=0.5, momentum=1.0), (None, 4, 4, 8), "momentum"),
+    (dict(rate=0.5), (None, 8), "NHWC"),
+])
+def test_sensitivity_bad_arguments(kwargs, shape, match):
+    with pytest.raises(ValueError, match=match):
+        tfss.SensitivityAwareDropout(**kwargs).build(shape)
