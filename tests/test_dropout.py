@@ -414,3 +414,55 @@ def test_sensitivity_gradient_and_serialization(tmp_path):
 def test_sensitivity_bad_arguments(kwargs, shape, match):
     with pytest.raises(ValueError, match=match):
         tfss.SensitivityAwareDropout(**kwargs).build(shape)
+
+
+# --------------------------------------------------------------------------
+# CLI: tf-sparse-split train --dropout
+# --------------------------------------------------------------------------
+CLI_SMALL = ["train", "--epochs", "1", "--hidden", "32,32", "--quiet"]
+
+
+@pytest.mark.parametrize("kind, what", [
+    ("standard", "keras.layers.Dropout"),
+    ("row", "ApproximateRandomDropout row patterns"),
+    ("tile", "ApproximateRandomDropout tile patterns (16, 8)"),
+])
+def test_cli_train_with_dropout(capsys, kind, what):
+    from tf_sparse_split import cli
+
+    extra = ["--tile-shape", "16,8"] if kind == "tile" else []
+    rc = cli.main(CLI_SMALL + ["--dropout", kind, "--dropout-rate", "0.3"]
+                  + extra)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"dropout: {what}, rate 0.3, after every hidden layer" in out
+    assert "sparse-split: test accuracy" in out and "time/epoch" in out
+
+
+def test_cli_build_mlp_places_dropout():
+    from tf_sparse_split import cli
+
+    model = cli.build_mlp(8, [16, 16], 3, dropout="row", dropout_rate=0.5,
+                          seed=1)
+    names = [l.name for l in model.layers]
+    assert names == ["hidden_1", "dropout_1", "hidden_2", "dropout_2",
+                     "output"]
+    assert isinstance(model.get_layer("dropout_1"),
+                      tfss.ApproximateRandomDropout)
+    assert model.get_layer("dropout_2").seed == 2
+    plain = cli.build_mlp(8, [16], 3)
+    assert [l.name for l in plain.layers] == ["hidden_1", "output"]
+
+
+@pytest.mark.parametrize("argv, rc, msg", [
+    (["--dropout", "row", "--dropout-rate", "1.0"], 2, "must be in [0, 1)"),
+    (["--dropout", "blocks"], 2, "invalid choice"),
+    (["--dropout-rate", "0.3"], 1, "need --dropout"),
+    (["--dropout", "row", "--tile-shape", "8,8"], 1, "needs --dropout tile"),
+    (["--dropout", "tile", "--tile-shape", "8,12"], 1, "does not divide"),
+])
+def test_cli_dropout_bad_arguments(capsys, argv, rc, msg):
+    from tf_sparse_split import cli
+
+    assert cli.main(CLI_SMALL + argv) == rc
+    assert msg in capsys.readouterr().err

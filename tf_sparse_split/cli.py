@@ -12,7 +12,12 @@ Subcommands:
     (``--baseline``), or both in turn from the same initial weights
     (``--compare``). Prints, per epoch, the time in seconds, loss and
     accuracy, and each sparse-split layer's input sparsity and threshold;
-    at the end the test accuracy.
+    at the end the test accuracy. ``--dropout {none,standard,row,tile}``
+    puts a dropout layer after every hidden layer: ``keras.layers.Dropout``
+    (``standard``) or :class:`~tf_sparse_split.dropout.
+    ApproximateRandomDropout` with row or tile patterns, whose dropped
+    neurons the following sparse-split layer skips (Z. Song et al.,
+    "Approximate Random Dropout", arXiv 1805.08939), at ``--dropout-rate``.
 
 ``profile MODEL_PATH``
     Loads a SavedModel directory or a ``.keras`` file, runs it on sample
@@ -75,6 +80,27 @@ def _threshold(text):
             f"{e} (or 'auto')") from None
 
 
+def _dropout_rate(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _tile_shape(text):
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(
+            f"give ROWS,UNITS (e.g. 32,32), got {text!r}")
+    return tuple(_positive_int(p) for p in parts)
+
+
+DROPOUT_KINDS = ("none", "standard", "row", "tile")
+
+
 def build_parser():
     """The ``argparse`` parser of the ``tf-sparse-split`` command."""
     parser = argparse.ArgumentParser(
@@ -114,6 +140,19 @@ def build_parser():
     mode.add_argument("--compare", action="store_true",
                       help="train both (same seed) and print a side-by-side "
                            "summary")
+    train.add_argument(
+        "--dropout", choices=DROPOUT_KINDS, default="none",
+        help="dropout after every hidden layer: none (default), standard "
+             "(keras.layers.Dropout), row or tile (ApproximateRandomDropout "
+             "patterns the sparse-split layers skip)")
+    train.add_argument("--dropout-rate", type=_dropout_rate, default=None,
+                       metavar="R",
+                       help="dropout rate in [0, 1) (default 0.5; needs "
+                            "--dropout)")
+    train.add_argument("--tile-shape", type=_tile_shape, default=None,
+                       metavar="ROWS,UNITS",
+                       help="tile of --dropout tile (default 32,32; UNITS "
+                            "must divide every hidden size)")
     train.add_argument("--quiet", action="store_true",
                        help="no progress bar or per-epoch lines; only the "
                             "summary")
@@ -179,8 +218,9 @@ def _cmd_profile(args, out):
     return 0
 
 
-def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0):
-    """An MLP ``input -> [hidden ReLU]* -> softmax``.
+def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
+              dropout="none", dropout_rate=0.5, seed=None, tile_shape=None):
+    """An MLP ``input -> [hidden ReLU [dropout]]* -> softmax``.
 
     Args:
       input_dim: features per example.
@@ -188,10 +228,20 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0):
       num_classes: output classes.
       sparse: SparseSplitDense layers (True) or keras.layers.Dense (False).
       threshold: initial threshold of the SparseSplitDense layers.
+      dropout: ``"none"``, ``"standard"`` (``keras.layers.Dropout``),
+        ``"row"`` or ``"tile"`` (``ApproximateRandomDropout``): a dropout
+        layer after every hidden layer, named ``dropout_1``, ...
+      dropout_rate: its rate in ``[0, 1)``.
+      seed: seed of the dropout layers (layer ``i`` gets ``seed + i``).
+      tile_shape: tile of the ``"tile"`` pattern (default ``(32, 32)``).
 
     Returns:
       an uncompiled ``keras.Sequential``; layers are named ``hidden_1``, ...,
       ``output``.
+
+    Raises:
+      ValueError: unknown ``dropout``, bad rate, or a tile not dividing a
+        hidden size.
     """
     import keras
 
@@ -203,9 +253,26 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0):
                                     threshold=threshold, name=name)
         return keras.layers.Dense(units, activation=activation, name=name)
 
+    if dropout not in DROPOUT_KINDS:
+        raise ValueError(f"dropout must be one of {DROPOUT_KINDS}, got "
+                         f"{dropout!r}")
+
+    def drop(i):
+        from tf_sparse_split.dropout import ApproximateRandomDropout
+
+        s = None if seed is None else seed + i
+        name = f"dropout_{i + 1}"
+        if dropout == "standard":
+            return keras.layers.Dropout(dropout_rate, seed=s, name=name)
+        return ApproximateRandomDropout(
+            dropout_rate, pattern=dropout, seed=s, name=name,
+            tile_shape=tile_shape if dropout == "tile" else None)
+
     layers = [keras.Input((input_dim,))]
     for i, width in enumerate(hidden):
         layers.append(dense(width, "relu", f"hidden_{i + 1}"))
+        if dropout != "none":
+            layers.append(drop(i))
     layers.append(dense(num_classes, "softmax", "output"))
     return keras.Sequential(layers, name="sparse_mlp" if sparse else "mlp")
 
@@ -254,7 +321,9 @@ def _run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
 
     keras.utils.set_random_seed(args.seed)
     model = build_mlp(x_train.shape[1], args.hidden, num_classes,
-                      sparse=sparse, threshold=args.threshold)
+                      sparse=sparse, threshold=args.threshold,
+                      dropout=args.dropout, dropout_rate=args.dropout_rate,
+                      seed=args.seed, tile_shape=args.tile_shape)
     model.compile(optimizer=keras.optimizers.Adam(args.lr),
                   loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], jit_compile=False)
@@ -265,7 +334,15 @@ def _run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
         print(f"model: {kind} MLP {sizes} "
               f"({'SparseSplitDense' if sparse else 'keras.layers.Dense'})",
               file=out, flush=True)
-    layer_names = [l.name for l in model.layers] if sparse else []
+        if args.dropout != "none":
+            what = {"standard": "keras.layers.Dropout",
+                    "row": "ApproximateRandomDropout row patterns",
+                    "tile": "ApproximateRandomDropout tile patterns "
+                            f"{args.tile_shape or (32, 32)}"}[args.dropout]
+            print(f"dropout: {what}, rate {args.dropout_rate}, after every "
+                  "hidden layer", file=out, flush=True)
+    layer_names = [l.name for l in model.layers
+                   if hasattr(l, "threshold_var")] if sparse else []
     printer = _epoch_printer(args.epochs, layer_names,
                              None if args.quiet else out)
     callbacks = []
@@ -285,14 +362,16 @@ def _run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
                                          verbose=0)
     result = {
         "kind": kind,
+        "dropout": args.dropout,
+        "dropout_rate": args.dropout_rate,
         "epoch_times": list(printer.times),
         "time_per_epoch": sum(printer.times) / max(len(printer.times), 1),
         "loss": float(history.history["loss"][-1]),
         "accuracy": float(history.history["accuracy"][-1]),
         "test_loss": float(test_loss),
         "test_accuracy": float(test_acc),
-        "thresholds": ({l.name: l.threshold for l in model.layers}
-                       if sparse else {}),
+        "thresholds": ({l.name: l.threshold for l in model.layers
+                        if hasattr(l, "threshold_var")} if sparse else {}),
     }
     if out is not None:
         print(f"{kind}: test accuracy {result['test_accuracy']:.4f}, test "
@@ -321,6 +400,15 @@ def _print_compare(sparse_res, base_res, out):
 
 def _cmd_train(args, out):
     from tf_sparse_split import datasets
+
+    if args.dropout == "none":
+        if args.dropout_rate is not None or args.tile_shape is not None:
+            raise ValueError("--dropout-rate and --tile-shape need --dropout")
+    else:
+        if args.dropout_rate is None:
+            args.dropout_rate = 0.5
+        if args.tile_shape is not None and args.dropout != "tile":
+            raise ValueError("--tile-shape needs --dropout tile")
 
     if args.data is None:
         (x_train, y_train), (x_test, y_test) = datasets.load_digits()  # fixed split
