@@ -176,11 +176,14 @@ def test_gradient_flows_only_through_kept_units(pattern):
 
 
 def test_dense_after_row_dropout_skips_dropped_columns():
+    # threshold 0.0 (not automatic): the op then never calibrates its rate
+    # model for this shape and compacts by its fixed rule (>= 1/16 of the
+    # columns dead), so the check does not depend on timings; in automatic
+    # mode it compacts when the measured flops saved beat the gather.
     units = 96
     drop = tfss.ApproximateRandomDropout(0.5, seed=5)
-    dense = tfss.SparseSplitDense(24)
+    dense = tfss.SparseSplitDense(24, threshold=0.0)
     x = _positive((40, units))
-    w_dropped = []
     for _ in range(5):
         y = drop(x, training=True)
         out = dense(y)
@@ -194,17 +197,16 @@ def test_dense_after_row_dropout_skips_dropped_columns():
         np.testing.assert_allclose(
             out.numpy(), y.numpy() @ dense.kernel.numpy() + dense.bias.numpy(),
             rtol=1e-5, atol=1e-5)
-        w_dropped.append(zero_cols)
         # Weight gradient dW = Y^T dOut runs through the op with Y^T as its
         # sparse operand: the dropped neurons are all-zero rows of Y^T, which
         # go to the sparse path and cost nothing (nnz 0).
         d_out = tf.ones((40, 24))
-        _, st_w = tfss.sparse_split_matmul(y, d_out, transpose_a=True,
+        _, st_w = tfss.sparse_split_matmul(y, d_out, threshold=0.0,
+                                           transpose_a=True,
                                            return_stats=True)
         st_w = stats.as_dict(st_w)
         assert st_w["rows_sparse"] >= zero_cols
         assert st_w["nnz"] == 40 * (units - zero_cols)
-    assert len(set(w_dropped)) >= 1
 
 
 def test_weight_gradient_of_dense_goes_through_the_op():
@@ -264,7 +266,8 @@ def test_fit_with_dropout_is_reproducible_and_masks_vary():
             keras.Input((12,)),
             tfss.SparseSplitDense(32, activation="relu"),
             tfss.ApproximateRandomDropout(0.5, seed=9),
-            tfss.SparseSplitDense(3, activation="softmax")])
+            # threshold 0.0: compaction by the op's fixed rule (see above)
+            tfss.SparseSplitDense(3, activation="softmax", threshold=0.0)])
         model.compile("sgd", "sparse_categorical_crossentropy",
                       jit_compile=False)
         model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
