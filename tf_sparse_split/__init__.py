@@ -6,7 +6,9 @@ Public API:
 
 * :func:`load_library` -- loads the compiled op library (lazily).
 * :func:`sparse_split_matmul` -- the ``SparseSplitMatMul`` op.
+* :func:`sparse_split_conv2d` -- the ``SparseSplitConv2D`` op (NHWC).
 * :class:`SparseSplitDense` -- drop-in for ``keras.layers.Dense``.
+* :class:`SparseSplitConv2D` -- drop-in for ``keras.layers.Conv2D``.
 * :class:`SplitThresholdCallback` -- fits the cost model and tunes thresholds.
 * :mod:`tf_sparse_split.rewrite` -- graph-rewrite pass switch: existing
   ``MatMul`` graphs use the sparse-split op (``rewrite.enable()``).
@@ -22,8 +24,9 @@ Training Acceleration via Exploring GPGPU Friendly Sparsity*, arXiv 2203.05705.
 
 from tf_sparse_split._version import __version__
 from tf_sparse_split._loader import load_library, LibraryLoadError
-from tf_sparse_split.ops import sparse_split_matmul
+from tf_sparse_split.ops import sparse_split_matmul, sparse_split_conv2d
 from tf_sparse_split.layers import SparseSplitDense
+from tf_sparse_split.conv_layers import SparseSplitConv2D
 from tf_sparse_split.callbacks import SplitThresholdCallback
 from tf_sparse_split.cost_model import CostModel
 from tf_sparse_split import rewrite
@@ -38,7 +41,9 @@ __all__ = [
     "load_library",
     "LibraryLoadError",
     "sparse_split_matmul",
+    "sparse_split_conv2d",
     "SparseSplitDense",
+    "SparseSplitConv2D",
     "SplitThresholdCallback",
     "CostModel",
     "rewrite",

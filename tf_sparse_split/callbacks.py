@@ -76,8 +76,10 @@ class SplitThresholdCallback(keras.callbacks.Callback):
     What it does:
 
     * ``on_train_begin``: finds every layer with a ``threshold_var``
-      (:class:`~tf_sparse_split.layers.SparseSplitDense`, also inside nested
-      models), resets their statistics and starts fresh cost models.
+      (:class:`~tf_sparse_split.layers.SparseSplitDense`,
+      :class:`~tf_sparse_split.conv_layers.SparseSplitConv2D`, also inside
+      nested models); each layer's ``split_work_coefficients`` gives the
+      flop formulas of its op to the cost model, resets their statistics and starts fresh cost models.
     * First epoch of each ``fit``: for the first ``explore_batches`` batches
       it alternates every layer's threshold between 1.0 (all rows sparse) and
       0.0 (all nonzero rows dense), so that both paths are timed; then it
@@ -198,7 +200,9 @@ class SplitThresholdCallback(keras.callbacks.Callback):
             if new_calls > 0:
                 s.epoch_sum += total - s.seen_total
                 s.epoch_calls += new_calls
-                s.cost_model.add_stats(s.layer.latest_stats_vector())
+                latest = s.layer.latest_stats_vector()
+                s.cost_model.add_stats(latest,
+                                       coefficients=_coefficients(s.layer, latest))
             s.seen_total, s.seen_calls = total, calls
 
     def on_epoch_end(self, epoch, logs=None):
@@ -249,11 +253,18 @@ class SplitThresholdCallback(keras.callbacks.Callback):
         nnz = v[_stats.NNZ] / calls
         best = cm.best_threshold(
             hist, m, k, k_live, n, nnz=nnz,
-            heterogeneous=bool(getattr(s.layer, "heterogeneous", False)))
+            heterogeneous=bool(getattr(s.layer, "heterogeneous", False)),
+            coefficients=_coefficients(s.layer, v / calls))
         if best is not None:
             s.layer.set_threshold(best)
         entry["threshold"] = s.layer.threshold
         return entry
+
+
+def _coefficients(layer, stats_vector):
+    """The layer's work coefficients for the cost model (None: a matmul's)."""
+    fn = getattr(layer, "split_work_coefficients", None)
+    return None if fn is None else fn(stats_vector)
 
 
 def _fmt_rate(rate):

@@ -28,6 +28,11 @@ Subcommands:
     replace it. On GPU machines Keras needs ``jit_compile=False`` for the
     pass to apply.
 
+With ``--model cnn`` it trains a small CNN instead (conv-ReLU-conv-ReLU-
+max-pool-dense on the images reshaped to ``side x side x 1``: 8x8 digits,
+28x28 MNIST) with :class:`~tf_sparse_split.conv_layers.SparseSplitConv2D`
+layers (or ``keras.layers.Conv2D`` with ``--baseline``).
+
 Run as ``tf-sparse-split train ...`` or ``python -m tf_sparse_split train ...``.
 :func:`main` returns the exit code (0 success, 1 runtime error such as
 missing data or an unbuilt op library, 2 bad arguments).
@@ -37,7 +42,7 @@ import argparse
 import sys
 import time
 
-__all__ = ["main", "build_parser", "build_mlp"]
+__all__ = ["main", "build_parser", "build_mlp", "build_cnn"]
 
 
 def _positive_int(text):
@@ -110,7 +115,7 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     train = sub.add_parser(
-        "train", help="train an MLP with SparseSplitDense layers",
+        "train", help="train an MLP (or --model cnn) with sparse-split layers",
         description="Train a ReLU MLP with SparseSplitDense layers and the "
                     "threshold-tuning callback (or plain Dense with "
                     "--baseline, or both with --compare).")
@@ -134,6 +139,13 @@ def build_parser():
         "--threshold", type=_threshold, default=-1.0, metavar="T|auto",
         help="initial split threshold in [0, 1], or 'auto' (default): the "
              "callback tunes it after each epoch")
+    train.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                       help="mlp (default): Dense-ReLU layers; cnn: "
+                            "conv-relu-conv-relu-pool-dense")
+    train.add_argument("--filters", type=_hidden_sizes, default=[16, 32],
+                       metavar="N,N",
+                       help="filters of the two 3x3 conv layers of --model "
+                            "cnn (default 16,32)")
     mode = train.add_mutually_exclusive_group()
     mode.add_argument("--baseline", action="store_true",
                       help="use plain keras.layers.Dense instead")
@@ -277,6 +289,52 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
     return keras.Sequential(layers, name="sparse_mlp" if sparse else "mlp")
 
 
+def build_cnn(side, filters, num_classes, sparse=True, threshold=-1.0):
+    """A small CNN ``[side, side, 1] -> conv 3x3 ReLU -> conv 3x3 ReLU ->
+    2x2 max-pool -> flatten -> softmax``.
+
+    Args:
+      side: image height = width.
+      filters: two ints, the filters of the two conv layers.
+      num_classes: output classes.
+      sparse: SparseSplitConv2D / SparseSplitDense (True) or keras Conv2D /
+        Dense (False).
+      threshold: initial threshold of the sparse-split layers.
+
+    Returns:
+      an uncompiled ``keras.Sequential``; layers named ``conv_1``,
+      ``conv_2``, ``pool``, ``flatten``, ``output``.
+
+    Raises:
+      ValueError: if ``filters`` does not have two entries.
+    """
+    import keras
+
+    from tf_sparse_split.conv_layers import SparseSplitConv2D
+    from tf_sparse_split.layers import SparseSplitDense
+
+    if len(filters) != 2:
+        raise ValueError(f"--filters needs two sizes for the two conv "
+                         f"layers, got {filters}")
+
+    def conv(n, name):
+        if sparse:
+            return SparseSplitConv2D(n, 3, padding="same", activation="relu",
+                                     threshold=threshold, name=name)
+        return keras.layers.Conv2D(n, 3, padding="same", activation="relu",
+                                   name=name)
+
+    out = (SparseSplitDense(num_classes, activation="softmax",
+                            threshold=threshold, name="output") if sparse
+           else keras.layers.Dense(num_classes, activation="softmax",
+                                   name="output"))
+    return keras.Sequential(
+        [keras.Input((side, side, 1)), conv(filters[0], "conv_1"),
+         conv(filters[1], "conv_2"), keras.layers.MaxPooling2D(2, name="pool"),
+         keras.layers.Flatten(name="flatten"), out],
+        name="sparse_cnn" if sparse else "cnn")
+
+
 def _epoch_printer(epochs, layer_names, out):
     import keras
 
@@ -320,20 +378,37 @@ def _run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
     from tf_sparse_split.callbacks import SplitThresholdCallback
 
     keras.utils.set_random_seed(args.seed)
-    model = build_mlp(x_train.shape[1], args.hidden, num_classes,
-                      sparse=sparse, threshold=args.threshold,
-                      dropout=args.dropout, dropout_rate=args.dropout_rate,
-                      seed=args.seed, tile_shape=args.tile_shape)
+    kind = "sparse-split" if sparse else "baseline"
+    if getattr(args, "model", "mlp") == "cnn":
+        if args.dropout != "none":
+            raise ValueError("--dropout applies to --model mlp only")
+        side = int(round(x_train.shape[1] ** 0.5))
+        if side * side != x_train.shape[1]:
+            raise ValueError(f"--model cnn needs square images, got "
+                             f"{x_train.shape[1]} pixels")
+        x_train = x_train.reshape(-1, side, side, 1)
+        x_test = x_test.reshape(-1, side, side, 1)
+        model = build_cnn(side, args.filters, num_classes, sparse=sparse,
+                          threshold=args.threshold)
+        desc = (f"CNN {side}x{side}x1 conv3x3({args.filters[0]})-relu-"
+                f"conv3x3({args.filters[1]})-relu-maxpool2-dense"
+                f"({num_classes}) "
+                f"({'SparseSplitConv2D' if sparse else 'keras.layers.Conv2D'})")
+    else:
+        model = build_mlp(x_train.shape[1], args.hidden, num_classes,
+                          sparse=sparse, threshold=args.threshold,
+                          dropout=args.dropout,
+                          dropout_rate=args.dropout_rate, seed=args.seed,
+                          tile_shape=args.tile_shape)
+        sizes = "-".join(str(s) for s in
+                         [x_train.shape[1], *args.hidden, num_classes])
+        desc = (f"MLP {sizes} "
+                f"({'SparseSplitDense' if sparse else 'keras.layers.Dense'})")
     model.compile(optimizer=keras.optimizers.Adam(args.lr),
                   loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], jit_compile=False)
-    kind = "sparse-split" if sparse else "baseline"
-    sizes = "-".join(str(s) for s in
-                     [x_train.shape[1], *args.hidden, num_classes])
     if out is not None:
-        print(f"model: {kind} MLP {sizes} "
-              f"({'SparseSplitDense' if sparse else 'keras.layers.Dense'})",
-              file=out, flush=True)
+        print(f"model: {kind} {desc}", file=out, flush=True)
         if args.dropout != "none":
             what = {"standard": "keras.layers.Dropout",
                     "row": "ApproximateRandomDropout row patterns",

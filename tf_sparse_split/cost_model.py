@@ -17,6 +17,13 @@ with ``time`` in seconds, ``work`` in floating-point operations (flop) and
   against ``TIME_DENSE``;
 * sparse path: ``work = 2 * nnz_sparse * N`` against ``TIME_SPARSE``.
 
+Those are a matmul's formulas. Other ops give their own per-unit
+coefficients (``coefficients=(dense_coef, sparse_coef)``, work =
+``rows_dense * k_live * dense_coef`` and ``nnz_sparse * sparse_coef``); a
+layer exposes them as ``split_work_coefficients(stats_vector)`` -- for a
+convolution ``sparse_coef = 2*KH*KW*C_out`` and ``dense_coef = sparse_coef *
+OH*OW / (H*W)``, so the dense work is ``2*N_dense*OH*OW*KH*KW*C_in_live*C_out``.
+
 The two parameters are fitted by least squares (numpy) with both kept
 nonnegative: a negative coefficient is clipped to zero and the other one
 refitted. When the samples' work values span less than a factor of two the
@@ -109,6 +116,18 @@ def candidate_thresholds(bins=_stats.DENSITY_BINS):
     return [j / bins for j in range(bins + 1)]
 
 
+def _coefficients(coefficients, n):
+    """(dense_coef, sparse_coef): flop per dense row-column element and per
+    sparse nonzero; default 2 n each (a matmul with n output columns)."""
+    if coefficients is None:
+        return 2.0 * float(n), 2.0 * float(n)
+    dense_coef, sparse_coef = (float(c) for c in coefficients)
+    if not (math.isfinite(dense_coef) and math.isfinite(sparse_coef)) or \
+            dense_coef < 0 or sparse_coef < 0:
+        raise ValueError(f"coefficients must be finite and >= 0, got {coefficients!r}")
+    return dense_coef, sparse_coef
+
+
 class CostModel:
     """Per-path linear timing model fitted to the op's statistics.
 
@@ -178,12 +197,18 @@ class CostModel:
         self._samples[path][0].append(work)
         self._samples[path][1].append(seconds)
 
-    def add_stats(self, stats_vector):
+    def add_stats(self, stats_vector, coefficients=None):
         """Adds the dense and sparse samples of one op call.
 
         Args:
           stats_vector: array-like of length ``stats.NUM_STATS`` as returned
-            by ``sparse_split_matmul(..., return_stats=True)``.
+            by ``sparse_split_matmul(..., return_stats=True)`` (or
+            ``sparse_split_conv2d``).
+          coefficients: optional ``(dense_coef, sparse_coef)`` in flop: the
+            dense work is ``ROWS_DENSE * (K - ZERO_COLS_SKIPPED) *
+            dense_coef`` and the sparse work ``NNZ_SPARSE * sparse_coef``.
+            Default ``(2 N, 2 N)``, a matmul's; layers give theirs with
+            ``split_work_coefficients`` (a convolution's differ).
 
         Raises:
           ValueError: if it has the wrong length.
@@ -192,9 +217,10 @@ class CostModel:
         if v.shape[0] != _stats.NUM_STATS:
             raise ValueError(
                 f"expected {_stats.NUM_STATS} statistics, got {v.shape[0]}")
+        dense_coef, sparse_coef = _coefficients(coefficients, v[_stats.N])
         k_live = v[_stats.K] - v[_stats.ZERO_COLS_SKIPPED]
-        dense_work = 2.0 * v[_stats.ROWS_DENSE] * k_live * v[_stats.N]
-        sparse_work = 2.0 * v[_stats.NNZ_SPARSE] * v[_stats.N]
+        dense_work = v[_stats.ROWS_DENSE] * k_live * dense_coef
+        sparse_work = v[_stats.NNZ_SPARSE] * sparse_coef
         self.add_sample(DENSE, dense_work, v[_stats.TIME_DENSE])
         self.add_sample(SPARSE, sparse_work, v[_stats.TIME_SPARSE])
 
@@ -256,7 +282,7 @@ class CostModel:
         return hist
 
     def predicted_time(self, histogram, m, k, k_live, n, threshold,
-                       nnz=None, heterogeneous=False):
+                       nnz=None, heterogeneous=False, coefficients=None):
         """Predicted seconds of one call at ``threshold``.
 
         Rows in density bins whose upper edge is <= ``threshold`` go sparse
@@ -290,8 +316,9 @@ class CostModel:
         sparse_bins = min(max(sparse_bins, 0), bins)
         rows_sparse_nnz = np.sum(hist[:sparse_bins] * centers[:sparse_bins] * k)
         rows_dense = np.sum(hist[sparse_bins:])
-        dense_work = 2.0 * rows_dense * k_live * n
-        sparse_work = 2.0 * rows_sparse_nnz * n
+        dense_coef, sparse_coef = _coefficients(coefficients, n)
+        dense_work = rows_dense * k_live * dense_coef
+        sparse_work = rows_sparse_nnz * sparse_coef
         t_dense = float(self._fits[DENSE].predict(dense_work))
         t_sparse = float(self._fits[SPARSE].predict(sparse_work))
         if heterogeneous:
@@ -299,7 +326,7 @@ class CostModel:
         return t_dense + t_sparse
 
     def best_threshold(self, histogram, m, k, k_live, n, nnz=None,
-                       heterogeneous=False):
+                       heterogeneous=False, coefficients=None):
         """Fastest threshold among the density-bin edges.
 
         Args:
@@ -316,6 +343,8 @@ class CostModel:
           heterogeneous: if True, the dense path (GPU) and the sparse path
             (CPU) run concurrently: a threshold's predicted time is
             ``max(T_dense, T_sparse)`` instead of ``T_dense + T_sparse``.
+          coefficients: optional ``(dense_coef, sparse_coef)`` as in
+            :meth:`add_stats` (default ``(2 n, 2 n)``, a matmul's).
 
         Returns:
           the threshold in ``candidate_thresholds()`` with the smallest
@@ -334,7 +363,8 @@ class CostModel:
         best, best_t = None, math.inf
         for thr in candidate_thresholds(hist.size):
             t = self.predicted_time(hist, m, k, k_live, n, thr, nnz=nnz,
-                                    heterogeneous=heterogeneous)
+                                    heterogeneous=heterogeneous,
+                                    coefficients=coefficients)
             if t < best_t - 1e-15:
                 best, best_t = thr, t
         return float(best)

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tf_sparse_split import stats as _stats
 
-__all__ = ["SparseSplitDense", "validate_threshold"]
+__all__ = ["SparseSplitDense", "SplitLayerMixin", "validate_threshold"]
 
 _OP_DTYPES = ("float32", "float64")
 
@@ -62,8 +62,171 @@ def _check_backend():
             "KERAS_BACKEND=tensorflow before importing keras.")
 
 
+
+
+class SplitLayerMixin:
+    """Threshold weight, per-call statistics and cost-model hooks shared by
+    the sparse-split Keras layers (:class:`SparseSplitDense`,
+    :class:`~tf_sparse_split.conv_layers.SparseSplitConv2D`).
+
+    A layer using it calls :meth:`_init_split_state` at the end of its
+    ``__init__`` (after setting ``self._initial_threshold``), then
+    :meth:`_build_split_state` in ``build`` and :meth:`_record_stats` with
+    the op's statistics vector in ``call``. It may override
+    :meth:`split_work_coefficients` when its work is not a matmul's.
+    """
+
+    def _init_split_state(self):
+        self.supports_jit = False
+        self.threshold_var = None
+        self._stats_vars = None
+
+    def _build_split_state(self):
+        self.threshold_var = self.add_weight(
+            name="threshold",
+            shape=(),
+            dtype="float32",
+            initializer=keras.initializers.Constant(self._initial_threshold),
+            trainable=False,
+            autocast=False,
+        )
+        # Statistics: plain tf.Variables, not Keras weights. Created outside
+        # any tf.function being traced.
+        with tf.init_scope():
+            zeros = tf.zeros([_stats.NUM_STATS], tf.float64)
+            self._stats_vars = _StatsVariables(
+                latest=tf.Variable(zeros, trainable=False,
+                                   name=f"{self.name}_stats_latest"),
+                total=tf.Variable(zeros, trainable=False,
+                                  name=f"{self.name}_stats_sum"),
+                calls=tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                  name=f"{self.name}_stats_calls"),
+            )
+
+    # -- cost model -------------------------------------------------------
+    def split_work_coefficients(self, stats_vector):
+        """Flops per unit of work of the two paths, for the cost model.
+
+        The dense path's work is ``ROWS_DENSE * (K - ZERO_COLS_SKIPPED) *
+        dense_coef`` and the sparse path's ``NNZ_SPARSE * sparse_coef``
+        (statistics of :mod:`tf_sparse_split.stats`). For a matmul both
+        coefficients are ``2 * N``.
+
+        Args:
+          stats_vector: one statistics vector (or an average of several).
+
+        Returns:
+          ``(dense_coef, sparse_coef)``, floats (flop).
+        """
+        n = float(np.asarray(stats_vector, dtype=np.float64)[_stats.N])
+        return 2.0 * n, 2.0 * n
+
+    def _record_stats(self, stats_vec):
+        sv = self._stats_vars
+        if sv is None:
+            return
+        stats_vec = tf.cast(stats_vec, tf.float64)
+        sv.latest.assign(stats_vec)
+        sv.total.assign_add(stats_vec)
+        sv.calls.assign_add(tf.constant(1, tf.int64))
+
+    # -- threshold --------------------------------------------------------
+    @property
+    def threshold(self):
+        """Current split threshold (Python float; negative = automatic)."""
+        if self.threshold_var is None:
+            return self._initial_threshold
+        return float(np.asarray(self.threshold_var.numpy()))
+
+    def set_threshold(self, threshold):
+        """Sets the split threshold (validated as in the constructor).
+
+        Works before and after the layer is built; after, it assigns the
+        weight, which a compiled training step reads at its next call.
+
+        Raises:
+          ValueError: if the threshold is not in [0, 1] or negative.
+        """
+        value = validate_threshold(threshold)
+        if self.threshold_var is None:
+            self._initial_threshold = value
+        else:
+            self.threshold_var.assign(value)
+
+    # -- statistics -------------------------------------------------------
+    def _require_stats(self):
+        if self._stats_vars is None:
+            raise RuntimeError(
+                f"layer {self.name!r} is not built yet: call it on an input "
+                "before reading its statistics")
+        return self._stats_vars
+
+    def latest_stats_vector(self):
+        """The op's statistics vector of the latest call (float64 numpy
+        ``[stats.NUM_STATS]``; zeros before the first call).
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        return self._require_stats().latest.numpy().copy()
+
+    def latest_stats(self):
+        """The latest call's statistics as ``stats.as_dict`` gives them
+        (counts, times in seconds, ``"histogram"``, ``"sparsity"``).
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        return _stats.as_dict(self.latest_stats_vector())
+
+    def accumulated_stats_vector(self):
+        """``(sum, calls)``: the element-wise sum of the statistics vectors
+        of all calls since the last reset (float64 numpy), and their number.
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        sv = self._require_stats()
+        return sv.total.numpy().copy(), int(sv.calls.numpy())
+
+    def accumulated_stats(self):
+        """Statistics summed over the calls since the last reset.
+
+        Returns:
+          dict with the keys of ``stats.as_dict``: counts (rows, nnz, skipped
+          columns, ``m``) and times (seconds) are sums over calls and
+          ``"histogram"`` sums the row counts; ``"threshold"``, ``"k"``,
+          ``"n"`` and ``"heterogeneous"`` are averages over calls; ``"sparsity"`` is the fraction of
+          zeros over all rows seen (``nan`` without calls); plus
+          ``"calls"``, the number of calls.
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        total, calls = self.accumulated_stats_vector()
+        v = total.copy()
+        if calls > 0:
+            for i in (_stats.THRESHOLD, _stats.K, _stats.N,
+                      _stats.HETEROGENEOUS):
+                v[i] = total[i] / calls
+        out = _stats.as_dict(v)
+        out["calls"] = calls
+        return out
+
+    def reset_stats(self):
+        """Zeroes the accumulated statistics and the call count (the latest
+        vector is kept).
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        sv = self._require_stats()
+        sv.total.assign(tf.zeros([_stats.NUM_STATS], tf.float64))
+        sv.calls.assign(0)
+
+
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
-class SparseSplitDense(keras.layers.Dense):
+class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
     """``keras.layers.Dense`` computed by ``SparseSplitMatMul``.
 
     ``output = activation(inputs @ kernel + bias)``, the same as ``Dense``;
@@ -169,9 +332,7 @@ class SparseSplitDense(keras.layers.Dense):
             bias_constraint=bias_constraint,
             **kwargs,
         )
-        self.supports_jit = False
-        self.threshold_var = None
-        self._stats_vars = None
+        self._init_split_state()
 
     # -- building ---------------------------------------------------------
     def build(self, input_shape):
@@ -180,26 +341,7 @@ class SparseSplitDense(keras.layers.Dense):
                 "SparseSplitDense does not support quantization (dtype "
                 f"policy {self.dtype_policy.name!r})")
         super().build(input_shape)
-        self.threshold_var = self.add_weight(
-            name="threshold",
-            shape=(),
-            dtype="float32",
-            initializer=keras.initializers.Constant(self._initial_threshold),
-            trainable=False,
-            autocast=False,
-        )
-        # Statistics: plain tf.Variables, not Keras weights. Created outside
-        # any tf.function being traced.
-        with tf.init_scope():
-            zeros = tf.zeros([_stats.NUM_STATS], tf.float64)
-            self._stats_vars = _StatsVariables(
-                latest=tf.Variable(zeros, trainable=False,
-                                   name=f"{self.name}_stats_latest"),
-                total=tf.Variable(zeros, trainable=False,
-                                  name=f"{self.name}_stats_sum"),
-                calls=tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                  name=f"{self.name}_stats_calls"),
-            )
+        self._build_split_state()
 
     # -- refused features -------------------------------------------------
     def enable_lora(self, *args, **kwargs):
@@ -248,109 +390,6 @@ class SparseSplitDense(keras.layers.Dense):
         if self.activation is not None:
             y = self.activation(y)
         return y
-
-    def _record_stats(self, stats_vec):
-        sv = self._stats_vars
-        if sv is None:
-            return
-        stats_vec = tf.cast(stats_vec, tf.float64)
-        sv.latest.assign(stats_vec)
-        sv.total.assign_add(stats_vec)
-        sv.calls.assign_add(tf.constant(1, tf.int64))
-
-    # -- threshold --------------------------------------------------------
-    @property
-    def threshold(self):
-        """Current split threshold (Python float; negative = automatic)."""
-        if self.threshold_var is None:
-            return self._initial_threshold
-        return float(np.asarray(self.threshold_var.numpy()))
-
-    def set_threshold(self, threshold):
-        """Sets the split threshold (validated as in the constructor).
-
-        Works before and after the layer is built; after, it assigns the
-        weight, which a compiled training step reads at its next call.
-
-        Raises:
-          ValueError: if the threshold is not in [0, 1] or negative.
-        """
-        value = validate_threshold(threshold)
-        if self.threshold_var is None:
-            self._initial_threshold = value
-        else:
-            self.threshold_var.assign(value)
-
-    # -- statistics -------------------------------------------------------
-    def _require_stats(self):
-        if self._stats_vars is None:
-            raise RuntimeError(
-                f"layer {self.name!r} is not built yet: call it on an input "
-                "before reading its statistics")
-        return self._stats_vars
-
-    def latest_stats_vector(self):
-        """The op's statistics vector of the latest call (float64 numpy
-        ``[stats.NUM_STATS]``; zeros before the first call).
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        return self._require_stats().latest.numpy().copy()
-
-    def latest_stats(self):
-        """The latest call's statistics as ``stats.as_dict`` gives them
-        (counts, times in seconds, ``"histogram"``, ``"sparsity"``).
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        return _stats.as_dict(self.latest_stats_vector())
-
-    def accumulated_stats_vector(self):
-        """``(sum, calls)``: the element-wise sum of the statistics vectors
-        of all calls since the last reset (float64 numpy), and their number.
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        sv = self._require_stats()
-        return sv.total.numpy().copy(), int(sv.calls.numpy())
-
-    def accumulated_stats(self):
-        """Statistics summed over the calls since the last reset.
-
-        Returns:
-          dict with the keys of ``stats.as_dict``: counts (rows, nnz, skipped
-          columns, ``m``) and times (seconds) are sums over calls and
-          ``"histogram"`` sums the row counts; ``"threshold"``, ``"k"``,
-          ``"n"`` and ``"heterogeneous"`` are averages over calls; ``"sparsity"`` is the fraction of
-          zeros over all rows seen (``nan`` without calls); plus
-          ``"calls"``, the number of calls.
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        total, calls = self.accumulated_stats_vector()
-        v = total.copy()
-        if calls > 0:
-            for i in (_stats.THRESHOLD, _stats.K, _stats.N,
-                      _stats.HETEROGENEOUS):
-                v[i] = total[i] / calls
-        out = _stats.as_dict(v)
-        out["calls"] = calls
-        return out
-
-    def reset_stats(self):
-        """Zeroes the accumulated statistics and the call count (the latest
-        vector is kept).
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        sv = self._require_stats()
-        sv.total.assign(tf.zeros([_stats.NUM_STATS], tf.float64))
-        sv.calls.assign(0)
 
     # -- serialization ----------------------------------------------------
     def get_config(self):

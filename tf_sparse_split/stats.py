@@ -26,6 +26,23 @@ HETEROGENEOUS       heterogeneous split: HETERO_OFF (not requested),
 ==================  =====================================================
 
 Density of a row is ``nnz(row) / K``; sparsity is ``1 - density``.
+
+Convolutions (``sparse_split_conv2d``, ``SparseSplitConv2DBackpropFilter``)
+use the same layout with rows = images and columns = the ``H*W*C_in``
+values of an image (an input channel is ``H*W`` columns):
+
+==================  =====================================================
+ROWS_DENSE/SPARSE   images sent to TF's convolution / the sparse kernel
+NNZ, NNZ_SPARSE     nonzero input values (all images / sparse images)
+ZERO_COLS_SKIPPED   ``H*W`` times the all-zero input channels skipped
+M, K, N             ``batch``, ``H*W*C_in``, ``KH*KW*C_out``
+HISTOGRAM           images per density bin, density = nnz / (H*W*C_in)
+==================  =====================================================
+
+so ``sparsity`` is the input's fraction of zeros and ``K - ZERO_COLS_SKIPPED``
+the live values per image. The flop counts differ from a matmul's (dense:
+``2*N_dense*OH*OW*KH*KW*C_in_live*C_out``; sparse: ``2*NNZ_SPARSE*N``):
+layers give them to the cost model through ``split_work_coefficients``.
 """
 
 ROWS_DENSE = 0

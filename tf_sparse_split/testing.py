@@ -54,3 +54,95 @@ def relative_error(x, ref):
         return 0.0
     scale = max(float(np.max(np.abs(ref))), 1e-30)
     return float(np.max(np.abs(x - ref))) / scale
+
+
+def _conv_padding(size, k, stride, dilation, padding, explicit):
+    """(pad_before, pad_after, out) of one spatial dimension, as TF computes
+    them (explicit = (before, after) for EXPLICIT)."""
+    ek = (k - 1) * dilation + 1
+    if padding == "SAME":
+        out = -(-size // stride)
+        total = max((out - 1) * stride + ek - size, 0)
+        return total // 2, total - total // 2, out
+    before, after = explicit if padding == "EXPLICIT" else (0, 0)
+    out = (size + before + after - ek) // stride + 1
+    return before, after, out
+
+
+def _patches(x64, kh, kw, strides, padding, dilations, explicit_paddings):
+    """im2col of the NHWC float64 x: ``[N, OH, OW, KH*KW*C_in]`` (kh, kw, c
+    order), by explicit zero padding and ``tf.image.extract_patches``."""
+    sh, sw = strides
+    dh, dw = dilations
+    ep = list(explicit_paddings or [0] * 8)
+    pt, pb, _ = _conv_padding(int(x64.shape[1]), kh, sh, dh, padding, ep[2:4])
+    pl, pr, _ = _conv_padding(int(x64.shape[2]), kw, sw, dw, padding, ep[4:6])
+    xp = tf.pad(x64, [[0, 0], [pt, pb], [pl, pr], [0, 0]])
+    return tf.image.extract_patches(
+        xp, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1],
+        rates=[1, dh, dw, 1], padding="VALID")
+
+
+def _pair(v, name):
+    if isinstance(v, int):
+        return v, v
+    v = list(v)
+    if len(v) == 2:
+        return int(v[0]), int(v[1])
+    if len(v) == 4:
+        return int(v[1]), int(v[2])
+    raise ValueError(f"{name} must be an int, 2 or 4 ints, got {v!r}")
+
+
+def reference_conv2d(x, filters, strides=1, padding="VALID", dilations=1,
+                     explicit_paddings=None):
+    """``tf.nn.conv2d`` (NHWC, HWIO) in float64 without any convolution
+    kernel: explicit zero padding, ``tf.image.extract_patches`` (im2col) and
+    a matrix product. Same argument conventions as ``tf.nn.conv2d``
+    (``explicit_paddings`` is the flat list of 8 used with
+    ``padding="EXPLICIT"``).
+
+    Returns:
+      float64 numpy array ``[N, OH, OW, C_out]``.
+    """
+    x64 = tf.cast(tf.convert_to_tensor(x), tf.float64)
+    f64 = tf.cast(tf.convert_to_tensor(filters), tf.float64)
+    kh, kw, ci, co = (int(d) for d in f64.shape)
+    p = _patches(x64, kh, kw, _pair(strides, "strides"), padding,
+                 _pair(dilations, "dilations"), explicit_paddings)
+    return tf.einsum("nhwk,ko->nhwo", p,
+                     tf.reshape(f64, [kh * kw * ci, co])).numpy()
+
+
+def reference_conv2d_filter_grad(x, filter_shape, dy, strides=1,
+                                 padding="VALID", dilations=1,
+                                 explicit_paddings=None):
+    """Filter gradient of :func:`reference_conv2d`, ``sum x (*) dy``, in
+    float64 from im2col patches (works for every dilation, unlike TF's CPU
+    float64 ``Conv2DBackpropFilter``).
+
+    Returns:
+      float64 numpy array of ``filter_shape`` ``[KH, KW, C_in, C_out]``.
+    """
+    x64 = tf.cast(tf.convert_to_tensor(x), tf.float64)
+    dy64 = tf.cast(tf.convert_to_tensor(dy), tf.float64)
+    kh, kw, ci, co = (int(d) for d in filter_shape)
+    p = _patches(x64, kh, kw, _pair(strides, "strides"), padding,
+                 _pair(dilations, "dilations"), explicit_paddings)
+    return tf.reshape(tf.einsum("nhwk,nhwo->ko", p, dy64),
+                      [kh, kw, ci, co]).numpy()
+
+
+def random_sparse_images(shape, sparsity, rng, dtype=np.float32,
+                         zero_channels=0.0):
+    """A random NHWC tensor with about ``sparsity`` exact zeros, and a
+    fraction ``zero_channels`` of its channels zero in every image.
+
+    Nonzeros are uniform in ``[-1, -0.1] U [0.1, 1]``.
+    """
+    vals = rng.uniform(0.1, 1.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    keep = rng.random(shape) >= sparsity
+    c = shape[-1]
+    dead = rng.permutation(c)[:int(round(zero_channels * c))]
+    keep[..., dead] = False
+    return (vals * keep).astype(dtype)

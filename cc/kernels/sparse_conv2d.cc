@@ -1,0 +1,737 @@
+// CPU implementations of the kernels declared in sparse_conv2d.h.
+#include "cc/kernels/sparse_conv2d.h"
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace tf_sparse_split {
+
+namespace {
+
+// 64-byte vectors (GCC/Clang vector extensions): one zmm with AVX-512, two
+// ymm with AVX2, four xmm with SSE2 -- the compiler maps them to the ISA the
+// library is built for.
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  typedef float V __attribute__((vector_size(64)));
+  static constexpr int kLanes = 16;
+};
+template <>
+struct Vec<double> {
+  typedef double V __attribute__((vector_size(64)));
+  static constexpr int kLanes = 8;
+};
+
+template <typename V>
+inline V LoadV(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <typename V>
+inline void StoreV(void* p, const V& v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+template <typename T>
+inline typename Vec<T>::V Broadcast(T x) {
+  typename Vec<T>::V v = {};
+  return v + x;
+}
+
+// Nonzeros of px[0..n); sets live[c] = 1 for each nonzero channel c. NaN
+// counts as nonzero.
+template <typename T>
+inline int64_t CountPixel(const T* px, int64_t n, uint8_t* live) {
+  int64_t k = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const bool nz = px[c] != T(0);
+    k += nz;
+    live[c] |= nz;
+  }
+  return k;
+}
+
+// Appends the nonzeros of px[0..n) (channel, value); returns how many.
+template <typename T>
+inline int64_t CompressPixelScalar(const T* px, int64_t c0, int64_t n,
+                                   int32_t* ch, T* vals) {
+  int64_t p = 0;
+  for (int64_t c = c0; c < n; ++c) {
+    const T v = px[c];
+    if (v != T(0)) {
+      ch[p] = static_cast<int32_t>(c);
+      vals[p] = v;
+      ++p;
+    }
+  }
+  return p;
+}
+
+template <typename T>
+inline int64_t CompressPixel(const T* px, int64_t n, int32_t* ch, T* vals) {
+  return CompressPixelScalar<T>(px, 0, n, ch, vals);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+template <>
+inline int64_t CountPixel<float>(const float* px, int64_t n, uint8_t* live) {
+  int64_t k = 0, c = 0;
+  const __m512 zero = _mm512_setzero_ps();
+  const __m128i ones = _mm_set1_epi8(1);
+  for (; c + 16 <= n; c += 16) {
+    const __mmask16 mk =
+        _mm512_cmp_ps_mask(_mm512_loadu_ps(px + c), zero, _CMP_NEQ_UQ);
+    k += __builtin_popcount(mk);
+    _mm_mask_storeu_epi8(live + c, mk, ones);
+  }
+  for (; c < n; ++c) {
+    const bool nz = px[c] != 0.0f;
+    k += nz;
+    live[c] |= nz;
+  }
+  return k;
+}
+
+template <>
+inline int64_t CompressPixel<float>(const float* px, int64_t n, int32_t* ch,
+                                    float* vals) {
+  int64_t p = 0, c = 0;
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                  13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  const __m512 zero = _mm512_setzero_ps();
+  for (; c + 16 <= n; c += 16) {
+    const __m512 v = _mm512_loadu_ps(px + c);
+    const __mmask16 mk = _mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ);
+    _mm512_mask_compressstoreu_ps(vals + p, mk, v);
+    _mm512_mask_compressstoreu_epi32(ch + p, mk, idx);
+    p += __builtin_popcount(mk);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  return p + CompressPixelScalar<float>(px, c, n, ch + p, vals + p);
+}
+
+template <>
+inline int64_t CompressPixel<double>(const double* px, int64_t n, int32_t* ch,
+                                     double* vals) {
+  int64_t p = 0, c = 0;
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  const __m512d zero = _mm512_setzero_pd();
+  for (; c + 8 <= n; c += 8) {
+    const __m512d v = _mm512_loadu_pd(px + c);
+    const __mmask8 mk = _mm512_cmp_pd_mask(v, zero, _CMP_NEQ_UQ);
+    _mm512_mask_compressstoreu_pd(vals + p, mk, v);
+    _mm256_mask_compressstoreu_epi32(ch + p, mk, idx);
+    p += __builtin_popcount(mk);
+    idx = _mm256_add_epi32(idx, step);
+  }
+  return p + CompressPixelScalar<double>(px, c, n, ch + p, vals + p);
+}
+#endif
+
+// Most full vectors kept in registers per output chunk.
+constexpr int kMaxVecs = 8;
+
+// One tap of an output pixel's window: input pixel index into the PixelCsr
+// and offset of filter row f[kh, kw, 0, 0].
+struct Tap {
+  int64_t pix;
+  int64_t fofs;
+};
+
+// out[0 .. NV*lanes) = sum over taps and their nonzeros of val * f row.
+template <typename T, int NV>
+inline void ForwardChunk(const Tap* taps, int ntaps, const int64_t* ptr,
+                         const int32_t* chan, const T* val, const T* f,
+                         int64_t co0, int64_t c_out, T* out) {
+  using V = typename Vec<T>::V;
+  constexpr int L = Vec<T>::kLanes;
+  // Two accumulator sets (even / odd nonzero of each tap) halve the FMA
+  // dependency chains; their split depends only on the data, so the
+  // summation order is fixed.
+  V acc[NV], acc2[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = acc2[v] = V{};
+  for (int t = 0; t < ntaps; ++t) {
+    const int64_t b = ptr[taps[t].pix], e = ptr[taps[t].pix + 1];
+    const T* fb = f + taps[t].fofs + co0;
+    int64_t q = b;
+    for (; q + 1 < e; q += 2) {
+      const V xv = Broadcast<T>(val[q]);
+      const V xv2 = Broadcast<T>(val[q + 1]);
+      const T* fr = fb + static_cast<int64_t>(chan[q]) * c_out;
+      const T* fr2 = fb + static_cast<int64_t>(chan[q + 1]) * c_out;
+      for (int v = 0; v < NV; ++v) {
+        acc[v] += xv * LoadV<V>(fr + v * L);
+        acc2[v] += xv2 * LoadV<V>(fr2 + v * L);
+      }
+    }
+    if (q < e) {
+      const V xv = Broadcast<T>(val[q]);
+      const T* fr = fb + static_cast<int64_t>(chan[q]) * c_out;
+      for (int v = 0; v < NV; ++v) acc[v] += xv * LoadV<V>(fr + v * L);
+    }
+  }
+  for (int v = 0; v < NV; ++v) StoreV(out + co0 + v * L, acc[v] + acc2[v]);
+}
+
+// Scalar tail: out[co0 .. c_out) (fewer than one vector).
+template <typename T>
+inline void ForwardTail(const Tap* taps, int ntaps, const int64_t* ptr,
+                        const int32_t* chan, const T* val, const T* f,
+                        int64_t co0, int64_t c_out, T* out) {
+  constexpr int L = Vec<T>::kLanes;
+  T acc[L] = {};
+  const int64_t nt = c_out - co0;
+  for (int t = 0; t < ntaps; ++t) {
+    const int64_t b = ptr[taps[t].pix], e = ptr[taps[t].pix + 1];
+    const T* fb = f + taps[t].fofs + co0;
+    for (int64_t q = b; q < e; ++q) {
+      const T x = val[q];
+      const T* fr = fb + static_cast<int64_t>(chan[q]) * c_out;
+      for (int64_t j = 0; j < nt; ++j) acc[j] += x * fr[j];
+    }
+  }
+  for (int64_t j = 0; j < nt; ++j) out[co0 + j] = acc[j];
+}
+
+template <typename T>
+void ForwardPixel(const Tap* taps, int ntaps, const int64_t* ptr,
+                  const int32_t* chan, const T* val, const T* f,
+                  int64_t c_out, T* out) {
+  constexpr int L = Vec<T>::kLanes;
+  int64_t co0 = 0;
+  for (; co0 + kMaxVecs * L <= c_out; co0 += kMaxVecs * L)
+    ForwardChunk<T, kMaxVecs>(taps, ntaps, ptr, chan, val, f, co0, c_out, out);
+  const int64_t rest = (c_out - co0) / L;
+  switch (rest) {
+    case 7: ForwardChunk<T, 7>(taps, ntaps, ptr, chan, val, f, co0, c_out, out); break;
+    case 6: ForwardChunk<T, 6>(taps, ntaps, ptr, chan, val, f, co0, c_out, out); break;
+    case 5: ForwardChunk<T, 5>(taps, ntaps, ptr, chan, val, f, co0, c_out, out); break;
+    case 4: ForwardChunk<T, 4>(taps, ntaps, ptr, chan, val, f, co0, c_out, out); break;
+    case 3: ForwardChunk<T, 3>(taps, ntaps, ptr, chan, val, f, co0, c_out, out); break;
+    case 2: ForwardChunk<T, 2>(taps, ntaps, ptr, chan, val, f, co0, c_out, out); break;
+    case 1: ForwardChunk<T, 1>(taps, ntaps, ptr, chan, val, f, co0, c_out, out); break;
+    default: break;
+  }
+  co0 += rest * L;
+  if (co0 < c_out) ForwardTail<T>(taps, ntaps, ptr, chan, val, f, co0, c_out, out);
+}
+
+// Filter-gradient chunk: out[co0 .. co0 + NV*lanes) += sum over the entries
+// [b, e) of channel c of val * dy row at (oh, ow) of the tap (kh, kw).
+template <typename T, int NV>
+inline void BackpropChunk(const ChannelCsr<T>& csc, int64_t b, int64_t e,
+                          const int64_t* oh_of, const int64_t* ow_of,
+                          const int64_t* img_base, const T* dy, int64_t c_out,
+                          int64_t co0, T* out) {
+  using V = typename Vec<T>::V;
+  constexpr int L = Vec<T>::kLanes;
+  V acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = V{};
+  for (int64_t q = b; q < e; ++q) {
+    const int64_t oh = oh_of[csc.row[q]];
+    if (oh < 0) continue;
+    const int64_t ow = ow_of[csc.col[q]];
+    if (ow < 0) continue;
+    const T* d = dy + img_base[csc.img[q]] + oh + ow + co0;
+    const V xv = Broadcast<T>(csc.val[q]);
+    for (int v = 0; v < NV; ++v) acc[v] += xv * LoadV<V>(d + v * L);
+  }
+  for (int v = 0; v < NV; ++v) {
+    V o = LoadV<V>(out + co0 + v * L);
+    StoreV(out + co0 + v * L, o + acc[v]);
+  }
+}
+
+template <typename T>
+inline void BackpropTail(const ChannelCsr<T>& csc, int64_t b, int64_t e,
+                         const int64_t* oh_of, const int64_t* ow_of,
+                         const int64_t* img_base, const T* dy, int64_t c_out,
+                         int64_t co0, T* out) {
+  constexpr int L = Vec<T>::kLanes;
+  T acc[L] = {};
+  const int64_t nt = c_out - co0;
+  for (int64_t q = b; q < e; ++q) {
+    const int64_t oh = oh_of[csc.row[q]];
+    if (oh < 0) continue;
+    const int64_t ow = ow_of[csc.col[q]];
+    if (ow < 0) continue;
+    const T* d = dy + img_base[csc.img[q]] + oh + ow + co0;
+    const T x = csc.val[q];
+    for (int64_t j = 0; j < nt; ++j) acc[j] += x * d[j];
+  }
+  for (int64_t j = 0; j < nt; ++j) out[co0 + j] += acc[j];
+}
+
+
+// dfrow[0 .. c_out) += x * d[0 .. c_out), with d held in registers by the
+// caller's chunking: one pixel's nonzeros all use the same dy row.
+template <typename T, int NV>
+inline void PixelTapChunk(const int64_t b, const int64_t e, const int32_t* chan,
+                          const T* val, const T* d, T* fbase, int64_t c_out,
+                          int64_t co0) {
+  using V = typename Vec<T>::V;
+  constexpr int L = Vec<T>::kLanes;
+  V dv[NV];
+  for (int v = 0; v < NV; ++v) dv[v] = LoadV<V>(d + co0 + v * L);
+  for (int64_t q = b; q < e; ++q) {
+    const V xv = Broadcast<T>(val[q]);
+    T* o = fbase + static_cast<int64_t>(chan[q]) * c_out + co0;
+    for (int v = 0; v < NV; ++v)
+      StoreV(o + v * L, LoadV<V>(o + v * L) + xv * dv[v]);
+  }
+}
+
+template <typename T>
+inline void PixelTap(const int64_t b, const int64_t e, const int32_t* chan,
+                     const T* val, const T* d, T* fbase, int64_t c_out) {
+  constexpr int L = Vec<T>::kLanes;
+  int64_t co0 = 0;
+  for (; co0 + kMaxVecs * L <= c_out; co0 += kMaxVecs * L)
+    PixelTapChunk<T, kMaxVecs>(b, e, chan, val, d, fbase, c_out, co0);
+  const int64_t rest = (c_out - co0) / L;
+  switch (rest) {
+#define TFSS_CASE(NV) \
+  case NV: PixelTapChunk<T, NV>(b, e, chan, val, d, fbase, c_out, co0); break;
+    TFSS_CASE(7) TFSS_CASE(6) TFSS_CASE(5) TFSS_CASE(4) TFSS_CASE(3)
+    TFSS_CASE(2) TFSS_CASE(1)
+#undef TFSS_CASE
+    default: break;
+  }
+  co0 += rest * L;
+  if (co0 < c_out) {
+    for (int64_t q = b; q < e; ++q) {
+      const T x = val[q];
+      T* o = fbase + static_cast<int64_t>(chan[q]) * c_out;
+      for (int64_t j = co0; j < c_out; ++j) o[j] += x * d[j];
+    }
+  }
+}
+
+}  // namespace
+
+int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images) {
+  const int64_t fsize = std::max<int64_t>(1, g.kh * g.kw * g.c_in * g.c_out);
+  const int64_t by_memory = std::max<int64_t>(1, (int64_t{1} << 22) / fsize);
+  return std::max<int64_t>(1, std::min<int64_t>({n_images, 16, by_memory}));
+}
+
+template <typename T>
+void SparseConv2DBackpropFilterPixels(const PixelCsr<T>& csr,
+                                      const Conv2DGeometry& g,
+                                      const int64_t* images, int64_t n_images,
+                                      const T* dy, T* df,
+                                      const ParallelFor& pfor) {
+  const int64_t ci = g.c_in, co = g.c_out, hw = g.h * g.w;
+  const int64_t fsize = g.kh * g.kw * ci * co;
+  const int64_t blocks = FilterGradBlocks(g, n_images);
+  const int64_t per = (n_images + blocks - 1) / blocks;
+  std::vector<T> part(blocks * fsize, T(0));
+  const int64_t* ptr = csr.ptr.data();
+  const int32_t* chan = csr.chan.data();
+  const T* val = csr.val.data();
+  const int64_t nnz = ptr[n_images * hw];
+  const int64_t cost = 1 + (nnz / blocks) * g.kh * g.kw * (co + 4);
+  pfor(blocks, cost, [&](int64_t bb, int64_t be) {
+    for (int64_t blk = bb; blk < be; ++blk) {
+      T* acc = part.data() + blk * fsize;
+      const int64_t i0 = std::min(n_images, blk * per);
+      const int64_t i1 = std::min(n_images, i0 + per);
+      for (int64_t i = i0; i < i1; ++i) {
+        const T* dyi = dy + images[i] * g.out_h * g.out_w * co;
+        for (int64_t h = 0; h < g.h; ++h) {
+          for (int64_t kh = 0; kh < g.kh; ++kh) {
+            const int64_t nh = h + g.pad_top - kh * g.dil_h;
+            if (nh < 0 || nh % g.stride_h) continue;
+            const int64_t oh = nh / g.stride_h;
+            if (oh >= g.out_h) continue;
+            for (int64_t w = 0; w < g.w; ++w) {
+              const int64_t p = (i * g.h + h) * g.w + w;
+              const int64_t b = ptr[p], e = ptr[p + 1];
+              if (b == e) continue;
+              for (int64_t kw = 0; kw < g.kw; ++kw) {
+                const int64_t nw = w + g.pad_left - kw * g.dil_w;
+                if (nw < 0 || nw % g.stride_w) continue;
+                const int64_t ow = nw / g.stride_w;
+                if (ow >= g.out_w) continue;
+                PixelTap<T>(b, e, chan, val, dyi + (oh * g.out_w + ow) * co,
+                            acc + (kh * g.kw + kw) * ci * co, co);
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+  // Deterministic reduction: df += part[0] + part[1] + ... in block order.
+  pfor(fsize, blocks + 1, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) {
+      T s = df[j];
+      for (int64_t blk = 0; blk < blocks; ++blk) s += part[blk * fsize + j];
+      df[j] = s;
+    }
+  });
+}
+
+bool ConvOutputSize(int64_t in, int64_t k, int64_t stride, int64_t dilation,
+                    int padding, int64_t pad_before, int64_t pad_after,
+                    int64_t* out, int64_t* pad_lead, const char** error) {
+  const int64_t ek = (k - 1) * dilation + 1;  // effective filter size
+  if (padding == 1) {  // SAME
+    *out = (in + stride - 1) / stride;
+    const int64_t total = std::max<int64_t>((*out - 1) * stride + ek - in, 0);
+    *pad_lead = total / 2;
+    return true;
+  }
+  const int64_t pb = padding == 2 ? pad_before : 0;
+  const int64_t pa = padding == 2 ? pad_after : 0;
+  const int64_t padded = in + pb + pa;
+  if (padded < ek) {
+    *error = "the (padded) input is smaller than the dilated filter";
+    return false;
+  }
+  *out = (padded - ek) / stride + 1;
+  *pad_lead = pb;
+  return true;
+}
+
+template <typename T>
+int64_t CountConvNonzeros(const T* x, const Conv2DGeometry& g,
+                          int64_t* image_nnz, int64_t* channel_nnz,
+                          const ParallelFor& pfor) {
+  const int64_t hw = g.h * g.w, ci = g.c_in;
+  std::vector<uint8_t> live(g.n * ci, 0);
+  pfor(g.n, hw * ci, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) {
+      const T* img = x + n * hw * ci;
+      uint8_t* lv = live.data() + n * ci;
+      int64_t s = 0;
+      for (int64_t p = 0; p < hw; ++p) s += CountPixel<T>(img + p * ci, ci, lv);
+      image_nnz[n] = s;
+    }
+  });
+  std::fill(channel_nnz, channel_nnz + ci, 0);
+  int64_t total = 0;
+  for (int64_t n = 0; n < g.n; ++n) {
+    for (int64_t c = 0; c < ci; ++c) channel_nnz[c] += live[n * ci + c];
+    total += image_nnz[n];
+  }
+  return total;
+}
+
+template <typename T>
+void BuildPixelCsr(const T* x, const Conv2DGeometry& g, const int64_t* images,
+                   int64_t n_images, const int64_t* image_nnz,
+                   PixelCsr<T>* csr, const ParallelFor& pfor) {
+  const int64_t hw = g.h * g.w, ci = g.c_in;
+  std::vector<int64_t> start(n_images + 1, 0);
+  for (int64_t i = 0; i < n_images; ++i)
+    start[i + 1] = start[i] + image_nnz[images[i]];
+  csr->ptr.assign(n_images * hw + 1, 0);
+  csr->chan.resize(start[n_images]);
+  csr->val.resize(start[n_images]);
+  pfor(n_images, hw * ci * 3, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const T* img = x + images[i] * hw * ci;
+      int64_t q = start[i];
+      int64_t* ptr = csr->ptr.data() + i * hw;
+      int32_t* ch = csr->chan.data();
+      T* vl = csr->val.data();
+      for (int64_t p = 0; p < hw; ++p) {
+        ptr[p] = q;
+        q += CompressPixel<T>(img + p * ci, ci, ch + q, vl + q);
+      }
+    }
+  });
+  csr->ptr[n_images * hw] = start[n_images];
+}
+
+template <typename T>
+void SparseConv2DForward(const PixelCsr<T>& csr, const Conv2DGeometry& g,
+                         const int64_t* images, int64_t n_images, const T* f,
+                         T* y, const ParallelFor& pfor) {
+  const int64_t hw = g.h * g.w;
+  const int64_t co = g.c_out, ci = g.c_in;
+  const int64_t out_img = g.out_h * g.out_w * co;
+  const int64_t* ptr = csr.ptr.data();
+  const int32_t* chan = csr.chan.data();
+  const T* val = csr.val.data();
+  const int64_t nnz = ptr[n_images * hw];
+  const double per_row =
+      (static_cast<double>(nnz) / std::max<int64_t>(1, n_images * g.out_h)) *
+          g.kh * g.kw * co / (g.stride_h * g.stride_w) +
+      g.out_w * (g.kh * g.kw + co);
+  const int64_t cost = static_cast<int64_t>(std::min(per_row, 1e12)) + 1;
+  pfor(n_images * g.out_h, cost, [&](int64_t b, int64_t e) {
+    std::vector<Tap> taps(g.kh * g.kw);
+    std::vector<int64_t> hs(g.kh), khs(g.kh);
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t i = r / g.out_h, oh = r % g.out_h;
+      T* yrow = y + images[i] * out_img + oh * g.out_w * co;
+      if (ptr[i * hw] == ptr[(i + 1) * hw]) {  // all-zero image
+        std::fill(yrow, yrow + g.out_w * co, T(0));
+        continue;
+      }
+      int nkh = 0;
+      for (int64_t kh = 0; kh < g.kh; ++kh) {
+        const int64_t h = oh * g.stride_h - g.pad_top + kh * g.dil_h;
+        if (h < 0 || h >= g.h) continue;
+        hs[nkh] = h;
+        khs[nkh] = kh;
+        ++nkh;
+      }
+      for (int64_t ow = 0; ow < g.out_w; ++ow) {
+        int ntaps = 0;
+        for (int a = 0; a < nkh; ++a) {
+          const int64_t pix_row = (i * g.h + hs[a]) * g.w;
+          for (int64_t kw = 0; kw < g.kw; ++kw) {
+            const int64_t w = ow * g.stride_w - g.pad_left + kw * g.dil_w;
+            if (w < 0 || w >= g.w) continue;
+            const int64_t pix = pix_row + w;
+            if (ptr[pix] == ptr[pix + 1]) continue;  // empty input pixel
+            taps[ntaps].pix = pix;
+            taps[ntaps].fofs = (khs[a] * g.kw + kw) * ci * co;
+            ++ntaps;
+          }
+        }
+        ForwardPixel<T>(taps.data(), ntaps, ptr, chan, val, f, co,
+                        yrow + ow * co);
+      }
+    }
+  });
+}
+
+template <typename T>
+void BuildChannelCsr(const T* x, const Conv2DGeometry& g,
+                     const int64_t* images, int64_t n_images,
+                     ChannelCsr<T>* csc, const ParallelFor& pfor) {
+  const int64_t hw = g.h * g.w, ci = g.c_in;
+  const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(n_images, 64));
+  const int64_t per = (n_images + shards - 1) / std::max<int64_t>(1, shards);
+  std::vector<int64_t> count(shards * ci, 0);
+  auto shard_range = [&](int64_t s, int64_t* b, int64_t* e) {
+    *b = std::min(n_images, s * per);
+    *e = std::min(n_images, *b + per);
+  };
+  pfor(shards, per * hw * ci, [&](int64_t sb, int64_t se) {
+    for (int64_t s = sb; s < se; ++s) {
+      int64_t b, e;
+      shard_range(s, &b, &e);
+      int64_t* cnt = count.data() + s * ci;
+      for (int64_t i = b; i < e; ++i) {
+        const T* img = x + images[i] * hw * ci;
+        for (int64_t p = 0; p < hw; ++p)
+          for (int64_t c = 0; c < ci; ++c) cnt[c] += img[p * ci + c] != T(0);
+      }
+    }
+  });
+  // offset[s][c] = ptr[c] + sum over earlier shards of count[s'][c].
+  csc->ptr.assign(ci + 1, 0);
+  std::vector<int64_t> offset(shards * ci);
+  int64_t run = 0;
+  for (int64_t c = 0; c < ci; ++c) {
+    csc->ptr[c] = run;
+    for (int64_t s = 0; s < shards; ++s) {
+      offset[s * ci + c] = run;
+      run += count[s * ci + c];
+    }
+  }
+  csc->ptr[ci] = run;
+  csc->img.resize(run);
+  csc->row.resize(run);
+  csc->col.resize(run);
+  csc->val.resize(run);
+  pfor(shards, per * hw * ci * 2, [&](int64_t sb, int64_t se) {
+    for (int64_t s = sb; s < se; ++s) {
+      int64_t b, e;
+      shard_range(s, &b, &e);
+      int64_t* off = offset.data() + s * ci;
+      for (int64_t i = b; i < e; ++i) {
+        const T* img = x + images[i] * hw * ci;
+        for (int64_t h = 0; h < g.h; ++h)
+          for (int64_t w = 0; w < g.w; ++w) {
+            const T* px = img + (h * g.w + w) * ci;
+            for (int64_t c = 0; c < ci; ++c) {
+              const T v = px[c];
+              if (v != T(0)) {
+                const int64_t q = off[c]++;
+                csc->img[q] = static_cast<int32_t>(i);
+                csc->row[q] = static_cast<int32_t>(h);
+                csc->col[q] = static_cast<int32_t>(w);
+                csc->val[q] = v;
+              }
+            }
+          }
+      }
+    }
+  });
+}
+
+template <typename T>
+void SparseConv2DBackpropFilter(const ChannelCsr<T>& csc,
+                                const Conv2DGeometry& g, const int64_t* images,
+                                const T* dy, T* df, const ParallelFor& pfor) {
+  constexpr int L = Vec<T>::kLanes;
+  const int64_t ci = g.c_in, co = g.c_out;
+  // oh_of[kh][h]: offset (oh * OW * C_out) of the output row input row h
+  // feeds through filter row kh, or -1; likewise ow_of[kw][w] (ow * C_out).
+  std::vector<int64_t> oh_of(g.kh * g.h, -1), ow_of(g.kw * g.w, -1);
+  for (int64_t kh = 0; kh < g.kh; ++kh)
+    for (int64_t h = 0; h < g.h; ++h) {
+      const int64_t num = h + g.pad_top - kh * g.dil_h;
+      if (num >= 0 && num % g.stride_h == 0 && num / g.stride_h < g.out_h)
+        oh_of[kh * g.h + h] = (num / g.stride_h) * g.out_w * co;
+    }
+  for (int64_t kw = 0; kw < g.kw; ++kw)
+    for (int64_t w = 0; w < g.w; ++w) {
+      const int64_t num = w + g.pad_left - kw * g.dil_w;
+      if (num >= 0 && num % g.stride_w == 0 && num / g.stride_w < g.out_w)
+        ow_of[kw * g.w + w] = (num / g.stride_w) * co;
+    }
+  int64_t n_img = 0;
+  for (int64_t q = 0; q < static_cast<int64_t>(csc.img.size()); ++q)
+    n_img = std::max<int64_t>(n_img, csc.img[q] + 1);
+  std::vector<int64_t> img_base(n_img);
+  for (int64_t i = 0; i < n_img; ++i)
+    img_base[i] = images[i] * g.out_h * g.out_w * co;
+  const int64_t tasks = ci * g.kh * g.kw;
+  const int64_t nnz = csc.ptr[ci];
+  const int64_t cost = 1 + (nnz / std::max<int64_t>(1, ci)) * (co + 8);
+  pfor(tasks, cost, [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t c = t / (g.kh * g.kw), r = t % (g.kh * g.kw);
+      const int64_t kh = r / g.kw, kw = r % g.kw;
+      const int64_t b = csc.ptr[c], e = csc.ptr[c + 1];
+      if (b == e) continue;
+      const int64_t* ohp = oh_of.data() + kh * g.h;
+      const int64_t* owp = ow_of.data() + kw * g.w;
+      T* out = df + ((kh * g.kw + kw) * ci + c) * co;
+      int64_t co0 = 0;
+      for (; co0 + kMaxVecs * L <= co; co0 += kMaxVecs * L)
+        BackpropChunk<T, kMaxVecs>(csc, b, e, ohp, owp, img_base.data(), dy,
+                                   co, co0, out);
+      const int64_t rest = (co - co0) / L;
+      switch (rest) {
+#define TFSS_CASE(NV)                                                     \
+  case NV:                                                               \
+    BackpropChunk<T, NV>(csc, b, e, ohp, owp, img_base.data(), dy, co,   \
+                         co0, out);                                      \
+    break;
+        TFSS_CASE(7) TFSS_CASE(6) TFSS_CASE(5) TFSS_CASE(4) TFSS_CASE(3)
+        TFSS_CASE(2) TFSS_CASE(1)
+#undef TFSS_CASE
+        default: break;
+      }
+      co0 += rest * L;
+      if (co0 < co)
+        BackpropTail<T>(csc, b, e, ohp, owp, img_base.data(), dy, co, co0,
+                        out);
+    }
+  });
+}
+
+template <typename T>
+void GatherImagesChannels(const T* x, const Conv2DGeometry& g,
+                          const int64_t* images, int64_t n_images,
+                          const int64_t* chans, int64_t n_chans, T* out,
+                          const ParallelFor& pfor) {
+  const int64_t hw = g.h * g.w, ci = g.c_in;
+  pfor(n_images * g.h, g.w * n_chans + 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t i = r / g.h, h = r % g.h;
+      const int64_t src_img = images ? images[i] : i;
+      const T* src = x + (src_img * hw + h * g.w) * ci;
+      T* dst = out + (i * hw + h * g.w) * n_chans;
+      if (!chans) {
+        std::memcpy(dst, src, sizeof(T) * g.w * ci);
+        continue;
+      }
+      for (int64_t w = 0; w < g.w; ++w)
+        for (int64_t j = 0; j < n_chans; ++j)
+          dst[w * n_chans + j] = src[w * ci + chans[j]];
+    }
+  });
+}
+
+template <typename T>
+void GatherFilterChannels(const T* f, const Conv2DGeometry& g,
+                          const int64_t* chans, int64_t n_chans, T* out) {
+  const int64_t co = g.c_out;
+  for (int64_t t = 0; t < g.kh * g.kw; ++t)
+    for (int64_t j = 0; j < n_chans; ++j)
+      std::memcpy(out + (t * n_chans + j) * co,
+                  f + (t * g.c_in + chans[j]) * co, sizeof(T) * co);
+}
+
+template <typename T>
+void ScatterFilterChannels(const T* src, const Conv2DGeometry& g,
+                           const int64_t* chans, int64_t n_chans, T* df,
+                           bool overwrite) {
+  const int64_t co = g.c_out;
+  for (int64_t t = 0; t < g.kh * g.kw; ++t)
+    for (int64_t j = 0; j < n_chans; ++j) {
+      const T* s = src + (t * n_chans + j) * co;
+      T* d = df + (t * g.c_in + chans[j]) * co;
+      if (overwrite) {
+        std::memcpy(d, s, sizeof(T) * co);
+      } else {
+        for (int64_t k = 0; k < co; ++k) d[k] += s[k];
+      }
+    }
+}
+
+template <typename T>
+void ScatterImages(const T* src, const Conv2DGeometry& g,
+                   const int64_t* images, int64_t n_images, T* y,
+                   const ParallelFor& pfor) {
+  const int64_t out_img = g.out_h * g.out_w * g.c_out;
+  pfor(n_images, out_img + 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      std::memcpy(y + images[i] * out_img, src + i * out_img,
+                  sizeof(T) * out_img);
+  });
+}
+
+#define TFSS_INSTANTIATE(T)                                                   \
+  template int64_t CountConvNonzeros<T>(const T*, const Conv2DGeometry&,      \
+                                        int64_t*, int64_t*,                   \
+                                        const ParallelFor&);                  \
+  template void BuildPixelCsr<T>(const T*, const Conv2DGeometry&,             \
+                                 const int64_t*, int64_t, const int64_t*,     \
+                                 PixelCsr<T>*, const ParallelFor&);           \
+  template void SparseConv2DForward<T>(const PixelCsr<T>&,                    \
+                                       const Conv2DGeometry&, const int64_t*, \
+                                       int64_t, const T*, T*,                 \
+                                       const ParallelFor&);                   \
+  template void BuildChannelCsr<T>(const T*, const Conv2DGeometry&,           \
+                                   const int64_t*, int64_t, ChannelCsr<T>*,   \
+                                   const ParallelFor&);                       \
+  template void SparseConv2DBackpropFilter<T>(                                \
+      const ChannelCsr<T>&, const Conv2DGeometry&, const int64_t*, const T*,  \
+      T*, const ParallelFor&);                                                \
+  template void SparseConv2DBackpropFilterPixels<T>(                          \
+      const PixelCsr<T>&, const Conv2DGeometry&, const int64_t*, int64_t,     \
+      const T*, T*, const ParallelFor&);                                      \
+  template void GatherImagesChannels<T>(const T*, const Conv2DGeometry&,      \
+                                        const int64_t*, int64_t,              \
+                                        const int64_t*, int64_t, T*,          \
+                                        const ParallelFor&);                  \
+  template void GatherFilterChannels<T>(const T*, const Conv2DGeometry&,      \
+                                        const int64_t*, int64_t, T*);         \
+  template void ScatterFilterChannels<T>(const T*, const Conv2DGeometry&,     \
+                                         const int64_t*, int64_t, T*, bool);  \
+  template void ScatterImages<T>(const T*, const Conv2DGeometry&,             \
+                                 const int64_t*, int64_t, T*,                 \
+                                 const ParallelFor&);
+TFSS_INSTANTIATE(float)
+TFSS_INSTANTIATE(double)
+#undef TFSS_INSTANTIATE
+
+}  // namespace tf_sparse_split

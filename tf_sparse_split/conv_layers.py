@@ -1,0 +1,179 @@
+"""Convolution layers backed by the sparse-split ops.
+
+:class:`SparseSplitConv2D` is a drop-in replacement for
+``keras.layers.Conv2D`` (``data_format="channels_last"``, ``groups=1``)
+whose convolution is ``SparseSplitConv2D``: images of the batch whose input
+density is above the layer's threshold go to TensorFlow's own convolution,
+the others to a sparse kernel whose cost is proportional to their nonzeros,
+and input channels that are zero across the batch are skipped (K.-Y. Peng,
+"Adaptive runtime exploiting sparsity in tensor of deep learning on
+heterogeneous systems", NTU 2017). The result equals ``Conv2D``'s to float
+rounding at any threshold. Requires the TensorFlow backend of Keras 3.
+"""
+
+import keras
+import tensorflow as tf
+
+from tf_sparse_split import stats as _stats
+from tf_sparse_split.layers import (SplitLayerMixin, _check_backend,
+                                    validate_threshold)
+
+__all__ = ["SparseSplitConv2D"]
+
+_OP_DTYPES = ("float32", "float64")
+
+
+def _out_size(size, k, stride, dilation, padding):
+    ek = (k - 1) * dilation + 1
+    if padding == "same":
+        return -(-size // stride)
+    return max((size - ek) // stride + 1, 0)
+
+
+@keras.saving.register_keras_serializable(package="tf_sparse_split")
+class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
+    """``keras.layers.Conv2D`` computed by ``SparseSplitConv2D``.
+
+    ``output = activation(conv2d(inputs, kernel) + bias)``, the same as
+    ``Conv2D`` with ``data_format="channels_last"``: inputs
+    ``[batch, H, W, C_in]``, kernel ``[KH, KW, C_in, filters]``, outputs
+    ``[batch, OH, OW, filters]``.
+
+    Args:
+      filters, kernel_size, strides, padding (``"valid"`` or ``"same"``),
+      dilation_rate, activation, use_bias, kernel_initializer,
+      bias_initializer, kernel_regularizer, bias_regularizer,
+      activity_regularizer, kernel_constraint, bias_constraint: as in
+      ``keras.layers.Conv2D``.
+      data_format: must be ``"channels_last"`` (or None with Keras' image
+        data format ``"channels_last"``).
+      groups: must be 1 (grouped convolution is not supported).
+      threshold: initial image-density split threshold in ``[0, 1]`` (images
+        whose density nnz / (H*W*C_in) is above it go dense), or negative
+        (default -1.0) to let the op choose per call. Stored as the
+        non-trainable float32 weight ``threshold_var`` that a
+        :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` assigns,
+        saved with the model.
+      **kwargs: base ``Layer`` arguments.
+
+    Dtypes: the op computes in float32 or float64; other compute dtypes are
+    cast to float32 and back.
+
+    Statistics and threshold API (``latest_stats``, ``accumulated_stats``,
+    ``reset_stats``, ``threshold``, ``set_threshold``) as in
+    :class:`~tf_sparse_split.layers.SparseSplitDense`; the statistics map a
+    convolution to the matmul layout as described in
+    :mod:`tf_sparse_split.stats` (rows = images, K = H*W*C_in,
+    N = KH*KW*filters). ``split_work_coefficients`` gives the cost model the
+    convolution's flop formulas.
+
+    XLA: ``supports_jit`` is False (the op has no XLA kernel).
+
+    Raises:
+      ValueError: bad threshold, ``groups != 1``, ``channels_first``, or bad
+        ``Conv2D`` arguments.
+      RuntimeError: if the Keras backend is not TensorFlow.
+    """
+
+    def __init__(self, filters, kernel_size, strides=(1, 1), padding="valid",
+                 data_format=None, dilation_rate=(1, 1), groups=1,
+                 activation=None, use_bias=True,
+                 kernel_initializer="glorot_uniform",
+                 bias_initializer="zeros", kernel_regularizer=None,
+                 bias_regularizer=None, activity_regularizer=None,
+                 kernel_constraint=None, bias_constraint=None,
+                 threshold=-1.0, **kwargs):
+        _check_backend()
+        if groups != 1:
+            raise ValueError(
+                f"SparseSplitConv2D supports groups=1 only, got groups={groups!r}"
+                "; use keras.layers.Conv2D for grouped convolution")
+        fmt = data_format or keras.config.image_data_format()
+        if fmt != "channels_last":
+            raise ValueError(
+                "SparseSplitConv2D supports data_format='channels_last' "
+                f"(NHWC) only, got {fmt!r}")
+        self._initial_threshold = validate_threshold(threshold)
+        super().__init__(
+            filters, kernel_size, strides=strides, padding=padding,
+            data_format="channels_last", dilation_rate=dilation_rate,
+            groups=1, activation=activation, use_bias=use_bias,
+            kernel_initializer=kernel_initializer,
+            bias_initializer=bias_initializer,
+            kernel_regularizer=kernel_regularizer,
+            bias_regularizer=bias_regularizer,
+            activity_regularizer=activity_regularizer,
+            kernel_constraint=kernel_constraint,
+            bias_constraint=bias_constraint, **kwargs)
+        self._init_split_state()
+        self._spatial = None
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        if input_shape[1] is not None and input_shape[2] is not None:
+            self._spatial = (int(input_shape[1]), int(input_shape[2]))
+        self._build_split_state()
+
+    def convolution_op(self, inputs, kernel):
+        from tf_sparse_split.ops import sparse_split_conv2d
+
+        x = tf.convert_to_tensor(inputs)
+        k = tf.convert_to_tensor(kernel)
+        out_dtype = x.dtype
+        if out_dtype.name not in _OP_DTYPES:
+            x = tf.cast(x, tf.float32)
+        if k.dtype != x.dtype:
+            k = tf.cast(k, x.dtype)
+        if self._spatial is None and x.shape[1] is not None and \
+                x.shape[2] is not None:
+            self._spatial = (int(x.shape[1]), int(x.shape[2]))
+        y, stats_vec = sparse_split_conv2d(
+            x, k, strides=list(self.strides), padding=self.padding.upper(),
+            dilations=list(self.dilation_rate),
+            threshold=tf.convert_to_tensor(self.threshold_var),
+            return_stats=True)
+        self._record_stats(stats_vec)
+        if y.dtype != out_dtype:
+            y = tf.cast(y, out_dtype)
+        return y
+
+    def split_work_coefficients(self, stats_vector):
+        """``(dense_coef, sparse_coef)`` of a convolution (flop): the sparse
+        path does ``2*KH*KW*C_out`` flop per input nonzero
+        (``2 * stats.N``), the dense path ``2*OH*OW*KH*KW*C_out`` per image
+        and live input channel, i.e. ``2 * stats.N * OH*OW / (H*W)`` per
+        element of ``K = H*W*C_in``. OH, OW come from the input size the
+        layer was built or called with (``1 / (stride_h * stride_w)`` for the
+        ratio when unknown)."""
+        import numpy as np
+
+        n = float(np.asarray(stats_vector, dtype=np.float64)[_stats.N])
+        if self._spatial is not None:
+            h, w = self._spatial
+            oh = _out_size(h, self.kernel_size[0], self.strides[0],
+                           self.dilation_rate[0], self.padding)
+            ow = _out_size(w, self.kernel_size[1], self.strides[1],
+                           self.dilation_rate[1], self.padding)
+            ratio = (oh * ow) / float(max(h * w, 1))
+        else:
+            ratio = 1.0 / (self.strides[0] * self.strides[1])
+        return 2.0 * n * ratio, 2.0 * n
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("lora_rank", None)
+        config.pop("lora_alpha", None)
+        config["threshold"] = self.threshold
+        return config
+
+    def enable_lora(self, *args, **kwargs):
+        """Not supported: raises NotImplementedError."""
+        raise NotImplementedError(
+            "SparseSplitConv2D does not support LoRA; use keras.layers.Conv2D")
+
+    def save_own_variables(self, store):
+        # Every weight in order: kernel, [bias], threshold.
+        keras.layers.Layer.save_own_variables(self, store)
+
+    def load_own_variables(self, store):
+        keras.layers.Layer.load_own_variables(self, store)
