@@ -16,7 +16,7 @@
 // cost is nnz(x) * KH*KW*C_out (pixel order with private per-block copies of
 // dF reduced in block order; channel-parallel when dF is too large to copy).
 //
-// Statistics (float64 [28], StatIndex of sparse_matmul.h) with rows = images
+// Statistics (float64 [kNumStats], StatIndex of sparse_matmul.h) with rows = images
 // and columns = the H*W*C_in values of an image (an all-zero input channel is
 // H*W all-zero columns): M = N, K = H*W*C_in, N = KH*KW*C_out (flops / 2 per
 // input nonzero on the sparse path), ZERO_COLS_SKIPPED = H*W * (all-zero
@@ -73,7 +73,7 @@ threshold: scalar float32 image-density threshold in [0, 1]; images with
   density nnz / (H*W*C_in) above it go to a dense convolution, the rest to a
   sparse kernel. Negative: chosen automatically. Never changes the answer.
 output: [N, OH, OW, C_out].
-stats: float64 [28] per-call statistics (see tf_sparse_split/stats.py).
+stats: float64 per-call statistics (see tf_sparse_split/stats.py).
 )doc");
 
 REGISTER_OP("SparseSplitConv2DBackpropFilter")
@@ -109,7 +109,7 @@ filter_sizes: int32 [4] = [KH, KW, C_in, C_out].
 out_backprop: [N, OH, OW, C_out].
 threshold: as in SparseSplitConv2D.
 filter_backprop: [KH, KW, C_in, C_out].
-stats: float64 [28] per-call statistics.
+stats: float64 per-call statistics (see tf_sparse_split/stats.py).
 )doc");
 
 namespace {
