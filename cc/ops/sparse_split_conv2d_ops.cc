@@ -298,15 +298,47 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
   return k->Init(ctx, op, "", num_inputs, attrs);
 }
 
-// Measured rates of the two paths for one problem family: dense flop/s
-// (2*rows*OH*OW*KH*KW*C_in_live*C_out per second) and sparse useful flop/s
-// (2*nnz*KH*KW*C_out per second). Calibrated once, then an exponential moving
-// average of each call's own timings.
+// Measured costs of the two paths for one problem family: dense flop/s
+// (2*rows*OH*OW*KH*KW*C_in_live*C_out per second); for the sparse path a
+// fixed cost per image (seconds: window look-ups over every output pixel,
+// which do not shrink with the nonzeros) plus useful flop/s
+// (2*nnz*KH*KW*C_out per second). Calibrated once at two densities, then the
+// rates follow an exponential moving average of each call's own timings.
 struct RateModel {
   std::mutex mu;
   bool calibrated = false;
   double dense_rate = 0.0;
   double sparse_rate = 0.0;
+  double sparse_image_s = 0.0;
+
+  void UpdateSparse(double flops, double seconds, int64_t images) {
+    double fixed;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      fixed = sparse_image_s * images;
+    }
+    Update(&sparse_rate, flops, std::max(seconds - fixed, 0.1 * seconds));
+  }
+
+  // Sets the model from calibration timings: dense seconds for
+  // `dense_flops`, sparse seconds t_hi / t_lo on `images` images holding
+  // nnz_hi / nnz_lo nonzeros, `per_nnz` useful flop per nonzero.
+  void Calibrated(double dense_flops, double t_dense, double t_hi,
+                  double nnz_hi, double t_lo, double nnz_lo, int64_t images,
+                  double per_nnz) {
+    double a = nnz_hi > nnz_lo ? (t_hi - t_lo) / (nnz_hi - nnz_lo) : 0.0;
+    double c = a > 0 ? (t_lo - a * nnz_lo) / std::max<int64_t>(1, images) : 0;
+    if (!(a > 0)) {  // timing noise: one-term model
+      a = t_hi / std::max(nnz_hi, 1.0);
+      c = 0.0;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (calibrated) return;
+    dense_rate = dense_flops / std::max(t_dense, 1e-9);
+    sparse_rate = per_nnz / std::max(a, 1e-15);
+    sparse_image_s = std::max(c, 0.0);
+    calibrated = true;
+  }
 
   void Update(double* rate, double flops, double seconds) {
     if (flops < 2e7 || seconds <= 0.0) return;
@@ -331,17 +363,33 @@ std::vector<int64_t> FamilyKey(int which, tf::DataType dt,
           g.out_h,    g.out_w};
 }
 
-// Threshold from the rates: image i is cheaper sparse when
-// nnz_i * KH*KW*C_out / sparse_rate < OH*OW*KH*KW*C_in_live*C_out / dense_rate.
+// Threshold from the model: image i is cheaper sparse when
+//   image_s + 2*nnz_i*KH*KW*C_out / sparse_rate
+//     < 2*OH*OW*KH*KW*C_in_live*C_out / dense_rate.
 double AutoThreshold(RateModel* r, const Conv2DGeometry& g, int64_t c_live) {
-  double ratio;
+  double dense_rate, sparse_rate, image_s;
   {
     std::lock_guard<std::mutex> lock(r->mu);
-    ratio = r->sparse_rate / std::max(r->dense_rate, 1.0);
+    dense_rate = std::max(r->dense_rate, 1.0);
+    sparse_rate = r->sparse_rate;
+    image_s = r->sparse_image_s;
   }
-  const double t = ratio * static_cast<double>(g.out_h * g.out_w * c_live) /
-                   static_cast<double>(std::max<int64_t>(1, g.h * g.w * g.c_in));
+  const double per_nnz = 2.0 * g.kh * g.kw * g.c_out;
+  const double dense_image_s =
+      per_nnz * g.out_h * g.out_w * c_live / dense_rate;
+  const double nnz_max = (dense_image_s - image_s) * sparse_rate / per_nnz;
+  const double t =
+      nnz_max / static_cast<double>(std::max<int64_t>(1, g.h * g.w * g.c_in));
   return std::min(1.0, std::max(0.0, t));
+}
+
+// Fills x (n*h*w*c values) with about `density` nonzeros in [0.5, 1.5).
+template <typename T>
+void FillRandom(T* x, int64_t total, double density, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (int64_t i = 0; i < total; ++i)
+    x[i] = u(gen) < density ? T(u(gen) + 0.5) : T(0);
 }
 
 absl::Status CheckThreshold(const tf::Tensor& t, const char* op, float* out) {
@@ -563,8 +611,8 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     rates.Update(&rates.dense_rate,
                  2.0 * rd * g.out_h * g.out_w * g.kh * g.kw * kc * g.c_out,
                  time_dense);
-    rates.Update(&rates.sparse_rate, 2.0 * nnz_sparse * g.kh * g.kw * g.c_out,
-                 time_sparse);
+    rates.UpdateSparse(2.0 * nnz_sparse * g.kh * g.kw * g.c_out, time_sparse,
+                       rs);
     stats[kStatRowsDense] = rd;
     stats[kStatRowsSparse] = rs;
     stats[kStatNnz] = nnz;
@@ -578,7 +626,8 @@ class SparseSplitConv2DOp : public tf::OpKernel {
 
  private:
   // Times both paths on CalibrationImages(g) synthetic images of this
-  // geometry at 90% sparsity (best of 2 runs each).
+  // geometry: dense at 90% sparsity, sparse at 90% and 99% (best of 2 runs
+  // each) to separate its per-image and per-nonzero costs.
   absl::Status Calibrate(tf::OpKernelContext* ctx, const tf::Tensor& f,
                          Conv2DGeometry g, const ParallelFor& pfor,
                          RateModel* model) const {
@@ -588,39 +637,37 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     TF_RETURN_IF_ERROR(
         ctx->allocate_temp(dt, tf::TensorShape({g.n, g.h, g.w, g.c_in}), &xt));
     T* xs = xt.flat<T>().data();
-    std::mt19937 gen(1234);
-    std::uniform_real_distribution<double> u(0.0, 1.0);
     const int64_t total = g.n * g.h * g.w * g.c_in;
-    for (int64_t i = 0; i < total; ++i)
-      xs[i] = u(gen) < 0.9 ? T(0) : T(u(gen) + 0.5);
     std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in), imgs(g.n);
     for (int64_t i = 0; i < g.n; ++i) imgs[i] = i;
-    const int64_t nnz = CountConvNonzeros<T>(xs, g, image_nnz.data(),
-                                             chan_nnz.data(), pfor);
     std::vector<T> y(g.n * g.out_h * g.out_w * g.c_out);
-    double best_d = 1e30, best_s = 1e30;
-    for (int rep = 0; rep < 2; ++rep) {
-      tf::Tensor result;
-      const auto t0 = Clock::now();
-      TF_RETURN_IF_ERROR(
-          conv_.Run(ctx, {&xt, const_cast<tf::Tensor*>(&f)}, &result));
-      const auto t1 = Clock::now();
-      PixelCsr<T> csr;
-      BuildPixelCsr<T>(xs, g, imgs.data(), g.n, image_nnz.data(), &csr, pfor);
-      SparseConv2DForward<T>(csr, g, imgs.data(), g.n, f.flat<T>().data(),
-                             y.data(), pfor);
-      const auto t2 = Clock::now();
-      best_d = std::min(best_d, Seconds(t0, t1));
-      best_s = std::min(best_s, Seconds(t1, t2));
+    double best_d = 1e30, t_sp[2] = {1e30, 1e30}, nnz[2] = {0, 0};
+    const double density[2] = {0.1, 0.01};
+    for (int k = 0; k < 2; ++k) {
+      FillRandom<T>(xs, total, density[k], 1234 + k);
+      nnz[k] = CountConvNonzeros<T>(xs, g, image_nnz.data(), chan_nnz.data(),
+                                    pfor);
+      for (int rep = 0; rep < 2; ++rep) {
+        const auto t0 = Clock::now();
+        if (k == 0) {
+          tf::Tensor result;
+          TF_RETURN_IF_ERROR(
+              conv_.Run(ctx, {&xt, const_cast<tf::Tensor*>(&f)}, &result));
+        }
+        const auto t1 = Clock::now();
+        PixelCsr<T> csr;
+        BuildPixelCsr<T>(xs, g, imgs.data(), g.n, image_nnz.data(), &csr,
+                         pfor);
+        SparseConv2DForward<T>(csr, g, imgs.data(), g.n, f.flat<T>().data(),
+                               y.data(), pfor);
+        const auto t2 = Clock::now();
+        if (k == 0) best_d = std::min(best_d, Seconds(t0, t1));
+        t_sp[k] = std::min(t_sp[k], Seconds(t1, t2));
+      }
     }
-    std::lock_guard<std::mutex> lock(model->mu);
-    if (!model->calibrated) {
-      model->dense_rate = 2.0 * g.n * g.out_h * g.out_w * g.kh * g.kw *
-                          g.c_in * g.c_out / std::max(best_d, 1e-9);
-      model->sparse_rate =
-          2.0 * nnz * g.kh * g.kw * g.c_out / std::max(best_s, 1e-9);
-      model->calibrated = true;
-    }
+    model->Calibrated(
+        2.0 * g.n * g.out_h * g.out_w * g.kh * g.kw * g.c_in * g.c_out, best_d,
+        t_sp[0], nnz[0], t_sp[1], nnz[1], g.n, 2.0 * g.kh * g.kw * g.c_out);
     return absl::OkStatus();
   }
 
@@ -804,8 +851,8 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     rates.Update(&rates.dense_rate,
                  2.0 * rd * g.out_h * g.out_w * g.kh * g.kw * kc_used * g.c_out,
                  time_dense);
-    rates.Update(&rates.sparse_rate, 2.0 * nnz_sparse * g.kh * g.kw * g.c_out,
-                 time_sparse);
+    rates.UpdateSparse(2.0 * nnz_sparse * g.kh * g.kw * g.c_out, time_sparse,
+                       rs);
     stats[kStatRowsDense] = rd;
     stats[kStatRowsSparse] = rs;
     stats[kStatNnz] = nnz;
@@ -831,15 +878,9 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
         dt, tf::TensorShape({g.n, g.out_h, g.out_w, g.c_out}), &dyt));
     std::copy_n(dy.flat<T>().data(), dyt.NumElements(), dyt.flat<T>().data());
     T* xs = xt.flat<T>().data();
-    std::mt19937 gen(1234);
-    std::uniform_real_distribution<double> u(0.0, 1.0);
     const int64_t total = g.n * g.h * g.w * g.c_in;
-    for (int64_t i = 0; i < total; ++i)
-      xs[i] = u(gen) < 0.9 ? T(0) : T(u(gen) + 0.5);
     std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in), imgs(g.n);
     for (int64_t i = 0; i < g.n; ++i) imgs[i] = i;
-    const int64_t nnz = CountConvNonzeros<T>(xs, g, image_nnz.data(),
-                                             chan_nnz.data(), pfor);
     tf::Tensor sizes_t(tf::DT_INT32, tf::TensorShape({4}));
     auto sv = sizes_t.vec<tf::int32>();
     sv(0) = g.kh;
@@ -847,26 +888,29 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     sv(2) = g.c_in;
     sv(3) = g.c_out;
     std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out);
-    double best_d = 1e30, best_s = 1e30;
-    for (int rep = 0; rep < 2; ++rep) {
-      tf::Tensor result;
-      const auto t0 = Clock::now();
-      TF_RETURN_IF_ERROR(bf_.Run(ctx, {&xt, &sizes_t, &dyt}, &result));
-      const auto t1 = Clock::now();
-      SparseFilterGrad<T>(xs, g, imgs.data(), g.n, image_nnz.data(),
-                          dyt.flat<T>().data(), df.data(), pfor);
-      const auto t2 = Clock::now();
-      best_d = std::min(best_d, Seconds(t0, t1));
-      best_s = std::min(best_s, Seconds(t1, t2));
+    double best_d = 1e30, t_sp[2] = {1e30, 1e30}, nnz[2] = {0, 0};
+    const double density[2] = {0.1, 0.01};
+    for (int k = 0; k < 2; ++k) {
+      FillRandom<T>(xs, total, density[k], 1234 + k);
+      nnz[k] = CountConvNonzeros<T>(xs, g, image_nnz.data(), chan_nnz.data(),
+                                    pfor);
+      for (int rep = 0; rep < 2; ++rep) {
+        const auto t0 = Clock::now();
+        if (k == 0) {
+          tf::Tensor result;
+          TF_RETURN_IF_ERROR(bf_.Run(ctx, {&xt, &sizes_t, &dyt}, &result));
+        }
+        const auto t1 = Clock::now();
+        SparseFilterGrad<T>(xs, g, imgs.data(), g.n, image_nnz.data(),
+                            dyt.flat<T>().data(), df.data(), pfor);
+        const auto t2 = Clock::now();
+        if (k == 0) best_d = std::min(best_d, Seconds(t0, t1));
+        t_sp[k] = std::min(t_sp[k], Seconds(t1, t2));
+      }
     }
-    std::lock_guard<std::mutex> lock(model->mu);
-    if (!model->calibrated) {
-      model->dense_rate = 2.0 * g.n * g.out_h * g.out_w * g.kh * g.kw *
-                          g.c_in * g.c_out / std::max(best_d, 1e-9);
-      model->sparse_rate =
-          2.0 * nnz * g.kh * g.kw * g.c_out / std::max(best_s, 1e-9);
-      model->calibrated = true;
-    }
+    model->Calibrated(
+        2.0 * g.n * g.out_h * g.out_w * g.kh * g.kw * g.c_in * g.c_out, best_d,
+        t_sp[0], nnz[0], t_sp[1], nnz[1], g.n, 2.0 * g.kh * g.kw * g.c_out);
     return absl::OkStatus();
   }
 
