@@ -143,7 +143,8 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
 template <typename T>
 void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
               bool transpose_a, const int64_t* rows, int64_t n_rows,
-              const int64_t* row_nnz, Csr<T>* csr, const ParallelFor& pfor) {
+              const int64_t* row_nnz, const int64_t* col_nnz, Csr<T>* csr,
+              const ParallelFor& pfor) {
   csr->row_ptr.assign(n_rows + 1, 0);
   for (int64_t r = 0; r < n_rows; ++r)
     csr->row_ptr[r + 1] = csr->row_ptr[r] + row_nnz[rows[r]];
@@ -162,30 +163,52 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
         CompressRow<T>(row, phys_cols, ci + rp[r], vals + rp[r]);
       }
     });
-  } else {
-    // Row i of op(a) is physical column i; its column index is the physical
-    // row. Each shard owns a range of op rows and scans the physical rows in
-    // ascending order, so indices come out sorted.
-    // Branch-free appends: every candidate is written, to its row's next
-    // slot while the row has room and to a scratch slot once it is full, and
-    // the cursor advances only on a nonzero.
-    pfor(n_rows, phys_rows * 2, [&](int64_t r0, int64_t r1) {
-      std::vector<int64_t> cursor(rp + r0, rp + r1);
-      int32_t scratch_ci;
-      T scratch_v;
-      for (int64_t k = 0; k < phys_rows; ++k) {
-        const T* prow = a + k * phys_cols;
-        for (int64_t r = r0; r < r1; ++r) {
-          const T v = prow[rows[r]];
-          int64_t& p = cursor[r - r0];
-          const bool room = p < rp[r + 1];
-          *(room ? ci + p : &scratch_ci) = static_cast<int32_t>(k);
-          *(room ? vals + p : &scratch_v) = v;
-          p += (v != T(0));
-        }
-      }
-    });
+    return;
   }
+  // Row i of op(a) is physical column i; its column index is the physical
+  // row. First the CSR of the physical matrix (vectorised compress of its
+  // contiguous rows; col_nnz of op(a) are its row counts), then a parallel
+  // transposition: each shard owns a range of op rows and walks the physical
+  // rows in ascending order, so indices come out sorted. `rows` ascending
+  // lets a shard find its entries of a physical row by binary search.
+  std::vector<int64_t> prp(phys_rows + 1, 0);
+  for (int64_t q = 0; q < phys_rows; ++q) prp[q + 1] = prp[q] + col_nnz[q];
+  std::vector<int32_t> pci(prp[phys_rows]);
+  std::vector<T> pv(prp[phys_rows]);
+  pfor(phys_rows, phys_cols * 2, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q)
+      CompressRow<T>(a + q * phys_cols, phys_cols, pci.data() + prp[q],
+                     pv.data() + prp[q]);
+  });
+  // pos[c]: index in `rows` of physical column c, or -1 if not selected.
+  std::vector<int64_t> pos(phys_cols, -1);
+  bool ascending = true;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    pos[rows[r]] = r;
+    if (r > 0 && rows[r] <= rows[r - 1]) ascending = false;
+  }
+  const int64_t per_unit = std::max<int64_t>(1, prp[phys_rows] / n_rows) * 4;
+  pfor(n_rows, per_unit, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> cursor(rp + r0, rp + r1);
+    const int32_t c_lo = static_cast<int32_t>(rows[r0]);
+    const int32_t c_hi = static_cast<int32_t>(rows[r1 - 1]);
+    for (int64_t q = 0; q < phys_rows; ++q) {
+      const int32_t* b = pci.data() + prp[q];
+      const int32_t* e = pci.data() + prp[q + 1];
+      if (ascending) {
+        b = std::lower_bound(b, e, c_lo);
+        e = std::upper_bound(b, e, c_hi);
+      }
+      for (const int32_t* it = b; it != e; ++it) {
+        const int64_t r = pos[*it];
+        if (r < r0 || r >= r1) continue;
+        int64_t& p = cursor[r - r0];
+        ci[p] = static_cast<int32_t>(q);
+        vals[p] = pv[it - pci.data()];
+        ++p;
+      }
+    }
+  });
 }
 
 namespace {
@@ -455,7 +478,7 @@ void ZeroRows(const int64_t* out_rows, int64_t n_rows, int64_t n, T* c,
   template int64_t CountNonzeros<T>(const T*, int64_t, int64_t, bool,         \
                                     int64_t*, int64_t*, const ParallelFor&);  \
   template void BuildCsr<T>(const T*, int64_t, int64_t, bool, const int64_t*, \
-                            int64_t, const int64_t*, Csr<T>*,                 \
+                            int64_t, const int64_t*, const int64_t*, Csr<T>*, \
                             const ParallelFor&);                              \
   template void CsrSpmm<T>(const Csr<T>&, const int64_t*, int64_t, const T*,  \
                            int64_t, int64_t, int64_t, T*, int64_t,            \

@@ -55,12 +55,14 @@ struct Csr {
 };
 
 // Builds the CSR of rows `rows[0..n_rows)` of op(a) (each index in [0, m)).
-// row_nnz must be CountNonzeros' output for the same a. Rows appear in the
-// CSR in the order given.
+// row_nnz[m] and col_nnz[k] must be CountNonzeros' outputs for the same a
+// (col_nnz is read only when transpose_a; it may be null otherwise). Rows
+// appear in the CSR in the order given; ascending `rows` is fastest.
 template <typename T>
 void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
               bool transpose_a, const int64_t* rows, int64_t n_rows,
-              const int64_t* row_nnz, Csr<T>* csr, const ParallelFor& pfor);
+              const int64_t* row_nnz, const int64_t* col_nnz, Csr<T>* csr,
+              const ParallelFor& pfor);
 
 // CSR SpMM: for r in [0, n_rows): c[out_rows[r], :] = csr.row(r) * b,
 // where b is a dense row-major [k, n] matrix with leading dimension ldb and

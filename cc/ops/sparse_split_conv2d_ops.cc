@@ -30,6 +30,7 @@
 
 #include "cc/kernels/sparse_conv2d.h"
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op.h"
@@ -120,14 +121,6 @@ double Seconds(Clock::time_point t0, Clock::time_point t1) {
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
-ParallelFor MakePfor(tf::OpKernelContext* ctx) {
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [pool](int64_t total, int64_t cost,
-                const std::function<void(int64_t, int64_t)>& fn) {
-    if (total <= 0) return;
-    pool->ParallelFor(total, cost, fn);
-  };
-}
 
 // Strides, dilations and padding of one convolution op, validated.
 struct ConvAttrs {
@@ -535,7 +528,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     }
     const T* xp = x.flat<T>().data();
     const T* fp = f.flat<T>().data();
-    ParallelFor pfor = MakePfor(ctx);
+    ParallelFor pfor = TfParallelFor(ctx);
 
     // --- Analysis. ----------------------------------------------------------
     std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in);
@@ -750,7 +743,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
       return;
     }
     const T* xp = x.flat<T>().data();
-    ParallelFor pfor = MakePfor(ctx);
+    ParallelFor pfor = TfParallelFor(ctx);
 
     std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in);
     const int64_t nnz = CountConvNonzeros<T>(xp, g, image_nnz.data(),

@@ -49,6 +49,7 @@
 
 #include "cc/kernels/cuda/sparse_matmul_cuda.h"
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -176,15 +177,6 @@ GpuRates& RatesFor(tf::DataType dtype, int64_t k, int64_t n, bool tb,
   return (*models)[std::make_tuple(static_cast<int>(dtype), k, n, tb, hetero)];
 }
 
-ParallelFor HostParallelFor(tf::OpKernelContext* ctx) {
-  // A GPU device (a LocalDevice) carries TF's intra-op CPU thread pool too.
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [pool](int64_t total, int64_t cost,
-                const std::function<void(int64_t, int64_t)>& fn) {
-    if (total <= 0) return;
-    pool->ParallelFor(total, cost, fn);
-  };
-}
 
 }  // namespace
 
@@ -457,13 +449,13 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
       // The GPU keeps running the dense GEMM; the host waits for the copies
       // only, then multiplies on TF's CPU thread pool.
       TFSS_CUDA_OK(ctx, cudaEventSynchronize(copied.ev));
-      ParallelFor pfor = HostParallelFor(ctx);
+      ParallelFor pfor = TfParallelFor(ctx);
       std::vector<int64_t> rows(rs), sp_nnz(rs);
       std::iota(rows.begin(), rows.end(), int64_t{0});
       for (int64_t r = 0; r < rs; ++r) sp_nnz[r] = row_nnz[sparse_rows[r]];
       Csr<T> csr;
       BuildCsr<T>(as_h.flat<T>().data(), rs, k, false, rows.data(), rs,
-                  sp_nnz.data(), &csr, pfor);
+                  sp_nnz.data(), nullptr, &csr, pfor);
       const T* bd = b_h.flat<T>().data();
       std::vector<T> bt;
       if (tb_) {  // the SpMM reads rows of op(b) = b^T

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -84,14 +85,6 @@ double Seconds(Clock::time_point t0, Clock::time_point t1) {
   return std::chrono::duration<double>(t1 - t0).count();
 }
 
-ParallelFor MakeParallelFor(tf::OpKernelContext* ctx) {
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [pool](int64_t total, int64_t cost,
-                const std::function<void(int64_t, int64_t)>& fn) {
-    if (total <= 0) return;
-    pool->ParallelFor(total, cost, fn);
-  };
-}
 
 // TensorFlow's own CPU MatMul kernel, created once per op instance and run
 // in-process on a sub-context: the dense part then runs exactly the GEMM
@@ -280,7 +273,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const T* b_ptr = b.flat<T>().data();
     const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
     const int64_t b_rows = b.dim_size(0), b_cols = b.dim_size(1);
-    ParallelFor pfor = MakeParallelFor(ctx);
+    ParallelFor pfor = TfParallelFor(ctx);
 
     // --- Analysis: densities, live columns, threshold, row split. ---------
     std::vector<int64_t> row_nnz(m), col_nnz(k);
@@ -419,7 +412,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       } else {
         Csr<T> csr;
         BuildCsr<T>(a_ptr, a_rows, a_cols, ta_, sparse_rows.data(), rs,
-                    row_nnz.data(), &csr, pfor);
+                    row_nnz.data(), col_nnz.data(), &csr, pfor);
         const T* bd = b_ptr;
         tf::Tensor bt_t;
         if (tb_) {
@@ -473,7 +466,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const int64_t nnz =
         CountNonzeros<T>(a, m, k, false, row_nnz.data(), col_nnz.data(), pfor);
     Csr<T> csr;
-    BuildCsr<T>(a, m, k, false, rows.data(), m, row_nnz.data(), &csr, pfor);
+    BuildCsr<T>(a, m, k, false, rows.data(), m, row_nnz.data(), nullptr, &csr,
+                pfor);
     const T* bd = b.flat<T>().data();
     if (tb_) {
       TF_RETURN_IF_ERROR(ctx->allocate_temp(dt, tf::TensorShape({k, n}), &bt_t));

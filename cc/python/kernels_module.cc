@@ -80,8 +80,8 @@ py::tuple CsrOf(const Arr<T>& a, bool transpose, int threads) {
     py::gil_scoped_release release;
     auto pfor = ThreadFor(threads);
     CountNonzeros<T>(a.data(), pr, pc, transpose, row.data(), col.data(), pfor);
-    BuildCsr<T>(a.data(), pr, pc, transpose, rows.data(), m, row.data(), &csr,
-                pfor);
+    BuildCsr<T>(a.data(), pr, pc, transpose, rows.data(), m, row.data(),
+                col.data(), &csr, pfor);
   }
   py::array_t<int64_t> indptr(csr.row_ptr.size());
   std::copy(csr.row_ptr.begin(), csr.row_ptr.end(), indptr.mutable_data());

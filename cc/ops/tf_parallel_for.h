@@ -1,0 +1,41 @@
+// The ParallelFor hook of cc/kernels over TensorFlow's intra-op thread pool,
+// shared by every op kernel of the library.
+#ifndef TF_SPARSE_SPLIT_CC_OPS_TF_PARALLEL_FOR_H_
+#define TF_SPARSE_SPLIT_CC_OPS_TF_PARALLEL_FOR_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+
+#include "cc/kernels/sparse_matmul.h"
+#include "tensorflow/core/framework/op_kernel.h"
+
+namespace tf_sparse_split {
+
+// Loops whose total cost is large are cut into one contiguous block per
+// pool thread (the kernels hand over equal-cost units, and TF's adaptive
+// sharding over-splits them, which costs balance on few cores); small loops
+// use TF's adaptive sharding.
+inline ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [pool](int64_t total, int64_t cost,
+                const std::function<void(int64_t, int64_t)>& fn) {
+    if (total <= 0) return;
+    const int64_t threads = std::max(1, pool->NumThreads());
+    if (threads == 1 || total == 1) {
+      fn(0, total);
+      return;
+    }
+    if (static_cast<double>(total) * cost < 5e5) {
+      pool->ParallelFor(total, cost, fn);
+      return;
+    }
+    const int64_t block = (total + threads - 1) / threads;
+    pool->ParallelFor(
+        total, ::tsl::thread::ThreadPool::SchedulingParams::Fixed(block), fn);
+  };
+}
+
+}  // namespace tf_sparse_split
+
+#endif  // TF_SPARSE_SPLIT_CC_OPS_TF_PARALLEL_FOR_H_
