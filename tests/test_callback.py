@@ -131,3 +131,14 @@ def test_validation_calls_are_not_counted():
     model.fit(x[:256], y[:256], validation_data=(x[256:], y[256:]),
               epochs=2, batch_size=64, callbacks=[cb], verbose=0)
     assert [r["layers"]["only"]["calls"] for r in cb.history] == [4, 4]
+
+
+def test_warns_when_steps_per_execution_hides_samples():
+    x, y = _data(64, 16, 0.5, seed=3)
+    model = keras.Sequential([keras.Input((16,)), SparseSplitDense(8, activation="relu"),
+                              SparseSplitDense(4)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                  steps_per_execution=4, jit_compile=False)
+    with pytest.warns(RuntimeWarning, match="steps_per_execution=4"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[SplitThresholdCallback()])

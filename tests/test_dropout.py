@@ -413,6 +413,7 @@ def test_sensitivity_gradient_and_serialization(tmp_path):
     (dict(rate=0.5, temperature=0), (None, 4, 4, 8), "temperature"),
     (dict(rate=0.5, momentum=1.0), (None, 4, 4, 8), "momentum"),
     (dict(rate=0.5), (None, 8), "NHWC"),
+    (dict(rate=0.3), (None, 4, 4, 1), "drops no channel"),
 ])
 def test_sensitivity_bad_arguments(kwargs, shape, match):
     with pytest.raises(ValueError, match=match):

@@ -245,3 +245,15 @@ def test_other_keras_backend_is_refused(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(RuntimeError, match="TensorFlow backend.*'jax'"):
         SparseSplitDense(3)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int32])
+def test_integer_inputs_give_float_outputs_like_dense(dtype):
+    """Integer inputs are cast to the compute dtype, as Dense's matmul does."""
+    x = (np.arange(24).reshape(4, 6) * 20 % 256).astype(dtype)
+    layer = SparseSplitDense(3, threshold=1.0)
+    y = layer(x)
+    twin = _twin_dense(layer, 6)
+    assert y.dtype == tf.float32
+    np.testing.assert_allclose(y.numpy(), twin(x.astype(np.float32)).numpy(),
+                               rtol=1e-5, atol=1e-4)

@@ -258,3 +258,17 @@ def test_bad_inputs_inside_tf_function():
 
     with pytest.raises(tf.errors.InvalidArgumentError, match="rank 2"):
         g(tf.ones((2, 3, 1)), tf.ones((3, 5)))
+
+
+@pytest.mark.parametrize("thr", [None, "0.5", b"x"])
+def test_non_numeric_threshold(thr):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="threshold"):
+        tfss.sparse_split_matmul(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), thr)
+
+
+def test_stats_of_empty_product_describe_a():
+    """With N = 0 there is no work, but nnz and the histogram still count a."""
+    a = random_sparse((8, 16), 0.5, np.random.default_rng(4))
+    _, st = tfss.sparse_split_matmul(a, np.ones((16, 0), np.float32), return_stats=True)
+    assert st[S.NNZ] == np.count_nonzero(a)
+    assert st.numpy()[S.HISTOGRAM].sum() == 8

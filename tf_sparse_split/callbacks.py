@@ -15,6 +15,7 @@ the results, only the speed.
 """
 
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -156,6 +157,18 @@ class SplitThresholdCallback(keras.callbacks.Callback):
 
     # -- Keras hooks ------------------------------------------------------
     def on_train_begin(self, logs=None):
+        spe = getattr(self.model, "steps_per_execution", 1)
+        try:
+            spe = int(spe.numpy() if hasattr(spe, "numpy") else spe)
+        except (TypeError, ValueError):
+            spe = 1
+        if spe > 1:
+            warnings.warn(
+                f"SplitThresholdCallback: steps_per_execution={spe} lets it see "
+                f"only one timing sample per {spe} steps, so exploration and "
+                "the cost-model fit need more batches and thresholds may stay "
+                "unchanged for a while; compile with steps_per_execution=1 "
+                "for tuning", RuntimeWarning, stacklevel=2)
         self.history = []
         self._states = []
         self._explore_epoch = None
@@ -271,5 +284,6 @@ def _fmt_rate(rate):
     if rate is None:
         return "n/a"
     if math.isinf(rate):
-        return "inf"
+        # The fit found no growth of time with work: overhead-dominated.
+        return "unbounded (time did not grow with work)"
     return f"{rate / 1e9:.2f} GFLOP/s"

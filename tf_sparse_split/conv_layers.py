@@ -20,7 +20,6 @@ from tf_sparse_split.layers import (SplitLayerMixin, _check_backend,
 
 __all__ = ["SparseSplitConv2D"]
 
-_OP_DTYPES = ("float32", "float64")
 
 
 def _out_size(size, k, stride, dilation, padding):
@@ -117,13 +116,7 @@ class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
     def convolution_op(self, inputs, kernel):
         from tf_sparse_split.ops import sparse_split_conv2d
 
-        x = tf.convert_to_tensor(inputs)
-        k = tf.convert_to_tensor(kernel)
-        out_dtype = x.dtype
-        if out_dtype.name not in _OP_DTYPES:
-            x = tf.cast(x, tf.float32)
-        if k.dtype != x.dtype:
-            k = tf.cast(k, x.dtype)
+        x, k, out_dtype = self._op_operands(inputs, kernel)
         if self._spatial is None and x.shape[1] is not None and \
                 x.shape[2] is not None:
             self._spatial = (int(x.shape[1]), int(x.shape[2]))

@@ -622,6 +622,11 @@ class SensitivityAwareDropout(keras.layers.Layer):
         self.num_drop = int(round(self.rate * self.channels))
         if self.num_drop >= self.channels:
             self.num_drop = self.channels - 1
+        if self.rate > 0 and self.num_drop == 0:
+            raise ValueError(
+                f"rate {self.rate} of {self.channels} channel(s) drops no "
+                f"channel (round(rate * channels) = 0 after keeping at least "
+                f"one); use a higher rate or a layer with more channels")
         self.sensitivity = self.add_weight(
             name="sensitivity", shape=(self.channels,), dtype="float32",
             initializer="zeros", trainable=False, autocast=False)

@@ -80,6 +80,28 @@ class SplitLayerMixin:
         self.supports_jit = False
         self.threshold_var = None
         self._stats_vars = None
+        # Whether calls record the op's statistics (False for graphs that
+        # cannot update variables, e.g. frozen for profiling).
+        self.record_stats = True
+
+    def _op_operands(self, x, kernel):
+        """Casts (inputs, kernel) for the op; returns them and the dtype of
+        the layer's output.
+
+        Like ``keras.layers.Dense``, the output has the layer's compute dtype
+        (integer or other-float inputs are cast to it first). The op computes
+        in float32 or float64; other compute dtypes (``mixed_float16``, ...)
+        run it in float32 and cast the result back.
+        """
+        out_dtype = tf.as_dtype(self.compute_dtype)
+        op_dtype = out_dtype if out_dtype.name in _OP_DTYPES else tf.float32
+        x = tf.convert_to_tensor(x)
+        if x.dtype != op_dtype:
+            x = tf.cast(x, op_dtype)
+        kernel = tf.convert_to_tensor(kernel)
+        if kernel.dtype != op_dtype:
+            kernel = tf.cast(kernel, op_dtype)
+        return x, kernel, out_dtype
 
     def _build_split_state(self):
         self.threshold_var = self.add_weight(
@@ -123,7 +145,7 @@ class SplitLayerMixin:
 
     def _record_stats(self, stats_vec):
         sv = self._stats_vars
-        if sv is None:
+        if sv is None or not self.record_stats:
             return
         stats_vec = tf.cast(stats_vec, tf.float64)
         sv.latest.assign(stats_vec)
@@ -362,13 +384,7 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
         x = inputs
         if isinstance(x, tf.SparseTensor):
             x = tf.sparse.to_dense(x)
-        x = tf.convert_to_tensor(x)
-        kernel = tf.convert_to_tensor(self.kernel)
-        out_dtype = x.dtype
-        if out_dtype.name not in _OP_DTYPES:
-            x = tf.cast(x, tf.float32)
-        if kernel.dtype != x.dtype:
-            kernel = tf.cast(kernel, x.dtype)
+        x, kernel, out_dtype = self._op_operands(x, self.kernel)
         input_dim = kernel.shape[0]
         rank = x.shape.rank
         if rank == 2:

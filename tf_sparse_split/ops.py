@@ -42,6 +42,10 @@ def _invalid(msg):
 
 
 def _as_threshold(threshold):
+    if threshold is None or isinstance(threshold, (str, bytes)):
+        raise _invalid(
+            f"threshold must be a number in [0, 1] or negative (automatic), "
+            f"got {threshold!r}")
     t = tf.convert_to_tensor(threshold)
     if not t.dtype.is_floating and not t.dtype.is_integer:
         raise _invalid(f"threshold must be a real number, got dtype {t.dtype.name}")

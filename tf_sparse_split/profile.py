@@ -31,6 +31,11 @@ class NodeProfile(dict):
     rewritable."""
 
 
+# Node types profiled, and the dense op each computes.
+_PROFILED = {"MatMul": "MatMul", "SparseSplitMatMul": "MatMul",
+             "Conv2D": "Conv2D", "SparseSplitConv2D": "Conv2D"}
+
+
 def load_model_function(path, signature=None):
     """A concrete function running the model at ``path``, and a description.
 
@@ -56,6 +61,11 @@ def load_model_function(path, signature=None):
         import keras
 
         model = keras.saving.load_model(path, compile=False)
+        # Sparse-split layers record statistics in variables; a frozen graph
+        # has no variables to update, so profiling runs them without it.
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            if hasattr(layer, "record_stats"):
+                layer.record_stats = False
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in model.inputs]
         fn = tf.function(lambda *xs: model(list(xs) if len(xs) > 1 else xs[0],
                                            training=False))
@@ -136,10 +146,17 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
     from tensorflow.python.framework.convert_to_constants import (
         convert_variables_to_constants_v2)
 
-    from tf_sparse_split.ops import sparse_split_matmul
+    from tf_sparse_split.ops import sparse_split_conv2d, sparse_split_matmul
 
     fn, desc, owner = load_model_function(path, signature)
-    frozen = convert_variables_to_constants_v2(fn)
+    try:
+        frozen = convert_variables_to_constants_v2(fn)
+    except (ValueError, TypeError, tf.errors.OpError) as e:
+        raise ValueError(
+            f"cannot freeze {path} for profiling ({e}); a SavedModel whose "
+            "signature updates variables (e.g. sparse-split layers recording "
+            "statistics) cannot be frozen: profile the .keras file instead"
+        ) from e
     graph = frozen.graph
     placeholders = [t for t in frozen.inputs if t.dtype != tf.resource]
     rng = np.random.default_rng(seed)
@@ -160,8 +177,7 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
             raise ValueError(f"input of shape {x.shape} does not fit the "
                              f"model input {t.name} of shape {t.shape}")
         feeds[t.name] = x
-    nodes = [op for op in graph.get_operations()
-             if op.type in ("MatMul", "Conv2D")]
+    nodes = [op for op in graph.get_operations() if op.type in _PROFILED]
     fetches = [[op.inputs[0], op.inputs[1]] for op in nodes]
     with tf.compat.v1.Session(graph=graph) as sess:
         values = sess.run(fetches, feed_dict=feeds)
@@ -172,7 +188,8 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
                           rewritable=rewritable, dtype=a.dtype.name,
                           sparsity=float(np.mean(a == 0)) if a.size else 0.0,
                           dense_s=None, split_s=None, zero_columns=None)
-        if op.type == "MatMul" and a.dtype in (np.float32, np.float64):
+        kind = _PROFILED[op.type]
+        if kind == "MatMul" and a.dtype in (np.float32, np.float64):
             ta = op.get_attr("transpose_a")
             tb = op.get_attr("transpose_b")
             ea = a.T if ta else a
@@ -185,21 +202,31 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
             row["split_s"] = _median_time(
                 lambda: sparse_split_matmul(at, bt, threshold, transpose_a=ta,
                                             transpose_b=tb).numpy(), repeats)
-        elif op.type == "Conv2D":
+        elif kind == "Conv2D":
             row["shape"] = "x".join(map(str, a.shape)) + " * " + "x".join(map(str, b.shape))
-            strides = op.get_attr("strides")
+            strides = list(op.get_attr("strides"))
             padding = op.get_attr("padding").decode()
-            fmt = op.get_attr("data_format").decode()
-            dil = op.get_attr("dilations")
-            if padding != "EXPLICIT":
-                at, bt = tf.constant(a), tf.constant(b)
-                try:
-                    row["dense_s"] = _median_time(
-                        lambda: tf.nn.conv2d(at, bt, strides, padding,
-                                             data_format=fmt,
-                                             dilations=dil).numpy(), repeats)
-                except tf.errors.OpError:
-                    pass  # e.g. NCHW on CPU
+            fmt = (op.get_attr("data_format").decode()
+                   if op.type == "Conv2D" else "NHWC")
+            dil = list(op.get_attr("dilations"))
+            pads = list(op.get_attr("explicit_paddings")) if padding == "EXPLICIT" else []
+            conv_padding = (padding if padding != "EXPLICIT" else
+                            [pads[i:i + 2] for i in range(0, 8, 2)])
+            at, bt = tf.constant(a), tf.constant(b)
+            try:
+                row["dense_s"] = _median_time(
+                    lambda: tf.nn.conv2d(at, bt, strides, conv_padding,
+                                         data_format=fmt,
+                                         dilations=dil).numpy(), repeats)
+            except tf.errors.OpError:
+                pass  # e.g. NCHW on CPU
+            if fmt == "NHWC" and a.dtype in (np.float32, np.float64):
+                row["zero_columns"] = float(np.mean(~a.any(axis=(0, 1, 2))))
+                row["split_s"] = _median_time(
+                    lambda: sparse_split_conv2d(
+                        at, bt, strides, padding, dilations=dil,
+                        explicit_paddings=pads or None,
+                        threshold=threshold).numpy(), repeats)
         else:
             row["shape"] = f"{a.shape}x{b.shape}"
         rows.append(row)
@@ -216,7 +243,10 @@ def format_report(path, desc, rows, input_shapes, input_desc, out):
         print("no MatMul or Conv2D nodes found", file=out)
         return
     width = max(28, max(len(r["name"]) for r in rows) + 2)
-    head = (f"{'node':<{width}}{'op':<8}{'M x K x N':<18}{'input from':<12}"
+    opw = max(8, max(len(r["op"]) for r in rows) + 2)
+    shw = max(18, max(len(r["shape"]) for r in rows) + 2)
+    prw = max(12, max(len(r["producer"]) for r in rows) + 2)
+    head = (f"{'node':<{width}}{'op':<{opw}}{'M x K x N':<{shw}}{'input from':<{prw}}"
             f"{'pass':<6}{'sparsity':>9}{'zero cols':>10}{'dense ms':>10}"
             f"{'split ms':>10}{'speed-up':>10}")
     print(head, file=out)
@@ -230,11 +260,11 @@ def format_report(path, desc, rows, input_shapes, input_desc, out):
         if d is not None and s is not None:
             tot_d += d
             tot_s += s
-        print(f"{r['name']:<{width}}{r['op']:<8}{r['shape']:<18}"
-              f"{r['producer']:<12}{'yes' if r['rewritable'] else 'no':<6}"
+        print(f"{r['name']:<{width}}{r['op']:<{opw}}{r['shape']:<{shw}}"
+              f"{r['producer']:<{prw}}{'yes' if r['rewritable'] else 'no':<6}"
               f"{r['sparsity']:>9.3f}{zc:>10}{dt:>10}{st:>10}{sp:>10}", file=out)
     if tot_s > 0:
-        print(f"{'total (timed MatMul nodes)':<{width}}{'':<62}{tot_d * 1e3:>10.3f}"
+        print(f"{'total (timed nodes)':<{width}}{'':<{opw + shw + prw + 25}}{tot_d * 1e3:>10.3f}"
               f"{tot_s * 1e3:>10.3f}{tot_d / tot_s:>9.2f}x", file=out)
         rw = [r for r in rows if r["rewritable"] and r["split_s"] is not None]
         if rw:

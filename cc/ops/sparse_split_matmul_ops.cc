@@ -265,8 +265,21 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       tf::Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
       out->flat<T>().setZero();
+      // No work, but the statistics still describe op(a): its nonzeros and
+      // row densities (an empty row, k = 0, counts as density 0).
       stats[kStatRowsSparse] = m;
-      if (m > 0) stats[kStatHistogram] = m;
+      if (m > 0 && k > 0) {
+        std::vector<int64_t> row_nnz(m), col_nnz(k);
+        stats[kStatNnz] = CountNonzeros<T>(
+            a.flat<T>().data(), a.dim_size(0), a.dim_size(1), ta_,
+            row_nnz.data(), col_nnz.data(), TfParallelFor(ctx));
+        for (int64_t i = 0; i < m; ++i)
+          stats[kStatHistogram +
+                DensityBin(static_cast<double>(row_nnz[i]) / k)] += 1;
+        stats[kStatNnzSparse] = stats[kStatNnz];
+      } else if (m > 0) {
+        stats[kStatHistogram] = m;
+      }
       return;
     }
     const T* a_ptr = a.flat<T>().data();
