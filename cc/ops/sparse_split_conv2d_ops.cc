@@ -30,6 +30,7 @@
 
 #include "cc/kernels/sparse_conv2d.h"
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/tf_kernel.h"
 #include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/node_def_util.h"
@@ -208,63 +209,6 @@ struct ConvAttrs {
   }
 };
 
-// A TensorFlow CPU kernel ("Conv2D", "_MklNativeConv2D", ...) created once
-// per op instance and run in-process on a sub-context, so the dense part runs
-// exactly the code tf.nn.conv2d runs.
-class TfKernel {
- public:
-  // Creates op `op_name` with these attrs; `label` selects a labelled kernel
-  // ("" = the default one).
-  absl::Status Init(tf::OpKernelConstruction* ctx, const std::string& op_name,
-                    const std::string& label, int num_inputs,
-                    const std::function<void(tf::NodeDef*)>& add_attrs) {
-    tf::NodeDef def;
-    def.set_name(absl::StrCat(ctx->def().name(), "/tfss_dense_", op_name));
-    def.set_op(op_name);
-    for (int i = 0; i < num_inputs; ++i) def.add_input(absl::StrCat("in", i));
-    add_attrs(&def);
-    if (!label.empty()) tf::AddNodeAttr("_kernel", label, &def);
-    const tf::OpDef* op_def = nullptr;
-    TF_RETURN_IF_ERROR(tf::OpRegistry::Global()->LookUpOpDef(op_name, &op_def));
-    tf::AddDefaultsToNodeDef(*op_def, &def);
-    absl::Status status;
-    kernel_ = tf::CreateOpKernel(tf::DEVICE_CPU, ctx->device(),
-                                 ctx->device()->GetAllocator({}), def,
-                                 ctx->graph_def_version(), &status);
-    if (!status.ok()) kernel_.reset();
-    return status;
-  }
-
-  bool ok() const { return kernel_ != nullptr; }
-
-  absl::Status Run(tf::OpKernelContext* ctx, std::vector<tf::Tensor*> ins,
-                   tf::Tensor* out) const {
-    std::vector<tf::TensorValue> inputs;
-    for (auto* t : ins) inputs.emplace_back(t);
-    std::vector<tf::AllocatorAttributes> in_attrs(ins.size());
-    tf::AllocatorAttributes out_attr;
-    tf::OpKernelContext::Params p;
-    p.device = ctx->device();
-    p.op_kernel = kernel_.get();
-    p.inputs = absl::MakeConstSpan(inputs);
-    p.input_alloc_attrs = absl::MakeConstSpan(in_attrs);
-    p.output_attr_array = &out_attr;
-    p.runner = ctx->runner();
-    p.step_container = ctx->step_container();
-    p.resource_manager = ctx->resource_manager();
-    p.function_library = ctx->function_library();
-    p.cancellation_manager = ctx->cancellation_manager();
-    p.frame_iter = ctx->frame_iter();
-    tf::OpKernelContext sub(&p, 1);
-    kernel_->Compute(&sub);
-    TF_RETURN_IF_ERROR(sub.status());
-    *out = *sub.mutable_output(0);
-    return absl::OkStatus();
-  }
-
- private:
-  std::unique_ptr<tf::OpKernel> kernel_;
-};
 
 // Creates TF's kernel for `op` (oneDNN's labelled "_MklNative<op>" for
 // float32 when available, else the plain one).
@@ -282,13 +226,14 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
     tf::AddNodeAttr("data_format", "NHWC", def);
   };
   if (dt == tf::DT_FLOAT) {
-    if (k->Init(ctx, "_MklNative" + op, "MklNameChangeOp", num_inputs, attrs)
+    if (k->Init(ctx, tf::DEVICE_CPU, "_MklNative" + op, "MklNameChangeOp",
+                num_inputs, attrs)
             .ok()) {
       if (is_onednn) *is_onednn = true;
       return absl::OkStatus();
     }
   }
-  return k->Init(ctx, op, "", num_inputs, attrs);
+  return k->Init(ctx, tf::DEVICE_CPU, op, "", num_inputs, attrs);
 }
 
 // Measured costs of the two paths for one problem family: dense flop/s
@@ -558,8 +503,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     if (rd > 0) {
       tf::Tensor result;
       if (rd == g.n && !compact) {
-        OP_REQUIRES_OK(ctx, conv_.Run(ctx, {const_cast<tf::Tensor*>(&x),
-                                            const_cast<tf::Tensor*>(&f)},
+        OP_REQUIRES_OK(ctx, conv_.Run(ctx, {&x, &f},
                                       &result));
       } else {
         const int64_t kc = compact ? c_live : g.c_in;
@@ -570,7 +514,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
         GatherImagesChannels<T>(xp, g, rd == g.n ? nullptr : dense.data(), rd,
                                 compact ? live.data() : nullptr, kc,
                                 xd.flat<T>().data(), pfor);
-        tf::Tensor* fin = const_cast<tf::Tensor*>(&f);
+        const tf::Tensor* fin = &f;
         if (compact) {
           OP_REQUIRES_OK(ctx, ctx->allocate_temp(
                                   dt, tf::TensorShape({g.kh, g.kw, kc, g.c_out}),
@@ -645,7 +589,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
         if (k == 0) {
           tf::Tensor result;
           TF_RETURN_IF_ERROR(
-              conv_.Run(ctx, {&xt, const_cast<tf::Tensor*>(&f)}, &result));
+              conv_.Run(ctx, {&xt, &f}, &result));
         }
         const auto t1 = Clock::now();
         PixelCsr<T> csr;
@@ -782,8 +726,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
       sv(2) = kc;
       sv(3) = g.c_out;
       if (rd == g.n && !compact) {
-        OP_REQUIRES_OK(ctx, bf_.Run(ctx, {const_cast<tf::Tensor*>(&x), &sizes_t,
-                                          const_cast<tf::Tensor*>(&dy)},
+        OP_REQUIRES_OK(ctx, bf_.Run(ctx, {&x, &sizes_t, &dy},
                                     &result));
       } else {
         tf::Tensor xd, dyd;
@@ -792,7 +735,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
         GatherImagesChannels<T>(xp, g, rd == g.n ? nullptr : dense.data(), rd,
                                 compact ? live.data() : nullptr, kc,
                                 xd.flat<T>().data(), pfor);
-        tf::Tensor* dyin = const_cast<tf::Tensor*>(&dy);
+        const tf::Tensor* dyin = &dy;
         if (rd < g.n) {
           Conv2DGeometry gy;
           gy.n = g.n;

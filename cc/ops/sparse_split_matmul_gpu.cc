@@ -49,6 +49,7 @@
 
 #include "cc/kernels/cuda/sparse_matmul_cuda.h"
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/tf_kernel.h"
 #include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op.h"
@@ -96,63 +97,6 @@ double ElapsedSeconds(const Event& a, const Event& b) {
   return ms * 1e-3;
 }
 
-// TensorFlow's own GPU MatMul kernel (cuBLAS), created once per op instance
-// and run in-process on a sub-context that shares the op's device context,
-// hence its stream: its work is ordered with ours without synchronisation.
-class GpuMatMul {
- public:
-  absl::Status Init(tf::OpKernelConstruction* ctx, tf::DataType dtype, bool ta,
-                    bool tb) {
-    tf::NodeDef def;
-    def.set_name(absl::StrCat(ctx->def().name(), "/tfss_gpu_gemm_", ta, tb));
-    def.set_op("MatMul");
-    def.add_input("a");
-    def.add_input("b");
-    tf::AddNodeAttr("T", dtype, &def);
-    tf::AddNodeAttr("transpose_a", ta, &def);
-    tf::AddNodeAttr("transpose_b", tb, &def);
-    const tf::OpDef* op_def = nullptr;
-    TF_RETURN_IF_ERROR(tf::OpRegistry::Global()->LookUpOpDef("MatMul", &op_def));
-    tf::AddDefaultsToNodeDef(*op_def, &def);
-    absl::Status status;
-    kernel_ = tf::CreateOpKernel(tf::DEVICE_GPU, ctx->device(),
-                                 ctx->device()->GetAllocator({}), def,
-                                 ctx->graph_def_version(), &status);
-    return status;
-  }
-
-  // *out = op(a) * op(b) as a new device tensor (enqueued on the stream).
-  absl::Status Run(tf::OpKernelContext* ctx, const tf::Tensor& a,
-                   const tf::Tensor& b, tf::Tensor* out) const {
-    tf::TensorValue inputs[2] = {tf::TensorValue(const_cast<tf::Tensor*>(&a)),
-                                 tf::TensorValue(const_cast<tf::Tensor*>(&b))};
-    tf::AllocatorAttributes in_attrs[2];
-    tf::AllocatorAttributes out_attr;
-    tf::OpKernelContext::Params p;
-    p.device = ctx->device();
-    p.op_kernel = kernel_.get();
-    p.op_device_context = ctx->op_device_context();
-    p.inputs = absl::MakeConstSpan(inputs, 2);
-    p.input_alloc_attrs = absl::MakeConstSpan(in_attrs, 2);
-    p.output_attr_array = &out_attr;
-    p.runner = ctx->runner();
-    p.step_container = ctx->step_container();
-    p.resource_manager = ctx->resource_manager();
-    p.function_library = ctx->function_library();
-    p.cancellation_manager = ctx->cancellation_manager();
-    p.frame_iter = ctx->frame_iter();
-    // The sub-context's constructor makes its Eigen GPU device from
-    // p.op_device_context (the same stream); ~Params frees it.
-    tf::OpKernelContext sub(&p, 1);
-    kernel_->Compute(&sub);
-    TF_RETURN_IF_ERROR(sub.status());
-    *out = *sub.mutable_output(0);
-    return absl::OkStatus();
-  }
-
- private:
-  std::unique_ptr<tf::OpKernel> kernel_;
-};
 
 // Measured rates of one problem family on this GPU (flop/s); EMA of calls.
 struct GpuRates {
@@ -189,9 +133,10 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("heterogeneous", &hetero_));
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
-    OP_REQUIRES_OK(ctx, gemm_direct_.Init(ctx, dt, ta_, tb_));
-    OP_REQUIRES_OK(ctx, gemm_gathered_.Init(ctx, dt, false, tb_));
-    OP_REQUIRES_OK(ctx, gemm_compacted_.Init(ctx, dt, false, false));
+    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_GPU, dt, ta_, tb_, &gemm_direct_));
+    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_GPU, dt, false, tb_, &gemm_gathered_));
+    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_GPU, dt, false, false,
+                                     &gemm_compacted_));
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -407,7 +352,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     TFSS_CUDA_OK(ctx, cudaEventRecord(d0.ev, stream));
     if (rd == m && !compact) {
       tf::Tensor product;
-      OP_REQUIRES_OK(ctx, gemm_direct_.Run(ctx, a, b, &product));
+      OP_REQUIRES_OK(ctx, gemm_direct_.Run(ctx, {&a, &b}, &product));
       ctx->set_output(0, product);
     } else if (rd > 0) {
       tf::Tensor ad_t, bc_t, cd_t;
@@ -422,9 +367,9 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
         TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(b_ptr, b_rows, b_cols, tb_,
                                                 live_cols_d, kc, nullptr, n,
                                                 bc_t.flat<T>().data(), stream));
-        OP_REQUIRES_OK(ctx, gemm_compacted_.Run(ctx, ad_t, bc_t, &cd_t));
+        OP_REQUIRES_OK(ctx, gemm_compacted_.Run(ctx, {&ad_t, &bc_t}, &cd_t));
       } else {
-        OP_REQUIRES_OK(ctx, gemm_gathered_.Run(ctx, ad_t, b, &cd_t));
+        OP_REQUIRES_OK(ctx, gemm_gathered_.Run(ctx, {&ad_t, &b}, &cd_t));
       }
       if (rd == m) {
         ctx->set_output(0, cd_t);
@@ -542,7 +487,8 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
 
  private:
   bool ta_ = false, tb_ = false, hetero_ = false;
-  GpuMatMul gemm_direct_, gemm_gathered_, gemm_compacted_;
+  // TF's GPU MatMul (cuBLAS) on the op's stream.
+  TfKernel gemm_direct_, gemm_gathered_, gemm_compacted_;
 };
 
 #define TFSS_REGISTER_GPU(T)                                             \

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/tf_kernel.h"
 #include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/node_def_util.h"
@@ -86,84 +87,6 @@ double Seconds(Clock::time_point t0, Clock::time_point t1) {
 }
 
 
-// TensorFlow's own CPU MatMul kernel, created once per op instance and run
-// in-process on a sub-context: the dense part then runs exactly the GEMM
-// tf.matmul runs (TF's contraction kernel, which a custom op's plain Eigen
-// contraction cannot match: measured 2.7x slower at 1024x4096x1024).
-class TfMatMul {
- public:
-  absl::Status Init(tf::OpKernelConstruction* ctx, tf::DataType dtype, bool ta,
-                    bool tb) {
-    // With oneDNN on (TF's default on x86, unless TF_ENABLE_ONEDNN_OPTS=0),
-    // tf.matmul in a graph runs the oneDNN kernel "_MklMatMul"; use it where
-    // it exists for this dtype, else the plain "MatMul" kernel.
-    absl::Status status = Create(ctx, "_MklMatMul", dtype, ta, tb);
-    if (!OneDnnEnabled() || !status.ok()) {
-      status = Create(ctx, "MatMul", dtype, ta, tb);
-    }
-    return status;
-  }
-
-  // *out = op(a) * op(b) as a new tensor.
-  absl::Status Run(tf::OpKernelContext* ctx, const tf::Tensor& a,
-                   const tf::Tensor& b, tf::Tensor* out) const {
-    tf::TensorValue inputs[2] = {tf::TensorValue(const_cast<tf::Tensor*>(&a)),
-                                 tf::TensorValue(const_cast<tf::Tensor*>(&b))};
-    tf::AllocatorAttributes in_attrs[2];
-    tf::AllocatorAttributes out_attr;
-    tf::OpKernelContext::Params p;
-    p.device = ctx->device();
-    p.op_kernel = kernel_.get();
-    p.inputs = absl::MakeConstSpan(inputs, 2);
-    p.input_alloc_attrs = absl::MakeConstSpan(in_attrs, 2);
-    p.output_attr_array = &out_attr;
-    p.runner = ctx->runner();
-    p.step_container = ctx->step_container();
-    p.resource_manager = ctx->resource_manager();
-    p.function_library = ctx->function_library();
-    p.cancellation_manager = ctx->cancellation_manager();
-    p.frame_iter = ctx->frame_iter();
-    tf::OpKernelContext sub(&p, 1);
-    kernel_->Compute(&sub);
-    TF_RETURN_IF_ERROR(sub.status());
-    *out = *sub.mutable_output(0);
-    return absl::OkStatus();
-  }
-
- private:
-  static bool OneDnnEnabled() {
-    const char* env = std::getenv("TF_ENABLE_ONEDNN_OPTS");
-    if (env == nullptr) return true;
-    const std::string v(env);
-    return !(v == "0" || v == "false" || v == "False" || v == "FALSE");
-  }
-
-  absl::Status Create(tf::OpKernelConstruction* ctx, const char* op,
-                      tf::DataType dtype, bool ta, bool tb) {
-    tf::NodeDef def;
-    def.set_name(absl::StrCat(ctx->def().name(), "/tfss_dense_gemm_", ta, tb));
-    def.set_op(op);
-    def.add_input("a");
-    def.add_input("b");
-    tf::AddNodeAttr("T", dtype, &def);
-    tf::AddNodeAttr("transpose_a", ta, &def);
-    tf::AddNodeAttr("transpose_b", tb, &def);
-    if (std::string(op) == "_MklMatMul") {
-      tf::AddNodeAttr("_kernel", "MklNameChangeOp", &def);
-    }
-    const tf::OpDef* op_def = nullptr;
-    TF_RETURN_IF_ERROR(tf::OpRegistry::Global()->LookUpOpDef(op, &op_def));
-    tf::AddDefaultsToNodeDef(*op_def, &def);
-    absl::Status status;
-    std::unique_ptr<tf::OpKernel> kernel = tf::CreateOpKernel(
-        tf::DEVICE_CPU, ctx->device(), ctx->device()->GetAllocator({}), def,
-        ctx->graph_def_version(), &status);
-    if (status.ok()) kernel_ = std::move(kernel);
-    return status;
-  }
-
-  std::unique_ptr<tf::OpKernel> kernel_;
-};
 
 // Measured throughputs of the two paths on this machine for one problem
 // family (dtype, k, n, transpose_b): dense GEMM flop/s and SpMM useful flop/s
@@ -209,9 +132,10 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
     // op(a) as given; gathered rows of op(a) with op(b) as given; gathered
     // rows and compacted columns (op(b) gathered too, never transposed).
-    OP_REQUIRES_OK(ctx, gemm_direct_.Init(ctx, dt, ta_, tb_));
-    OP_REQUIRES_OK(ctx, gemm_gathered_.Init(ctx, dt, false, tb_));
-    OP_REQUIRES_OK(ctx, gemm_compacted_.Init(ctx, dt, false, false));
+    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_CPU, dt, ta_, tb_, &gemm_direct_));
+    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_CPU, dt, false, tb_, &gemm_gathered_));
+    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_CPU, dt, false, false,
+                                     &gemm_compacted_));
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -389,7 +313,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       // Every row dense, nothing to compact: TF's GEMM on the inputs as
       // they are; its result is the output (no copy).
       tf::Tensor product;
-      OP_REQUIRES_OK(ctx, gemm_direct_.Run(ctx, a, b, &product));
+      OP_REQUIRES_OK(ctx, gemm_direct_.Run(ctx, {&a, &b}, &product));
       ctx->set_output(0, product);
     } else if (rd > 0) {
       const tf::DataType dt = tf::DataTypeToEnum<T>::value;
@@ -404,9 +328,9 @@ class SparseSplitMatMulOp : public tf::OpKernel {
         OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({kc, n}), &bc_t));
         GatherSubmatrix<T>(b_ptr, b_rows, b_cols, tb_, live_cols.data(), kc,
                            nullptr, n, bc_t.flat<T>().data(), pfor);
-        OP_REQUIRES_OK(ctx, gemm_compacted_.Run(ctx, ad_t, bc_t, &cd_t));
+        OP_REQUIRES_OK(ctx, gemm_compacted_.Run(ctx, {&ad_t, &bc_t}, &cd_t));
       } else {
-        OP_REQUIRES_OK(ctx, gemm_gathered_.Run(ctx, ad_t, b, &cd_t));
+        OP_REQUIRES_OK(ctx, gemm_gathered_.Run(ctx, {&ad_t, &b}, &cd_t));
       }
       if (rd == m) {
         ctx->set_output(0, cd_t);
@@ -493,7 +417,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     for (int rep = 0; rep < 3; ++rep) {
       tf::Tensor product;
       const auto t0 = Clock::now();
-      TF_RETURN_IF_ERROR(gemm_gathered_.Run(ctx, a_t, b, &product));
+      TF_RETURN_IF_ERROR(gemm_gathered_.Run(ctx, {&a_t, &b}, &product));
       const auto t1 = Clock::now();
       CsrSpmm<T>(csr, rows.data(), m, bd, k, n, n, c.data(), n, pfor);
       const auto t2 = Clock::now();
@@ -515,7 +439,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
   }
 
   bool ta_ = false, tb_ = false, hetero_ = false;
-  TfMatMul gemm_direct_, gemm_gathered_, gemm_compacted_;
+  TfKernel gemm_direct_, gemm_gathered_, gemm_compacted_;
 };
 
 #define TFSS_REGISTER_CPU(T)                                             \
