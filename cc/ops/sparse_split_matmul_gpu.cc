@@ -49,6 +49,7 @@
 
 #include "cc/kernels/cuda/sparse_matmul_cuda.h"
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/sparse_split_matmul_common.h"
 #include "cc/ops/tf_kernel.h"
 #include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/node_def_util.h"
@@ -144,36 +145,10 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     const tf::Tensor& a = ctx->input(0);
     const tf::Tensor& b = ctx->input(1);
     const tf::Tensor& thr_t = ctx->input(2);  // host memory
-    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsMatrix(a.shape()),
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: a must be a matrix (rank 2), got shape ",
-                    a.shape().DebugString()));
-    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsMatrix(b.shape()),
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: b must be a matrix (rank 2), got shape ",
-                    b.shape().DebugString()));
-    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(thr_t.shape()),
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: threshold must be a scalar, got shape ",
-                    thr_t.shape().DebugString()));
-    const float thr_in = thr_t.scalar<float>()();
-    OP_REQUIRES(ctx, !std::isnan(thr_in) && thr_in <= 1.0f,
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: threshold must be in [0, 1] or negative "
-                    "(automatic), got ", thr_in));
-    const int64_t m = a.dim_size(ta_ ? 1 : 0), k = a.dim_size(ta_ ? 0 : 1);
-    const int64_t kb = b.dim_size(tb_ ? 1 : 0), n = b.dim_size(tb_ ? 0 : 1);
-    OP_REQUIRES(
-        ctx, k == kb,
-        tf::errors::InvalidArgument(
-            "SparseSplitMatMul: inner dimensions differ: a shape ",
-            a.shape().DebugString(), " (transpose_a=", ta_, ") and b shape ",
-            b.shape().DebugString(), " (transpose_b=", tb_, ") give ", k,
-            " vs ", kb));
-    OP_REQUIRES(ctx, k < (int64_t{1} << 31),
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: inner dimension ", k,
-                    " exceeds the 2^31-1 supported by the CSR indices"));
+    MatMulProblem prob;
+    OP_REQUIRES_OK(ctx, ValidateMatMul(a, b, thr_t, ta_, tb_, &prob));
+    const int64_t m = prob.m, k = prob.k, n = prob.n;
+    const float thr_in = prob.threshold;
 
     tf::Tensor* stats_t = nullptr;  // host memory
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({kNumStats}),
@@ -224,10 +199,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     TFSS_CUDA_OK(ctx, cudaStreamSynchronize(stream));
     int64_t nnz = 0;
     for (int64_t i = 0; i < m; ++i) nnz += row_nnz[i];
-    std::vector<int64_t> live_cols;
-    live_cols.reserve(k);
-    for (int64_t j = 0; j < k; ++j)
-      if (col_nnz[j] != 0) live_cols.push_back(j);
+    const std::vector<int64_t> live_cols = LiveColumns(col_nnz, k);
     const int64_t k_live = static_cast<int64_t>(live_cols.size());
 
     GpuRates& rates = RatesFor(dt, k, n, tb_, hetero_);
@@ -273,28 +245,10 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
         }
       }
     }
-    std::vector<int64_t> dense_rows, sparse_rows;
-    dense_rows.reserve(m);
-    sparse_rows.reserve(m);
-    int64_t nnz_sparse = 0;
-    for (int64_t i = 0; i < m; ++i) {
-      const double density = static_cast<double>(row_nnz[i]) / k;
-      stats[kStatHistogram + DensityBin(density)] += 1;
-      if (density > thr) {
-        dense_rows.push_back(i);
-      } else {
-        sparse_rows.push_back(i);
-        nnz_sparse += row_nnz[i];
-      }
-    }
-    if (!dense_rows.empty() && nnz_sparse == 0 &&
-        static_cast<int64_t>(sparse_rows.size()) * 8 < m) {
-      // As in the CPU kernel: a few all-zero "sparse" rows go dense with the
-      // rest rather than forcing a gather of every other row.
-      dense_rows.resize(m);
-      std::iota(dense_rows.begin(), dense_rows.end(), int64_t{0});
-      sparse_rows.clear();
-    }
+    RowSplit split = SplitRows(row_nnz, m, k, thr, stats);
+    const std::vector<int64_t>& dense_rows = split.dense_rows;
+    const std::vector<int64_t>& sparse_rows = split.sparse_rows;
+    const int64_t nnz_sparse = split.nnz_sparse;
     const int64_t rd = dense_rows.size(), rs = sparse_rows.size();
     const bool compact =
         rd > 0 && k_live < k && (rd < m || (k - k_live) * 16 >= k);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/sparse_split_matmul_common.h"
 #include "cc/ops/tf_kernel.h"
 #include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/op.h"
@@ -143,36 +144,10 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const tf::Tensor& a = ctx->input(0);
     const tf::Tensor& b = ctx->input(1);
     const tf::Tensor& thr_t = ctx->input(2);
-    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsMatrix(a.shape()),
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: a must be a matrix (rank 2), got shape ",
-                    a.shape().DebugString()));
-    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsMatrix(b.shape()),
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: b must be a matrix (rank 2), got shape ",
-                    b.shape().DebugString()));
-    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(thr_t.shape()),
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: threshold must be a scalar, got shape ",
-                    thr_t.shape().DebugString()));
-    const float thr_in = thr_t.scalar<float>()();
-    OP_REQUIRES(ctx, !std::isnan(thr_in) && thr_in <= 1.0f,
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: threshold must be in [0, 1] or negative "
-                    "(automatic), got ", thr_in));
-    const int64_t m = a.dim_size(ta_ ? 1 : 0), k = a.dim_size(ta_ ? 0 : 1);
-    const int64_t kb = b.dim_size(tb_ ? 1 : 0), n = b.dim_size(tb_ ? 0 : 1);
-    OP_REQUIRES(
-        ctx, k == kb,
-        tf::errors::InvalidArgument(
-            "SparseSplitMatMul: inner dimensions differ: a shape ",
-            a.shape().DebugString(), " (transpose_a=", ta_, ") and b shape ",
-            b.shape().DebugString(), " (transpose_b=", tb_, ") give ", k,
-            " vs ", kb));
-    OP_REQUIRES(ctx, k < (int64_t{1} << 31),
-                tf::errors::InvalidArgument(
-                    "SparseSplitMatMul: inner dimension ", k,
-                    " exceeds the 2^31-1 supported by the CSR indices"));
+    MatMulProblem prob;
+    OP_REQUIRES_OK(ctx, ValidateMatMul(a, b, thr_t, ta_, tb_, &prob));
+    const int64_t m = prob.m, k = prob.k, n = prob.n;
+    const float thr_in = prob.threshold;
 
     tf::Tensor* stats_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({kNumStats}),
@@ -216,10 +191,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     std::vector<int64_t> row_nnz(m), col_nnz(k);
     const int64_t nnz = CountNonzeros<T>(a_ptr, a_rows, a_cols, ta_,
                                          row_nnz.data(), col_nnz.data(), pfor);
-    std::vector<int64_t> live_cols;
-    live_cols.reserve(k);
-    for (int64_t j = 0; j < k; ++j)
-      if (col_nnz[j] != 0) live_cols.push_back(j);
+    const std::vector<int64_t> live_cols = LiveColumns(col_nnz.data(), k);
     const int64_t k_live = static_cast<int64_t>(live_cols.size());
 
     RateModel& rates = Rates(tf::DataTypeToEnum<T>::value, k, n, tb_);
@@ -235,29 +207,9 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       }
       thr = std::min(1.0, std::max(0.0, ratio * k_live / static_cast<double>(k)));
     }
-    std::vector<int64_t> dense_rows, sparse_rows;
-    dense_rows.reserve(m);
-    sparse_rows.reserve(m);
-    int64_t nnz_sparse = 0;
-    for (int64_t i = 0; i < m; ++i) {
-      const double density = static_cast<double>(row_nnz[i]) / k;
-      stats[kStatHistogram + DensityBin(density)] += 1;
-      if (density > thr) {
-        dense_rows.push_back(i);
-      } else {
-        sparse_rows.push_back(i);
-        nnz_sparse += row_nnz[i];
-      }
-    }
-    if (!dense_rows.empty() && nnz_sparse == 0 &&
-        static_cast<int64_t>(sparse_rows.size()) * 8 < m) {
-      // The only "sparse" rows are a few all-zero ones: multiplying them
-      // densely is cheaper than gathering every other row around them, and
-      // gives the same (zero) rows.
-      dense_rows.resize(m);
-      for (int64_t i = 0; i < m; ++i) dense_rows[i] = i;
-      sparse_rows.clear();
-    }
+    RowSplit split = SplitRows(row_nnz.data(), m, k, thr, stats);
+    std::vector<int64_t>& dense_rows = split.dense_rows;
+    std::vector<int64_t>& sparse_rows = split.sparse_rows;
     if (thr_in < 0 && !dense_rows.empty() && !sparse_rows.empty()) {
       // A split gathers the dense rows and scatters their product; when the
       // predicted saving does not cover that copy, every row goes dense.
@@ -272,13 +224,10 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       const double all_k = (k - k_live) * 16 >= k ? k_live : k;
       const double t_all = 2.0 * m * all_k * n / dense_rate;
       const double t_split = 2.0 * rd_ * k_live * n / dense_rate +
-                             2.0 * nnz_sparse * n / sparse_rate +
+                             2.0 * split.nnz_sparse * n / sparse_rate +
                              rd_ * (k_live + n) / copy_rate;
       if (t_split >= t_all) {
-        dense_rows.resize(m);
-        for (int64_t i = 0; i < m; ++i) dense_rows[i] = i;
-        sparse_rows.clear();
-        nnz_sparse = 0;
+        AllRowsDense(m, &split);
         thr = 0.0;
       }
     }
@@ -344,7 +293,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     // --- Sparse part. -------------------------------------------------------
     if (rs > 0) {
       T* c = out->flat<T>().data();
-      if (nnz_sparse == 0) {
+      if (split.nnz_sparse == 0) {
         ZeroRows<T>(sparse_rows.data(), rs, n, c, n, pfor);
       } else {
         Csr<T> csr;
@@ -368,7 +317,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const double time_dense = Seconds(t_analyzed, t_dense);
     const double time_sparse = Seconds(t_dense, t_sparse);
     rates.Update(&rates.dense_rate, 2.0 * rd * kc * n, time_dense);
-    rates.Update(&rates.sparse_rate, 2.0 * nnz_sparse * n, time_sparse);
+    rates.Update(&rates.sparse_rate, 2.0 * split.nnz_sparse * n, time_sparse);
 
     stats[kStatRowsDense] = rd;
     stats[kStatRowsSparse] = rs;
@@ -380,7 +329,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     stats[kStatTimeSparse] = time_sparse;
     stats[kStatTimeAnalyze] = Seconds(t_start, t_analyzed);
     stats[kStatThreshold] = thr;
-    stats[kStatNnzSparse] = nnz_sparse;
+    stats[kStatNnzSparse] = split.nnz_sparse;
   }
 
  private:

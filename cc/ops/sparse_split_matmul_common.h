@@ -1,0 +1,115 @@
+// Pieces shared by the CPU and GPU kernels of SparseSplitMatMul: input
+// validation and the row split (histogram, dense/sparse rows, live columns).
+#ifndef TF_SPARSE_SPLIT_CC_OPS_SPARSE_SPLIT_MATMUL_COMMON_H_
+#define TF_SPARSE_SPLIT_CC_OPS_SPARSE_SPLIT_MATMUL_COMMON_H_
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cc/kernels/sparse_matmul.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace tf_sparse_split {
+
+// The validated problem: op(a) is [m, k], op(b) is [k, n]; threshold as
+// given (negative = automatic).
+struct MatMulProblem {
+  int64_t m = 0, k = 0, n = 0;
+  float threshold = -1.0f;
+};
+
+// Checks ranks, inner dimensions and the threshold; InvalidArgument naming
+// the shapes/values otherwise.
+inline absl::Status ValidateMatMul(const ::tensorflow::Tensor& a,
+                                   const ::tensorflow::Tensor& b,
+                                   const ::tensorflow::Tensor& threshold,
+                                   bool ta, bool tb, MatMulProblem* p) {
+  namespace tf = ::tensorflow;
+  if (!tf::TensorShapeUtils::IsMatrix(a.shape()))
+    return tf::errors::InvalidArgument(
+        "SparseSplitMatMul: a must be a matrix (rank 2), got shape ",
+        a.shape().DebugString());
+  if (!tf::TensorShapeUtils::IsMatrix(b.shape()))
+    return tf::errors::InvalidArgument(
+        "SparseSplitMatMul: b must be a matrix (rank 2), got shape ",
+        b.shape().DebugString());
+  if (!tf::TensorShapeUtils::IsScalar(threshold.shape()))
+    return tf::errors::InvalidArgument(
+        "SparseSplitMatMul: threshold must be a scalar, got shape ",
+        threshold.shape().DebugString());
+  p->threshold = threshold.scalar<float>()();
+  if (std::isnan(p->threshold) || p->threshold > 1.0f)
+    return tf::errors::InvalidArgument(
+        "SparseSplitMatMul: threshold must be in [0, 1] or negative "
+        "(automatic), got ", p->threshold);
+  p->m = a.dim_size(ta ? 1 : 0);
+  p->k = a.dim_size(ta ? 0 : 1);
+  const int64_t kb = b.dim_size(tb ? 1 : 0);
+  p->n = b.dim_size(tb ? 0 : 1);
+  if (p->k != kb)
+    return tf::errors::InvalidArgument(
+        "SparseSplitMatMul: inner dimensions differ: a shape ",
+        a.shape().DebugString(), " (transpose_a=", ta, ") and b shape ",
+        b.shape().DebugString(), " (transpose_b=", tb, ") give ", p->k,
+        " vs ", kb);
+  if (p->k >= (int64_t{1} << 31))
+    return tf::errors::InvalidArgument(
+        "SparseSplitMatMul: inner dimension ", p->k,
+        " exceeds the 2^31-1 supported by the CSR indices");
+  return absl::OkStatus();
+}
+
+// Live (not all-zero) columns of op(a), from its column counts.
+inline std::vector<int64_t> LiveColumns(const int64_t* col_nnz, int64_t k) {
+  std::vector<int64_t> live;
+  live.reserve(k);
+  for (int64_t j = 0; j < k; ++j)
+    if (col_nnz[j] != 0) live.push_back(j);
+  return live;
+}
+
+// The rows of op(a) [m, k] split at density threshold `thr`: density above
+// it dense, at or below it sparse -- except that when the only sparse rows
+// are all-zero and fewer than 1/8 of the rows, every row goes dense
+// (cheaper than gathering the others around them; same zero rows). Adds the
+// row-density histogram to stats[kStatHistogram...].
+struct RowSplit {
+  std::vector<int64_t> dense_rows, sparse_rows;
+  int64_t nnz_sparse = 0;
+};
+
+// Sends every row to the dense part.
+inline void AllRowsDense(int64_t m, RowSplit* s) {
+  s->dense_rows.resize(m);
+  for (int64_t i = 0; i < m; ++i) s->dense_rows[i] = i;
+  s->sparse_rows.clear();
+  s->nnz_sparse = 0;
+}
+
+inline RowSplit SplitRows(const int64_t* row_nnz, int64_t m, int64_t k,
+                          double thr, double* stats) {
+  RowSplit s;
+  s.dense_rows.reserve(m);
+  s.sparse_rows.reserve(m);
+  for (int64_t i = 0; i < m; ++i) {
+    const double density = static_cast<double>(row_nnz[i]) / k;
+    stats[kStatHistogram + DensityBin(density)] += 1;
+    if (density > thr) {
+      s.dense_rows.push_back(i);
+    } else {
+      s.sparse_rows.push_back(i);
+      s.nnz_sparse += row_nnz[i];
+    }
+  }
+  if (!s.dense_rows.empty() && s.nnz_sparse == 0 &&
+      static_cast<int64_t>(s.sparse_rows.size()) * 8 < m) {
+    AllRowsDense(m, &s);
+  }
+  return s;
+}
+
+}  // namespace tf_sparse_split
+
+#endif  // TF_SPARSE_SPLIT_CC_OPS_SPARSE_SPLIT_MATMUL_COMMON_H_
