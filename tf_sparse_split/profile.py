@@ -110,11 +110,16 @@ def _const(op):
 
 
 def _median_time(fn, repeats):
-    fn()  # warm-up (and the op's own calibration for 'auto')
+    """Median seconds of ``fn().numpy()`` with ``fn`` run as a tf.function
+    (as in a model's graph: no eager Python overhead on either side)."""
+    import tensorflow as tf
+
+    graph_fn = tf.function(fn)
+    graph_fn().numpy()  # trace, warm-up (and the op's calibration for 'auto')
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
+        graph_fn().numpy()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -197,11 +202,11 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
             row["zero_columns"] = float(np.mean(~ea.any(axis=0)))
             at, bt = tf.constant(a), tf.constant(b)
             row["dense_s"] = _median_time(
-                lambda: tf.matmul(at, bt, transpose_a=ta, transpose_b=tb).numpy(),
+                lambda: tf.matmul(at, bt, transpose_a=ta, transpose_b=tb),
                 repeats)
             row["split_s"] = _median_time(
                 lambda: sparse_split_matmul(at, bt, threshold, transpose_a=ta,
-                                            transpose_b=tb).numpy(), repeats)
+                                            transpose_b=tb), repeats)
         elif kind == "Conv2D":
             row["shape"] = "x".join(map(str, a.shape)) + " * " + "x".join(map(str, b.shape))
             strides = list(op.get_attr("strides"))
@@ -217,7 +222,7 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
                 row["dense_s"] = _median_time(
                     lambda: tf.nn.conv2d(at, bt, strides, conv_padding,
                                          data_format=fmt,
-                                         dilations=dil).numpy(), repeats)
+                                         dilations=dil), repeats)
             except tf.errors.OpError:
                 pass  # e.g. NCHW on CPU
             if fmt == "NHWC" and a.dtype in (np.float32, np.float64):
@@ -226,7 +231,7 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
                     lambda: sparse_split_conv2d(
                         at, bt, strides, padding, dilations=dil,
                         explicit_paddings=pads or None,
-                        threshold=threshold).numpy(), repeats)
+                        threshold=threshold), repeats)
         else:
             row["shape"] = f"{a.shape}x{b.shape}"
         rows.append(row)
