@@ -108,7 +108,11 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
   std::fill(prow, prow + phys_rows, 0);
   std::fill(pcol, pcol + phys_cols, 0);
   if (phys_rows == 0 || phys_cols == 0) return 0;
-  Blocks blocks(phys_rows, kCountBlocks);
+  // Enough blocks to feed a thread pool, few enough that the partial column
+  // counts of a small matrix stay small (no page-faulting fresh memory).
+  const int64_t elems = phys_rows * phys_cols;
+  Blocks blocks(phys_rows, std::max<int64_t>(
+                               1, std::min<int64_t>(kCountBlocks, elems >> 16)));
   // Per-block partial column counts (int32: a block has < 2^31 rows).
   std::vector<int32_t> partial(static_cast<size_t>(blocks.count) * phys_cols);
   pfor(blocks.count, phys_cols * std::max<int64_t>(1, blocks.size) * 2,

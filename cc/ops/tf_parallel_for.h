@@ -12,22 +12,21 @@
 
 namespace tf_sparse_split {
 
-// Loops whose total cost is large are cut into one contiguous block per
-// pool thread (the kernels hand over equal-cost units, and TF's adaptive
-// sharding over-splits them, which costs balance on few cores); small loops
-// use TF's adaptive sharding.
+// Small loops run on the calling thread; larger ones are cut into one
+// contiguous block per pool thread (the kernels hand over equal-cost units,
+// and TF's adaptive sharding over-splits them, which costs balance on few
+// cores).
 inline ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return [pool](int64_t total, int64_t cost,
                 const std::function<void(int64_t, int64_t)>& fn) {
     if (total <= 0) return;
     const int64_t threads = std::max(1, pool->NumThreads());
-    if (threads == 1 || total == 1) {
+    // Small loops run inline: waking pool threads costs tens of
+    // microseconds, more than such a loop (the cost estimates of the
+    // kernels run ~4x high: 1e6 is roughly 100 us of work).
+    if (threads == 1 || total == 1 || static_cast<double>(total) * cost < 1e6) {
       fn(0, total);
-      return;
-    }
-    if (static_cast<double>(total) * cost < 5e5) {
-      pool->ParallelFor(total, cost, fn);
       return;
     }
     const int64_t block = (total + threads - 1) / threads;
