@@ -470,3 +470,24 @@ def test_cli_dropout_bad_arguments(capsys, argv, rc, msg):
 
     assert cli.main(CLI_SMALL + argv) == rc
     assert msg in capsys.readouterr().err
+
+
+def test_skip_dead_input_grad_is_exact_after_relu_and_row_dropout():
+    """Dense(relu) -> ApproximateRandomDropout(row) -> SparseSplitDense with
+    skip_dead_input_grad=True gives the same gradients for every weight."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((32, 24)).astype(np.float32)
+    grads = []
+    for skip in (False, True):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((24,)), keras.layers.Dense(48, activation="relu"),
+            tfss.ApproximateRandomDropout(0.5, pattern="row", seed=7),
+            tfss.SparseSplitDense(10, skip_dead_input_grad=skip, threshold=0.0)])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x, training=True)))
+        grads.append(tape.gradient(loss, model.trainable_variables))
+    for g0, g1 in zip(*grads):
+        np.testing.assert_allclose(g1.numpy(), g0.numpy(), rtol=1e-5, atol=1e-6)
+    layer = tfss.SparseSplitDense(4, skip_dead_input_grad=True)
+    assert tfss.SparseSplitDense.from_config(layer.get_config()).skip_dead_input_grad

@@ -272,3 +272,39 @@ def test_stats_of_empty_product_describe_a():
     _, st = tfss.sparse_split_matmul(a, np.ones((16, 0), np.float32), return_stats=True)
     assert st[S.NNZ] == np.count_nonzero(a)
     assert st.numpy()[S.HISTOGRAM].sum() == 8
+
+
+@pytest.mark.parametrize("tb", [False, True])
+def test_grad_a_live_only_exact_behind_relu(tb):
+    """With a = relu(z), the live-column input gradient gives the same dz."""
+    rng = np.random.default_rng([21, int(tb)])
+    z = rng.standard_normal((30, 40))
+    z[:, ::3] = -np.abs(z[:, ::3])  # dead units: all-zero columns after relu
+    b = rng.standard_normal((50, 40) if tb else (40, 50))
+    z, b = tf.constant(z), tf.constant(b)
+    grads = []
+    for live_only in (False, True):
+        with tf.GradientTape() as tape:
+            tape.watch([z, b])
+            y = tfss.sparse_split_matmul(tf.nn.relu(z), b, 0.5, transpose_b=tb,
+                                         grad_a_live_only=live_only)
+            loss = tf.reduce_sum(tf.sin(y))
+        grads.append(tape.gradient(loss, [z, b]))
+    for g0, g1 in zip(*grads):
+        assert relative_error(g1, g0) <= 1e-12
+    # The raw input gradient is zero exactly on the dead columns.
+    a = tf.nn.relu(z)
+    with tf.GradientTape() as tape:
+        tape.watch(a)
+        y = tfss.sparse_split_matmul(a, b, 0.5, transpose_b=tb, grad_a_live_only=True)
+    ga = tape.gradient(y, a).numpy()
+    dead = ~a.numpy().any(axis=0)
+    assert dead.sum() >= 13 and np.all(ga[:, dead] == 0)
+    full = tf.matmul(tf.ones((30, 50), tf.float64), b, transpose_b=not tb).numpy()
+    np.testing.assert_allclose(ga[:, ~dead], full[:, ~dead], rtol=1e-12)
+
+
+def test_grad_a_live_only_bad_type():
+    with pytest.raises(TypeError, match="grad_a_live_only"):
+        tfss.sparse_split_matmul(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
+                                 grad_a_live_only="yes")

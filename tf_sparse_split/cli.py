@@ -259,10 +259,13 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
 
     from tf_sparse_split.layers import SparseSplitDense
 
-    def dense(units, activation, name):
+    def dense(units, activation, name, after_relu=False):
         if sparse:
+            # After a ReLU (optionally through row/tile dropout) the input
+            # gradient is needed only for units alive in the batch.
             return SparseSplitDense(units, activation=activation,
-                                    threshold=threshold, name=name)
+                                    threshold=threshold, name=name,
+                                    skip_dead_input_grad=after_relu)
         return keras.layers.Dense(units, activation=activation, name=name)
 
     if dropout not in DROPOUT_KINDS:
@@ -282,10 +285,10 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
 
     layers = [keras.Input((input_dim,))]
     for i, width in enumerate(hidden):
-        layers.append(dense(width, "relu", f"hidden_{i + 1}"))
+        layers.append(dense(width, "relu", f"hidden_{i + 1}", after_relu=i > 0))
         if dropout != "none":
             layers.append(drop(i))
-    layers.append(dense(num_classes, "softmax", "output"))
+    layers.append(dense(num_classes, "softmax", "output", after_relu=True))
     return keras.Sequential(layers, name="sparse_mlp" if sparse else "mlp")
 
 

@@ -278,6 +278,14 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
         GPU the op runs the normal CPU split (same results), records
         ``stats.HETERO_CPU_FALLBACK`` and warns once per process
         (``RuntimeWarning``). Saved in ``get_config``.
+      skip_dead_input_grad: bool (default False). If True, the gradient for
+        the layer's input is computed only for input units that are not zero
+        in the whole batch (0 for the others), a GEMM that shrinks with the
+        dead/dropped units. Exact only when the layer before zeroes the
+        gradient of those units anyway: its input is a ReLU output, or an
+        ``ApproximateRandomDropout`` (row pattern) output of a ReLU output
+        -- the usual ``Dense(relu) -> [dropout] -> SparseSplitDense`` stack.
+        Saved in ``get_config``.
       lora_rank, lora_alpha, quantization_config: accepted for signature
         compatibility with ``Dense`` but must be None: LoRA and quantization
         would replace the kernel the op multiplies by, so they are refused
@@ -324,9 +332,14 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
         quantization_config=None,
         threshold=-1.0,
         heterogeneous=False,
+        skip_dead_input_grad=False,
         **kwargs,
     ):
         _check_backend()
+        if not isinstance(skip_dead_input_grad, (bool, np.bool_)):
+            raise ValueError(f"skip_dead_input_grad must be a bool, got "
+                             f"{skip_dead_input_grad!r}")
+        self.skip_dead_input_grad = bool(skip_dead_input_grad)
         if not isinstance(heterogeneous, (bool, np.bool_)):
             raise ValueError(
                 f"heterogeneous must be a bool, got {heterogeneous!r}")
@@ -393,7 +406,8 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
             x2d = tf.reshape(x, [-1, input_dim])
         y, stats_vec = sparse_split_matmul(
             x2d, kernel, threshold=tf.convert_to_tensor(self.threshold_var),
-            return_stats=True, heterogeneous=self.heterogeneous)
+            return_stats=True, heterogeneous=self.heterogeneous,
+            grad_a_live_only=self.skip_dead_input_grad)
         self._record_stats(stats_vec)
         if rank != 2:
             out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], axis=0)
@@ -414,6 +428,7 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
             config.pop(key, None)
         config["threshold"] = self.threshold
         config["heterogeneous"] = self.heterogeneous
+        config["skip_dead_input_grad"] = self.skip_dead_input_grad
         return config
 
     def save_own_variables(self, store):

@@ -54,7 +54,7 @@ def _as_threshold(threshold):
 
 def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
                         transpose_b=False, return_stats=False, name=None,
-                        heterogeneous=False):
+                        heterogeneous=False, grad_a_live_only=False):
     """Matrix product ``op(a) @ op(b)`` that skips the zeros of ``a``.
 
     The rows of ``op(a)`` (the activation operand) whose density -- the
@@ -104,6 +104,15 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       name: optional op name.
       heterogeneous: bool; if True, dense rows on the GPU and sparse rows on
         the CPU, overlapped (see above). Default False.
+      grad_a_live_only: bool; if True (and ``transpose_a`` is False), the
+        gradient for ``a`` is computed only for the columns of ``a`` that are
+        not all zero (dead/dropped units) and is 0 in the others: a smaller
+        GEMM ``dY @ b[live]^T``. This is the true gradient only when whatever
+        produced ``a`` zeroes the gradient of its all-zero columns anyway --
+        e.g. ``a`` is a ReLU output (ReluGrad is 0 where the output is 0), or
+        an :class:`~tf_sparse_split.ApproximateRandomDropout` output of a
+        ReLU output (dropped units get 0 from the dropout mask). Default
+        False (the exact dense gradient).
 
     Returns:
       The product ``[M, N]`` of the inputs' dtype; with ``return_stats``, a
@@ -121,6 +130,9 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     if not isinstance(heterogeneous, (bool, np.bool_)):
         raise TypeError(
             f"heterogeneous must be a bool, got {heterogeneous!r}")
+    if not isinstance(grad_a_live_only, (bool, np.bool_)):
+        raise TypeError(
+            f"grad_a_live_only must be a bool, got {grad_a_live_only!r}")
     heterogeneous = bool(heterogeneous)
     lib = load_library()
     if heterogeneous:
@@ -139,8 +151,23 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
                 f"sparse_split_matmul: b has dtype {b.dtype.name} but a has {a.dtype.name}")
         product, stats = lib.sparse_split_mat_mul(
             a, b, _as_threshold(threshold), transpose_a=transpose_a,
-            transpose_b=transpose_b, heterogeneous=heterogeneous)
+            transpose_b=transpose_b, heterogeneous=heterogeneous,
+            grad_a_live_only=bool(grad_a_live_only))
     return (product, stats) if return_stats else product
+
+
+def _grad_a_live_columns(a, b, grad, tb):
+    """dA = dY @ op(b)^T computed for the live (not all-zero) columns of
+    ``a`` [M, K] only; 0 in its all-zero columns (see ``grad_a_live_only``)."""
+    live = tf.where(tf.reduce_any(tf.not_equal(a, 0), axis=0))[:, 0]  # [k_live]
+    k = tf.shape(a, out_type=tf.int64)[1]
+    m = tf.shape(a, out_type=tf.int64)[0]
+    if tb:   # op(b) = b^T, b [N, K]: live columns of b
+        g_live = tf.matmul(grad, tf.gather(b, live, axis=1))          # [M, k_live]
+    else:    # b [K, N]: live rows of b
+        g_live = tf.matmul(grad, tf.gather(b, live, axis=0), transpose_b=True)
+    grad_a_t = tf.scatter_nd(live[:, None], tf.transpose(g_live), tf.stack([k, m]))
+    return tf.transpose(grad_a_t)
 
 
 @tf.RegisterGradient("SparseSplitMatMul")
@@ -156,7 +183,12 @@ def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
         return lib.sparse_split_mat_mul(x, y, threshold, transpose_a=transpose_a,
                                         heterogeneous=hetero)[0]
 
-    if not ta and not tb:    # C = A B
+    if not ta and op.get_attr("grad_a_live_only"):
+        grad_a = _grad_a_live_columns(a, b, grad, tb)
+        grad_b = sparse(a, grad, True)                       # A^T dC
+        if tb:
+            grad_b = tf.transpose(grad_b)
+    elif not ta and not tb:  # C = A B
         grad_a = tf.matmul(grad, b, transpose_b=True)
         grad_b = sparse(a, grad, True)                       # A^T dC
     elif not ta and tb:      # C = A B^T

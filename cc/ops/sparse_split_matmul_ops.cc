@@ -46,6 +46,7 @@ REGISTER_OP("SparseSplitMatMul")
     .Attr("transpose_b: bool = false")
     .Attr("T: {float, double}")
     .Attr("heterogeneous: bool = false")
+    .Attr("grad_a_live_only: bool = false")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle a, b, thr;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &a));
