@@ -158,16 +158,31 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
 
 def _grad_a_live_columns(a, b, grad, tb):
     """dA = dY @ op(b)^T computed for the live (not all-zero) columns of
-    ``a`` [M, K] only; 0 in its all-zero columns (see ``grad_a_live_only``)."""
-    live = tf.where(tf.reduce_any(tf.not_equal(a, 0), axis=0))[:, 0]  # [k_live]
+    ``a`` [M, K] only; 0 in its all-zero columns (see ``grad_a_live_only``).
+
+    The gather of op(b)'s live rows and the scatter of the result cost
+    memory passes, so the smaller GEMM is used only when at least a quarter
+    of the columns are dead (e.g. row dropout); otherwise the plain GEMM.
+    """
+    live_mask = tf.reduce_any(tf.not_equal(a, 0), axis=0)
     k = tf.shape(a, out_type=tf.int64)[1]
     m = tf.shape(a, out_type=tf.int64)[0]
-    if tb:   # op(b) = b^T, b [N, K]: live columns of b
-        g_live = tf.matmul(grad, tf.gather(b, live, axis=1))          # [M, k_live]
-    else:    # b [K, N]: live rows of b
-        g_live = tf.matmul(grad, tf.gather(b, live, axis=0), transpose_b=True)
-    grad_a_t = tf.scatter_nd(live[:, None], tf.transpose(g_live), tf.stack([k, m]))
-    return tf.transpose(grad_a_t)
+    n_live = tf.reduce_sum(tf.cast(live_mask, tf.int64))
+
+    def full():
+        return tf.matmul(grad, b, transpose_b=not tb)
+
+    def live_only():
+        live = tf.where(live_mask)[:, 0]                         # [k_live]
+        if tb:   # op(b) = b^T, b [N, K]: live columns of b
+            g_live = tf.matmul(grad, tf.gather(b, live, axis=1))
+        else:    # b [K, N]: live rows of b
+            g_live = tf.matmul(grad, tf.gather(b, live, axis=0), transpose_b=True)
+        grad_a_t = tf.scatter_nd(live[:, None], tf.transpose(g_live),
+                                 tf.stack([k, m]))
+        return tf.transpose(grad_a_t)
+
+    return tf.cond(n_live * 4 <= k * 3, live_only, full)
 
 
 @tf.RegisterGradient("SparseSplitMatMul")
