@@ -491,3 +491,20 @@ def test_skip_dead_input_grad_is_exact_after_relu_and_row_dropout():
         np.testing.assert_allclose(g1.numpy(), g0.numpy(), rtol=1e-5, atol=1e-6)
     layer = tfss.SparseSplitDense(4, skip_dead_input_grad=True)
     assert tfss.SparseSplitDense.from_config(layer.get_config()).skip_dead_input_grad
+
+
+def test_sensitivity_dropout_channels_skipped_by_sparse_split_conv2d():
+    """The channels SensitivityAwareDropout drops are all-zero input channels
+    that the following SparseSplitConv2D compacts away (dense path)."""
+    rng = np.random.default_rng(8)
+    x = np.abs(rng.standard_normal((4, 6, 6, 8))).astype(np.float32) + 0.1
+    drop = tfss.SensitivityAwareDropout(0.5, seed=2)
+    conv = tfss.SparseSplitConv2D(5, 3, padding="same", threshold=0.0)
+    y = drop(x, training=True)
+    dropped = int(np.sum(~np.asarray(y).any(axis=(0, 1, 2))))
+    assert dropped == 4
+    out = conv(y)
+    st = conv.latest_stats()
+    assert st["zero_cols_skipped"] == dropped * 6 * 6
+    ref = tf.nn.conv2d(y, conv.kernel, 1, "SAME") + conv.bias
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
