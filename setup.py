@@ -255,9 +255,22 @@ class BuildExt(build_ext):
                 f.write(f"MARCH = {march_desc!r}\n")
                 f.write(f"ISA = {isa!r}\n")
                 f.write(f"CUDA = {nvcc is not None!r}\n")
-        if self.parallel is None:
-            self.parallel = os.cpu_count() or 1
+        # Extensions are built one after the other: both compile the
+        # cc/kernels sources, with different flags, and setuptools names the
+        # objects by source path, so a parallel (-j) build of the two would
+        # race on the same object files (seen: a pybind11 module linked with
+        # a half-written object that aborted on its first exception).
+        self.parallel = None
         super().build_extensions()
+
+    def build_extension(self, ext):
+        # One temporary folder per extension, so their objects never mix.
+        build_temp = self.build_temp
+        self.build_temp = os.path.join(build_temp, ext.name.rsplit(".", 1)[-1])
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = build_temp
 
 
 def _sources(*patterns):
