@@ -30,6 +30,7 @@
 
 #include "cc/kernels/sparse_conv2d.h"
 #include "cc/kernels/sparse_matmul.h"
+#include "cc/ops/sparse_split_matmul_common.h"
 #include "cc/ops/tf_kernel.h"
 #include "cc/ops/tf_parallel_for.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
@@ -479,9 +480,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in);
     const int64_t nnz = CountConvNonzeros<T>(xp, g, image_nnz.data(),
                                              chan_nnz.data(), pfor);
-    std::vector<int64_t> live;
-    for (int64_t c = 0; c < g.c_in; ++c)
-      if (chan_nnz[c] != 0) live.push_back(c);
+    const std::vector<int64_t> live = LiveColumns(chan_nnz.data(), g.c_in);
     const int64_t c_live = static_cast<int64_t>(live.size());
     RateModel& rates = Rates(FamilyKey(0, tf::DataTypeToEnum<T>::value, g));
     double thr = thr_in;
@@ -692,9 +691,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in);
     const int64_t nnz = CountConvNonzeros<T>(xp, g, image_nnz.data(),
                                              chan_nnz.data(), pfor);
-    std::vector<int64_t> live;
-    for (int64_t c = 0; c < g.c_in; ++c)
-      if (chan_nnz[c] != 0) live.push_back(c);
+    const std::vector<int64_t> live = LiveColumns(chan_nnz.data(), g.c_in);
     const int64_t c_live = static_cast<int64_t>(live.size());
     RateModel& rates = Rates(FamilyKey(1, tf::DataTypeToEnum<T>::value, g));
     double thr = thr_in;
