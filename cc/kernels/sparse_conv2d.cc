@@ -1,5 +1,6 @@
 // CPU implementations of the kernels declared in sparse_conv2d.h.
 #include "cc/kernels/sparse_conv2d.h"
+#include "cc/kernels/compress.h"
 
 #include <algorithm>
 #include <cstring>
@@ -57,27 +58,6 @@ inline int64_t CountPixel(const T* px, int64_t n, uint8_t* live) {
   return k;
 }
 
-// Appends the nonzeros of px[0..n) (channel, value); returns how many.
-template <typename T>
-inline int64_t CompressPixelScalar(const T* px, int64_t c0, int64_t n,
-                                   int32_t* ch, T* vals) {
-  int64_t p = 0;
-  for (int64_t c = c0; c < n; ++c) {
-    const T v = px[c];
-    if (v != T(0)) {
-      ch[p] = static_cast<int32_t>(c);
-      vals[p] = v;
-      ++p;
-    }
-  }
-  return p;
-}
-
-template <typename T>
-inline int64_t CompressPixel(const T* px, int64_t n, int32_t* ch, T* vals) {
-  return CompressPixelScalar<T>(px, 0, n, ch, vals);
-}
-
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 template <>
 inline int64_t CountPixel<float>(const float* px, int64_t n, uint8_t* live) {
@@ -98,42 +78,6 @@ inline int64_t CountPixel<float>(const float* px, int64_t n, uint8_t* live) {
   return k;
 }
 
-template <>
-inline int64_t CompressPixel<float>(const float* px, int64_t n, int32_t* ch,
-                                    float* vals) {
-  int64_t p = 0, c = 0;
-  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                  13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  const __m512 zero = _mm512_setzero_ps();
-  for (; c + 16 <= n; c += 16) {
-    const __m512 v = _mm512_loadu_ps(px + c);
-    const __mmask16 mk = _mm512_cmp_ps_mask(v, zero, _CMP_NEQ_UQ);
-    _mm512_mask_compressstoreu_ps(vals + p, mk, v);
-    _mm512_mask_compressstoreu_epi32(ch + p, mk, idx);
-    p += __builtin_popcount(mk);
-    idx = _mm512_add_epi32(idx, step);
-  }
-  return p + CompressPixelScalar<float>(px, c, n, ch + p, vals + p);
-}
-
-template <>
-inline int64_t CompressPixel<double>(const double* px, int64_t n, int32_t* ch,
-                                     double* vals) {
-  int64_t p = 0, c = 0;
-  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i step = _mm256_set1_epi32(8);
-  const __m512d zero = _mm512_setzero_pd();
-  for (; c + 8 <= n; c += 8) {
-    const __m512d v = _mm512_loadu_pd(px + c);
-    const __mmask8 mk = _mm512_cmp_pd_mask(v, zero, _CMP_NEQ_UQ);
-    _mm512_mask_compressstoreu_pd(vals + p, mk, v);
-    _mm256_mask_compressstoreu_epi32(ch + p, mk, idx);
-    p += __builtin_popcount(mk);
-    idx = _mm256_add_epi32(idx, step);
-  }
-  return p + CompressPixelScalar<double>(px, c, n, ch + p, vals + p);
-}
 #endif
 
 // Most full vectors kept in registers per output chunk.
@@ -446,7 +390,7 @@ void BuildPixelCsr(const T* x, const Conv2DGeometry& g, const int64_t* images,
       T* vl = csr->val.data();
       for (int64_t p = 0; p < hw; ++p) {
         ptr[p] = q;
-        q += CompressPixel<T>(img + p * ci, ci, ch + q, vl + q);
+        q += CompressRow<T>(img + p * ci, ci, ch + q, vl + q);
       }
     }
   });
