@@ -3,6 +3,7 @@
 #ifndef TF_SPARSE_SPLIT_CC_OPS_SPARSE_SPLIT_MATMUL_COMMON_H_
 #define TF_SPARSE_SPLIT_CC_OPS_SPARSE_SPLIT_MATMUL_COMMON_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -59,6 +60,16 @@ inline absl::Status ValidateMatMul(const ::tensorflow::Tensor& a,
         "SparseSplitMatMul: inner dimension ", p->k,
         " exceeds the 2^31-1 supported by the CSR indices");
   return absl::OkStatus();
+}
+
+// Zeroes the statistics vector and records the problem size and the
+// threshold as given (0 for automatic until the kernel decides it).
+inline void InitStats(const MatMulProblem& p, double* stats) {
+  std::fill(stats, stats + kNumStats, 0.0);
+  stats[kStatM] = p.m;
+  stats[kStatK] = p.k;
+  stats[kStatN] = p.n;
+  stats[kStatThreshold] = p.threshold < 0 ? 0.0 : p.threshold;
 }
 
 // Live (not all-zero) columns of op(a), from its column counts.

@@ -154,11 +154,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({kNumStats}),
                                              &stats_t));
     double* stats = stats_t->flat<double>().data();
-    std::fill(stats, stats + kNumStats, 0.0);
-    stats[kStatM] = m;
-    stats[kStatK] = k;
-    stats[kStatN] = n;
-    stats[kStatThreshold] = thr_in < 0 ? 0.0 : thr_in;
+    InitStats(prob, stats);
     stats[kStatHeterogeneous] = hetero_ ? kHeteroRan : kHeteroOff;
     // The op's stream, as TF's own GPU kernels get it (eigen_device<Eigen::GpuDevice>()
     // returns this same device; the inline accessor needs no exported symbol).
