@@ -368,11 +368,33 @@ void SplitImages(const std::vector<int64_t>& image_nnz, int64_t per_image,
   }
 }
 
-void FillSizeStats(double* stats, const Conv2DGeometry& g) {
-  std::fill(stats, stats + kNumStats, 0.0);
-  stats[kStatM] = g.n;
-  stats[kStatK] = g.h * g.w * g.c_in;
-  stats[kStatN] = g.kh * g.kw * g.c_out;
+// Allocates the statistics output (*stats) and records the sizes and the
+// threshold as given. For a problem with no work it also writes the zero
+// output 0 of `out_shape` and sets *done.
+template <typename T>
+absl::Status StartCall(tf::OpKernelContext* ctx, const Conv2DGeometry& g,
+                       float thr_in, const tf::TensorShape& out_shape,
+                       double** stats, bool* done) {
+  tf::Tensor* stats_t = nullptr;
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_output(1, tf::TensorShape({kNumStats}), &stats_t));
+  double* st = stats_t->flat<double>().data();
+  std::fill(st, st + kNumStats, 0.0);
+  st[kStatM] = g.n;
+  st[kStatK] = g.h * g.w * g.c_in;
+  st[kStatN] = g.kh * g.kw * g.c_out;
+  st[kStatThreshold] = thr_in < 0 ? 0.0 : thr_in;
+  *stats = st;
+  *done = g.n == 0 || g.out_h == 0 || g.out_w == 0 || g.c_out == 0 ||
+          g.h * g.w * g.c_in == 0;
+  if (*done) {
+    tf::Tensor* out = nullptr;
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, out_shape, &out));
+    out->flat<T>().setZero();
+    st[kStatRowsSparse] = g.n;
+    if (g.n > 0) st[kStatHistogram] = g.n;
+  }
+  return absl::OkStatus();
 }
 
 // Validated shapes common to both ops: input [N,H,W,C] and filter sizes.
@@ -455,23 +477,12 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, CheckFilter(g, x.shape(), f.shape(), kOp));
     OP_REQUIRES_OK(ctx, attrs_.Geometry(&g, kOp));
 
-    tf::Tensor* stats_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({kNumStats}),
-                                             &stats_t));
-    double* stats = stats_t->flat<double>().data();
-    FillSizeStats(stats, g);
-    stats[kStatThreshold] = thr_in < 0 ? 0.0 : thr_in;
     const tf::TensorShape out_shape({g.n, g.out_h, g.out_w, g.c_out});
     const int64_t per_image = g.h * g.w * g.c_in;
-    if (g.n == 0 || g.out_h == 0 || g.out_w == 0 || g.c_out == 0 ||
-        per_image == 0) {
-      tf::Tensor* out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
-      out->flat<T>().setZero();
-      stats[kStatRowsSparse] = g.n;
-      if (g.n > 0) stats[kStatHistogram] = g.n;
-      return;
-    }
+    double* stats = nullptr;
+    bool done = false;
+    OP_REQUIRES_OK(ctx, StartCall<T>(ctx, g, thr_in, out_shape, &stats, &done));
+    if (done) return;
     const T* xp = x.flat<T>().data();
     const T* fp = f.flat<T>().data();
     ParallelFor pfor = TfParallelFor(ctx);
@@ -669,22 +680,11 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                     fshape.DebugString(), " give ",
                     dy_expected.DebugString()));
 
-    tf::Tensor* stats_t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({kNumStats}),
-                                             &stats_t));
-    double* stats = stats_t->flat<double>().data();
-    FillSizeStats(stats, g);
-    stats[kStatThreshold] = thr_in < 0 ? 0.0 : thr_in;
     const int64_t per_image = g.h * g.w * g.c_in;
-    if (g.n == 0 || g.out_h == 0 || g.out_w == 0 || per_image == 0 ||
-        g.c_out == 0) {
-      tf::Tensor* out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
-      out->flat<T>().setZero();
-      stats[kStatRowsSparse] = g.n;
-      if (g.n > 0) stats[kStatHistogram] = g.n;
-      return;
-    }
+    double* stats = nullptr;
+    bool done = false;
+    OP_REQUIRES_OK(ctx, StartCall<T>(ctx, g, thr_in, fshape, &stats, &done));
+    if (done) return;
     const T* xp = x.flat<T>().data();
     ParallelFor pfor = TfParallelFor(ctx);
 
