@@ -5,10 +5,11 @@ environment (its headers, compile and link flags and C++ ABI, read from
 ``tf.sysconfig``):
 
 * ``tf_sparse_split/_sparse_split_ops*.so`` -- the op library: the
-  framework-free kernels (cc/kernels), the TF ops (cc/ops) and the graph
+  framework-free kernels (cc/core), the TF op registrations (cc/ops), their
+  OpKernels (cc/kernels) and the graph
   rewrite pass (cc/rewrite), loaded with ``tf.load_op_library``;
 * ``tf_sparse_split/_kernels*.so`` -- a pybind11 module giving numpy access to
-  the cc/kernels code (no TensorFlow inside).
+  the cc/core code (no TensorFlow inside).
 
 Install with ``pip install --no-build-isolation .``: build isolation would
 download a second TensorFlow (hundreds of MB) into a throwaway environment,
@@ -25,13 +26,13 @@ Environment variables:
   TensorFlow is a CUDA build (``tf.sysconfig.get_build_info()
   ["is_cuda_build"]``); with ``tensorflow-cpu`` it builds CPU-only and says
   so. ``1`` requires both and fails with a message otherwise; ``0`` never
-  builds them. A CUDA build compiles ``cc/kernels/**/*.cu.cc`` and
-  ``cc/ops/**/*.cu.cc`` with nvcc (``-x cu -std=c++17 -O3``, SASS for
+  builds them. A CUDA build compiles ``cc/core/**/*.cu.cc`` and
+  ``cc/kernels/**/*.cu.cc`` with nvcc (``-x cu -std=c++17 -O3``, SASS for
   ``TFSS_CUDA_ARCH``, default ``90``, plus ``compute_80`` PTX,
   ``-Xcompiler -fPIC``, TensorFlow's include flags), links the objects and
   ``-lcudart`` into the op library, and compiles its ``.cc`` files with
   ``-DGOOGLE_CUDA=1`` (which enables the GPU kernels in
-  ``cc/ops/*_gpu.cc``). ``CUDA_HOME`` (default: the directory above nvcc's
+  ``cc/kernels/*_gpu.cc``). ``CUDA_HOME`` (default: the directory above nvcc's
   ``bin``) gives the CUDA headers and ``libcudart``.
 """
 
@@ -158,8 +159,8 @@ def _cuda_home(nvcc):
 def _cuda_sources():
     """Device code compiled by nvcc (the standalone harness under cc/tests is
     not part of the op library)."""
-    return sorted(glob.glob("cc/kernels/**/*.cu.cc", recursive=True) +
-                  glob.glob("cc/ops/**/*.cu.cc", recursive=True))
+    return sorted(glob.glob("cc/core/**/*.cu.cc", recursive=True) +
+                  glob.glob("cc/kernels/**/*.cu.cc", recursive=True))
 
 
 def _nvcc_command(nvcc, src, obj, tf_flags):
@@ -256,7 +257,7 @@ class BuildExt(build_ext):
                 f.write(f"ISA = {isa!r}\n")
                 f.write(f"CUDA = {nvcc is not None!r}\n")
         # Extensions are built one after the other: both compile the
-        # cc/kernels sources, with different flags, and setuptools names the
+        # cc/core sources, with different flags, and setuptools names the
         # objects by source path, so a parallel (-j) build of the two would
         # race on the same object files (seen: a pybind11 module linked with
         # a half-written object that aborted on its first exception).
@@ -280,16 +281,16 @@ def _sources(*patterns):
     return [s for s in out if not s.endswith(".cu.cc")]
 
 
-KERNELS = _sources("cc/kernels/*.cc")
+CORE = _sources("cc/core/*.cc")
 ops_ext = Extension(
     "tf_sparse_split._sparse_split_ops",
-    sources=KERNELS + _sources("cc/ops/*.cc", "cc/rewrite/*.cc"),
+    sources=CORE + _sources("cc/ops/*.cc", "cc/kernels/*.cc", "cc/rewrite/*.cc"),
     include_dirs=["."],
     language="c++",
 )
 kernels_ext = Extension(
     "tf_sparse_split._kernels",
-    sources=KERNELS + _sources("cc/python/*.cc"),
+    sources=CORE + _sources("cc/python/*.cc"),
     include_dirs=["."],
     language="c++",
 )

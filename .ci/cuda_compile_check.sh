@@ -84,12 +84,12 @@ if command -v g++ >/dev/null 2>&1; then
   cuda_inc="$("${TFSS_NVCC}" --dryrun -x cu -c /dev/null 2>&1 |
               sed -n 's/.*INCLUDES="-I\([^" ]*\).*/\1/p' | head -n 1)"
   for src in "${srcs[@]}"; do
-    [[ "${src}" == cc/kernels/* ]] || continue
+    [[ "${src}" == cc/core/* ]] || continue
     if ! g++ -std=c++17 -fsyntax-only -x c++ "${root}/${src}"; then
       echo "FAILED: g++ does not accept ${src} as an (empty) C++ unit"; failed=1
     fi
   done
-  for hdr in "${root}"/cc/kernels/cuda/*.h; do
+  for hdr in "${root}"/cc/core/cuda/*.h; do
     if ! g++ -std=c++17 -fsyntax-only -I"${cuda_inc}" -x c++ "${hdr}"; then
       echo "FAILED: g++ cannot compile ${hdr#"${root}"/} as plain C++"; failed=1
     fi

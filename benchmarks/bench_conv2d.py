@@ -61,7 +61,7 @@ def run(min_time, out=sys.stdout, shapes=SHAPES):
         tf_bwf = tf.function(lambda x: tf.raw_ops.Conv2DBackpropFilter(
             input=x, filter_sizes=fsize, out_backprop=dy, strides=strides,
             padding="SAME"))
-        ours_bwf = tf.function(lambda x, t: lib.sparse_split_conv2d_backprop_filter(
+        ours_bwf = tf.function(lambda x, t: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
             x, fsize, dy, t, strides=strides, padding="SAME")[0])
         for pat in PATTERNS:
             if pat == "50% ch":

@@ -72,7 +72,7 @@ def test_filter_gradient_op_matches_reference(shape):
     d = [1, d, d, 1]
     for dtype in (np.float32, np.float64):
         for thr in (0.0, 1.0, -1.0):
-            g, st = LIB.sparse_split_conv2d_backprop_filter(
+            g, st = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(
                 x.astype(dtype), fs, dy.astype(dtype), thr, strides=s,
                 padding=kw["padding"], dilations=d,
                 explicit_paddings=kw["explicit_paddings"] or [])
@@ -116,8 +116,8 @@ def test_deterministic_bits():
     b = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=1.0).numpy()
     assert np.array_equal(a, b)
     kw = dict(strides=[1, 1, 1, 1], padding="SAME")
-    g1 = LIB.sparse_split_conv2d_backprop_filter(x, f.shape, dy, 1.0, **kw)[0]
-    g2 = LIB.sparse_split_conv2d_backprop_filter(x, f.shape, dy, 1.0, **kw)[0]
+    g1 = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(x, f.shape, dy, 1.0, **kw)[0]
+    g2 = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(x, f.shape, dy, 1.0, **kw)[0]
     assert np.array_equal(g1.numpy(), g2.numpy())
 
 
@@ -237,19 +237,19 @@ def test_raw_op_validation(attrs, inputs, match):
     """The C++ kernel checks on its own (raw op, eager)."""
     x, f = inputs or (X4, F4)
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=match):
-        LIB.sparse_split_conv2d(x, f, -1.0, **attrs)
+        LIB.tf_sparse_split_sparse_split_conv2d(x, f, -1.0, **attrs)
 
 
 def test_raw_backprop_filter_validation():
     kw = dict(strides=[1, 1, 1, 1], padding="SAME")
     with pytest.raises(tf.errors.InvalidArgumentError, match="out_backprop"):
-        LIB.sparse_split_conv2d_backprop_filter(
+        LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(
             X4, [3, 3, 3, 4], np.ones((2, 5, 5, 4), np.float32), -1.0, **kw)
     with pytest.raises(tf.errors.InvalidArgumentError, match="filter_sizes"):
-        LIB.sparse_split_conv2d_backprop_filter(
+        LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(
             X4, [3, 3, 3], np.ones((2, 6, 6, 4), np.float32), -1.0, **kw)
     with pytest.raises(tf.errors.InvalidArgumentError, match="channels"):
-        LIB.sparse_split_conv2d_backprop_filter(
+        LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(
             X4, [3, 3, 2, 4], np.ones((2, 6, 6, 4), np.float32), -1.0, **kw)
 
 

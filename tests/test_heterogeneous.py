@@ -45,7 +45,7 @@ def fresh_warning_state(monkeypatch):
 # -- the op attribute ------------------------------------------------------
 
 def _matmul_nodes(graph_def):
-    return [n for n in graph_def.node if n.op == "SparseSplitMatMul"]
+    return [n for n in graph_def.node if n.op == "TfSparseSplit>SparseSplitMatMul"]
 
 
 @pytest.mark.parametrize("hetero", [None, False, True])
@@ -66,7 +66,7 @@ def test_attr_default_and_graph_round_trip(hetero, fresh_warning_state):
     gd2 = tf.compat.v1.GraphDef.FromString(gd.SerializeToString())
     with tf.Graph().as_default() as g:
         tf.graph_util.import_graph_def(gd2, name="")
-        ops = [op for op in g.get_operations() if op.type == "SparseSplitMatMul"]
+        ops = [op for op in g.get_operations() if op.type == "TfSparseSplit>SparseSplitMatMul"]
         assert len(ops) == 1
         assert ops[0].get_attr("heterogeneous") is bool(hetero)
 
@@ -83,7 +83,7 @@ def test_graph_def_without_the_attr_gets_the_default():
     del node.attr["heterogeneous"]
     with tf.Graph().as_default() as g:
         tf.graph_util.import_graph_def(gd, name="")
-        (op,) = [o for o in g.get_operations() if o.type == "SparseSplitMatMul"]
+        (op,) = [o for o in g.get_operations() if o.type == "TfSparseSplit>SparseSplitMatMul"]
         assert op.get_attr("heterogeneous") is False
 
 
@@ -349,7 +349,7 @@ def test_tfss_with_cuda_on_cpu_only_tensorflow(monkeypatch):
 
 def test_nvcc_command_and_sources():
     ns = _setup_functions()
-    cmd = ns["_nvcc_command"]("nvcc", "cc/kernels/cuda/x.cu.cc", "x.o",
+    cmd = ns["_nvcc_command"]("nvcc", "cc/core/cuda/x.cu.cc", "x.o",
                               ["-I/tf/include", "-D_GLIBCXX_USE_CXX11_ABI=1",
                                "--std=c++17"])
     for flag in ("-x", "cu", "-std=c++17", "-O3", "-Xcompiler", "-fPIC",
@@ -363,7 +363,7 @@ def test_nvcc_command_and_sources():
         srcs = ns["_cuda_sources"]()
     finally:
         os.chdir(cwd)
-    assert "cc/kernels/cuda/sparse_matmul.cu.cc" in srcs
+    assert "cc/core/cuda/sparse_matmul.cu.cc" in srcs
     assert not any(s.startswith("cc/tests/") for s in srcs)  # harness has main()
 
 

@@ -181,7 +181,7 @@ def test_grad_b_runs_through_the_sparse_op():
 
     graph = grads.get_concrete_function().graph
     types = [op.type for op in graph.get_operations()]
-    assert types.count("SparseSplitMatMul") == 2
+    assert types.count("TfSparseSplit>SparseSplitMatMul") == 2
 
 
 def test_empty_operands():

@@ -130,6 +130,6 @@ def test_profile_model_with_sparse_split_layers(tmp_path, capsys):
     model.save(path)
     assert cli.main(["profile", path, "--repeats", "2"]) == 0
     out = capsys.readouterr().out
-    lines = [ln for ln in out.splitlines() if "SparseSplitMatMul" in ln.split()[1:2]]
+    lines = [ln for ln in out.splitlines() if "TfSparseSplit>SparseSplitMatMul" in ln.split()[1:2]]
     assert len(lines) == 2, out
     assert re.search(r"total \(timed nodes\)\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+x", out)

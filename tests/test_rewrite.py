@@ -96,7 +96,7 @@ def test_forward_and_gradients_match_unrewritten(rw, dtype, rtol):
     assert sorted(r["producer"] for r in done) == ["Relu"] * 4 + ["ReluGrad"]
     assert sum(r["transpose_a"] == "1" for r in done) == 2
     assert sum(r["transpose_b"] == "1" for r in done) == 1
-    assert {r["new_op"] for r in done} == {"SparseSplitMatMul"}
+    assert {r["new_op"] for r in done} == {"TfSparseSplit>SparseSplitMatMul"}
     fwd = {r["name"] for r in done if "gradient" not in r["name"]}
     assert fwd == {"l2", "l3"}
     declined = {r["name"] for r in _records("declined")}

@@ -149,7 +149,7 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         if b.dtype != a.dtype:
             raise _invalid(
                 f"sparse_split_matmul: b has dtype {b.dtype.name} but a has {a.dtype.name}")
-        product, stats = lib.sparse_split_mat_mul(
+        product, stats = lib.tf_sparse_split_sparse_split_mat_mul(
             a, b, _as_threshold(threshold), transpose_a=transpose_a,
             transpose_b=transpose_b, heterogeneous=heterogeneous,
             grad_a_live_only=bool(grad_a_live_only))
@@ -185,7 +185,7 @@ def _grad_a_live_columns(a, b, grad, tb):
     return tf.cond(n_live * 4 <= k * 3, live_only, full)
 
 
-@tf.RegisterGradient("SparseSplitMatMul")
+@tf.RegisterGradient("TfSparseSplit>SparseSplitMatMul")
 def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
     """Gradients of ``op(a) @ op(b)``; the ``b`` gradient exploits a's zeros."""
     a, b, threshold = op.inputs
@@ -195,7 +195,7 @@ def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
     lib = load_library()
 
     def sparse(x, y, transpose_a):
-        return lib.sparse_split_mat_mul(x, y, threshold, transpose_a=transpose_a,
+        return lib.tf_sparse_split_sparse_split_mat_mul(x, y, threshold, transpose_a=transpose_a,
                                         heterogeneous=hetero)[0]
 
     if not ta and op.get_attr("grad_a_live_only"):
@@ -401,7 +401,7 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         dilations = _conv_list(dilations, "dilations")
         pad, explicit = _conv_padding(padding, explicit_paddings)
         _check_conv_attrs(strides, dilations, pad, explicit)
-        out, stats = lib.sparse_split_conv2d(
+        out, stats = lib.tf_sparse_split_sparse_split_conv2d(
             x, f, _as_threshold(threshold), strides=strides, padding=pad,
             explicit_paddings=explicit, dilations=dilations)
     return (out, stats) if return_stats else out
@@ -412,7 +412,7 @@ def _attr_str(op, name):
     return v.decode() if isinstance(v, bytes) else v
 
 
-@tf.RegisterGradient("SparseSplitConv2D")
+@tf.RegisterGradient("TfSparseSplit>SparseSplitConv2D")
 def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
     """Input gradient: Conv2DBackpropInput; filter gradient:
     SparseSplitConv2DBackpropFilter (exploits the input's zeros)."""
@@ -441,7 +441,7 @@ def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
             input_sizes=tf.shape(x), filter=f, out_backprop=grad,
             strides=strides, padding=padding, explicit_paddings=explicit,
             dilations=dilations, data_format="NHWC")
-    grad_f = lib.sparse_split_conv2d_backprop_filter(
+    grad_f = lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
         x, tf.shape(f), grad, threshold, strides=strides, padding=padding,
         explicit_paddings=explicit, dilations=dilations)[0]
     return grad_x, grad_f, None

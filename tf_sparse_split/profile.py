@@ -32,8 +32,8 @@ class NodeProfile(dict):
 
 
 # Node types profiled, and the dense op each computes.
-_PROFILED = {"MatMul": "MatMul", "SparseSplitMatMul": "MatMul",
-             "Conv2D": "Conv2D", "SparseSplitConv2D": "Conv2D"}
+_PROFILED = {"MatMul": "MatMul", "TfSparseSplit>SparseSplitMatMul": "MatMul",
+             "Conv2D": "Conv2D", "TfSparseSplit>SparseSplitConv2D": "Conv2D"}
 
 
 def load_model_function(path, signature=None):

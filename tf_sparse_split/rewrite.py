@@ -102,7 +102,7 @@ def _apply(cfg):
     producers = cfg["producers"]
     producers = ["*"] if producers == "any" else list(producers)
     with _eager():
-        active = lib.sparse_split_rewrite_config(
+        active = lib.tf_sparse_split_sparse_split_rewrite_config(
             tf.constant(cfg["enabled"]),
             tf.constant(_threshold_value(cfg["threshold"]), tf.float32),
             tf.constant(float(cfg["min_flops"]), tf.float64),
@@ -228,7 +228,7 @@ def counters(reset=False):
     """
     lib = load_library()
     with _eager():
-        names, counts = lib.sparse_split_rewrite_counters(tf.constant(bool(reset)))
+        names, counts = lib.tf_sparse_split_sparse_split_rewrite_counters(tf.constant(bool(reset)))
     return {n.decode(): int(c) for n, c in zip(names.numpy(), counts.numpy())}
 
 
@@ -256,7 +256,7 @@ def log(clear=False):
     """
     lib = load_library()
     with _eager():
-        records = lib.sparse_split_rewrite_log(tf.constant(bool(clear)))
+        records = lib.tf_sparse_split_sparse_split_rewrite_log(tf.constant(bool(clear)))
     out = []
     for r in records.numpy():
         fields = {}

@@ -2,7 +2,7 @@
 
 ``sparse_split_matmul(..., return_stats=True)`` returns, beside the product, a
 float64 vector of length :data:`NUM_STATS`. Its entries (indices below) are
-the same as ``StatIndex`` in ``cc/kernels/sparse_matmul.h``:
+the same as ``StatIndex`` in ``cc/core/sparse_matmul.h``:
 
 ==================  =====================================================
 index               meaning

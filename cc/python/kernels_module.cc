@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "cc/kernels/sparse_matmul.h"
+#include "cc/core/sparse_matmul.h"
 
 namespace py = pybind11;
 

@@ -486,10 +486,10 @@ absl::Status RunImpl(const tf::GraphOptimizationPassOptions& options,
 
 const std::vector<RewriteEntry>& RewriteTable() {
   static const std::vector<RewriteEntry>* table = new std::vector<RewriteEntry>{
-      {"MatMul", "SparseSplitMatMul", 0, 2},
+      {"MatMul", "TfSparseSplit>SparseSplitMatMul", 0, 2},
       // Active only when the SparseSplitConv2D op is registered (checked at
       // pass time): input, filter, threshold -> output, stats.
-      {"Conv2D", "SparseSplitConv2D", 0, 2},
+      {"Conv2D", "TfSparseSplit>SparseSplitConv2D", 0, 2},
   };
   return *table;
 }

@@ -55,7 +55,7 @@ struct RewriteConfig {
 // One entry of the rewrite table: source op -> sparse-split op.
 struct RewriteEntry {
   const char* source_op;   // e.g. "MatMul"
-  const char* target_op;   // e.g. "SparseSplitMatMul"
+  const char* target_op;   // e.g. "TfSparseSplit>SparseSplitMatMul"
   int activation_input;    // index of the input whose zeros are exploited
   int num_data_inputs;     // data inputs of source_op, copied in order
   // The threshold input goes right after the copied data inputs.

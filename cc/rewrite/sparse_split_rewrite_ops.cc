@@ -17,7 +17,7 @@ namespace rewrite {
 namespace tf = ::tensorflow;
 using tf::shape_inference::InferenceContext;
 
-REGISTER_OP("SparseSplitRewriteConfig")
+REGISTER_OP("TfSparseSplit>SparseSplitRewriteConfig")
     .Input("enable: bool")
     .Input("threshold: float")
     .Input("min_flops: double")
@@ -42,7 +42,7 @@ producers: string vector of activation producer op types ("Relu", ...,
 active_ops: string vector of source op types whose replacement op is registered.
 )doc");
 
-REGISTER_OP("SparseSplitRewriteCounters")
+REGISTER_OP("TfSparseSplit>SparseSplitRewriteCounters")
     .Input("reset: bool")
     .Output("op_types: string")
     .Output("counts: int64")
@@ -60,7 +60,7 @@ op_types: string vector [n].
 counts: int64 vector [n].
 )doc");
 
-REGISTER_OP("SparseSplitRewriteLog")
+REGISTER_OP("TfSparseSplit>SparseSplitRewriteLog")
     .Input("clear: bool")
     .Output("records: string")
     .SetIsStateful()
@@ -159,11 +159,11 @@ class SparseSplitRewriteLogOp : public tf::OpKernel {
 
 }  // namespace
 
-REGISTER_KERNEL_BUILDER(Name("SparseSplitRewriteConfig").Device(tf::DEVICE_CPU),
+REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitRewriteConfig").Device(tf::DEVICE_CPU),
                         SparseSplitRewriteConfigOp);
-REGISTER_KERNEL_BUILDER(Name("SparseSplitRewriteCounters").Device(tf::DEVICE_CPU),
+REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitRewriteCounters").Device(tf::DEVICE_CPU),
                         SparseSplitRewriteCountersOp);
-REGISTER_KERNEL_BUILDER(Name("SparseSplitRewriteLog").Device(tf::DEVICE_CPU),
+REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitRewriteLog").Device(tf::DEVICE_CPU),
                         SparseSplitRewriteLogOp);
 
 }  // namespace rewrite

@@ -97,7 +97,7 @@ tfss_build_harness() {
   local defs=()
   [[ "${TFSS_HAVE_CUBLAS}" == 1 ]] || defs=(-DTFSS_HARNESS_NO_CUBLAS)
   local common=(-std=c++17 -O3 "$@")
-  local c1=("${TFSS_NVCC}" "${common[@]}" -x cu -c "${root}/cc/kernels/cuda/sparse_matmul.cu.cc"
+  local c1=("${TFSS_NVCC}" "${common[@]}" -x cu -c "${root}/cc/core/cuda/sparse_matmul.cu.cc"
             -o "${out}/sparse_matmul.o")
   local c2=("${TFSS_NVCC}" "${common[@]}" "${TFSS_CUBLAS_CFLAGS[@]}" "${defs[@]}" -x cu -c
             "${root}/cc/tests/cuda/harness.cu.cc" -o "${out}/harness.o")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the standalone CUDA harness (tests + benchmark of the kernels in
-# cc/kernels/cuda/, against a CPU float64 reference and cuBLAS) for Hopper
+# cc/core/cuda/, against a CPU float64 reference and cuBLAS) for Hopper
 # (sm_90) and runs it.
 #
 #   bash cc/tests/cuda/run_harness.sh [--tests-only|--bench-only] [--quick]

@@ -1,14 +1,14 @@
 // Pieces shared by the CPU and GPU kernels of SparseSplitMatMul: input
 // validation and the row split (histogram, dense/sparse rows, live columns).
-#ifndef TF_SPARSE_SPLIT_CC_OPS_SPARSE_SPLIT_MATMUL_COMMON_H_
-#define TF_SPARSE_SPLIT_CC_OPS_SPARSE_SPLIT_MATMUL_COMMON_H_
+#ifndef TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_SPLIT_MATMUL_COMMON_H_
+#define TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_SPLIT_MATMUL_COMMON_H_
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-#include "cc/kernels/sparse_matmul.h"
+#include "cc/core/sparse_matmul.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 
@@ -123,4 +123,4 @@ inline RowSplit SplitRows(const int64_t* row_nnz, int64_t m, int64_t k,
 
 }  // namespace tf_sparse_split
 
-#endif  // TF_SPARSE_SPLIT_CC_OPS_SPARSE_SPLIT_MATMUL_COMMON_H_
+#endif  // TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_SPLIT_MATMUL_COMMON_H_

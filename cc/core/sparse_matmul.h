@@ -14,25 +14,16 @@
 // run time, send rows above a density threshold to a dense GEMM and the rest to
 // a CSR SpMM, and skip all-zero columns of op(a) (with the matching rows of
 // op(b)) outright.
-#ifndef TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_MATMUL_H_
-#define TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_MATMUL_H_
+#ifndef TF_SPARSE_SPLIT_CC_CORE_SPARSE_MATMUL_H_
+#define TF_SPARSE_SPLIT_CC_CORE_SPARSE_MATMUL_H_
 
 #include <cstdint>
-#include <functional>
 #include <vector>
 
+#include "cc/core/parallel_for.h"
+#include "cc/core/stats.h"
+
 namespace tf_sparse_split {
-
-// Runs fn(begin, end) over disjoint sub-ranges that together cover
-// [0, total), possibly concurrently; returns when all have finished.
-// cost_per_unit is a rough cost of one unit in cycles (used to size shards).
-using ParallelFor = std::function<void(
-    int64_t total, int64_t cost_per_unit,
-    const std::function<void(int64_t, int64_t)>& fn)>;
-
-// A ParallelFor that runs everything on the calling thread.
-void SerialFor(int64_t total, int64_t cost_per_unit,
-               const std::function<void(int64_t, int64_t)>& fn);
 
 // Per-row and per-column nonzero counts of op(a) in one pass over a.
 //   a:            the physical matrix, row-major, phys_rows x phys_cols
@@ -104,44 +95,6 @@ template <typename T>
 void ZeroRows(const int64_t* out_rows, int64_t n_rows, int64_t n, T* c,
               int64_t ldc, const ParallelFor& pfor);
 
-// Number of bins of the row-density histogram in the statistics vector.
-constexpr int kDensityBins = 16;
-
-// Bin of a row density d in [0, 1]: floor(d * kDensityBins), 1.0 in the last.
-inline int DensityBin(double d) {
-  int b = static_cast<int>(d * kDensityBins);
-  return b < 0 ? 0 : (b >= kDensityBins ? kDensityBins - 1 : b);
-}
-
-// Layout of the per-call statistics vector (float64) that SparseSplitMatMul
-// emits as its second output. Times are wall-clock seconds.
-enum StatIndex : int {
-  kStatRowsDense = 0,       // rows of op(a) sent to the dense GEMM
-  kStatRowsSparse = 1,      // rows sent to the CSR SpMM (incl. all-zero rows)
-  kStatNnz = 2,             // nonzeros of op(a)
-  kStatZeroColsSkipped = 3, // all-zero columns of op(a) compacted away
-  kStatTimeDense = 4,       // seconds in the dense part (gather+GEMM+scatter)
-  kStatTimeSparse = 5,      // seconds in the sparse part (CSR build + SpMM)
-  kStatTimeAnalyze = 6,     // seconds measuring densities and deciding
-  kStatThreshold = 7,       // density threshold actually used, in [0, 1]
-  kStatM = 8,               // m: rows of op(a)
-  kStatK = 9,               // k: columns of op(a)
-  kStatN = 10,              // n: columns of op(b)
-  kStatNnzSparse = 11,      // nonzeros in the rows sent sparse
-  kStatHistogram = 12,      // [12, 12 + kDensityBins): rows per density bin
-  // Heterogeneous split (attr heterogeneous): kHeteroOff, kHeteroRan or
-  // kHeteroCpuFallback below.
-  kStatHeterogeneous = 12 + kDensityBins,
-  kNumStats = 13 + kDensityBins,
-};
-
-// Values of stats[kStatHeterogeneous].
-constexpr double kHeteroOff = 0.0;          // not requested
-constexpr double kHeteroRan = 1.0;          // GPU kernel: dense rows on the
-                                            // GPU, sparse rows on the CPU
-constexpr double kHeteroCpuFallback = 2.0;  // requested, but the CPU kernel
-                                            // ran: the normal CPU split
-
 }  // namespace tf_sparse_split
 
-#endif  // TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_MATMUL_H_
+#endif  // TF_SPARSE_SPLIT_CC_CORE_SPARSE_MATMUL_H_

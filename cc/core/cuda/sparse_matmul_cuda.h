@@ -43,8 +43,8 @@
 //
 // Build: sparse_matmul.cu.cc is compiled by nvcc (`-x cu`); this header only
 // needs the CUDA runtime headers and may be included from plain C++.
-#ifndef TF_SPARSE_SPLIT_CC_KERNELS_CUDA_SPARSE_MATMUL_CUDA_H_
-#define TF_SPARSE_SPLIT_CC_KERNELS_CUDA_SPARSE_MATMUL_CUDA_H_
+#ifndef TF_SPARSE_SPLIT_CC_CORE_CUDA_SPARSE_MATMUL_CUDA_H_
+#define TF_SPARSE_SPLIT_CC_CORE_CUDA_SPARSE_MATMUL_CUDA_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -250,4 +250,4 @@ cudaError_t SddmmGpu(const T* mask, const T* x, const T* y, int64_t m,
 
 }  // namespace tf_sparse_split
 
-#endif  // TF_SPARSE_SPLIT_CC_KERNELS_CUDA_SPARSE_MATMUL_CUDA_H_
+#endif  // TF_SPARSE_SPLIT_CC_CORE_CUDA_SPARSE_MATMUL_CUDA_H_

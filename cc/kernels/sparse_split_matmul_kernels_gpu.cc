@@ -1,14 +1,14 @@
 // SparseSplitMatMul: GPU kernel (layer 2 of DESIGN.md, GPU side).
 //
 // Compiled into the op library only for a CUDA TensorFlow (setup.py defines
-// GOOGLE_CUDA=1 and links the nvcc objects of cc/kernels/cuda and -lcudart);
+// GOOGLE_CUDA=1 and links the nvcc objects of cc/core/cuda and -lcudart);
 // in a CPU-only build this file is an empty translation unit.
 //
 // Same contract as the CPU kernel in sparse_split_matmul_ops.cc: product =
 // op(a) * op(b), rows of op(a) with density above the threshold go to a dense
 // GEMM (TensorFlow's own GPU "MatMul" kernel, i.e. cuBLAS, run in-process on
 // a sub-context on the op's stream), the other rows to the CUDA CSR SpMM of
-// cc/kernels/cuda, and all-zero columns of op(a) are compacted away from the
+// cc/core/cuda, and all-zero columns of op(a) are compacted away from the
 // dense part. Everything is enqueued on the op's CUDA stream (taken from the
 // TF GPU device context, as TF's own GPU kernels do); the host waits twice:
 // for the row/column counts (the split is decided on the host) and at the
@@ -47,11 +47,11 @@
 #include <tuple>
 #include <vector>
 
-#include "cc/kernels/cuda/sparse_matmul_cuda.h"
-#include "cc/kernels/sparse_matmul.h"
-#include "cc/ops/sparse_split_matmul_common.h"
-#include "cc/ops/tf_kernel.h"
-#include "cc/ops/tf_parallel_for.h"
+#include "cc/core/cuda/sparse_matmul_cuda.h"
+#include "cc/core/sparse_matmul.h"
+#include "cc/kernels/sparse_split_matmul_common.h"
+#include "cc/kernels/tf_kernel.h"
+#include "cc/kernels/tf_parallel_for.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -442,7 +442,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
 };
 
 #define TFSS_REGISTER_GPU(T)                                             \
-  REGISTER_KERNEL_BUILDER(Name("SparseSplitMatMul")                      \
+  REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitMatMul")                      \
                               .Device(tf::DEVICE_GPU)                    \
                               .TypeConstraint<T>("T")                    \
                               .HostMemory("threshold")                   \

@@ -21,13 +21,13 @@
 //
 // Non-finite values: products with exact zeros of x are skipped, so a NaN/Inf
 // in the filter that only meets zeros of x gives 0, not NaN (as tf.sparse).
-#ifndef TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_CONV2D_H_
-#define TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_CONV2D_H_
+#ifndef TF_SPARSE_SPLIT_CC_CORE_SPARSE_CONV2D_H_
+#define TF_SPARSE_SPLIT_CC_CORE_SPARSE_CONV2D_H_
 
 #include <cstdint>
 #include <vector>
 
-#include "cc/kernels/sparse_matmul.h"
+#include "cc/core/sparse_matmul.h"
 
 namespace tf_sparse_split {
 
@@ -170,4 +170,4 @@ void ScatterImages(const T* src, const Conv2DGeometry& g,
 
 }  // namespace tf_sparse_split
 
-#endif  // TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_CONV2D_H_
+#endif  // TF_SPARSE_SPLIT_CC_CORE_SPARSE_CONV2D_H_

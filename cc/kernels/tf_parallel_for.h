@@ -1,13 +1,13 @@
 // The ParallelFor hook of cc/kernels over TensorFlow's intra-op thread pool,
 // shared by every op kernel of the library.
-#ifndef TF_SPARSE_SPLIT_CC_OPS_TF_PARALLEL_FOR_H_
-#define TF_SPARSE_SPLIT_CC_OPS_TF_PARALLEL_FOR_H_
+#ifndef TF_SPARSE_SPLIT_CC_KERNELS_TF_PARALLEL_FOR_H_
+#define TF_SPARSE_SPLIT_CC_KERNELS_TF_PARALLEL_FOR_H_
 
 #include <algorithm>
 #include <cstdint>
 #include <functional>
 
-#include "cc/kernels/sparse_matmul.h"
+#include "cc/core/sparse_matmul.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace tf_sparse_split {
@@ -37,4 +37,4 @@ inline ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
 
 }  // namespace tf_sparse_split
 
-#endif  // TF_SPARSE_SPLIT_CC_OPS_TF_PARALLEL_FOR_H_
+#endif  // TF_SPARSE_SPLIT_CC_KERNELS_TF_PARALLEL_FOR_H_

@@ -1,7 +1,7 @@
 // Compression of one contiguous run of values into (index, value) pairs,
 // shared by the CSR builds of the matmul and conv kernels.
-#ifndef TF_SPARSE_SPLIT_CC_KERNELS_COMPRESS_H_
-#define TF_SPARSE_SPLIT_CC_KERNELS_COMPRESS_H_
+#ifndef TF_SPARSE_SPLIT_CC_CORE_COMPRESS_H_
+#define TF_SPARSE_SPLIT_CC_CORE_COMPRESS_H_
 
 #include <cstdint>
 
@@ -75,4 +75,4 @@ inline int64_t CompressRow<double>(const double* row, int64_t n, int32_t* ci,
 
 }  // namespace tf_sparse_split
 
-#endif  // TF_SPARSE_SPLIT_CC_KERNELS_COMPRESS_H_
+#endif  // TF_SPARSE_SPLIT_CC_CORE_COMPRESS_H_

@@ -2,8 +2,8 @@
 // in-process inside our op kernels, so that the dense part of a split runs
 // exactly the code tf.matmul / tf.nn.conv2d run (a plain Eigen contraction
 // compiled into a custom op was measured 2.7x slower than tf.matmul).
-#ifndef TF_SPARSE_SPLIT_CC_OPS_TF_KERNEL_H_
-#define TF_SPARSE_SPLIT_CC_OPS_TF_KERNEL_H_
+#ifndef TF_SPARSE_SPLIT_CC_KERNELS_TF_KERNEL_H_
+#define TF_SPARSE_SPLIT_CC_KERNELS_TF_KERNEL_H_
 
 #include <cstdlib>
 #include <functional>
@@ -119,4 +119,4 @@ inline absl::Status InitTfMatMul(::tensorflow::OpKernelConstruction* ctx,
 
 }  // namespace tf_sparse_split
 
-#endif  // TF_SPARSE_SPLIT_CC_OPS_TF_KERNEL_H_
+#endif  // TF_SPARSE_SPLIT_CC_KERNELS_TF_KERNEL_H_

@@ -1,6 +1,6 @@
 // CPU implementations of the kernels declared in sparse_conv2d.h.
-#include "cc/kernels/sparse_conv2d.h"
-#include "cc/kernels/compress.h"
+#include "cc/core/sparse_conv2d.h"
+#include "cc/core/compress.h"
 
 #include <algorithm>
 #include <cstring>
