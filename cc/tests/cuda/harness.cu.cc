@@ -22,7 +22,7 @@
 // Options: --tests-only, --bench-only, --quick (skip the two large shapes).
 // Exit codes: 0 all passed, 1 a test failed or a CUDA error, 77 no CUDA device.
 
-#include "../../kernels/cuda/sparse_matmul_cuda.h"
+#include "../../core/cuda/sparse_matmul_cuda.h"
 
 #include <cuda_runtime.h>
 
