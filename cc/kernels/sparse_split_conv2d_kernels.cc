@@ -21,39 +21,31 @@
 // H*W all-zero columns): M = N, K = H*W*C_in, N = KH*KW*C_out (flops / 2 per
 // input nonzero on the sparse path), ZERO_COLS_SKIPPED = H*W * (all-zero
 // channels skipped), NNZ / NNZ_SPARSE = nonzero input values.
-#include <chrono>
+#include <algorithm>
 #include <cmath>
-#include <map>
-#include <mutex>
-#include <random>
+#include <numeric>
+#include <string>
 #include <vector>
+
+#include "cc/core/cost_model.h"
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
+#include "cc/kernels/split_runtime.h"
 #include "cc/kernels/tf_kernel.h"
 #include "cc/kernels/tf_parallel_for.h"
-#include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/node_def_util.h"
-#include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 
 namespace tf_sparse_split {
 
 namespace tf = ::tensorflow;
-using tf::shape_inference::InferenceContext;
-using tf::shape_inference::ShapeHandle;
-
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Seconds(Clock::time_point t0, Clock::time_point t1) {
-  return std::chrono::duration<double>(t1 - t0).count();
-}
-
+absl::Status CheckFilter(const Conv2DGeometry& g, const tf::TensorShape& x,
+                         const tf::TensorShape& f, const char* op);
 
 // Strides, dilations and padding of one convolution op, validated.
 struct ConvAttrs {
@@ -74,26 +66,21 @@ struct ConvAttrs {
         absl::StrAppend(&s, i ? ", " : "", v[i]);
       return s + "]";
     };
-    if (strides.size() != 4)
-      return tf::errors::InvalidArgument(op, ": strides must have 4 entries "
-                                         "(NHWC), got ", list(strides));
-    if (strides[0] != 1 || strides[3] != 1)
-      return tf::errors::InvalidArgument(
-          op, ": strides on the batch and channel dimensions must be 1, got ",
-          list(strides));
-    if (strides[1] <= 0 || strides[2] <= 0)
-      return tf::errors::InvalidArgument(op, ": strides must be positive, got ",
-                                         list(strides));
-    if (dilations.size() != 4)
-      return tf::errors::InvalidArgument(op, ": dilations must have 4 entries "
-                                         "(NHWC), got ", list(dilations));
-    if (dilations[0] != 1 || dilations[3] != 1)
-      return tf::errors::InvalidArgument(
-          op, ": dilations on the batch and channel dimensions must be 1, got ",
-          list(dilations));
-    if (dilations[1] <= 0 || dilations[2] <= 0)
-      return tf::errors::InvalidArgument(
-          op, ": dilations must be positive, got ", list(dilations));
+    // strides and dilations: 4 NHWC entries, 1 on N and C, positive on H, W.
+    for (const auto* attr : {&strides, &dilations}) {
+      const std::vector<tf::int32>& v = *attr;
+      const char* name = attr == &strides ? "strides" : "dilations";
+      if (v.size() != 4)
+        return tf::errors::InvalidArgument(op, ": ", name, " must have 4 "
+                                           "entries (NHWC), got ", list(v));
+      if (v[0] != 1 || v[3] != 1)
+        return tf::errors::InvalidArgument(
+            op, ": ", name, " on the batch and channel dimensions must be 1, "
+            "got ", list(v));
+      if (v[1] <= 0 || v[2] <= 0)
+        return tf::errors::InvalidArgument(op, ": ", name,
+                                           " must be positive, got ", list(v));
+    }
     if (padding_code == 2) {
       if (explicit_paddings.size() != 8)
         return tf::errors::InvalidArgument(
@@ -117,8 +104,23 @@ struct ConvAttrs {
     return absl::OkStatus();
   }
 
+  // The geometry of input x [N, H, W, C_in] and filter f [KH, KW, C_in,
+  // C_out] under these attrs; InvalidArgument if they do not fit.
+  absl::Status Geometry(const tf::TensorShape& x, const tf::TensorShape& f,
+                        Conv2DGeometry* g, const char* op) const {
+    g->n = x.dim_size(0);
+    g->h = x.dim_size(1);
+    g->w = x.dim_size(2);
+    g->c_in = x.dim_size(3);
+    g->kh = f.dim_size(0);
+    g->kw = f.dim_size(1);
+    g->c_out = f.dim_size(3);
+    TF_RETURN_IF_ERROR(CheckFilter(*g, x, f, op));
+    return OutputGeometry(g, op);
+  }
+
   // Fills g's output size and padding from its input/filter sizes.
-  absl::Status Geometry(Conv2DGeometry* g, const char* op) const {
+  absl::Status OutputGeometry(Conv2DGeometry* g, const char* op) const {
     g->stride_h = strides[1];
     g->stride_w = strides[2];
     g->dil_h = dilations[1];
@@ -168,98 +170,36 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
   return k->Init(ctx, tf::DEVICE_CPU, op, "", num_inputs, attrs);
 }
 
-// Measured costs of the two paths for one problem family: dense flop/s
-// (2*rows*OH*OW*KH*KW*C_in_live*C_out per second); for the sparse path a
-// fixed cost per image (seconds: window look-ups over every output pixel,
-// which do not shrink with the nonzeros) plus useful flop/s
-// (2*nnz*KH*KW*C_out per second). Calibrated once at two densities, then the
-// rates follow an exponential moving average of each call's own timings.
-struct RateModel {
-  std::mutex mu;
-  bool calibrated = false;
-  double dense_rate = 0.0;
-  double sparse_rate = 0.0;
-  double sparse_image_s = 0.0;
-
-  void UpdateSparse(double flops, double seconds, int64_t images) {
-    double fixed;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      fixed = sparse_image_s * images;
-    }
-    Update(&sparse_rate, flops, std::max(seconds - fixed, 0.1 * seconds));
-  }
-
-  // Sets the model from calibration timings: dense seconds for
-  // `dense_flops`, sparse seconds t_hi / t_lo on `images` images holding
-  // nnz_hi / nnz_lo nonzeros, `per_nnz` useful flop per nonzero.
-  void Calibrated(double dense_flops, double t_dense, double t_hi,
-                  double nnz_hi, double t_lo, double nnz_lo, int64_t images,
-                  double per_nnz) {
-    double a = nnz_hi > nnz_lo ? (t_hi - t_lo) / (nnz_hi - nnz_lo) : 0.0;
-    double c = a > 0 ? (t_lo - a * nnz_lo) / std::max<int64_t>(1, images) : 0;
-    if (!(a > 0)) {  // timing noise: one-term model
-      a = t_hi / std::max(nnz_hi, 1.0);
-      c = 0.0;
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    if (calibrated) return;
-    dense_rate = dense_flops / std::max(t_dense, 1e-9);
-    sparse_rate = per_nnz / std::max(a, 1e-15);
-    sparse_image_s = std::max(c, 0.0);
-    calibrated = true;
-  }
-
-  void Update(double* rate, double flops, double seconds) {
-    if (flops < 2e7 || seconds <= 0.0) return;
-    const double r = flops / seconds;
-    std::lock_guard<std::mutex> lock(mu);
-    *rate = *rate > 0.0 ? 0.8 * *rate + 0.2 * r : r;
-  }
-};
-
-RateModel& Rates(std::vector<int64_t> key) {
-  static std::mutex* mu = new std::mutex;
-  static auto* models = new std::map<std::vector<int64_t>, RateModel>;
-  std::lock_guard<std::mutex> lock(*mu);
-  return (*models)[key];
-}
-
-std::vector<int64_t> FamilyKey(int which, tf::DataType dt,
+// The family of a convolution: op, dtype and the whole geometry but N.
+std::vector<int64_t> FamilyKey(FamilyOp op, tf::DataType dt,
                                const Conv2DGeometry& g) {
-  return {which,      static_cast<int64_t>(dt), g.h,        g.w,
+  return {op,         static_cast<int64_t>(dt), g.h,        g.w,
           g.c_in,     g.kh,     g.kw,       g.c_out,    g.stride_h,
           g.stride_w, g.dil_h,  g.dil_w,    g.pad_top,  g.pad_left,
           g.out_h,    g.out_w};
 }
 
-// Threshold from the model: image i is cheaper sparse when
-//   image_s + 2*nnz_i*KH*KW*C_out / sparse_rate
-//     < 2*OH*OW*KH*KW*C_in_live*C_out / dense_rate.
-double AutoThreshold(RateModel* r, const Conv2DGeometry& g, int64_t c_live) {
-  double dense_rate, sparse_rate, image_s;
-  {
-    std::lock_guard<std::mutex> lock(r->mu);
-    dense_rate = std::max(r->dense_rate, 1.0);
-    sparse_rate = r->sparse_rate;
-    image_s = r->sparse_image_s;
-  }
-  const double per_nnz = 2.0 * g.kh * g.kw * g.c_out;
-  const double dense_image_s =
-      per_nnz * g.out_h * g.out_w * c_live / dense_rate;
-  const double nnz_max = (dense_image_s - image_s) * sparse_rate / per_nnz;
-  const double t =
-      nnz_max / static_cast<double>(std::max<int64_t>(1, g.h * g.w * g.c_in));
-  return std::min(1.0, std::max(0.0, t));
-}
-
-// Fills x (n*h*w*c values) with about `density` nonzeros in [0.5, 1.5).
-template <typename T>
-void FillRandom(T* x, int64_t total, double density, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> u(0.0, 1.0);
-  for (int64_t i = 0; i < total; ++i)
-    x[i] = u(gen) < density ? T(u(gen) + 0.5) : T(0);
+// The cost model's view of a convolution: rows are images of H*W*C_in
+// values (an all-zero channel is H*W all-zero columns); the dense path does
+// 2*OH*OW*KH*KW*C_out flop per input channel of an image, i.e.
+// 2*OH*OW*KH*KW*C_out / (H*W) per value; the sparse path 2*KH*KW*C_out per
+// nonzero; a split copies an image of OH*OW*C_out per dense image (output
+// scatter, or the filter gradient's dY gather); compaction copies
+// KH*KW*C_out filter values per live channel.
+SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
+                          bool dense_allowed) {
+  SplitShape s;
+  const double hw = static_cast<double>(std::max<int64_t>(1, g.h * g.w));
+  const double per_channel = 2.0 * g.out_h * g.out_w * g.kh * g.kw * g.c_out;
+  s.m = g.n;
+  s.k = g.h * g.w * g.c_in;
+  s.k_live = g.h * g.w * c_live;
+  s.dense_flops_per_elem = per_channel / hw;
+  s.sparse_flops_per_nnz = 2.0 * g.kh * g.kw * g.c_out;
+  s.row_copy_elems = static_cast<double>(g.out_h) * g.out_w * g.c_out;
+  s.weight_elems_per_col = static_cast<double>(g.kh) * g.kw * g.c_out / hw;
+  s.dense_allowed = dense_allowed;
+  return s;
 }
 
 absl::Status CheckThreshold(const tf::Tensor& t, const char* op, float* out) {
@@ -271,60 +211,6 @@ absl::Status CheckThreshold(const tf::Tensor& t, const char* op, float* out) {
     return tf::errors::InvalidArgument(
         op, ": threshold must be in [0, 1] or negative (automatic), got ",
         *out);
-  return absl::OkStatus();
-}
-
-// Images used to calibrate: enough for ~2^18 input values (a few images of
-// a small layer would time mostly fixed overheads), at least 8, at most the
-// batch.
-int64_t CalibrationImages(const Conv2DGeometry& g) {
-  const int64_t per = std::max<int64_t>(1, g.h * g.w * g.c_in);
-  return std::min<int64_t>(g.n, std::max<int64_t>(8, (int64_t{1} << 18) / per));
-}
-
-// Splits the images by density and fills the histogram.
-void SplitImages(const std::vector<int64_t>& image_nnz, int64_t per_image,
-                 double thr, double* stats, std::vector<int64_t>* dense,
-                 std::vector<int64_t>* sparse, int64_t* nnz_sparse) {
-  *nnz_sparse = 0;
-  for (int64_t i = 0; i < static_cast<int64_t>(image_nnz.size()); ++i) {
-    const double d = static_cast<double>(image_nnz[i]) / per_image;
-    stats[kStatHistogram + DensityBin(d)] += 1;
-    if (d > thr) {
-      dense->push_back(i);
-    } else {
-      sparse->push_back(i);
-      *nnz_sparse += image_nnz[i];
-    }
-  }
-}
-
-// Allocates the statistics output (*stats) and records the sizes and the
-// threshold as given. For a problem with no work it also writes the zero
-// output 0 of `out_shape` and sets *done.
-template <typename T>
-absl::Status StartCall(tf::OpKernelContext* ctx, const Conv2DGeometry& g,
-                       float thr_in, const tf::TensorShape& out_shape,
-                       double** stats, bool* done) {
-  tf::Tensor* stats_t = nullptr;
-  TF_RETURN_IF_ERROR(
-      ctx->allocate_output(1, tf::TensorShape({kNumStats}), &stats_t));
-  double* st = stats_t->flat<double>().data();
-  std::fill(st, st + kNumStats, 0.0);
-  st[kStatM] = g.n;
-  st[kStatK] = g.h * g.w * g.c_in;
-  st[kStatN] = g.kh * g.kw * g.c_out;
-  st[kStatThreshold] = thr_in < 0 ? 0.0 : thr_in;
-  *stats = st;
-  *done = g.n == 0 || g.out_h == 0 || g.out_w == 0 || g.c_out == 0 ||
-          g.h * g.w * g.c_in == 0;
-  if (*done) {
-    tf::Tensor* out = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(0, out_shape, &out));
-    out->flat<T>().setZero();
-    st[kStatRowsSparse] = g.n;
-    if (g.n > 0) st[kStatHistogram] = g.n;
-  }
   return absl::OkStatus();
 }
 
@@ -374,6 +260,178 @@ void SparseFilterGrad(const T* x, const Conv2DGeometry& g,
   }
 }
 
+// The filter_sizes tensor [KH, KW, c, C_out] of TF's Conv2DBackpropFilter.
+tf::Tensor FilterSizes(const Conv2DGeometry& g, int64_t c) {
+  tf::Tensor t(tf::DT_INT32, tf::TensorShape({4}));
+  auto v = t.vec<tf::int32>();
+  v(0) = g.kh;
+  v(1) = g.kw;
+  v(2) = c;
+  v(3) = g.c_out;
+  return t;
+}
+
+// The analysis of one convolution call: nonzeros per image and per input
+// channel, the live (not all-zero) channels.
+struct ConvAnalysis {
+  std::vector<int64_t> image_nnz, chan_nnz, live;
+  int64_t nnz = 0, c_live = 0;
+
+  template <typename T>
+  void Run(const T* x, const Conv2DGeometry& g, const ParallelFor& pfor) {
+    image_nnz.assign(g.n, 0);
+    chan_nnz.assign(g.c_in, 0);
+    nnz = CountConvNonzeros<T>(x, g, image_nnz.data(), chan_nnz.data(), pfor);
+    live = LiveColumns(chan_nnz.data(), g.c_in);
+    c_live = static_cast<int64_t>(live.size());
+  }
+};
+
+// Whether the call has no work (an empty dimension); then it writes the
+// zero output 0 of `out_shape` and the statistics.
+template <typename T>
+absl::Status FinishIfEmpty(tf::OpKernelContext* ctx, const Conv2DGeometry& g,
+                           const tf::TensorShape& out_shape, SplitCall* call,
+                           bool* done) {
+  *done = g.n == 0 || g.out_h == 0 || g.out_w == 0 || g.c_out == 0 ||
+          g.h * g.w * g.c_in == 0;
+  if (!*done) return absl::OkStatus();
+  tf::Tensor* out = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, out_shape, &out));
+  out->flat<T>().setZero();
+  call->FinishEmpty(g.n, 0, nullptr);
+  return absl::OkStatus();
+}
+
+// The steps both convolution ops take before their dense part: statistics,
+// the empty case, the analysis of x and the split decision.
+struct ConvSplit {
+  SplitCall call;
+  ConvAnalysis an;
+  ParallelFor pfor;
+  // After Prepare: rows (images) per part, compaction and the channels the
+  // dense part multiplies.
+  int64_t rd = 0, rs = 0, kc = 0;
+  bool compact = false;
+
+  const std::vector<int64_t>& dense() const { return call.split().dense_rows; }
+  const std::vector<int64_t>& sparse() const { return call.split().sparse_rows; }
+
+  ConvSplit(tf::OpKernelContext* ctx, const Conv2DGeometry& g, float threshold)
+      : call(ctx, 1, g.n, g.h * g.w * g.c_in, g.kh * g.kw * g.c_out, threshold),
+        pfor(TfParallelFor(ctx)) {}
+
+  // Sets *done when nothing is left to do (an empty problem: output 0 of
+  // `out_shape` zeroed and statistics written).
+  template <typename T, typename Paths>
+  absl::Status Prepare(tf::OpKernelContext* ctx, const tf::Tensor& x,
+                       const Conv2DGeometry& g, const tf::TensorShape& out_shape,
+                       FamilyOp op, bool dense_allowed, Paths& paths,
+                       PlanMemory* plans, bool* done) {
+    TF_RETURN_IF_ERROR(call.status());
+    TF_RETURN_IF_ERROR(FinishIfEmpty<T>(ctx, g, out_shape, &call, done));
+    if (*done) return absl::OkStatus();
+    an.Run<T>(x.flat<T>().data(), g, pfor);
+    TF_RETURN_IF_ERROR(call.Decide<T>(
+        ctx, paths, ConvSplitShape(g, an.c_live, dense_allowed),
+        an.image_nnz.data(),
+        &FamilyFor(FamilyKey(op, tf::DataTypeToEnum<T>::value, g)), plans,
+        pfor));
+    rd = call.rows_dense();
+    rs = call.rows_sparse();
+    compact = call.compact();
+    kc = compact ? an.c_live : g.c_in;
+    return absl::OkStatus();
+  }
+
+  // The dense part's input: the dense images of x with the kept channels,
+  // [rd, H, W, kc], gathered into *xd.
+  template <typename T>
+  absl::Status GatherDense(tf::OpKernelContext* ctx, const tf::Tensor& x,
+                           const Conv2DGeometry& g, tf::Tensor* xd) const {
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(
+        x.dtype(), tf::TensorShape({rd, g.h, g.w, kc}), xd));
+    GatherImagesChannels<T>(x.flat<T>().data(), g,
+                            rd == g.n ? nullptr : dense().data(), rd,
+                            compact ? an.live.data() : nullptr, kc,
+                            xd->flat<T>().data(), pfor);
+    return absl::OkStatus();
+  }
+
+  // Records the call: statistics tail and the family's rates.
+  void Finish(const Conv2DGeometry& g) {
+    const int64_t kc_used = (rd == 0 || compact) ? an.c_live : g.c_in;
+    call.Finish(an.nnz, static_cast<double>(g.c_in - kc_used) * g.h * g.w);
+  }
+};
+
+// The calibration functors (split_runtime.h) of the two convolution ops:
+// samples are the first images of x (contiguous NHWC, H*W*C_in values per
+// row); the dense path is TF's kernel on them, the sparse path the kernels
+// of cc/core/sparse_conv2d.h.
+struct ConvSamples {
+  const tf::Tensor& x;
+  const Conv2DGeometry& g;
+  tf::OpKernelContext* ctx;
+  const ParallelFor& pfor;
+
+  absl::Status Sample(int64_t rows, tf::Tensor* sample) {
+    *sample = x.Slice(0, rows);
+    return absl::OkStatus();
+  }
+  // The geometry of `sample` (its N) and its image list 0..N-1.
+  Conv2DGeometry Of(const tf::Tensor& sample, std::vector<int64_t>* imgs) const {
+    Conv2DGeometry gs = g;
+    gs.n = sample.dim_size(0);
+    imgs->resize(gs.n);
+    std::iota(imgs->begin(), imgs->end(), int64_t{0});
+    return gs;
+  }
+};
+
+template <typename T>
+struct ConvForwardPaths : ConvSamples {
+  const tf::Tensor& f;
+  const TfKernel& conv;
+
+  absl::Status RunDense(const tf::Tensor& sample) {
+    tf::Tensor result;
+    return conv.Run(ctx, {&sample, &f}, &result);
+  }
+  absl::Status RunSparse(const tf::Tensor& sample, const int64_t* image_nnz) {
+    std::vector<int64_t> imgs;
+    const Conv2DGeometry gs = Of(sample, &imgs);
+    std::vector<T> y(gs.n * g.out_h * g.out_w * g.c_out);
+    PixelCsr<T> csr;
+    BuildPixelCsr<T>(sample.flat<T>().data(), gs, imgs.data(), gs.n, image_nnz,
+                     &csr, pfor);
+    SparseConv2DForward<T>(csr, gs, imgs.data(), gs.n, f.flat<T>().data(),
+                           y.data(), pfor);
+    return absl::OkStatus();
+  }
+};
+
+template <typename T>
+struct ConvFilterGradPaths : ConvSamples {
+  const tf::Tensor& dy;
+  const TfKernel& backprop_filter;
+
+  absl::Status RunDense(const tf::Tensor& sample) {
+    const tf::Tensor dys = dy.Slice(0, sample.dim_size(0));
+    const tf::Tensor sizes = FilterSizes(g, g.c_in);
+    tf::Tensor result;
+    return backprop_filter.Run(ctx, {&sample, &sizes, &dys}, &result);
+  }
+  absl::Status RunSparse(const tf::Tensor& sample, const int64_t* image_nnz) {
+    std::vector<int64_t> imgs;
+    const Conv2DGeometry gs = Of(sample, &imgs);
+    std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out, T(0));
+    SparseFilterGrad<T>(sample.flat<T>().data(), gs, imgs.data(), gs.n,
+                        image_nnz, dy.flat<T>().data(), df.data(), pfor);
+    return absl::OkStatus();
+  }
+};
+
 }  // namespace
 
 template <typename T>
@@ -387,7 +445,6 @@ class SparseSplitConv2DOp : public tf::OpKernel {
 
   void Compute(tf::OpKernelContext* ctx) override {
     static constexpr const char* kOp = "SparseSplitConv2D";
-    const auto t_start = Clock::now();
     const tf::Tensor& x = ctx->input(0);
     const tf::Tensor& f = ctx->input(1);
     OP_REQUIRES_OK(ctx, CheckInput(x, kOp));
@@ -398,69 +455,36 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     float thr_in;
     OP_REQUIRES_OK(ctx, CheckThreshold(ctx->input(2), kOp, &thr_in));
     Conv2DGeometry g;
-    g.n = x.dim_size(0);
-    g.h = x.dim_size(1);
-    g.w = x.dim_size(2);
-    g.c_in = x.dim_size(3);
-    g.kh = f.dim_size(0);
-    g.kw = f.dim_size(1);
-    g.c_out = f.dim_size(3);
-    OP_REQUIRES_OK(ctx, CheckFilter(g, x.shape(), f.shape(), kOp));
-    OP_REQUIRES_OK(ctx, attrs_.Geometry(&g, kOp));
+    OP_REQUIRES_OK(ctx, attrs_.Geometry(x.shape(), f.shape(), &g, kOp));
 
     const tf::TensorShape out_shape({g.n, g.out_h, g.out_w, g.c_out});
-    const int64_t per_image = g.h * g.w * g.c_in;
-    double* stats = nullptr;
+    ConvSplit s(ctx, g, thr_in);
+    ConvForwardPaths<T> paths{{x, g, ctx, s.pfor}, f, conv_};
     bool done = false;
-    OP_REQUIRES_OK(ctx, StartCall<T>(ctx, g, thr_in, out_shape, &stats, &done));
+    OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
+                                     true, paths, &plans_, &done));
     if (done) return;
     const T* xp = x.flat<T>().data();
     const T* fp = f.flat<T>().data();
-    ParallelFor pfor = TfParallelFor(ctx);
-
-    // --- Analysis. ----------------------------------------------------------
-    std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in);
-    const int64_t nnz = CountConvNonzeros<T>(xp, g, image_nnz.data(),
-                                             chan_nnz.data(), pfor);
-    const std::vector<int64_t> live = LiveColumns(chan_nnz.data(), g.c_in);
-    const int64_t c_live = static_cast<int64_t>(live.size());
-    RateModel& rates = Rates(FamilyKey(0, tf::DataTypeToEnum<T>::value, g));
-    double thr = thr_in;
-    if (thr_in < 0) {
-      if (!rates.calibrated) OP_REQUIRES_OK(ctx, Calibrate(ctx, f, g, pfor, &rates));
-      thr = AutoThreshold(&rates, g, c_live);
-    }
-    std::vector<int64_t> dense, sparse;
-    int64_t nnz_sparse = 0;
-    SplitImages(image_nnz, per_image, thr, stats, &dense, &sparse, &nnz_sparse);
-    const int64_t rd = dense.size(), rs = sparse.size();
-    const auto t_analyzed = Clock::now();
+    const int64_t rd = s.rd, rs = s.rs, kc = s.kc;
 
     // --- Dense part. --------------------------------------------------------
-    const bool compact = rd > 0 && c_live < g.c_in &&
-                         (rd < g.n || (g.c_in - c_live) * 16 >= g.c_in);
     tf::Tensor* out = nullptr;
     if (rd < g.n) OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     if (rd > 0) {
       tf::Tensor result;
-      if (rd == g.n && !compact) {
-        OP_REQUIRES_OK(ctx, conv_.Run(ctx, {&x, &f},
-                                      &result));
+      if (rd == g.n && !s.compact) {
+        OP_REQUIRES_OK(ctx, conv_.Run(ctx, {&x, &f}, &result));
       } else {
-        const int64_t kc = compact ? c_live : g.c_in;
-        const tf::DataType dt = tf::DataTypeToEnum<T>::value;
         tf::Tensor xd, fc;
-        OP_REQUIRES_OK(ctx, ctx->allocate_temp(
-                                dt, tf::TensorShape({rd, g.h, g.w, kc}), &xd));
-        GatherImagesChannels<T>(xp, g, rd == g.n ? nullptr : dense.data(), rd,
-                                compact ? live.data() : nullptr, kc,
-                                xd.flat<T>().data(), pfor);
+        OP_REQUIRES_OK(ctx, s.GatherDense<T>(ctx, x, g, &xd));
         const tf::Tensor* fin = &f;
-        if (compact) {
+        if (s.compact) {
           OP_REQUIRES_OK(ctx, ctx->allocate_temp(
-                                  dt, tf::TensorShape({g.kh, g.kw, kc, g.c_out}),
+                                  x.dtype(), tf::TensorShape({g.kh, g.kw, kc, g.c_out}),
                                   &fc));
-          GatherFilterChannels<T>(fp, g, live.data(), kc, fc.flat<T>().data());
+          GatherFilterChannels<T>(fp, g, s.an.live.data(), kc,
+                                  fc.flat<T>().data());
           fin = &fc;
         }
         OP_REQUIRES_OK(ctx, conv_.Run(ctx, {&xd, fin}, &result));
@@ -468,89 +492,28 @@ class SparseSplitConv2DOp : public tf::OpKernel {
       if (rd == g.n) {
         ctx->set_output(0, result);
       } else {
-        ScatterImages<T>(result.flat<T>().data(), g, dense.data(), rd,
-                         out->flat<T>().data(), pfor);
+        ScatterImages<T>(result.flat<T>().data(), g, s.dense().data(), rd,
+                         out->flat<T>().data(), s.pfor);
       }
     }
-    const auto t_dense = Clock::now();
+    s.call.DenseDone();
 
     // --- Sparse part. -------------------------------------------------------
     if (rs > 0) {
       PixelCsr<T> csr;
-      BuildPixelCsr<T>(xp, g, sparse.data(), rs, image_nnz.data(), &csr, pfor);
-      SparseConv2DForward<T>(csr, g, sparse.data(), rs, fp,
-                             out->flat<T>().data(), pfor);
+      BuildPixelCsr<T>(xp, g, s.sparse().data(), rs, s.an.image_nnz.data(), &csr,
+                       s.pfor);
+      SparseConv2DForward<T>(csr, g, s.sparse().data(), rs, fp,
+                             out->flat<T>().data(), s.pfor);
     }
-    const auto t_sparse = Clock::now();
-
-    const int64_t kc = (rd == 0 || compact) ? c_live : g.c_in;
-    const double time_dense = Seconds(t_analyzed, t_dense);
-    const double time_sparse = Seconds(t_dense, t_sparse);
-    rates.Update(&rates.dense_rate,
-                 2.0 * rd * g.out_h * g.out_w * g.kh * g.kw * kc * g.c_out,
-                 time_dense);
-    rates.UpdateSparse(2.0 * nnz_sparse * g.kh * g.kw * g.c_out, time_sparse,
-                       rs);
-    stats[kStatRowsDense] = rd;
-    stats[kStatRowsSparse] = rs;
-    stats[kStatNnz] = nnz;
-    stats[kStatZeroColsSkipped] = static_cast<double>(g.c_in - kc) * g.h * g.w;
-    stats[kStatTimeDense] = time_dense;
-    stats[kStatTimeSparse] = time_sparse;
-    stats[kStatTimeAnalyze] = Seconds(t_start, t_analyzed);
-    stats[kStatThreshold] = thr;
-    stats[kStatNnzSparse] = nnz_sparse;
+    s.call.SparseDone();
+    s.Finish(g);
   }
 
  private:
-  // Times both paths on CalibrationImages(g) synthetic images of this
-  // geometry: dense at 90% sparsity, sparse at 90% and 99% (best of 2 runs
-  // each) to separate its per-image and per-nonzero costs.
-  absl::Status Calibrate(tf::OpKernelContext* ctx, const tf::Tensor& f,
-                         Conv2DGeometry g, const ParallelFor& pfor,
-                         RateModel* model) const {
-    g.n = CalibrationImages(g);
-    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
-    tf::Tensor xt;
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(dt, tf::TensorShape({g.n, g.h, g.w, g.c_in}), &xt));
-    T* xs = xt.flat<T>().data();
-    const int64_t total = g.n * g.h * g.w * g.c_in;
-    std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in), imgs(g.n);
-    for (int64_t i = 0; i < g.n; ++i) imgs[i] = i;
-    std::vector<T> y(g.n * g.out_h * g.out_w * g.c_out);
-    double best_d = 1e30, t_sp[2] = {1e30, 1e30}, nnz[2] = {0, 0};
-    const double density[2] = {0.1, 0.01};
-    for (int k = 0; k < 2; ++k) {
-      FillRandom<T>(xs, total, density[k], 1234 + k);
-      nnz[k] = CountConvNonzeros<T>(xs, g, image_nnz.data(), chan_nnz.data(),
-                                    pfor);
-      for (int rep = 0; rep < 2; ++rep) {
-        const auto t0 = Clock::now();
-        if (k == 0) {
-          tf::Tensor result;
-          TF_RETURN_IF_ERROR(
-              conv_.Run(ctx, {&xt, &f}, &result));
-        }
-        const auto t1 = Clock::now();
-        PixelCsr<T> csr;
-        BuildPixelCsr<T>(xs, g, imgs.data(), g.n, image_nnz.data(), &csr,
-                         pfor);
-        SparseConv2DForward<T>(csr, g, imgs.data(), g.n, f.flat<T>().data(),
-                               y.data(), pfor);
-        const auto t2 = Clock::now();
-        if (k == 0) best_d = std::min(best_d, Seconds(t0, t1));
-        t_sp[k] = std::min(t_sp[k], Seconds(t1, t2));
-      }
-    }
-    model->Calibrated(
-        2.0 * g.n * g.out_h * g.out_w * g.kh * g.kw * g.c_in * g.c_out, best_d,
-        t_sp[0], nnz[0], t_sp[1], nnz[1], g.n, 2.0 * g.kh * g.kw * g.c_out);
-    return absl::OkStatus();
-  }
-
   ConvAttrs attrs_;
   TfKernel conv_;
+  PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 
 template <typename T>
@@ -573,7 +536,6 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
 
   void Compute(tf::OpKernelContext* ctx) override {
     static constexpr const char* kOp = "SparseSplitConv2DBackpropFilter";
-    const auto t_start = Clock::now();
     const tf::Tensor& x = ctx->input(0);
     const tf::Tensor& sizes = ctx->input(1);
     const tf::Tensor& dy = ctx->input(2);
@@ -594,15 +556,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     float thr_in;
     OP_REQUIRES_OK(ctx, CheckThreshold(ctx->input(3), kOp, &thr_in));
     Conv2DGeometry g;
-    g.n = x.dim_size(0);
-    g.h = x.dim_size(1);
-    g.w = x.dim_size(2);
-    g.c_in = x.dim_size(3);
-    g.kh = sz(0);
-    g.kw = sz(1);
-    g.c_out = sz(3);
-    OP_REQUIRES_OK(ctx, CheckFilter(g, x.shape(), fshape, kOp));
-    OP_REQUIRES_OK(ctx, attrs_.Geometry(&g, kOp));
+    OP_REQUIRES_OK(ctx, attrs_.Geometry(x.shape(), fshape, &g, kOp));
     const tf::TensorShape dy_expected({g.n, g.out_h, g.out_w, g.c_out});
     OP_REQUIRES(ctx, dy.shape() == dy_expected,
                 tf::errors::InvalidArgument(
@@ -611,58 +565,25 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                     fshape.DebugString(), " give ",
                     dy_expected.DebugString()));
 
-    const int64_t per_image = g.h * g.w * g.c_in;
-    double* stats = nullptr;
+    ConvSplit s(ctx, g, thr_in);
+    ConvFilterGradPaths<T> paths{{x, g, ctx, s.pfor}, dy, bf_};
     bool done = false;
-    OP_REQUIRES_OK(ctx, StartCall<T>(ctx, g, thr_in, fshape, &stats, &done));
+    OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, fshape, kFamilyConv2DFilterGrad,
+                                     dense_ok_, paths, &plans_, &done));
     if (done) return;
     const T* xp = x.flat<T>().data();
-    ParallelFor pfor = TfParallelFor(ctx);
+    const int64_t rd = s.rd, rs = s.rs, kc = s.kc;
 
-    std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in);
-    const int64_t nnz = CountConvNonzeros<T>(xp, g, image_nnz.data(),
-                                             chan_nnz.data(), pfor);
-    const std::vector<int64_t> live = LiveColumns(chan_nnz.data(), g.c_in);
-    const int64_t c_live = static_cast<int64_t>(live.size());
-    RateModel& rates = Rates(FamilyKey(1, tf::DataTypeToEnum<T>::value, g));
-    double thr = thr_in;
-    if (!dense_ok_) {
-      thr = 1.0;
-    } else if (thr_in < 0) {
-      if (!rates.calibrated)
-        OP_REQUIRES_OK(ctx, Calibrate(ctx, dy, g, pfor, &rates));
-      thr = AutoThreshold(&rates, g, c_live);
-    }
-    std::vector<int64_t> dense, sparse;
-    int64_t nnz_sparse = 0;
-    SplitImages(image_nnz, per_image, thr, stats, &dense, &sparse, &nnz_sparse);
-    const int64_t rd = dense.size(), rs = sparse.size();
-    const auto t_analyzed = Clock::now();
-
-    const bool compact = rd > 0 && c_live < g.c_in &&
-                         (rd < g.n || (g.c_in - c_live) * 16 >= g.c_in);
-    const int64_t kc = compact ? c_live : g.c_in;
-    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
+    // --- Dense part: TF's filter gradient over the dense images. ------------
     tf::Tensor* out = nullptr;
-    bool out_set = false;
     if (rd > 0) {
       tf::Tensor result;
-      tf::Tensor sizes_t(tf::DT_INT32, tf::TensorShape({4}));
-      auto sv = sizes_t.vec<tf::int32>();
-      sv(0) = g.kh;
-      sv(1) = g.kw;
-      sv(2) = kc;
-      sv(3) = g.c_out;
-      if (rd == g.n && !compact) {
-        OP_REQUIRES_OK(ctx, bf_.Run(ctx, {&x, &sizes_t, &dy},
-                                    &result));
+      const tf::Tensor sizes_t = FilterSizes(g, kc);
+      if (rd == g.n && !s.compact) {
+        OP_REQUIRES_OK(ctx, bf_.Run(ctx, {&x, &sizes_t, &dy}, &result));
       } else {
         tf::Tensor xd, dyd;
-        OP_REQUIRES_OK(ctx, ctx->allocate_temp(
-                                dt, tf::TensorShape({rd, g.h, g.w, kc}), &xd));
-        GatherImagesChannels<T>(xp, g, rd == g.n ? nullptr : dense.data(), rd,
-                                compact ? live.data() : nullptr, kc,
-                                xd.flat<T>().data(), pfor);
+        OP_REQUIRES_OK(ctx, s.GatherDense<T>(ctx, x, g, &xd));
         const tf::Tensor* dyin = &dy;
         if (rd < g.n) {
           Conv2DGeometry gy;
@@ -671,116 +592,48 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
           gy.w = g.out_w;
           gy.c_in = g.c_out;
           OP_REQUIRES_OK(ctx, ctx->allocate_temp(
-                                  dt, tf::TensorShape({rd, g.out_h, g.out_w,
+                                  x.dtype(), tf::TensorShape({rd, g.out_h, g.out_w,
                                                        g.c_out}),
                                   &dyd));
-          GatherImagesChannels<T>(dy.flat<T>().data(), gy, dense.data(), rd,
-                                  nullptr, g.c_out, dyd.flat<T>().data(), pfor);
+          GatherImagesChannels<T>(dy.flat<T>().data(), gy, s.dense().data(), rd,
+                                  nullptr, g.c_out, dyd.flat<T>().data(), s.pfor);
           dyin = &dyd;
         }
         OP_REQUIRES_OK(ctx, bf_.Run(ctx, {&xd, &sizes_t, dyin}, &result));
       }
-      if (!compact) {
-        if (rs == 0) {
-          ctx->set_output(0, result);
-          out_set = true;
-        } else {
-          // The dense part becomes the output buffer the sparse part adds to.
-          OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
-          std::copy_n(result.flat<T>().data(), fshape.num_elements(),
-                      out->flat<T>().data());
-        }
+      if (!s.compact && rs == 0) {
+        ctx->set_output(0, result);
+      } else if (!s.compact) {
+        // The dense part becomes the output buffer the sparse part adds to.
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
+        std::copy_n(result.flat<T>().data(), fshape.num_elements(),
+                    out->flat<T>().data());
       } else {
         OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
         out->flat<T>().setZero();
-        ScatterFilterChannels<T>(result.flat<T>().data(), g, live.data(), kc,
-                                 out->flat<T>().data(), true);
+        ScatterFilterChannels<T>(result.flat<T>().data(), g, s.an.live.data(),
+                                 kc, out->flat<T>().data(), true);
       }
     } else {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
       out->flat<T>().setZero();
     }
-    const auto t_dense = Clock::now();
+    s.call.DenseDone();
 
-    if (rs > 0 && nnz_sparse > 0) {
-      SparseFilterGrad<T>(xp, g, sparse.data(), rs, image_nnz.data(),
-                          dy.flat<T>().data(), out->flat<T>().data(), pfor);
+    // --- Sparse part: adds the sparse images' contribution. -----------------
+    if (rs > 0 && s.call.split().nnz_sparse > 0) {
+      SparseFilterGrad<T>(xp, g, s.sparse().data(), rs, s.an.image_nnz.data(),
+                          dy.flat<T>().data(), out->flat<T>().data(), s.pfor);
     }
-    (void)out_set;
-    const auto t_sparse = Clock::now();
-
-    const int64_t kc_used = (rd == 0 || compact) ? c_live : g.c_in;
-    const double time_dense = Seconds(t_analyzed, t_dense);
-    const double time_sparse = Seconds(t_dense, t_sparse);
-    rates.Update(&rates.dense_rate,
-                 2.0 * rd * g.out_h * g.out_w * g.kh * g.kw * kc_used * g.c_out,
-                 time_dense);
-    rates.UpdateSparse(2.0 * nnz_sparse * g.kh * g.kw * g.c_out, time_sparse,
-                       rs);
-    stats[kStatRowsDense] = rd;
-    stats[kStatRowsSparse] = rs;
-    stats[kStatNnz] = nnz;
-    stats[kStatZeroColsSkipped] =
-        static_cast<double>(g.c_in - kc_used) * g.h * g.w;
-    stats[kStatTimeDense] = time_dense;
-    stats[kStatTimeSparse] = time_sparse;
-    stats[kStatTimeAnalyze] = Seconds(t_start, t_analyzed);
-    stats[kStatThreshold] = thr;
-    stats[kStatNnzSparse] = nnz_sparse;
+    s.call.SparseDone();
+    s.Finish(g);
   }
 
  private:
-  absl::Status Calibrate(tf::OpKernelContext* ctx, const tf::Tensor& dy,
-                         Conv2DGeometry g, const ParallelFor& pfor,
-                         RateModel* model) const {
-    g.n = CalibrationImages(g);
-    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
-    tf::Tensor xt, dyt;
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(dt, tf::TensorShape({g.n, g.h, g.w, g.c_in}), &xt));
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(
-        dt, tf::TensorShape({g.n, g.out_h, g.out_w, g.c_out}), &dyt));
-    std::copy_n(dy.flat<T>().data(), dyt.NumElements(), dyt.flat<T>().data());
-    T* xs = xt.flat<T>().data();
-    const int64_t total = g.n * g.h * g.w * g.c_in;
-    std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in), imgs(g.n);
-    for (int64_t i = 0; i < g.n; ++i) imgs[i] = i;
-    tf::Tensor sizes_t(tf::DT_INT32, tf::TensorShape({4}));
-    auto sv = sizes_t.vec<tf::int32>();
-    sv(0) = g.kh;
-    sv(1) = g.kw;
-    sv(2) = g.c_in;
-    sv(3) = g.c_out;
-    std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out);
-    double best_d = 1e30, t_sp[2] = {1e30, 1e30}, nnz[2] = {0, 0};
-    const double density[2] = {0.1, 0.01};
-    for (int k = 0; k < 2; ++k) {
-      FillRandom<T>(xs, total, density[k], 1234 + k);
-      nnz[k] = CountConvNonzeros<T>(xs, g, image_nnz.data(), chan_nnz.data(),
-                                    pfor);
-      for (int rep = 0; rep < 2; ++rep) {
-        const auto t0 = Clock::now();
-        if (k == 0) {
-          tf::Tensor result;
-          TF_RETURN_IF_ERROR(bf_.Run(ctx, {&xt, &sizes_t, &dyt}, &result));
-        }
-        const auto t1 = Clock::now();
-        SparseFilterGrad<T>(xs, g, imgs.data(), g.n, image_nnz.data(),
-                            dyt.flat<T>().data(), df.data(), pfor);
-        const auto t2 = Clock::now();
-        if (k == 0) best_d = std::min(best_d, Seconds(t0, t1));
-        t_sp[k] = std::min(t_sp[k], Seconds(t1, t2));
-      }
-    }
-    model->Calibrated(
-        2.0 * g.n * g.out_h * g.out_w * g.kh * g.kw * g.c_in * g.c_out, best_d,
-        t_sp[0], nnz[0], t_sp[1], nnz[1], g.n, 2.0 * g.kh * g.kw * g.c_out);
-    return absl::OkStatus();
-  }
-
   ConvAttrs attrs_;
   TfKernel bf_;
   bool bf_onednn_ = false, dense_ok_ = true;
+  PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 
 #define TFSS_REGISTER_CPU(T)                                                \

@@ -8,11 +8,35 @@
 #include <cstdint>
 #include <vector>
 
+#include "cc/core/cost_model.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/tf_kernel.h"
+#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 
 namespace tf_sparse_split {
+
+// The attrs of a SparseSplitMatMul kernel and the TF MatMul kernels its
+// dense part runs (CPU and GPU alike): op(a) * op(b) on the inputs as given
+// (`direct`), gathered rows of op(a) times op(b) as given (`gathered`), and
+// gathered rows and compacted columns times gathered rows of op(b), never
+// transposed (`compacted`).
+struct MatMulKernels {
+  bool ta = false, tb = false, hetero = false;
+  TfKernel direct, gathered, compacted;
+
+  absl::Status Init(::tensorflow::OpKernelConstruction* ctx,
+                    const ::tensorflow::DeviceType& device,
+                    ::tensorflow::DataType dtype) {
+    TF_RETURN_IF_ERROR(ctx->GetAttr("transpose_a", &ta));
+    TF_RETURN_IF_ERROR(ctx->GetAttr("transpose_b", &tb));
+    TF_RETURN_IF_ERROR(ctx->GetAttr("heterogeneous", &hetero));
+    TF_RETURN_IF_ERROR(InitTfMatMul(ctx, device, dtype, ta, tb, &direct));
+    TF_RETURN_IF_ERROR(InitTfMatMul(ctx, device, dtype, false, tb, &gathered));
+    return InitTfMatMul(ctx, device, dtype, false, false, &compacted);
+  }
+};
 
 // The validated problem: op(a) is [m, k], op(b) is [k, n]; threshold as
 // given (negative = automatic).
@@ -82,10 +106,12 @@ inline std::vector<int64_t> LiveColumns(const int64_t* col_nnz, int64_t k) {
 }
 
 // The rows of op(a) [m, k] split at density threshold `thr`: density above
-// it dense, at or below it sparse -- except that when the only sparse rows
-// are all-zero and fewer than 1/8 of the rows, every row goes dense
-// (cheaper than gathering the others around them; same zero rows). Adds the
-// row-density histogram to stats[kStatHistogram...].
+// it dense, at or below it sparse -- except that, with
+// dense_zero_rows_rule (a threshold given by the caller; the cost model
+// weighs this itself), when the only sparse rows are all-zero and fewer than
+// 1/8 of the rows, every row goes dense (cheaper than gathering the others
+// around them; same zero rows). Adds the row-density histogram to
+// stats[kStatHistogram...].
 struct RowSplit {
   std::vector<int64_t> dense_rows, sparse_rows;
   int64_t nnz_sparse = 0;
@@ -100,7 +126,8 @@ inline void AllRowsDense(int64_t m, RowSplit* s) {
 }
 
 inline RowSplit SplitRows(const int64_t* row_nnz, int64_t m, int64_t k,
-                          double thr, double* stats) {
+                          double thr, double* stats,
+                          bool dense_zero_rows_rule = true) {
   RowSplit s;
   s.dense_rows.reserve(m);
   s.sparse_rows.reserve(m);
@@ -114,7 +141,7 @@ inline RowSplit SplitRows(const int64_t* row_nnz, int64_t m, int64_t k,
       s.nnz_sparse += row_nnz[i];
     }
   }
-  if (!s.dense_rows.empty() && s.nnz_sparse == 0 &&
+  if (dense_zero_rows_rule && !s.dense_rows.empty() && s.nnz_sparse == 0 &&
       static_cast<int64_t>(s.sparse_rows.size()) * 8 < m) {
     AllRowsDense(m, &s);
   }

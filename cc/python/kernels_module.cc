@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -167,6 +168,285 @@ void Bind(py::module_& mod) {
 }  // namespace
 }  // namespace tf_sparse_split
 
+// ===========================================================================
+// Cost model (cc/core/cost_model.h): the one definition of the split
+// decision, for deterministic tests with recorded timings and for the Python
+// callback. Kept as a separate block (own anonymous namespace, own Bind
+// function called last) so that other additions to this module merge
+// cleanly.
+// ===========================================================================
+#include "cc/core/cost_model.h"
+
+namespace tf_sparse_split {
+namespace {
+
+template <typename V>
+V Get(const py::dict& d, const char* key, V fallback) {
+  return d.contains(key) ? d[key].cast<V>() : fallback;
+}
+
+void RequireKeys(const py::dict& d, std::initializer_list<const char*> keys,
+                 const char* what) {
+  for (auto item : d) {
+    const std::string k = py::str(item.first);
+    bool ok = false;
+    for (const char* allowed : keys) ok = ok || k == allowed;
+    if (!ok) throw py::value_error(std::string("unknown ") + what + " key '" + k + "'");
+  }
+}
+
+SplitShape ShapeOf(const py::dict& d) {
+  RequireKeys(d, {"m", "k", "k_live", "dense_flops_per_elem",
+                  "sparse_flops_per_nnz", "row_copy_elems",
+                  "weight_elems_per_col", "can_compact", "dense_allowed"},
+              "shape");
+  SplitShape s;
+  s.m = Get<int64_t>(d, "m", 0);
+  s.k = Get<int64_t>(d, "k", 0);
+  s.k_live = Get<int64_t>(d, "k_live", s.k);
+  s.dense_flops_per_elem = Get<double>(d, "dense_flops_per_elem", 0.0);
+  s.sparse_flops_per_nnz = Get<double>(d, "sparse_flops_per_nnz", 0.0);
+  s.row_copy_elems = Get<double>(d, "row_copy_elems", 0.0);
+  s.weight_elems_per_col = Get<double>(d, "weight_elems_per_col", 0.0);
+  s.can_compact = Get<bool>(d, "can_compact", true);
+  s.dense_allowed = Get<bool>(d, "dense_allowed", true);
+  if (s.m < 0 || s.k < 0 || s.k_live < 0 || s.k_live > s.k)
+    throw py::value_error("shape needs m, k >= 0 and 0 <= k_live <= k, got m=" +
+                          std::to_string(s.m) + ", k=" + std::to_string(s.k) +
+                          ", k_live=" + std::to_string(s.k_live));
+  return s;
+}
+
+py::dict DictOf(const SplitShape& s) {
+  py::dict d;
+  d["m"] = s.m;
+  d["k"] = s.k;
+  d["k_live"] = s.k_live;
+  d["dense_flops_per_elem"] = s.dense_flops_per_elem;
+  d["sparse_flops_per_nnz"] = s.sparse_flops_per_nnz;
+  d["row_copy_elems"] = s.row_copy_elems;
+  d["weight_elems_per_col"] = s.weight_elems_per_col;
+  d["can_compact"] = s.can_compact;
+  d["dense_allowed"] = s.dense_allowed;
+  return d;
+}
+
+CostTerms TermsOf(const py::dict& d) {
+  RequireKeys(d, {"dense_fixed_s", "dense_rate", "sparse_fixed_s",
+                  "convert_s_per_elem", "sparse_rate", "copy_s_per_elem",
+                  "heterogeneous"},
+              "terms");
+  CostTerms t;
+  t.dense_fixed_s = Get<double>(d, "dense_fixed_s", 0.0);
+  t.dense_rate = Get<double>(d, "dense_rate", 0.0);
+  t.sparse_fixed_s = Get<double>(d, "sparse_fixed_s", 0.0);
+  t.convert_s_per_elem = Get<double>(d, "convert_s_per_elem", 0.0);
+  t.sparse_rate = Get<double>(d, "sparse_rate", 0.0);
+  t.copy_s_per_elem = Get<double>(d, "copy_s_per_elem", 0.0);
+  t.heterogeneous = Get<bool>(d, "heterogeneous", false);
+  for (double v : {t.dense_fixed_s, t.dense_rate, t.sparse_fixed_s,
+                   t.convert_s_per_elem, t.sparse_rate, t.copy_s_per_elem})
+    if (!(v >= 0.0) || !std::isfinite(v))
+      throw py::value_error("cost terms must be finite and >= 0");
+  return t;
+}
+
+py::dict DictOf(const CostTerms& t) {
+  py::dict d;
+  d["dense_fixed_s"] = t.dense_fixed_s;
+  d["dense_rate"] = t.dense_rate;
+  d["sparse_fixed_s"] = t.sparse_fixed_s;
+  d["convert_s_per_elem"] = t.convert_s_per_elem;
+  d["sparse_rate"] = t.sparse_rate;
+  d["copy_s_per_elem"] = t.copy_s_per_elem;
+  d["heterogeneous"] = t.heterogeneous;
+  return d;
+}
+
+DecisionPolicy PolicyOf(const py::object& o) {
+  DecisionPolicy p;
+  if (o.is_none()) return p;
+  const py::dict d = o.cast<py::dict>();
+  RequireKeys(d, {"enter_margin", "stay_margin", "switch_margin", "tie_margin",
+                  "min_gain_s"},
+              "policy");
+  p.enter_margin = Get<double>(d, "enter_margin", p.enter_margin);
+  p.stay_margin = Get<double>(d, "stay_margin", p.stay_margin);
+  p.switch_margin = Get<double>(d, "switch_margin", p.switch_margin);
+  p.tie_margin = Get<double>(d, "tie_margin", p.tie_margin);
+  p.min_gain_s = Get<double>(d, "min_gain_s", p.min_gain_s);
+  return p;
+}
+
+const char* KindName(PlanKind k) {
+  switch (k) {
+    case PlanKind::kAllDense: return "all_dense";
+    case PlanKind::kSplit: return "split";
+    case PlanKind::kAllSparse: return "all_sparse";
+  }
+  return "?";
+}
+
+py::dict DictOf(const Plan& p) {
+  py::dict d;
+  d["kind"] = KindName(p.kind);
+  d["bucket"] = p.bucket;
+  d["threshold"] = p.threshold;
+  d["compact"] = p.compact;
+  d["predicted_s"] = p.predicted_s;
+  d["all_dense_s"] = p.all_dense_s;
+  d["best_sparse_s"] = p.best_sparse_s;
+  return d;
+}
+
+Plan PlanOf(const py::dict& d) {
+  Plan p;
+  const std::string kind = Get<std::string>(d, "kind", "all_dense");
+  if (kind == "all_dense") p.kind = PlanKind::kAllDense;
+  else if (kind == "split") p.kind = PlanKind::kSplit;
+  else if (kind == "all_sparse") p.kind = PlanKind::kAllSparse;
+  else throw py::value_error("plan kind must be all_dense, split or all_sparse, got '" + kind + "'");
+  p.bucket = Get<int>(d, "bucket", -1);
+  p.threshold = Get<double>(d, "threshold", 0.0);
+  p.compact = Get<bool>(d, "compact", false);
+  return p;
+}
+
+// A profile from a (rows, nnz) pair of [B+1] arrays.
+DensityProfile ProfileOf(const py::tuple& t) {
+  if (t.size() != 2) throw py::value_error("profile must be (rows, nnz)");
+  const auto rows = t[0].cast<Arr<double>>();
+  const auto nnz = t[1].cast<Arr<double>>();
+  if (rows.ndim() != 1 || rows.size() != nnz.size() || rows.size() < 2)
+    throw py::value_error("profile rows and nnz must be 1-D of equal length >= 2");
+  DensityProfile p;
+  p.rows.assign(rows.data(), rows.data() + rows.size());
+  p.nnz.assign(nnz.data(), nnz.data() + nnz.size());
+  for (size_t j = 0; j < p.rows.size(); ++j)
+    if (!(p.rows[j] >= 0.0) || !(p.nnz[j] >= 0.0))
+      throw py::value_error("profile counts must be >= 0");
+  return p;
+}
+
+py::tuple TupleOf(const DensityProfile& p) {
+  py::array_t<double> rows(p.rows.size()), nnz(p.nnz.size());
+  std::copy(p.rows.begin(), p.rows.end(), rows.mutable_data());
+  std::copy(p.nnz.begin(), p.nnz.end(), nnz.mutable_data());
+  return py::make_tuple(rows, nnz);
+}
+
+void BindCostModel(py::module_& mod) {
+  mod.def("matmul_split_shape",
+          [](int64_t m, int64_t k, int64_t k_live, int64_t n) {
+            if (k_live < 0 || k_live > k) throw py::value_error("need 0 <= k_live <= k");
+            return DictOf(MatMulSplitShape(m, k, k_live, n));
+          },
+          py::arg("m"), py::arg("k"), py::arg("k_live"), py::arg("n"),
+          "The cost model's shape dict of a product op(a) [m, k] * op(b) [k, n] "
+          "with k_live live columns (what SparseSplitMatMul uses).");
+  mod.def("profile_from_row_nnz",
+          [](const Arr<int64_t>& row_nnz, int64_t k, int buckets) {
+            if (buckets < 1) throw py::value_error("buckets must be >= 1");
+            for (int64_t i = 0; i < row_nnz.size(); ++i)
+              if (row_nnz.data()[i] < 0 || row_nnz.data()[i] > k)
+                throw py::value_error("row_nnz must be in [0, k]");
+            return TupleOf(ProfileFromRowNnz(row_nnz.data(), row_nnz.size(), k, buckets));
+          },
+          py::arg("row_nnz"), py::arg("k"), py::arg("buckets") = 32,
+          "Exact density profile (rows[B+1], nnz[B+1]) of rows with these nonzero "
+          "counts: bucket 0 = empty rows, bucket j = density in ((j-1)/B, j/B].");
+  mod.def("profile_from_histogram",
+          [](const Arr<double>& hist, int64_t k, double total_nnz) {
+            if (hist.ndim() != 1 || hist.size() < 1)
+              throw py::value_error("histogram must be a nonempty 1-D array");
+            return TupleOf(ProfileFromHistogram(hist.data(), hist.size(), k, total_nnz));
+          },
+          py::arg("histogram"), py::arg("k"), py::arg("total_nnz") = -1.0,
+          "Approximate profile from the statistics' row-density histogram; nnz "
+          "at bin centers, scaled to total_nnz when it is >= 0.");
+  mod.def("predict_plan_seconds",
+          [](const py::dict& shape, const py::tuple& profile, const py::dict& terms,
+             int bucket, bool compact) {
+            return PredictPlanSeconds(ShapeOf(shape), ProfileOf(profile),
+                                      TermsOf(terms), bucket, compact);
+          },
+          py::arg("shape"), py::arg("profile"), py::arg("terms"), py::arg("bucket"),
+          py::arg("compact") = false,
+          "Predicted seconds of candidate `bucket` (-1 = all-dense).");
+  mod.def("decide_split",
+          [](const py::dict& shape, const py::tuple& profile, const py::dict& terms,
+             const py::object& previous, const py::object& policy) {
+            Plan prev;
+            const bool has_prev = !previous.is_none();
+            if (has_prev) prev = PlanOf(previous.cast<py::dict>());
+            return DictOf(DecideSplit(ShapeOf(shape), ProfileOf(profile),
+                                      TermsOf(terms), PolicyOf(policy),
+                                      has_prev ? &prev : nullptr));
+          },
+          py::arg("shape"), py::arg("profile"), py::arg("terms"),
+          py::arg("previous") = py::none(), py::arg("policy") = py::none(),
+          "The split decision of the ops: plan dict (kind, bucket, threshold, "
+          "compact, predicted_s, all_dense_s, best_sparse_s).");
+  mod.def("fit_calibration",
+          [](const py::dict& shape, const py::dict& t) {
+            RequireKeys(t, {"rows_full", "rows_part", "dense_full_s", "dense_part_s",
+                            "nnz_full", "nnz_thin", "nnz_part", "sparse_full_s",
+                            "sparse_thin_s", "sparse_part_s", "copy_elems", "copy_s"},
+                        "calibration");
+            CalibrationTimings c;
+            c.rows_full = Get<double>(t, "rows_full", 0);
+            c.rows_part = Get<double>(t, "rows_part", 0);
+            c.dense_full_s = Get<double>(t, "dense_full_s", 0);
+            c.dense_part_s = Get<double>(t, "dense_part_s", 0);
+            c.nnz_full = Get<double>(t, "nnz_full", 0);
+            c.nnz_thin = Get<double>(t, "nnz_thin", 0);
+            c.nnz_part = Get<double>(t, "nnz_part", 0);
+            c.sparse_full_s = Get<double>(t, "sparse_full_s", 0);
+            c.sparse_thin_s = Get<double>(t, "sparse_thin_s", 0);
+            c.sparse_part_s = Get<double>(t, "sparse_part_s", 0);
+            c.copy_elems = Get<double>(t, "copy_elems", 0);
+            c.copy_s = Get<double>(t, "copy_s", 0);
+            return DictOf(FitCalibration(ShapeOf(shape), c));
+          },
+          py::arg("shape"), py::arg("timings"),
+          "Cost terms fitted to one calibration's timings (what an op does on its "
+          "first automatic call).");
+  mod.attr("DECISION_BUCKETS") = 32;
+  py::class_<FamilyModel>(mod, "SplitFamilyModel",
+                          "Measured terms of one problem family: calibrated base "
+                          "terms scaled by the median measured/predicted ratio of "
+                          "the last calls.")
+      .def(py::init<>())
+      .def_property_readonly("calibrated", &FamilyModel::calibrated)
+      .def("set_calibration",
+           [](FamilyModel& f, const py::dict& t) { f.SetCalibration(TermsOf(t)); },
+           py::arg("terms"))
+      .def("terms", [](const FamilyModel& f) { return DictOf(f.Terms()); })
+      .def("record",
+           [](FamilyModel& f, const py::dict& shape, double rows_dense, bool compact,
+              double dense_s, double rows_sparse, double nnz_sparse, double sparse_s) {
+             f.Record(ShapeOf(shape), rows_dense, compact, dense_s, rows_sparse,
+                      nnz_sparse, sparse_s);
+           },
+           py::arg("shape"), py::arg("rows_dense"), py::arg("compact"),
+           py::arg("dense_s"), py::arg("rows_sparse"), py::arg("nnz_sparse"),
+           py::arg("sparse_s"));
+  py::class_<PlanMemory>(mod, "SplitPlanMemory",
+                         "The last plan of one op instance (hysteresis).")
+      .def(py::init<>())
+      .def("decide",
+           [](PlanMemory& m, const py::dict& shape, const py::tuple& profile,
+              const py::dict& terms, const py::object& policy) {
+             return DictOf(m.Decide(ShapeOf(shape), ProfileOf(profile),
+                                    TermsOf(terms), PolicyOf(policy)));
+           },
+           py::arg("shape"), py::arg("profile"), py::arg("terms"),
+           py::arg("policy") = py::none());
+}
+
+}  // namespace
+}  // namespace tf_sparse_split
+
 PYBIND11_MODULE(_kernels, mod) {
   mod.doc() =
       "numpy access to tf_sparse_split's framework-free CPU kernels "
@@ -174,4 +454,5 @@ PYBIND11_MODULE(_kernels, mod) {
   tf_sparse_split::Bind<double>(mod);
   tf_sparse_split::Bind<float>(mod);
   mod.attr("DENSITY_BINS") = tf_sparse_split::kDensityBins;
+  tf_sparse_split::BindCostModel(mod);  // cost model block above
 }

@@ -1,0 +1,405 @@
+// The one cost model of the sparse-split ops; see cost_model.h.
+#include "cc/core/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace tf_sparse_split {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Rows of the profile sent sparse by candidate `bucket` (buckets 0..bucket)
+// and their nonzeros.
+void SparseShare(const DensityProfile& p, int bucket, double* rows,
+                 double* nnz) {
+  *rows = 0.0;
+  *nnz = 0.0;
+  for (int j = 0; j <= bucket && j < static_cast<int>(p.rows.size()); ++j) {
+    *rows += p.rows[j];
+    *nnz += p.nnz[j];
+  }
+}
+
+double TotalRows(const DensityProfile& p) {
+  double r = 0.0;
+  for (double v : p.rows) r += v;
+  return r;
+}
+
+// The faster compaction choice for `bucket`: returns its time, sets
+// *compact.
+double BestOfCompaction(const SplitShape& s, const DensityProfile& p,
+                        const CostTerms& t, int bucket, double min_gain_s,
+                        bool* compact) {
+  const double plain = PredictPlanSeconds(s, p, t, bucket, false);
+  *compact = false;
+  if (s.can_compact && s.k_live > 0 && s.k_live < s.k) {
+    const double packed = PredictPlanSeconds(s, p, t, bucket, true);
+    if (packed < plain - min_gain_s) {
+      *compact = true;
+      return packed;
+    }
+  }
+  return plain;
+}
+
+Plan MakePlan(const SplitShape& s, const DensityProfile& p, int bucket,
+              bool compact, double predicted) {
+  Plan plan;
+  plan.bucket = bucket;
+  plan.compact = compact;
+  plan.predicted_s = predicted;
+  if (bucket < 0) {
+    plan.kind = PlanKind::kAllDense;
+    plan.threshold = 0.0;
+    return plan;
+  }
+  const int b = p.buckets();
+  double rows, nnz;
+  SparseShare(p, bucket, &rows, &nnz);
+  plan.threshold = b > 0 ? static_cast<double>(bucket) / b : 1.0;
+  // The threshold stays the bucket's edge even when every row of this call
+  // falls below it: the next call's rows are judged by the same edge.
+  plan.kind = rows >= TotalRows(p) ? PlanKind::kAllSparse : PlanKind::kSplit;
+  if (plan.kind == PlanKind::kAllSparse) plan.compact = false;
+  (void)s;
+  return plan;
+}
+
+}  // namespace
+
+SplitShape MatMulSplitShape(int64_t m, int64_t k, int64_t k_live,
+                             int64_t n) {
+  SplitShape s;
+  s.m = m;
+  s.k = k;
+  s.k_live = k_live;
+  s.dense_flops_per_elem = 2.0 * static_cast<double>(n);
+  s.sparse_flops_per_nnz = 2.0 * static_cast<double>(n);
+  s.row_copy_elems = static_cast<double>(n);
+  s.weight_elems_per_col = static_cast<double>(n);
+  return s;
+}
+
+DensityProfile ProfileFromRowNnz(const int64_t* row_nnz, int64_t m, int64_t k,
+                                 int buckets) {
+  DensityProfile p;
+  p.rows.assign(buckets + 1, 0.0);
+  p.nnz.assign(buckets + 1, 0.0);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t z = row_nnz[i];
+    int j = 0;
+    if (z > 0 && k > 0) {
+      // Smallest j with z / k <= j / buckets, in integers (exact).
+      j = static_cast<int>((z * buckets + k - 1) / k);
+      j = std::min(std::max(j, 1), buckets);
+    }
+    p.rows[j] += 1.0;
+    p.nnz[j] += static_cast<double>(z);
+  }
+  return p;
+}
+
+DensityProfile ProfileFromHistogram(const double* hist, int bins, int64_t k,
+                                    double total_nnz) {
+  DensityProfile p;
+  p.rows.assign(bins + 1, 0.0);
+  p.nnz.assign(bins + 1, 0.0);
+  double estimate = 0.0;
+  for (int i = 0; i < bins; ++i) {
+    p.rows[i + 1] = hist[i];
+    p.nnz[i + 1] = hist[i] * (i + 0.5) / bins * static_cast<double>(k);
+    estimate += p.nnz[i + 1];
+  }
+  if (total_nnz >= 0.0 && estimate > 0.0) {
+    for (double& v : p.nnz) v *= total_nnz / estimate;
+  }
+  return p;
+}
+
+double PredictDenseSeconds(const SplitShape& s, const CostTerms& t,
+                           double rows_dense, bool compact) {
+  if (rows_dense <= 0.0) return 0.0;
+  const double kc = compact ? static_cast<double>(s.k_live)
+                            : static_cast<double>(s.k);
+  const double flops = rows_dense * kc * s.dense_flops_per_elem;
+  double copied = 0.0;
+  const bool split = rows_dense < static_cast<double>(s.m);
+  if (compact || split) copied += rows_dense * kc;  // gather of the rows
+  if (compact) copied += static_cast<double>(s.k_live) * s.weight_elems_per_col;
+  if (split) copied += rows_dense * s.row_copy_elems;
+  const double rate = t.dense_rate > 0.0 ? t.dense_rate : 1.0;
+  return t.dense_fixed_s + flops / rate + copied * t.copy_s_per_elem;
+}
+
+double PredictSparseSeconds(const SplitShape& s, const CostTerms& t,
+                            double rows_sparse, double nnz_sparse) {
+  if (rows_sparse <= 0.0) return 0.0;
+  if (nnz_sparse <= 0.0) {
+    // All-zero rows: their output is zeroed, nothing converted.
+    return rows_sparse * s.row_copy_elems * t.copy_s_per_elem;
+  }
+  const double rate = t.sparse_rate > 0.0 ? t.sparse_rate : 1.0;
+  return t.sparse_fixed_s +
+         t.convert_s_per_elem * rows_sparse * static_cast<double>(s.k) +
+         nnz_sparse * s.sparse_flops_per_nnz / rate;
+}
+
+double PredictPlanSeconds(const SplitShape& s, const DensityProfile& p,
+                          const CostTerms& t, int bucket, bool compact) {
+  double rows_sparse = 0.0, nnz_sparse = 0.0;
+  if (bucket >= 0) SparseShare(p, bucket, &rows_sparse, &nnz_sparse);
+  const double rows_dense = std::max(0.0, TotalRows(p) - rows_sparse);
+  const double td = PredictDenseSeconds(s, t, rows_dense, compact);
+  const double ts = PredictSparseSeconds(s, t, rows_sparse, nnz_sparse);
+  return t.heterogeneous ? std::max(td, ts) : td + ts;
+}
+
+bool ChooseCompaction(const SplitShape& s, const CostTerms& t,
+                      double rows_dense, double min_gain_s) {
+  if (!s.can_compact || rows_dense <= 0.0 || s.k_live <= 0 || s.k_live >= s.k)
+    return false;
+  if (!t.dense_known()) {
+    return rows_dense < static_cast<double>(s.m) ||
+           (s.k - s.k_live) * 16 >= s.k;
+  }
+  return PredictDenseSeconds(s, t, rows_dense, true) <
+         PredictDenseSeconds(s, t, rows_dense, false) - min_gain_s;
+}
+
+Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
+                 const CostTerms& t, const DecisionPolicy& policy,
+                 const Plan* previous) {
+  const int b = p.buckets();
+  if (!s.dense_allowed) {
+    Plan plan = MakePlan(s, p, b, false, 0.0);
+    plan.kind = PlanKind::kAllSparse;
+    plan.threshold = 1.0;
+    if (t.sparse_known()) plan.predicted_s = PredictPlanSeconds(s, p, t, b, false);
+    plan.all_dense_s = kInf;
+    plan.best_sparse_s = plan.predicted_s;
+    return plan;
+  }
+  bool dense_compact = false;
+  const double all_dense =
+      t.dense_known() ? BestOfCompaction(s, p, t, -1, policy.min_gain_s, &dense_compact) : 0.0;
+  Plan dense_plan = MakePlan(s, p, -1, dense_compact, all_dense);
+  dense_plan.all_dense_s = all_dense;
+  dense_plan.best_sparse_s = kInf;
+  if (!t.dense_known() || !t.sparse_known() || b < 0) return dense_plan;
+
+  // The fastest plan with sparse rows; among those within tie_margin of it,
+  // the one with the most dense rows (the smallest bucket).
+  std::vector<double> times(b + 1, kInf);
+  std::vector<char> packs(b + 1, 0);
+  double best = kInf;
+  double prev_rows = -1.0;
+  for (int j = 0; j <= b; ++j) {
+    double rows, nnz;
+    SparseShare(p, j, &rows, &nnz);
+    if (rows <= 0.0 || rows == prev_rows) continue;  // same split as j-1
+    prev_rows = rows;
+    bool c = false;
+    times[j] = BestOfCompaction(s, p, t, j, policy.min_gain_s, &c);
+    packs[j] = c;
+    best = std::min(best, times[j]);
+  }
+  dense_plan.best_sparse_s = best;
+  if (!(best < kInf)) return dense_plan;
+  int pick = -1;
+  for (int j = 0; j <= b; ++j) {
+    if (times[j] <= best * (1.0 + policy.tie_margin)) {
+      pick = j;
+      break;
+    }
+  }
+  Plan best_plan = MakePlan(s, p, pick, packs[pick], times[pick]);
+  best_plan.all_dense_s = all_dense;
+  best_plan.best_sparse_s = best;
+
+  const bool had_sparse = previous != nullptr &&
+                          previous->kind != PlanKind::kAllDense &&
+                          previous->bucket >= 0 && previous->bucket <= b;
+  // Entry into a plan with sparse rows: only for a safe predicted win.
+  const bool enters =
+      times[pick] <= all_dense * (1.0 - policy.enter_margin) &&
+      times[pick] <= all_dense - policy.min_gain_s;
+  if (!had_sparse) return enters ? best_plan : dense_plan;
+  // The previous split, re-predicted on this call's rows.
+  bool prev_compact = false;
+  const double t_prev =
+      BestOfCompaction(s, p, t, previous->bucket, policy.min_gain_s,
+                       &prev_compact);
+  if (!(t_prev <= all_dense * (1.0 - policy.stay_margin)) ||
+      !(t_prev <= all_dense - 0.5 * policy.min_gain_s)) {
+    // The kept plan no longer wins safely; switch only to a plan that
+    // passes the entry test, else go dense.
+    return enters ? best_plan : dense_plan;
+  }
+  if (times[pick] < t_prev * (1.0 - policy.switch_margin)) return best_plan;
+  Plan kept = MakePlan(s, p, previous->bucket, prev_compact, t_prev);
+  kept.all_dense_s = all_dense;
+  kept.best_sparse_s = best;
+  return kept;
+}
+
+namespace {
+
+// Slope and intercept of the line through (x0, y0), (x1, y1), both >= 0;
+// when noise makes either negative (or x0 == x1) the line goes through the
+// origin and the larger point.
+void TwoPointFit(double x0, double y0, double x1, double y1, double* slope,
+                 double* intercept) {
+  if (x1 < x0) {
+    std::swap(x0, x1);
+    std::swap(y0, y1);
+  }
+  *slope = -1.0;
+  if (x1 > x0 * 1.2) {
+    *slope = (y1 - y0) / (x1 - x0);
+    *intercept = y1 - *slope * x1;
+  }
+  if (!(*slope > 0.0) || !(*intercept >= 0.0)) {
+    *slope = x1 > 0.0 ? y1 / x1 : 0.0;
+    *intercept = 0.0;
+  }
+}
+
+}  // namespace
+
+CostTerms FitCalibration(const SplitShape& s, const CalibrationTimings& c) {
+  CostTerms t;
+  const double k = static_cast<double>(std::max<int64_t>(s.k, 1));
+  // Dense: seconds per row and fixed seconds per call.
+  double per_row, fixed;
+  TwoPointFit(c.rows_part, c.dense_part_s, c.rows_full, c.dense_full_s,
+              &per_row, &fixed);
+  if (per_row > 0.0) {
+    t.dense_rate = k * s.dense_flops_per_elem / per_row;
+    t.dense_fixed_s = fixed;
+  }
+  // Sparse: seconds per nonzero from the thinned sample (same rows, so the
+  // conversion and fixed costs cancel), then the per-row (conversion) and
+  // fixed costs from the partial sample.
+  double per_nnz = -1.0;
+  if (c.nnz_full > c.nnz_thin * 1.2 && c.sparse_full_s > c.sparse_thin_s) {
+    per_nnz = (c.sparse_full_s - c.sparse_thin_s) / (c.nnz_full - c.nnz_thin);
+  }
+  if (per_nnz > 0.0) {
+    const double a_full = std::max(0.0, c.sparse_full_s - per_nnz * c.nnz_full);
+    const double a_part = std::max(0.0, c.sparse_part_s - per_nnz * c.nnz_part);
+    double per_row_sp, fixed_sp;
+    TwoPointFit(c.rows_part, a_part, c.rows_full, a_full, &per_row_sp,
+                &fixed_sp);
+    t.convert_s_per_elem = per_row_sp / k;
+    t.sparse_fixed_s = fixed_sp;
+  } else if (c.nnz_full > 0.0) {
+    // Timing noise: attribute the whole sparse time to the nonzeros.
+    per_nnz = c.sparse_full_s / c.nnz_full;
+  }
+  if (per_nnz > 0.0) t.sparse_rate = s.sparse_flops_per_nnz / per_nnz;
+  if (c.copy_elems > 0.0) t.copy_s_per_elem = c.copy_s / c.copy_elems;
+  return t;
+}
+
+void MedianWindow::Add(double v) {
+  if (!(v > 0.0) || !std::isfinite(v)) return;
+  if (static_cast<int>(values_.size()) < capacity_) {
+    values_.push_back(v);
+  } else {
+    values_[next_] = v;
+  }
+  next_ = (next_ + 1) % capacity_;
+}
+
+double MedianWindow::Median(double if_empty) const {
+  if (values_.empty()) return if_empty;
+  std::vector<double> v = values_;
+  const size_t mid = v.size() / 2;
+  std::nth_element(v.begin(), v.begin() + mid, v.end());
+  double med = v[mid];
+  if (v.size() % 2 == 0) {
+    med = 0.5 * (med + *std::max_element(v.begin(), v.begin() + mid));
+  }
+  return med;
+}
+
+bool FamilyModel::calibrated() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return calibrated_;
+}
+
+void FamilyModel::SetCalibration(const CostTerms& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (calibrated_) return;
+  base_ = t;
+  calibrated_ = true;
+}
+
+CostTerms FamilyModel::Terms() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CostTerms t = base_;
+  const double sd = dense_ratio_.Median(1.0), ss = sparse_ratio_.Median(1.0);
+  t.dense_fixed_s *= sd;
+  if (t.dense_rate > 0.0) t.dense_rate /= sd;
+  t.sparse_fixed_s *= ss;
+  t.convert_s_per_elem *= ss;
+  if (t.sparse_rate > 0.0) t.sparse_rate /= ss;
+  return t;
+}
+
+void FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
+                         double dense_seconds, double rows_sparse,
+                         double nnz_sparse, double sparse_seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rows_dense > 0.0 && dense_seconds > 0.0) {
+    if (!base_.dense_known()) {
+      const double kc = compact ? s.k_live : s.k;
+      const double flops = rows_dense * kc * s.dense_flops_per_elem;
+      if (flops > 0.0) base_.dense_rate = flops / dense_seconds;
+    } else {
+      const double pred = PredictDenseSeconds(s, base_, rows_dense, compact);
+      if (pred > 0.0) dense_ratio_.Add(dense_seconds / pred);
+    }
+  }
+  if (rows_sparse > 0.0 && nnz_sparse > 0.0 && sparse_seconds > 0.0) {
+    if (!base_.sparse_known()) {
+      base_.sparse_rate = nnz_sparse * s.sparse_flops_per_nnz / sparse_seconds;
+    } else {
+      const double pred =
+          PredictSparseSeconds(s, base_, rows_sparse, nnz_sparse);
+      if (pred > 0.0) sparse_ratio_.Add(sparse_seconds / pred);
+    }
+  }
+}
+
+Plan PlanMemory::Decide(const SplitShape& s, const DensityProfile& p,
+                        const CostTerms& t, const DecisionPolicy& policy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Plan plan = DecideSplit(s, p, t, policy, has_last_ ? &last_ : nullptr);
+  last_ = plan;
+  has_last_ = true;
+  return plan;
+}
+
+FamilyModel& FamilyFor(const std::vector<int64_t>& key) {
+  static std::mutex* mu = new std::mutex;
+  static auto* models =
+      new std::map<std::vector<int64_t>, std::unique_ptr<FamilyModel>>;
+  std::lock_guard<std::mutex> lock(*mu);
+  std::unique_ptr<FamilyModel>& m = (*models)[key];
+  if (!m) m.reset(new FamilyModel);
+  return *m;
+}
+
+int64_t NBucket(int64_t n) {
+  if (n <= 64) return n;
+  int64_t b = 64;
+  while (b < n) b *= 2;
+  return b;
+}
+
+}  // namespace tf_sparse_split

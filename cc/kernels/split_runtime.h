@@ -1,0 +1,343 @@
+// The one split runtime of the sparse-split op kernels (layer 2).
+//
+// Every op kernel (SparseSplitMatMul on CPU and GPU, SparseSplitConv2D,
+// SparseSplitConv2DBackpropFilter) reads the same way:
+//
+//   SplitCall call(ctx, ...)        timer started, statistics allocated
+//   analyse: count nonzeros per row (and per column), live columns
+//   call.Decide(...)                threshold, row split, compaction: the
+//                                   cost model of cc/core/cost_model.h,
+//                                   calibrated on the first automatic call
+//   dense part  -> call.DenseDone()
+//   sparse part -> call.SparseDone()
+//   call.Finish(...)                statistics tail, the family's rates
+//
+// The op-specific work lives in a small functor per op (the contract below,
+// after tensorflow/addons' functor headers): how to take a sample of its
+// activation rows and how to run its dense and sparse paths on a sample.
+// The runtime owns everything that is the same for all ops: timing, the
+// decision, calibration, statistics and rate updates.
+#ifndef TF_SPARSE_SPLIT_CC_KERNELS_SPLIT_RUNTIME_H_
+#define TF_SPARSE_SPLIT_CC_KERNELS_SPLIT_RUNTIME_H_
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <chrono>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "cc/core/cost_model.h"
+#include "cc/core/parallel_for.h"
+#include "cc/core/stats.h"
+#include "cc/kernels/sparse_split_matmul_common.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tf_sparse_split {
+
+using Clock = std::chrono::steady_clock;
+
+inline double Seconds(Clock::time_point t0, Clock::time_point t1) {
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+// Density buckets of the automatic decision (thresholds j / 32).
+constexpr int kDecisionBuckets = 32;
+
+// First entry of every family key (FamilyFor): which op and device.
+enum FamilyOp : int64_t {
+  kFamilyMatMulCpu = 0,
+  kFamilyMatMulGpu = 1,
+  kFamilyConv2DForward = 2,
+  kFamilyConv2DFilterGrad = 3,
+};
+
+// The calibration contract of an op (a functor with these members; T is
+// the element type):
+//
+//   // The first `rows` activation rows of this call as a tensor whose dim
+//   // 0 is the row and whose rows hold shape.k contiguous values each.
+//   absl::Status Sample(int64_t rows, tensorflow::Tensor* sample);
+//   // Runs the op's dense path on every row of `sample` (a Sample() or a
+//   // tensor of its shape, possibly a dim-0 slice).
+//   absl::Status RunDense(const tensorflow::Tensor& sample);
+//   // Runs the op's sparse path (conversion + sparse kernel) on every row
+//   // of `sample`; row_nnz[r] = nonzeros of row r.
+//   absl::Status RunSparse(const tensorflow::Tensor& sample,
+//                          const int64_t* row_nnz);
+//
+// Calibrate<T>() times them on a sample of the call's own rows (and on a
+// thinned copy of it, to separate per-nonzero from per-row costs) and fits
+// the family's CostTerms.
+
+namespace split_runtime_internal {
+
+// Best wall-clock seconds of up to 3 runs of fn (1 run when a run takes
+// more than 20 ms: the calibration must stay cheap).
+template <typename Fn>
+absl::Status BestSeconds(Fn&& fn, double* best) {
+  *best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    TF_RETURN_IF_ERROR(fn());
+    const double s = Seconds(t0, Clock::now());
+    *best = std::min(*best, s);
+    if (s > 0.02) break;
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+int64_t CountRows(const T* x, int64_t rows, int64_t k, int64_t* row_nnz) {
+  int64_t total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t z = 0;
+    const T* row = x + r * k;
+    for (int64_t j = 0; j < k; ++j) z += row[j] != T(0);
+    row_nnz[r] = z;
+    total += z;
+  }
+  return total;
+}
+
+}  // namespace split_runtime_internal
+
+// Calibrates a family from the call's own rows: returns the fitted terms.
+template <typename T, typename Functor>
+absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
+                       const SplitShape& shape, const ParallelFor& pfor,
+                       CostTerms* terms) {
+  namespace tf = ::tensorflow;
+  using split_runtime_internal::BestSeconds;
+  using split_runtime_internal::CountRows;
+  const int64_t k = std::max<int64_t>(1, shape.k);
+  // About 2^20 values (4 MB of float): enough work that the fixed costs do
+  // not dominate, little enough to stay a few calls' worth of time.
+  const int64_t rows_full = std::max<int64_t>(
+      1, std::min<int64_t>(shape.m, ((int64_t{1} << 20) + k - 1) / k));
+  const int64_t rows_part = std::max<int64_t>(1, rows_full / 4);
+  tf::Tensor sample;
+  TF_RETURN_IF_ERROR(op.Sample(rows_full, &sample));
+  std::vector<int64_t> nnz_full(rows_full), nnz_thin(rows_full);
+  double total = CountRows<T>(sample.flat<T>().data(), rows_full, k,
+                              nnz_full.data());
+  if (total < 0.05 * rows_full * k) {
+    // Rows this sparse hardly exercise the sparse kernel's multiply-adds
+    // (its time is conversion): time its rate on a deterministic random
+    // sample at 10% density of the same shape instead.
+    tf::Tensor filled;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(sample.dtype(), sample.shape(),
+                                          &filled));
+    T* x = filled.flat<T>().data();
+    std::mt19937 gen(1234);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    for (int64_t i = 0; i < rows_full * k; ++i)
+      x[i] = u(gen) < 0.1 ? T(u(gen) + 0.5) : T(0);
+    sample = filled;
+    total = CountRows<T>(x, rows_full, k, nnz_full.data());
+  }
+  // The same rows keeping every 8th nonzero: same conversion work, 1/8 of
+  // the multiply-adds.
+  tf::Tensor thin;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(sample.dtype(), sample.shape(), &thin));
+  {
+    const T* x = sample.flat<T>().data();
+    T* y = thin.flat<T>().data();
+    for (int64_t r = 0; r < rows_full; ++r) {
+      int64_t seen = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const T v = x[r * k + j];
+        y[r * k + j] = (v != T(0) && (seen++ % 8) == 0) ? v : T(0);
+      }
+    }
+  }
+  CalibrationTimings c;
+  c.rows_full = rows_full;
+  c.rows_part = rows_part;
+  c.nnz_full = total;
+  c.nnz_thin = CountRows<T>(thin.flat<T>().data(), rows_full, k,
+                            nnz_thin.data());
+  for (int64_t r = 0; r < rows_part; ++r) c.nnz_part += nnz_full[r];
+  const tf::Tensor part = sample.Slice(0, rows_part);
+  if (shape.dense_allowed) {
+    TF_RETURN_IF_ERROR(
+        BestSeconds([&] { return op.RunDense(sample); }, &c.dense_full_s));
+    TF_RETURN_IF_ERROR(
+        BestSeconds([&] { return op.RunDense(part); }, &c.dense_part_s));
+  }
+  TF_RETURN_IF_ERROR(BestSeconds(
+      [&] { return op.RunSparse(sample, nnz_full.data()); }, &c.sparse_full_s));
+  TF_RETURN_IF_ERROR(BestSeconds(
+      [&] { return op.RunSparse(thin, nnz_thin.data()); }, &c.sparse_thin_s));
+  TF_RETURN_IF_ERROR(BestSeconds(
+      [&] { return op.RunSparse(part, nnz_full.data()); }, &c.sparse_part_s));
+  // Gathers and scatters: timed as a gather of every other column (the
+  // compaction's indexed copy, slower than a row copy: erring towards the
+  // plain dense path).
+  const int64_t half = std::max<int64_t>(1, k / 2);
+  c.copy_elems = static_cast<double>(rows_full) * half;
+  TF_RETURN_IF_ERROR(BestSeconds(
+      [&] {
+        const T* x = sample.flat<T>().data();
+        T* y = thin.flat<T>().data();
+        pfor(rows_full, 2 * half, [&](int64_t b, int64_t e) {
+          for (int64_t r = b; r < e; ++r)
+            for (int64_t j = 0; j < half; ++j)
+              y[r * half + j] = x[r * k + std::min(2 * j, k - 1)];
+        });
+        return absl::OkStatus();
+      },
+      &c.copy_s));
+  *terms = FitCalibration(shape, c);
+  return absl::OkStatus();
+}
+
+// One call of a split op: its statistics, phase timer and decision.
+class SplitCall {
+ public:
+  // Allocates the statistics (output `stats_output`, float64 [kNumStats])
+  // and records the sizes (m, k, n as the statistics define them for the
+  // op) and the threshold as given (0 for automatic until decided).
+  SplitCall(tensorflow::OpKernelContext* ctx, int stats_output, int64_t m,
+            int64_t k, int64_t n, float threshold)
+      : start_(Clock::now()), threshold_in_(threshold) {
+    tensorflow::Tensor* t = nullptr;
+    status_ = ctx->allocate_output(
+        stats_output, tensorflow::TensorShape({kNumStats}), &t);
+    if (!status_.ok()) return;
+    stats_ = t->flat<double>().data();
+    std::fill(stats_, stats_ + kNumStats, 0.0);
+    stats_[kStatM] = m;
+    stats_[kStatK] = k;
+    stats_[kStatN] = n;
+    stats_[kStatThreshold] = threshold < 0 ? 0.0 : threshold;
+  }
+
+  const absl::Status& status() const { return status_; }
+  double* stats() { return stats_; }
+  bool automatic() const { return threshold_in_ < 0; }
+
+  // Statistics of a call with no work on m rows whose nonzeros are
+  // row_nnz[m] (null: none counted, every row in the lowest bin).
+  void FinishEmpty(int64_t m, int64_t k, const int64_t* row_nnz) {
+    stats_[kStatRowsSparse] = m;
+    double nnz = 0.0;
+    for (int64_t i = 0; i < m; ++i) {
+      const double d = (row_nnz != nullptr && k > 0)
+                           ? static_cast<double>(row_nnz[i]) / k : 0.0;
+      stats_[kStatHistogram + DensityBin(d)] += 1;
+      if (row_nnz != nullptr) nnz += row_nnz[i];
+    }
+    stats_[kStatNnz] = nnz;
+    stats_[kStatNnzSparse] = nnz;
+  }
+
+  // Decides this call's split: the threshold as given (or from the cost
+  // model when automatic, calibrating the family with `op` first if
+  // needed), the rows (histogram into the statistics) and the compaction.
+  // row_nnz[shape.m] are the rows' nonzeros; shape.k_live is set.
+  template <typename T, typename Functor>
+  absl::Status Decide(tensorflow::OpKernelContext* ctx, Functor& op,
+                      const SplitShape& shape, const int64_t* row_nnz,
+                      FamilyModel* family, PlanMemory* memory,
+                      const ParallelFor& pfor) {
+    shape_ = shape;
+    family_ = family;
+    double thr = threshold_in_;
+    bool all_dense = false;
+    if (!shape.dense_allowed) {
+      thr = 1.0;
+    } else if (automatic()) {
+      if (!family->calibrated()) {
+        CostTerms fitted;
+        TF_RETURN_IF_ERROR(Calibrate<T>(ctx, op, shape, pfor, &fitted));
+        family->SetCalibration(fitted);
+      }
+      const Plan plan = memory->Decide(
+          shape, ProfileFromRowNnz(row_nnz, shape.m, shape.k, kDecisionBuckets),
+          family->Terms(), DecisionPolicy());
+      thr = plan.threshold;
+      all_dense = plan.kind == PlanKind::kAllDense;
+      if (std::getenv("TFSS_DEBUG_COST")) {
+        const CostTerms t = family->Terms();
+        fprintf(stderr, "plan kind=%d bucket=%d thr=%g compact=%d pred=%g dense=%g best_sparse=%g | dfix=%g drate=%g sfix=%g conv=%g srate=%g copy=%g\n",
+                (int)plan.kind, plan.bucket, plan.threshold, (int)plan.compact, plan.predicted_s, plan.all_dense_s, plan.best_sparse_s,
+                t.dense_fixed_s, t.dense_rate, t.sparse_fixed_s, t.convert_s_per_elem, t.sparse_rate, t.copy_s_per_elem);
+      }
+    }
+    return Apply(row_nnz, thr, all_dense);
+  }
+
+  // Applies an already chosen threshold (the GPU kernel decides its own
+  // exploration): rows split, histogram, compaction by family->Terms().
+  absl::Status Apply(const int64_t* row_nnz, double thr, bool all_dense) {
+    split_ = SplitRows(row_nnz, shape_.m, shape_.k, thr, stats_,
+                       /*dense_zero_rows_rule=*/!automatic());
+    if (all_dense) AllRowsDense(shape_.m, &split_);
+    threshold_ = all_dense ? 0.0 : thr;
+    const CostTerms terms =
+        family_ != nullptr && family_->calibrated() ? family_->Terms()
+                                                    : CostTerms();
+    compact_ = ChooseCompaction(shape_, terms,
+                                static_cast<double>(split_.dense_rows.size()));
+    analyzed_ = Clock::now();
+    return absl::OkStatus();
+  }
+
+  // For Apply() without Decide(): the call's shape and family.
+  void SetProblem(const SplitShape& shape, FamilyModel* family) {
+    shape_ = shape;
+    family_ = family;
+  }
+
+  const RowSplit& split() const { return split_; }
+  int64_t rows_dense() const { return split_.dense_rows.size(); }
+  int64_t rows_sparse() const { return split_.sparse_rows.size(); }
+  bool compact() const { return compact_; }
+  double threshold() const { return threshold_; }
+  void set_compact(bool c) { compact_ = c; }
+
+  void DenseDone() { dense_done_ = Clock::now(); }
+  void SparseDone() { sparse_done_ = Clock::now(); }
+
+  // Writes the statistics tail and records the parts' times in the family
+  // model. `nnz` = nonzeros of the whole activation; `skipped` = values per
+  // row of all-zero columns the call skipped. Part times default to the
+  // phase timer; a device kernel passes its own (negative = use timer).
+  void Finish(int64_t nnz, double skipped, double dense_s = -1.0,
+              double sparse_s = -1.0) {
+    const double td = dense_s >= 0 ? dense_s : Seconds(analyzed_, dense_done_);
+    const double ts =
+        sparse_s >= 0 ? sparse_s : Seconds(dense_done_, sparse_done_);
+    stats_[kStatRowsDense] = rows_dense();
+    stats_[kStatRowsSparse] = rows_sparse();
+    stats_[kStatNnz] = nnz;
+    stats_[kStatZeroColsSkipped] = skipped;
+    stats_[kStatTimeDense] = td;
+    stats_[kStatTimeSparse] = ts;
+    stats_[kStatTimeAnalyze] = Seconds(start_, analyzed_);
+    stats_[kStatThreshold] = threshold_;
+    stats_[kStatNnzSparse] = split_.nnz_sparse;
+    if (family_ != nullptr) {
+      family_->Record(shape_, rows_dense(), compact_, td, rows_sparse(),
+                      split_.nnz_sparse, ts);
+    }
+  }
+
+ private:
+  Clock::time_point start_, analyzed_, dense_done_, sparse_done_;
+  float threshold_in_;
+  absl::Status status_;
+  double* stats_ = nullptr;
+  SplitShape shape_;
+  FamilyModel* family_ = nullptr;
+  RowSplit split_;
+  double threshold_ = 0.0;
+  bool compact_ = false;
+};
+
+}  // namespace tf_sparse_split
+
+#endif  // TF_SPARSE_SPLIT_CC_KERNELS_SPLIT_RUNTIME_H_
