@@ -116,6 +116,25 @@ def test_predicted_time_of_a_split_by_hand():
     assert het == pytest.approx(max(dense, sparse), rel=1e-12)
 
 
+def test_heterogeneous_split_minimises_the_later_device():
+    """Dense rows on the GPU, sparse rows on the CPU at the same time: the
+    plan minimises max(T_dense_gpu, T_sparse_cpu), so it sends sparse rows to
+    the CPU until the two finish together -- a threshold that adding the two
+    times would never pick."""
+    m, k, n = 1024, 1024, 256
+    row_nnz = np.r_[_uniform_rows(512, k, 0.02, 1), _uniform_rows(512, k, 0.5, 2)]
+    shape = K.matmul_split_shape(m, k, k, n)
+    prof = _profile(row_nnz, k)
+    het = _terms(dense_rate=2e12, sparse_rate=2e10, heterogeneous=True)
+    plan = K.decide_split(shape, prof, het)
+    times = [K.predict_plan_seconds(shape, prof, het, j) for j in range(33)]
+    assert plan["kind"] == "split"
+    assert plan["predicted_s"] <= min(times) * 1.02 + 1e-15
+    assert plan["predicted_s"] <= 0.9 * plan["all_dense_s"]
+    serial = K.decide_split(shape, prof, dict(het, heterogeneous=False))
+    assert serial["kind"] == "all_dense"   # summed, the split never pays
+
+
 # -- never losing: the safe margin -------------------------------------------
 
 def test_sparse_only_for_a_safe_predicted_win():

@@ -21,9 +21,8 @@
 #define TF_SPARSE_SPLIT_CC_KERNELS_SPLIT_RUNTIME_H_
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -260,12 +259,6 @@ class SplitCall {
           family->Terms(), DecisionPolicy());
       thr = plan.threshold;
       all_dense = plan.kind == PlanKind::kAllDense;
-      if (std::getenv("TFSS_DEBUG_COST")) {
-        const CostTerms t = family->Terms();
-        fprintf(stderr, "plan kind=%d bucket=%d thr=%g compact=%d pred=%g dense=%g best_sparse=%g | dfix=%g drate=%g sfix=%g conv=%g srate=%g copy=%g\n",
-                (int)plan.kind, plan.bucket, plan.threshold, (int)plan.compact, plan.predicted_s, plan.all_dense_s, plan.best_sparse_s,
-                t.dense_fixed_s, t.dense_rate, t.sparse_fixed_s, t.convert_s_per_elem, t.sparse_rate, t.copy_s_per_elem);
-      }
     }
     return Apply(row_nnz, thr, all_dense);
   }
@@ -302,29 +295,34 @@ class SplitCall {
   void DenseDone() { dense_done_ = Clock::now(); }
   void SparseDone() { sparse_done_ = Clock::now(); }
 
-  // Writes the statistics tail and records the parts' times in the family
-  // model. `nnz` = nonzeros of the whole activation; `skipped` = values per
-  // row of all-zero columns the call skipped. Part times default to the
-  // phase timer; a device kernel passes its own (negative = use timer).
-  void Finish(int64_t nnz, double skipped, double dense_s = -1.0,
-              double sparse_s = -1.0) {
-    const double td = dense_s >= 0 ? dense_s : Seconds(analyzed_, dense_done_);
-    const double ts =
-        sparse_s >= 0 ? sparse_s : Seconds(dense_done_, sparse_done_);
+  // Writes the statistics tail and records the parts' times (the phase
+  // timer's) in the family model. `nnz` = nonzeros of the whole activation;
+  // `skipped` = values per row of all-zero columns the call skipped.
+  void Finish(int64_t nnz, double skipped) {
+    FinishWithTimes(nnz, skipped, Seconds(analyzed_, dense_done_),
+                    Seconds(dense_done_, sparse_done_));
+  }
+
+  // The same with part times measured by the caller (a device kernel's
+  // event times); NaN when not known yet: written as NaN, not recorded.
+  void FinishWithTimes(int64_t nnz, double skipped, double dense_s,
+                       double sparse_s) {
     stats_[kStatRowsDense] = rows_dense();
     stats_[kStatRowsSparse] = rows_sparse();
     stats_[kStatNnz] = nnz;
     stats_[kStatZeroColsSkipped] = skipped;
-    stats_[kStatTimeDense] = td;
-    stats_[kStatTimeSparse] = ts;
+    stats_[kStatTimeDense] = dense_s;
+    stats_[kStatTimeSparse] = sparse_s;
     stats_[kStatTimeAnalyze] = Seconds(start_, analyzed_);
     stats_[kStatThreshold] = threshold_;
     stats_[kStatNnzSparse] = split_.nnz_sparse;
-    if (family_ != nullptr) {
-      family_->Record(shape_, rows_dense(), compact_, td, rows_sparse(),
-                      split_.nnz_sparse, ts);
+    if (family_ != nullptr && !std::isnan(dense_s) && !std::isnan(sparse_s)) {
+      family_->Record(shape_, rows_dense(), compact_, dense_s, rows_sparse(),
+                      split_.nnz_sparse, sparse_s);
     }
   }
+
+  const SplitShape& shape() const { return shape_; }
 
  private:
   Clock::time_point start_, analyzed_, dense_done_, sparse_done_;
