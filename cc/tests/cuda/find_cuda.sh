@@ -75,9 +75,16 @@ tfss_find_cublas() {
     TFSS_CUBLAS_WHERE="${root}"
     return 0
   done < <(_tfss_cublas_roots)
-  # The toolkit nvcc belongs to (its default include and library paths).
+  # The toolkit nvcc belongs to (its default include and library paths),
+  # with an rpath to its library directory so that the binary finds
+  # libcublas without LD_LIBRARY_PATH.
   if _tfss_cublas_header_ok "${build}"; then
-    TFSS_CUBLAS_LDFLAGS=(-lcublas)
+    local tk lib_dirs=() d
+    tk="$(cd "$(dirname "$(readlink -f "${TFSS_NVCC}")")/.." && pwd)"
+    for d in "${tk}/lib64" "${tk}/targets/x86_64-linux/lib" "${tk}/lib"; do
+      compgen -G "${d}/libcublas.so*" >/dev/null && lib_dirs+=(-Xlinker -rpath,"${d}")
+    done
+    TFSS_CUBLAS_LDFLAGS=("${lib_dirs[@]}" -lcublas)
     TFSS_HAVE_CUBLAS=1
     TFSS_CUBLAS_WHERE="the CUDA toolkit of ${TFSS_NVCC}"
     return 0
