@@ -151,6 +151,21 @@ done
 # Step 3 while nvcc runs (g++ is single-threaded).
 check_gpu_ops || failed=1
 
+# Without a real cuBLAS the harness's baseline code is still compiled (not
+# linked) against a declarations-only stub of cublas_v2.h.
+cublas_note="cuBLAS code linked against ${TFSS_CUBLAS_WHERE:-?}"
+if [[ "${TFSS_HAVE_CUBLAS}" != 1 ]]; then
+  stub=("${TFSS_NVCC}" -std=c++17 -O3 -gencode arch=compute_90,code=sm_90
+        -I"${root}/cc/tests/cuda/cublas_stub" -I"${root}" -x cu -c
+        "${root}/cc/tests/cuda/harness.cu.cc" -o "${tmp}/harness_cublas_stub.o")
+  echo "+ ${stub[*]}"
+  if ! "${stub[@]}"; then
+    echo "FAILED: the harness's cuBLAS code does not compile (against the stub header)"
+    failed=1
+  fi
+  cublas_note="cuBLAS code compiled against the stub header only"
+fi
+
 for pid in "${pids[@]}"; do
   if ! wait "${pid}"; then failed=1; fi
 done
@@ -188,5 +203,5 @@ if [[ ${failed} != 0 ]]; then
   exit 1
 fi
 echo "CUDA compile check passed: ${#srcs[@]} file(s) for sm_90 + compute_80 PTX, harness" \
-     "linked; ${gpu_op_note} (${elapsed} s)"
+     "linked; ${cublas_note}; ${gpu_op_note} (${elapsed} s)"
 exit 0

@@ -911,19 +911,22 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  // Exit 77 ("no GPU") only when the runtime reports that there is no device.
-  // Any other failure (e.g. cudaErrorInsufficientDriver: a driver older than
-  // this runtime) is an error: the GPU exists but cannot run these kernels.
-  int devices = 0;
+  // Exit 77 ("no GPU") only when there is no device or no CUDA driver at all
+  // (cudaDriverGetVersion reports 0). Any other failure -- e.g.
+  // cudaErrorInsufficientDriver from an installed driver older than this
+  // runtime -- is an error: a GPU exists but cannot run these kernels.
+  int devices = 0, driver = 0, runtime = 0;
   const cudaError_t e = cudaGetDeviceCount(&devices);
-  if (e == cudaErrorNoDevice || (e == cudaSuccess && devices == 0)) {
-    std::printf("no CUDA device (%s)\n", e != cudaSuccess ? cudaGetErrorName(e) : "0 devices");
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  cudaGetLastError();
+  if (e == cudaErrorNoDevice || (e == cudaSuccess && devices == 0) || driver == 0) {
+    std::printf("no CUDA device (%s)\n",
+                driver == 0 ? "no CUDA driver installed"
+                            : (e != cudaSuccess ? cudaGetErrorName(e) : "0 devices"));
     return 77;
   }
   if (e != cudaSuccess) {
-    int driver = 0, runtime = 0;
-    cudaDriverGetVersion(&driver);
-    cudaRuntimeGetVersion(&runtime);
     std::printf("FAIL: the CUDA runtime cannot use the GPU: %s (%s); driver supports CUDA %d, "
                 "runtime is %d\n", cudaGetErrorName(e), cudaGetErrorString(e), driver, runtime);
     return 1;
