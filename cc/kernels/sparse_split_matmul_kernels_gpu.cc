@@ -23,10 +23,11 @@
 // the events at a later call, once the stream has passed them.
 //
 // Buffer lifetime. Pinned host buffers (index lists, the heterogeneous
-// part's copies) are owned by a HostTemps object that is released by a host
-// function enqueued on the stream (cudaLaunchHostFunc) on EVERY exit path,
-// error returns included: no copy or kernel can still be using the memory
-// when TF's pinned allocator hands it out again. Device temporaries follow
+// part's copies) are owned by a HostTemps object that is handed to TF's
+// EventMgr (ThenExecute on the op's stream, as TF's own GPU kernels keep
+// host buffers alive) on EVERY exit path, error returns included: no copy or
+// kernel can still be using the memory when TF's pinned allocator hands it
+// out again. Device temporaries follow
 // TF's stream semantics (freed on the host, reused only by work enqueued
 // later on the same stream); work on the side stream (heterogeneous mode) is
 // joined back into the op's stream before the op returns, on every path.
@@ -91,6 +92,7 @@
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/tf_kernel.h"
 #include "cc/kernels/tf_parallel_for.h"
+#include "tensorflow/core/common_runtime/device/device_event_mgr.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -207,28 +209,36 @@ struct HostTemps {
   tf::Tensor counts, idx, a_sparse, b, c_sparse;
 };
 
-void CUDART_CB DeleteHostTemps(void* p) { delete static_cast<HostTemps*>(p); }
-
-// Owns a HostTemps; its destructor (on every exit path of Compute) enqueues
-// the release on `stream`, behind every copy that was enqueued before it. If
-// the host function cannot be enqueued (a broken context), it waits for the
-// stream instead and frees the buffers then.
+// Owns a HostTemps; its destructor (on every exit path of Compute) hands it
+// to TF's EventMgr (ThenExecute: deleted on the EventMgr's thread once the
+// stream has passed every copy enqueued before it), as TF's own GPU kernels
+// keep host buffers alive. Not a cudaLaunchHostFunc: freeing into TF's
+// pinned allocator from CUDA's callback thread could deadlock with a thread
+// that holds the allocator while synchronising. Without an EventMgr it waits
+// for the stream and frees the buffers then.
 class StreamOrderedRelease {
  public:
-  explicit StreamOrderedRelease(cudaStream_t stream)
-      : stream_(stream), temps_(new HostTemps) {}
+  StreamOrderedRelease(tf::OpKernelContext* ctx, cudaStream_t stream)
+      : ctx_(ctx), stream_(stream), temps_(new HostTemps) {}
   StreamOrderedRelease(const StreamOrderedRelease&) = delete;
   StreamOrderedRelease& operator=(const StreamOrderedRelease&) = delete;
   ~StreamOrderedRelease() {
     HostTemps* t = temps_.release();
-    if (cudaLaunchHostFunc(stream_, DeleteHostTemps, t) != cudaSuccess) {
-      cudaStreamSynchronize(stream_);
-      delete t;
+    const auto* info = ctx_->device()->tensorflow_accelerator_device_info();
+    stream_executor::Stream* se_stream =
+        ctx_->op_device_context() != nullptr ? ctx_->op_device_context()->stream()
+                                             : nullptr;
+    if (info != nullptr && info->event_mgr != nullptr && se_stream != nullptr) {
+      info->event_mgr->ThenExecute(se_stream, [t] { delete t; });
+      return;
     }
+    cudaStreamSynchronize(stream_);
+    delete t;
   }
   HostTemps* get() const { return temps_.get(); }
 
  private:
+  tf::OpKernelContext* ctx_;
   cudaStream_t stream_;
   std::unique_ptr<HostTemps> temps_;
 };
@@ -324,7 +334,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     // Declaration order matters: destructors run in reverse, so on any exit
     // the side stream is joined (join) BEFORE the pinned buffers' release is
     // enqueued (release), which therefore also waits for side-stream copies.
-    StreamOrderedRelease release(stream);
+    StreamOrderedRelease release(ctx, stream);
     HostTemps* host = release.get();
     SideStreamJoin join(stream);
 
