@@ -62,7 +62,8 @@
 //    enable_op_determinism()), the automatic threshold is fixed to
 //    kDeterministicThreshold (0: all-zero rows skipped, every other row to
 //    TF's MatMul; all-zero columns still compacted away), independent of
-//    timings and of call history.
+//    timings and of call history (so heterogeneous=True then sends nothing
+//    to the CPU; a fixed threshold splits deterministically).
 //  * float32 dense rows run through TF's MatMul, which uses TF32 tensor
 //    cores on Ampere and later while tf.config.experimental.
 //    enable_tensor_float_32_execution is on (TF's default): they are exactly
