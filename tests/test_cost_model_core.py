@@ -125,7 +125,8 @@ def test_heterogeneous_split_minimises_the_later_device():
     row_nnz = np.r_[_uniform_rows(512, k, 0.02, 1), _uniform_rows(512, k, 0.5, 2)]
     shape = K.matmul_split_shape(m, k, k, n)
     prof = _profile(row_nnz, k)
-    het = _terms(dense_rate=2e12, sparse_rate=2e10, heterogeneous=True)
+    het = _terms(dense_rate=1e12, sparse_rate=2e10, copy_s_per_elem=2e-11,
+                 heterogeneous=True)
     plan = K.decide_split(shape, prof, het)
     times = [K.predict_plan_seconds(shape, prof, het, j) for j in range(33)]
     assert plan["kind"] == "split"

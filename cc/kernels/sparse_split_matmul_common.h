@@ -38,6 +38,57 @@ struct MatMulKernels {
   }
 };
 
+// The dense part of a SparseSplitMatMul call, on CPU and GPU alike (`dev`
+// supplies the device's gather and scatter:
+//   absl::Status Gather(const Tensor& src, bool transpose, const int64_t* rows,
+//                       int64_t n_rows, const int64_t* cols, int64_t n_cols,
+//                       Tensor* out);   // GatherSubmatrix of op(src) into out
+//   absl::Status Scatter(const Tensor& src, const int64_t* rows, int64_t n_rows,
+//                        int64_t n, Tensor* out);  // ScatterRows
+// with index lists in the device's memory). With every row dense and nothing
+// compacted, TF's MatMul runs on a and b as they are and its result is
+// output 0 (no copy). Otherwise the dense rows (`dense_rows`, or all m when
+// rd == m) and, when compacting, the kc live columns (`live_cols`) of op(a)
+// are gathered, with the matching rows of op(b); their product is output 0
+// when rd == m, else it is scattered into *out.
+template <typename Dev>
+absl::Status RunMatMulDensePart(::tensorflow::OpKernelContext* ctx,
+                                const MatMulKernels& mm,
+                                const ::tensorflow::Tensor& a,
+                                const ::tensorflow::Tensor& b, int64_t m,
+                                int64_t n, int64_t rd, bool compact, int64_t kc,
+                                const int64_t* dense_rows,
+                                const int64_t* live_cols, Dev& dev,
+                                ::tensorflow::Tensor* out) {
+  namespace tf = ::tensorflow;
+  if (rd == 0) return absl::OkStatus();
+  if (rd == m && !compact) {
+    tf::Tensor product;
+    TF_RETURN_IF_ERROR(mm.direct.Run(ctx, {&a, &b}, &product));
+    ctx->set_output(0, product);
+    return absl::OkStatus();
+  }
+  tf::Tensor ad_t, bc_t, cd_t;
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(a.dtype(), tf::TensorShape({rd, kc}), &ad_t));
+  TF_RETURN_IF_ERROR(dev.Gather(a, mm.ta, rd == m ? nullptr : dense_rows, rd,
+                                compact ? live_cols : nullptr, kc, &ad_t));
+  if (compact) {
+    // Rows live_cols of op(b), gathered from b (read transposed if tb).
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(b.dtype(), tf::TensorShape({kc, n}), &bc_t));
+    TF_RETURN_IF_ERROR(dev.Gather(b, mm.tb, live_cols, kc, nullptr, n, &bc_t));
+    TF_RETURN_IF_ERROR(mm.compacted.Run(ctx, {&ad_t, &bc_t}, &cd_t));
+  } else {
+    TF_RETURN_IF_ERROR(mm.gathered.Run(ctx, {&ad_t, &b}, &cd_t));
+  }
+  if (rd == m) {
+    ctx->set_output(0, cd_t);
+    return absl::OkStatus();
+  }
+  return dev.Scatter(cd_t, dense_rows, rd, n, out);
+}
+
 // The validated problem: op(a) is [m, k], op(b) is [k, n]; threshold as
 // given (negative = automatic).
 struct MatMulProblem {
@@ -84,16 +135,6 @@ inline absl::Status ValidateMatMul(const ::tensorflow::Tensor& a,
         "SparseSplitMatMul: inner dimension ", p->k,
         " exceeds the 2^31-1 supported by the CSR indices");
   return absl::OkStatus();
-}
-
-// Zeroes the statistics vector and records the problem size and the
-// threshold as given (0 for automatic until the kernel decides it).
-inline void InitStats(const MatMulProblem& p, double* stats) {
-  std::fill(stats, stats + kNumStats, 0.0);
-  stats[kStatM] = p.m;
-  stats[kStatK] = p.k;
-  stats[kStatN] = p.n;
-  stats[kStatThreshold] = p.threshold < 0 ? 0.0 : p.threshold;
 }
 
 // Live (not all-zero) columns of op(a), from its column counts.

@@ -89,6 +89,27 @@ struct MatMulPaths {
   }
 };
 
+// The CPU's gather and scatter for RunMatMulDensePart.
+template <typename T>
+struct CpuDevice {
+  const ParallelFor& pfor;
+
+  absl::Status Gather(const tf::Tensor& src, bool transpose,
+                      const int64_t* rows, int64_t n_rows, const int64_t* cols,
+                      int64_t n_cols, tf::Tensor* out) {
+    GatherSubmatrix<T>(src.flat<T>().data(), src.dim_size(0), src.dim_size(1),
+                       transpose, rows, n_rows, cols, n_cols,
+                       out->flat<T>().data(), pfor);
+    return absl::OkStatus();
+  }
+  absl::Status Scatter(const tf::Tensor& src, const int64_t* rows,
+                       int64_t n_rows, int64_t n, tf::Tensor* out) {
+    ScatterRows<T>(src.flat<T>().data(), rows, n_rows, n, out->flat<T>().data(),
+                   n, pfor);
+    return absl::OkStatus();
+  }
+};
+
 }  // namespace
 
 template <typename T>
@@ -111,9 +132,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     call.stats()[kStatHeterogeneous] = mm_.hetero ? kHeteroCpuFallback : kHeteroOff;
     const tf::TensorShape out_shape({m, n});
     const T* a_ptr = a.flat<T>().data();
-    const T* b_ptr = b.flat<T>().data();
     const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
-    const int64_t b_rows = b.dim_size(0), b_cols = b.dim_size(1);
     ParallelFor pfor = TfParallelFor(ctx);
 
     // --- Analysis: densities, live columns. --------------------------------
@@ -154,35 +173,10 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       // written straight to) an output buffer of our own.
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     }
-    if (rd == m && !compact) {
-      // Every row dense, nothing to compact: TF's GEMM on the inputs as
-      // they are; its result is the output (no copy).
-      tf::Tensor product;
-      OP_REQUIRES_OK(ctx, mm_.direct.Run(ctx, {&a, &b}, &product));
-      ctx->set_output(0, product);
-    } else if (rd > 0) {
-      tf::Tensor ad_t, bc_t, cd_t;
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rd, kc}), &ad_t));
-      GatherSubmatrix<T>(a_ptr, a_rows, a_cols, mm_.ta,
-                         rd == m ? nullptr : dense_rows.data(), rd,
-                         compact ? live_cols.data() : nullptr, kc,
-                         ad_t.flat<T>().data(), pfor);
-      if (compact) {
-        // Rows live_cols of op(b), gathered from b (read transposed if tb).
-        OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({kc, n}), &bc_t));
-        GatherSubmatrix<T>(b_ptr, b_rows, b_cols, mm_.tb, live_cols.data(), kc,
-                           nullptr, n, bc_t.flat<T>().data(), pfor);
-        OP_REQUIRES_OK(ctx, mm_.compacted.Run(ctx, {&ad_t, &bc_t}, &cd_t));
-      } else {
-        OP_REQUIRES_OK(ctx, mm_.gathered.Run(ctx, {&ad_t, &b}, &cd_t));
-      }
-      if (rd == m) {
-        ctx->set_output(0, cd_t);
-      } else {
-        ScatterRows<T>(cd_t.flat<T>().data(), dense_rows.data(), rd, n,
-                       out->flat<T>().data(), n, pfor);
-      }
-    }
+    CpuDevice<T> dev{pfor};
+    OP_REQUIRES_OK(ctx, RunMatMulDensePart(ctx, mm_, a, b, m, n, rd, compact, kc,
+                                           dense_rows.data(), live_cols.data(),
+                                           dev, out));
     call.DenseDone();
 
     // --- Sparse part. -------------------------------------------------------

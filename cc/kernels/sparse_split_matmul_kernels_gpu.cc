@@ -42,13 +42,15 @@
 // TIME_SPARSE the host time from enqueueing the copies to the end of the CPU
 // SpMM (it includes the device-to-host transfer).
 //
-// A negative threshold picks the split from the rates this kernel measured
-// for the problem family (dtype, k, n, transpose_b, heterogeneous): until the
-// dense rate is known every nonzero row goes dense, then one call sends every
-// row sparse to measure the sparse rate, then the threshold is
-// (sparse rate / dense rate) * k_live / k as in the CPU kernel, or, for a
-// heterogeneous split, the density-bin edge that minimises
-// max(T_dense_gpu, T_sparse_cpu) (both devices finish together).
+// A negative threshold picks the split with the cost model of
+// cc/core/cost_model.h through the split runtime (cc/kernels/split_runtime.h),
+// for the problem family (GPU, dtype, k, n bucket, transpose_b,
+// heterogeneous): the GPU kernel does not calibrate; until the dense path's
+// rate is known every nonzero row goes dense, then one call sends every row
+// sparse to learn the sparse path's, and from then on DecideSplit chooses
+// (with its margins and hysteresis). For a heterogeneous split the terms are
+// marked heterogeneous, so a plan's predicted time is max(T_dense_gpu,
+// T_sparse_cpu) (both devices finish together) instead of their sum.
 //
 // Determinism and precision (the GPU contract; README "GPU" section):
 //  * A fixed threshold in [0, 1] makes the split a function of the input's
@@ -80,17 +82,17 @@
 #include <cmath>
 #include <deque>
 #include <limits>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <string>
-#include <tuple>
 #include <vector>
 
+#include "cc/core/cost_model.h"
 #include "cc/core/cuda/sparse_matmul_cuda.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
+#include "cc/kernels/split_runtime.h"
 #include "cc/kernels/tf_kernel.h"
 #include "cc/kernels/tf_parallel_for.h"
 #include "tensorflow/core/common_runtime/device/device_event_mgr.h"
@@ -110,8 +112,6 @@ namespace tf = ::tensorflow;
 constexpr double kDeterministicThreshold = 0.0;
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 absl::Status CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
@@ -158,48 +158,35 @@ double ElapsedSeconds(const Event& a, const Event& b) {
   return ms * 1e-3;
 }
 
-// Measured rates of one problem family on this GPU (flop/s); EMA of calls.
-struct GpuRates {
-  std::mutex mu;
-  double dense_rate = 0.0;
-  double sparse_rate = 0.0;
-
-  void Update(double* rate, double flops, double seconds) {
-    if (flops < 2e7 || seconds <= 0.0) return;  // overhead-dominated
-    const double r = flops / seconds;
-    std::lock_guard<std::mutex> lock(mu);
-    *rate = *rate > 0.0 ? 0.8 * *rate + 0.2 * r : r;
-  }
-};
-
-GpuRates& RatesFor(tf::DataType dtype, int64_t k, int64_t n, bool tb,
-                   bool hetero) {
-  static std::mutex* mu = new std::mutex;
-  static auto* models =
-      new std::map<std::tuple<int, int64_t, int64_t, bool, bool>, GpuRates>;
-  std::lock_guard<std::mutex> lock(*mu);
-  return (*models)[std::make_tuple(static_cast<int>(dtype), k, n, tb, hetero)];
-}
-
 // One call's timing events and work, kept until the events can be read.
 struct CallTiming {
   Event d0, d1, s0, s1;          // dense part / sparse part on the op's stream
-  double dense_flops = 0.0;
-  double sparse_flops = 0.0;
   double host_sparse_seconds = -1.0;  // heterogeneous: CPU SpMM wall time
-  GpuRates* rates = nullptr;
+  // What the call did, for FamilyModel::Record.
+  FamilyModel* family = nullptr;
+  SplitShape shape;
+  double rows_dense = 0, rows_sparse = 0, nnz_sparse = 0;
+  bool compact = false;
 
-  // Reads the events and updates the rate model; false if not yet complete.
-  bool Harvest() {
+  // The parts' times (GPU events; the host time of a heterogeneous sparse
+  // part); false if the events have not completed yet.
+  bool Seconds(double* dense, double* sparse) const {
     if (cudaEventQuery(d1.ev) != cudaSuccess || cudaEventQuery(s1.ev) != cudaSuccess) {
       cudaGetLastError();  // cudaErrorNotReady is not sticky; clear it
       return false;
     }
-    const double t_dense = ElapsedSeconds(d0, d1);
-    const double t_sparse =
+    *dense = ElapsedSeconds(d0, d1);
+    *sparse =
         host_sparse_seconds >= 0.0 ? host_sparse_seconds : ElapsedSeconds(s0, s1);
-    rates->Update(&rates->dense_rate, dense_flops, t_dense);
-    rates->Update(&rates->sparse_rate, sparse_flops, t_sparse);
+    return true;
+  }
+
+  // Records a call that returned without waiting, once its events are done.
+  bool Harvest() {
+    double dense, sparse;
+    if (!Seconds(&dense, &sparse)) return false;
+    family->Record(shape, rows_dense, compact, dense, rows_sparse, nnz_sparse,
+                   sparse);
     return true;
   }
 };
@@ -274,6 +261,29 @@ class SideStreamJoin {
   cudaStream_t side_ = nullptr;
 };
 
+// The GPU's gather and scatter for RunMatMulDensePart (index lists in device
+// memory, enqueued on the op's stream).
+template <typename T>
+struct GpuDevice {
+  cudaStream_t stream;
+
+  absl::Status Gather(const tf::Tensor& src, bool transpose,
+                      const int64_t* rows, int64_t n_rows, const int64_t* cols,
+                      int64_t n_cols, tf::Tensor* out) {
+    return CudaStatus(
+        GatherSubmatrixGpu<T>(src.flat<T>().data(), src.dim_size(0),
+                              src.dim_size(1), transpose, rows, n_rows, cols,
+                              n_cols, out->flat<T>().data(), stream),
+        "GatherSubmatrixGpu");
+  }
+  absl::Status Scatter(const tf::Tensor& src, const int64_t* rows,
+                       int64_t n_rows, int64_t n, tf::Tensor* out) {
+    return CudaStatus(ScatterRowsGpu<T>(src.flat<T>().data(), rows, n_rows, n,
+                                        out->flat<T>().data(), n, stream),
+                      "ScatterRowsGpu");
+  }
+};
+
 }  // namespace
 
 template <typename T>
@@ -281,14 +291,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
  public:
   explicit SparseSplitMatMulGpuOp(tf::OpKernelConstruction* ctx)
       : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_a", &ta_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("heterogeneous", &hetero_));
-    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
-    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_GPU, dt, ta_, tb_, &gemm_direct_));
-    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_GPU, dt, false, tb_, &gemm_gathered_));
-    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_GPU, dt, false, false,
-                                     &gemm_compacted_));
+    OP_REQUIRES_OK(ctx, mm_.Init(ctx, tf::DEVICE_GPU, tf::DataTypeToEnum<T>::value));
   }
 
   ~SparseSplitMatMulGpuOp() override {
@@ -296,21 +299,14 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
-    const auto t_start = Clock::now();
     const tf::Tensor& a = ctx->input(0);
     const tf::Tensor& b = ctx->input(1);
-    const tf::Tensor& thr_t = ctx->input(2);  // host memory
-    MatMulProblem prob;
-    OP_REQUIRES_OK(ctx, ValidateMatMul(a, b, thr_t, ta_, tb_, &prob));
+    MatMulProblem prob;  // threshold: host memory
+    OP_REQUIRES_OK(ctx, ValidateMatMul(a, b, ctx->input(2), mm_.ta, mm_.tb, &prob));
     const int64_t m = prob.m, k = prob.k, n = prob.n;
-    const float thr_in = prob.threshold;
-
-    tf::Tensor* stats_t = nullptr;  // host memory
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({kNumStats}),
-                                             &stats_t));
-    double* stats = stats_t->flat<double>().data();
-    InitStats(prob, stats);
-    stats[kStatHeterogeneous] = hetero_ ? kHeteroRan : kHeteroOff;
+    SplitCall call(ctx, 1, m, k, n, prob.threshold);  // stats: host memory
+    OP_REQUIRES_OK(ctx, call.status());
+    call.stats()[kStatHeterogeneous] = mm_.hetero ? kHeteroRan : kHeteroOff;
     // The op's stream, as TF's own GPU kernels get it (eigen_device<Eigen::GpuDevice>()
     // returns this same device; the inline accessor needs no exported symbol).
     const cudaStream_t stream = ctx->eigen_gpu_device().stream();
@@ -323,8 +319,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
         TFSS_CUDA_OK(ctx, cudaMemsetAsync(out->flat<T>().data(), 0,
                                           sizeof(T) * m * n, stream));
       }
-      stats[kStatRowsSparse] = m;
-      if (m > 0) stats[kStatHistogram] = m;
+      call.FinishEmpty(m, 0, nullptr);
       return;
     }
     const T* a_ptr = a.flat<T>().data();
@@ -347,7 +342,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                                            tf::TensorShape({m + k}), &host->counts,
                                            PinnedHost()));
     int64_t* row_nnz_d = counts_d.flat<int64_t>().data();
-    TFSS_CUDA_OK(ctx, CountNonzerosGpu<T>(a_ptr, a_rows, a_cols, ta_, row_nnz_d,
+    TFSS_CUDA_OK(ctx, CountNonzerosGpu<T>(a_ptr, a_rows, a_cols, mm_.ta, row_nnz_d,
                                           row_nnz_d + m, nullptr, stream));
     const int64_t* row_nnz = host->counts.flat<int64_t>().data();
     const int64_t* col_nnz = row_nnz + m;
@@ -362,20 +357,22 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     const std::vector<int64_t> live_cols = LiveColumns(col_nnz, k);
     const int64_t k_live = static_cast<int64_t>(live_cols.size());
 
-    GpuRates& rates = RatesFor(dt, k, n, tb_, hetero_);
-    double thr = thr_in;
-    if (thr_in < 0 && tf::OpDeterminismRequired()) {
+    FamilyModel& family = FamilyFor(
+        {kFamilyMatMulGpu, dt, k, NBucket(n), mm_.tb ? 1 : 0, mm_.hetero ? 1 : 0});
+    call.SetProblem(MatMulSplitShape(m, k, k_live, n), &family);
+    double thr = prob.threshold;
+    bool all_dense = false;
+    if (call.automatic() && tf::OpDeterminismRequired()) {
       thr = kDeterministicThreshold;  // no dependence on timings or history
-    } else if (thr_in < 0) {
-      thr = AutoThreshold(rates, row_nnz, m, k, k_live, n);
+    } else if (call.automatic()) {
+      AutoPlan(family, call.shape(), row_nnz, &thr, &all_dense);
     }
-    RowSplit split = SplitRows(row_nnz, m, k, thr, stats);
-    const std::vector<int64_t>& dense_rows = split.dense_rows;
-    const std::vector<int64_t>& sparse_rows = split.sparse_rows;
-    const int64_t nnz_sparse = split.nnz_sparse;
-    const int64_t rd = dense_rows.size(), rs = sparse_rows.size();
-    const bool compact =
-        rd > 0 && k_live < k && (rd < m || (k - k_live) * 16 >= k);
+    OP_REQUIRES_OK(ctx, call.Apply(row_nnz, thr, all_dense));
+    const std::vector<int64_t>& dense_rows = call.split().dense_rows;
+    const std::vector<int64_t>& sparse_rows = call.split().sparse_rows;
+    const int64_t nnz_sparse = call.split().nnz_sparse;
+    const int64_t rd = call.rows_dense(), rs = call.rows_sparse();
+    const bool compact = call.compact();
     const int64_t kc = compact ? k_live : k;
 
     // Row and column index lists on the device: [dense | sparse | live].
@@ -396,14 +393,14 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     const int64_t* dense_rows_d = idx_d.flat<int64_t>().data();
     const int64_t* sparse_rows_d = dense_rows_d + rd;
     const int64_t* live_cols_d = sparse_rows_d + rs;
-    const auto t_analyzed = Clock::now();
+    const auto t_analyzed = Clock::now();  // the host sparse part's start
 
     tf::Tensor* out = nullptr;
     if (rd < m) OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
 
     // --- Heterogeneous: ship the sparse rows and b to the host on a side
     // stream, so that the dense GEMM below does not queue behind the copies.
-    const bool cpu_sparse = hetero_ && rs > 0 && nnz_sparse > 0;
+    const bool cpu_sparse = mm_.hetero && rs > 0 && nnz_sparse > 0;
     tf::Tensor as_d;
     Event gathered, copied;
     cudaStream_t side = nullptr;
@@ -413,7 +410,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rs, k}),
                                              &host->a_sparse, PinnedHost()));
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, b.shape(), &host->b, PinnedHost()));
-      TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(a_ptr, a_rows, a_cols, ta_,
+      TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(a_ptr, a_rows, a_cols, mm_.ta,
                                               sparse_rows_d, rs, nullptr, k,
                                               as_d.flat<T>().data(), stream));
       // The side stream starts after the gather (and so after the producers
@@ -434,41 +431,15 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
 
     // --- Dense part on the GPU (enqueued, not waited for). ------------------
     auto timing = std::make_shared<CallTiming>();
-    timing->rates = &rates;
+    timing->family = &family;
     TFSS_CUDA_OK(ctx, timing->d0.Create());
     TFSS_CUDA_OK(ctx, timing->d1.Create());
     TFSS_CUDA_OK(ctx, timing->s0.Create());
     TFSS_CUDA_OK(ctx, timing->s1.Create());
     TFSS_CUDA_OK(ctx, cudaEventRecord(timing->d0.ev, stream));
-    if (rd == m && !compact) {
-      tf::Tensor product;
-      OP_REQUIRES_OK(ctx, gemm_direct_.Run(ctx, {&a, &b}, &product));
-      ctx->set_output(0, product);
-    } else if (rd > 0) {
-      tf::Tensor ad_t, bc_t, cd_t;
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rd, kc}), &ad_t));
-      TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(
-                            a_ptr, a_rows, a_cols, ta_,
-                            rd == m ? nullptr : dense_rows_d, rd,
-                            compact ? live_cols_d : nullptr, kc,
-                            ad_t.flat<T>().data(), stream));
-      if (compact) {
-        OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({kc, n}), &bc_t));
-        TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(b_ptr, b_rows, b_cols, tb_,
-                                                live_cols_d, kc, nullptr, n,
-                                                bc_t.flat<T>().data(), stream));
-        OP_REQUIRES_OK(ctx, gemm_compacted_.Run(ctx, {&ad_t, &bc_t}, &cd_t));
-      } else {
-        OP_REQUIRES_OK(ctx, gemm_gathered_.Run(ctx, {&ad_t, &b}, &cd_t));
-      }
-      if (rd == m) {
-        ctx->set_output(0, cd_t);
-      } else {
-        TFSS_CUDA_OK(ctx, ScatterRowsGpu<T>(cd_t.flat<T>().data(), dense_rows_d,
-                                            rd, n, out->flat<T>().data(), n,
-                                            stream));
-      }
-    }
+    GpuDevice<T> dev{stream};
+    OP_REQUIRES_OK(ctx, RunMatMulDensePart(ctx, mm_, a, b, m, n, rd, compact, kc,
+                                           dense_rows_d, live_cols_d, dev, out));
     TFSS_CUDA_OK(ctx, cudaEventRecord(timing->d1.ev, stream));
 
     // --- Sparse part: CPU (heterogeneous) or GPU CSR SpMM. ------------------
@@ -490,7 +461,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                   sp_nnz.data(), nullptr, &csr, pfor);
       const T* bd = host->b.flat<T>().data();
       std::vector<T> bt;
-      if (tb_) {  // the SpMM reads rows of op(b) = b^T
+      if (mm_.tb) {  // the SpMM reads rows of op(b) = b^T
         bt.resize(k * n);
         GatherSubmatrix<T>(bd, n, k, true, nullptr, k, nullptr, n, bt.data(),
                            pfor);
@@ -532,11 +503,11 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                               &col_idx_d));
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({nnz_sparse}),
                                              &values_d));
-      TFSS_CUDA_OK(ctx, FillCsrGpu<T>(a_ptr, a_rows, a_cols, ta_, sparse_rows_d,
+      TFSS_CUDA_OK(ctx, FillCsrGpu<T>(a_ptr, a_rows, a_cols, mm_.ta, sparse_rows_d,
                                       rs, row_ptr, col_idx_d.flat<int32_t>().data(),
                                       values_d.flat<T>().data(), stream));
       const T* bd = b_ptr;
-      if (tb_) {  // op(b) = b^T materialised once, row-major [k, n]
+      if (mm_.tb) {  // op(b) = b^T materialised once, row-major [k, n]
         OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({k, n}), &bt_d));
         TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(b_ptr, b_rows, b_cols, true,
                                                 nullptr, k, nullptr, n,
@@ -554,33 +525,24 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                                       out->flat<T>().data(), n, stream));
     }
     TFSS_CUDA_OK(ctx, cudaEventRecord(timing->s1.ev, stream));
-    timing->dense_flops = 2.0 * rd * kc * n;
-    timing->sparse_flops = 2.0 * nnz_sparse * n;
+    timing->shape = call.shape();
+    timing->rows_dense = rd;
+    timing->rows_sparse = rs;
+    timing->nnz_sparse = nnz_sparse;
+    timing->compact = compact;
 
-    stats[kStatRowsDense] = rd;
-    stats[kStatRowsSparse] = rs;
-    stats[kStatNnz] = nnz;
-    stats[kStatZeroColsSkipped] = (rd == 0 || compact) ? k - k_live : 0;
-    stats[kStatTimeAnalyze] =
-        std::chrono::duration<double>(t_analyzed - t_start).count();
-    stats[kStatThreshold] = thr;
-    stats[kStatNnzSparse] = nnz_sparse;
-
+    const double skipped = (rd == 0 || compact) ? k - k_live : 0;
     if (ctx->output_required(1)) {
       // The statistics (host memory) carry this call's GPU times: wait.
       TFSS_CUDA_OK(ctx, cudaStreamSynchronize(stream));
-      const double time_dense = ElapsedSeconds(timing->d0, timing->d1);
-      const double time_sparse = timing->host_sparse_seconds >= 0.0
-                                     ? timing->host_sparse_seconds
-                                     : ElapsedSeconds(timing->s0, timing->s1);
-      timing->Harvest();
-      stats[kStatTimeDense] = time_dense;
-      stats[kStatTimeSparse] = time_sparse;
+      double time_dense = -1.0, time_sparse = -1.0;
+      timing->Seconds(&time_dense, &time_sparse);
+      call.FinishWithTimes(nnz, skipped, time_dense, time_sparse);
     } else {
       // Nobody reads the statistics: return with the work queued (TF's
-      // stream semantics); a later call reads the events.
-      stats[kStatTimeDense] = std::numeric_limits<double>::quiet_NaN();
-      stats[kStatTimeSparse] = std::numeric_limits<double>::quiet_NaN();
+      // stream semantics); a later call reads the events and records them.
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      call.FinishWithTimes(nnz, skipped, nan, nan);
       std::lock_guard<std::mutex> lock(mu_);
       pending_.push_back(std::move(timing));
       while (pending_.size() > kMaxPending) pending_.pop_front();
@@ -590,46 +552,25 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
  private:
   static constexpr size_t kMaxPending = 16;
 
-  // The automatic threshold from the measured rates (see the file comment).
-  double AutoThreshold(GpuRates& rates, const int64_t* row_nnz, int64_t m,
-                       int64_t k, int64_t k_live, int64_t n) const {
-    double dense_rate, sparse_rate;
-    {
-      std::lock_guard<std::mutex> lock(rates.mu);
-      dense_rate = rates.dense_rate;
-      sparse_rate = rates.sparse_rate;
+  // The automatic split (see the file comment): explore each path once,
+  // then the cost model's plan; heterogeneous terms predict
+  // max(T_dense_gpu, T_sparse_cpu).
+  void AutoPlan(FamilyModel& family, const SplitShape& shape,
+                const int64_t* row_nnz, double* thr, bool* all_dense) {
+    CostTerms terms = family.Terms();
+    terms.heterogeneous = mm_.hetero;
+    *all_dense = false;
+    if (!terms.dense_known()) {
+      *thr = 0.0;  // explore: every nonzero row dense
+    } else if (!terms.sparse_known()) {
+      *thr = 1.0;  // explore: every row sparse
+    } else {
+      const Plan plan = plans_.Decide(
+          shape, ProfileFromRowNnz(row_nnz, shape.m, shape.k, kDecisionBuckets),
+          terms, DecisionPolicy());
+      *thr = plan.threshold;
+      *all_dense = plan.kind == PlanKind::kAllDense;
     }
-    if (dense_rate <= 0.0) return 0.0;   // explore: every nonzero row dense
-    if (sparse_rate <= 0.0) return 1.0;  // explore: every row sparse
-    if (!hetero_) {
-      return std::min(1.0, std::max(0.0, sparse_rate / dense_rate * k_live /
-                                             static_cast<double>(k)));
-    }
-    // The two devices run concurrently: pick the density-bin edge that
-    // minimises the later finishing time, max(T_dense, T_sparse), as
-    // CostModel.best_threshold(heterogeneous=True) does.
-    std::vector<double> bin_rows(kDensityBins, 0.0), bin_nnz(kDensityBins, 0.0);
-    for (int64_t i = 0; i < m; ++i) {
-      const int bin = DensityBin(static_cast<double>(row_nnz[i]) / k);
-      bin_rows[bin] += 1;
-      bin_nnz[bin] += row_nnz[i];
-    }
-    double best = std::numeric_limits<double>::infinity(), rows_sparse = 0,
-           nnz_sp = 0, thr = 0.0;
-    for (int edge = 0; edge <= kDensityBins; ++edge) {
-      if (edge > 0) {  // bins below `edge` go sparse
-        rows_sparse += bin_rows[edge - 1];
-        nnz_sp += bin_nnz[edge - 1];
-      }
-      const double t_dense = 2.0 * (m - rows_sparse) * k_live * n / dense_rate;
-      const double t_sparse = 2.0 * nnz_sp * n / sparse_rate;
-      const double t = std::max(t_dense, t_sparse);
-      if (t < best) {
-        best = t;
-        thr = static_cast<double>(edge) / kDensityBins;
-      }
-    }
-    return thr;
   }
 
   // Reads the events of earlier calls that returned without waiting.
@@ -651,9 +592,8 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     return absl::OkStatus();
   }
 
-  bool ta_ = false, tb_ = false, hetero_ = false;
-  // TF's GPU MatMul (cuBLAS) on the op's stream.
-  TfKernel gemm_direct_, gemm_gathered_, gemm_compacted_;
+  MatMulKernels mm_;  // attrs and TF's GPU MatMul (cuBLAS) on the op's stream
+  PlanMemory plans_;  // this op's last plan (hysteresis)
   std::mutex mu_;  // guards pending_ and side_stream_
   std::deque<std::shared_ptr<CallTiming>> pending_;
   cudaStream_t side_stream_ = nullptr;
