@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -73,17 +74,27 @@ enum FamilyOp : int64_t {
 
 namespace split_runtime_internal {
 
-// Best wall-clock seconds of up to 3 runs of fn (1 run when a run takes
-// more than 20 ms: the calibration must stay cheap).
-template <typename Fn>
-absl::Status BestSeconds(Fn&& fn, double* best) {
-  *best = 1e30;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = Clock::now();
-    TF_RETURN_IF_ERROR(fn());
-    const double s = Seconds(t0, Clock::now());
-    *best = std::min(*best, s);
-    if (s > 0.02) break;
+// Times every function of `fns` once per round, round after round, and
+// keeps each one's best wall-clock seconds in best[i]. Interleaving makes a
+// burst of load on the (shared) machine hit all of them alike instead of
+// biasing one path. Three rounds, two when a round takes over 50 ms, one
+// over 300 ms: the calibration must stay cheap.
+inline absl::Status BestSecondsInterleaved(
+    const std::vector<std::function<absl::Status()>>& fns,
+    std::vector<double>* best) {
+  best->assign(fns.size(), 1e30);
+  int rounds = 3;
+  for (int round = 0; round < rounds; ++round) {
+    const auto r0 = Clock::now();
+    for (size_t i = 0; i < fns.size(); ++i) {
+      const auto t0 = Clock::now();
+      TF_RETURN_IF_ERROR(fns[i]());
+      (*best)[i] = std::min((*best)[i], Seconds(t0, Clock::now()));
+    }
+    if (round == 0) {
+      const double took = Seconds(r0, Clock::now());
+      rounds = took > 0.3 ? 1 : took > 0.05 ? 2 : 3;
+    }
   }
   return absl::OkStatus();
 }
@@ -109,7 +120,6 @@ absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
                        const SplitShape& shape, const ParallelFor& pfor,
                        CostTerms* terms) {
   namespace tf = ::tensorflow;
-  using split_runtime_internal::BestSeconds;
   using split_runtime_internal::CountRows;
   const int64_t k = std::max<int64_t>(1, shape.k);
   // About 2^20 values (4 MB of float): enough work that the fixed costs do
@@ -160,35 +170,42 @@ absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
                             nnz_thin.data());
   for (int64_t r = 0; r < rows_part; ++r) c.nnz_part += nnz_full[r];
   const tf::Tensor part = sample.Slice(0, rows_part);
-  if (shape.dense_allowed) {
-    TF_RETURN_IF_ERROR(
-        BestSeconds([&] { return op.RunDense(sample); }, &c.dense_full_s));
-    TF_RETURN_IF_ERROR(
-        BestSeconds([&] { return op.RunDense(part); }, &c.dense_part_s));
-  }
-  TF_RETURN_IF_ERROR(BestSeconds(
-      [&] { return op.RunSparse(sample, nnz_full.data()); }, &c.sparse_full_s));
-  TF_RETURN_IF_ERROR(BestSeconds(
-      [&] { return op.RunSparse(thin, nnz_thin.data()); }, &c.sparse_thin_s));
-  TF_RETURN_IF_ERROR(BestSeconds(
-      [&] { return op.RunSparse(part, nnz_full.data()); }, &c.sparse_part_s));
   // Gathers and scatters: timed as a gather of every other column (the
   // compaction's indexed copy, slower than a row copy: erring towards the
   // plain dense path).
   const int64_t half = std::max<int64_t>(1, k / 2);
   c.copy_elems = static_cast<double>(rows_full) * half;
-  TF_RETURN_IF_ERROR(BestSeconds(
+  tf::Tensor copy;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(
+      sample.dtype(), tf::TensorShape({rows_full, half}), &copy));
+  std::vector<std::function<absl::Status()>> fns = {
+      [&] { return op.RunSparse(sample, nnz_full.data()); },
+      [&] { return op.RunSparse(thin, nnz_thin.data()); },
+      [&] { return op.RunSparse(part, nnz_full.data()); },
       [&] {
         const T* x = sample.flat<T>().data();
-        T* y = thin.flat<T>().data();
+        T* y = copy.flat<T>().data();
         pfor(rows_full, 2 * half, [&](int64_t b, int64_t e) {
           for (int64_t r = b; r < e; ++r)
             for (int64_t j = 0; j < half; ++j)
               y[r * half + j] = x[r * k + std::min(2 * j, k - 1)];
         });
         return absl::OkStatus();
-      },
-      &c.copy_s));
+      }};
+  if (shape.dense_allowed) {
+    fns.push_back([&] { return op.RunDense(sample); });
+    fns.push_back([&] { return op.RunDense(part); });
+  }
+  std::vector<double> best;
+  TF_RETURN_IF_ERROR(split_runtime_internal::BestSecondsInterleaved(fns, &best));
+  c.sparse_full_s = best[0];
+  c.sparse_thin_s = best[1];
+  c.sparse_part_s = best[2];
+  c.copy_s = best[3];
+  if (shape.dense_allowed) {
+    c.dense_full_s = best[4];
+    c.dense_part_s = best[5];
+  }
   *terms = FitCalibration(shape, c);
   return absl::OkStatus();
 }
