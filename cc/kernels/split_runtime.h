@@ -281,15 +281,19 @@ class SplitCall {
   }
 
   // Applies an already chosen threshold (the GPU kernel decides its own
-  // exploration): rows split, histogram, compaction by family->Terms().
+  // exploration): rows split, histogram, compaction.
   absl::Status Apply(const int64_t* row_nnz, double thr, bool all_dense) {
     split_ = SplitRows(row_nnz, shape_.m, shape_.k, thr, stats_,
                        /*dense_zero_rows_rule=*/!automatic());
     if (all_dense) AllRowsDense(shape_.m, &split_);
     threshold_ = all_dense ? 0.0 : thr;
+    // Compaction: by the cost model for an automatic threshold; by a fixed
+    // rule of the zero pattern for a given one (the same input then always
+    // takes the same path, whatever the timings).
     const CostTerms terms =
-        family_ != nullptr && family_->calibrated() ? family_->Terms()
-                                                    : CostTerms();
+        automatic() && family_ != nullptr && family_->calibrated()
+            ? family_->Terms()
+            : CostTerms();
     compact_ = ChooseCompaction(shape_, terms,
                                 static_cast<double>(split_.dense_rows.size()));
     analyzed_ = Clock::now();
