@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tf_sparse_split import stats as S
+from tf_sparse_split.tuning import stats as S
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.testing import random_sparse
 

@@ -52,8 +52,10 @@ threshold: scalar float32 row-density threshold in [0, 1]; rows of op(a)
 product: [m, n].
 heterogeneous: on the GPU kernel, multiply the sparse rows on the CPU (copied
   to host memory) while the dense rows run on the GPU (Peng 2017). The CPU
-  kernel ignores it (normal CPU split) and records stats[28] = 2.
-stats: float64 [29] per-call statistics (see tf_sparse_split/stats.py).
+  kernel ignores it (normal CPU split) and records kHeteroCpuFallback in the
+  kStatHeterogeneous entry of stats.
+stats: float64 [kNumStats] per-call statistics, laid out as in
+  cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");
 
 }  // namespace tf_sparse_split

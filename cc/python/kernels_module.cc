@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cc/core/sparse_matmul.h"
+#include "cc/core/stats.h"
 
 namespace py = pybind11;
 
@@ -174,4 +175,39 @@ PYBIND11_MODULE(_kernels, mod) {
   tf_sparse_split::Bind<double>(mod);
   tf_sparse_split::Bind<float>(mod);
   mod.attr("DENSITY_BINS") = tf_sparse_split::kDensityBins;
+
+  // ---- Statistics layout ------------------------------------------------
+  // cc/core/stats.h is the one source of the layout of the ops' statistics
+  // vector; tf_sparse_split/tuning/stats.py mirrors it and a test checks the
+  // two agree through this function.
+  mod.def(
+      "stats_layout",
+      [] {
+        namespace t = tf_sparse_split;
+        py::dict d;
+        d["kStatRowsDense"] = static_cast<int>(t::kStatRowsDense);
+        d["kStatRowsSparse"] = static_cast<int>(t::kStatRowsSparse);
+        d["kStatNnz"] = static_cast<int>(t::kStatNnz);
+        d["kStatZeroColsSkipped"] = static_cast<int>(t::kStatZeroColsSkipped);
+        d["kStatTimeDense"] = static_cast<int>(t::kStatTimeDense);
+        d["kStatTimeSparse"] = static_cast<int>(t::kStatTimeSparse);
+        d["kStatTimeAnalyze"] = static_cast<int>(t::kStatTimeAnalyze);
+        d["kStatThreshold"] = static_cast<int>(t::kStatThreshold);
+        d["kStatM"] = static_cast<int>(t::kStatM);
+        d["kStatK"] = static_cast<int>(t::kStatK);
+        d["kStatN"] = static_cast<int>(t::kStatN);
+        d["kStatNnzSparse"] = static_cast<int>(t::kStatNnzSparse);
+        d["kStatHistogram"] = static_cast<int>(t::kStatHistogram);
+        d["kStatHeterogeneous"] = static_cast<int>(t::kStatHeterogeneous);
+        d["kNumStats"] = static_cast<int>(t::kNumStats);
+        d["kDensityBins"] = t::kDensityBins;
+        d["kHeteroOff"] = t::kHeteroOff;
+        d["kHeteroRan"] = t::kHeteroRan;
+        d["kHeteroCpuFallback"] = t::kHeteroCpuFallback;
+        return d;
+      },
+      "Layout of the ops' statistics vector, from cc/core/stats.h: a dict of "
+      "the StatIndex names (kStat*) to their indices (kStatHistogram is the "
+      "first of kDensityBins histogram entries), kNumStats, kDensityBins and "
+      "the kHetero* values of the kStatHeterogeneous entry.");
 }

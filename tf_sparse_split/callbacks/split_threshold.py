@@ -6,7 +6,7 @@ Deep Learning Execution", 2019), so one fixed threshold is not right for all
 layers or all of training. :class:`SplitThresholdCallback` measures, per
 layer, how fast the op's dense and sparse paths run on this machine from the
 statistics the op records at every call, fits a
-:class:`~tf_sparse_split.cost_model.CostModel` (time = overhead + work /
+:class:`~tf_sparse_split.tuning.CostModel` (time = overhead + work /
 rate per path, after K.-Y. Peng, "Adaptive runtime exploiting sparsity in
 tensor of deep learning on heterogeneous systems", NTU 2017), and at the end
 of every epoch sets each layer's threshold to the one the model predicts
@@ -20,35 +20,28 @@ import warnings
 import keras
 import numpy as np
 
-from tf_sparse_split import stats as _stats
-from tf_sparse_split.cost_model import CostModel, DENSE, SPARSE
+from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.tuning import stats as _stats
+from tf_sparse_split.tuning.cost_model import CostModel, DENSE, SPARSE
+from tf_sparse_split.utils.validation import validate_int
 
 __all__ = ["SplitThresholdCallback", "find_split_layers"]
 
 
 def find_split_layers(model):
-    """Every layer of ``model`` (recursively through nested models and
-    layers) that has a ``threshold_var`` attribute, in model order, each
-    once."""
+    """Every :class:`~tf_sparse_split.layers.SparseSplitLayer` of ``model``
+    (recursively through nested models and layers; ``model`` itself too), in
+    model order, each once."""
     found, seen = [], set()
     candidates = [model]
     flatten = getattr(model, "_flatten_layers", None)
     if flatten is not None:
         candidates = list(flatten(include_self=True, recursive=True))
     for layer in candidates:
-        if hasattr(layer, "threshold_var") and id(layer) not in seen:
+        if isinstance(layer, SparseSplitLayer) and id(layer) not in seen:
             seen.add(id(layer))
             found.append(layer)
     return found
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got "
-                         f"{value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 class _LayerState:
@@ -76,9 +69,10 @@ class SplitThresholdCallback(keras.callbacks.Callback):
 
     What it does:
 
-    * ``on_train_begin``: finds every layer with a ``threshold_var``
+    * ``on_train_begin``: finds every
+      :class:`~tf_sparse_split.layers.SparseSplitLayer`
       (:class:`~tf_sparse_split.layers.SparseSplitDense`,
-      :class:`~tf_sparse_split.conv_layers.SparseSplitConv2D`, also inside
+      :class:`~tf_sparse_split.layers.SparseSplitConv2D`, also inside
       nested models); each layer's ``split_work_coefficients`` gives the
       flop formulas of its op to the cost model, resets their statistics and starts fresh cost models.
     * First epoch of each ``fit``: for the first ``explore_batches`` batches
@@ -127,10 +121,10 @@ class SplitThresholdCallback(keras.callbacks.Callback):
     def __init__(self, explore_batches=6, min_samples=2, warmup_samples=1,
                  verbose=0):
         super().__init__()
-        self.explore_batches = _check_int("explore_batches", explore_batches,
-                                          0)
-        self.min_samples = _check_int("min_samples", min_samples, 1)
-        self.warmup_samples = _check_int("warmup_samples", warmup_samples, 0)
+        self.explore_batches = validate_int(explore_batches, "explore_batches",
+                                            0)
+        self.min_samples = validate_int(min_samples, "min_samples", 1)
+        self.warmup_samples = validate_int(warmup_samples, "warmup_samples", 0)
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         self.verbose = int(verbose)
@@ -275,9 +269,8 @@ class SplitThresholdCallback(keras.callbacks.Callback):
 
 
 def _coefficients(layer, stats_vector):
-    """The layer's work coefficients for the cost model (None: a matmul's)."""
-    fn = getattr(layer, "split_work_coefficients", None)
-    return None if fn is None else fn(stats_vector)
+    """The layer's work coefficients for the cost model."""
+    return layer.split_work_coefficients(stats_vector)
 
 
 def _fmt_rate(rate):

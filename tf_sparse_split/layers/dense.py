@@ -12,243 +12,18 @@ SplitThresholdCallback` tunes it during training.
 Requires the TensorFlow backend of Keras 3.
 """
 
-import math
-
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_sparse_split import stats as _stats
+from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.ops.matmul import sparse_split_matmul
 
-__all__ = ["SparseSplitDense", "SplitLayerMixin", "validate_threshold"]
-
-_OP_DTYPES = ("float32", "float64")
-
-
-def validate_threshold(threshold):
-    """Checks a split threshold and returns it as a Python float.
-
-    Args:
-      threshold: a number in ``[0, 1]`` (rows with density above it go
-        dense, the others sparse), or negative for "automatic" (the op picks
-        the split itself).
-
-    Returns:
-      ``float(threshold)``.
-
-    Raises:
-      ValueError: if it is not a real number, is NaN, or is above 1.
-    """
-    if isinstance(threshold, bool):
-        raise ValueError(f"threshold must be a number, got {threshold!r}")
-    try:
-        value = float(threshold)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"threshold must be a number in [0, 1] or negative (automatic), "
-            f"got {threshold!r}") from None
-    if math.isnan(value) or value > 1.0:
-        raise ValueError(
-            f"threshold must be in [0, 1] or negative (automatic), got "
-            f"{threshold!r}")
-    return value
-
-
-def _check_backend():
-    if keras.backend.backend() != "tensorflow":
-        raise RuntimeError(
-            "tf_sparse_split layers need the TensorFlow backend of Keras; the "
-            f"current backend is {keras.backend.backend()!r}. Set "
-            "KERAS_BACKEND=tensorflow before importing keras.")
-
-
-
-
-class SplitLayerMixin:
-    """Threshold weight, per-call statistics and cost-model hooks shared by
-    the sparse-split Keras layers (:class:`SparseSplitDense`,
-    :class:`~tf_sparse_split.conv_layers.SparseSplitConv2D`).
-
-    A layer using it calls :meth:`_init_split_state` at the end of its
-    ``__init__`` (after setting ``self._initial_threshold``), then
-    :meth:`_build_split_state` in ``build`` and :meth:`_record_stats` with
-    the op's statistics vector in ``call``. It may override
-    :meth:`split_work_coefficients` when its work is not a matmul's.
-    """
-
-    def _init_split_state(self):
-        self.supports_jit = False
-        self.threshold_var = None
-        self._stats_vars = None
-        # Whether calls record the op's statistics (False for graphs that
-        # cannot update variables, e.g. frozen for profiling).
-        self.record_stats = True
-
-    def _op_operands(self, x, kernel):
-        """Casts (inputs, kernel) for the op; returns them and the dtype of
-        the layer's output.
-
-        Like ``keras.layers.Dense``, the output has the layer's compute dtype
-        (integer or other-float inputs are cast to it first). The op computes
-        in float32 or float64; other compute dtypes (``mixed_float16``, ...)
-        run it in float32 and cast the result back.
-        """
-        out_dtype = tf.as_dtype(self.compute_dtype)
-        op_dtype = out_dtype if out_dtype.name in _OP_DTYPES else tf.float32
-        x = tf.convert_to_tensor(x)
-        if x.dtype != op_dtype:
-            x = tf.cast(x, op_dtype)
-        kernel = tf.convert_to_tensor(kernel)
-        if kernel.dtype != op_dtype:
-            kernel = tf.cast(kernel, op_dtype)
-        return x, kernel, out_dtype
-
-    def _build_split_state(self):
-        self.threshold_var = self.add_weight(
-            name="threshold",
-            shape=(),
-            dtype="float32",
-            initializer=keras.initializers.Constant(self._initial_threshold),
-            trainable=False,
-            autocast=False,
-        )
-        # Statistics: plain tf.Variables, not Keras weights. Created outside
-        # any tf.function being traced.
-        with tf.init_scope():
-            zeros = tf.zeros([_stats.NUM_STATS], tf.float64)
-            self._stats_vars = _StatsVariables(
-                latest=tf.Variable(zeros, trainable=False,
-                                   name=f"{self.name}_stats_latest"),
-                total=tf.Variable(zeros, trainable=False,
-                                  name=f"{self.name}_stats_sum"),
-                calls=tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                  name=f"{self.name}_stats_calls"),
-            )
-
-    # -- cost model -------------------------------------------------------
-    def split_work_coefficients(self, stats_vector):
-        """Flops per unit of work of the two paths, for the cost model.
-
-        The dense path's work is ``ROWS_DENSE * (K - ZERO_COLS_SKIPPED) *
-        dense_coef`` and the sparse path's ``NNZ_SPARSE * sparse_coef``
-        (statistics of :mod:`tf_sparse_split.stats`). For a matmul both
-        coefficients are ``2 * N``.
-
-        Args:
-          stats_vector: one statistics vector (or an average of several).
-
-        Returns:
-          ``(dense_coef, sparse_coef)``, floats (flop).
-        """
-        n = float(np.asarray(stats_vector, dtype=np.float64)[_stats.N])
-        return 2.0 * n, 2.0 * n
-
-    def _record_stats(self, stats_vec):
-        sv = self._stats_vars
-        if sv is None or not self.record_stats:
-            return
-        stats_vec = tf.cast(stats_vec, tf.float64)
-        sv.latest.assign(stats_vec)
-        sv.total.assign_add(stats_vec)
-        sv.calls.assign_add(tf.constant(1, tf.int64))
-
-    # -- threshold --------------------------------------------------------
-    @property
-    def threshold(self):
-        """Current split threshold (Python float; negative = automatic)."""
-        if self.threshold_var is None:
-            return self._initial_threshold
-        return float(np.asarray(self.threshold_var.numpy()))
-
-    def set_threshold(self, threshold):
-        """Sets the split threshold (validated as in the constructor).
-
-        Works before and after the layer is built; after, it assigns the
-        weight, which a compiled training step reads at its next call.
-
-        Raises:
-          ValueError: if the threshold is not in [0, 1] or negative.
-        """
-        value = validate_threshold(threshold)
-        if self.threshold_var is None:
-            self._initial_threshold = value
-        else:
-            self.threshold_var.assign(value)
-
-    # -- statistics -------------------------------------------------------
-    def _require_stats(self):
-        if self._stats_vars is None:
-            raise RuntimeError(
-                f"layer {self.name!r} is not built yet: call it on an input "
-                "before reading its statistics")
-        return self._stats_vars
-
-    def latest_stats_vector(self):
-        """The op's statistics vector of the latest call (float64 numpy
-        ``[stats.NUM_STATS]``; zeros before the first call).
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        return self._require_stats().latest.numpy().copy()
-
-    def latest_stats(self):
-        """The latest call's statistics as ``stats.as_dict`` gives them
-        (counts, times in seconds, ``"histogram"``, ``"sparsity"``).
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        return _stats.as_dict(self.latest_stats_vector())
-
-    def accumulated_stats_vector(self):
-        """``(sum, calls)``: the element-wise sum of the statistics vectors
-        of all calls since the last reset (float64 numpy), and their number.
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        sv = self._require_stats()
-        return sv.total.numpy().copy(), int(sv.calls.numpy())
-
-    def accumulated_stats(self):
-        """Statistics summed over the calls since the last reset.
-
-        Returns:
-          dict with the keys of ``stats.as_dict``: counts (rows, nnz, skipped
-          columns, ``m``) and times (seconds) are sums over calls and
-          ``"histogram"`` sums the row counts; ``"threshold"``, ``"k"``,
-          ``"n"`` and ``"heterogeneous"`` are averages over calls; ``"sparsity"`` is the fraction of
-          zeros over all rows seen (``nan`` without calls); plus
-          ``"calls"``, the number of calls.
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        total, calls = self.accumulated_stats_vector()
-        v = total.copy()
-        if calls > 0:
-            for i in (_stats.THRESHOLD, _stats.K, _stats.N,
-                      _stats.HETEROGENEOUS):
-                v[i] = total[i] / calls
-        out = _stats.as_dict(v)
-        out["calls"] = calls
-        return out
-
-    def reset_stats(self):
-        """Zeroes the accumulated statistics and the call count (the latest
-        vector is kept).
-
-        Raises:
-          RuntimeError: if the layer is not built.
-        """
-        sv = self._require_stats()
-        sv.total.assign(tf.zeros([_stats.NUM_STATS], tf.float64))
-        sv.calls.assign(0)
+__all__ = ["SparseSplitDense"]
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
-class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
+class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     """``keras.layers.Dense`` computed by ``SparseSplitMatMul``.
 
     ``output = activation(inputs @ kernel + bias)``, the same as ``Dense``;
@@ -315,6 +90,8 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
       RuntimeError: if the Keras backend is not TensorFlow.
     """
 
+    _keras_equivalent = "keras.layers.Dense"
+
     def __init__(
         self,
         units,
@@ -335,7 +112,6 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
         skip_dead_input_grad=False,
         **kwargs,
     ):
-        _check_backend()
         if not isinstance(skip_dead_input_grad, (bool, np.bool_)):
             raise ValueError(f"skip_dead_input_grad must be a bool, got "
                              f"{skip_dead_input_grad!r}")
@@ -353,9 +129,9 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
                 "SparseSplitDense does not support quantization "
                 "(quantization_config); the sparse-split op multiplies "
                 "float32/float64 kernels only")
-        self._initial_threshold = validate_threshold(threshold)
         super().__init__(
             units,
+            threshold=threshold,
             activation=activation,
             use_bias=use_bias,
             kernel_initializer=kernel_initializer,
@@ -367,7 +143,6 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
             bias_constraint=bias_constraint,
             **kwargs,
         )
-        self._init_split_state()
 
     # -- building ---------------------------------------------------------
     def build(self, input_shape):
@@ -376,14 +151,8 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
                 "SparseSplitDense does not support quantization (dtype "
                 f"policy {self.dtype_policy.name!r})")
         super().build(input_shape)
-        self._build_split_state()
 
     # -- refused features -------------------------------------------------
-    def enable_lora(self, *args, **kwargs):
-        """Not supported: raises NotImplementedError."""
-        raise NotImplementedError(
-            "SparseSplitDense does not support LoRA; use keras.layers.Dense")
-
     def quantize(self, *args, **kwargs):
         """Not supported: raises NotImplementedError."""
         raise NotImplementedError(
@@ -392,8 +161,6 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
 
     # -- forward ----------------------------------------------------------
     def call(self, inputs, training=None):
-        from tf_sparse_split.ops import sparse_split_matmul
-
         x = inputs
         if isinstance(x, tf.SparseTensor):
             x = tf.sparse.to_dense(x)
@@ -424,29 +191,6 @@ class SparseSplitDense(SplitLayerMixin, keras.layers.Dense):
     # -- serialization ----------------------------------------------------
     def get_config(self):
         config = super().get_config()
-        for key in ("lora_rank", "lora_alpha"):
-            config.pop(key, None)
-        config["threshold"] = self.threshold
         config["heterogeneous"] = self.heterogeneous
         config["skip_dead_input_grad"] = self.skip_dead_input_grad
         return config
-
-    def save_own_variables(self, store):
-        # Dense's version writes only kernel and bias; ours writes every
-        # weight in order (kernel, [bias], threshold). LoRA and quantization,
-        # which Dense's version handles, are refused by this layer.
-        keras.layers.Layer.save_own_variables(self, store)
-
-    def load_own_variables(self, store):
-        keras.layers.Layer.load_own_variables(self, store)
-
-
-class _StatsVariables(tf.Module):
-    """Holds a layer's statistics variables (tracked by TensorFlow so an
-    exported function can capture them; invisible to Keras' weight lists)."""
-
-    def __init__(self, latest, total, calls):
-        super().__init__(name=None)
-        self.latest = latest
-        self.total = total
-        self.calls = calls
