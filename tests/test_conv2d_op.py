@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tf_sparse_split import stats as S
+from tf_sparse_split.tuning import stats as S
 from tf_sparse_split import testing as T
 
 LIB = tfss.load_library()
