@@ -31,6 +31,8 @@ Sparse Method for Deep Learning Execution*, 2019; Z. Song et al., *DNN
 Training Acceleration via Exploring GPGPU Friendly Sparsity*, arXiv 2203.05705.
 """
 
+import sys
+
 from tf_sparse_split._version import __version__
 from tf_sparse_split._loader import load_library, LibraryLoadError
 from tf_sparse_split.ops import sparse_split_matmul, sparse_split_conv2d
@@ -49,9 +51,12 @@ from tf_sparse_split.tuning import (
 )
 from tf_sparse_split import rewrite
 
-# Old module paths (before issue 13), still attributes of the package as they
-# were: thin modules re-exporting from the new homes.
-from tf_sparse_split import conv_layers, cost_model, dropout, stats  # noqa: F401,E402
+# Old module paths (before issue 13): tf_sparse_split.stats, .cost_model,
+# .conv_layers, .dropout, .datasets, .profile, .cli still import.
+from tf_sparse_split import _compat  # noqa: E402
+
+_compat.install(sys.modules[__name__])
+del _compat
 
 __all__ = [
     "__version__",
