@@ -210,42 +210,80 @@ __global__ void __launch_bounds__(kWarp * kFillWarps)
 }
 
 // Row i of op(a) strided (transpose_a = true; a is [k, m], element (i, c) at
-// a[c * m + i]): one thread per CSR row, so that a warp reads 32 consecutive
-// i of the same c (coalesced when the rows are consecutive); each thread
-// appends its nonzeros in ascending c.
-constexpr int kFillTThreads = 128;
+// a[c * m + i]). A block owns a tile of 32 CSR rows and walks k in steps of
+// kFillTChunks * 32 columns: its 8 warps first load the [chunk columns x 32
+// rows] slab into shared memory (for each c a warp reads 32 consecutive i:
+// coalesced when the rows are consecutive), then each warp takes 4 of the 32
+// rows and compacts them from shared memory as FillCsrRowMajorKernel does
+// (ballot + popc, ascending c, no atomics). Each row is written by one warp
+// in ascending column order, so the output is deterministic; every warp of
+// the block is busy and the reads of a are coalesced.
+constexpr int kFillTWarps = 8;
+constexpr int kFillTRows = kWarp;                        // CSR rows per block
+constexpr int kFillTRowsPerWarp = kFillTRows / kFillTWarps;
+template <typename T>
+constexpr int kFillTChunks = static_cast<int>(32 / sizeof(T));  // 33 KB of smem
 
 template <typename T>
-__global__ void __launch_bounds__(kFillTThreads)
+__global__ void __launch_bounds__(kWarp * kFillTWarps)
     FillCsrTransposedKernel(const T* __restrict__ a, int64_t k, int64_t m,
                             const int64_t* __restrict__ rows, int64_t n_rows,
                             const int64_t* __restrict__ row_ptr,
                             int32_t* __restrict__ col_idx, T* __restrict__ values) {
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < n_rows;
-       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = rows != nullptr ? rows[r] : r;
-    int64_t dst = row_ptr[r];
-    int64_t c = 0;
-    for (; c + 4 <= k; c += 4) {
-      T v[4];
+  constexpr int kCols = kFillTChunks<T> * kWarp;  // columns per step
+  __shared__ T slab[kCols][kFillTRows + 1];        // +1: no bank conflicts
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int warp = threadIdx.x / kWarp;
+  const unsigned lower = (1u << lane) - 1u;
+  for (int64_t r0 = static_cast<int64_t>(blockIdx.x) * kFillTRows; r0 < n_rows;
+       r0 += static_cast<int64_t>(gridDim.x) * kFillTRows) {
+    // This lane's source row for the loads, and this warp's output cursors.
+    const int64_t r_load = r0 + lane;
+    const int64_t i_load =
+        r_load < n_rows ? (rows != nullptr ? rows[r_load] : r_load) : -1;
+    int64_t dst[kFillTRowsPerWarp];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = __ldg(a + (c + u) * m + i);
+    for (int q = 0; q < kFillTRowsPerWarp; ++q) {
+      const int64_t r = r0 + warp * kFillTRowsPerWarp + q;
+      dst[q] = r < n_rows ? row_ptr[r] : 0;
+    }
+    for (int64_t c0 = 0; c0 < k; c0 += kCols) {
+      // Load: warp w reads columns c0 + w, c0 + w + 8, ... (4 in flight).
+      for (int cc0 = warp; cc0 < kCols; cc0 += 4 * kFillTWarps) {
+        T v[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (v[u] != T(0)) {
-          col_idx[dst] = static_cast<int32_t>(c + u);
-          values[dst] = v[u];
-          ++dst;
+        for (int u = 0; u < 4; ++u) {
+          const int cc = cc0 + u * kFillTWarps;
+          const int64_t c = c0 + cc;
+          v[u] = (cc < kCols && c < k && i_load >= 0) ? __ldg(a + c * m + i_load) : T(0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int cc = cc0 + u * kFillTWarps;
+          if (cc < kCols) slab[cc][lane] = v[u];
         }
       }
-    }
-    for (; c < k; ++c) {
-      const T v = __ldg(a + c * m + i);
-      if (v != T(0)) {
-        col_idx[dst] = static_cast<int32_t>(c);
-        values[dst] = v;
-        ++dst;
+      __syncthreads();
+      // Compact: warp w owns rows 4w .. 4w+3 of the tile.
+#pragma unroll
+      for (int q = 0; q < kFillTRowsPerWarp; ++q) {
+        const int rr = warp * kFillTRowsPerWarp + q;
+        if (r0 + rr >= n_rows) break;  // warp-uniform
+#pragma unroll
+        for (int ch = 0; ch < kFillTChunks<T>; ++ch) {
+          const int cc = ch * kWarp + lane;
+          const T v = slab[cc][rr];  // zero beyond k (padded on load)
+          const bool nz = v != T(0);
+          const unsigned bal = __ballot_sync(kFullMask, nz);
+          if (nz) {
+            const int64_t pos = dst[q] + __popc(bal & lower);
+            col_idx[pos] = static_cast<int32_t>(c0 + cc);
+            values[pos] = v;
+          }
+          dst[q] += __popc(bal);
+        }
       }
+      __syncthreads();
     }
   }
 }
@@ -402,6 +440,149 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
   }
 }
 
+// Small n (n <= 16 * kVec16<T>, where a warp of the kernel above would leave
+// at least half its lanes idle): the warp splits into P = 32 / L groups of L
+// lanes (L = the power of two with L * kVec16 >= n, so one group covers the
+// row of b with up to kVec16 columns per lane), and group g takes the
+// nonzeros q of the row with (q - beg) % P == g, in ascending order; the P
+// partial sums are then combined by a fixed xor butterfly (offsets L, 2L,
+// ..., 16). A warp thus streams P rows of b at once. The summation order
+// depends on n only (P is chosen from n, not from the load width), so the
+// vector (kVecLoad, 16-byte loads of contiguous columns) and scalar (columns
+// lig, lig + L, ...) variants give the same bits.
+template <typename T, typename IndexT, int P, bool kVecLoad, bool kAccumulate>
+__global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
+    CompressedTimesDenseSmallNKernel(const int64_t* __restrict__ ptr,
+                                     const IndexT* __restrict__ idx,
+                                     const T* __restrict__ val, int64_t n_rows,
+                                     const int64_t* __restrict__ out_rows,
+                                     const int64_t* __restrict__ b_rows,
+                                     const T* __restrict__ b, int64_t n, int64_t ldb,
+                                     T* __restrict__ c, int64_t ldc) {
+  constexpr int L = kWarp / P;    // lanes per group
+  constexpr int C = kVec16<T>;    // columns per lane
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int warp = threadIdx.x / kWarp;
+  const int grp = lane / L;       // 0 .. P-1
+  const int lig = lane % L;       // lane in group
+  // Column of this lane's v-th accumulator.
+  auto col_of = [&](int v) -> int64_t {
+    return kVecLoad ? static_cast<int64_t>(lig) * C + v : static_cast<int64_t>(lig) + L * v;
+  };
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kSpmmWarps + warp; row < n_rows;
+       row += static_cast<int64_t>(gridDim.x) * kSpmmWarps) {
+    const int64_t beg = ptr[row];
+    const int64_t end = ptr[row + 1];
+    const int64_t crow = out_rows != nullptr ? out_rows[row] : row;
+    T acc[C];
+#pragma unroll
+    for (int v = 0; v < C; ++v) acc[v] = T(0);
+    for (int64_t p0 = beg; p0 < end; p0 += kWarp) {
+      const int cnt = static_cast<int>(end - p0 < kWarp ? end - p0 : kWarp);
+      int64_t my_off = 0;
+      T my_val = T(0);
+      if (lane < cnt) {
+        const int64_t j = static_cast<int64_t>(idx[p0 + lane]);
+        my_off = (b_rows != nullptr ? b_rows[j] : j) * ldb;
+        my_val = val[p0 + lane];
+      }
+      // Step s: group g handles nonzero t = s * P + g (two steps in flight).
+      for (int t0 = 0; t0 < cnt; t0 += 2 * P) {  // warp-uniform
+        int64_t off[2];
+        T w[2];
+        bool ok[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int t = t0 + u * P + grp;  // < 32 always (P divides 32)
+          off[u] = __shfl_sync(kFullMask, my_off, t & (kWarp - 1));
+          w[u] = __shfl_sync(kFullMask, my_val, t & (kWarp - 1));
+          ok[u] = t < cnt;
+        }
+        T bv[2][C];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (kVecLoad) {
+            if (ok[u] && col_of(0) < n) {
+              LoadRO(b + off[u] + col_of(0), bv[u]);
+            } else {
+#pragma unroll
+              for (int v = 0; v < C; ++v) bv[u][v] = T(0);
+            }
+          } else {
+#pragma unroll
+            for (int v = 0; v < C; ++v) {
+              bv[u][v] = (ok[u] && col_of(v) < n) ? __ldg(b + off[u] + col_of(v)) : T(0);
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (ok[u]) {
+#pragma unroll
+            for (int v = 0; v < C; ++v) acc[v] = fma(w[u], bv[u][v], acc[v]);
+          }
+        }
+      }
+    }
+    // Combine the P groups (fixed tree; every group ends with the sum).
+#pragma unroll
+    for (int off = L; off < kWarp; off <<= 1) {
+#pragma unroll
+      for (int v = 0; v < C; ++v) acc[v] += __shfl_xor_sync(kFullMask, acc[v], off);
+    }
+    if (grp == 0) {
+      T* dst = c + crow * ldc;
+      if (kVecLoad) {
+        if (col_of(0) < n) {
+          if (kAccumulate) {
+            T old[C];
+            Load(dst + col_of(0), old);
+#pragma unroll
+            for (int v = 0; v < C; ++v) acc[v] = old[v] + acc[v];
+          }
+          Store(dst + col_of(0), acc);
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < C; ++v) {
+          const int64_t col = col_of(v);
+          if (col < n) dst[col] = kAccumulate ? dst[col] + acc[v] : acc[v];
+        }
+      }
+    }
+  }
+}
+
+// Groups P for the small-n kernel (1: use the strip kernel). Depends on n and
+// T only, so that the summation order does not depend on alignment.
+template <typename T>
+int SmallNGroups(int64_t n) {
+  const int64_t lanes = (n + kVec16<T> - 1) / kVec16<T>;
+  int L = 1;
+  while (L < lanes && L < kWarp) L <<= 1;
+  return kWarp / L;
+}
+
+template <typename T, typename IndexT, int P>
+cudaError_t LaunchSmallN(const int64_t* ptr, const IndexT* idx, const T* val, int64_t n_rows,
+                         const int64_t* out_rows, const int64_t* b_rows, const T* b,
+                         int64_t n, int64_t ldb, T* c, int64_t ldc, bool vec, bool accumulate,
+                         cudaStream_t stream) {
+  const dim3 grid(GridX(CeilDiv(n_rows, kSpmmWarps)));
+  const dim3 block(kWarp * kSpmmWarps);
+#define TFSS_SMALLN(VEC, ACC)                                                        \
+  CompressedTimesDenseSmallNKernel<T, IndexT, P, VEC, ACC><<<grid, block, 0, stream>>>( \
+      ptr, idx, val, n_rows, out_rows, b_rows, b, n, ldb, c, ldc)
+  if (vec) {
+    if (accumulate) TFSS_SMALLN(true, true); else TFSS_SMALLN(true, false);
+  } else {
+    if (accumulate) TFSS_SMALLN(false, true); else TFSS_SMALLN(false, false);
+  }
+#undef TFSS_SMALLN
+  TFSS_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
 template <typename T, typename IndexT, int V>
 cudaError_t LaunchCompressedTimesDense(const int64_t* ptr, const IndexT* idx,
                                        const T* val, int64_t n_rows,
@@ -423,7 +604,8 @@ cudaError_t LaunchCompressedTimesDense(const int64_t* ptr, const IndexT* idx,
   return cudaSuccess;
 }
 
-// Picks the 16-byte path when n, ldb, ldc and both base pointers allow it.
+// Picks the small-n kernel when n <= 16 * kVec16<T>, else the strip kernel;
+// the 16-byte path when n, ldb, ldc and both base pointers allow it.
 template <typename T, typename IndexT>
 cudaError_t CompressedTimesDense(const int64_t* ptr, const IndexT* idx,
                                  const T* val, int64_t n_rows,
@@ -432,7 +614,22 @@ cudaError_t CompressedTimesDense(const int64_t* ptr, const IndexT* idx,
                                  int64_t ldc, bool accumulate,
                                  cudaStream_t stream) {
   constexpr int V = kVec16<T>;
-  if (n % V == 0 && ldb % V == 0 && ldc % V == 0 && Aligned16(b) && Aligned16(c)) {
+  const bool vec = n % V == 0 && ldb % V == 0 && ldc % V == 0 && Aligned16(b) && Aligned16(c);
+  switch (SmallNGroups<T>(n)) {
+#define TFSS_SMALLN_CASE(P)                                                                    \
+  case P:                                                                                      \
+    return LaunchSmallN<T, IndexT, P>(ptr, idx, val, n_rows, out_rows, b_rows, b, n, ldb, c, \
+                                      ldc, vec, accumulate, stream);
+    TFSS_SMALLN_CASE(2)
+    TFSS_SMALLN_CASE(4)
+    TFSS_SMALLN_CASE(8)
+    TFSS_SMALLN_CASE(16)
+    TFSS_SMALLN_CASE(32)
+#undef TFSS_SMALLN_CASE
+    default:
+      break;  // P = 1: the strip kernel
+  }
+  if (vec) {
     return LaunchCompressedTimesDense<T, IndexT, V>(ptr, idx, val, n_rows, out_rows, b_rows,
                                                     b, n, ldb, c, ldc, accumulate, stream);
   }
@@ -694,7 +891,7 @@ cudaError_t FillCsrGpu(const T* a, int64_t phys_rows, int64_t phys_cols, bool tr
     FillCsrRowMajorKernel<T><<<GridX(CeilDiv(n_rows, kFillWarps)), kWarp * kFillWarps, 0,
                                stream>>>(a, k, rows, n_rows, row_ptr, col_idx, values);
   } else {
-    FillCsrTransposedKernel<T><<<GridX(CeilDiv(n_rows, kFillTThreads)), kFillTThreads, 0,
+    FillCsrTransposedKernel<T><<<GridX(CeilDiv(n_rows, kFillTRows)), kWarp * kFillTWarps, 0,
                                  stream>>>(a, k, m, rows, n_rows, row_ptr, col_idx, values);
   }
   TFSS_RETURN_LAUNCH_ERROR();

@@ -28,10 +28,12 @@
 //    in a dense product. Where the activation is exactly zero the product is
 //    skipped, so 0 * Inf in the other operand does NOT become NaN (as in
 //    tf.sparse); this is the one documented difference from a dense GEMM.
-//  * Deterministic: every output element is accumulated by one thread in a
-//    fixed order (ascending k for SpMM, ascending CSR row for SpMM^T, a fixed
-//    lane-strided order plus a fixed butterfly tree for SDDMM), so the same
-//    inputs give the same bits on every run. The order depends on the sizes
+//  * Deterministic: every output element is accumulated in a fixed order
+//    (ascending k for SpMM, ascending CSR row for SpMM^T -- for small n
+//    (<= 64 float / 32 double) in P interleaved partial sums combined by a
+//    fixed butterfly, P chosen from n --, a fixed lane-strided order plus a
+//    fixed butterfly tree for SDDMM), so the same inputs give the same bits
+//    on every run. The order depends on the sizes
 //    only: not on pointer alignment (which picks 16-byte or scalar loads),
 //    leading dimensions or launch geometry. Integer counts use atomics,
 //    which are exact and order-independent.
@@ -184,7 +186,11 @@ cudaError_t ZeroRowsGpu(const int64_t* out_rows, int64_t n_rows, int64_t n,
 // V = 1. The warp loads 32 (index, value) pairs at a time and broadcasts
 // them with shuffles; each lane streams the matching rows of b through the
 // read-only cache, four loads in flight, into register accumulators. Sum
-// order per output: ascending k.
+// order per output: ascending k. Small n (n <= 16 * (16 / sizeof(T))): the
+// warp splits into P = 2..32 lane groups that each cover the whole row of b
+// and take every P-th nonzero (ascending within the group), then a fixed
+// xor butterfly adds the P partial sums, so no lane idles and a warp
+// streams P rows of b at once; P depends on n only.
 template <typename T>
 cudaError_t CsrSpmmGpu(const GpuCsr<T>& csr, const int64_t* out_rows,
                        const T* b, int64_t n, int64_t ldb, T* c, int64_t ldc,

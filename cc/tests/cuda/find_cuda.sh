@@ -20,6 +20,14 @@ tfss_find_nvcc() {
   [[ -n "${TFSS_NVCC}" ]]
 }
 
+# nvcc's library directories (as its driver reports them, so that wrapper
+# scripts and symlinks resolve), one per line, stubs excluded.
+tfss_nvcc_lib_dirs() {
+  "${TFSS_NVCC}" --dryrun -x cu -c /dev/null 2>&1 |
+    sed -n 's/.*LIBRARIES=//p' | head -n 1 | tr ' ' '\n' |
+    sed -n 's/^"*-L\([^"]*\)"*$/\1/p' | grep -v '/stubs$'
+}
+
 # Can nvcc compile `#include <cublas_v2.h>` with the given flags?
 _tfss_cublas_header_ok() {
   local dir="$1"; shift
@@ -75,9 +83,15 @@ tfss_find_cublas() {
     TFSS_CUBLAS_WHERE="${root}"
     return 0
   done < <(_tfss_cublas_roots)
-  # The toolkit nvcc belongs to (its default include and library paths).
+  # The toolkit nvcc belongs to (its default include and library paths),
+  # with an rpath to its library directory so that the binary finds
+  # libcublas without LD_LIBRARY_PATH.
   if _tfss_cublas_header_ok "${build}"; then
-    TFSS_CUBLAS_LDFLAGS=(-lcublas)
+    local lib_dirs=() d
+    for d in $(tfss_nvcc_lib_dirs); do
+      compgen -G "${d}/libcublas.so*" >/dev/null && lib_dirs+=(-Xlinker -rpath,"${d}")
+    done
+    TFSS_CUBLAS_LDFLAGS=("${lib_dirs[@]}" -lcublas)
     TFSS_HAVE_CUBLAS=1
     TFSS_CUBLAS_WHERE="the CUDA toolkit of ${TFSS_NVCC}"
     return 0

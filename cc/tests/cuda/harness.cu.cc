@@ -14,13 +14,17 @@
 // activation must give NaN exactly where the reference does. One PASS/FAIL
 // line per case; the exit status is nonzero if any case fails.
 //
-// Part 2 (benchmark): CSR SpMM, SpMM^T (CSC build included) and SDDMM against
-// the dense cuBLAS SGEMM of the same shape, in the same run, timed with CUDA
-// events (warm-up, median of repeats), plus a device-to-device cudaMemcpy for
-// the achieved bandwidth; printed as a markdown table.
+// Part 2 (benchmark): CSR SpMM, SpMM^T (CSC build included), SDDMM and the
+// transposed CSR fill against the dense cuBLAS SGEMM of the same shape with
+// FP32 math and with TF32 tensor cores (what tf.matmul uses for float32 on an
+// H200 by default), in the same run, timed with CUDA events (warm-up, median
+// of repeats); achieved bandwidth as a share of a device-to-device
+// cudaMemcpy; printed as a markdown table.
 //
 // Options: --tests-only, --bench-only, --quick (skip the two large shapes).
-// Exit codes: 0 all passed, 1 a test failed or a CUDA error, 77 no CUDA device.
+// Exit codes: 0 all passed, 1 a test failed, no test ran, or a CUDA error
+// (including a GPU the runtime cannot use, e.g. a driver older than the
+// runtime), 77 only when the runtime reports no CUDA device at all.
 
 #include "../../core/cuda/sparse_matmul_cuda.h"
 
@@ -480,6 +484,30 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     CompareNumeric(cp_valid, ref_c, tol, "CsrSpmm ldc=n+1", &log);
     log.Expect(pad_ok, "CsrSpmm ldc=n+1 padding untouched");
 
+    // Padded leading dimensions that keep rows 16-byte aligned (the vector
+    // path when n allows): same bits as the packed call, padding untouched.
+    {
+      const int64_t pad = 16 / static_cast<int64_t>(sizeof(T));
+      const int64_t ldb = n + pad, ldq = n + 2 * pad;
+      std::vector<T> bp(static_cast<size_t>(k * ldb), sentinel);
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t c = 0; c < n; ++c) bp[j * ldb + c] = b[j * n + c];
+      DevBuf<T> d_bp, d_cq;
+      d_bp.Upload(bp);
+      d_cq.Upload(std::vector<T>(static_cast<size_t>(m * ldq), sentinel));
+      HCHECK(CsrSpmmGpu<T>(csr, nullptr, d_bp.p, n, ldb, d_cq.p, ldq, st));
+      HCHECK(cudaStreamSynchronize(st));
+      const std::vector<T> cq = d_cq.Download();
+      std::vector<T> cq_valid(static_cast<size_t>(m * n));
+      bool cq_pad_ok = true;
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) cq_valid[i * n + j] = cq[i * ldq + j];
+        for (int64_t j = n; j < ldq; ++j) cq_pad_ok = cq_pad_ok && cq[i * ldq + j] == sentinel;
+      }
+      log.Expect(SameBits(cq_valid, c1), "CsrSpmm ldb=n+16B, ldc=n+32B: same bits as packed");
+      log.Expect(cq_pad_ok, "CsrSpmm padded ldc: padding untouched");
+    }
+
     DevBuf<T> d_cs;
     d_cs.Upload(std::vector<T>(static_cast<size_t>(m * n), sentinel));
     HCHECK(CsrSpmmGpu<T>(scsr, d_sub.p, d_b.p, n, n, d_cs.p, n, st));
@@ -588,6 +616,30 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     HCHECK(CsrSpmmTransposeGpu<T>(csr, nullptr, d_dy.p, n, n, d_dw.p, n, true, w.p, ws, st));
     HCHECK(cudaStreamSynchronize(st));
     CompareNumeric(d_dw.Download(), ref_acc, tol, "CsrSpmmTranspose accumulate", &log);
+
+    // Padded lddy / lddw: same bits as the packed call, padding untouched.
+    {
+      const int64_t pad = 16 / static_cast<int64_t>(sizeof(T));
+      const int64_t lddy = n + pad, lddw = n + 3 * pad;
+      std::vector<T> dyp(static_cast<size_t>(m * lddy), sentinel);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t c = 0; c < n; ++c) dyp[i * lddy + c] = dy[i * n + c];
+      DevBuf<T> d_dyp, d_dwp;
+      d_dyp.Upload(dyp);
+      d_dwp.Upload(std::vector<T>(static_cast<size_t>(k * lddw), sentinel));
+      HCHECK(CsrSpmmTransposeGpu<T>(csr, nullptr, d_dyp.p, n, lddy, d_dwp.p, lddw, false, w.p,
+                                    ws, st));
+      HCHECK(cudaStreamSynchronize(st));
+      const std::vector<T> dwp = d_dwp.Download();
+      std::vector<T> dwp_valid(static_cast<size_t>(k * n));
+      bool dw_pad_ok = true;
+      for (int64_t j = 0; j < k; ++j) {
+        for (int64_t c = 0; c < n; ++c) dwp_valid[j * n + c] = dwp[j * lddw + c];
+        for (int64_t c = n; c < lddw; ++c) dw_pad_ok = dw_pad_ok && dwp[j * lddw + c] == sentinel;
+      }
+      log.Expect(SameBits(dwp_valid, dw1), "CsrSpmmTranspose padded lddy/lddw: same bits");
+      log.Expect(dw_pad_ok, "CsrSpmmTranspose padded lddw: padding untouched");
+    }
 
     const std::vector<double> ref_sdw = RefSpmmT(a, dy, k, n, sub_rows);
     size_t ws2 = 0;
@@ -700,18 +752,21 @@ void Bench(bool quick) {
   cublasHandle_t h;
   BCHECK(cublasCreate(&h));
   BCHECK(cublasSetStream(h, st));
-  BCHECK(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));  // full FP32, no TF32
 #endif
   std::printf("\n## Benchmark (float32; median of 20 after 3 warm-up; CUDA events)\n\n");
-  std::printf("ratio = cuBLAS ms / ours ms (> 1: ours faster). GB/s = compulsory bytes "
-              "(sparse operand + dense operand read once + output written) / time; memcpy GB/s "
-              "= device-to-device copy, read + write bytes. SpMM^T includes the CSC build "
-              "(per-call cost in a backward pass); 'prep ms' is the CSR build (count + row_ptr "
-              "+ fill) for SpMM, the CSC build alone for SpMM^T. cuBLAS: SGEMM, FP32 math "
-              "(no TF32).\n\n");
-  std::printf("| shape m x k x n | sparsity | op | cuBLAS ms | ours ms | ratio | prep ms | "
-              "ours GB/s | memcpy GB/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("Baselines: cuBLAS SGEMM with FP32 math (CUBLAS_DEFAULT_MATH) and with TF32 "
+              "tensor cores (CUBLAS_TF32_TENSOR_OP_MATH, what tf.matmul runs for float32 on "
+              "Ampere+ while TF32 is enabled, TF's default). x FP32 / x TF32 = cuBLAS ms / "
+              "ours ms (> 1: ours faster). GB/s = compulsory bytes (sparse operand + dense "
+              "operand read once + output written) / time; %% copy = that rate as a share of "
+              "a device-to-device cudaMemcpy (%.0f GB/s, read + write bytes). SpMM^T includes "
+              "the CSC build (per-call cost in a backward pass); 'prep ms' is the CSR build "
+              "(count + row_ptr + fill) for SpMM, the CSC build alone for SpMM^T. The 'CSR "
+              "fill, transpose_a' row times FillCsrGpu alone on a stored [k, m] (bytes: a "
+              "read once + CSR written).\n\n", copy_gbs);
+  std::printf("| shape m x k x n | sparsity | op | FP32 ms | TF32 ms | ours ms | x FP32 | "
+              "x TF32 | prep ms | ours GB/s | %% copy |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   struct Shape {
     int64_t m, k, n;
   };
@@ -723,9 +778,11 @@ void Bench(bool quick) {
     for (double sp : sparsities) {
       Rng rng(0x5eed ^ static_cast<uint64_t>(m * 131 + k * 7 + n) ^
               static_cast<uint64_t>(sp * 1000));
-      DevBuf<float> d_a, d_b, d_dy, d_c(static_cast<size_t>(m * n)),
+      DevBuf<float> d_a, d_at, d_b, d_dy, d_c(static_cast<size_t>(m * n)),
           d_dw(static_cast<size_t>(k * n)), d_s(static_cast<size_t>(m * k));
-      d_a.Upload(RandomSparse<float>(&rng, m * k, sp));
+      const std::vector<float> a = RandomSparse<float>(&rng, m * k, sp);
+      d_a.Upload(a);
+      d_at.Upload(Transposed(a, m, k));
       d_b.Upload(RandomSparse<float>(&rng, k * n, 0.0));
       d_dy.Upload(RandomSparse<float>(&rng, m * n, 0.0));
       // CSR build with buffers sized for the worst case (no host round trip).
@@ -742,6 +799,13 @@ void Bench(bool quick) {
         HCHECK(FillCsrGpu<float>(d_a.p, m, k, false, nullptr, m, d_ptr.p, d_idx.p, d_val.p, st));
       };
       const float build_ms = TimeMs(build, st);
+      // The transposed fill alone (a stored [k, m], transpose_a = true).
+      const float fill_t_ms = TimeMs([&] {
+        HCHECK(FillCsrGpu<float>(d_at.p, k, m, true, nullptr, m, d_ptr.p, d_idx.p, d_val.p, st));
+      }, st);
+      // Leave the row-major CSR in place for the products below.
+      build();
+      HCHECK(cudaStreamSynchronize(st));
       int64_t nnz = 0;
       HCHECK(cudaMemcpy(&nnz, d_ptr.p + m, sizeof(int64_t), cudaMemcpyDeviceToHost));
       GpuCsr<float> csr;
@@ -753,23 +817,27 @@ void Bench(bool quick) {
       csr.nnz = nnz;
 
       const float one = 1.f, zero = 0.f;
-      float gemm_ms = NAN, gemm_t_ms = NAN, gemm_s_ms = NAN;
+      float gemm_ms[2] = {NAN, NAN}, gemm_t_ms[2] = {NAN, NAN}, gemm_s_ms[2] = {NAN, NAN};
 #ifndef TFSS_HARNESS_NO_CUBLAS
-      // Row-major C[m,n] = A[m,k] B[k,n]  <=>  column-major C^T = B^T A^T.
-      gemm_ms = TimeMs([&] {
-        BCHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, &one, d_b.p, n, d_a.p, k, &zero,
-                           d_c.p, n));
-      }, st);
-      // dW[k,n] = A^T dY.
-      gemm_t_ms = TimeMs([&] {
-        BCHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, n, k, m, &one, d_dy.p, n, d_a.p, k,
-                           &zero, d_dw.p, n));
-      }, st);
-      // S[m,k] = dY[m,n] B[k,n]^T (dense equivalent of the SDDMM).
-      gemm_s_ms = TimeMs([&] {
-        BCHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, k, m, n, &one, d_b.p, n, d_dy.p, n,
-                           &zero, d_s.p, k));
-      }, st);
+      for (int mode = 0; mode < 2; ++mode) {  // 0: FP32 math, 1: TF32 tensor ops
+        BCHECK(cublasSetMathMode(h, mode == 0 ? CUBLAS_DEFAULT_MATH
+                                              : CUBLAS_TF32_TENSOR_OP_MATH));
+        // Row-major C[m,n] = A[m,k] B[k,n]  <=>  column-major C^T = B^T A^T.
+        gemm_ms[mode] = TimeMs([&] {
+          BCHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, &one, d_b.p, n, d_a.p, k,
+                             &zero, d_c.p, n));
+        }, st);
+        // dW[k,n] = A^T dY.
+        gemm_t_ms[mode] = TimeMs([&] {
+          BCHECK(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_T, n, k, m, &one, d_dy.p, n, d_a.p, k,
+                             &zero, d_dw.p, n));
+        }, st);
+        // S[m,k] = dY[m,n] B[k,n]^T (dense equivalent of the SDDMM).
+        gemm_s_ms[mode] = TimeMs([&] {
+          BCHECK(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, k, m, n, &one, d_b.p, n, d_dy.p, n,
+                             &zero, d_s.p, k));
+        }, st);
+      }
 #else
       (void)one;
       (void)zero;
@@ -801,23 +869,29 @@ void Bench(bool quick) {
       const double spmm_bytes = csr_bytes + k * n * f + m * n * f;
       const double spmmt_bytes = csr_bytes + m * n * f + k * n * f;
       const double sddmm_bytes = m * k * f + m * n * f + k * n * f + m * k * f;
+      const double fill_bytes = m * k * f + csr_bytes;
       char shape[64];
       std::snprintf(shape, sizeof(shape), "%lldx%lldx%lld", static_cast<long long>(m),
                     static_cast<long long>(k), static_cast<long long>(n));
-      auto row = [&](const char* op, float base, float ours, float prep, double bytes) {
-        std::printf("| %s | %.2f | %s | %.4f | %.4f | %.2f | %.4f | %.1f | %.1f |\n", shape, sp,
-                    op, base, ours, base / ours, prep, bytes / (ours * 1e-3) / 1e9, copy_gbs);
+      auto row = [&](const char* op, const float* base, float ours, float prep, double bytes) {
+        const double gbs = bytes / (ours * 1e-3) / 1e9;
+        std::printf("| %s | %.2f | %s | %.4f | %.4f | %.4f | %.2f | %.2f | %.4f | %.1f | %.0f%% |\n",
+                    shape, sp, op, base[0], base[1], ours, base[0] / ours, base[1] / ours, prep,
+                    gbs, 100.0 * gbs / copy_gbs);
       };
       row("SpMM C=A*B", gemm_ms, spmm_ms, build_ms, spmm_bytes);
       row("SpMM^T dW=A^T*dY", gemm_t_ms, spmmt_ms, csc_ms, spmmt_bytes);
       row("SDDMM (dY*B^T)[A!=0]", gemm_s_ms, sddmm_ms, 0.f, sddmm_bytes);
+      std::printf("| %s | %.2f | CSR fill, transpose_a | - | - | %.4f | - | - | - | %.1f | "
+                  "%.0f%% |\n", shape, sp, fill_t_ms, fill_bytes / (fill_t_ms * 1e-3) / 1e9,
+                  100.0 * fill_bytes / (fill_t_ms * 1e-3) / 1e9 / copy_gbs);
       std::fflush(stdout);
     }
   }
 #ifndef TFSS_HARNESS_NO_CUBLAS
   BCHECK(cublasDestroy(h));
 #else
-  std::printf("\n(built without cuBLAS: TFSS_HARNESS_NO_CUBLAS; the cuBLAS column is nan)\n");
+  std::printf("\n(built without cuBLAS: TFSS_HARNESS_NO_CUBLAS; the cuBLAS columns are nan)\n");
 #endif
   HCHECK(cudaStreamDestroy(st));
 }
@@ -837,11 +911,25 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  int devices = 0;
+  // Exit 77 ("no GPU") only when there is no device or no CUDA driver at all
+  // (cudaDriverGetVersion reports 0). Any other failure -- e.g.
+  // cudaErrorInsufficientDriver from an installed driver older than this
+  // runtime -- is an error: a GPU exists but cannot run these kernels.
+  int devices = 0, driver = 0, runtime = 0;
   const cudaError_t e = cudaGetDeviceCount(&devices);
-  if (e != cudaSuccess || devices == 0) {
-    std::printf("no CUDA device (%s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  cudaGetLastError();
+  if (e == cudaErrorNoDevice || (e == cudaSuccess && devices == 0) || driver == 0) {
+    std::printf("no CUDA device (%s)\n",
+                driver == 0 ? "no CUDA driver installed"
+                            : (e != cudaSuccess ? cudaGetErrorName(e) : "0 devices"));
     return 77;
+  }
+  if (e != cudaSuccess) {
+    std::printf("FAIL: the CUDA runtime cannot use the GPU: %s (%s); driver supports CUDA %d, "
+                "runtime is %d\n", cudaGetErrorName(e), cudaGetErrorString(e), driver, runtime);
+    return 1;
   }
   cudaDeviceProp prop;
   HCHECK(cudaGetDeviceProperties(&prop, 0));
@@ -856,10 +944,24 @@ int Main(int argc, char** argv) {
     struct Shape {
       int64_t m, k, n;
     };
-    std::vector<Shape> small = {{0, 0, 0}, {0, 5, 3}, {4, 0, 3}, {4, 5, 0},
-                                {1, 1, 1}, {7, 13, 5}, {1000, 3, 17}, {33, 70, 129}};
+    // (33, 70, 132): n % 4 == 0 and n % 128 != 0, a partial last 16-byte
+    // strip; (5, 40, 36) and (7, 13, 5): the small-n kernel; (33, 70, 129):
+    // scalar loads.
+    std::vector<Shape> small = {{0, 0, 0}, {0, 5, 3},   {4, 0, 3},     {4, 5, 0},
+                                {1, 1, 1}, {7, 13, 5},  {1000, 3, 17}, {33, 70, 129},
+                                {33, 70, 132}, {5, 40, 36}};
+    // float64 at n = 2 (one lane group per nonzero, P = 32) and n = 64 (the
+    // 16-byte strip kernel exactly one strip wide).
+    std::vector<Shape> small_double = {{37, 50, 2}, {37, 50, 64}};
+    // More rows than gridDim.y allows (65,535): the grid-stride fallbacks of
+    // ScatterRows/ZeroRows (one grid row per row), and with 8.5M rows those
+    // of GatherSubmatrix (32 rows per grid row) and CountNonzeros (128).
+    std::vector<Shape> tall = {{70000, 5, 3}, {8500000, 3, 2}};
     std::vector<Shape> large = {{256, 1024, 1024}, {1024, 4096, 1024}};
-    if (quick) large.clear();
+    if (quick) {
+      large.clear();
+      tall.resize(1);
+    }
     const double sparsities[] = {0.0, 0.5, 0.9, 0.99, 1.0};
     uint64_t seed = 1;
     auto tally = [&](bool ok) { ok ? ++passed : ++failed; };
@@ -869,11 +971,18 @@ int Main(int argc, char** argv) {
         tally(RunCase<double>(s.m, s.k, s.n, sp, false, seed++));
       }
     }
+    for (const Shape& s : small_double)
+      for (double sp : sparsities) tally(RunCase<double>(s.m, s.k, s.n, sp, false, seed++));
+    for (const Shape& s : tall) tally(RunCase<float>(s.m, s.k, s.n, 0.5, false, seed++));
     tally(RunCase<float>(7, 13, 5, 0.5, true, seed++));
     tally(RunCase<double>(33, 70, 129, 0.5, true, seed++));
     for (const Shape& s : large)
       for (double sp : sparsities) tally(RunCase<float>(s.m, s.k, s.n, sp, false, seed++));
     std::printf("\n%d passed, %d failed\n", passed, failed);
+    if (passed + failed == 0) {
+      std::printf("FAIL: no test case ran\n");
+      return 1;
+    }
   }
   if (bench) Bench(quick);
   return failed == 0 ? 0 : 1;
