@@ -51,10 +51,14 @@ def test_train_compare_tensorboard_and_plot(tmp_path, capsys):
             assert f"{layer}/{tag}" in tags
 
 
-def test_train_mirrored_strategy(capsys):
-    assert main(["train", *SMALL, "--strategy", "mirrored", "--quiet"]) == 0
+def test_train_mirrored_strategy_with_checkpoints(tmp_path, capsys):
+    assert main(["train", *SMALL, "--strategy", "mirrored", "--quiet",
+                 "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
     out = capsys.readouterr().out
     assert "sparse-split: test accuracy" in out
+    reloaded = keras.saving.load_model(tmp_path / "ckpt" / "model.keras")
+    assert [l.name for l in reloaded.layers] == ["hidden_1", "hidden_2",
+                                                 "output"]
 
 
 def test_plot_rejects_non_png(tmp_path, capsys):

@@ -191,3 +191,65 @@ def test_callback_writes_tensorboard_summaries(tmp_path):
             scalars[f"{layer}/rows_sparse"][1] == pytest.approx(6 * 32)
     assert scalars["wide/input_sparsity"][0] == pytest.approx(
         float((x == 0).mean()), abs=0.01)
+
+
+_MIRRORED_SCRIPT = r"""
+import json, numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras
+import tf_sparse_split as tfss
+from tf_sparse_split.layers import SparseSplitDense
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+rng = np.random.default_rng(0)
+x = rng.standard_normal((512, 64)).astype(np.float32)
+x[rng.random(x.shape) < 0.8] = 0
+y = rng.integers(0, 4, 512)
+keras.utils.set_random_seed(0)
+with strategy.scope():
+    model = keras.Sequential([
+        keras.Input((64,)), SparseSplitDense(32, activation="relu", name="wide"),
+        SparseSplitDense(4, activation="softmax", name="head")])
+    model.compile("sgd", "sparse_categorical_crossentropy", jit_compile=False)
+cb = tfss.SplitThresholdCallback(explore_batches=4, min_samples=1)
+model.fit(x, y, epochs=2, batch_size=64, callbacks=[cb], verbose=0)
+out = {"replicas": cb.tuner.num_replicas, "history": [
+    {k: [v["calls"], v["rows_dense"] + v["rows_sparse"], v["threshold"],
+         v["dense_rate"] is not None and v["sparse_rate"] is not None]
+     for k, v in r["layers"].items()} for r in cb.history]}
+var = model.get_layer("wide").threshold_var
+var = getattr(var, "value", var)
+out["components"] = [float(c.numpy())
+                     for c in strategy.experimental_local_results(var)]
+out["zeros"] = float((x == 0).mean())
+out["sparsity"] = cb.history[-1]["layers"]["wide"]["sparsity"]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_mirrored_strategy_two_replicas_all_reduce(tmp_path):
+    # A fresh process: logical devices must be set before TF initialises.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "mirrored.py"
+    script.write_text(_MIRRORED_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES="",
+                                   TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    res = json.loads(line[len("RESULT "):])
+    assert res["replicas"] == 2
+    for record in res["history"]:
+        for calls, rows, _, fitted in record.values():
+            assert calls == 2 * 8          # 8 steps, both replicas counted
+            assert rows == 512             # every example of the epoch
+            assert fitted
+    # Both replicas run with the threshold the tuner chose.
+    assert res["components"] == [res["history"][-1]["wide"][2]] * 2
+    assert res["sparsity"] == pytest.approx(res["zeros"], abs=0.01)

@@ -185,8 +185,8 @@ def build_parser():
              "per epoch (both models with --compare) to a PNG (chief only)")
     train.add_argument(
         "--checkpoint-dir", metavar="DIR", default=None,
-        help="--strategy multi-worker: the chief saves DIR/model.keras after "
-             "every epoch")
+        help="save DIR/model.keras after every epoch (with --strategy "
+             "multi-worker only the chief writes)")
     prof = sub.add_parser(
         "profile", help="measure activation sparsity and dense vs split op "
                         "time for each MatMul/Conv2D of a model",

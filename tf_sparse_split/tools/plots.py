@@ -84,7 +84,10 @@ def plot_training(results, path, title=None):
                         f"(mean {sum(times) / max(len(times), 1):.2f} s)")
     ax_t.set(title="epoch time", xlabel="epoch", ylabel="seconds")
     ax_t.set_ylim(bottom=0)
+    from matplotlib.ticker import MaxNLocator
+
     for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

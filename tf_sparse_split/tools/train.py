@@ -128,6 +128,12 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
         split_cb = SplitThresholdCallback(
             log_dir=getattr(args, "tensorboard", None))
         callbacks.append(split_cb)
+    if getattr(args, "checkpoint_dir", None):
+        import os
+
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        callbacks.append(keras.callbacks.ModelCheckpoint(
+            os.path.join(args.checkpoint_dir, "model.keras")))
     if not args.quiet:
         # Our printer must run after the progress bar finishes its line.
         callbacks.append(keras.callbacks.ProgbarLogger())
