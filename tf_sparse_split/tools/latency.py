@@ -213,13 +213,16 @@ def end_to_end_latency(path, inputs=None, batch_size=128, input_sparsity=0.5,
                          f"model input of shape {list(shape)}")
     x = tf.constant(inputs.astype(dtype.as_numpy_dtype))
     variants = []
-    was_enabled = rewrite.is_enabled()
+    previous = rewrite.config()
     rewrite.disable()
     try:
         reference = _first_output(plain_fn(x)).numpy()  # instantiated: plain
     finally:
-        if was_enabled:
-            rewrite.enable()
+        if previous["enabled"]:
+            rewrite.enable(threshold=previous["threshold"],
+                           min_flops=previous["min_flops"],
+                           ops=previous["ops"],
+                           producers=previous["producers"])
     variants.append(["plain", plain_fn])
     # The rewrite pass acts when a function is first instantiated: a fresh
     # copy of the model, first called with the pass on.

@@ -50,6 +50,7 @@ Usage in a custom loop::
 """
 
 import math
+import os
 
 import numpy as np
 import tensorflow as tf
@@ -184,7 +185,8 @@ class ThresholdTuner:
         if log_dir is not None and not isinstance(log_dir, (str, bytes)) and \
                 not hasattr(log_dir, "__fspath__"):
             raise ValueError(f"log_dir must be a path or None, got {log_dir!r}")
-        self.log_dir = None if log_dir is None else str(log_dir)
+        self.log_dir = None if log_dir is None else \
+            os.fsdecode(os.fspath(log_dir))
         self._strategy_arg = strategy
         self.strategy = None
         self.history = []
@@ -194,6 +196,7 @@ class ThresholdTuner:
         self._writer = None
         self._read_fn = None
         self._read_key = None
+        self._broadcast_fn = None
         self._reset_epoch_state()
         self._exploring = False
         self._epochs_done = 0
@@ -259,16 +262,22 @@ class ThresholdTuner:
 
     def _broadcast_thresholds(self, values):
         """The chief's (replica 0's) ``values`` on every replica/worker."""
+        values = np.asarray(values, dtype=np.float64)
         if self.num_replicas == 1:
-            return np.asarray(values, dtype=np.float64)
-        v = tf.constant(np.asarray(values, dtype=np.float64))
+            return values
+        if self._broadcast_fn is None:
+            def broadcast(v):
+                def chief_only():
+                    ctx = tf.distribute.get_replica_context()
+                    return tf.where(
+                        tf.equal(ctx.replica_id_in_sync_group, 0), v,
+                        tf.zeros_like(v))
 
-        def chief_only():
-            ctx = tf.distribute.get_replica_context()
-            return tf.where(tf.equal(ctx.replica_id_in_sync_group, 0), v,
-                            tf.zeros_like(v))
+                return self._replicated(chief_only)
 
-        return _to_numpy(tf.function(lambda: self._replicated(chief_only))())
+            self._broadcast_fn = tf.function(broadcast)
+        self.host_reads += 1
+        return _to_numpy(self._broadcast_fn(tf.constant(values)))
 
     # -- layer discovery --------------------------------------------------
     def _built(self):
