@@ -158,7 +158,9 @@ def run_multi_worker(args, sparse, x_train, y_train, x_test, y_test,
     ds = tf.data.Dataset.from_tensor_slices((x_train, y_train.astype(np.int64)))
     ds = ds.shuffle(len(x_train), seed=args.seed,
                     reshuffle_each_iteration=True)
-    ds = ds.batch(global_batch, drop_remainder=True)
+    # One iterator over all epochs (``repeat``): a new distributed iterator
+    # per epoch would make the step function trace again.
+    ds = ds.batch(global_batch, drop_remainder=True).repeat()
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = \
         tf.data.experimental.AutoShardPolicy.DATA
@@ -182,6 +184,7 @@ def run_multi_worker(args, sparse, x_train, y_train, x_test, y_test,
         return (strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
                 strategy.reduce(tf.distribute.ReduceOp.SUM, correct, axis=None))
 
+    iterator = iter(dist_ds)
     tuner = None
     if sparse:
         tuner = ThresholdTuner(model, strategy=strategy,
@@ -193,7 +196,6 @@ def run_multi_worker(args, sparse, x_train, y_train, x_test, y_test,
         start = time.perf_counter()
         if tuner is not None:
             tuner.begin_epoch(epoch, steps=steps)
-        iterator = iter(dist_ds)
         loss_sum = correct_sum = tf.constant(0.0)
         for step in range(steps):
             if tuner is not None:
