@@ -28,6 +28,15 @@ Subcommands:
     replace it. On GPU machines Keras needs ``jit_compile=False`` for the
     pass to apply.
 
+``train --strategy {none,mirrored,multi-worker}`` trains under a
+``tf.distribute`` strategy (multi-worker: ``TF_CONFIG``, a custom loop;
+:mod:`tf_sparse_split.tools.distribute`); ``--tensorboard DIR`` writes
+per-layer summaries, ``--plot FILE.png`` a training plot
+(:mod:`tf_sparse_split.tools.plots`), ``--checkpoint-dir DIR`` the model
+after every epoch. ``profile MODEL --end-to-end`` times whole-model inference
+plain / with the rewrite pass / with sparse-split layers
+(:mod:`tf_sparse_split.tools.latency`).
+
 With ``--model cnn`` it trains a small CNN instead (conv-ReLU-conv-ReLU-
 max-pool-dense on the images reshaped to ``side x side x 1``: 8x8 digits,
 28x28 MNIST) with :class:`~tf_sparse_split.layers.SparseSplitConv2D`
