@@ -11,99 +11,81 @@ rate per path, after K.-Y. Peng, "Adaptive runtime exploiting sparsity in
 tensor of deep learning on heterogeneous systems", NTU 2017), and at the end
 of every epoch sets each layer's threshold to the one the model predicts
 fastest for that epoch's row-density histogram. The threshold never changes
-the results, only the speed.
+the results, only the speed. The tuning itself lives in
+:class:`~tf_sparse_split.tuning.tuner.ThresholdTuner` (custom training
+loops and ``tf.distribute`` strategies use it directly); this callback drives
+it from ``fit``.
 """
 
 import math
 import warnings
 
 import keras
-import numpy as np
 
-from tf_sparse_split.layers.base import SparseSplitLayer
-from tf_sparse_split.tuning import stats as _stats
-from tf_sparse_split.tuning.cost_model import CostModel, DENSE, SPARSE
+from tf_sparse_split.tuning.tuner import ThresholdTuner, find_split_layers
 from tf_sparse_split.utils.validation import validate_int
 
 __all__ = ["SplitThresholdCallback", "find_split_layers"]
 
 
-def find_split_layers(model):
-    """Every :class:`~tf_sparse_split.layers.SparseSplitLayer` of ``model``
-    (recursively through nested models and layers; ``model`` itself too), in
-    model order, each once."""
-    found, seen = [], set()
-    candidates = [model]
-    flatten = getattr(model, "_flatten_layers", None)
-    if flatten is not None:
-        candidates = list(flatten(include_self=True, recursive=True))
-    for layer in candidates:
-        if isinstance(layer, SparseSplitLayer) and id(layer) not in seen:
-            seen.add(id(layer))
-            found.append(layer)
-    return found
-
-
-class _LayerState:
-    """Per-layer bookkeeping of the callback."""
-
-    def __init__(self, layer, warmup_samples):
-        self.layer = layer
-        self.cost_model = CostModel(warmup_samples=warmup_samples)
-        self.initial_threshold = layer.threshold
-        self.epoch_sum = np.zeros(_stats.NUM_STATS)
-        self.epoch_calls = 0
-        self.seen_total = None
-        self.seen_calls = 0
-
-    def snapshot(self):
-        if self.layer.threshold_var is None:
-            self.seen_total, self.seen_calls = None, 0
-            return
-        self.seen_total, self.seen_calls = \
-            self.layer.accumulated_stats_vector()
-
-
 class SplitThresholdCallback(keras.callbacks.Callback):
     """Fits per-layer cost models during training and sets the thresholds.
 
-    What it does:
+    A thin Keras driver of :class:`~tf_sparse_split.tuning.tuner.
+    ThresholdTuner` (which custom training loops use directly):
 
     * ``on_train_begin``: finds every
       :class:`~tf_sparse_split.layers.SparseSplitLayer`
       (:class:`~tf_sparse_split.layers.SparseSplitDense`,
       :class:`~tf_sparse_split.layers.SparseSplitConv2D`, also inside
-      nested models); each layer's ``split_work_coefficients`` gives the
-      flop formulas of its op to the cost model, resets their statistics and starts fresh cost models.
+      nested models), resets their statistics and starts fresh cost models
+      (each layer's ``split_work_coefficients`` gives its op's flop formulas).
     * First epoch of each ``fit``: for the first ``explore_batches`` batches
       it alternates every layer's threshold between 1.0 (all rows sparse) and
       0.0 (all nonzero rows dense), so that both paths are timed; then it
       restores the layer's own threshold. Results are unaffected.
-    * ``on_train_batch_end``: reads each layer's latest statistics vector as
-      one timing sample per path and adds it to the epoch's totals.
+    * ``on_train_batch_begin``: takes the timing sample of the previous batch
+      if it was an exploration batch or one of the ``samples_per_epoch``
+      sampled batches of the epoch. Other batches cost no host sync: the
+      layers accumulate their statistics on the device, and the callback
+      reads the totals once at the start and once at the end of each epoch.
+      (It defines no ``on_train_batch_end``, so Keras may dispatch batch-end
+      hooks asynchronously.)
     * ``on_epoch_end``: fits each layer's cost model (all samples so far),
       sets the threshold to ``CostModel.best_threshold`` for the epoch's
-      mean row-density histogram and nonzero count (kept unchanged while only one path has
-      ``min_samples`` samples; for a layer with ``heterogeneous=True`` the
-      threshold that balances the two devices, ``max`` instead of sum of
-      the paths' times), and writes ``logs[f"{layer.name}/sparsity"]``
-      (fraction of zeros in the layer's input over the epoch) and
-      ``logs[f"{layer.name}/threshold"]`` (the threshold for the next epoch)
-      so that ``History`` and the progress bar show them.
+      mean row-density histogram and nonzero count (kept unchanged while
+      only one path has ``min_samples`` samples; for a layer with
+      ``heterogeneous=True`` the threshold that balances the two devices),
+      and writes ``logs[f"{layer.name}/sparsity"]`` (fraction of zeros in
+      the layer's input over the epoch) and ``logs[f"{layer.name}/
+      threshold"]`` (the threshold for the next epoch) so that ``History``,
+      the progress bar and ``keras.callbacks.TensorBoard`` (as
+      ``epoch_<layer>/sparsity``...) show them.
+    * With ``log_dir``: per layer and epoch, TensorBoard scalars
+      ``<layer>/input_sparsity``, ``threshold``, ``rows_dense``,
+      ``rows_sparse``, ``seconds_dense``, ``seconds_sparse``,
+      ``seconds_analyze``, ``zero_columns_skipped`` and the histogram
+      ``<layer>/row_density`` (rows per density bin), written with
+      ``tf.summary`` (:data:`~tf_sparse_split.tuning.tuner.SCALAR_TAGS`).
+
+    Under ``tf.distribute.MirroredStrategy`` (``model.distribute_strategy``)
+    the statistics of all replicas are all-reduced and every replica gets
+    the same thresholds.
 
     Attributes:
       history: list with one dict per epoch: ``{"epoch": int, "layers":
-        {layer_name: {"sparsity", "threshold", "dense_rate",
-        "sparse_rate", "dense_overhead", "sparse_overhead",
-        "time_in_op", "calls"}}}``; rates in flop/s (None while a path is
-        not fitted), overheads and ``time_in_op`` (dense + sparse + analysis,
-        forward calls only, summed over the epoch) in seconds.
+        {layer_name: entry}}``, entries as in ``ThresholdTuner.history``
+        (``sparsity``, ``threshold``, ``dense_rate``, ``sparse_rate`` in
+        flop/s or None, ``dense_overhead``, ``sparse_overhead`` and
+        ``time_in_op`` in seconds, ``rows_dense``, ``rows_sparse``,
+        ``histogram``, ``calls``, ...).
       layers: the layers found at ``on_train_begin``.
+      tuner: the :class:`ThresholdTuner` (None before ``fit``).
 
     Only training batches feed the model (validation calls are left out).
-    With ``steps_per_execution > 1`` a batch end sees only the latest of the
-    calls since the previous one as a timing sample (all of them count in
-    the epoch totals).
+    With ``steps_per_execution > 1`` a batch begin sees only the latest of
+    the calls since the previous one as a timing sample (all of them count
+    in the epoch totals).
 
     Args:
       explore_batches: int >= 0, batches of the first epoch spent
@@ -113,41 +95,51 @@ class SplitThresholdCallback(keras.callbacks.Callback):
       warmup_samples: int >= 0, the first samples of each path and layer
         that are discarded (first calls are slow: allocation, page faults).
       verbose: 0 (silent) or 1 (print one line per layer per epoch).
+      samples_per_epoch: int >= 0 (default 4), batches per epoch (after
+        exploration) read as timing samples, spread over the epoch.
+      log_dir: directory for TensorBoard event files, or None (default).
 
     Raises:
       ValueError: on invalid arguments.
     """
 
     def __init__(self, explore_batches=6, min_samples=2, warmup_samples=1,
-                 verbose=0):
+                 verbose=0, samples_per_epoch=4, log_dir=None):
         super().__init__()
+        if verbose not in (0, 1) or isinstance(verbose, float):
+            raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
+        self.verbose = int(verbose)
         self.explore_batches = validate_int(explore_batches, "explore_batches",
                                             0)
         self.min_samples = validate_int(min_samples, "min_samples", 1)
         self.warmup_samples = validate_int(warmup_samples, "warmup_samples", 0)
-        if verbose not in (0, 1) or isinstance(verbose, float):
-            raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
-        self.verbose = int(verbose)
-        self.history = []
-        self.layers = []
-        self._states = []
-        self._explore_epoch = None
-        self._exploring = False
+        self.samples_per_epoch = validate_int(samples_per_epoch,
+                                              "samples_per_epoch", 0)
+        # Validates log_dir too (the tuner is re-made at every fit).
+        self._make_tuner(None, log_dir)
+        self.log_dir = log_dir
+        self.tuner = None
+        self._in_epoch = False
 
-    # -- helpers ----------------------------------------------------------
-    def _built_states(self):
-        return [s for s in self._states if s.layer.threshold_var is not None]
+    def _make_tuner(self, model, log_dir):
+        return ThresholdTuner(
+            model, strategy=getattr(model, "distribute_strategy", None),
+            explore_batches=self.explore_batches,
+            samples_per_epoch=self.samples_per_epoch,
+            min_samples=self.min_samples, warmup_samples=self.warmup_samples,
+            log_dir=log_dir)
 
-    def _discover(self):
-        known = {id(s.layer) for s in self._states}
-        for layer in find_split_layers(self.model):
-            if id(layer) not in known:
-                state = _LayerState(layer, self.warmup_samples)
-                if layer.threshold_var is not None:
-                    layer.reset_stats()
-                    state.snapshot()
-                self._states.append(state)
-        self.layers = [s.layer for s in self._states]
+    @property
+    def history(self):
+        return self.tuner.history if self.tuner is not None else []
+
+    @property
+    def layers(self):
+        return self.tuner.layers if self.tuner is not None else []
+
+    @property
+    def _states(self):
+        return self.tuner.states if self.tuner is not None else []
 
     # -- Keras hooks ------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -163,114 +155,44 @@ class SplitThresholdCallback(keras.callbacks.Callback):
                 "the cost-model fit need more batches and thresholds may stay "
                 "unchanged for a while; compile with steps_per_execution=1 "
                 "for tuning", RuntimeWarning, stacklevel=2)
-        self.history = []
-        self._states = []
-        self._explore_epoch = None
-        self._exploring = False
-        self._discover()
+        if self.tuner is not None:
+            self.tuner.close()
+        self.tuner = self._make_tuner(self.model, self.log_dir)
+        self.tuner.begin_training()
+        self._in_epoch = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._explore_epoch is None:
-            self._explore_epoch = epoch
-        for s in self._states:
-            s.epoch_sum = np.zeros(_stats.NUM_STATS)
-            s.epoch_calls = 0
-            s.snapshot()
+        steps = (self.params or {}).get("steps")
+        self.tuner.begin_epoch(epoch, steps=steps)
+        self._in_epoch = True
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._explore_epoch is None or self.explore_batches == 0:
-            return
-        in_explore_epoch = len(self.history) == 0
-        if in_explore_epoch and batch < self.explore_batches:
-            value = 1.0 if batch % 2 == 0 else 0.0
-            for s in self._built_states():
-                s.layer.threshold_var.assign(value)
-            self._exploring = True
-        elif self._exploring:
-            self._restore_thresholds()
+        self.tuner.before_batch(batch)
 
-    def _restore_thresholds(self):
-        for s in self._built_states():
-            s.layer.threshold_var.assign(s.initial_threshold)
-        self._exploring = False
-
-    def on_train_batch_end(self, batch, logs=None):
-        if any(s.layer.threshold_var is None for s in self._states) or \
-                not self._states:
-            # Layers built lazily by the first step: pick them up now.
-            self._discover()
-        for s in self._built_states():
-            total, calls = s.layer.accumulated_stats_vector()
-            if s.seen_total is None:
-                s.seen_total, s.seen_calls = np.zeros_like(total), 0
-            new_calls = calls - s.seen_calls
-            if new_calls > 0:
-                s.epoch_sum += total - s.seen_total
-                s.epoch_calls += new_calls
-                latest = s.layer.latest_stats_vector()
-                s.cost_model.add_stats(latest,
-                                       coefficients=_coefficients(s.layer, latest))
-            s.seen_total, s.seen_calls = total, calls
+    def on_test_begin(self, logs=None):
+        # Validation inside fit: the epoch's training calls are over.
+        if self._in_epoch and self.tuner is not None:
+            self.tuner.end_epoch_batches()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._exploring:
-            self._restore_thresholds()
-        record = {"epoch": int(epoch), "layers": {}}
-        for s in self._built_states():
-            layer = s.layer
-            entry = self._update_layer(s)
-            record["layers"][layer.name] = entry
+        self._in_epoch = False
+        record = self.tuner.end_epoch(epoch)
+        for name, entry in record["layers"].items():
             if logs is not None:
-                logs[f"{layer.name}/sparsity"] = entry["sparsity"]
-                logs[f"{layer.name}/threshold"] = entry["threshold"]
+                logs[f"{name}/sparsity"] = entry["sparsity"]
+                logs[f"{name}/threshold"] = entry["threshold"]
             if self.verbose:
                 print(
-                    f"SplitThresholdCallback: {layer.name}: sparsity "
+                    f"SplitThresholdCallback: {name}: sparsity "
                     f"{entry['sparsity']:.3f}, threshold "
                     f"{entry['threshold']:.4g}, dense rate "
                     f"{_fmt_rate(entry['dense_rate'])}, sparse rate "
                     f"{_fmt_rate(entry['sparse_rate'])}, time in op "
                     f"{entry['time_in_op']:.3f} s", flush=True)
-        self.history.append(record)
 
-    def _update_layer(self, s):
-        v, calls = s.epoch_sum, s.epoch_calls
-        cm = s.cost_model
-        entry = {"sparsity": float("nan"), "threshold": s.layer.threshold,
-                 "dense_rate": None, "sparse_rate": None,
-                 "dense_overhead": None, "sparse_overhead": None,
-                 "time_in_op": float(v[_stats.TIME_DENSE] +
-                                     v[_stats.TIME_SPARSE] +
-                                     v[_stats.TIME_ANALYZE]),
-                 "calls": int(calls)}
-        if calls == 0:
-            return entry
-        k = v[_stats.K] / calls
-        elems = v[_stats.M] * k
-        if elems > 0:
-            entry["sparsity"] = float(1.0 - v[_stats.NNZ] / elems)
-        cm.fit(min_samples=self.min_samples)
-        for path in (DENSE, SPARSE):
-            entry[f"{path}_rate"] = cm.rate(path)
-            entry[f"{path}_overhead"] = cm.overhead(path)
-        hist = v[_stats.HISTOGRAM] / calls
-        m = v[_stats.M] / calls
-        n = v[_stats.N] / calls
-        k_live = min(max(k - v[_stats.ZERO_COLS_SKIPPED] / calls, 0.0), k)
-        nnz = v[_stats.NNZ] / calls
-        best = cm.best_threshold(
-            hist, m, k, k_live, n, nnz=nnz,
-            heterogeneous=bool(getattr(s.layer, "heterogeneous", False)),
-            coefficients=_coefficients(s.layer, v / calls))
-        if best is not None:
-            s.layer.set_threshold(best)
-        entry["threshold"] = s.layer.threshold
-        return entry
-
-
-def _coefficients(layer, stats_vector):
-    """The layer's work coefficients for the cost model."""
-    return layer.split_work_coefficients(stats_vector)
+    def on_train_end(self, logs=None):
+        if self.tuner is not None:
+            self.tuner.close()
 
 
 def _fmt_rate(rate):

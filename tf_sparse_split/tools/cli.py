@@ -28,6 +28,15 @@ Subcommands:
     replace it. On GPU machines Keras needs ``jit_compile=False`` for the
     pass to apply.
 
+``train --strategy {none,mirrored,multi-worker}`` trains under a
+``tf.distribute`` strategy (multi-worker: ``TF_CONFIG``, a custom loop;
+:mod:`tf_sparse_split.tools.distribute`); ``--tensorboard DIR`` writes
+per-layer summaries, ``--plot FILE.png`` a training plot
+(:mod:`tf_sparse_split.tools.plots`), ``--checkpoint-dir DIR`` the model
+after every epoch. ``profile MODEL --end-to-end`` times whole-model inference
+plain / with the rewrite pass / with sparse-split layers
+(:mod:`tf_sparse_split.tools.latency`).
+
 With ``--model cnn`` it trains a small CNN instead (conv-ReLU-conv-ReLU-
 max-pool-dense on the images reshaped to ``side x side x 1``: 8x8 digits,
 28x28 MNIST) with :class:`~tf_sparse_split.layers.SparseSplitConv2D`
@@ -167,6 +176,26 @@ def build_parser():
     train.add_argument("--quiet", action="store_true",
                        help="no progress bar or per-epoch lines; only the "
                             "summary")
+    # Distribution, TensorBoard, plots (tools/distribute.py, tools/plots.py).
+    train.add_argument(
+        "--strategy", choices=("none", "mirrored", "multi-worker"),
+        default="none",
+        help="none (default); mirrored: Keras fit under MirroredStrategy; "
+             "multi-worker: MultiWorkerMirroredStrategy from TF_CONFIG in a "
+             "custom training loop (run the same command on every worker)")
+    train.add_argument(
+        "--tensorboard", metavar="DIR", default=None,
+        help="write TensorBoard event files (per-layer sparsity, threshold, "
+             "rows and seconds per path, zero columns, row-density "
+             "histogram per epoch) to DIR (chief only)")
+    train.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="draw per-layer input sparsity and threshold and the epoch time "
+             "per epoch (both models with --compare) to a PNG (chief only)")
+    train.add_argument(
+        "--checkpoint-dir", metavar="DIR", default=None,
+        help="save DIR/model.keras after every epoch (with --strategy "
+             "multi-worker only the chief writes)")
     prof = sub.add_parser(
         "profile", help="measure activation sparsity and dense vs split op "
                         "time for each MatMul/Conv2D of a model",
@@ -193,6 +222,17 @@ def build_parser():
                       help="SavedModel signature (default serving_default)")
     prof.add_argument("--seed", type=int, default=0,
                       help="seed of the random inputs (default 0)")
+    # Whole-model latency (tools/latency.py).
+    prof.add_argument(
+        "--end-to-end", action="store_true",
+        help="time whole-model inference instead: plain, with the rewrite "
+             "pass, and converted to sparse-split layers (p50/p90 ms, "
+             "interleaved, after warm-up)")
+    prof.add_argument(
+        "--sparse-model", metavar="PATH", default=None,
+        help="--end-to-end: a sparse-split version of the model (.keras) to "
+             "time too (default: converted from a .keras model's Dense/"
+             "Conv2D layers where possible)")
     return parser
 
 
@@ -213,6 +253,10 @@ def main(argv=None):
             from tf_sparse_split.tools.train import train_command
 
             return train_command(args, out)
+        if args.command == "profile" and getattr(args, "end_to_end", False):
+            from tf_sparse_split.tools.latency import latency_command
+
+            return latency_command(args, out)
         if args.command == "profile":
             from tf_sparse_split.tools.profile import profile_command
 

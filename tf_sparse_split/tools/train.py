@@ -11,9 +11,11 @@ too); :func:`train_command` is the whole command.
 
 import time
 
+from tf_sparse_split.tools.distribute import (make_strategy,
+                                              run_multi_worker, strategy_scope)
 from tf_sparse_split.tools.models import build_cnn, build_mlp
 
-__all__ = ["run", "train_command", "print_compare", "epoch_printer"]
+__all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printer"]
 
 
 def epoch_printer(epochs, layer_names, out):
@@ -52,15 +54,17 @@ def epoch_printer(epochs, layer_names, out):
     return EpochPrinter()
 
 
-def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
-    """Trains one model; returns a dict of results."""
-    import keras
+def build_model(args, sparse, x_train, x_test, num_classes):
+    """The model of ``train`` for parsed arguments (``--model``, ``--hidden``,
+    ``--filters``, ``--threshold``, ``--dropout`` ...), uncompiled.
 
-    from tf_sparse_split.callbacks import SplitThresholdCallback
-    from tf_sparse_split.layers import SparseSplitLayer
+    Returns:
+      ``(model, x_train, x_test, description)``; images are reshaped to
+      ``side x side x 1`` for ``--model cnn``.
 
-    keras.utils.set_random_seed(args.seed)
-    kind = "sparse-split" if sparse else "baseline"
+    Raises:
+      ValueError: options that do not fit the model or data.
+    """
     if getattr(args, "model", "mlp") == "cnn":
         if args.dropout != "none":
             raise ValueError("--dropout applies to --model mlp only")
@@ -86,9 +90,25 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
                          [x_train.shape[1], *args.hidden, num_classes])
         desc = (f"MLP {sizes} "
                 f"({'SparseSplitDense' if sparse else 'keras.layers.Dense'})")
-    model.compile(optimizer=keras.optimizers.Adam(args.lr),
-                  loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"], jit_compile=False)
+    return model, x_train, x_test, desc
+
+
+def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
+    """Trains one model; returns a dict of results."""
+    import keras
+
+    from tf_sparse_split.callbacks import SplitThresholdCallback
+    from tf_sparse_split.layers import SparseSplitLayer
+
+    keras.utils.set_random_seed(args.seed)
+    kind = "sparse-split" if sparse else "baseline"
+    strategy = getattr(args, "distribute_strategy", None)
+    with strategy_scope(strategy):
+        model, x_train, x_test, desc = build_model(args, sparse, x_train,
+                                                   x_test, num_classes)
+        model.compile(optimizer=keras.optimizers.Adam(args.lr),
+                      loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], jit_compile=False)
     if out is not None:
         print(f"model: {kind} {desc}", file=out, flush=True)
         if args.dropout != "none":
@@ -105,8 +125,15 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
     callbacks = []
     split_cb = None
     if sparse:
-        split_cb = SplitThresholdCallback()
+        split_cb = SplitThresholdCallback(
+            log_dir=getattr(args, "tensorboard", None))
         callbacks.append(split_cb)
+    if getattr(args, "checkpoint_dir", None):
+        import os
+
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        callbacks.append(keras.callbacks.ModelCheckpoint(
+            os.path.join(args.checkpoint_dir, "model.keras")))
     if not args.quiet:
         # Our printer must run after the progress bar finishes its line.
         callbacks.append(keras.callbacks.ProgbarLogger())
@@ -129,6 +156,7 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
         "test_accuracy": float(test_acc),
         "thresholds": ({l.name: l.threshold for l in model.layers
                         if isinstance(l, SparseSplitLayer)} if sparse else {}),
+        "tuning_history": list(split_cb.history) if split_cb else [],
     }
     if out is not None:
         print(f"{kind}: test accuracy {result['test_accuracy']:.4f}, test "
@@ -158,6 +186,16 @@ def print_compare(sparse_res, base_res, out):
 def train_command(args, out):
     from tf_sparse_split.tools import datasets
 
+    # The strategy first: multi-worker collectives must be set up before any
+    # other TensorFlow work.
+    strategy_name = getattr(args, "strategy", "none")
+    args.distribute_strategy = make_strategy(strategy_name)
+    if strategy_name == "multi-worker":
+        def runner(*a):
+            return run_multi_worker(*a, args.distribute_strategy)
+    else:
+        runner = run
+
     if args.dropout == "none":
         if args.dropout_rate is not None or args.tile_shape is not None:
             raise ValueError("--dropout-rate and --tile-shape need --dropout")
@@ -179,12 +217,21 @@ def train_command(args, out):
           f"classes, input sparsity {float((x_train == 0).mean()):.3f}",
           file=out, flush=True)
     if args.compare:
-        sparse_res = run(args, True, x_train, y_train, x_test, y_test,
+        sparse_res = runner(args, True, x_train, y_train, x_test, y_test,
+                            num_classes, out)
+        base_res = runner(args, False, x_train, y_train, x_test, y_test,
                           num_classes, out)
-        base_res = run(args, False, x_train, y_train, x_test, y_test,
-                        num_classes, out)
         print_compare(sparse_res, base_res, out)
+        results = [sparse_res, base_res]
     else:
-        run(args, not args.baseline, x_train, y_train, x_test, y_test,
-             num_classes, out)
+        results = [runner(args, not args.baseline, x_train, y_train, x_test,
+                          y_test, num_classes, out)]
+    if getattr(args, "plot", None):
+        from tf_sparse_split.tools.distribute import is_chief
+        from tf_sparse_split.tools.plots import plot_training
+
+        if is_chief(args.distribute_strategy):
+            plot_training(results, args.plot, title=f"tf-sparse-split train "
+                          f"({data_name}, {getattr(args, 'model', 'mlp')})")
+            print(f"plot: {args.plot}", file=out, flush=True)
     return 0
