@@ -1,0 +1,116 @@
+// The fused bias + activation epilogue of SparseSplitMatMul, TensorFlow
+// side: reads the op's `num_bias` / `activation` attrs and its optional
+// `bias` input, validates them, and applies product = act(product + bias)
+// in place to output 0 once the kernel has written every row of it (the
+// dense rows from TF's GEMM, the sparse rows from the CSR SpMM). The loops
+// are cc/core/epilogue.h (CPU) and cc/core/cuda/epilogue_cuda.h (GPU).
+//
+// Why a pass after the product rather than TF's "_FusedMatMul" kernel for
+// the dense rows: measured in benchmarks/bench_epilogue.py (see the issue
+// note); the pass over the output rows costs about as much as oneDNN's
+// fused post-op, works for float64 (which has no CPU _FusedMatMul kernel),
+// for gathered/compacted dense parts and for the sparse rows alike.
+#ifndef TF_SPARSE_SPLIT_CC_KERNELS_EPILOGUE_H_
+#define TF_SPARSE_SPLIT_CC_KERNELS_EPILOGUE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "cc/core/epilogue.h"
+#include "cc/kernels/tf_parallel_for.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+#if GOOGLE_CUDA
+#include "cc/core/cuda/epilogue_cuda.h"
+#endif
+
+namespace tf_sparse_split {
+
+class MatMulEpilogue {
+ public:
+  // Input index of `bias` (after a, b, threshold).
+  static constexpr int kBiasInput = 3;
+
+  // Reads the attrs: num_bias must be 0 or 1, activation one of
+  // 'none'/'relu'/'relu6' (the op registration restricts it too).
+  absl::Status Init(::tensorflow::OpKernelConstruction* ctx) {
+    namespace tf = ::tensorflow;
+    int num_bias = 0;
+    TF_RETURN_IF_ERROR(ctx->GetAttr("num_bias", &num_bias));
+    if (num_bias < 0 || num_bias > 1)
+      return tf::errors::InvalidArgument(
+          "SparseSplitMatMul: num_bias must be 0 or 1, got ", num_bias);
+    has_bias_ = num_bias == 1;
+    std::string act;
+    TF_RETURN_IF_ERROR(ctx->GetAttr("activation", &act));
+    if (!ParseActivation(act, &act_))
+      return tf::errors::InvalidArgument(
+          "SparseSplitMatMul: activation must be 'none', 'relu' or 'relu6', "
+          "got '", act, "'");
+    return absl::OkStatus();
+  }
+
+  bool active() const { return has_bias_ || act_ != Activation::kNone; }
+
+  // Checks the bias input (when present) against the product's n columns:
+  // a vector [n] of the product's dtype.
+  absl::Status Validate(::tensorflow::OpKernelContext* ctx, int64_t n) const {
+    namespace tf = ::tensorflow;
+    if (!has_bias_) return absl::OkStatus();
+    const tf::Tensor& bias = ctx->input(kBiasInput);
+    if (!tf::TensorShapeUtils::IsVector(bias.shape()) || bias.dim_size(0) != n)
+      return tf::errors::InvalidArgument(
+          "SparseSplitMatMul: bias must be a vector [n] = [", n,
+          "] (n = columns of the product), got shape ",
+          bias.shape().DebugString());
+    return absl::OkStatus();
+  }
+
+  // product = act(product + bias), in place on output 0 (already set).
+  template <typename T>
+  absl::Status ApplyCpu(::tensorflow::OpKernelContext* ctx) const {
+    if (!active()) return absl::OkStatus();
+    ::tensorflow::Tensor* out = ctx->mutable_output(0);
+    if (out == nullptr || out->NumElements() == 0) return absl::OkStatus();
+    const int64_t m = out->dim_size(0), n = out->dim_size(1);
+    BiasActivationRows<T>(out->flat<T>().data(), n, nullptr, m, n, BiasPtr<T>(ctx),
+                          act_, TfParallelFor(ctx));
+    return absl::OkStatus();
+  }
+
+#if GOOGLE_CUDA
+  // The same on the GPU, enqueued on `stream` (the op's stream).
+  template <typename T>
+  absl::Status ApplyGpu(::tensorflow::OpKernelContext* ctx,
+                        cudaStream_t stream) const {
+    namespace tf = ::tensorflow;
+    if (!active()) return absl::OkStatus();
+    tf::Tensor* out = ctx->mutable_output(0);
+    if (out == nullptr || out->NumElements() == 0) return absl::OkStatus();
+    const int64_t m = out->dim_size(0), n = out->dim_size(1);
+    const cudaError_t err =
+        BiasActivationGpu<T>(out->flat<T>().data(), m, n, n, BiasPtr<T>(ctx),
+                             static_cast<int>(act_), stream);
+    if (err != cudaSuccess)
+      return tf::errors::Internal("SparseSplitMatMul (GPU): epilogue failed: ",
+                                  cudaGetErrorName(err), ": ",
+                                  cudaGetErrorString(err));
+    return absl::OkStatus();
+  }
+#endif  // GOOGLE_CUDA
+
+ private:
+  template <typename T>
+  const T* BiasPtr(::tensorflow::OpKernelContext* ctx) const {
+    return has_bias_ ? ctx->input(kBiasInput).flat<T>().data() : nullptr;
+  }
+
+  bool has_bias_ = false;
+  Activation act_ = Activation::kNone;
+};
+
+}  // namespace tf_sparse_split
+
+#endif  // TF_SPARSE_SPLIT_CC_KERNELS_EPILOGUE_H_
