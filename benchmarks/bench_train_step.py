@@ -14,15 +14,16 @@ fixed tensors:
 * ``fwd <layer>``: the layer's forward call (``training=True``: our layers
   record their statistics, as in ``fit``);
 * ``dW <layer>`` / ``dX <layer>``: the layer's kernel (with bias) gradient /
-  input gradient given the gradient arriving at its output (each includes
-  the activation's gradient mask; TF prunes the other product);
+  input gradient from the gradient at its pre-activation, with the products
+  the registered gradients run (see ``Variant.make_parts``);
 * ``optimizer``: ``optimizer.apply`` of fixed gradients to all weights;
 * ``loss``: the loss (forward) on fixed probabilities;
 * ``call overhead``: an empty ``tf.function`` call (paid once per part
   here, once per step in ``step``);
 * ``other``: ``step`` minus the sum of the forward, gradient and optimizer
-  parts (loss, its gradient, the tape, host work; negative when the separate
-  calls cost more than the fused step).
+  parts (loss and its gradient, activation-gradient masks, the tape, host
+  work, and our layers' statistics writes; negative when the separate
+  calls, each paying a ``tf.function`` call, cost more than the one step).
 
 Data: MNIST from ``--data`` (default ``$TFSS_MNIST_DIR``, else
 ``../shared/data/mnist`` beside the repository, else
@@ -52,6 +53,7 @@ import keras
 import tf_sparse_split as tfss
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.tools.datasets import load_digits, load_mnist
+from tf_sparse_split.ops.matmul import _grad_a_live_columns
 from tf_sparse_split.tools.models import build_mlp
 
 HERE = Path(__file__).resolve().parent
@@ -130,44 +132,67 @@ class Variant:
         return step
 
     def make_parts(self, x, y):
-        """The per-part tf.functions with their fixed arguments."""
+        """The per-part tf.functions with their fixed arguments.
+
+        The backward products are the ones the registered gradients run
+        (TF's MatMul gradient for Dense; ``_sparse_split_matmul_grad`` for
+        ours: dW through the sparse op with the input as its sparse operand,
+        dX as a dense GEMM, over the live input columns only with
+        ``skip_dead_input_grad``), applied to the gradient at the layer's
+        pre-activation, so that no part recomputes the forward pass.
+        """
         model, opt, loss_fn = self.model, self.optimizer, self.loss_fn
         layers = model.layers
-        # Layer inputs and the gradients arriving at each layer's output.
-        with tf.GradientTape(persistent=True) as tape:
-            hs = [x]
-            for layer in layers:
-                hs.append(layer(hs[-1], training=True))
+        sparse = isinstance(layers[0], tfss.SparseSplitDense)
+        # Layer inputs and the gradient at each pre-activation (same math
+        # for both models: TF ops on each model's own weights).
+        with tf.GradientTape() as tape:
+            hs, pres = [x], []
+            for i, layer in enumerate(layers):
+                pre = tf.matmul(hs[-1], layer.kernel) + layer.bias
+                pres.append(pre)
+                hs.append(tf.nn.softmax(pre) if i == len(layers) - 1
+                          else tf.nn.relu(pre))
             loss = loss_fn(y, hs[-1])
-        ups = tape.gradient(loss, hs[1:])
-        grads = tape.gradient(loss, model.trainable_variables)
-        del tape
+        d_pres = tape.gradient(loss, pres)
         parts = {}
         for i, layer in enumerate(layers):
-            h, up = tf.identity(hs[i]), tf.identity(ups[i])
+            h, dp = tf.identity(hs[i]), tf.identity(d_pres[i])
             short = layer.name.replace("hidden_", "h")
 
             def fwd(h, layer=layer):
                 return layer(h, training=True)
 
-            def d_w(h, up, layer=layer):
-                with tf.GradientTape() as t:
-                    out = layer(h, training=True)
-                return t.gradient(out, [layer.kernel, layer.bias],
-                                  output_gradients=up)
+            if sparse:
+                thr = layer.threshold_var
+                live_only = layer.skip_dead_input_grad
 
-            def d_x(h, up, layer=layer):
-                with tf.GradientTape() as t:
-                    t.watch(h)
-                    out = layer(h, training=True)
-                return t.gradient(out, h, output_gradients=up)
+                def d_w(h, dp, thr=thr):
+                    return (tfss.sparse_split_matmul(h, dp, tf.convert_to_tensor(thr),
+                                                     transpose_a=True),
+                            tf.reduce_sum(dp, axis=0))
+
+                def d_x(h, dp, layer=layer, live_only=live_only):
+                    w = tf.convert_to_tensor(layer.kernel)
+                    if live_only:
+                        return _grad_a_live_columns(h, w, dp, False)
+                    return tf.matmul(dp, w, transpose_b=True)
+            else:
+                def d_w(h, dp):
+                    return (tf.matmul(h, dp, transpose_a=True),
+                            tf.reduce_sum(dp, axis=0))
+
+                def d_x(h, dp, layer=layer):
+                    return tf.matmul(dp, layer.kernel, transpose_b=True)
 
             parts[f"fwd {short}"] = (tf.function(fwd), (h,))
-            parts[f"dW {short}"] = (tf.function(d_w), (h, up))
+            parts[f"dW {short}"] = (tf.function(d_w), (h, dp))
             if i > 0:  # the first layer's input gradient is never needed
-                parts[f"dX {short}"] = (tf.function(d_x), (h, up))
+                parts[f"dX {short}"] = (tf.function(d_x), (h, dp))
         variables = model.trainable_variables
-        grads = [tf.identity(g) for g in grads]
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = [tf.identity(g) for g in tape.gradient(loss, variables)]
 
         @tf.function
         def apply(*g):
@@ -202,6 +227,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(HERE / "results" / "bench_train_step.md"))
     args = p.parse_args(argv)
     tfss.load_library()
+    tf.get_logger().setLevel("ERROR")  # one tf.function per part: no retracing notes
     keras.utils.set_random_seed(args.seed)
     x_all, y_all, data_desc = load_data(args.data)
     rng = np.random.default_rng(args.seed)
