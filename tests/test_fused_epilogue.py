@@ -135,13 +135,23 @@ def test_all_zero_and_empty_operands(act, op_library):
     assert got.shape == (0, 4)
 
 
-def test_nan_propagates_through_the_epilogue(op_library):
-    a = np.array([[np.nan, 0.0], [1.0, 0.0]], np.float32)
-    b = np.ones((2, 3), np.float32)
-    for act in ACTS:
-        got = sparse_split_matmul(a, b, threshold=0.0, bias=np.zeros(3, np.float32),
-                                  activation=act).numpy()
-        assert np.isnan(got[0]).all() and np.isfinite(got[1]).all()
+def test_non_finite_values_through_the_epilogue(op_library):
+    # 40 columns: the vectorised loop and its scalar tail both see them.
+    a = np.array([[np.nan, 0.0], [1.0, 0.0], [np.inf, 0.0], [-np.inf, 0.0]],
+                 np.float32)
+    b = np.ones((2, 40), np.float32)
+    bias = np.linspace(-8, 8, 40).astype(np.float32)
+    for dtype in (np.float32, np.float64):
+        for act in ACTS:
+            got = sparse_split_matmul(a.astype(dtype), b.astype(dtype),
+                                      threshold=0.0, bias=bias.astype(dtype),
+                                      activation=act).numpy()
+            assert np.isnan(got[0]).all()
+            np.testing.assert_array_equal(
+                got[1], _activation_ref(1.0 + bias.astype(dtype), act))
+            want_inf = {"none": np.inf, "relu": np.inf, "relu6": 6.0}[act]
+            np.testing.assert_array_equal(got[2], want_inf)
+            np.testing.assert_array_equal(got[3], -np.inf if act == "none" else 0.0)
 
 
 def test_deterministic_bits(op_library):

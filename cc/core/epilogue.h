@@ -19,6 +19,11 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "cc/core/parallel_for.h"
 
@@ -42,10 +47,49 @@ inline bool ParseActivation(const std::string& name, Activation* act) {
 
 namespace epilogue_internal {
 
+#if defined(__AVX512F__)
+// relu6 with AVX-512 max/min: GCC compiles the two selects of the scalar
+// loop into mask compares and blends, twice as slow as relu (measured
+// 35 vs 19 us on a 128 x 2048 float32 output). vmaxps/vminps return their
+// second operand when either is NaN, so max(0, v) then min(6, v) keep NaN
+// and give exactly the scalar loop's values (-0.0 included).
+template <bool kBias>
+inline int64_t Relu6Vector(float* __restrict c, const float* __restrict bias,
+                           int64_t n) {
+  const __m512 zero = _mm512_setzero_ps(), six = _mm512_set1_ps(6.0f);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 v = _mm512_loadu_ps(c + j);
+    if (kBias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+    _mm512_storeu_ps(c + j, _mm512_min_ps(six, _mm512_max_ps(zero, v)));
+  }
+  return j;
+}
+template <bool kBias>
+inline int64_t Relu6Vector(double* __restrict c, const double* __restrict bias,
+                           int64_t n) {
+  const __m512d zero = _mm512_setzero_pd(), six = _mm512_set1_pd(6.0);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m512d v = _mm512_loadu_pd(c + j);
+    if (kBias) v = _mm512_add_pd(v, _mm512_loadu_pd(bias + j));
+    _mm512_storeu_pd(c + j, _mm512_min_pd(six, _mm512_max_pd(zero, v)));
+  }
+  return j;
+}
+#endif  // __AVX512F__
+
 // One row: c[j] = act(c[j] + bias[j]) for j < n (bias may be null).
 template <typename T, Activation kAct, bool kBias>
 inline void Row(T* __restrict c, const T* __restrict bias, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (kAct == Activation::kRelu6 &&
+                (std::is_same<T, float>::value || std::is_same<T, double>::value)) {
+    j0 = Relu6Vector<kBias>(c, bias, n);
+  }
+#endif
+  for (int64_t j = j0; j < n; ++j) {
     T v = c[j];
     if (kBias) v += bias[j];
     if (kAct == Activation::kRelu || kAct == Activation::kRelu6) {
