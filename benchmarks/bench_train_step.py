@@ -268,7 +268,9 @@ def main(argv=None):
              f"over {args.rounds} interleaved rounds of {args.reps} calls (ms; "
              f"min; spread = max/min of round medians); TensorFlow "
              f"{tf.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
-             f"library built with {build_info()['MARCH']}.")
+             f"library built with {build_info()['MARCH']}; load average "
+             f"{os.getloadavg()[0]:.1f} at the end (other jobs on the machine "
+             "widen the spread).")
     lines += [title, "",
               "| part | keras Dense (ms) | SparseSplitDense (ms) | ratio keras/ours |",
               "|---|---|---|---|"]
