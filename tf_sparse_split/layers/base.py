@@ -15,7 +15,11 @@ Requires the TensorFlow backend of Keras 3.
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common import global_state as _keras_global_state
+
+try:  # Keras 3's call context (where Layer.__call__ keeps `training`)
+    from keras.src.backend.common import global_state as _keras_global_state
+except ImportError:  # a Keras without it: only an explicit `training` counts
+    _keras_global_state = None
 
 from tf_sparse_split.tuning import stats as _stats
 from tf_sparse_split.utils.validation import validate_threshold
@@ -31,8 +35,10 @@ RECORD_STATS_MODES = ("auto", True, False)
 def _keras_call_training():
     """The ``training`` value Keras resolved for the layer call in progress
     (passed explicitly or inherited from the outer model), or None."""
+    if _keras_global_state is None:
+        return None
     ctx = _keras_global_state.get_global_attribute("current_call_ctx")
-    return None if ctx is None else ctx.get_value("training")
+    return None if ctx is None else getattr(ctx, "training", None)
 
 
 def _is_training(training):
