@@ -184,9 +184,10 @@ def test_statistics_update_under_tf_function_and_are_not_weights(case):
     n_weights = len(layer.weights)
     make_input = case[1]
 
+    # Training calls record (inference graphs do not: test_serving_stats.py).
     @tf.function
     def f(x):
-        return layer(x)
+        return layer(x, training=True)
 
     x1 = make_input(np.random.default_rng(7), 4)
     x2 = make_input(np.random.default_rng(8), 4)

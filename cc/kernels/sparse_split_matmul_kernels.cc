@@ -18,6 +18,7 @@
 #include <random>
 #include <vector>
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/tf_kernel.h"
 #include "cc/kernels/tf_parallel_for.h"
@@ -87,6 +88,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     // No GPU in this kernel: a heterogeneous split falls back to the normal
     // CPU split (same result) and says so in the statistics.
     OP_REQUIRES_OK(ctx, ctx->GetAttr("heterogeneous", &hetero_));
+    OP_REQUIRES_OK(ctx, epilogue_.Init(ctx));  // optional bias + activation
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
     // op(a) as given; gathered rows of op(a) with op(b) as given; gathered
     // rows and compacted columns (op(b) gathered too, never transposed).
@@ -103,6 +105,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const tf::Tensor& thr_t = ctx->input(2);
     MatMulProblem prob;
     OP_REQUIRES_OK(ctx, ValidateMatMul(a, b, thr_t, ta_, tb_, &prob));
+    OP_REQUIRES_OK(ctx, epilogue_.Validate(ctx, prob.n));
     const int64_t m = prob.m, k = prob.k, n = prob.n;
     const float thr_in = prob.threshold;
 
@@ -132,6 +135,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       } else if (m > 0) {
         stats[kStatHistogram] = m;
       }
+      OP_REQUIRES_OK(ctx, epilogue_.ApplyCpu<T>(ctx));  // act(0 + bias)
       return;
     }
     const T* a_ptr = a.flat<T>().data();
@@ -283,6 +287,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     stats[kStatTimeAnalyze] = Seconds(t_start, t_analyzed);
     stats[kStatThreshold] = thr;
     stats[kStatNnzSparse] = split.nnz_sparse;
+    // product = act(product + bias) on every row, after both parts.
+    OP_REQUIRES_OK(ctx, epilogue_.ApplyCpu<T>(ctx));
   }
 
  private:
@@ -342,6 +348,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
 
   bool ta_ = false, tb_ = false, hetero_ = false;
   TfKernel gemm_direct_, gemm_gathered_, gemm_compacted_;
+  MatMulEpilogue epilogue_;
 };
 
 #define TFSS_REGISTER_CPU(T)                                             \

@@ -90,6 +90,7 @@
 
 #include "cc/core/cuda/sparse_matmul_cuda.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/tf_kernel.h"
 #include "cc/kernels/tf_parallel_for.h"
@@ -284,6 +285,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_a", &ta_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("heterogeneous", &hetero_));
+    OP_REQUIRES_OK(ctx, epilogue_.Init(ctx));  // optional bias + activation
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
     OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_GPU, dt, ta_, tb_, &gemm_direct_));
     OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_GPU, dt, false, tb_, &gemm_gathered_));
@@ -302,6 +304,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     const tf::Tensor& thr_t = ctx->input(2);  // host memory
     MatMulProblem prob;
     OP_REQUIRES_OK(ctx, ValidateMatMul(a, b, thr_t, ta_, tb_, &prob));
+    OP_REQUIRES_OK(ctx, epilogue_.Validate(ctx, prob.n));
     const int64_t m = prob.m, k = prob.k, n = prob.n;
     const float thr_in = prob.threshold;
 
@@ -325,6 +328,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
       }
       stats[kStatRowsSparse] = m;
       if (m > 0) stats[kStatHistogram] = m;
+      OP_REQUIRES_OK(ctx, epilogue_.ApplyGpu<T>(ctx, stream));  // act(0 + bias)
       return;
     }
     const T* a_ptr = a.flat<T>().data();
@@ -565,6 +569,8 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
         std::chrono::duration<double>(t_analyzed - t_start).count();
     stats[kStatThreshold] = thr;
     stats[kStatNnzSparse] = nnz_sparse;
+    // product = act(product + bias) on every row, enqueued after both parts.
+    OP_REQUIRES_OK(ctx, epilogue_.ApplyGpu<T>(ctx, stream));
 
     if (ctx->output_required(1)) {
       // The statistics (host memory) carry this call's GPU times: wait.
@@ -657,6 +663,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
   std::mutex mu_;  // guards pending_ and side_stream_
   std::deque<std::shared_ptr<CallTiming>> pending_;
   cudaStream_t side_stream_ = nullptr;
+  MatMulEpilogue epilogue_;
 };
 
 #define TFSS_REGISTER_GPU(T)                                             \

@@ -16,12 +16,41 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+try:  # Keras 3's call context (where Layer.__call__ keeps `training`)
+    from keras.src.backend.common import global_state as _keras_global_state
+except ImportError:  # a Keras without it: only an explicit `training` counts
+    _keras_global_state = None
+
 from tf_sparse_split.tuning import stats as _stats
 from tf_sparse_split.utils.validation import validate_threshold
 
-__all__ = ["SparseSplitLayer"]
+__all__ = ["SparseSplitLayer", "RECORD_STATS_MODES"]
 
 _OP_DTYPES = ("float32", "float64")
+
+#: Values of :attr:`SparseSplitLayer.record_stats`.
+RECORD_STATS_MODES = ("auto", True, False)
+
+
+def _keras_call_training():
+    """The ``training`` value Keras resolved for the layer call in progress
+    (passed explicitly or inherited from the outer model), or None."""
+    if _keras_global_state is None:
+        return None
+    ctx = _keras_global_state.get_global_attribute("current_call_ctx")
+    return None if ctx is None else getattr(ctx, "training", None)
+
+
+def _is_training(training):
+    """True for a training call: ``training`` is True (a Python bool or a
+    tensor whose value is known at trace time). An unknown symbolic value
+    counts as training (the variables may be written)."""
+    if training is None:
+        return False
+    if isinstance(training, (bool, np.bool_)):
+        return bool(training)
+    value = tf.get_static_value(training)
+    return True if value is None else bool(value)
 
 
 def _check_backend():
@@ -55,8 +84,23 @@ class SparseSplitLayer(keras.layers.Layer):
 
     Attributes:
       threshold_var: the threshold weight (None until built).
-      record_stats: whether calls record the op's statistics (default True;
-        False for graphs that cannot update variables).
+      record_stats: when calls record the op's statistics into the
+        statistics variables (a public switch, see "Statistics" below):
+        ``"auto"`` (default) in training calls (``training=True``, e.g.
+        ``model.fit``) and in eager calls, never in inference graphs;
+        ``True`` in every call, inference graphs included (explicitly
+        enabled, e.g. to collect statistics during ``model.predict``);
+        ``False`` never.
+
+    Statistics: a recording call assigns the latest statistics vector and
+    adds it to the running sum (``tf.Variable`` assign ops in a graph).
+    Under ``record_stats="auto"`` a graph traced for inference --
+    ``model.predict``/``evaluate``, ``model.export``,
+    ``tf.saved_model.save``, a ``tf.function`` calling the layer with
+    ``training`` False or unset -- holds no variable writes, so an exported
+    serving function is free of them (read-only). Eager calls record (they
+    build no graph), so ``layer(x); layer.latest_stats()`` works
+    interactively.
       supports_jit: False: the ops have no XLA kernels, so Keras does not
         JIT-compile a model holding this layer (DESIGN.md, "Keras and XLA").
 
@@ -75,9 +119,7 @@ class SparseSplitLayer(keras.layers.Layer):
         self.supports_jit = False
         self.threshold_var = None
         self._stats_vars = None
-        # Whether calls record the op's statistics (False for graphs that
-        # cannot update variables, e.g. frozen for profiling).
-        self.record_stats = True
+        self.record_stats = "auto"
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -142,9 +184,48 @@ class SparseSplitLayer(keras.layers.Layer):
         n = float(np.asarray(stats_vector, dtype=np.float64)[_stats.N])
         return 2.0 * n, 2.0 * n
 
-    def _record_stats(self, stats_vec):
+    @property
+    def record_stats(self):
+        """When calls record statistics: ``"auto"``, True or False (see the
+        class docstring). Set it before tracing (a ``tf.function`` traced
+        earlier keeps what it traced).
+
+        Raises:
+          ValueError: on setting any other value.
+        """
+        return self._record_stats_mode
+
+    @record_stats.setter
+    def record_stats(self, mode):
+        if isinstance(mode, np.bool_):
+            mode = bool(mode)
+        if not any(mode is m or (isinstance(mode, str) and mode == m)
+                   for m in RECORD_STATS_MODES):
+            raise ValueError(
+                "`record_stats` must be 'auto', True or False. "
+                f"Received: record_stats={mode!r}")
+        self._record_stats_mode = mode
+
+    def _records_stats(self, training):
+        """Whether this call records its statistics (see ``record_stats``).
+
+        ``training``: the call's ``training`` argument, or None to take the
+        value Keras resolved for the current call (inherited from the outer
+        model's call)."""
+        mode = self._record_stats_mode
+        if mode is True or mode is False:
+            return mode
+        if tf.executing_eagerly():
+            return True
+        if training is None:
+            training = _keras_call_training()
+        return _is_training(training)
+
+    def _record_stats(self, stats_vec, training=None):
+        """Records one call's statistics vector when :meth:`_records_stats`
+        says so (no op otherwise: nothing enters the graph)."""
         sv = self._stats_vars
-        if sv is None or not self.record_stats:
+        if sv is None or not self._records_stats(training):
             return
         stats_vec = tf.cast(stats_vec, tf.float64)
         sv.latest.assign(stats_vec)

@@ -22,13 +22,28 @@ from tf_sparse_split.ops.matmul import sparse_split_matmul
 __all__ = ["SparseSplitDense"]
 
 
+def _fused_activation(activation):
+    """The op's epilogue name for a Keras activation it can fuse ('none',
+    'relu', 'relu6'), or None when the activation must run separately."""
+    if activation is None or activation is keras.activations.linear:
+        return "none"
+    if activation is keras.activations.relu:
+        return "relu"
+    if activation is keras.activations.relu6:
+        return "relu6"
+    return None
+
+
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
 class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     """``keras.layers.Dense`` computed by ``SparseSplitMatMul``.
 
     ``output = activation(inputs @ kernel + bias)``, the same as ``Dense``;
     the matmul splits the rows of ``inputs`` by density (see the module
-    docstring). Inputs of rank > 2 ``[batch, ..., input_dim]`` are reshaped
+    docstring). The bias and a linear, ``"relu"`` or ``"relu6"`` activation
+    run in the op's fused epilogue (one pass over the output rows, as Keras
+    ``Dense`` gets TF's fused MatMul + BiasAdd + Relu); other activations
+    run after the op (the bias is still fused). Inputs of rank > 2 ``[batch, ..., input_dim]`` are reshaped
     to ``[-1, input_dim]`` for the op and the output back to
     ``[batch, ..., units]``.
 
@@ -71,14 +86,16 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     dtype (``mixed_float16``, ``mixed_bfloat16``) the matmul runs in float32
     and the result is cast back to the compute dtype.
 
-    Statistics: every call records the op's statistics vector
-    (``tf_sparse_split.stats``) into two ``tf.Variable`` objects that are not
-    Keras weights (``get_weights()`` is ``[kernel, bias, threshold]``, or
-    ``[kernel, threshold]`` without bias): the latest vector, and the sum
+    Statistics: training calls (and eager calls) record the op's statistics
+    vector (``tf_sparse_split.stats``) into two ``tf.Variable`` objects that
+    are not Keras weights (``get_weights()`` is ``[kernel, bias, threshold]``,
+    or ``[kernel, threshold]`` without bias): the latest vector, and the sum
     since the last :meth:`reset_stats` with the number of calls. Under
-    ``tf.function`` (``model.fit``, ``model.predict``) they are updated with
-    assign ops. Read them with :meth:`latest_stats` and
-    :meth:`accumulated_stats`.
+    ``tf.function`` (``model.fit``) they are updated with assign ops;
+    inference graphs (``model.predict``, exported serving functions) write
+    no variables unless ``record_stats = True`` (see
+    :class:`~tf_sparse_split.layers.base.SparseSplitLayer`). Read them with
+    :meth:`latest_stats` and :meth:`accumulated_stats`.
 
     XLA: the op has no XLA kernel, so ``supports_jit`` is False and Keras
     does not JIT-compile a model holding this layer (DESIGN.md, "Keras and
@@ -171,20 +188,25 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
             x2d = x
         else:
             x2d = tf.reshape(x, [-1, input_dim])
+        fused = _fused_activation(self.activation)
+        bias = None
+        if self.bias is not None:
+            bias = tf.convert_to_tensor(self.bias)
+            if bias.dtype != x2d.dtype:
+                bias = tf.cast(bias, x2d.dtype)
         y, stats_vec = sparse_split_matmul(
             x2d, kernel, threshold=tf.convert_to_tensor(self.threshold_var),
             return_stats=True, heterogeneous=self.heterogeneous,
-            grad_a_live_only=self.skip_dead_input_grad)
-        self._record_stats(stats_vec)
+            grad_a_live_only=self.skip_dead_input_grad, bias=bias,
+            activation=fused or "none")
+        self._record_stats(stats_vec, training)
         if rank != 2:
             out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], axis=0)
             y = tf.reshape(y, out_shape)
             y.set_shape(x.shape[:-1].concatenate([self.units]))
         if y.dtype != out_dtype:
             y = tf.cast(y, out_dtype)
-        if self.bias is not None:
-            y = tf.nn.bias_add(y, tf.cast(self.bias, y.dtype))
-        if self.activation is not None:
+        if fused is None:
             y = self.activation(y)
         return y
 

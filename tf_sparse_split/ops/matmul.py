@@ -9,8 +9,12 @@ import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
 from tf_sparse_split.ops._common import FLOAT_DTYPES, as_threshold, invalid
+from tf_sparse_split.utils.validation import validate_choice
 
-__all__ = ["sparse_split_matmul"]
+__all__ = ["sparse_split_matmul", "ACTIVATIONS"]
+
+#: The activations the op fuses into its epilogue (``None`` = ``"none"``).
+ACTIVATIONS = ("none", "relu", "relu6")
 
 _no_gpu_warned = False
 _no_gpu_lock = threading.Lock()
@@ -41,8 +45,10 @@ def _warn_if_no_gpu():
 
 def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
                         transpose_b=False, return_stats=False, name=None,
-                        heterogeneous=False, grad_a_live_only=False):
-    """Matrix product ``op(a) @ op(b)`` that skips the zeros of ``a``.
+                        heterogeneous=False, grad_a_live_only=False,
+                        bias=None, activation=None):
+    """Matrix product ``act(op(a) @ op(b) + bias)`` that skips the zeros of
+    ``a``.
 
     The rows of ``op(a)`` (the activation operand) whose density -- the
     fraction of nonzeros -- is above ``threshold`` go to a dense GEMM (Eigen
@@ -65,7 +71,15 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     with no visible GPU also issues a ``RuntimeWarning`` (once per process).
     The gradient's sparse product inherits the flag.
 
-    Gradients are registered for ``a`` and ``b``; the one for ``b``
+    Fused epilogue (``bias``, ``activation``): the op adds ``bias`` to every
+    row of the product and applies the activation in one pass over the output
+    rows after the dense and sparse parts have written them, as
+    ``tf.nn.relu(tf.matmul(a, b) + bias)`` would (TF fuses that into its
+    ``_FusedMatMul`` kernel on the CPU). The gradient masks the incoming
+    gradient with the output (relu: ``out > 0``; relu6: ``0 < out < 6``, as
+    TF's ``ReluGrad``/``Relu6Grad``) and sums it over rows for ``bias``.
+
+    Gradients are registered for ``a``, ``b`` and ``bias``; the one for ``b``
     (``op(a)^T @ dY``) runs through this op with ``a`` as its sparse operand,
     so its cost is proportional to ``nnz(a) * N``, not ``M * K * N``.
 
@@ -100,19 +114,26 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         an :class:`~tf_sparse_split.ApproximateRandomDropout` output of a
         ReLU output (dropped units get 0 from the dropout mask). Default
         False (the exact dense gradient).
+      bias: optional vector ``[N]`` of the inputs' dtype added to every row
+        of the product (default None: no bias).
+      activation: ``None`` or ``"none"`` (default), ``"relu"`` (``max(x,
+        0)``) or ``"relu6"`` (``min(max(x, 0), 6)``), applied after the bias.
+        NaN stays NaN.
 
     Returns:
-      The product ``[M, N]`` of the inputs' dtype; with ``return_stats``, a
+      The product ``act(op(a) @ op(b) + bias)``, ``[M, N]``, of the inputs'
+      dtype; with ``return_stats``, a
       tuple ``(product, stats)`` where ``stats`` is a float64 vector laid out
       as in :mod:`tf_sparse_split.stats` (rows dense/sparse, nnz, all-zero
       columns skipped, seconds in each part, threshold used, ...).
 
     Raises:
       tf.errors.InvalidArgumentError: for a dtype other than float32/float64
-        or differing between ``a`` and ``b``, a rank other than 2, mismatched
-        inner dimensions, a non-scalar threshold or one above 1 or NaN.
-      ValueError: for rank/shape errors detected while tracing a
-        ``tf.function`` (shape inference).
+        or differing between ``a`` and ``b`` (or ``bias``), a rank other than
+        2, mismatched inner dimensions, a non-scalar threshold or one above 1
+        or NaN, a ``bias`` that is not a vector ``[N]``.
+      ValueError: an unknown ``activation``; rank/shape errors detected
+        while tracing a ``tf.function`` (shape inference).
     """
     if not isinstance(heterogeneous, (bool, np.bool_)):
         raise TypeError(
@@ -121,6 +142,9 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         raise TypeError(
             f"grad_a_live_only must be a bool, got {grad_a_live_only!r}")
     heterogeneous = bool(heterogeneous)
+    activation = validate_choice(
+        "none" if activation is None else activation, "activation",
+        ACTIVATIONS)
     lib = load_library()
     if heterogeneous:
         _warn_if_no_gpu()
@@ -136,10 +160,23 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         if b.dtype != a.dtype:
             raise invalid(
                 f"sparse_split_matmul: b has dtype {b.dtype.name} but a has {a.dtype.name}")
+        biases = []
+        if bias is not None:
+            bias = (tf.convert_to_tensor(bias) if hasattr(bias, "dtype")
+                    else tf.convert_to_tensor(bias, dtype_hint=a.dtype))
+            if bias.dtype != a.dtype:
+                raise invalid(
+                    f"sparse_split_matmul: bias has dtype {bias.dtype.name} "
+                    f"but a has {a.dtype.name}")
+            if bias.shape.rank is not None and bias.shape.rank != 1:
+                raise invalid(
+                    "sparse_split_matmul: bias must be a vector [N], got "
+                    f"shape {bias.shape}")
+            biases = [bias]
         product, stats = lib.tf_sparse_split_sparse_split_mat_mul(
-            a, b, as_threshold(threshold), transpose_a=transpose_a,
+            a, b, as_threshold(threshold), biases, transpose_a=transpose_a,
             transpose_b=transpose_b, heterogeneous=heterogeneous,
-            grad_a_live_only=bool(grad_a_live_only))
+            grad_a_live_only=bool(grad_a_live_only), activation=activation)
     return (product, stats) if return_stats else product
 
 
@@ -172,18 +209,40 @@ def _grad_a_live_columns(a, b, grad, tb):
     return tf.cond(n_live * 4 <= k * 3, live_only, full)
 
 
+def _activation_grad(activation, out, grad):
+    """The incoming gradient masked by the activation's derivative, from the
+    op's output: relu: ``out > 0``; relu6: ``0 < out < 6`` (as TF's
+    ``ReluGrad``/``Relu6Grad``, which test the pre-activation the same way).
+    """
+    if activation == "relu":
+        return tf.where(out > 0, grad, tf.zeros_like(grad))
+    if activation == "relu6":
+        return tf.where(tf.logical_and(out > 0, out < 6), grad,
+                        tf.zeros_like(grad))
+    return grad
+
+
 @tf.RegisterGradient("TfSparseSplit>SparseSplitMatMul")
 def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
-    """Gradients of ``op(a) @ op(b)``; the ``b`` gradient exploits a's zeros."""
-    a, b, threshold = op.inputs
+    """Gradients of ``act(op(a) @ op(b) + bias)``; the ``b`` gradient exploits
+    a's zeros."""
+    a, b, threshold = op.inputs[:3]
+    has_bias = op.get_attr("num_bias") == 1
+    activation = op.get_attr("activation")
+    if isinstance(activation, bytes):
+        activation = activation.decode()
+    # d(pre-activation): the product and bias gradients start from it.
+    grad = _activation_grad(activation, op.outputs[0], grad)
+    grad_bias = [tf.reduce_sum(grad, axis=0)] if has_bias else []
     ta = op.get_attr("transpose_a")
     tb = op.get_attr("transpose_b")
     hetero = op.get_attr("heterogeneous")
     lib = load_library()
 
     def sparse(x, y, transpose_a):
-        return lib.tf_sparse_split_sparse_split_mat_mul(x, y, threshold, transpose_a=transpose_a,
-                                        heterogeneous=hetero)[0]
+        return lib.tf_sparse_split_sparse_split_mat_mul(
+            x, y, threshold, [], transpose_a=transpose_a,
+            heterogeneous=hetero)[0]
 
     if not ta and op.get_attr("grad_a_live_only"):
         grad_a = _grad_a_live_columns(a, b, grad, tb)
@@ -202,4 +261,4 @@ def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
     else:                    # C = A^T B^T
         grad_a = tf.matmul(b, grad, transpose_a=True, transpose_b=True)
         grad_b = tf.transpose(sparse(a, grad, False))        # (A dC)^T
-    return grad_a, grad_b, None
+    return [grad_a, grad_b, None] + grad_bias

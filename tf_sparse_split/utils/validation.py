@@ -18,6 +18,7 @@ __all__ = [
     "validate_fraction",
     "validate_int",
     "validate_positive_float",
+    "validate_choice",
 ]
 
 #: The value an "automatic" threshold (``'auto'`` or any negative number) is
@@ -152,3 +153,25 @@ def validate_positive_float(value, name):
     if not v > 0:
         raise ValueError(msg)
     return v
+
+
+def validate_choice(value, name, choices):
+    """Checks that ``value`` is one of ``choices`` (e.g. an activation name).
+
+    Args:
+      value: the argument.
+      name: the argument's name, for the message.
+      choices: the allowed values (compared with ``==``; strings exactly).
+
+    Returns:
+      the value, unchanged.
+
+    Raises:
+      ValueError: ``value`` is not one of ``choices``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not any(
+            type(value) is type(c) and value == c for c in choices):
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{name}` must be one of {allowed}. "
+                         f"{_received(name, value)}")
+    return value
