@@ -138,9 +138,18 @@ def build_parser():
         "--threshold", type=parse_threshold, default=-1.0, metavar="T|auto",
         help="initial split threshold in [0, 1], or 'auto' (default): the "
              "callback tunes it after each epoch")
-    train.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+    train.add_argument("--model", choices=("mlp", "cnn", "lstm"),
+                       default="mlp",
                        help="mlp (default): Dense-ReLU layers; cnn: "
-                            "conv-relu-conv-relu-pool-dense")
+                            "conv-relu-conv-relu-pool-dense; lstm: image "
+                            "rows as a sequence -> SparseSplitLSTM -> dense "
+                            "(--dropout row|tile|standard patterns)")
+    train.add_argument("--units", type=parse_positive_int, default=128,
+                       help="LSTM units of --model lstm (default 128)")
+    train.add_argument("--recurrent-dropout-rate", type=parse_rate,
+                       default=None, metavar="R",
+                       help="recurrent dropout of --model lstm in [0, 1) "
+                            "(default: --dropout-rate)")
     train.add_argument("--filters", type=parse_int_list, default=[16, 32],
                        metavar="N,N",
                        help="filters of the two 3x3 conv layers of --model "
@@ -164,6 +173,12 @@ def build_parser():
                        metavar="ROWS,UNITS",
                        help="tile of --dropout tile (default 32,32; UNITS "
                             "must divide every hidden size)")
+    train.add_argument(
+        "--target-sparsity", type=parse_rate, default=None, metavar="S",
+        help="induce activation sparsity: drive the input of every "
+             "sparse-split layer fed by a ReLU toward a fraction S of zeros "
+             "in [0, 1) (SparsityTargetCallback: FATReLU thresholds + a "
+             "progressive L1 penalty; --model mlp and cnn)")
     train.add_argument("--quiet", action="store_true",
                        help="no progress bar or per-epoch lines; only the "
                             "summary")

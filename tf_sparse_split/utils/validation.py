@@ -18,6 +18,7 @@ __all__ = [
     "validate_fraction",
     "validate_int",
     "validate_positive_float",
+    "validate_nonnegative_float",
 ]
 
 #: The value an "automatic" threshold (``'auto'`` or any negative number) is
@@ -150,5 +151,28 @@ def validate_positive_float(value, name):
     except (TypeError, ValueError):
         raise ValueError(msg) from None
     if not v > 0:
+        raise ValueError(msg)
+    return v
+
+
+def validate_nonnegative_float(value, name):
+    """Checks a finite real number ``>= 0`` (e.g. a penalty coefficient or
+    an activation threshold).
+
+    Returns:
+      the value as a Python float.
+
+    Raises:
+      ValueError: a bool, a non-numeric value, NaN, infinity, or a value
+        ``< 0``.
+    """
+    msg = f"`{name}` must be a finite number >= 0. {_received(name, value)}"
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(msg)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(msg) from None
+    if not 0.0 <= v < math.inf:
         raise ValueError(msg)
     return v
