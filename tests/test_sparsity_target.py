@@ -182,7 +182,7 @@ def test_callback_reaches_target_on_digits(tmp_path):
         hist = history.history[f"{name}/sparsity"]
         assert hist[-1] >= TARGET - 0.02, hist
         assert history.history[f"{name}/fat_threshold"][-1] >= 0.0
-        assert history.history[f"{name}/l1"][-1] == pytest.approx(5.0)
+        assert 0.5 - 1e-6 <= history.history[f"{name}/l1"][-1] <= 5.0
         assert f"{name}/threshold" in history.history  # SplitThresholdCallback
     assert sp["hidden_1"] == pytest.approx(plain_sp["hidden_1"])
     assert acc >= plain_acc - ACC_TOLERANCE, (acc, plain_acc)

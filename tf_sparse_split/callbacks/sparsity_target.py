@@ -114,6 +114,12 @@ def find_activation_producer(layer):
     return None, "no inbound node (call the layer in a model first)"
 
 
+#: Sparsity above the goal by more than this (with the threshold at 0)
+#: lowers the L1 coefficient; never below this fraction of ``l1``.
+_L1_BAND = 0.02
+_L1_MIN_SCALE = 0.1
+
+
 class _Control:
     """One controlled activation and the sparse-split layer it feeds."""
 
@@ -122,6 +128,7 @@ class _Control:
         self.owner = owner
         self.fat = fat
         self.offset = 0.0          # feedback correction of the quantile
+        self.l1_scale = 1.0        # feedback scaling of the L1 coefficient
         self.seen_total = None
         self.seen_calls = 0
         self.window_zero = 0.0     # zeros / elements since the last update
@@ -166,7 +173,15 @@ class SparsityTargetCallback(keras.callbacks.Callback):
        ``gain * (r * target_sparsity - measured)``, clipped so the quantile
        target stays in ``[0, 0.999]``. This corrects for layers between the
        activation and ``L`` that change the sparsity (max-pooling keeps a
-       zero only where its whole window is zero).
+       zero only where its whole window is zero). The penalty alone can
+       push the natural ReLU sparsity past the goal, which no threshold
+       undoes: while the measured sparsity is more than 0.02 above the goal
+       the L1 coefficient is lowered by 10% per update (to no less than
+       ``0.1 * l1``), and it is raised back the same way while below.
+
+    The schedule counts steps from the first ``fit`` of a model; a further
+    ``fit`` of the same model with the same callback continues it (as the
+    optimizer's step count does); another model starts it afresh.
 
     The threshold stays in force at inference (the point of FATReLU:
     Kurtz et al.), and the model saves and reloads with it.
@@ -174,7 +189,8 @@ class SparsityTargetCallback(keras.callbacks.Callback):
     Logs (``on_epoch_end``, so ``History``, the progress bar and TensorBoard
     see them), per controlled layer ``name``: ``name/sparsity`` (fraction of
     zeros of its input over the epoch), ``name/fat_threshold``,
-    ``name/l1`` and ``name/sparsity_target`` (the quantile target in force).
+    ``name/l1`` (the coefficient in force) and ``name/sparsity_target``
+    (the quantile target in force).
 
     Works together with
     :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` (which sets
@@ -241,6 +257,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
         self._controls = []
         self._step = 0
         self._steps_per_epoch = None
+        self._model_id = None
 
     # -- discovery ---------------------------------------------------------
     def _selected_layers(self):
@@ -316,19 +333,26 @@ class SparsityTargetCallback(keras.callbacks.Callback):
     def _apply(self, r):
         for c in self._controls:
             q = float(np.clip(r * self.target_sparsity + c.offset, 0.0, 0.999))
-            c.fat.l1_var.assign(r * self.l1)
+            c.fat.l1_var.assign(r * self.l1 * c.l1_scale)
             c.fat.target_var.assign(q if r > 0 else 0.0)
 
     # -- Keras hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
-        self._controls = self._discover()
-        self.controls = [{"layer": c.consumer, "activation_owner": c.owner,
-                          "fatrelu": c.fat} for c in self._controls]
-        self.history = []
-        self._step = 0
+        # A further fit() of the same model continues the schedule (like the
+        # optimizer's step count); a new model starts it afresh.
+        resume = self._model_id == id(self.model) and bool(self._controls)
+        self._model_id = id(self.model)
+        if not resume:
+            self._controls = self._discover()
+            self.controls = [{"layer": c.consumer,
+                              "activation_owner": c.owner, "fatrelu": c.fat}
+                             for c in self._controls]
+            self.history = []
+            self._step = 0
         self._steps_per_epoch = (self.params or {}).get("steps") or None
         for c in self._controls:
-            c.offset = 0.0
+            if not resume:
+                c.offset, c.l1_scale = 0.0, 1.0
             c.seen_total = None
             if c.consumer.threshold_var is not None:
                 c.read_new_stats()  # baseline of the counters
@@ -359,6 +383,13 @@ class SparsityTargetCallback(keras.callbacks.Callback):
                 goal = r * self.target_sparsity
                 c.offset += self.gain * (goal - measured)
                 c.offset = float(np.clip(c.offset, -goal, 0.999 - goal))
+                # The penalty alone can push the ReLU's natural sparsity past
+                # the goal, which no threshold can undo: ease it off then,
+                # and restore it when the sparsity falls below the goal.
+                if measured > goal + _L1_BAND:
+                    c.l1_scale = max(c.l1_scale * 0.9, _L1_MIN_SCALE)
+                elif measured < goal:
+                    c.l1_scale = min(c.l1_scale * 1.1, 1.0)
             c.window_zero = c.window_elems = 0.0
 
     def on_epoch_end(self, epoch, logs=None):
