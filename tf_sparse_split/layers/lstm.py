@@ -266,13 +266,42 @@ class SparseSplitLSTM(keras.layers.LSTM):
 
     def _compacted_loop(self, sequences, initial_state):
         cell = self.cell
+        units = cell.units
         x = tf.convert_to_tensor(sequences)
         dtype = x.dtype
         h0 = tf.convert_to_tensor(initial_state[0])
         c0 = tf.convert_to_tensor(initial_state[1])
         kernel = tf.cast(tf.convert_to_tensor(cell.kernel), dtype)
         rkernel = tf.cast(tf.convert_to_tensor(cell.recurrent_kernel), dtype)
+        bias = (tf.cast(tf.convert_to_tensor(cell.bias), dtype)
+                if cell.use_bias else None)
         row = cell.pattern == "row"
+
+        # Units in the loop are kept in the order ``perm``: with row
+        # recurrent dropout the kept units first, so each step's compacted
+        # state is a column prefix of h (a slice, not a gather); outputs are
+        # put back in order at the end. Gate columns are reordered to
+        # (i, f, o, c) so one sigmoid covers the three sigmoid gates.
+        perm = n_kept = None
+        rdp = None
+        if cell.recurrent_dropout > 0:
+            rdp = _first(cell.get_recurrent_dropout_mask(h0))
+            if row:
+                keep = rdp[0] > 0
+                kept_r = tf.where(keep)[:, 0]
+                perm = tf.concat([kept_r, tf.where(tf.logical_not(keep))[:, 0]],
+                                 0)
+                n_kept = tf.size(kept_r)
+        unit_order = (perm if perm is not None
+                      else tf.range(units, dtype=tf.int64))
+        cols = tf.concat([unit_order + g * units for g in (0, 1, 3, 2)], 0)
+        kernel = tf.gather(kernel, cols, axis=1)
+        rkernel = tf.gather(rkernel, cols, axis=1)
+        if bias is not None:
+            bias = tf.gather(bias, cols)
+        if perm is not None:
+            h0 = tf.gather(h0, perm, axis=1)
+            c0 = tf.gather(c0, perm, axis=1)
 
         # Input product of all steps at once, on the kept input features.
         if cell.dropout > 0:
@@ -288,22 +317,25 @@ class SparseSplitLSTM(keras.layers.LSTM):
         xt = tf.transpose(x, [1, 0, 2])                       # [T, B, F']
         steps, batch = tf.shape(xt)[0], tf.shape(xt)[1]
         zx = tf.matmul(tf.reshape(xt, [steps * batch, -1]), kernel)
-        if cell.use_bias:
-            zx = zx + tf.cast(tf.convert_to_tensor(cell.bias), dtype)
-        zx = tf.reshape(zx, [steps, batch, 4 * cell.units])
+        if bias is not None:
+            zx = zx + bias
+        # Read per step from a TensorArray: slicing the [T, B, 4U] tensor
+        # inside the loop would make every step's gradient a full-size
+        # tensor (O(T^2) memory traffic in the backward pass).
+        zx = tf.TensorArray(dtype, size=steps).unstack(
+            tf.reshape(zx, [steps, batch, 4 * units]))
 
         # Recurrent product on the kept units of the state.
-        if cell.recurrent_dropout > 0:
-            rdp = _first(cell.get_recurrent_dropout_mask(h0))
-            if row:
-                kept_r = tf.where(rdp[0] > 0)[:, 0]
-                r_c = tf.gather(rkernel, kept_r) * tf.reduce_max(rdp)
+        if perm is not None:
+            r_c = tf.gather(rkernel, kept_r) * tf.reduce_max(rdp)
 
-                def recurrent(h):
-                    return tf.matmul(tf.gather(h, kept_r, axis=1), r_c)
-            else:
-                def recurrent(h):
-                    return tf.matmul(h * rdp, rkernel)
+            def recurrent(h):
+                return tf.matmul(h[:, :n_kept], r_c)
+        elif rdp is not None:   # tile masks
+            rdp = tf.gather(rdp, unit_order, axis=1)
+
+            def recurrent(h):
+                return tf.matmul(h * rdp, rkernel)
         else:
             def recurrent(h):
                 return tf.matmul(h, rkernel)
@@ -313,12 +345,9 @@ class SparseSplitLSTM(keras.layers.LSTM):
         out_ta = tf.TensorArray(dtype, size=steps if keep_all else 1)
 
         def body(t, h, c, ta):
-            z = zx[t] + recurrent(h)
-            z0, z1, z2, z3 = tf.split(z, 4, axis=1)
-            i = rec_act(z0)
-            f = rec_act(z1)
-            c = f * c + i * act(z2)
-            o = rec_act(z3)
+            z = zx.read(t) + recurrent(h)
+            i, f, o = tf.split(rec_act(z[:, :3 * units]), 3, axis=1)
+            c = f * c + i * act(z[:, 3 * units:])
             h = o * act(c)
             if keep_all:
                 ta = ta.write(t, h)
@@ -327,8 +356,16 @@ class SparseSplitLSTM(keras.layers.LSTM):
         _, h, c, out_ta = tf.while_loop(
             lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, out_ta),
             maximum_iterations=steps)
-        outputs = (tf.transpose(out_ta.stack(), [1, 0, 2]) if keep_all
-                   else h[:, None, :])
+        if perm is not None:
+            inv = tf.math.invert_permutation(perm)
+            h = tf.gather(h, inv, axis=1)
+            c = tf.gather(c, inv, axis=1)
+        if keep_all:
+            outputs = tf.transpose(out_ta.stack(), [1, 0, 2])
+            if perm is not None:
+                outputs = tf.gather(outputs, inv, axis=2)
+        else:
+            outputs = h[:, None, :]
         return h, outputs, [h, c]
 
     def get_config(self):
