@@ -18,8 +18,8 @@ current values; a callback changes them with ``.assign()``):
   that cutting them costs less accuracy (Kurtz et al.; C. Song et al.,
   "ProSparse", 2024, ramp the coefficient up progressively).
 * Quantile tracking: with ``target > 0`` each training call estimates the
-  ``target``-quantile ``q`` of its input ``x`` on a strided sample of at most
-  ``sample_size`` values and moves the threshold toward it,
+  ``target``-quantile ``q`` of its input ``x`` on ``sample_size`` values at
+  uniformly random positions and moves the threshold toward it,
   ``T <- max(0, momentum * T + (1 - momentum) * q)``. Below the natural
   sparsity of the ReLU (``q <= 0``) the threshold stays 0. The output then
   has about a fraction ``target`` of zeros whatever the scale of ``x``.
@@ -61,7 +61,8 @@ class FATReLU(keras.layers.Layer):
       momentum: in ``[0, 1)`` (default 0.9), the threshold's exponential
         moving-average momentum under quantile tracking.
       sample_size: int >= 16 (default 4096), values of the input sampled
-        (strided) per call for the quantile estimate.
+        (uniformly at random, with replacement) per call for the quantile
+        estimate.
       **kwargs: base ``Layer`` arguments.
 
     Attributes (non-trainable float32 scalar weights, saved with the model;
@@ -157,9 +158,12 @@ class FATReLU(keras.layers.Layer):
 
         def update():
             flat = tf.reshape(tf.stop_gradient(tf.cast(x, tf.float32)), [-1])
-            n = tf.size(flat)
-            stride = tf.maximum(1, n // self.sample_size)
-            sample = tf.sort(flat[::stride])
+            # Uniform random positions: a fixed stride would sample only the
+            # units/channels it is not coprime with (e.g. 1 in 64 of the
+            # units of a [batch, 2048] activation for a stride of 64).
+            idx = tf.random.uniform([self.sample_size], 0, tf.size(flat),
+                                    dtype=tf.int32)
+            sample = tf.sort(tf.gather(flat, idx))
             m = tf.size(sample)
             idx = tf.cast(tf.floor(target * tf.cast(m - 1, tf.float32)),
                           tf.int32)
