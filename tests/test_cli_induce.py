@@ -44,17 +44,26 @@ def test_target_sparsity_cnn(capsys):
     assert re.search(r"sparse-split: test accuracy \d\.\d{4}", out)
 
 
-def test_lstm_compare(capsys):
+def test_lstm(capsys):
     rc, out, _ = _run(capsys, ["train", "--model", "lstm", "--units", "16",
                                "--epochs", "1", "--dropout", "row",
-                               "--dropout-rate", "0.5", "--compare",
-                               "--quiet"])
+                               "--dropout-rate", "0.5",
+                               "--recurrent-dropout-rate", "0.3", "--quiet"])
     assert rc == 0, out
     assert ("model: sparse-split LSTM 8 steps x 8 features -> LSTM(16, "
-            "dropout=0.5, recurrent_dropout=0.5) -> dense(10) "
+            "dropout=0.5, recurrent_dropout=0.3) -> dense(10) "
             "(SparseSplitLSTM pattern=row)") in out
-    assert "(keras.layers.LSTM)" in out
-    assert re.search(r"test accuracy\s+\d\.\d{4}\s+\d\.\d{4}", out)
+    assert re.search(r"sparse-split: test accuracy \d\.\d{4}", out)
+
+
+def test_lstm_baseline_is_keras_lstm_with_same_rates():
+    from tf_sparse_split.tools.models import build_lstm
+
+    model = build_lstm(8, 8, 4, 10, sparse=False, dropout="row",
+                       dropout_rate=0.5, recurrent_dropout_rate=0.5)
+    layer = model.get_layer("lstm")
+    assert type(layer) is __import__("keras").layers.LSTM
+    assert layer.dropout == 0.5 and layer.recurrent_dropout == 0.5
 
 
 @pytest.mark.parametrize("argv,code", [
