@@ -152,6 +152,12 @@ class _Control:
             self.epoch_elems += elems
         self.seen_total, self.seen_calls = total, calls
 
+    def skip_new_stats(self):
+        """Moves the baseline past the calls since the last read without
+        counting them."""
+        self.seen_total, self.seen_calls = \
+            self.consumer.accumulated_stats_vector()
+
 
 class SparsityTargetCallback(keras.callbacks.Callback):
     """Drives the input sparsity of sparse-split layers toward a target.
@@ -190,7 +196,8 @@ class SparsityTargetCallback(keras.callbacks.Callback):
     see them), per controlled layer ``name``: ``name/sparsity`` (fraction of
     zeros of its input over the epoch), ``name/fat_threshold``,
     ``name/l1`` (the coefficient in force) and ``name/sparsity_target``
-    (the quantile target in force).
+    (the quantile target in force). Only training batches count
+    (validation calls are left out).
 
     Works together with
     :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` (which sets
@@ -391,6 +398,16 @@ class SparsityTargetCallback(keras.callbacks.Callback):
                 elif measured < goal:
                     c.l1_scale = min(c.l1_scale * 1.1, 1.0)
             c.window_zero = c.window_elems = 0.0
+
+    def on_test_begin(self, logs=None):
+        # Validation calls the layers too: count the training calls so far,
+        # then (on_test_end) skip what validation adds.
+        for c in self._controls:
+            c.read_new_stats()
+
+    def on_test_end(self, logs=None):
+        for c in self._controls:
+            c.skip_new_stats()
 
     def on_epoch_end(self, epoch, logs=None):
         record = {}

@@ -33,6 +33,17 @@ max-pool-dense on the images reshaped to ``side x side x 1``: 8x8 digits,
 28x28 MNIST) with :class:`~tf_sparse_split.layers.SparseSplitConv2D`
 layers (or ``keras.layers.Conv2D`` with ``--baseline``).
 
+``--target-sparsity S`` (mlp, cnn) adds the
+:class:`~tf_sparse_split.callbacks.SparsityTargetCallback`: the inputs of
+the sparse-split layers fed by a ReLU are driven toward a fraction S of
+zeros (FATReLU thresholds + progressive L1; Kurtz et al., ICML 2020;
+ProSparse, 2024); ``--compare`` then also prints each layer's input
+sparsity and the steady-state epoch time. ``--model lstm`` trains image rows
+as sequences with :class:`~tf_sparse_split.layers.SparseSplitLSTM`
+(``--units``; ``--dropout row|tile|standard`` with ``--dropout-rate`` and
+``--recurrent-dropout-rate``; Z. Song et al., arXiv 2203.05705) or
+``keras.layers.LSTM`` with the same rates (``--baseline``).
+
 This module only parses arguments and dispatches: the train command is
 :func:`tf_sparse_split.tools.train.train_command` (models from
 :mod:`tf_sparse_split.tools.models`), the profile command
