@@ -41,13 +41,13 @@ def build_pair(case, args, side):
         ours = models.build_mlp(side * side, [2048, 2048], 10, sparse=True)
         keras.utils.set_random_seed(args.seed)
         ref = models.build_mlp(side * side, [2048, 2048], 10, sparse=False)
-        cbs = [tfss.SparsityTargetCallback(args.mlp_target),
+        cbs = [tfss.SparsityTargetCallback(args.mlp_target, l1=args.l1),
                tfss.SplitThresholdCallback()]
     elif case == "cnn":
         ours = models.build_cnn(side, [16, 32], 10, sparse=True)
         keras.utils.set_random_seed(args.seed)
         ref = models.build_cnn(side, [16, 32], 10, sparse=False)
-        cbs = [tfss.SparsityTargetCallback(args.cnn_target),
+        cbs = [tfss.SparsityTargetCallback(args.cnn_target, l1=args.l1),
                tfss.SplitThresholdCallback()]
     else:
         kw = dict(dropout=args.pattern, dropout_rate=args.rate,
@@ -80,6 +80,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mlp-target", type=float, default=0.9)
     p.add_argument("--cnn-target", type=float, default=0.8)
+    p.add_argument("--l1", type=float, default=2.0,
+                   help="SparsityTargetCallback l1 (mlp, cnn)")
     p.add_argument("--units", type=int, default=256)
     p.add_argument("--rate", type=float, default=0.5)
     p.add_argument("--pattern", default="row")
@@ -125,6 +127,13 @@ def main():
     ratio = t_r / t_o
     print(f"\ncase {args.case}: test accuracy ours {acc_o:.4f}, plain "
           f"{acc_r:.4f} (diff {acc_o - acc_r:+.4f})")
+    for layer in ours.layers:
+        if isinstance(layer, tfss.SparseSplitLayer):
+            st = layer.latest_stats()
+            print(f"  {layer.name}: latest training call: all-zero input "
+                  f"columns {int(st['zero_cols_skipped'])}/{int(st['k'])}, "
+                  f"rows dense/sparse {int(st['rows_dense'])}/"
+                  f"{int(st['rows_sparse'])}")
     for name in sp_o:
         print(f"  {name} input sparsity: ours {sp_o[name]:.3f}, plain "
               f"{sp_r.get(name, float('nan')):.3f}")
