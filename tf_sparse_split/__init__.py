@@ -17,6 +17,10 @@ Public API:
 * :class:`ApproximateRandomDropout` -- row/tile-pattern dropout whose zeros
   the ops skip; :func:`search_pattern_distribution` -- its pattern search.
 * :class:`SensitivityAwareDropout` -- channel dropout for CNNs (NHWC).
+* :class:`FATReLU`, :class:`SparsityTargetCallback` -- induce activation
+  sparsity to a target (Kurtz et al., ICML 2020; ProSparse, 2024).
+* :class:`SparseSplitLSTM` -- ``keras.layers.LSTM`` with row-pattern
+  dropout compacted out of the per-step products (Song et al., 2203.05705).
 
 Subpackages by role: :mod:`~tf_sparse_split.ops` (op wrappers and
 gradients), :mod:`~tf_sparse_split.layers` (Keras layers),
@@ -43,7 +47,10 @@ from tf_sparse_split.layers import (
     ApproximateRandomDropout,
     SensitivityAwareDropout,
 )
+from tf_sparse_split.layers.activations import FATReLU
+from tf_sparse_split.layers.lstm import SparseSplitLSTM
 from tf_sparse_split.callbacks import SplitThresholdCallback
+from tf_sparse_split.callbacks.sparsity_target import SparsityTargetCallback
 from tf_sparse_split.tuning import (
     CostModel,
     PatternDistribution,
@@ -74,4 +81,7 @@ __all__ = [
     "SensitivityAwareDropout",
     "search_pattern_distribution",
     "PatternDistribution",
+    "FATReLU",
+    "SparsityTargetCallback",
+    "SparseSplitLSTM",
 ]

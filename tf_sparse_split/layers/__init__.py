@@ -11,6 +11,13 @@
   (:mod:`~tf_sparse_split.layers.dropout`) -- structured dropout whose zeros
   the sparse-split layers skip.
 
+* :class:`FATReLU` (:mod:`~tf_sparse_split.layers.activations`) -- the
+  forced-activation-threshold ReLU whose thresholds
+  :class:`~tf_sparse_split.callbacks.SparsityTargetCallback` drives.
+* :class:`SparseSplitLSTM` (:mod:`~tf_sparse_split.layers.lstm`) -- drop-in
+  for ``keras.layers.LSTM`` whose row-pattern dropout is compacted out of
+  every per-step product.
+
 Requires the TensorFlow backend of Keras 3.
 """
 
@@ -19,6 +26,9 @@ from tf_sparse_split.layers.dense import SparseSplitDense
 from tf_sparse_split.layers.conv2d import SparseSplitConv2D
 from tf_sparse_split.layers.dropout import (ApproximateRandomDropout,
                                             SensitivityAwareDropout)
+from tf_sparse_split.layers.activations import FATReLU
+from tf_sparse_split.layers.lstm import SparseSplitLSTM, SparseSplitLSTMCell
 
 __all__ = ["SparseSplitLayer", "SparseSplitDense", "SparseSplitConv2D",
-           "ApproximateRandomDropout", "SensitivityAwareDropout"]
+           "ApproximateRandomDropout", "SensitivityAwareDropout", "FATReLU",
+           "SparseSplitLSTM", "SparseSplitLSTMCell"]

@@ -83,7 +83,56 @@ from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
 __all__ = [
     "ApproximateRandomDropout",
     "SensitivityAwareDropout",
+    "draw_pattern",
+    "pattern_keep_mask",
 ]
+
+# ---------------------------------------------------------------------------
+# pattern draws (shared with the LSTM's recurrent dropout)
+# ---------------------------------------------------------------------------
+def draw_pattern(patterns, probs, seed_generator):
+    """Draws one pattern of a distribution and its offset.
+
+    Args:
+      patterns: list of ``(kind, period)``.
+      probs: their probabilities (numpy, sums to 1).
+      seed_generator: a ``keras.random.SeedGenerator`` (advanced).
+
+    Returns:
+      ``(is_drop, period, offset)``: a bool scalar and two int32 scalars,
+      the offset uniform in ``[0, period)``.
+    """
+    logits = tf.math.log(tf.constant(
+        np.maximum(probs, 1e-30)[None, :], tf.float32))
+    idx = tf.cast(tf.reshape(keras.random.categorical(
+        logits, 1, seed=seed_generator), []), tf.int32)
+    periods = tf.constant([p for _, p in patterns], tf.int32)
+    drops = tf.constant([k == "drop" for k, _ in patterns])
+    p = tf.gather(periods, idx)
+    u = keras.random.uniform((), seed=seed_generator)
+    o = tf.minimum(tf.cast(tf.floor(u * tf.cast(p, tf.float32)),
+                           tf.int32), p - 1)
+    return tf.gather(drops, idx), p, o
+
+
+def pattern_keep_mask(patterns, probs, units, seed_generator, pattern="row",
+                      tile_shape=None, batch_size=None):
+    """Draws one row/tile keep mask (module docstring, "Pattern
+    definitions"): float32 ``[1, units]`` for ``pattern="row"``, ``[batch_size,
+    units]`` for ``"tile"``; 1 = kept, 0 = dropped (not rescaled). Advances
+    ``seed_generator``."""
+    is_drop, p, o = draw_pattern(patterns, probs, seed_generator)
+    if pattern == "row":
+        q = tf.range(units, dtype=tf.int32)[None, :]
+    else:
+        tb, tu = tile_shape
+        rows = tf.range(batch_size, dtype=tf.int32) // tb
+        cols = tf.range(units, dtype=tf.int32) // tu
+        q = cols[None, :] - rows[:, None]
+    hit = tf.math.floormod(q - o, p) == 0
+    dropped = tf.where(is_drop, hit, tf.logical_not(hit))
+    return tf.cast(tf.logical_not(dropped), tf.float32)
+
 
 # ---------------------------------------------------------------------------
 # layers
@@ -209,32 +258,15 @@ class ApproximateRandomDropout(keras.layers.Layer):
     # -- mask -------------------------------------------------------------
     def _draw(self):
         """Draws (kind_is_drop, period, offset) as int32 scalars."""
-        logits = tf.math.log(tf.constant(
-            np.maximum(self._probs, 1e-30)[None, :], tf.float32))
-        idx = tf.cast(tf.reshape(keras.random.categorical(
-            logits, 1, seed=self.seed_generator), []), tf.int32)
-        periods = tf.constant([p for _, p in self._patterns], tf.int32)
-        drops = tf.constant([k == "drop" for k, _ in self._patterns])
-        p = tf.gather(periods, idx)
-        u = keras.random.uniform((), seed=self.seed_generator)
-        o = tf.minimum(tf.cast(tf.floor(u * tf.cast(p, tf.float32)),
-                               tf.int32), p - 1)
-        return tf.gather(drops, idx), p, o
+        return draw_pattern(self._patterns, self._probs, self.seed_generator)
 
     def keep_mask(self, batch_size=None):
         """Draws one training-step mask: float32 ``[1, units]`` (row) or
         ``[batch_size, units]`` (tile); 1 = kept. Advances the seed state."""
-        is_drop, p, o = self._draw()
-        if self.pattern == "row":
-            q = tf.range(self._units, dtype=tf.int32)[None, :]
-        else:
-            tb, tu = self.tile_shape
-            rows = tf.range(batch_size, dtype=tf.int32) // tb
-            cols = tf.range(self._units, dtype=tf.int32) // tu
-            q = cols[None, :] - rows[:, None]
-        hit = tf.math.floormod(q - o, p) == 0
-        dropped = tf.where(is_drop, hit, tf.logical_not(hit))
-        return tf.cast(tf.logical_not(dropped), tf.float32)
+        return pattern_keep_mask(self._patterns, self._probs, self._units,
+                                 self.seed_generator, pattern=self.pattern,
+                                 tile_shape=self.tile_shape,
+                                 batch_size=batch_size)
 
     def call(self, inputs, training=False):
         if not training or self.rate == 0.0:

@@ -42,6 +42,17 @@ max-pool-dense on the images reshaped to ``side x side x 1``: 8x8 digits,
 28x28 MNIST) with :class:`~tf_sparse_split.layers.SparseSplitConv2D`
 layers (or ``keras.layers.Conv2D`` with ``--baseline``).
 
+``--target-sparsity S`` (mlp, cnn) adds the
+:class:`~tf_sparse_split.callbacks.SparsityTargetCallback`: the inputs of
+the sparse-split layers fed by a ReLU are driven toward a fraction S of
+zeros (FATReLU thresholds + progressive L1; Kurtz et al., ICML 2020;
+ProSparse, 2024); ``--compare`` then also prints each layer's input
+sparsity and the steady-state epoch time. ``--model lstm`` trains image rows
+as sequences with :class:`~tf_sparse_split.layers.SparseSplitLSTM`
+(``--units``; ``--dropout row|tile|standard`` with ``--dropout-rate`` and
+``--recurrent-dropout-rate``; Z. Song et al., arXiv 2203.05705) or
+``keras.layers.LSTM`` with the same rates (``--baseline``).
+
 This module only parses arguments and dispatches: the train command is
 :func:`tf_sparse_split.tools.train.train_command` (models from
 :mod:`tf_sparse_split.tools.models`), the profile command
@@ -147,9 +158,18 @@ def build_parser():
         "--threshold", type=parse_threshold, default=-1.0, metavar="T|auto",
         help="initial split threshold in [0, 1], or 'auto' (default): the "
              "callback tunes it after each epoch")
-    train.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+    train.add_argument("--model", choices=("mlp", "cnn", "lstm"),
+                       default="mlp",
                        help="mlp (default): Dense-ReLU layers; cnn: "
-                            "conv-relu-conv-relu-pool-dense")
+                            "conv-relu-conv-relu-pool-dense; lstm: image "
+                            "rows as a sequence -> SparseSplitLSTM -> dense "
+                            "(--dropout row|tile|standard patterns)")
+    train.add_argument("--units", type=parse_positive_int, default=128,
+                       help="LSTM units of --model lstm (default 128)")
+    train.add_argument("--recurrent-dropout-rate", type=parse_rate,
+                       default=None, metavar="R",
+                       help="recurrent dropout of --model lstm in [0, 1) "
+                            "(default: --dropout-rate)")
     train.add_argument("--filters", type=parse_int_list, default=[16, 32],
                        metavar="N,N",
                        help="filters of the two 3x3 conv layers of --model "
@@ -173,6 +193,12 @@ def build_parser():
                        metavar="ROWS,UNITS",
                        help="tile of --dropout tile (default 32,32; UNITS "
                             "must divide every hidden size)")
+    train.add_argument(
+        "--target-sparsity", type=parse_rate, default=None, metavar="S",
+        help="induce activation sparsity: drive the input of every "
+             "sparse-split layer fed by a ReLU toward a fraction S of zeros "
+             "in [0, 1) (SparsityTargetCallback: FATReLU thresholds + a "
+             "progressive L1 penalty; --model mlp and cnn)")
     train.add_argument("--quiet", action="store_true",
                        help="no progress bar or per-epoch lines; only the "
                             "summary")

@@ -1,9 +1,9 @@
 """Model builders of the ``tf-sparse-split train`` command (and the
-benchmarks): :func:`build_mlp` (ReLU MLP, optional structured dropout) and
-:func:`build_cnn` (small ReLU CNN), with sparse-split layers or their plain
-Keras counterparts."""
+benchmarks): :func:`build_mlp` (ReLU MLP, optional structured dropout),
+:func:`build_cnn` (small ReLU CNN) and :func:`build_lstm` (LSTM classifier),
+with sparse-split layers or their plain Keras counterparts."""
 
-__all__ = ["build_mlp", "build_cnn", "DROPOUT_KINDS"]
+__all__ = ["build_mlp", "build_cnn", "build_lstm", "DROPOUT_KINDS"]
 
 #: Values of ``build_mlp(dropout=...)`` (and ``train --dropout``).
 DROPOUT_KINDS = ("none", "standard", "row", "tile")
@@ -114,3 +114,54 @@ def build_cnn(side, filters, num_classes, sparse=True, threshold=-1.0):
          conv(filters[1], "conv_2"), keras.layers.MaxPooling2D(2, name="pool"),
          keras.layers.Flatten(name="flatten"), out],
         name="sparse_cnn" if sparse else "cnn")
+
+
+def build_lstm(timesteps, features, units, num_classes, sparse=True,
+               dropout="row", dropout_rate=0.0, recurrent_dropout_rate=0.0,
+               seed=None, tile_shape=None):
+    """An LSTM classifier ``[timesteps, features] -> LSTM(units) -> softmax``
+    (e.g. MNIST rows as sequences: 28 steps x 28 features).
+
+    Args:
+      timesteps, features: the input sequence shape.
+      units: LSTM units.
+      num_classes: output classes.
+      sparse: :class:`~tf_sparse_split.layers.SparseSplitLSTM` (True) or
+        ``keras.layers.LSTM`` (False; Keras' random dropout masks).
+      dropout: pattern of the sparse layer's dropout: ``"row"``, ``"tile"``,
+        ``"standard"`` (Keras' masks: ``pattern="random"``) or ``"none"``
+        (rates forced to 0).
+      dropout_rate, recurrent_dropout_rate: the LSTM's ``dropout`` and
+        ``recurrent_dropout`` in ``[0, 1)``.
+      seed: dropout seed.
+      tile_shape: tile of the ``"tile"`` pattern.
+
+    Returns:
+      an uncompiled ``keras.Sequential`` with layers ``lstm`` and ``output``
+      (a plain ``keras.layers.Dense`` in both variants).
+
+    Raises:
+      ValueError: unknown ``dropout`` or bad rates/tile.
+    """
+    import keras
+
+    from tf_sparse_split.layers import SparseSplitLSTM
+
+    if dropout not in DROPOUT_KINDS:
+        raise ValueError(f"dropout must be one of {DROPOUT_KINDS}, got "
+                         f"{dropout!r}")
+    if dropout == "none":
+        dropout_rate = recurrent_dropout_rate = 0.0
+    kwargs = dict(dropout=dropout_rate, recurrent_dropout=recurrent_dropout_rate,
+                  seed=seed, name="lstm")
+    if sparse:
+        pattern = {"standard": "random", "none": "row"}.get(dropout, dropout)
+        rnn = SparseSplitLSTM(units, pattern=pattern,
+                              tile_shape=tile_shape if pattern == "tile"
+                              else None, **kwargs)
+    else:
+        rnn = keras.layers.LSTM(units, **kwargs)
+    return keras.Sequential(
+        [keras.Input((timesteps, features)), rnn,
+         keras.layers.Dense(num_classes, activation="softmax", name="output")],
+        name="sparse_lstm" if sparse else "lstm")

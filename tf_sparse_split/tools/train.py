@@ -15,7 +15,8 @@ from tf_sparse_split.tools.distribute import (make_strategy,
                                               run_multi_worker, strategy_scope)
 from tf_sparse_split.tools.models import build_cnn, build_mlp
 
-__all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printer"]
+__all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printer",
+           "steady_epoch_time", "input_sparsity"]
 
 
 def epoch_printer(epochs, layer_names, out):
@@ -48,8 +49,12 @@ def epoch_printer(epochs, layer_names, out):
                 if sp is None or th is None:
                     continue
                 th_text = "auto" if th < 0 else f"{th:.4f}"
+                fat = logs.get(f"{name}/fat_threshold")
+                fat_text = ("" if fat is None else
+                            f", FATReLU threshold {fat:.4f}, l1 "
+                            f"{logs.get(f'{name}/l1', 0.0):.3g}")
                 print(f"  {name}: input sparsity {sp:.3f}, threshold "
-                      f"{th_text}", file=out, flush=True)
+                      f"{th_text}{fat_text}", file=out, flush=True)
 
     return EpochPrinter()
 
@@ -65,7 +70,10 @@ def build_model(args, sparse, x_train, x_test, num_classes):
     Raises:
       ValueError: options that do not fit the model or data.
     """
-    if getattr(args, "model", "mlp") == "cnn":
+    if getattr(args, "model", "mlp") == "lstm":
+        model, desc, x_train, x_test = _lstm_model(
+            args, sparse, x_train, x_test, num_classes)
+    elif getattr(args, "model", "mlp") == "cnn":
         if args.dropout != "none":
             raise ValueError("--dropout applies to --model mlp only")
         side = int(round(x_train.shape[1] ** 0.5))
@@ -111,7 +119,7 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
                       metrics=["accuracy"], jit_compile=False)
     if out is not None:
         print(f"model: {kind} {desc}", file=out, flush=True)
-        if args.dropout != "none":
+        if args.dropout != "none" and getattr(args, "model", "mlp") != "lstm":
             what = {"standard": "keras.layers.Dropout",
                     "row": "ApproximateRandomDropout row patterns",
                     "tile": "ApproximateRandomDropout tile patterns "
@@ -124,6 +132,11 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
                              None if args.quiet else out)
     callbacks = []
     split_cb = None
+    target = getattr(args, "target_sparsity", None)
+    if sparse and target is not None:
+        from tf_sparse_split.callbacks import SparsityTargetCallback
+
+        callbacks.append(SparsityTargetCallback(target))
     if sparse:
         split_cb = SplitThresholdCallback(
             log_dir=getattr(args, "tensorboard", None))
@@ -157,6 +170,8 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
         "thresholds": ({l.name: l.threshold for l in model.layers
                         if isinstance(l, SparseSplitLayer)} if sparse else {}),
         "tuning_history": list(split_cb.history) if split_cb else [],
+        "steady_time_per_epoch": steady_epoch_time(printer.times),
+        "input_sparsity": input_sparsity(model, x_test[:1000]),
     }
     if out is not None:
         print(f"{kind}: test accuracy {result['test_accuracy']:.4f}, test "
@@ -165,9 +180,71 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
     return result
 
 
+def _lstm_model(args, sparse, x_train, x_test, num_classes):
+    """``--model lstm``: images as sequences of rows."""
+    from tf_sparse_split.tools.models import build_lstm
+
+    if getattr(args, "target_sparsity", None) is not None:
+        raise ValueError("--target-sparsity applies to --model mlp and cnn")
+    side = int(round(x_train.shape[1] ** 0.5))
+    if side * side != x_train.shape[1]:
+        raise ValueError(f"--model lstm needs square images, got "
+                         f"{x_train.shape[1]} pixels")
+    rate = args.dropout_rate or 0.0
+    rec = args.recurrent_dropout_rate
+    rec = rate if rec is None else rec
+    model = build_lstm(side, side, args.units, num_classes, sparse=sparse,
+                       dropout=args.dropout, dropout_rate=rate,
+                       recurrent_dropout_rate=rec, seed=args.seed,
+                       tile_shape=args.tile_shape)
+    lstm = model.get_layer("lstm")
+    what = (f"SparseSplitLSTM pattern={lstm.pattern}" if sparse
+            else "keras.layers.LSTM")
+    desc = (f"LSTM {side} steps x {side} features -> LSTM({args.units}, "
+            f"dropout={lstm.dropout}, recurrent_dropout="
+            f"{lstm.recurrent_dropout}) -> dense({num_classes}) ({what})")
+    return (model, desc, x_train.reshape(-1, side, side),
+            x_test.reshape(-1, side, side))
+
+
+def steady_epoch_time(times):
+    """Median epoch time without the first epoch (tracing, warm-up); the
+    only epoch's time if there is one."""
+    import numpy as np
+
+    times = list(times)
+    if not times:
+        return float("nan")
+    return float(np.median(times[1:] if len(times) > 1 else times))
+
+
+def input_sparsity(model, x, batch_size=256):
+    """Fraction of zeros of the input of every ``Dense``/``Conv2D`` layer
+    (plain or sparse-split) of ``model`` on ``x``, in inference mode:
+    ``{layer name: fraction}``. Empty for models without such layers or
+    without a symbolic graph."""
+    import keras
+    import numpy as np
+
+    names = [l.name for l in model.layers
+             if isinstance(l, (keras.layers.Dense, keras.layers.Conv2D))]
+    if not names:
+        return {}
+    try:
+        probe = keras.Model(model.inputs,
+                            [model.get_layer(n).input for n in names])
+    except (AttributeError, ValueError):
+        return {}
+    outs = probe.predict(x, batch_size=batch_size, verbose=0)
+    if len(names) == 1:
+        outs = [outs]
+    return {n: float(np.mean(np.asarray(o) == 0)) for n, o in zip(names, outs)}
+
+
 def print_compare(sparse_res, base_res, out):
     rows = [
         ("time/epoch (s)", "time_per_epoch", "{:.2f}"),
+        ("steady epoch (s)", "steady_time_per_epoch", "{:.2f}"),
         ("final loss", "loss", "{:.4f}"),
         ("final accuracy", "accuracy", "{:.4f}"),
         ("test accuracy", "test_accuracy", "{:.4f}"),
@@ -177,9 +254,20 @@ def print_compare(sparse_res, base_res, out):
     for label, key, fmt in rows:
         print(f"{label:<18}{fmt.format(sparse_res[key]):>14}"
               f"{fmt.format(base_res[key]):>14}", file=out)
+    for name, sp in sparse_res.get("input_sparsity", {}).items():
+        bsp = base_res.get("input_sparsity", {}).get(name)
+        label = f"{name} in. sparsity"
+        print(f"{label:<18}{sp:>14.3f}"
+              f"{(f'{bsp:.3f}' if bsp is not None else 'n/a'):>14}",
+              file=out)
     if sparse_res["time_per_epoch"] > 0:
         ratio = base_res["time_per_epoch"] / sparse_res["time_per_epoch"]
         print(f"speed-up (baseline time / sparse-split time): {ratio:.2f}x",
+              file=out, flush=True)
+    if sparse_res.get("steady_time_per_epoch", 0) > 0:
+        ratio = (base_res["steady_time_per_epoch"] /
+                 sparse_res["steady_time_per_epoch"])
+        print(f"steady-state speed-up (median of epochs 2..E): {ratio:.2f}x",
               file=out, flush=True)
 
 
@@ -204,6 +292,10 @@ def train_command(args, out):
             args.dropout_rate = 0.5
         if args.tile_shape is not None and args.dropout != "tile":
             raise ValueError("--tile-shape needs --dropout tile")
+    if getattr(args, "recurrent_dropout_rate", None) is not None and (
+            args.model != "lstm" or args.dropout == "none"):
+        raise ValueError("--recurrent-dropout-rate needs --model lstm and "
+                         "--dropout")
 
     if args.data is None:
         (x_train, y_train), (x_test, y_test) = datasets.load_digits()  # fixed split

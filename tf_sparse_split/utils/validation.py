@@ -19,6 +19,7 @@ __all__ = [
     "validate_int",
     "validate_positive_float",
     "validate_choice",
+    "validate_nonnegative_float",
 ]
 
 #: The value an "automatic" threshold (``'auto'`` or any negative number) is
@@ -175,3 +176,26 @@ def validate_choice(value, name, choices):
         raise ValueError(f"`{name}` must be one of {allowed}. "
                          f"{_received(name, value)}")
     return value
+
+
+def validate_nonnegative_float(value, name):
+    """Checks a finite real number ``>= 0`` (e.g. a penalty coefficient or
+    an activation threshold).
+
+    Returns:
+      the value as a Python float.
+
+    Raises:
+      ValueError: a bool, a non-numeric value, NaN, infinity, or a value
+        ``< 0``.
+    """
+    msg = f"`{name}` must be a finite number >= 0. {_received(name, value)}"
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(msg)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(msg) from None
+    if not 0.0 <= v < math.inf:
+        raise ValueError(msg)
+    return v
