@@ -54,7 +54,7 @@ struct TransposeCompressTile {
   }
 };
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 template <>
 struct TransposeCompressTile<float> {
   static constexpr int64_t kSize = 16;
@@ -111,19 +111,16 @@ struct TransposeCompressTile<float> {
       r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
       r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
     }
-    const __m512i idx = _mm512_add_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(static_cast<int32_t>(q0)));
+    const __m256i base_lo = _mm256_set1_epi32(static_cast<int32_t>(q0));
+    const __m256i base_hi = _mm256_set1_epi32(static_cast<int32_t>(q0) + 8);
     for (unsigned m = sel; m != 0; m &= m - 1) {
       const int j = __builtin_ctz(m);
-      const __mmask16 mk = _mm512_cmp_ps_mask(r[j], zero, _CMP_NEQ_UQ);
-      const int cnt = __builtin_popcount(mk);
-      const __mmask16 low = static_cast<__mmask16>((1u << cnt) - 1u);
-      _mm512_mask_storeu_ps(vals + cursor[j], low,
-                            _mm512_maskz_compress_ps(mk, r[j]));
-      _mm512_mask_storeu_epi32(ci + cursor[j], low,
-                               _mm512_maskz_compress_epi32(mk, idx));
-      cursor[j] += cnt;
+      const unsigned mk = _mm512_cmp_ps_mask(r[j], zero, _CMP_NEQ_UQ);
+      int64_t& cur = cursor[j];
+      cur += compress_internal::Pack8(_mm512_castps512_ps256(r[j]), mk & 0xff,
+                                      base_lo, ci + cur, vals + cur);
+      cur += compress_internal::Pack8(_mm512_extractf32x8_ps(r[j], 1), mk >> 8,
+                                      base_hi, ci + cur, vals + cur);
     }
   }
 };
@@ -222,27 +219,22 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
   for (int64_t r = 0; r < n_rows; ++r) pos[rows[r]] = r;
   const int64_t col_blocks = (phys_cols + kW - 1) / kW;
   pfor(col_blocks, phys_rows * kW * 2, [&](int64_t cb0, int64_t cb1) {
-    int64_t cursor[kW];
-    int64_t slot[kW];
-    for (int64_t cb = cb0; cb < cb1; ++cb) {
-      const int64_t c0 = cb * kW, w = std::min<int64_t>(kW, phys_cols - c0);
-      int live = 0;
-      for (int64_t j = 0; j < w; ++j) {
-        slot[j] = pos[c0 + j];
-        if (slot[j] >= 0) {
-          cursor[j] = rp[slot[j]];
-          ++live;
-        }
-      }
-      if (live == 0) continue;
-      for (int64_t q0 = 0; q0 < phys_rows; q0 += kT) {
-        const int64_t h = std::min<int64_t>(kT, phys_rows - q0);
-        for (int64_t s0 = 0; s0 < w; s0 += kT) {
-          const int64_t sw = std::min<int64_t>(kT, w - s0);
-          TransposeCompressTile<T>::Run(a + q0 * phys_cols + c0 + s0,
-                                        phys_cols, h, sw, q0, slot + s0,
-                                        cursor + s0, ci, vals);
-        }
+    // This shard's physical columns [c_lo, c_hi), walked row block by row
+    // block: contiguous row segments (prefetcher-friendly), every selected
+    // column appending to its own CSR row at cursor[].
+    const int64_t c_lo = cb0 * kW, c_hi = std::min(phys_cols, cb1 * kW);
+    std::vector<int64_t> cursor(c_hi - c_lo), slot(c_hi - c_lo);
+    for (int64_t c = c_lo; c < c_hi; ++c) {
+      slot[c - c_lo] = pos[c];
+      if (pos[c] >= 0) cursor[c - c_lo] = rp[pos[c]];
+    }
+    for (int64_t q0 = 0; q0 < phys_rows; q0 += kT) {
+      const int64_t h = std::min<int64_t>(kT, phys_rows - q0);
+      for (int64_t s0 = c_lo; s0 < c_hi; s0 += kT) {
+        const int64_t sw = std::min<int64_t>(kT, c_hi - s0);
+        TransposeCompressTile<T>::Run(a + q0 * phys_cols + s0, phys_cols, h,
+                                      sw, q0, slot.data() + (s0 - c_lo),
+                                      cursor.data() + (s0 - c_lo), ci, vals);
       }
     }
   });
