@@ -149,7 +149,7 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
   Blocks blocks(phys_rows, std::max<int64_t>(
                                1, std::min<int64_t>(kCountBlocks, elems >> 16)));
   // Per-block partial column counts (int32: a block has < 2^31 rows).
-  std::vector<int32_t> partial(static_cast<size_t>(blocks.count) * phys_cols);
+  UninitVector<int32_t> partial(static_cast<size_t>(blocks.count) * phys_cols);
   pfor(blocks.count, phys_cols * std::max<int64_t>(1, blocks.size) * 2,
        [&](int64_t b0, int64_t b1) {
          for (int64_t b = b0; b < b1; ++b) {

@@ -18,6 +18,10 @@
 #define TF_SPARSE_SPLIT_CC_CORE_SPARSE_MATMUL_H_
 
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cc/core/parallel_for.h"
@@ -36,13 +40,40 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
                       bool transpose_a, int64_t* row_nnz, int64_t* col_nnz,
                       const ParallelFor& pfor);
 
+// std::allocator whose value-less construct() default-initialises: resize()
+// of a vector of ints or floats leaves the new elements unwritten instead of
+// zeroing them (the CSR build overwrites every entry anyway; zeroing was a
+// whole extra write pass over the arrays).
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible<U>::value) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+// A vector whose resize() does not zero new elements (see above).
+template <typename T>
+using UninitVector = std::vector<T, DefaultInitAllocator<T>>;
+
 // A CSR matrix over a subset of rows of op(a), column indices in op(a)'s
 // column space (uncompacted), ascending within each row.
 template <typename T>
 struct Csr {
-  std::vector<int64_t> row_ptr;  // [n_rows + 1]
-  std::vector<int32_t> col_idx;  // [nnz]
-  std::vector<T> values;         // [nnz]
+  UninitVector<int64_t> row_ptr;  // [n_rows + 1]
+  UninitVector<int32_t> col_idx;  // [nnz]
+  UninitVector<T> values;         // [nnz]
 };
 
 // Builds the CSR of rows `rows[0..n_rows)` of op(a) (each index in [0, m)).
