@@ -143,7 +143,8 @@ def plot(rows, path, title):
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    fig.suptitle(title, fontsize=8)
+    import textwrap
+    fig.suptitle("\n".join(textwrap.wrap(title, 150)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
