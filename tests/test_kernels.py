@@ -219,3 +219,17 @@ def test_csr_matrix_bad_arguments():
 def test_parallel_copy():
     x = np.random.default_rng(0).standard_normal((123, 457)).astype(np.float32)
     np.testing.assert_array_equal(K.parallel_copy(x, threads=3), x)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_csr_matrix_rebuild_reuses_and_matches(transpose):
+    rng = np.random.default_rng(11)
+    a1 = random_sparse((70, 90), 0.3, rng)
+    a2 = random_sparse((50, 40), 0.9, rng)  # smaller: arrays shrink in place
+    h = K.csr_matrix(a1, transpose=transpose)
+    h.rebuild(a2, transpose=transpose)
+    op = a2.T if transpose else a2
+    assert h.shape == op.shape and h.nnz == np.count_nonzero(a2)
+    b = rng.standard_normal((op.shape[1], 9)).astype(np.float32)
+    np.testing.assert_array_equal(h.spmm(b), K.csr_matrix(a2, transpose=transpose).spmm(b))
+    assert relative_error(h.spmm(b), op.astype(np.float64) @ b) <= 1e-5

@@ -155,21 +155,30 @@ struct CsrMatrix {
   int64_t m = 0, k = 0;
 };
 
+// Counts the nonzeros of op(a) and builds its CSR into *out, reusing the
+// capacity of out's arrays (an op that keeps its CSR buffers across calls
+// pays no allocation or page faults).
 template <typename T>
-CsrMatrix<T> MakeCsrMatrix(const Arr<T>& a, bool transpose, int threads) {
+void BuildInto(const Arr<T>& a, bool transpose, int threads, CsrMatrix<T>* out) {
   Require2d(a, "a");
   const int64_t pr = a.shape(0), pc = a.shape(1);
-  CsrMatrix<T> out;
-  out.m = transpose ? pc : pr;
-  out.k = transpose ? pr : pc;
-  if (out.k >= (int64_t{1} << 31)) throw py::value_error("k must be < 2^31");
+  const int64_t m = transpose ? pc : pr, k = transpose ? pr : pc;
+  if (k >= (int64_t{1} << 31)) throw py::value_error("k must be < 2^31");
   py::gil_scoped_release release;
-  std::vector<int64_t> row(out.m), col(out.k), rows(out.m);
-  for (int64_t i = 0; i < out.m; ++i) rows[i] = i;
+  out->m = m;
+  out->k = k;
+  std::vector<int64_t> row(m), col(k), rows(m);
+  for (int64_t i = 0; i < m; ++i) rows[i] = i;
   auto pfor = ThreadFor(threads);
   CountNonzeros<T>(a.data(), pr, pc, transpose, row.data(), col.data(), pfor);
-  BuildCsr<T>(a.data(), pr, pc, transpose, rows.data(), out.m, row.data(),
-              col.data(), &out.csr, pfor);
+  BuildCsr<T>(a.data(), pr, pc, transpose, rows.data(), m, row.data(),
+              col.data(), &out->csr, pfor);
+}
+
+template <typename T>
+CsrMatrix<T> MakeCsrMatrix(const Arr<T>& a, bool transpose, int threads) {
+  CsrMatrix<T> out;
+  BuildInto<T>(a, transpose, threads, &out);
   return out;
 }
 
@@ -225,6 +234,14 @@ void Bind(py::module_& mod, const char* suffix) {
       .def_property_readonly("nnz", [](const CsrMatrix<T>& h) {
         return h.csr.row_ptr.empty() ? 0 : h.csr.row_ptr.back();
       })
+      .def("rebuild",
+           [](CsrMatrix<T>& h, const Arr<T>& a, bool transpose, int threads) {
+             BuildInto<T>(a, transpose, threads, &h);
+           },
+           py::arg("a"), py::arg("transpose") = false,
+           py::arg("threads") = DefaultThreads(),
+           "Recounts and rebuilds this matrix from a (as csr_matrix does),\n"
+           "reusing its arrays' memory. Raises ValueError if a is not 2-D.")
       .def("spmm", &CsrMatrixSpmm<T>, py::arg("b"),
            py::arg("threads") = DefaultThreads(),
            "Dense [m, n] product of this [m, k] CSR matrix and b [k, n].\n"
