@@ -315,6 +315,6 @@ setup(
     # must be built against the one already installed (checked at build).
     install_requires=["numpy>=1.26", "keras>=3.10,<4", "scikit-learn>=1.3"],
     extras_require={"test": ["pytest>=8", "hypothesis>=6", "nbformat>=5"]},
-    entry_points={"console_scripts": ["tf-sparse-split = tf_sparse_split.cli:main"]},
+    entry_points={"console_scripts": ["tf-sparse-split = tf_sparse_split.tools.cli:main"]},
     zip_safe=False,
 )

@@ -3,7 +3,7 @@ keras.layers.Dropout + keras.layers.Dense.
 
 The same MLP (default 784-2048-2048-10, ReLU, a dropout layer after every
 hidden layer, softmax output, Adam 1e-3, batch 128) is trained on MNIST
-(``tf_sparse_split.datasets.load_mnist``) with, for every rate:
+(``tf_sparse_split.tools.datasets.load_mnist``) with, for every rate:
 
 * ``baseline``: ``keras.layers.Dense`` + ``keras.layers.Dropout`` -- the
   TensorFlow ops ours replace;
@@ -14,7 +14,8 @@ hidden layer, softmax output, Adam 1e-3, batch 128) is trained on MNIST
   ``tf-sparse-split train``).
 
 Every configuration uses the same seed, data order and epochs, through the
-same code path as ``tf-sparse-split train`` (``cli._run``). Time per epoch is
+same code path as ``tf-sparse-split train``
+(``tf_sparse_split.tools.train.run``). Time per epoch is
 the median over epochs 2..E (epoch 1 includes tracing the training function
 and the op's first timings) -- or epoch 1 alone with ``--epochs 1``. The
 ratio is baseline time / configuration time at the same rate (> 1 = faster).
@@ -51,20 +52,21 @@ def _rates(text):
 
 
 def parse_args(argv=None):
-    from tf_sparse_split.cli import _hidden_sizes, _tile_shape, _positive_int
+    from tf_sparse_split.tools.cli import (parse_int_list, parse_positive_int,
+                                           parse_tile_shape)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="/work/shared/data/mnist",
                    help="MNIST IDX directory (default /work/shared/data/mnist)")
-    p.add_argument("--hidden", type=_hidden_sizes, default=[2048, 2048],
+    p.add_argument("--hidden", type=parse_int_list, default=[2048, 2048],
                    metavar="N,N", help="hidden sizes (default 2048,2048)")
     p.add_argument("--rates", type=_rates, default=[0.3, 0.5, 0.7],
                    help="dropout rates (default 0.3,0.5,0.7)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"subset of {','.join(CONFIGS)}")
-    p.add_argument("--epochs", type=_positive_int, default=3)
-    p.add_argument("--batch-size", type=_positive_int, default=128)
-    p.add_argument("--tile-shape", type=_tile_shape, default=(32, 32),
+    p.add_argument("--epochs", type=parse_positive_int, default=3)
+    p.add_argument("--batch-size", type=parse_positive_int, default=128)
+    p.add_argument("--tile-shape", type=parse_tile_shape, default=(32, 32),
                    metavar="ROWS,UNITS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write a markdown table here")
@@ -79,7 +81,7 @@ def parse_args(argv=None):
 
 
 def run_one(config, rate, args, data):
-    from tf_sparse_split import cli
+    from tf_sparse_split.tools.train import run
 
     (x_train, y_train), (x_test, y_test) = data
     dropout = {"baseline": "standard", "standard+split": "standard",
@@ -89,8 +91,8 @@ def run_one(config, rate, args, data):
         lr=1e-3, seed=args.seed, threshold=-1.0, quiet=True,
         dropout=dropout, dropout_rate=rate,
         tile_shape=args.tile_shape if dropout == "tile" else None)
-    res = cli._run(ns, config != "baseline", x_train, y_train, x_test,
-                   y_test, 10, None)
+    res = run(ns, config != "baseline", x_train, y_train, x_test,
+              y_test, 10, None)
     times = res["epoch_times"]
     res["time"] = statistics.median(times[1:] if len(times) > 1 else times)
     return res
@@ -98,7 +100,7 @@ def run_one(config, rate, args, data):
 
 def main(argv=None):
     args = parse_args(argv)
-    from tf_sparse_split import datasets
+    from tf_sparse_split.tools import datasets
 
     data = datasets.load_mnist(args.data)
     (x_train, _), (x_test, _) = data

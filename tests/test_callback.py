@@ -6,7 +6,7 @@ import pytest
 
 import tf_sparse_split as tfss
 from tf_sparse_split.callbacks import SplitThresholdCallback, find_split_layers
-from tf_sparse_split.cost_model import DENSE, SPARSE
+from tf_sparse_split.tuning.cost_model import DENSE, SPARSE
 from tf_sparse_split.layers import SparseSplitDense
 
 tfss.load_library()  # fail loudly if the op library is not built

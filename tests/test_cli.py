@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import tf_sparse_split as tfss
-from tf_sparse_split import cli
+from tf_sparse_split.tools import cli
 
 tfss.load_library()  # fail loudly if the op library is not built
 

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tf_sparse_split import stats as S
+from tf_sparse_split.tuning import stats as S
 from tf_sparse_split import testing as T
 
 LIB = tfss.load_library()
@@ -42,83 +42,87 @@ def _tol(dtype):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 @pytest.mark.parametrize("sparsity", [0.0, 0.7, 1.0])
-def test_forward_matches_reference(shape, sparsity):
-    rng = np.random.default_rng(hash((_ids(shape), sparsity)) % 2**32)
-    xs, fs, kw = _args(shape)
-    x = T.random_sparse_images(xs, sparsity, rng, np.float64, zero_channels=0.25)
-    f = rng.normal(size=fs)
-    ref = T.reference_conv2d(x, f, **kw)
-    fn = tf.function(lambda a, b, t: tfss.sparse_split_conv2d(a, b, threshold=t, **kw))
-    for dtype in (np.float32, np.float64):
-        for thr in (0.0, 1.0, -1.0):
-            y = tfss.sparse_split_conv2d(x.astype(dtype), f.astype(dtype),
-                                         threshold=thr, **kw)
-            assert y.dtype == dtype and y.shape == ref.shape
-            assert T.relative_error(y, ref) <= _tol(dtype), (dtype, thr)
-            y2 = fn(x.astype(dtype), f.astype(dtype), tf.constant(thr))
-            assert T.relative_error(y2, ref) <= _tol(dtype), (dtype, thr)
+def test_forward_matches_reference(shape, sparsity, device):
+    with tf.device(device):
+        rng = np.random.default_rng(hash((_ids(shape), sparsity)) % 2**32)
+        xs, fs, kw = _args(shape)
+        x = T.random_sparse_images(xs, sparsity, rng, np.float64, zero_channels=0.25)
+        f = rng.normal(size=fs)
+        ref = T.reference_conv2d(x, f, **kw)
+        fn = tf.function(lambda a, b, t: tfss.sparse_split_conv2d(a, b, threshold=t, **kw))
+        for dtype in (np.float32, np.float64):
+            for thr in (0.0, 1.0, -1.0):
+                y = tfss.sparse_split_conv2d(x.astype(dtype), f.astype(dtype),
+                                             threshold=thr, **kw)
+                assert y.dtype == dtype and y.shape == ref.shape
+                assert T.relative_error(y, ref) <= _tol(dtype), (dtype, thr)
+                y2 = fn(x.astype(dtype), f.astype(dtype), tf.constant(thr))
+                assert T.relative_error(y2, ref) <= _tol(dtype), (dtype, thr)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
-def test_filter_gradient_op_matches_reference(shape):
-    rng = np.random.default_rng(hash(_ids(shape)) % 2**32)
-    xs, fs, kw = _args(shape)
-    x = T.random_sparse_images(xs, 0.6, rng, np.float64, zero_channels=0.25)
-    ref_y = T.reference_conv2d(x, np.zeros(fs), **kw)
-    dy = rng.normal(size=ref_y.shape)
-    ref = T.reference_conv2d_filter_grad(x, fs, dy, **kw)
-    s, d = kw["strides"], kw["dilations"]
-    s = [1, *((s, s) if isinstance(s, int) else s), 1]
-    d = [1, d, d, 1]
-    for dtype in (np.float32, np.float64):
-        for thr in (0.0, 1.0, -1.0):
-            g, st = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(
-                x.astype(dtype), fs, dy.astype(dtype), thr, strides=s,
-                padding=kw["padding"], dilations=d,
-                explicit_paddings=kw["explicit_paddings"] or [])
-            assert T.relative_error(g, ref) <= _tol(dtype), (dtype, thr)
-            st = st.numpy()
-            assert st[S.ROWS_DENSE] + st[S.ROWS_SPARSE] == xs[0]
-            assert st[S.NNZ] == np.count_nonzero(x)
+def test_filter_gradient_op_matches_reference(shape, device):
+    with tf.device(device):
+        rng = np.random.default_rng(hash(_ids(shape)) % 2**32)
+        xs, fs, kw = _args(shape)
+        x = T.random_sparse_images(xs, 0.6, rng, np.float64, zero_channels=0.25)
+        ref_y = T.reference_conv2d(x, np.zeros(fs), **kw)
+        dy = rng.normal(size=ref_y.shape)
+        ref = T.reference_conv2d_filter_grad(x, fs, dy, **kw)
+        s, d = kw["strides"], kw["dilations"]
+        s = [1, *((s, s) if isinstance(s, int) else s), 1]
+        d = [1, d, d, 1]
+        for dtype in (np.float32, np.float64):
+            for thr in (0.0, 1.0, -1.0):
+                g, st = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+                    x.astype(dtype), fs, dy.astype(dtype), thr, strides=s,
+                    padding=kw["padding"], dilations=d,
+                    explicit_paddings=kw["explicit_paddings"] or [])
+                assert T.relative_error(g, ref) <= _tol(dtype), (dtype, thr)
+                st = st.numpy()
+                assert st[S.ROWS_DENSE] + st[S.ROWS_SPARSE] == xs[0]
+                assert st[S.NNZ] == np.count_nonzero(x)
 
 
-def test_stats_layout_and_split():
-    rng = np.random.default_rng(1)
-    # Images of very different densities: a threshold in between splits them.
-    x = np.zeros((6, 10, 10, 8), np.float32)
-    for i in range(6):
-        x[i] = T.random_sparse_images((10, 10, 8), 0.95 if i % 2 else 0.1, rng)
-    x[..., 3] = 0  # one all-zero channel
-    f = rng.normal(size=(3, 3, 8, 12)).astype(np.float32)
-    y, st = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=0.5,
-                                     return_stats=True)
-    st = st.numpy()
-    assert st.shape == (S.NUM_STATS,)
-    assert st[S.ROWS_DENSE] == 3 and st[S.ROWS_SPARSE] == 3
-    assert st[S.NNZ] == np.count_nonzero(x)
-    sparse_imgs = [1, 3, 5]
-    assert st[S.NNZ_SPARSE] == np.count_nonzero(x[sparse_imgs])
-    assert st[S.M] == 6 and st[S.K] == 10 * 10 * 8 and st[S.N] == 9 * 12
-    assert st[S.ZERO_COLS_SKIPPED] == 100  # one channel = H*W columns
-    assert st[S.THRESHOLD] == pytest.approx(0.5)
-    assert st[S.HISTOGRAM].sum() == 6
-    d = S.as_dict(st)
-    assert d["sparsity"] == pytest.approx(1 - np.count_nonzero(x) / x.size)
-    assert T.relative_error(y, T.reference_conv2d(x, f, 1, "SAME")) <= 1e-5
+def test_stats_layout_and_split(device):
+    with tf.device(device):
+        rng = np.random.default_rng(1)
+        # Images of very different densities: a threshold in between splits them.
+        x = np.zeros((6, 10, 10, 8), np.float32)
+        for i in range(6):
+            x[i] = T.random_sparse_images((10, 10, 8), 0.95 if i % 2 else 0.1, rng)
+        x[..., 3] = 0  # one all-zero channel
+        f = rng.normal(size=(3, 3, 8, 12)).astype(np.float32)
+        y, st = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=0.5,
+                                         return_stats=True)
+        st = st.numpy()
+        assert st.shape == (S.NUM_STATS,)
+        assert st[S.ROWS_DENSE] == 3 and st[S.ROWS_SPARSE] == 3
+        assert st[S.NNZ] == np.count_nonzero(x)
+        sparse_imgs = [1, 3, 5]
+        assert st[S.NNZ_SPARSE] == np.count_nonzero(x[sparse_imgs])
+        assert st[S.M] == 6 and st[S.K] == 10 * 10 * 8 and st[S.N] == 9 * 12
+        assert st[S.ZERO_COLS_SKIPPED] == 100  # one channel = H*W columns
+        assert st[S.THRESHOLD] == pytest.approx(0.5)
+        assert st[S.HISTOGRAM].sum() == 6
+        d = S.as_dict(st)
+        assert d["sparsity"] == pytest.approx(1 - np.count_nonzero(x) / x.size)
+        assert T.relative_error(y, T.reference_conv2d(x, f, 1, "SAME")) <= 1e-5
 
 
-def test_deterministic_bits():
-    rng = np.random.default_rng(2)
-    x = T.random_sparse_images((4, 15, 15, 16), 0.8, rng)
-    f = rng.normal(size=(3, 3, 16, 48)).astype(np.float32)
-    dy = rng.normal(size=(4, 15, 15, 48)).astype(np.float32)
-    a = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=1.0).numpy()
-    b = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=1.0).numpy()
-    assert np.array_equal(a, b)
-    kw = dict(strides=[1, 1, 1, 1], padding="SAME")
-    g1 = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(x, f.shape, dy, 1.0, **kw)[0]
-    g2 = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(x, f.shape, dy, 1.0, **kw)[0]
-    assert np.array_equal(g1.numpy(), g2.numpy())
+def test_deterministic_bits(device):
+    with tf.device(device):
+        rng = np.random.default_rng(2)
+        x = T.random_sparse_images((4, 15, 15, 16), 0.8, rng)
+        f = rng.normal(size=(3, 3, 16, 48)).astype(np.float32)
+        dy = rng.normal(size=(4, 15, 15, 48)).astype(np.float32)
+        a = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=1.0).numpy()
+        b = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=1.0).numpy()
+        assert np.array_equal(a, b)
+        kw = dict(strides=[1, 1, 1, 1], padding="SAME")
+        g1 = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(x, f.shape, dy, 1.0, **kw)[0]
+        g2 = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(x, f.shape, dy, 1.0, **kw)[0]
+        assert np.array_equal(g1.numpy(), g2.numpy())
 
 
 def test_nan_in_input_propagates():
@@ -131,18 +135,19 @@ def test_nan_in_input_propagates():
         assert not np.isnan(y[0, 0]).any()
 
 
-def test_empty_batch_and_gradient():
-    x = tf.zeros([0, 7, 7, 3])
-    f = tf.ones([3, 3, 3, 5])
-    with tf.GradientTape() as tape:
-        tape.watch([x, f])
-        y, st = tfss.sparse_split_conv2d(x, f, 2, "SAME", return_stats=True)
-        loss = tf.reduce_sum(y)
-    assert y.shape == (0, 4, 4, 5)
-    assert st.numpy()[S.M] == 0
-    gx, gf = tape.gradient(loss, [x, f])
-    assert gx.shape == (0, 7, 7, 3)
-    assert np.array_equal(gf.numpy(), np.zeros((3, 3, 3, 5), np.float32))
+def test_empty_batch_and_gradient(device):
+    with tf.device(device):
+        x = tf.zeros([0, 7, 7, 3])
+        f = tf.ones([3, 3, 3, 5])
+        with tf.GradientTape() as tape:
+            tape.watch([x, f])
+            y, st = tfss.sparse_split_conv2d(x, f, 2, "SAME", return_stats=True)
+            loss = tf.reduce_sum(y)
+        assert y.shape == (0, 4, 4, 5)
+        assert st.numpy()[S.M] == 0
+        gx, gf = tape.gradient(loss, [x, f])
+        assert gx.shape == (0, 7, 7, 3)
+        assert np.array_equal(gf.numpy(), np.zeros((3, 3, 3, 5), np.float32))
 
 
 GRAD_CASES = [
@@ -156,16 +161,17 @@ GRAD_CASES = [
 
 @pytest.mark.parametrize("case", range(len(GRAD_CASES)))
 @pytest.mark.parametrize("thr", [0.0, 1.0])
-def test_gradients_numerically(case, thr):
-    xs, fs, kw = GRAD_CASES[case]
-    rng = np.random.default_rng(case)
-    x = tf.constant(T.random_sparse_images(xs, 0.5, rng, np.float64))
-    f = tf.constant(rng.normal(size=fs))
-    theo, num = tf.test.compute_gradient(
-        lambda a, b: tfss.sparse_split_conv2d(a, b, threshold=thr, **kw),
-        [x, f], delta=1e-6)
-    for t_, n_ in zip(theo, num):
-        np.testing.assert_allclose(t_, n_, rtol=1e-6, atol=1e-6)
+def test_gradients_numerically(case, thr, device):
+    with tf.device(device):
+        xs, fs, kw = GRAD_CASES[case]
+        rng = np.random.default_rng(case)
+        x = tf.constant(T.random_sparse_images(xs, 0.5, rng, np.float64))
+        f = tf.constant(rng.normal(size=fs))
+        theo, num = tf.test.compute_gradient(
+            lambda a, b: tfss.sparse_split_conv2d(a, b, threshold=thr, **kw),
+            [x, f], delta=1e-6)
+        for t_, n_ in zip(theo, num):
+            np.testing.assert_allclose(t_, n_, rtol=1e-6, atol=1e-6)
 
 
 def test_gradient_matches_tf_conv2d_under_tf_function():

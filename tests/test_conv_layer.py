@@ -1,5 +1,6 @@
 """Tests of the SparseSplitConv2D Keras layer, its use by the callback and
-cost model, and the CNN main job (tf-sparse-split train --model cnn)."""
+cost model, and the CNN main job (tf-sparse-split train --model cnn); the
+contract shared by all sparse-split layers is in test_layer_contract.py."""
 
 import re
 
@@ -9,11 +10,11 @@ import pytest
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tf_sparse_split import cli
-from tf_sparse_split import stats as S
+from tf_sparse_split.tools import cli, models
+from tf_sparse_split.tuning import stats as S
 from tf_sparse_split import testing as T
 from tf_sparse_split.callbacks import SplitThresholdCallback, find_split_layers
-from tf_sparse_split.cost_model import CostModel
+from tf_sparse_split.tuning.cost_model import CostModel
 
 tfss.load_library()
 
@@ -66,51 +67,13 @@ def test_layer_gradients_match_keras_conv2d():
         assert T.relative_error(a, b) <= 1e-5
 
 
-def test_threshold_weight_and_stats_api():
-    layer = tfss.SparseSplitConv2D(4, 3, threshold=0.25)
-    assert layer.threshold == 0.25
-    layer.set_threshold(0.5)
-    x = np.abs(T.random_sparse_images((2, 6, 6, 3), 0.5, np.random.default_rng(0)))
-    layer(x)
-    assert layer.threshold == 0.5
-    assert [w.name for w in layer.non_trainable_weights] == ["threshold"]
-    layer(x)
-    acc = layer.accumulated_stats()
-    assert acc["calls"] == 2 and acc["m"] == 4
-    layer.reset_stats()
-    assert layer.accumulated_stats()["calls"] == 0
-    with pytest.raises(ValueError):
-        layer.set_threshold(2.0)
-
-
 @pytest.mark.parametrize("kwargs, match", [
     (dict(groups=2), "groups=1"),
     (dict(data_format="channels_first"), "channels_last"),
-    (dict(threshold=float("nan")), "threshold"),
-    (dict(threshold="high"), "threshold"),
 ])
 def test_layer_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tfss.SparseSplitConv2D(4, 3, **kwargs)
-
-
-def test_keras_round_trip(tmp_path):
-    model = keras.Sequential([
-        keras.Input((8, 8, 2)),
-        tfss.SparseSplitConv2D(4, 3, padding="same", activation="relu",
-                               threshold=0.3, name="c1"),
-        keras.layers.Flatten(),
-        tfss.SparseSplitDense(3, name="d"),
-    ])
-    x = T.random_sparse_images((5, 8, 8, 2), 0.5, np.random.default_rng(1))
-    y = model(x).numpy()
-    path = tmp_path / "m.keras"
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert isinstance(loaded.get_layer("c1"), tfss.SparseSplitConv2D)
-    assert loaded.get_layer("c1").threshold == pytest.approx(0.3)
-    assert loaded.get_layer("c1").get_config()["padding"] == "same"
-    np.testing.assert_allclose(loaded(x).numpy(), y, rtol=1e-6, atol=1e-6)
 
 
 def test_work_coefficients():
@@ -133,7 +96,7 @@ def test_work_coefficients():
 
 def test_callback_tunes_conv_layers():
     keras.utils.set_random_seed(0)
-    model = cli.build_cnn(8, [4, 8], 10, sparse=True)
+    model = models.build_cnn(8, [4, 8], 10, sparse=True)
     model.compile("adam", "sparse_categorical_crossentropy", jit_compile=False)
     assert [l.name for l in find_split_layers(model)] == [
         "conv_1", "conv_2", "output"]

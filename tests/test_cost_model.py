@@ -1,12 +1,12 @@
-"""Tests of tf_sparse_split.cost_model (pure numpy; no op library needed)."""
+"""Tests of tf_sparse_split.tuning.cost_model (pure numpy; no op library needed)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from tf_sparse_split import stats
-from tf_sparse_split.cost_model import (
+from tf_sparse_split.tuning import stats
+from tf_sparse_split.tuning.cost_model import (
     CostModel, DENSE, SPARSE, candidate_thresholds)
 
 

@@ -1,4 +1,4 @@
-"""Tests of tf_sparse_split.datasets (no op library, no network)."""
+"""Tests of tf_sparse_split.tools.datasets (no op library, no network)."""
 
 import gzip
 import os
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tf_sparse_split import datasets
+from tf_sparse_split.tools import datasets
 
 
 def _mnist_dir():

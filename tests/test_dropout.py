@@ -1,4 +1,4 @@
-"""Tests of tf_sparse_split.dropout (structured dropout; needs the op library
+"""Tests of tf_sparse_split.layers.dropout (structured dropout; needs the op library
 for the tests that check what SparseSplitDense skips)."""
 
 import math
@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tf_sparse_split import stats
-from tf_sparse_split.dropout import pattern_list
+from tf_sparse_split.tuning import stats
+from tf_sparse_split.tuning.pattern_search import pattern_list
 
 tfss.load_library()  # fail loudly if the op library is not built
 
@@ -432,7 +432,7 @@ CLI_SMALL = ["train", "--epochs", "1", "--hidden", "32,32", "--quiet"]
     ("tile", "ApproximateRandomDropout tile patterns (16, 8)"),
 ])
 def test_cli_train_with_dropout(capsys, kind, what):
-    from tf_sparse_split import cli
+    from tf_sparse_split.tools import cli
 
     extra = ["--tile-shape", "16,8"] if kind == "tile" else []
     rc = cli.main(CLI_SMALL + ["--dropout", kind, "--dropout-rate", "0.3"]
@@ -444,9 +444,9 @@ def test_cli_train_with_dropout(capsys, kind, what):
 
 
 def test_cli_build_mlp_places_dropout():
-    from tf_sparse_split import cli
+    from tf_sparse_split.tools import models
 
-    model = cli.build_mlp(8, [16, 16], 3, dropout="row", dropout_rate=0.5,
+    model = models.build_mlp(8, [16, 16], 3, dropout="row", dropout_rate=0.5,
                           seed=1)
     names = [l.name for l in model.layers]
     assert names == ["hidden_1", "dropout_1", "hidden_2", "dropout_2",
@@ -454,19 +454,20 @@ def test_cli_build_mlp_places_dropout():
     assert isinstance(model.get_layer("dropout_1"),
                       tfss.ApproximateRandomDropout)
     assert model.get_layer("dropout_2").seed == 2
-    plain = cli.build_mlp(8, [16], 3)
+    plain = models.build_mlp(8, [16], 3)
     assert [l.name for l in plain.layers] == ["hidden_1", "output"]
 
 
 @pytest.mark.parametrize("argv, rc, msg", [
-    (["--dropout", "row", "--dropout-rate", "1.0"], 2, "must be in [0, 1)"),
+    (["--dropout", "row", "--dropout-rate", "1.0"], 2,
+     "must be a number in [0, 1)"),
     (["--dropout", "blocks"], 2, "invalid choice"),
     (["--dropout-rate", "0.3"], 1, "need --dropout"),
     (["--dropout", "row", "--tile-shape", "8,8"], 1, "needs --dropout tile"),
     (["--dropout", "tile", "--tile-shape", "8,12"], 1, "does not divide"),
 ])
 def test_cli_dropout_bad_arguments(capsys, argv, rc, msg):
-    from tf_sparse_split import cli
+    from tf_sparse_split.tools import cli
 
     assert cli.main(CLI_SMALL + argv) == rc
     assert msg in capsys.readouterr().err

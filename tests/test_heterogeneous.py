@@ -16,10 +16,10 @@ import pytest
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tf_sparse_split import ops as tfss_ops
-from tf_sparse_split import stats as S
+from tf_sparse_split.ops import matmul as tfss_ops
+from tf_sparse_split.tuning import stats as S
 from tf_sparse_split.callbacks import SplitThresholdCallback
-from tf_sparse_split.cost_model import DENSE, SPARSE, CostModel, candidate_thresholds
+from tf_sparse_split.tuning.cost_model import DENSE, SPARSE, CostModel, candidate_thresholds
 from tf_sparse_split.layers import SparseSplitDense
 
 tfss.load_library()  # fail loudly if the op library is not built

@@ -1,4 +1,5 @@
-"""Tests of tf_sparse_split.layers.SparseSplitDense (needs the op library)."""
+"""Tests of tf_sparse_split.layers.SparseSplitDense (needs the op library);
+the contract shared by all sparse-split layers is in test_layer_contract.py."""
 
 import math
 
@@ -8,7 +9,6 @@ import pytest
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tf_sparse_split import stats
 from tf_sparse_split.layers import SparseSplitDense
 
 tfss.load_library()  # fail loudly if the op library is not built
@@ -73,33 +73,6 @@ def test_rank1_input_is_rejected():
         layer(np.ones((5,), np.float32))
 
 
-def test_weights_and_threshold_variable():
-    layer = SparseSplitDense(5, threshold=0.25)
-    assert layer.threshold == 0.25  # before build
-    layer.build((None, 9))
-    weights = layer.get_weights()
-    assert [w.shape for w in weights] == [(9, 5), (5,), ()]
-    assert float(weights[2]) == 0.25
-    assert layer.threshold_var.trainable is False
-    assert len(layer.trainable_weights) == 2
-    assert len(layer.non_trainable_weights) == 1
-    layer.set_threshold(0.75)
-    assert layer.threshold == 0.75
-    assert float(layer.get_weights()[2]) == 0.75
-    assert layer.supports_jit is False
-
-
-@pytest.mark.parametrize("bad", [1.5, float("nan"), "abc", None, True])
-def test_bad_threshold_raises_value_error(bad):
-    with pytest.raises(ValueError):
-        SparseSplitDense(4, threshold=bad)
-    layer = SparseSplitDense(4)
-    layer.build((None, 3))
-    with pytest.raises(ValueError):
-        layer.set_threshold(bad)
-    assert layer.threshold == -1.0
-
-
 def test_lora_and_quantization_are_refused():
     with pytest.raises(NotImplementedError, match="LoRA"):
         SparseSplitDense(4, lora_rank=2)
@@ -109,45 +82,6 @@ def test_lora_and_quantization_are_refused():
         layer.enable_lora(2)
     with pytest.raises(NotImplementedError, match="quantization"):
         layer.quantize("int8")
-
-
-def test_config_round_trip():
-    layer = SparseSplitDense(7, activation="relu", threshold=0.375,
-                             name="ssd")
-    config = layer.get_config()
-    assert config["threshold"] == 0.375 and config["units"] == 7
-    assert "lora_rank" not in config
-    clone = SparseSplitDense.from_config(config)
-    assert clone.threshold == 0.375 and clone.units == 7
-    assert clone.name == "ssd"
-    assert keras.saving.get_registered_object(
-        "tf_sparse_split>SparseSplitDense") is SparseSplitDense
-    # After a change, the config carries the current value.
-    layer.build((None, 4))
-    layer.set_threshold(0.5)
-    assert layer.get_config()["threshold"] == 0.5
-
-
-def test_keras_save_load_round_trip(tmp_path):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((20,)),
-        SparseSplitDense(16, activation="relu", threshold=0.25),
-        SparseSplitDense(3, activation="softmax"),
-    ])
-    model.layers[1].set_threshold(0.625)
-    x = _sparse_input((30, 20), 0.8, seed=5)
-    before = model.predict(x, verbose=0)
-    path = tmp_path / "model.keras"
-    model.save(path)
-    loaded = keras.models.load_model(path)
-    assert isinstance(loaded.layers[0], SparseSplitDense)
-    assert loaded.layers[0].threshold == 0.25
-    assert loaded.layers[1].threshold == 0.625
-    after = loaded.predict(x, verbose=0)
-    np.testing.assert_array_equal(before, after)
-    for a, b in zip(model.get_weights(), loaded.get_weights()):
-        np.testing.assert_array_equal(a, b)
 
 
 def test_stats_are_readable_and_match_the_input():
@@ -190,29 +124,6 @@ def test_stats_are_readable_and_match_the_input():
     assert acc["calls"] == 0 and acc["nnz"] == 0
     assert math.isnan(acc["sparsity"])
     assert layer.latest_stats()["nnz"] == np.count_nonzero(x)  # kept
-
-
-def test_stats_update_under_tf_function_and_are_not_weights():
-    layer = SparseSplitDense(8, threshold=0.5)
-    layer.build((None, 12))
-    n_weights = len(layer.weights)
-
-    @tf.function
-    def f(x):
-        return layer(x)
-
-    x1 = _sparse_input((10, 12), 0.5, seed=7)
-    x2 = _sparse_input((10, 12), 0.9, seed=8)
-    f(x1)
-    assert layer.latest_stats()["nnz"] == np.count_nonzero(x1)
-    f(x2)  # same trace, new values
-    assert layer.latest_stats()["nnz"] == np.count_nonzero(x2)
-    assert layer.accumulated_stats()["calls"] == 2
-    # The threshold variable is read at run time, not frozen in the trace.
-    layer.set_threshold(1.0)
-    f(x2)
-    assert layer.latest_stats()["rows_dense"] == 0
-    assert len(layer.weights) == n_weights == 3
 
 
 def test_training_step_matches_dense():

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tf_sparse_split import cli, profile
+from tf_sparse_split.tools import cli, profile
 
 tfss.load_library()
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from tf_sparse_split.cli import main
+from tf_sparse_split.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -59,6 +59,7 @@ import threading
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
+from tf_sparse_split.utils.validation import validate_threshold
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "config",
            "counters", "reset_counters", "log", "active_ops",
@@ -82,19 +83,10 @@ def _eager():
 
 
 def _threshold_value(threshold):
-    if isinstance(threshold, str):
-        if threshold.strip().lower() == "auto":
-            return -1.0
-        raise ValueError(f"threshold must be 'auto' or a number in [0, 1], "
-                         f"got {threshold!r}")
-    try:
-        value = float(threshold)
-    except (TypeError, ValueError):
-        raise ValueError(f"threshold must be 'auto' or a number in [0, 1], "
-                         f"got {threshold!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"threshold must be in [0, 1] (or 'auto'), got {value}")
-    return value
+    # 'auto' -> -1.0 (the op chooses); numbers in [0, 1]; no negatives and
+    # no numeric strings.
+    auto = isinstance(threshold, str) and threshold.strip().lower() == "auto"
+    return validate_threshold(threshold, allow_negative=False, allow_str=auto)
 
 
 def _apply(cfg):

@@ -3,6 +3,7 @@
 #include "cc/core/compress.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -30,6 +31,101 @@ struct Blocks {
 
 constexpr int64_t kCountBlocks = 64;
 
+// Appends the nonzeros of an h x w tile (h, w <= kSize) of a row-major
+// matrix with leading dimension ld, read transposed: for each tile column j
+// with slot[j] >= 0, entries (q0 + t, src[t * ld + j]) in ascending t go to
+// ci/vals at cursor[j], which advances.
+template <typename T>
+struct TransposeCompressTile {
+  static constexpr int64_t kSize = 16;
+  static void Run(const T* src, int64_t ld, int64_t h, int64_t w, int64_t q0,
+                  const int64_t* slot, int64_t* cursor, int32_t* ci,
+                  T* vals) {
+    for (int64_t t = 0; t < h; ++t) {
+      const T* row = src + t * ld;
+      for (int64_t j = 0; j < w; ++j) {
+        const T v = row[j];
+        if (v != T(0) && slot[j] >= 0) {
+          ci[cursor[j]] = static_cast<int32_t>(q0 + t);
+          vals[cursor[j]++] = v;
+        }
+      }
+    }
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+template <>
+struct TransposeCompressTile<float> {
+  static constexpr int64_t kSize = 16;
+  static void Run(const float* src, int64_t ld, int64_t h, int64_t w,
+                  int64_t q0, const int64_t* slot, int64_t* cursor,
+                  int32_t* ci, float* vals) {
+    __mmask16 sel = 0;
+    for (int64_t j = 0; j < w; ++j)
+      sel |= static_cast<__mmask16>((slot[j] >= 0 ? 1u : 0u) << j);
+    __m512 r[16], t[16];
+    __mmask16 nz[16];
+    int total = 0;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      r[i] = i < h ? _mm512_maskz_loadu_ps(sel, src + i * ld) : zero;
+      nz[i] = _mm512_cmp_ps_mask(r[i], zero, _CMP_NEQ_UQ);
+      total += __builtin_popcount(nz[i]);
+    }
+    if (total == 0) return;
+    if (total <= 24) {
+      // Few nonzeros: append them one by one (rows ascending).
+      for (int i = 0; i < 16; ++i) {
+        alignas(64) float row[16];
+        if (nz[i] == 0) continue;
+        _mm512_store_ps(row, r[i]);
+        for (unsigned m = nz[i]; m != 0; m &= m - 1) {
+          const int j = __builtin_ctz(m);
+          ci[cursor[j]] = static_cast<int32_t>(q0 + i);
+          vals[cursor[j]++] = row[j];
+        }
+      }
+      return;
+    }
+    // Transpose in registers, then compress each column as a row segment.
+    for (int i = 0; i < 16; i += 2) {
+      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+      const __m512d t0 = _mm512_castps_pd(t[i]), t1 = _mm512_castps_pd(t[i + 1]);
+      const __m512d t2 = _mm512_castps_pd(t[i + 2]), t3 = _mm512_castps_pd(t[i + 3]);
+      r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+      r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+      r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+      r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+    for (int h8 = 0; h8 < 16; h8 += 8) {
+      for (int i = 0; i < 4; ++i) {
+        t[h8 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0x88);
+        t[h8 + 4 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0xdd);
+      }
+    }
+    for (int i = 0; i < 8; ++i) {
+      r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+      r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    }
+    const __m256i base_lo = _mm256_set1_epi32(static_cast<int32_t>(q0));
+    const __m256i base_hi = _mm256_set1_epi32(static_cast<int32_t>(q0) + 8);
+    for (unsigned m = sel; m != 0; m &= m - 1) {
+      const int j = __builtin_ctz(m);
+      const unsigned mk = _mm512_cmp_ps_mask(r[j], zero, _CMP_NEQ_UQ);
+      int64_t& cur = cursor[j];
+      cur += compress_internal::Pack8(_mm512_castps512_ps256(r[j]), mk & 0xff,
+                                      base_lo, ci + cur, vals + cur);
+      cur += compress_internal::Pack8(_mm512_extractf32x8_ps(r[j], 1), mk >> 8,
+                                      base_hi, ci + cur, vals + cur);
+    }
+  }
+};
+#endif
+
 }  // namespace
 
 void SerialFor(int64_t total, int64_t /*cost_per_unit*/,
@@ -53,7 +149,7 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
   Blocks blocks(phys_rows, std::max<int64_t>(
                                1, std::min<int64_t>(kCountBlocks, elems >> 16)));
   // Per-block partial column counts (int32: a block has < 2^31 rows).
-  std::vector<int32_t> partial(static_cast<size_t>(blocks.count) * phys_cols);
+  UninitVector<int32_t> partial(static_cast<size_t>(blocks.count) * phys_cols);
   pfor(blocks.count, phys_cols * std::max<int64_t>(1, blocks.size) * 2,
        [&](int64_t b0, int64_t b1) {
          for (int64_t b = b0; b < b1; ++b) {
@@ -109,46 +205,44 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
     return;
   }
   // Row i of op(a) is physical column i; its column index is the physical
-  // row. First the CSR of the physical matrix (vectorised compress of its
-  // contiguous rows; col_nnz of op(a) are its row counts), then a parallel
-  // transposition: each shard owns a range of op rows and walks the physical
-  // rows in ascending order, so indices come out sorted. `rows` ascending
-  // lets a shard find its entries of a physical row by binary search.
-  std::vector<int64_t> prp(phys_rows + 1, 0);
-  for (int64_t q = 0; q < phys_rows; ++q) prp[q + 1] = prp[q] + col_nnz[q];
-  std::vector<int32_t> pci(prp[phys_rows]);
-  std::vector<T> pv(prp[phys_rows]);
-  pfor(phys_rows, phys_cols * 2, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q)
-      CompressRow<T>(a + q * phys_cols, phys_cols, pci.data() + prp[q],
-                     pv.data() + prp[q]);
-  });
+  // row. Tiles of kTile physical rows x kTile physical columns are
+  // transposed in registers (or through a small buffer) and each transposed
+  // column -- kTile consecutive entries of one row of op(a) -- is compressed
+  // like a row segment, straight to its place in the CSR. A shard owns a
+  // range of physical column blocks, i.e. of op rows, and walks the physical
+  // rows in ascending order, so indices come out sorted and no two threads
+  // write the same row.
+  constexpr int64_t kT = TransposeCompressTile<T>::kSize;
+  constexpr int64_t kW = 4 * kT;  // physical columns per block: 4 tiles wide
   // pos[c]: index in `rows` of physical column c, or -1 if not selected.
   std::vector<int64_t> pos(phys_cols, -1);
-  bool ascending = true;
-  for (int64_t r = 0; r < n_rows; ++r) {
-    pos[rows[r]] = r;
-    if (r > 0 && rows[r] <= rows[r - 1]) ascending = false;
-  }
-  const int64_t per_unit = std::max<int64_t>(1, prp[phys_rows] / n_rows) * 4;
-  pfor(n_rows, per_unit, [&](int64_t r0, int64_t r1) {
-    std::vector<int64_t> cursor(rp + r0, rp + r1);
-    const int32_t c_lo = static_cast<int32_t>(rows[r0]);
-    const int32_t c_hi = static_cast<int32_t>(rows[r1 - 1]);
-    for (int64_t q = 0; q < phys_rows; ++q) {
-      const int32_t* b = pci.data() + prp[q];
-      const int32_t* e = pci.data() + prp[q + 1];
-      if (ascending) {
-        b = std::lower_bound(b, e, c_lo);
-        e = std::upper_bound(b, e, c_hi);
+  for (int64_t r = 0; r < n_rows; ++r) pos[rows[r]] = r;
+  const int64_t col_blocks = (phys_cols + kW - 1) / kW;
+  pfor(col_blocks, phys_rows * kW * 2, [&](int64_t cb0, int64_t cb1) {
+    // This shard's physical columns, walked row block by row block:
+    // contiguous row segments (prefetcher-friendly), every selected column
+    // appending to its own CSR row at cursor[].
+    // At most kSuper columns at a time: each is an output stream, and
+    // thousands of them thrash the cache and TLB (one thread, a 1024 x 4096
+    // float32 matrix at 50%: 19 ms with all 4096 columns at once, 13 ms
+    // with 256; loaded machine).
+    constexpr int64_t kSuper = 256;
+    int64_t cursor[kSuper], slot[kSuper];
+    for (int64_t s_lo = cb0 * kW; s_lo < std::min(phys_cols, cb1 * kW);
+         s_lo += kSuper) {
+      const int64_t s_hi = std::min({phys_cols, cb1 * kW, s_lo + kSuper});
+      for (int64_t c = s_lo; c < s_hi; ++c) {
+        slot[c - s_lo] = pos[c];
+        if (pos[c] >= 0) cursor[c - s_lo] = rp[pos[c]];
       }
-      for (const int32_t* it = b; it != e; ++it) {
-        const int64_t r = pos[*it];
-        if (r < r0 || r >= r1) continue;
-        int64_t& p = cursor[r - r0];
-        ci[p] = static_cast<int32_t>(q);
-        vals[p] = pv[it - pci.data()];
-        ++p;
+      for (int64_t q0 = 0; q0 < phys_rows; q0 += kT) {
+        const int64_t h = std::min<int64_t>(kT, phys_rows - q0);
+        for (int64_t s0 = s_lo; s0 < s_hi; s0 += kT) {
+          const int64_t sw = std::min<int64_t>(kT, s_hi - s0);
+          TransposeCompressTile<T>::Run(a + q0 * phys_cols + s0, phys_cols,
+                                        h, sw, q0, slot + (s0 - s_lo),
+                                        cursor + (s0 - s_lo), ci, vals);
+        }
       }
     }
   });
@@ -156,9 +250,8 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
 
 namespace {
 
-// Register-blocked micro-kernel width: one output row segment of kVecBytes *
-// kVecs bytes lives in vector registers while the nonzeros of the row stream
-// through. GCC/Clang vector extensions compile to the widest ISA enabled.
+// Vector width of the SpMM micro-kernels. GCC/Clang vector extensions
+// compile to the widest ISA enabled.
 #if defined(__AVX512F__)
 constexpr int kVecBytes = 64;
 #elif defined(__AVX__)
@@ -166,9 +259,6 @@ constexpr int kVecBytes = 32;
 #else
 constexpr int kVecBytes = 16;
 #endif
-// Vectors per output row segment: the segment (and a B panel row) is 256
-// bytes whatever the ISA.
-constexpr int kVecs = 256 / kVecBytes;
 
 template <typename T>
 struct Vec {
@@ -188,45 +278,158 @@ inline void StoreU(T* p, const typename Vec<T>::type& v) {
   *reinterpret_cast<typename Vec<T>::type*>(p) = v;
 }
 
-// Column-block width (elements) of the SpMM tile.
-template <typename T>
-constexpr int64_t kNb = Vec<T>::kLanes * kVecs;
+// A column panel of the output is at most kPanelBytes wide (4 AVX-512
+// vectors): one output row segment lives in registers while the nonzeros of
+// its row stream through.
+constexpr int kPanelBytes = 256;
+constexpr int kMaxVecs = kPanelBytes / kVecBytes;
 
 // Tiles the SpMM aims for (several per thread for balance), and the fewest
 // rows a tile's row group may have.
 constexpr int64_t kTargetTiles = 16;
-constexpr int64_t kMinGroupRows = 64;
+constexpr int64_t kMinGroupRows = 32;
+constexpr int64_t kMaxGroupRows = 1024;
 
-// How many nonzeros ahead the SpMM prefetches B rows.
-constexpr int64_t kPrefetchDistance = 4;
-static_assert(kVecBytes * kVecs == 256, "prefetch covers 4 cache lines");
+// The tiling of one CsrSpmm call. It depends only on the problem (never on
+// the thread count), and the result bits do not depend on it at all: each
+// output is the ascending-k sum of its products, carried through memory
+// between K blocks.
+struct SpmmPlan {
+  int64_t kb = 1;        // K-block depth (rows of the packed B block)
+  int64_t group = 1;     // rows per row group
+  int64_t n_groups = 1;  // row groups
+  int64_t n_panels = 1;  // column panels
+  int64_t panel = 1;     // columns per panel
+};
 
-// Returns the K-block depth: small enough that the B panel block (kb x nb)
-// stays in L2 while every row of the tile sweeps over it, large enough that
-// a row has several nonzeros per block on average (each visit of a row loads
-// and stores its output segment).
 template <typename T>
-int64_t KBlock(int64_t k, int64_t nnz, int64_t n_rows) {
-  const int64_t budget = 512 * 1024;  // bytes of B kept hot
-  int64_t kb = budget / (kNb<T> * static_cast<int64_t>(sizeof(T)));
-  const double row_density =
-      static_cast<double>(nnz) / (static_cast<double>(std::max<int64_t>(1, n_rows)) * k);
-  if (row_density > 0) kb = std::max<int64_t>(kb, static_cast<int64_t>(16.0 / row_density));
-  return std::max<int64_t>(1, std::min(k, kb));
+SpmmPlan PlanSpmm(int64_t n_rows, int64_t k, int64_t n, int64_t nnz) {
+  SpmmPlan p;
+  // Measured on 512x4096x1024 (one thread, 50-99% sparsity): 512-byte
+  // panels ran ~40% slower, 128-byte ones ~20% slower.
+  const int64_t panel = kPanelBytes / sizeof(T);
+  p.panel = panel;
+  p.n_panels = (n + panel - 1) / panel;
+  // The packed B block (kb x panel) should stay in L1 while every row of
+  // the group sweeps over it; but each visit of a row loads and stores its
+  // output segment, so a row should meet several nonzeros per block.
+  const double density =
+      static_cast<double>(nnz) / (static_cast<double>(n_rows) * k);
+  int64_t kb = 128;
+  if (density > 0) kb = std::max<int64_t>(kb, static_cast<int64_t>(64.0 / density));
+  // ... but the pack stays in L2 (512 KB): at 99% sparsity a 1 MB pack
+  // (kb = 4096) ran ~1.4x slower than kb = 2048 (one thread, 1024 x 4096).
+  kb = std::min<int64_t>(kb, (int64_t{512} << 10) / kPanelBytes);
+  p.kb = std::max<int64_t>(1, std::min(k, kb));
+  const int64_t max_groups = (n_rows + kMinGroupRows - 1) / kMinGroupRows;
+  p.n_groups = std::max<int64_t>(
+      1, std::min(max_groups, (kTargetTiles + p.n_panels - 1) / p.n_panels));
+  // Every K block sweeps the output segments of the whole group: keep them
+  // (group x 256 bytes, 256 KB) in L2 rather than L3. (On the loaded
+  // 2-core test machine the 4096 x 1024 weight-gradient shape showed no
+  // measurable difference either way; this bounds the worst case.)
+  p.n_groups = std::max(p.n_groups, (n_rows + kMaxGroupRows - 1) / kMaxGroupRows);
+  p.group = (n_rows + p.n_groups - 1) / p.n_groups;
+  p.n_groups = (n_rows + p.group - 1) / p.group;
+  return p;
 }
 
-// Rows [r0, r1) of the CSR times the kNb<T>-wide column panel of B starting
-// at column c0 (row q at b + q * ldb + c0), written to columns [c0, c0 + kNb)
-// of the output rows. K-blocked; cursor has r1 - r0 entries. With `pack`
-// (kb * kNb elements), each K block of the panel is first copied to it:
-// contiguous rows avoid the cache-set conflicts of a power-of-two ldb (all
-// rows of a column block would map to a few sets).
+// Accumulates the nonzeros p in [*pp, end) with ci[p] < k1 of one CSR row
+// into acc: acc += vals[p] * B[ci[p]], where B row q is at
+// bblk + (q - k0) * W. Advances *pp past them.
+template <typename T, int NV>
+inline void AccumulateRow(const int32_t* ci, const T* vals, int64_t* pp,
+                          int64_t end, int64_t k0, int64_t k1, const T* bblk,
+                          typename Vec<T>::type* acc) {
+  constexpr int L = Vec<T>::kLanes;
+  constexpr int W = NV * L;
+  int64_t p = *pp;
+  for (; p < end && ci[p] < k1; ++p) {
+    const T v = vals[p];
+    const T* brow = bblk + (ci[p] - k0) * W;
+#pragma GCC unroll 4
+    for (int q = 0; q < NV; ++q) acc[q] += v * LoadU<T>(brow + q * L);
+  }
+  *pp = p;
+}
+
+// Two rows at once (independent FMA chains hide the FMA latency): like
+// AccumulateRow for rows with cursors *pa / *pb and ends ea / eb.
+template <typename T, int NV>
+inline void AccumulateTwoRows(const int32_t* ci, const T* vals, int64_t* pa,
+                              int64_t ea, int64_t* pb, int64_t eb, int64_t k0,
+                              int64_t k1, const T* bblk,
+                              typename Vec<T>::type* acc_a,
+                              typename Vec<T>::type* acc_b) {
+  constexpr int L = Vec<T>::kLanes;
+  constexpr int W = NV * L;
+  int64_t p = *pa, q = *pb;
+  while (p < ea && ci[p] < k1 && q < eb && ci[q] < k1) {
+    const T va = vals[p], vb = vals[q];
+    const T* ba = bblk + (ci[p] - k0) * W;
+    const T* bb = bblk + (ci[q] - k0) * W;
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      acc_a[v] += va * LoadU<T>(ba + v * L);
+      acc_b[v] += vb * LoadU<T>(bb + v * L);
+    }
+    ++p;
+    ++q;
+  }
+  *pa = p;
+  *pb = q;
+  AccumulateRow<T, NV>(ci, vals, pa, ea, k0, k1, bblk, acc_a);
+  AccumulateRow<T, NV>(ci, vals, pb, eb, k0, k1, bblk, acc_b);
+}
+
+// B is packed once per call (shared by all tiles) when it takes at most this.
+constexpr int64_t kSharedPackBytes = 1 << 20;
+
+// A buffer of `count` T whose start *aligned is 64-byte aligned (a vector
+// load that straddles two cache lines costs two).
 template <typename T>
-void SpmmPanel(const Csr<T>& csr, const int64_t* out_rows, int64_t r0,
-               int64_t r1, const T* b, int64_t k, int64_t ldb, int64_t c0,
-               T* c, int64_t ldc, int64_t kb, int64_t* cursor, T* pack) {
+std::unique_ptr<T[]> AlignedBuffer(int64_t count, T** aligned) {
+  std::unique_ptr<T[]> mem(new T[count + 64 / sizeof(T)]);
+  *aligned = reinterpret_cast<T*>(
+      (reinterpret_cast<uintptr_t>(mem.get()) + 63) & ~uintptr_t{63});
+  return mem;
+}
+
+// Copies rows [k0, k1) of columns [c0, c0 + w) of B (leading dimension
+// ldb) to dst, row q at dst + (q - k0) * W, zero-padded to W >= w columns.
+template <typename T>
+void PackPanel(const T* b, int64_t ldb, int64_t c0, int64_t w, int64_t W,
+               int64_t k0, int64_t k1, T* dst) {
+  for (int64_t q = k0; q < k1; ++q) {
+    T* d = dst + (q - k0) * W;
+    std::memcpy(d, b + q * ldb + c0, w * sizeof(T));
+    if (w < W) std::fill(d + w, d + W, T(0));
+  }
+}
+
+// Vectors of the kernel that covers a panel of w columns (1, 2 or kMaxVecs).
+template <typename T>
+int PanelVecs(int64_t w) {
+  constexpr int L = Vec<T>::kLanes;
+  const int nv = static_cast<int>((w + L - 1) / L);
+  return nv <= 1 ? 1 : nv <= 2 ? 2 : kMaxVecs;
+}
+
+// Rows [r0, r1) of the CSR times columns [c0, c0 + w) of B (w <= NV * L),
+// written to the same columns of the output rows. K-blocked: each block of
+// kb rows of that column panel is first packed into `pack` (kb x NV * L,
+// zero-padded): contiguous rows stay in L1 (a power-of-two ldb would map all
+// rows of a panel to a few cache sets) and the padding lets a narrow tail
+// panel use full vectors. cursor has r1 - r0 entries.
+template <typename T, int NV>
+void SpmmTile(const Csr<T>& csr, const int64_t* out_rows, int64_t r0,
+              int64_t r1, const T* b, int64_t k, int64_t ldb, int64_t c0,
+              int64_t w, T* c, int64_t ldc, int64_t kb, int64_t* cursor,
+              T* pack, const T* packed_panel) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::kLanes;
+  constexpr int W = NV * L;
+  const bool full = w == W;
   const int64_t* rp = csr.row_ptr.data();
   const int32_t* ci = csr.col_idx.data();
   const T* vals = csr.values.data();
@@ -234,66 +437,121 @@ void SpmmPanel(const Csr<T>& csr, const int64_t* out_rows, int64_t r0,
   for (int64_t k0 = 0; k0 < k; k0 += kb) {
     const int64_t k1 = std::min(k, k0 + kb);
     const bool first = k0 == 0;
-    // Row q of the panel block is at bblk + (q - boff) * bld.
-    const T* bblk = b + c0;
-    int64_t bld = ldb, boff = 0;
-    if (pack != nullptr) {
-      for (int64_t q = k0; q < k1; ++q)
-        std::memcpy(pack + (q - k0) * kNb<T>, b + q * ldb + c0,
-                    kNb<T> * sizeof(T));
-      bblk = pack;
-      bld = kNb<T>;
-      boff = k0;
+    const T* bblk = pack;
+    if (packed_panel != nullptr) {
+      bblk = packed_panel + k0 * W;
+    } else {
+      PackPanel<T>(b, ldb, c0, w, W, k0, k1, pack);
     }
-    for (int64_t r = r0; r < r1; ++r) {
-      int64_t p = cursor[r - r0];
-      const int64_t end = rp[r + 1];
-      if (!first && (p == end || ci[p] >= k1)) continue;
-      T* crow = c + out_rows[r] * ldc + c0;
-      V acc[kVecs];
-#pragma GCC unroll 16
-      for (int q = 0; q < kVecs; ++q)
-        acc[q] = first ? V{} : LoadU<T>(crow + q * L);
-      for (; p < end && ci[p] < k1; ++p) {
-        const T v = vals[p];
-        const T* brow = bblk + (ci[p] - boff) * bld;
-        if (p + kPrefetchDistance < end && ci[p + kPrefetchDistance] < k1) {
-          // The B rows are visited in a data-dependent order the hardware
-          // prefetcher cannot follow: fetch the 4 lines of a coming one.
-          const char* next = reinterpret_cast<const char*>(
-              bblk + (ci[p + kPrefetchDistance] - boff) * bld);
-          __builtin_prefetch(next);
-          __builtin_prefetch(next + 64);
-          __builtin_prefetch(next + 128);
-          __builtin_prefetch(next + 192);
+    // Rows of this block in pairs; a row without nonzeros in the block is
+    // skipped (except in the first block, which initialises the output).
+    int64_t pending = -1;
+    for (int64_t r = r0; r <= r1; ++r) {
+      if (r < r1) {
+        const int64_t p = cursor[r - r0];
+        if (!first && (p == rp[r + 1] || ci[p] >= k1)) continue;
+        if (pending < 0) {
+          pending = r;
+          continue;
         }
-#pragma GCC unroll 16
-        for (int q = 0; q < kVecs; ++q) acc[q] += v * LoadU<T>(brow + q * L);
+      } else if (pending < 0) {
+        break;
       }
-      cursor[r - r0] = p;
-#pragma GCC unroll 16
-      for (int q = 0; q < kVecs; ++q) StoreU<T>(crow + q * L, acc[q]);
+      // Process `pending` (and r when r < r1).
+      const int64_t ra = pending, rb = r < r1 ? r : -1;
+      pending = -1;
+      alignas(64) T buf_a[W], buf_b[W];
+      T* crow_a = c + out_rows[ra] * ldc + c0;
+      T* cio_a = full ? crow_a : buf_a;  // a narrow panel goes through buf
+      T* crow_b = rb >= 0 ? c + out_rows[rb] * ldc + c0 : nullptr;
+      T* cio_b = full ? crow_b : buf_b;
+      V acc_a[NV], acc_b[NV];
+      if (first) {
+        for (int q = 0; q < NV; ++q) acc_a[q] = acc_b[q] = V{};
+      } else {
+        if (!full) {
+          std::memcpy(buf_a, crow_a, w * sizeof(T));
+          if (rb >= 0) std::memcpy(buf_b, crow_b, w * sizeof(T));
+        }
+        for (int q = 0; q < NV; ++q) acc_a[q] = LoadU<T>(cio_a + q * L);
+        if (rb >= 0)
+          for (int q = 0; q < NV; ++q) acc_b[q] = LoadU<T>(cio_b + q * L);
+      }
+      if (rb >= 0) {
+        AccumulateTwoRows<T, NV>(ci, vals, &cursor[ra - r0], rp[ra + 1],
+                                 &cursor[rb - r0], rp[rb + 1], k0, k1, bblk,
+                                 acc_a, acc_b);
+      } else {
+        AccumulateRow<T, NV>(ci, vals, &cursor[ra - r0], rp[ra + 1], k0, k1,
+                             bblk, acc_a);
+      }
+      for (int q = 0; q < NV; ++q) StoreU<T>(cio_a + q * L, acc_a[q]);
+      if (!full) std::memcpy(crow_a, buf_a, w * sizeof(T));
+      if (rb >= 0) {
+        for (int q = 0; q < NV; ++q) StoreU<T>(cio_b + q * L, acc_b[q]);
+        if (!full) std::memcpy(crow_b, buf_b, w * sizeof(T));
+      }
     }
   }
 }
 
-// The tail column block [c0, n) narrower than kNb: plain loops, same order.
+// Dispatches a panel of width w to the narrowest kernel that covers it.
 template <typename T>
-void SpmmTail(const Csr<T>& csr, const int64_t* out_rows, int64_t r0,
-              int64_t r1, const T* b, int64_t ldb, int64_t c0, int64_t n,
-              T* c, int64_t ldc) {
-  const int64_t w = n - c0;
-  T acc[kNb<T>];
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t j = 0; j < w; ++j) acc[j] = T(0);
-    for (int64_t p = csr.row_ptr[r]; p < csr.row_ptr[r + 1]; ++p) {
-      const T v = csr.values[p];
-      const T* brow = b + static_cast<int64_t>(csr.col_idx[p]) * ldb + c0;
-      for (int64_t j = 0; j < w; ++j) acc[j] += v * brow[j];
-    }
-    T* crow = c + out_rows[r] * ldc + c0;
-    for (int64_t j = 0; j < w; ++j) crow[j] = acc[j];
+void SpmmTileAny(const Csr<T>& csr, const int64_t* out_rows, int64_t r0,
+                 int64_t r1, const T* b, int64_t k, int64_t ldb, int64_t c0,
+                 int64_t w, T* c, int64_t ldc, int64_t kb, int64_t* cursor,
+                 T* pack, const T* packed_panel) {
+  switch (PanelVecs<T>(w)) {
+    case 1:
+      SpmmTile<T, 1>(csr, out_rows, r0, r1, b, k, ldb, c0, w, c, ldc, kb,
+                     cursor, pack, packed_panel);
+      break;
+    case 2:
+      SpmmTile<T, 2>(csr, out_rows, r0, r1, b, k, ldb, c0, w, c, ldc, kb,
+                     cursor, pack, packed_panel);
+      break;
+    default:
+      SpmmTile<T, kMaxVecs>(csr, out_rows, r0, r1, b, k, ldb, c0, w, c, ldc,
+                            kb, cursor, pack, packed_panel);
   }
+}
+
+// All column panels of B packed one after the other (panel pi at
+// buf + off[pi], k rows of PanelVecs(w) * L columns, zero-padded).
+template <typename T>
+struct PackedB {
+  std::unique_ptr<T[]> mem;
+  T* data = nullptr;
+  std::vector<int64_t> off;
+};
+
+template <typename T>
+int64_t PackedBSize(int64_t k, int64_t n, int64_t panel) {
+  constexpr int L = Vec<T>::kLanes;
+  int64_t total = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += panel)
+    total += k * PanelVecs<T>(std::min(panel, n - c0)) * L;
+  return total;
+}
+
+template <typename T>
+void PackAllPanels(const T* b, int64_t k, int64_t n, int64_t ldb,
+                   int64_t panel, const ParallelFor& pfor, PackedB<T>* out) {
+  constexpr int L = Vec<T>::kLanes;
+  const int64_t n_panels = (n + panel - 1) / panel;
+  out->off.assign(n_panels + 1, 0);
+  for (int64_t pi = 0; pi < n_panels; ++pi) {
+    const int64_t w = std::min(panel, n - pi * panel);
+    out->off[pi + 1] = out->off[pi] + k * PanelVecs<T>(w) * L;
+  }
+  out->mem = AlignedBuffer<T>(out->off[n_panels], &out->data);
+  pfor(n_panels, k * panel, [&](int64_t p0, int64_t p1) {
+    for (int64_t pi = p0; pi < p1; ++pi) {
+      const int64_t w = std::min(panel, n - pi * panel);
+      PackPanel<T>(b, ldb, pi * panel, w, PanelVecs<T>(w) * L, 0, k,
+                   out->data + out->off[pi]);
+    }
+  });
 }
 
 }  // namespace
@@ -307,35 +565,35 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
     ZeroRows<T>(out_rows, n_rows, n, c, ldc, pfor);
     return;
   }
-  constexpr int64_t nb = kNb<T>;
-  const int64_t n_full = n / nb;
-  const int64_t n_cblocks = n_full + (n % nb != 0 ? 1 : 0);
   const int64_t nnz = csr.row_ptr[n_rows];
-  // Packing pays off once each B row is reused a few times in a tile.
-  const int64_t kb = KBlock<T>(k, nnz, n_rows);
-  // Tiles: (column block, row group); enough row groups to feed the pool.
-  const int64_t max_groups = (n_rows + kMinGroupRows - 1) / kMinGroupRows;
-  const int64_t n_groups = std::max<int64_t>(
-      1, std::min(max_groups, (kTargetTiles + n_cblocks - 1) / n_cblocks));
-  const int64_t group = (n_rows + n_groups - 1) / n_groups;
-  const int64_t tiles = n_cblocks * n_groups;
-  const bool pack = nnz / n_groups >= 4 * k;
-  const int64_t cost =
-      std::max<int64_t>(1, (nnz / n_groups) * nb / 4 + group * nb);
+  const SpmmPlan plan = PlanSpmm<T>(n_rows, k, n, nnz);
+  const int64_t panel = plan.panel;
+  const int64_t tiles = plan.n_panels * plan.n_groups;
+  // When several row groups share a panel and B is small, B is packed once
+  // per call (panel after panel, each k x padded width) instead of once per
+  // tile: small-n products would otherwise repack it for every row group.
+  const bool shared = plan.n_groups > 1 && PackedBSize<T>(k, n, panel) *
+                                                  static_cast<int64_t>(sizeof(T)) <=
+                                              kSharedPackBytes;
+  PackedB<T> packed;
+  if (shared) PackAllPanels<T>(b, k, n, ldb, panel, pfor, &packed);
+  const int64_t cost = std::max<int64_t>(
+      1, (nnz / plan.n_groups) * panel / 8 + plan.group * panel +
+             (shared ? 0 : k * panel / 4));
   pfor(tiles, cost, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> cursor(group);
-    std::unique_ptr<T[]> pack_buf(pack ? new T[kb * nb] : nullptr);
+    std::vector<int64_t> cursor(plan.group);
+    T* pack = nullptr;
+    std::unique_ptr<T[]> pack_mem;
+    if (!shared) pack_mem = AlignedBuffer<T>(plan.kb * panel, &pack);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t cb = t / n_groups, g = t % n_groups;
-      const int64_t r0 = g * group, r1 = std::min(n_rows, r0 + group);
+      const int64_t pi = t / plan.n_groups, g = t % plan.n_groups;
+      const int64_t r0 = g * plan.group;
+      const int64_t r1 = std::min(n_rows, r0 + plan.group);
+      const int64_t c0 = pi * panel, w = std::min(panel, n - c0);
       if (r0 >= r1) continue;
-      const int64_t c0 = cb * nb;
-      if (cb < n_full) {
-        SpmmPanel<T>(csr, out_rows, r0, r1, b, k, ldb, c0, c, ldc, kb,
-                     cursor.data(), pack_buf.get());
-      } else {
-        SpmmTail<T>(csr, out_rows, r0, r1, b, ldb, c0, n, c, ldc);
-      }
+      SpmmTileAny<T>(csr, out_rows, r0, r1, b, k, ldb, c0, w, c, ldc,
+                     plan.kb, cursor.data(), pack,
+                     shared ? packed.data + packed.off[pi] : nullptr);
     }
   });
 }

@@ -18,6 +18,10 @@
 #define TF_SPARSE_SPLIT_CC_CORE_SPARSE_MATMUL_H_
 
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cc/core/parallel_for.h"
@@ -36,19 +40,52 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
                       bool transpose_a, int64_t* row_nnz, int64_t* col_nnz,
                       const ParallelFor& pfor);
 
+// std::allocator whose value-less construct() default-initialises: resize()
+// of a vector of ints or floats leaves the new elements unwritten instead of
+// zeroing them (the CSR build overwrites every entry anyway; zeroing was a
+// whole extra write pass over the arrays).
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible<U>::value) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+// A vector whose resize() does not zero new elements (see above).
+template <typename T>
+using UninitVector = std::vector<T, DefaultInitAllocator<T>>;
+
 // A CSR matrix over a subset of rows of op(a), column indices in op(a)'s
 // column space (uncompacted), ascending within each row.
 template <typename T>
 struct Csr {
-  std::vector<int64_t> row_ptr;  // [n_rows + 1]
-  std::vector<int32_t> col_idx;  // [nnz]
-  std::vector<T> values;         // [nnz]
+  UninitVector<int64_t> row_ptr;  // [n_rows + 1]
+  UninitVector<int32_t> col_idx;  // [nnz]
+  UninitVector<T> values;         // [nnz]
 };
 
 // Builds the CSR of rows `rows[0..n_rows)` of op(a) (each index in [0, m)).
 // row_nnz[m] and col_nnz[k] must be CountNonzeros' outputs for the same a
-// (col_nnz is read only when transpose_a; it may be null otherwise). Rows
-// appear in the CSR in the order given; ascending `rows` is fastest.
+// (col_nnz may be null). Rows appear in the CSR in the order given; column
+// indices ascend within each row. Cost: one read of the selected part of a
+// plus the CSR writes (no compress-store instructions: AVX-512 lanes are
+// packed by a mask-indexed permutation and a masked store). With
+// transpose_a, 16 x 16 tiles of the physical matrix are transposed in
+// registers and their columns packed straight into the CSR rows of op(a),
+// walking the physical rows in order (contiguous reads); each thread owns a
+// range of op(a) rows, so the result does not depend on the thread count.
 template <typename T>
 void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
               bool transpose_a, const int64_t* rows, int64_t n_rows,
@@ -58,10 +95,19 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
 // CSR SpMM: for r in [0, n_rows): c[out_rows[r], :] = csr.row(r) * b,
 // where b is a dense row-major [k, n] matrix with leading dimension ldb and
 // c a row-major matrix with leading dimension ldc (rows out_rows[r] are
-// overwritten, other rows untouched). Tiled over N and K so the block of b
-// being read stays in L1/L2 while all rows sweep over it; parallel over
-// (row block, column block) tiles; the summation order of each output is
-// ascending k whatever the thread count (deterministic bits).
+// overwritten, other rows untouched). Column indices must ascend within each
+// row (BuildCsr's output does).
+// Method: the output is cut into 256-byte column panels (narrower kernels
+// for n < 64 floats) and row groups; a tile (panel, row group) walks K in
+// blocks whose rows of b are packed into a 64-byte-aligned buffer (~32 KB,
+// L1, at high density; deeper blocks at low density so that a row meets
+// several nonzeros per visit); two rows are processed at a time, each
+// keeping its output segment in vector registers. When b is small (<= 1 MB)
+// and several row groups share a panel, b is packed once per call instead.
+// The summation order of each output is ascending k whatever the tiling or
+// thread count (deterministic bits). NaN/Inf in the CSR values propagate;
+// entries of b are only read where op(a) has a nonzero (0 * Inf in b gives
+// no NaN, as in tf.sparse).
 template <typename T>
 void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
              const T* b, int64_t k, int64_t n, int64_t ldb, T* c,

@@ -15,6 +15,7 @@
 
 #include "cc/core/cost_model.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
 #include "cc/kernels/tf_kernel.h"
@@ -119,6 +120,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     // No GPU in this kernel: a heterogeneous split falls back to the normal
     // CPU split (same result) and says so in the statistics.
     OP_REQUIRES_OK(ctx, mm_.Init(ctx, tf::DEVICE_CPU, tf::DataTypeToEnum<T>::value));
+    OP_REQUIRES_OK(ctx, epilogue_.Init(ctx));  // optional bias + activation
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -126,6 +128,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const tf::Tensor& b = ctx->input(1);
     MatMulProblem prob;
     OP_REQUIRES_OK(ctx, ValidateMatMul(a, b, ctx->input(2), mm_.ta, mm_.tb, &prob));
+    OP_REQUIRES_OK(ctx, epilogue_.Validate(ctx, prob.n));
     const int64_t m = prob.m, k = prob.k, n = prob.n;
     SplitCall call(ctx, 1, m, k, n, prob.threshold);
     OP_REQUIRES_OK(ctx, call.status());
@@ -147,6 +150,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       out->flat<T>().setZero();
       // No work, but the statistics still describe op(a).
       call.FinishEmpty(m, k, k > 0 ? row_nnz.data() : nullptr);
+      OP_REQUIRES_OK(ctx, epilogue_.ApplyCpu<T>(ctx));  // act(0 + bias)
       return;
     }
     const std::vector<int64_t> live_cols = LiveColumns(col_nnz.data(), k);
@@ -198,10 +202,13 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     // The SpMM never touches all-zero columns; the dense part skips them
     // only when it compacts.
     call.Finish(nnz, (rd == 0 || compact) ? k - k_live : 0);
+    // product = act(product + bias) on every row, after both parts.
+    OP_REQUIRES_OK(ctx, epilogue_.ApplyCpu<T>(ctx));
   }
 
  private:
   MatMulKernels mm_;  // attrs and TF's MatMul kernels
+  MatMulEpilogue epilogue_;
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 

@@ -91,6 +91,7 @@
 #include "cc/core/cost_model.h"
 #include "cc/core/cuda/sparse_matmul_cuda.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
 #include "cc/kernels/tf_kernel.h"
@@ -292,6 +293,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
   explicit SparseSplitMatMulGpuOp(tf::OpKernelConstruction* ctx)
       : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, mm_.Init(ctx, tf::DEVICE_GPU, tf::DataTypeToEnum<T>::value));
+    OP_REQUIRES_OK(ctx, epilogue_.Init(ctx));  // optional bias + activation
   }
 
   ~SparseSplitMatMulGpuOp() override {
@@ -303,6 +305,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     const tf::Tensor& b = ctx->input(1);
     MatMulProblem prob;  // threshold: host memory
     OP_REQUIRES_OK(ctx, ValidateMatMul(a, b, ctx->input(2), mm_.ta, mm_.tb, &prob));
+    OP_REQUIRES_OK(ctx, epilogue_.Validate(ctx, prob.n));
     const int64_t m = prob.m, k = prob.k, n = prob.n;
     SplitCall call(ctx, 1, m, k, n, prob.threshold);  // stats: host memory
     OP_REQUIRES_OK(ctx, call.status());
@@ -320,6 +323,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                                           sizeof(T) * m * n, stream));
       }
       call.FinishEmpty(m, 0, nullptr);
+      OP_REQUIRES_OK(ctx, epilogue_.ApplyGpu<T>(ctx, stream));  // act(0 + bias)
       return;
     }
     const T* a_ptr = a.flat<T>().data();
@@ -531,6 +535,9 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     timing->nnz_sparse = nnz_sparse;
     timing->compact = compact;
 
+    // product = act(product + bias) on every row, enqueued after both parts.
+    OP_REQUIRES_OK(ctx, epilogue_.ApplyGpu<T>(ctx, stream));
+
     const double skipped = (rd == 0 || compact) ? k - k_live : 0;
     if (ctx->output_required(1)) {
       // The statistics (host memory) carry this call's GPU times: wait.
@@ -593,6 +600,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
   }
 
   MatMulKernels mm_;  // attrs and TF's GPU MatMul (cuBLAS) on the op's stream
+  MatMulEpilogue epilogue_;
   PlanMemory plans_;  // this op's last plan (hysteresis)
   std::mutex mu_;  // guards pending_ and side_stream_
   std::deque<std::shared_ptr<CallTiming>> pending_;

@@ -41,7 +41,8 @@ threshold: scalar float32 image-density threshold in [0, 1]; images with
   density nnz / (H*W*C_in) above it go to a dense convolution, the rest to a
   sparse kernel. Negative: chosen automatically. Never changes the answer.
 output: [N, OH, OW, C_out].
-stats: float64 per-call statistics (see tf_sparse_split/stats.py).
+stats: float64 [kNumStats] per-call statistics, laid out as in
+  cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");
 
 REGISTER_OP("TfSparseSplit>SparseSplitConv2DBackpropFilter")
@@ -77,7 +78,8 @@ filter_sizes: int32 [4] = [KH, KW, C_in, C_out].
 out_backprop: [N, OH, OW, C_out].
 threshold: as in SparseSplitConv2D.
 filter_backprop: [KH, KW, C_in, C_out].
-stats: float64 per-call statistics (see tf_sparse_split/stats.py).
+stats: float64 [kNumStats] per-call statistics, laid out as in
+  cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");
 
 }  // namespace tf_sparse_split

@@ -16,6 +16,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitMatMul")
     .Input("a: T")
     .Input("b: T")
     .Input("threshold: float")
+    .Input("bias: num_bias * T")
     .Output("product: T")
     .Output("stats: float64")
     .Attr("transpose_a: bool = false")
@@ -23,6 +24,8 @@ REGISTER_OP("TfSparseSplit>SparseSplitMatMul")
     .Attr("T: {float, double}")
     .Attr("heterogeneous: bool = false")
     .Attr("grad_a_live_only: bool = false")
+    .Attr("num_bias: int >= 0 = 0")
+    .Attr("activation: {'none', 'relu', 'relu6'} = 'none'")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle a, b, thr;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &a));
@@ -37,6 +40,16 @@ REGISTER_OP("TfSparseSplit>SparseSplitMatMul")
       DimensionHandle n = c->Dim(b, tb ? 0 : 1);
       DimensionHandle merged;
       TF_RETURN_IF_ERROR(c->Merge(ka, kb, &merged));
+      int num_bias;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_bias", &num_bias));
+      if (num_bias > 1)
+        return tf::errors::InvalidArgument(
+            "SparseSplitMatMul: num_bias must be 0 or 1, got ", num_bias);
+      if (num_bias == 1) {
+        ShapeHandle bias;
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &bias));
+        TF_RETURN_IF_ERROR(c->Merge(c->Dim(bias, 0), n, &n));
+      }
       c->set_output(0, c->Matrix(m, n));
       c->set_output(1, c->Vector(kNumStats));
       return absl::OkStatus();
@@ -49,11 +62,19 @@ b: [k, n] (or [n, k] with transpose_b).
 threshold: scalar float32 row-density threshold in [0, 1]; rows of op(a)
   with density above it go to a dense GEMM, the rest to a CSR SpMM. A
   negative value chooses it automatically. The answer does not depend on it.
-product: [m, n].
+bias: optional (num_bias = 1) vector [n] added to every row of the product.
+product: [m, n], act(op(a) * op(b) + bias), computed by the fused epilogue
+  (cc/kernels/epilogue.h) after both parts of the split have written their
+  rows.
+num_bias: 0 (no bias) or 1.
+activation: 'none', 'relu' (max(x, 0)) or 'relu6' (min(max(x, 0), 6)),
+  applied after the bias; NaN propagates.
 heterogeneous: on the GPU kernel, multiply the sparse rows on the CPU (copied
   to host memory) while the dense rows run on the GPU (Peng 2017). The CPU
-  kernel ignores it (normal CPU split) and records stats[28] = 2.
-stats: float64 [29] per-call statistics (see tf_sparse_split/stats.py).
+  kernel ignores it (normal CPU split) and records kHeteroCpuFallback in the
+  kStatHeterogeneous entry of stats.
+stats: float64 [kNumStats] per-call statistics, laid out as in
+  cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");
 
 }  // namespace tf_sparse_split

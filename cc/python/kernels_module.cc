@@ -5,12 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cc/core/sparse_matmul.h"
+#include "cc/core/stats.h"
 
 namespace py = pybind11;
 
@@ -147,8 +149,113 @@ py::array_t<T> SddmmPy(const Arr<T>& mask, const Arr<T>& x, const Arr<T>& y,
   return out;
 }
 
+// A CSR matrix built in C++ and kept there (no copy to numpy), for timing
+// the build and the SpMM separately.
 template <typename T>
-void Bind(py::module_& mod) {
+struct CsrMatrix {
+  Csr<T> csr;
+  int64_t m = 0, k = 0;
+};
+
+// Counts the nonzeros of op(a) and builds its CSR into *out, reusing the
+// capacity of out's arrays (an op that keeps its CSR buffers across calls
+// pays no allocation or page faults).
+template <typename T>
+void BuildInto(const Arr<T>& a, bool transpose, int threads, CsrMatrix<T>* out) {
+  Require2d(a, "a");
+  const int64_t pr = a.shape(0), pc = a.shape(1);
+  const int64_t m = transpose ? pc : pr, k = transpose ? pr : pc;
+  if (k >= (int64_t{1} << 31)) throw py::value_error("k must be < 2^31");
+  py::gil_scoped_release release;
+  out->m = m;
+  out->k = k;
+  std::vector<int64_t> row(m), col(k), rows(m);
+  for (int64_t i = 0; i < m; ++i) rows[i] = i;
+  auto pfor = ThreadFor(threads);
+  CountNonzeros<T>(a.data(), pr, pc, transpose, row.data(), col.data(), pfor);
+  BuildCsr<T>(a.data(), pr, pc, transpose, rows.data(), m, row.data(),
+              col.data(), &out->csr, pfor);
+}
+
+template <typename T>
+CsrMatrix<T> MakeCsrMatrix(const Arr<T>& a, bool transpose, int threads) {
+  CsrMatrix<T> out;
+  BuildInto<T>(a, transpose, threads, &out);
+  return out;
+}
+
+template <typename T>
+py::array_t<T> CsrMatrixSpmm(const CsrMatrix<T>& h, const Arr<T>& b,
+                             int threads) {
+  Require2d(b, "b");
+  if (b.shape(0) != h.k)
+    throw py::value_error("b must have " + std::to_string(h.k) +
+                          " rows (the CSR matrix is " + std::to_string(h.m) +
+                          " x " + std::to_string(h.k) + "), got " +
+                          std::to_string(b.shape(0)));
+  const int64_t n = b.shape(1);
+  py::array_t<T> out({h.m, n});
+  std::vector<int64_t> rows(h.m);
+  for (int64_t i = 0; i < h.m; ++i) rows[i] = i;
+  {
+    py::gil_scoped_release release;
+    CsrSpmm<T>(h.csr, rows.data(), h.m, b.data(), h.k, n, n,
+               out.mutable_data(), n, ThreadFor(threads));
+  }
+  return out;
+}
+
+// Copies src with `threads` threads (the bandwidth baseline of the
+// conversion benchmarks).
+template <typename T>
+py::array_t<T> ParallelCopy(const Arr<T>& src, int threads) {
+  py::array_t<T> dst(std::vector<py::ssize_t>(src.shape(), src.shape() + src.ndim()));
+  const int64_t total = src.size();
+  const T* s = src.data();
+  T* d = dst.mutable_data();
+  {
+    py::gil_scoped_release release;
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(64, total >> 12));
+    const int64_t per = (total + blocks - 1) / blocks;
+    ThreadFor(threads)(blocks, per, [&](int64_t b0, int64_t b1) {
+      const int64_t lo = std::min(total, b0 * per), hi = std::min(total, b1 * per);
+      if (hi > lo) std::memcpy(d + lo, s + lo, (hi - lo) * sizeof(T));
+    });
+  }
+  return dst;
+}
+
+template <typename T>
+void Bind(py::module_& mod, const char* suffix) {
+  const std::string cls = std::string("CsrMatrix") + suffix;
+  py::class_<CsrMatrix<T>>(mod, cls.c_str(),
+                           "A CSR matrix held in C++ (see csr_matrix).")
+      .def_property_readonly("shape", [](const CsrMatrix<T>& h) {
+        return py::make_tuple(h.m, h.k);
+      })
+      .def_property_readonly("nnz", [](const CsrMatrix<T>& h) {
+        return h.csr.row_ptr.empty() ? 0 : h.csr.row_ptr.back();
+      })
+      .def("rebuild",
+           [](CsrMatrix<T>& h, const Arr<T>& a, bool transpose, int threads) {
+             BuildInto<T>(a, transpose, threads, &h);
+           },
+           py::arg("a"), py::arg("transpose") = false,
+           py::arg("threads") = DefaultThreads(),
+           "Recounts and rebuilds this matrix from a (as csr_matrix does),\n"
+           "reusing its arrays' memory. Raises ValueError if a is not 2-D.")
+      .def("spmm", &CsrMatrixSpmm<T>, py::arg("b"),
+           py::arg("threads") = DefaultThreads(),
+           "Dense [m, n] product of this [m, k] CSR matrix and b [k, n].\n"
+           "Raises ValueError if b is not 2-D with k rows.");
+  mod.def("csr_matrix", &MakeCsrMatrix<T>, py::arg("a"),
+          py::arg("transpose") = false, py::arg("threads") = DefaultThreads(),
+          "Counts the nonzeros of op(a) (a, or a.T if transpose) and builds its\n"
+          "CSR, kept in C++: returns a CsrMatrix with .shape (m, k), .nnz and\n"
+          ".spmm(b). Raises ValueError if a is not 2-D.");
+  mod.def("parallel_copy", &ParallelCopy<T>, py::arg("src"),
+          py::arg("threads") = DefaultThreads(),
+          "A copy of src made by `threads` threads (memcpy bandwidth baseline).");
   mod.def("row_col_nnz", &RowColNnz<T>, py::arg("a"), py::arg("transpose") = false,
           py::arg("threads") = DefaultThreads(),
           "Per-row and per-column nonzero counts of op(a) and the total nnz.\n"
@@ -451,8 +558,44 @@ PYBIND11_MODULE(_kernels, mod) {
   mod.doc() =
       "numpy access to tf_sparse_split's framework-free CPU kernels "
       "(float64 overloads first, then float32).";
-  tf_sparse_split::Bind<double>(mod);
-  tf_sparse_split::Bind<float>(mod);
+  tf_sparse_split::Bind<double>(mod, "F64");
+  tf_sparse_split::Bind<float>(mod, "F32");
   mod.attr("DENSITY_BINS") = tf_sparse_split::kDensityBins;
+
+  // ---- Statistics layout ------------------------------------------------
+  // cc/core/stats.h is the one source of the layout of the ops' statistics
+  // vector; tf_sparse_split/tuning/stats.py mirrors it and a test checks the
+  // two agree through this function.
+  mod.def(
+      "stats_layout",
+      [] {
+        namespace t = tf_sparse_split;
+        py::dict d;
+        d["kStatRowsDense"] = static_cast<int>(t::kStatRowsDense);
+        d["kStatRowsSparse"] = static_cast<int>(t::kStatRowsSparse);
+        d["kStatNnz"] = static_cast<int>(t::kStatNnz);
+        d["kStatZeroColsSkipped"] = static_cast<int>(t::kStatZeroColsSkipped);
+        d["kStatTimeDense"] = static_cast<int>(t::kStatTimeDense);
+        d["kStatTimeSparse"] = static_cast<int>(t::kStatTimeSparse);
+        d["kStatTimeAnalyze"] = static_cast<int>(t::kStatTimeAnalyze);
+        d["kStatThreshold"] = static_cast<int>(t::kStatThreshold);
+        d["kStatM"] = static_cast<int>(t::kStatM);
+        d["kStatK"] = static_cast<int>(t::kStatK);
+        d["kStatN"] = static_cast<int>(t::kStatN);
+        d["kStatNnzSparse"] = static_cast<int>(t::kStatNnzSparse);
+        d["kStatHistogram"] = static_cast<int>(t::kStatHistogram);
+        d["kStatHeterogeneous"] = static_cast<int>(t::kStatHeterogeneous);
+        d["kNumStats"] = static_cast<int>(t::kNumStats);
+        d["kDensityBins"] = t::kDensityBins;
+        d["kHeteroOff"] = t::kHeteroOff;
+        d["kHeteroRan"] = t::kHeteroRan;
+        d["kHeteroCpuFallback"] = t::kHeteroCpuFallback;
+        return d;
+      },
+      "Layout of the ops' statistics vector, from cc/core/stats.h: a dict of "
+      "the StatIndex names (kStat*) to their indices (kStatHistogram is the "
+      "first of kDensityBins histogram entries), kNumStats, kDensityBins and "
+      "the kHetero* values of the kStatHeterogeneous entry.");
+
   tf_sparse_split::BindCostModel(mod);  // cost model block above
 }

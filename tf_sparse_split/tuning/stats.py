@@ -2,7 +2,9 @@
 
 ``sparse_split_matmul(..., return_stats=True)`` returns, beside the product, a
 float64 vector of length :data:`NUM_STATS`. Its entries (indices below) are
-the same as ``StatIndex`` in ``cc/core/sparse_matmul.h``:
+the same as ``StatIndex`` in ``cc/core/stats.h``, the one source of the
+layout (``tf_sparse_split._kernels.stats_layout()`` exports it; a test checks
+that this module agrees):
 
 ==================  =====================================================
 index               meaning

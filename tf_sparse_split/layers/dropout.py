@@ -70,300 +70,68 @@ whatever the distribution (exact when the period divides the width; the
 realized rate varies slightly with the offset otherwise).
 """
 
-import math
-
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sparse_split.tuning.pattern_search import (
+    check_pattern, check_tile_fits, check_tile_shape,
+    search_pattern_distribution)
+from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
+                                              validate_positive_float)
+
 __all__ = [
     "ApproximateRandomDropout",
     "SensitivityAwareDropout",
-    "PatternDistribution",
-    "search_pattern_distribution",
-    "pattern_list",
+    "draw_pattern",
+    "pattern_keep_mask",
 ]
 
-_PATTERNS = ("row", "tile")
-
-
 # ---------------------------------------------------------------------------
-# argument checks
+# pattern draws (shared with the LSTM's recurrent dropout)
 # ---------------------------------------------------------------------------
-def _check_rate(rate):
-    if isinstance(rate, bool):
-        raise ValueError(f"rate must be a number in [0, 1), got {rate!r}")
-    try:
-        value = float(rate)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"rate must be a number in [0, 1), got {rate!r}") from None
-    if not 0.0 <= value < 1.0:  # also rejects NaN
-        raise ValueError(f"rate must be in [0, 1), got {rate!r}")
-    return value
-
-
-def _check_pos_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got "
-                         f"{value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_pattern(pattern):
-    if pattern not in _PATTERNS:
-        raise ValueError(
-            f"pattern must be one of {_PATTERNS}, got {pattern!r}")
-    return pattern
-
-
-def _check_tile_shape(tile_shape):
-    try:
-        tb, tu = tile_shape
-    except (TypeError, ValueError):
-        raise ValueError(
-            "tile_shape must be a pair (batch_rows, units) of positive "
-            f"integers, got {tile_shape!r}") from None
-    return (_check_pos_int("tile_shape[0] (batch rows)", tb),
-            _check_pos_int("tile_shape[1] (units)", tu))
-
-
-def _check_tile_fits(tile_shape, units):
-    tb, tu = tile_shape
-    if tu > units:
-        raise ValueError(
-            f"tile_shape {tuple(tile_shape)} is wider ({tu} units) than the "
-            f"layer ({units} units)")
-    if units % tu:
-        raise ValueError(
-            f"tile_shape {tuple(tile_shape)}: {tu} units per tile does not "
-            f"divide the layer's {units} units")
-
-
-# ---------------------------------------------------------------------------
-# patterns and the distribution search
-# ---------------------------------------------------------------------------
-def pattern_list(num_columns, max_period):
-    """The candidate patterns ``[(kind, period), ...]`` for ``num_columns``
-    units (or tile columns): ``("keep", 1)`` (identity), ``("drop", p)`` for
-    ``2 <= p <= P`` and ``("keep", p)`` for ``3 <= p <= P``, with
-    ``P = min(max_period, num_columns)``."""
-    num_columns = _check_pos_int("num_columns", num_columns)
-    max_period = _check_pos_int("max_period", max_period, 2)
-    top = min(max_period, num_columns)
-    out = [("keep", 1)]
-    out += [("drop", p) for p in range(2, top + 1)]
-    out += [("keep", p) for p in range(3, top + 1)]
-    return out
-
-
-def _pattern_rates(patterns, num_columns):
-    """Per pattern: the realized drop fraction for each offset (array of
-    length p) over ``num_columns`` units."""
-    j = np.arange(num_columns)
-    out = []
-    for kind, p in patterns:
-        rates = []
-        for o in range(p):
-            hit = ((j - o) % p) == 0
-            dropped = hit if kind == "drop" else ~hit
-            rates.append(dropped.mean())
-        out.append(np.array(rates))
-    return out
-
-
-class PatternDistribution:
-    """Result of :func:`search_pattern_distribution` (plain numpy data).
-
-    Attributes:
-      rate: the requested drop rate.
-      pattern: ``"row"`` or ``"tile"``.
-      num_columns: units (row) or tile columns (tile) the rates refer to.
-      patterns: list of ``(kind, period)``.
-      probabilities: float64 array, one probability per pattern (sums to 1).
-      pattern_rates: float64 array, each pattern's mean realized rate
-        (over offsets).
-      expected_rate: ``sum(probabilities * pattern_rates)``: the drop
-        probability of every unit.
-      rate_std: standard deviation of the per-step realized rate.
-      loss_history: float64 array, the objective after each SGD step.
-      weights: the objective's weights ``(mean, variance, entropy)``.
-      seed: the seed used.
-    """
-
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-    def per_unit_drop_probability(self):
-        """Exact drop probability of every unit ``[num_columns]`` under the
-        distribution with uniform offsets."""
-        j = np.arange(self.num_columns)
-        prob = np.zeros(self.num_columns)
-        for (kind, p), pi in zip(self.patterns, self.probabilities):
-            for o in range(p):
-                hit = ((j - o) % p) == 0
-                dropped = hit if kind == "drop" else ~hit
-                prob += pi / p * dropped
-        return prob
-
-    def as_dict(self):
-        return {
-            "rate": self.rate, "pattern": self.pattern,
-            "num_columns": self.num_columns,
-            "patterns": [list(p) for p in self.patterns],
-            "probabilities": self.probabilities.tolist(),
-            "expected_rate": self.expected_rate, "rate_std": self.rate_std,
-        }
-
-    def __repr__(self):
-        top = np.argsort(-self.probabilities)[:4]
-        parts = ", ".join(f"{self.patterns[i][0]} 1/{self.patterns[i][1]}:"
-                          f" {self.probabilities[i]:.3f}" for i in top)
-        return (f"PatternDistribution(rate={self.rate}, expected_rate="
-                f"{self.expected_rate:.4f}, rate_std={self.rate_std:.4f}, "
-                f"top=[{parts}])")
-
-
-def search_pattern_distribution(rate, num_units, pattern="row", max_period=8,
-                                steps=500, lr=0.5, seed=0, tile_shape=None,
-                                mean_weight=100.0, variance_weight=1.0,
-                                entropy_weight=0.01):
-    """SGD search for the probabilities of the dropout patterns.
-
-    The distribution over the candidate patterns (:func:`pattern_list`) is
-    ``pi = softmax(theta)``; ``theta`` starts at ``seed``-drawn small random
-    values and takes ``steps`` gradient steps (full-batch gradient descent
-    with a step size ``lr``; the objective is deterministic, so the result
-    is reproducible from the seed) on::
-
-      L(pi) = mean_weight     * (sum_k pi_k m_k - rate)^2
-            + variance_weight * sum_k pi_k E_o[(r_k(o) - rate)^2]
-            - entropy_weight  * H(pi) / log K
-
-    where ``r_k(o)`` is pattern k's realized rate at offset ``o``, ``m_k``
-    its mean over offsets and ``K`` the number of patterns. The first term
-    makes every unit's drop probability equal to ``rate`` (it is
-    ``sum_k pi_k m_k`` for every unit, see the module docstring); the second
-    keeps each step's realized rate near ``rate`` (ordinary dropout's
-    realized rate concentrates at ``rate`` too); the third spreads the
-    distribution over many patterns (more different sub-networks, closer to
-    the diversity of random dropout). This is our formulation of the
-    paper's SGD-based search (its exact loss was not available to us).
-
-    After the last step the mean is corrected exactly by mixing in the
-    lowest- or highest-rate pattern with a small weight (typically < 1e-2),
-    so ``expected_rate == rate`` to float rounding. ``max_period`` is raised
-    to ``2 * ceil(1 / (1 - rate))`` where needed (capped by the number of
-    columns) so that patterns on both sides of the target exist.
+def draw_pattern(patterns, probs, seed_generator):
+    """Draws one pattern of a distribution and its offset.
 
     Args:
-      rate: target drop rate in ``[0, 1)``.
-      num_units: the layer's width (units).
-      pattern: ``"row"`` or ``"tile"``.
-      max_period: the largest period ``p`` considered (>= 2); limited to the
-        number of columns.
-      steps: gradient steps (>= 1).
-      lr: step size (> 0).
-      seed: integer seed of the initial ``theta``.
-      tile_shape: ``(tb, tu)`` for ``pattern="tile"`` (the patterns then run
-        over ``num_units // tu`` tile columns).
-      mean_weight, variance_weight, entropy_weight: the objective's weights
-        (>= 0).
+      patterns: list of ``(kind, period)``.
+      probs: their probabilities (numpy, sums to 1).
+      seed_generator: a ``keras.random.SeedGenerator`` (advanced).
 
     Returns:
-      a :class:`PatternDistribution`.
-
-    Raises:
-      ValueError: on a bad argument (rate outside [0, 1), tile shape not
-        dividing the width, a rate above ``1 - 1/columns``, ...).
+      ``(is_drop, period, offset)``: a bool scalar and two int32 scalars,
+      the offset uniform in ``[0, period)``.
     """
-    rate = _check_rate(rate)
-    _check_pattern(pattern)
-    num_units = _check_pos_int("num_units", num_units)
-    max_period = _check_pos_int("max_period", max_period, 2)
-    steps = _check_pos_int("steps", steps)
-    lr = float(lr)
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    for name, w in (("mean_weight", mean_weight),
-                    ("variance_weight", variance_weight),
-                    ("entropy_weight", entropy_weight)):
-        if not float(w) >= 0:
-            raise ValueError(f"{name} must be >= 0, got {w!r}")
-    if pattern == "tile":
-        if tile_shape is None:
-            raise ValueError("pattern='tile' needs tile_shape=(rows, units)")
-        tile_shape = _check_tile_shape(tile_shape)
-        _check_tile_fits(tile_shape, num_units)
-        num_columns = num_units // tile_shape[1]
+    logits = tf.math.log(tf.constant(
+        np.maximum(probs, 1e-30)[None, :], tf.float32))
+    idx = tf.cast(tf.reshape(keras.random.categorical(
+        logits, 1, seed=seed_generator), []), tf.int32)
+    periods = tf.constant([p for _, p in patterns], tf.int32)
+    drops = tf.constant([k == "drop" for k, _ in patterns])
+    p = tf.gather(periods, idx)
+    u = keras.random.uniform((), seed=seed_generator)
+    o = tf.minimum(tf.cast(tf.floor(u * tf.cast(p, tf.float32)),
+                           tf.int32), p - 1)
+    return tf.gather(drops, idx), p, o
+
+
+def pattern_keep_mask(patterns, probs, units, seed_generator, pattern="row",
+                      tile_shape=None, batch_size=None):
+    """Draws one row/tile keep mask (module docstring, "Pattern
+    definitions"): float32 ``[1, units]`` for ``pattern="row"``, ``[batch_size,
+    units]`` for ``"tile"``; 1 = kept, 0 = dropped (not rescaled). Advances
+    ``seed_generator``."""
+    is_drop, p, o = draw_pattern(patterns, probs, seed_generator)
+    if pattern == "row":
+        q = tf.range(units, dtype=tf.int32)[None, :]
     else:
-        num_columns = num_units
-    if rate > 0 and num_columns < 2:
-        raise ValueError(
-            f"rate {rate} needs at least 2 units (tile columns) to drop from, "
-            f"got {num_columns}")
-    top_rate = 1.0 - 1.0 / num_columns
-    if rate > top_rate + 1e-12:
-        raise ValueError(
-            f"rate {rate} is not reachable with {num_columns} units (tile "
-            f"columns): the highest pattern rate is 1 - 1/{num_columns}")
-    # Make sure the target is inside the range of the candidates' rates.
-    need = int(math.ceil(1.0 / (1.0 - rate) - 1e-9))
-    max_period = max(max_period, 2 * need)
-    patterns = pattern_list(num_columns, max_period)
-    offset_rates = _pattern_rates(patterns, num_columns)
-    m = np.array([r.mean() for r in offset_rates])
-    v = np.array([np.mean((r - rate) ** 2) for r in offset_rates])
-    k = len(patterns)
-    log_k = math.log(k) if k > 1 else 1.0
-
-    rng = np.random.default_rng(seed)
-    theta = 0.01 * rng.standard_normal(k)
-    history = np.empty(steps)
-
-    def objective(pi):
-        e = pi @ m
-        h = -np.sum(pi * np.log(pi + 1e-300))
-        loss = (mean_weight * (e - rate) ** 2 + variance_weight * (pi @ v)
-                - entropy_weight * h / log_k)
-        # dL/dpi
-        g = (2 * mean_weight * (e - rate) * m + variance_weight * v
-             + entropy_weight * (np.log(pi + 1e-300) + 1) / log_k)
-        return loss, g
-
-    for t in range(steps):
-        z = theta - theta.max()
-        pi = np.exp(z) / np.exp(z).sum()
-        loss, g = objective(pi)
-        history[t] = loss
-        # Chain rule through the softmax: dL/dtheta = pi * (g - pi.g).
-        theta = theta - lr * pi * (g - pi @ g)
-    z = theta - theta.max()
-    pi = np.exp(z) / np.exp(z).sum()
-    # Final exact correction of the mean (the penalty leaves an error of
-    # ~1e-3): mix in the lowest- or highest-rate pattern, whichever lies on
-    # the other side of the target, with the weight that makes the expected
-    # rate equal ``rate``.
-    e = float(pi @ m)
-    j = int(np.argmax(m)) if e < rate else int(np.argmin(m))
-    if e != rate and m[j] != e:
-        lam = (rate - e) / (m[j] - e)
-        if 0.0 < lam <= 1.0:
-            pi = (1.0 - lam) * pi
-            pi[j] += lam
-    e = float(pi @ m)
-    second = sum(p_k * np.mean(r ** 2) for p_k, r in zip(pi, offset_rates))
-    return PatternDistribution(
-        rate=rate, pattern=pattern, num_columns=num_columns,
-        tile_shape=tile_shape, patterns=patterns, probabilities=pi,
-        pattern_rates=m, expected_rate=e,
-        rate_std=float(math.sqrt(max(second - e * e, 0.0))),
-        loss_history=history,
-        weights=(float(mean_weight), float(variance_weight),
-                 float(entropy_weight)),
-        seed=seed)
+        tb, tu = tile_shape
+        rows = tf.range(batch_size, dtype=tf.int32) // tb
+        cols = tf.range(units, dtype=tf.int32) // tu
+        q = cols[None, :] - rows[:, None]
+    hit = tf.math.floormod(q - o, p) == 0
+    dropped = tf.where(is_drop, hit, tf.logical_not(hit))
+    return tf.cast(tf.logical_not(dropped), tf.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -404,18 +172,18 @@ class ApproximateRandomDropout(keras.layers.Layer):
     def __init__(self, rate, pattern="row", tile_shape=None, max_period=8,
                  seed=None, probabilities=None, **kwargs):
         super().__init__(**kwargs)
-        self.rate = _check_rate(rate)
-        self.pattern = _check_pattern(pattern)
+        self.rate = validate_fraction(rate, "rate")
+        self.pattern = check_pattern(pattern)
         if pattern == "tile":
-            self.tile_shape = _check_tile_shape(
+            self.tile_shape = check_tile_shape(
                 (32, 32) if tile_shape is None else tile_shape)
         else:
             if tile_shape is not None:
                 raise ValueError("tile_shape is only used with pattern='tile'")
             self.tile_shape = None
-        self.max_period = _check_pos_int("max_period", max_period, 2)
+        self.max_period = validate_int(max_period, "max_period", 2)
         if seed is not None:
-            seed = _check_pos_int("seed", seed, 0)
+            seed = validate_int(seed, "seed", 0)
         self.seed = seed
         self._given = None
         if probabilities is not None:
@@ -433,7 +201,7 @@ class ApproximateRandomDropout(keras.layers.Layer):
                 if kind not in ("drop", "keep"):
                     raise ValueError(f"pattern kind must be 'drop' or 'keep',"
                                      f" got {kind!r}")
-                p = _check_pos_int("period", p, 2 if kind == "drop" else 1)
+                p = validate_int(p, "period", 2 if kind == "drop" else 1)
                 prob = float(prob)
                 if not prob >= 0:
                     raise ValueError(f"probability must be >= 0, got {prob}")
@@ -454,7 +222,7 @@ class ApproximateRandomDropout(keras.layers.Layer):
                              "(units) dimension")
         self._units = int(units)
         if self.pattern == "tile":
-            _check_tile_fits(self.tile_shape, self._units)
+            check_tile_fits(self.tile_shape, self._units)
             columns = self._units // self.tile_shape[1]
         else:
             columns = self._units
@@ -490,32 +258,15 @@ class ApproximateRandomDropout(keras.layers.Layer):
     # -- mask -------------------------------------------------------------
     def _draw(self):
         """Draws (kind_is_drop, period, offset) as int32 scalars."""
-        logits = tf.math.log(tf.constant(
-            np.maximum(self._probs, 1e-30)[None, :], tf.float32))
-        idx = tf.cast(tf.reshape(keras.random.categorical(
-            logits, 1, seed=self.seed_generator), []), tf.int32)
-        periods = tf.constant([p for _, p in self._patterns], tf.int32)
-        drops = tf.constant([k == "drop" for k, _ in self._patterns])
-        p = tf.gather(periods, idx)
-        u = keras.random.uniform((), seed=self.seed_generator)
-        o = tf.minimum(tf.cast(tf.floor(u * tf.cast(p, tf.float32)),
-                               tf.int32), p - 1)
-        return tf.gather(drops, idx), p, o
+        return draw_pattern(self._patterns, self._probs, self.seed_generator)
 
     def keep_mask(self, batch_size=None):
         """Draws one training-step mask: float32 ``[1, units]`` (row) or
         ``[batch_size, units]`` (tile); 1 = kept. Advances the seed state."""
-        is_drop, p, o = self._draw()
-        if self.pattern == "row":
-            q = tf.range(self._units, dtype=tf.int32)[None, :]
-        else:
-            tb, tu = self.tile_shape
-            rows = tf.range(batch_size, dtype=tf.int32) // tb
-            cols = tf.range(self._units, dtype=tf.int32) // tu
-            q = cols[None, :] - rows[:, None]
-        hit = tf.math.floormod(q - o, p) == 0
-        dropped = tf.where(is_drop, hit, tf.logical_not(hit))
-        return tf.cast(tf.logical_not(dropped), tf.float32)
+        return pattern_keep_mask(self._patterns, self._probs, self._units,
+                                 self.seed_generator, pattern=self.pattern,
+                                 tile_shape=self.tile_shape,
+                                 batch_size=batch_size)
 
     def call(self, inputs, training=False):
         if not training or self.rate == 0.0:
@@ -600,15 +351,11 @@ class SensitivityAwareDropout(keras.layers.Layer):
     def __init__(self, rate, temperature=1.0, momentum=0.9, seed=None,
                  **kwargs):
         super().__init__(**kwargs)
-        self.rate = _check_rate(rate)
-        self.temperature = float(temperature)
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature!r}")
-        self.momentum = float(momentum)
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        self.rate = validate_fraction(rate, "rate")
+        self.temperature = validate_positive_float(temperature, "temperature")
+        self.momentum = validate_fraction(momentum, "momentum")
         if seed is not None:
-            seed = _check_pos_int("seed", seed, 0)
+            seed = validate_int(seed, "seed", 0)
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.sensitivity = None

@@ -44,7 +44,7 @@ import math
 
 import numpy as np
 
-from tf_sparse_split import stats as _stats
+from tf_sparse_split.tuning import stats as _stats
 
 __all__ = ["CostModel", "PathFit", "DENSE", "SPARSE", "candidate_thresholds"]
 

@@ -12,14 +12,14 @@ rounding at any threshold. Requires the TensorFlow backend of Keras 3.
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tf_sparse_split import stats as _stats
-from tf_sparse_split.layers import (SplitLayerMixin, _check_backend,
-                                    validate_threshold)
+from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.ops.conv2d import sparse_split_conv2d
+from tf_sparse_split.tuning import stats as _stats
 
 __all__ = ["SparseSplitConv2D"]
-
 
 
 def _out_size(size, k, stride, dilation, padding):
@@ -30,7 +30,7 @@ def _out_size(size, k, stride, dilation, padding):
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
-class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
+class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
     """``keras.layers.Conv2D`` computed by ``SparseSplitConv2D``.
 
     ``output = activation(conv2d(inputs, kernel) + bias)``, the same as
@@ -62,7 +62,7 @@ class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
     ``reset_stats``, ``threshold``, ``set_threshold``) as in
     :class:`~tf_sparse_split.layers.SparseSplitDense`; the statistics map a
     convolution to the matmul layout as described in
-    :mod:`tf_sparse_split.stats` (rows = images, K = H*W*C_in,
+    :mod:`tf_sparse_split.tuning.stats` (rows = images, K = H*W*C_in,
     N = KH*KW*filters). ``split_work_coefficients`` gives the cost model the
     convolution's flop formulas.
 
@@ -74,6 +74,8 @@ class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
       RuntimeError: if the Keras backend is not TensorFlow.
     """
 
+    _keras_equivalent = "keras.layers.Conv2D"
+
     def __init__(self, filters, kernel_size, strides=(1, 1), padding="valid",
                  data_format=None, dilation_rate=(1, 1), groups=1,
                  activation=None, use_bias=True,
@@ -82,7 +84,6 @@ class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
                  bias_regularizer=None, activity_regularizer=None,
                  kernel_constraint=None, bias_constraint=None,
                  threshold=-1.0, **kwargs):
-        _check_backend()
         if groups != 1:
             raise ValueError(
                 f"SparseSplitConv2D supports groups=1 only, got groups={groups!r}"
@@ -92,9 +93,8 @@ class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
             raise ValueError(
                 "SparseSplitConv2D supports data_format='channels_last' "
                 f"(NHWC) only, got {fmt!r}")
-        self._initial_threshold = validate_threshold(threshold)
         super().__init__(
-            filters, kernel_size, strides=strides, padding=padding,
+            filters, kernel_size, threshold=threshold, strides=strides, padding=padding,
             data_format="channels_last", dilation_rate=dilation_rate,
             groups=1, activation=activation, use_bias=use_bias,
             kernel_initializer=kernel_initializer,
@@ -104,18 +104,14 @@ class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
             activity_regularizer=activity_regularizer,
             kernel_constraint=kernel_constraint,
             bias_constraint=bias_constraint, **kwargs)
-        self._init_split_state()
         self._spatial = None
 
     def build(self, input_shape):
         super().build(input_shape)
         if input_shape[1] is not None and input_shape[2] is not None:
             self._spatial = (int(input_shape[1]), int(input_shape[2]))
-        self._build_split_state()
 
     def convolution_op(self, inputs, kernel):
-        from tf_sparse_split.ops import sparse_split_conv2d
-
         x, k, out_dtype = self._op_operands(inputs, kernel)
         if self._spatial is None and x.shape[1] is not None and \
                 x.shape[2] is not None:
@@ -138,8 +134,6 @@ class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
         element of ``K = H*W*C_in``. OH, OW come from the input size the
         layer was built or called with (``1 / (stride_h * stride_w)`` for the
         ratio when unknown)."""
-        import numpy as np
-
         n = float(np.asarray(stats_vector, dtype=np.float64)[_stats.N])
         if self._spatial is not None:
             h, w = self._spatial
@@ -151,22 +145,3 @@ class SparseSplitConv2D(SplitLayerMixin, keras.layers.Conv2D):
         else:
             ratio = 1.0 / (self.strides[0] * self.strides[1])
         return 2.0 * n * ratio, 2.0 * n
-
-    def get_config(self):
-        config = super().get_config()
-        config.pop("lora_rank", None)
-        config.pop("lora_alpha", None)
-        config["threshold"] = self.threshold
-        return config
-
-    def enable_lora(self, *args, **kwargs):
-        """Not supported: raises NotImplementedError."""
-        raise NotImplementedError(
-            "SparseSplitConv2D does not support LoRA; use keras.layers.Conv2D")
-
-    def save_own_variables(self, store):
-        # Every weight in order: kernel, [bias], threshold.
-        keras.layers.Layer.save_own_variables(self, store)
-
-    def load_own_variables(self, store):
-        keras.layers.Layer.load_own_variables(self, store)

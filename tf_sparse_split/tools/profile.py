@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-__all__ = ["profile_model", "load_model_function", "NodeProfile"]
+__all__ = ["profile_model", "load_model_function", "NodeProfile",
+           "format_report", "profile_command"]
 
 _LOOK_THROUGH = {"Identity", "Snapshot", "StopGradient", "Reshape", "Cast",
                  "Transpose", "EnsureShape", "ExpandDims", "Squeeze"}
@@ -60,11 +61,13 @@ def load_model_function(path, signature=None):
     if path.endswith(".keras") and os.path.isfile(path):
         import keras
 
+        from tf_sparse_split.layers import SparseSplitLayer
+
         model = keras.saving.load_model(path, compile=False)
         # Sparse-split layers record statistics in variables; a frozen graph
         # has no variables to update, so profiling runs them without it.
         for layer in model._flatten_layers(include_self=False, recursive=True):
-            if hasattr(layer, "record_stats"):
+            if isinstance(layer, SparseSplitLayer):
                 layer.record_stats = False
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in model.inputs]
         fn = tf.function(lambda *xs: model(list(xs) if len(xs) > 1 else xs[0],
@@ -283,3 +286,33 @@ def format_report(path, desc, rows, input_shapes, input_desc, out):
           "(tf.matmul vs sparse_split_matmul, same run). On GPU machines, "
           "compile Keras models with jit_compile=False for the pass to apply.",
           file=out)
+
+
+def profile_command(args, out):
+    """The ``tf-sparse-split profile`` command on parsed arguments (``model``,
+    ``input``, ``batch_size``, ``input_sparsity``, ``threshold``,
+    ``repeats``, ``signature``, ``seed``); prints the report to ``out`` and
+    returns the exit code 0.
+
+    Raises:
+      FileNotFoundError: a missing model or input file.
+      ValueError: a model or input that cannot be used.
+      ImportError: the op library cannot be loaded (``LibraryLoadError``).
+    """
+    from tf_sparse_split._loader import load_library
+
+    load_library()
+    inputs = None
+    input_desc = (f"random, relu(normal) with {args.input_sparsity:.2f} zeros, "
+                  f"seed {args.seed}")
+    if args.input is not None:
+        if not os.path.isfile(args.input):
+            raise FileNotFoundError(f"no such input file: {args.input}")
+        inputs = [np.load(args.input)]
+        input_desc = f"from {args.input}, {float(np.mean(inputs[0] == 0)):.3f} zeros"
+    desc, rows, shapes = profile_model(
+        args.model, inputs=inputs, batch_size=args.batch_size,
+        input_sparsity=args.input_sparsity, threshold=args.threshold,
+        repeats=args.repeats, seed=args.seed, signature=args.signature)
+    format_report(args.model, desc, rows, shapes, input_desc, out)
+    return 0

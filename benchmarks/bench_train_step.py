@@ -1,0 +1,320 @@
+"""Time breakdown of one training step of the MLP 784-2048-2048-10.
+
+Batch 128, Adam, sparse categorical cross-entropy; the model of
+``tf-sparse-split train`` (:func:`tf_sparse_split.tools.models.build_mlp`:
+ReLU hidden layers, softmax output) built twice with the same initial
+weights: plain ``keras.layers.Dense`` and ``SparseSplitDense`` (automatic
+threshold, ``skip_dead_input_grad`` after a ReLU). Both models first train
+``--warmup`` steps on the same batches (so the activations look like
+training's), then every part below is timed for both, interleaved
+(alternating order per round), each part its own ``tf.function`` called on
+fixed tensors:
+
+* ``step``: the whole custom training step (forward, loss, gradients, Adam);
+* ``fwd <layer>``: the layer's forward call (``training=True``: our layers
+  record their statistics, as in ``fit``);
+* ``dW <layer>`` / ``dX <layer>``: the layer's kernel (with bias) gradient /
+  input gradient from the gradient at its pre-activation, with the products
+  the registered gradients run (see ``Variant.make_parts``);
+* ``optimizer``: ``optimizer.apply`` of fixed gradients to all weights;
+* ``loss``: the loss (forward) on fixed probabilities;
+* ``call overhead``: an empty ``tf.function`` call (paid once per part
+  here, once per step in ``step``);
+* ``other``: ``step`` minus the sum of the forward, gradient and optimizer
+  parts (loss and its gradient, activation-gradient masks, the tape, host
+  work, and our layers' statistics writes; negative when the separate
+  calls, each paying a ``tf.function`` call, cost more than the one step).
+
+Data: MNIST from ``--data`` (default ``$TFSS_MNIST_DIR``, else
+``../shared/data/mnist`` beside the repository, else
+``/work/shared/data/mnist``) when present; else scikit-learn's embedded 8x8
+digits upsampled to 28x28; the table says which.
+
+Prints a markdown table (medians over rounds in ms, min, spread = max/min of
+the round medians) and the whole-step ratio, and writes it to
+``benchmarks/results/bench_train_step.md`` (``--out``).
+
+Usage::
+
+    python benchmarks/bench_train_step.py [--rounds 7] [--reps 5] [--warmup 20]
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+import keras
+
+import tf_sparse_split as tfss
+from tf_sparse_split._loader import build_info
+from tf_sparse_split.tools.datasets import load_digits, load_mnist
+from tf_sparse_split.ops.matmul import _grad_a_live_columns
+from tf_sparse_split.tools.models import build_mlp
+
+HERE = Path(__file__).resolve().parent
+BATCH = 128
+HIDDEN = [2048, 2048]
+
+
+def _mnist_dirs(explicit):
+    if explicit:
+        return [Path(explicit)]
+    dirs = []
+    if os.environ.get("TFSS_MNIST_DIR"):
+        dirs.append(Path(os.environ["TFSS_MNIST_DIR"]))
+    dirs += [HERE.parent.parent / "shared" / "data" / "mnist",
+             Path("/work/shared/data/mnist")]
+    return dirs
+
+
+def load_data(explicit_dir):
+    """``(x [n, 784] float32, y [n] int32, description)``."""
+    for d in _mnist_dirs(explicit_dir):
+        try:
+            (x, y), _ = load_mnist(d)
+            return x, y, f"MNIST from {d} ({x.shape[0]} training images)"
+        except FileNotFoundError:
+            continue
+    (x, y), _ = load_digits()
+    img = x.reshape(-1, 8, 8)
+    # 8x8 -> 24x24 by pixel repetition, padded to 28x28 (MNIST's layout and
+    # its border of zeros).
+    up = np.kron(img, np.ones((3, 3), np.float32))
+    x = np.pad(up, ((0, 0), (2, 2), (2, 2))).reshape(-1, 784).astype(np.float32)
+    return x, y, ("scikit-learn digits upsampled 8x8 -> 28x28 (no MNIST found "
+                  f"in {', '.join(str(d) for d in _mnist_dirs(explicit_dir))})")
+
+
+class Variant:
+    """One model with its optimizer and the timed tf.functions."""
+
+    def __init__(self, name, sparse, weights=None):
+        self.name = name
+        self.model = build_mlp(784, HIDDEN, 10, sparse=sparse)
+        if weights is not None:
+            own = []
+            it = iter(weights)
+            for layer in self.model.layers:
+                w = [next(it), next(it)]  # kernel, bias
+                if sparse:
+                    w.append(layer.get_weights()[2])  # threshold
+                own += w
+            self.model.set_weights(own)
+        self.optimizer = keras.optimizers.Adam(1e-3)
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
+        self.optimizer.build(self.model.trainable_variables)
+        self.parts = {}
+
+    def dense_weights(self):
+        """kernel, bias of every layer (no thresholds)."""
+        out = []
+        for layer in self.model.layers:
+            out += [layer.kernel.numpy(), layer.bias.numpy()]
+        return out
+
+    def make_step(self):
+        model, opt, loss_fn = self.model, self.optimizer, self.loss_fn
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                probs = model(x, training=True)
+                loss = loss_fn(y, probs)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply(grads, model.trainable_variables)
+            return loss
+
+        return step
+
+    def make_parts(self, x, y):
+        """The per-part tf.functions with their fixed arguments.
+
+        The backward products are the ones the registered gradients run
+        (TF's MatMul gradient for Dense; ``_sparse_split_matmul_grad`` for
+        ours: dW through the sparse op with the input as its sparse operand,
+        dX as a dense GEMM, over the live input columns only with
+        ``skip_dead_input_grad``), applied to the gradient at the layer's
+        pre-activation, so that no part recomputes the forward pass.
+        """
+        model, opt, loss_fn = self.model, self.optimizer, self.loss_fn
+        layers = model.layers
+        sparse = isinstance(layers[0], tfss.SparseSplitDense)
+        # Layer inputs and the gradient at each pre-activation (same math
+        # for both models: TF ops on each model's own weights).
+        with tf.GradientTape() as tape:
+            hs, pres = [x], []
+            for i, layer in enumerate(layers):
+                pre = tf.matmul(hs[-1], layer.kernel) + layer.bias
+                pres.append(pre)
+                hs.append(tf.nn.softmax(pre) if i == len(layers) - 1
+                          else tf.nn.relu(pre))
+            loss = loss_fn(y, hs[-1])
+        d_pres = tape.gradient(loss, pres)
+        parts = {}
+        for i, layer in enumerate(layers):
+            h, dp = tf.identity(hs[i]), tf.identity(d_pres[i])
+            short = layer.name.replace("hidden_", "h")
+
+            def fwd(h, layer=layer):
+                return layer(h, training=True)
+
+            if sparse:
+                thr = layer.threshold_var
+                live_only = layer.skip_dead_input_grad
+
+                def d_w(h, dp, thr=thr):
+                    return (tfss.sparse_split_matmul(h, dp, tf.convert_to_tensor(thr),
+                                                     transpose_a=True),
+                            tf.reduce_sum(dp, axis=0))
+
+                def d_x(h, dp, layer=layer, live_only=live_only):
+                    w = tf.convert_to_tensor(layer.kernel)
+                    if live_only:
+                        return _grad_a_live_columns(h, w, dp, False)
+                    return tf.matmul(dp, w, transpose_b=True)
+            else:
+                def d_w(h, dp):
+                    return (tf.matmul(h, dp, transpose_a=True),
+                            tf.reduce_sum(dp, axis=0))
+
+                def d_x(h, dp, layer=layer):
+                    return tf.matmul(dp, layer.kernel, transpose_b=True)
+
+            parts[f"fwd {short}"] = (tf.function(fwd), (h,))
+            parts[f"dW {short}"] = (tf.function(d_w), (h, dp))
+            if i > 0:  # the first layer's input gradient is never needed
+                parts[f"dX {short}"] = (tf.function(d_x), (h, dp))
+        variables = model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = [tf.identity(g) for g in tape.gradient(loss, variables)]
+
+        @tf.function
+        def apply(*g):
+            opt.apply(list(g), variables)
+
+        parts["optimizer"] = (apply, tuple(grads))
+        probs = tf.identity(hs[-1])
+        parts["loss"] = (tf.function(lambda p, y: loss_fn(y, p)), (probs, y))
+        parts["call overhead"] = (tf.function(lambda v: v), (y,))
+        parts["step"] = (self.make_step(), (x, y))
+        self.parts = parts
+
+
+def _time(fn, args, reps):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        tf.nest.map_structure(
+            lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--reps", type=int, default=5, help="calls per part per round")
+    p.add_argument("--warmup", type=int, default=20, help="training steps first")
+    p.add_argument("--data", default=None, help="MNIST IDX directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(HERE / "results" / "bench_train_step.md"))
+    args = p.parse_args(argv)
+    tfss.load_library()
+    tf.get_logger().setLevel("ERROR")  # one tf.function per part: no retracing notes
+    keras.utils.set_random_seed(args.seed)
+    x_all, y_all, data_desc = load_data(args.data)
+    rng = np.random.default_rng(args.seed)
+
+    ref = Variant("keras Dense", sparse=False)
+    ours = Variant("SparseSplitDense", sparse=True, weights=ref.dense_weights())
+    variants = [ref, ours]
+
+    def batch():
+        idx = rng.integers(0, x_all.shape[0], BATCH)
+        return tf.constant(x_all[idx]), tf.constant(y_all[idx])
+
+    steps = {v.name: v.make_step() for v in variants}
+    for _ in range(args.warmup):
+        xb, yb = batch()
+        for v in variants:
+            steps[v.name](xb, yb)
+    xb, yb = batch()
+    for v in variants:
+        v.make_parts(xb, yb)
+        for fn, a in v.parts.values():  # trace + warm up every part
+            _time(fn, a, 2)
+    names = list(ref.parts)
+    res = {v.name: {n: [] for n in names} for v in variants}
+    for r in range(args.rounds):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for n in names:
+            for v in order:
+                fn, a = v.parts[n]
+                res[v.name][n].append(_time(fn, a, args.reps))
+
+    def med(v, n):
+        return statistics.median(res[v][n]) * 1e3
+
+    lines = []
+    title = (f"Training-step breakdown, MLP 784-2048-2048-10, batch {BATCH}, "
+             f"Adam, {data_desc}, after {args.warmup} warm-up steps; medians "
+             f"over {args.rounds} interleaved rounds of {args.reps} calls (ms; "
+             f"min; spread = max/min of round medians); TensorFlow "
+             f"{tf.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
+             f"library built with {build_info()['MARCH']}; load average "
+             f"{os.getloadavg()[0]:.1f} at the end (other jobs on the machine "
+             "widen the spread).")
+    lines += [title, "",
+              "| part | keras Dense (ms) | SparseSplitDense (ms) | ratio keras/ours |",
+              "|---|---|---|---|"]
+    for n in names:
+        cells = []
+        for v in variants:
+            ts = res[v.name][n]
+            cells.append(f"{statistics.median(ts) * 1e3:.3f} (min "
+                         f"{min(ts) * 1e3:.3f}, x{max(ts) / min(ts):.2f})")
+        ratio = med(ref.name, n) / max(med(ours.name, n), 1e-9)
+        lines.append(f"| {n} | {cells[0]} | {cells[1]} | {ratio:.2f} |")
+    summed = {}
+    for v in variants:
+        s = sum(med(v.name, n) for n in names
+                if n.split()[0] in ("fwd", "dW", "dX") or n == "optimizer")
+        summed[v.name] = s
+    lines.append(f"| sum of fwd + dW + dX + optimizer | {summed[ref.name]:.3f} | "
+                 f"{summed[ours.name]:.3f} | "
+                 f"{summed[ref.name] / summed[ours.name]:.2f} |")
+    other = {v.name: med(v.name, "step") - summed[v.name] for v in variants}
+    lines.append(f"| other = step - sum | {other[ref.name]:+.3f} | "
+                 f"{other[ours.name]:+.3f} | |")
+    step_ratio = med(ref.name, "step") / med(ours.name, "step")
+    lines += ["", f"Whole-step ratio t(keras Dense) / t(SparseSplitDense) = "
+              f"**{step_ratio:.2f}x** (median step {med(ref.name, 'step'):.2f} ms "
+              f"vs {med(ours.name, 'step'):.2f} ms)."]
+    dens = []
+    for layer in ours.model.layers:
+        s = layer.latest_stats()
+        dens.append(f"{layer.name}: input sparsity {s['sparsity']:.2f}, "
+                    f"threshold {s['threshold']:.3f}, rows dense "
+                    f"{int(s['rows_dense'])}/{int(s['m'])}, zero columns "
+                    f"skipped {int(s['zero_cols_skipped'])}/{int(s['k'])}")
+    lines += ["", "SparseSplitDense statistics of the last call: " +
+              "; ".join(dens) + "."]
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(md)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

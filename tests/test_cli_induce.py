@@ -1,0 +1,81 @@
+"""CLI flags of issue 10: ``train --target-sparsity`` (mlp, cnn) and
+``train --model lstm`` (one short epoch on the embedded digits)."""
+
+import re
+
+import pytest
+
+import tf_sparse_split as tfss
+from tf_sparse_split.tools import cli
+
+tfss.load_library()  # fail loudly if the op library is not built
+
+
+def _run(capsys, argv):
+    rc = cli.main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_target_sparsity_mlp_compare(capsys):
+    rc, out, _ = _run(capsys, ["train", "--epochs", "2", "--hidden", "64,64",
+                               "--target-sparsity", "0.8", "--compare"])
+    assert rc == 0, out
+    # Per-epoch lines of the induced model show the FATReLU controls.
+    assert re.search(r"  hidden_2: input sparsity \d\.\d{3}, threshold "
+                     r"(auto|\d\.\d{4}), FATReLU threshold \d+\.\d{4}, l1 ",
+                     out), out
+    assert "  hidden_1: input sparsity" in out
+    assert "FATReLU" not in out.split("hidden_1: input sparsity")[1].split(
+        "\n")[0]  # fed by the pixels: not controlled
+    for label in ("steady epoch (s)", "test accuracy",
+                  "hidden_2 in. sparsity", "output in. sparsity"):
+        assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d+", out), \
+            label
+    assert re.search(r"steady-state speed-up \(median of epochs 2..E\): "
+                     r"\d+\.\d\dx", out)
+
+
+def test_target_sparsity_cnn(capsys):
+    rc, out, _ = _run(capsys, ["train", "--model", "cnn", "--epochs", "1",
+                               "--filters", "4,8", "--target-sparsity",
+                               "0.8", "--quiet"])
+    assert rc == 0, out
+    assert re.search(r"sparse-split: test accuracy \d\.\d{4}", out)
+
+
+def test_lstm(capsys):
+    rc, out, _ = _run(capsys, ["train", "--model", "lstm", "--units", "16",
+                               "--epochs", "1", "--dropout", "row",
+                               "--dropout-rate", "0.5",
+                               "--recurrent-dropout-rate", "0.3", "--quiet"])
+    assert rc == 0, out
+    assert ("model: sparse-split LSTM 8 steps x 8 features -> LSTM(16, "
+            "dropout=0.5, recurrent_dropout=0.3) -> dense(10) "
+            "(SparseSplitLSTM pattern=row)") in out
+    assert re.search(r"sparse-split: test accuracy \d\.\d{4}", out)
+
+
+def test_lstm_baseline_is_keras_lstm_with_same_rates():
+    from tf_sparse_split.tools.models import build_lstm
+
+    model = build_lstm(8, 8, 4, 10, sparse=False, dropout="row",
+                       dropout_rate=0.5, recurrent_dropout_rate=0.5)
+    layer = model.get_layer("lstm")
+    assert type(layer) is __import__("keras").layers.LSTM
+    assert layer.dropout == 0.5 and layer.recurrent_dropout == 0.5
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["--target-sparsity", "1.0"], 2),
+    (["--target-sparsity", "-0.1"], 2),
+    (["--model", "lstm", "--target-sparsity", "0.5"], 1),
+    (["--recurrent-dropout-rate", "0.5"], 1),
+    (["--model", "gru"], 2),
+    (["--units", "0"], 2),
+])
+def test_bad_arguments(capsys, argv, code):
+    rc, _, err = _run(capsys, ["train", "--epochs", "1", "--hidden", "8"]
+                      + argv)
+    assert rc == code, err
+    assert ("usage:" in err) if code == 2 else ("error:" in err)

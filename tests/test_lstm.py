@@ -1,0 +1,168 @@
+"""SparseSplitLSTM (issue 10): equality with keras.layers.LSTM, the compacted
+row-pattern loop, the pattern masks' rates, serialization, arguments."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+import tf_sparse_split as tfss
+from tf_sparse_split.layers.lstm import SparseSplitLSTMCell
+
+
+def _pair(x_shape, units=16, **kwargs):
+    ref = keras.layers.LSTM(units, **{k: v for k, v in kwargs.items()
+                                      if k not in ("pattern", "tile_shape")})
+    ours = tfss.SparseSplitLSTM(units, **kwargs)
+    ref.build(x_shape)
+    ours.build(x_shape)
+    ours.set_weights(ref.get_weights())
+    return ref, ours
+
+
+def _run(layer, x, training):
+    with tf.GradientTape() as tape:
+        y = layer(x, training=training)
+        if isinstance(y, (list, tuple)):
+            y = tf.concat([tf.reshape(t, [-1]) for t in y], 0)
+        loss = tf.reduce_sum(y * y)
+    return y.numpy(), [g.numpy() for g in
+                       tape.gradient(loss, layer.trainable_weights)]
+
+
+@pytest.mark.parametrize("options,training", [
+    ({}, True), ({"return_sequences": True}, False),
+    ({"go_backwards": True, "return_state": True}, True),
+])
+def test_equals_keras_lstm_without_dropout(rng, options, training):
+    x = tf.constant(rng.standard_normal((5, 7, 12)).astype("float32"))
+    ref, ours = _pair(x.shape, **options)
+    y_ref, g_ref = _run(ref, x, training)
+    y, g = _run(ours, x, training)
+    np.testing.assert_array_equal(y, y_ref)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("return_sequences", [False, True])
+def test_pattern_random_equals_keras_lstm_with_seed(rng, return_sequences):
+    x = tf.constant(rng.standard_normal((6, 5, 8)).astype("float32"))
+    ref, ours = _pair(x.shape, dropout=0.3, recurrent_dropout=0.4, seed=7,
+                      pattern="random", return_sequences=return_sequences)
+    for _ in range(2):  # the seed generators advance identically
+        y_ref, g_ref = _run(ref, x, True)
+        y, g = _run(ours, x, True)
+        np.testing.assert_array_equal(y, y_ref)
+        for a, b in zip(g, g_ref):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("pattern,tile_shape,go_backwards,rates", [
+    ("row", None, False, (0.5, 0.5)), ("row", None, True, (0.0, 0.6)),
+    ("row", None, False, (0.4, 0.0)), ("tile", (2, 4), True, (0.5, 0.5)),
+])
+def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
+                                                 go_backwards, rates):
+    """The compacted products give the values (and gradients) of Keras' own
+    loop run with the same pattern masks."""
+    x = tf.constant(rng.standard_normal((5, 7, 12)).astype("float32"))
+    layer = tfss.SparseSplitLSTM(
+        16, dropout=rates[0], recurrent_dropout=rates[1], seed=1,
+        pattern=pattern, tile_shape=tile_shape, return_sequences=True,
+        go_backwards=go_backwards)
+    layer.build(x.shape)
+    assert layer._use_compacted_loop(None, True)
+    state = [tf.zeros((5, 16)), tf.zeros((5, 16))]
+    with tf.GradientTape(persistent=True) as tape:
+        layer._maybe_config_dropout_masks(layer.cell, x[:, 0, :], state)
+        _, out, (h, c) = layer._compacted_loop(x, state)
+        _, ref, (h_ref, c_ref) = keras.layers.LSTM.inner_loop(
+            layer, x, state, None, training=True)
+        loss = tf.reduce_sum(out * out) + tf.reduce_sum(c)
+        loss_ref = tf.reduce_sum(ref * ref) + tf.reduce_sum(c_ref)
+    layer._maybe_reset_dropout_masks(layer.cell)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-5)
+    np.testing.assert_allclose(c.numpy(), c_ref.numpy(), atol=1e-5)
+    for a, b in zip(tape.gradient(loss, layer.trainable_weights),
+                    tape.gradient(loss_ref, layer.trainable_weights)):
+        np.testing.assert_allclose(tf.convert_to_tensor(a).numpy(),
+                                   tf.convert_to_tensor(b).numpy(),
+                                   atol=2e-5)
+
+
+def test_row_masks_rate_and_unbiased():
+    """Every unit is dropped with the requested rate and E[mask] = 1 per
+    unit (kept values are rescaled by 1 / (1 - realized rate)), so
+    E[output] = input; a mask is constant over the batch (whole units)."""
+    rate, units, draws = 0.5, 24, 3000
+    cell = SparseSplitLSTMCell(units, dropout=rate, recurrent_dropout=0.3,
+                               seed=3)
+    cell.build((None, 20))
+    dist = cell.pattern_distribution("input")
+    np.testing.assert_allclose(dist.per_unit_drop_probability(), rate,
+                               atol=1e-9)
+    step = tf.ones((4, 20))
+
+    @tf.function
+    def draw_many():
+        ta = tf.TensorArray(tf.float32, size=draws)
+        for i in tf.range(draws):
+            ta = ta.write(i, cell._pattern_mask("input", step)[0])
+        return ta.stack()
+
+    masks = draw_many().numpy()                       # [draws, 1, 20]
+    assert masks.shape[1] == 1
+    drop = (masks[:, 0, :] == 0).mean(axis=0)
+    np.testing.assert_allclose(drop, rate, atol=0.05)
+    np.testing.assert_allclose(masks[:, 0, :].mean(axis=0), 1.0, atol=0.08)
+    rmask = cell._pattern_mask("recurrent", tf.ones((4, units)))[0].numpy()
+    assert rmask.shape == (1, units)
+    kept = rmask[0] > 0
+    np.testing.assert_allclose(rmask[0, kept], units / kept.sum(), rtol=1e-6)
+
+
+def test_training_fit_and_keras_round_trip(rng, tmp_path):
+    x = rng.standard_normal((16, 6, 8)).astype("float32")
+    y = rng.integers(0, 3, 16)
+    model = keras.Sequential([
+        keras.Input((6, 8)),
+        tfss.SparseSplitLSTM(12, dropout=0.5, recurrent_dropout=0.5, seed=0,
+                             name="lstm"),
+        keras.layers.Dense(3, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy", jit_compile=False)
+    before = model.get_layer("lstm").get_weights()[1].copy()
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    assert not np.allclose(before, model.get_layer("lstm").get_weights()[1])
+    path = tmp_path / "lstm.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    layer = loaded.get_layer("lstm")
+    assert isinstance(layer, tfss.SparseSplitLSTM)
+    assert layer.get_config() == model.get_layer("lstm").get_config()
+    assert layer.pattern == "row" and layer.dropout == 0.5
+    np.testing.assert_array_equal(model.predict(x, verbose=0),
+                                  loaded.predict(x, verbose=0))
+    cfg = tfss.SparseSplitLSTM(8, pattern="tile", tile_shape=(4, 4),
+                               recurrent_dropout=0.5).get_config()
+    assert tfss.SparseSplitLSTM.from_config(cfg).get_config() == cfg
+    keras_cfg = keras.layers.LSTM(8).get_config()
+    assert set(keras_cfg) <= set(cfg)   # same arguments, plus the pattern
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"pattern": "block"}, "pattern"),
+    ({"tile_shape": (4, 4)}, "tile_shape"),
+    ({"pattern": "tile", "tile_shape": (0, 4)}, "tile_shape"),
+    ({"max_period": 1}, "max_period"),
+    ({"use_cudnn": "yes"}, "use_cudnn"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfss.SparseSplitLSTM(8, **kwargs)
+
+
+def test_tile_not_dividing_is_reported_at_build():
+    layer = tfss.SparseSplitLSTM(8, dropout=0.5, pattern="tile",
+                                 tile_shape=(4, 5))
+    with pytest.raises(ValueError, match="does not divide"):
+        layer.build((None, 3, 12))

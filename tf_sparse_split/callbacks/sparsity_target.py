@@ -1,0 +1,431 @@
+"""Keras callback that drives the activation sparsity of the inputs of the
+sparse-split layers toward a target while training.
+
+Natural ReLU sparsity is often too low for the sparse paths to pay (an MNIST
+MLP's hidden activations are 36-72% zeros; the split op wins from ~90%).
+Published work reaches ~90% zeros at near-equal accuracy by
+
+* a forced activation threshold (FATReLU) plus an L1 activity penalty
+  (M. Kurtz et al., "Inducing and Exploiting Activation Sparsity for Fast
+  Inference on Deep Neural Networks", ICML 2020);
+* ReLU with an L1 penalty ramped up progressively, then a threshold shift
+  (C. Song et al., "ProSparse: Introducing and Enhancing Intrinsic Activation
+  Sparsity within Large Language Models", 2024);
+* and it holds for ReLU networks in general (I. Mirzadeh et al., "ReLU
+  Strikes Back", 2023).
+
+:class:`SparsityTargetCallback` combines them (see its docstring for the
+schedule). Wiring: a sparse-split layer measures the sparsity of its *input*
+(its statistics), but the activation that produces the zeros belongs to the
+layer before. For each sparse-split layer the callback walks back through
+the model graph -- across zero-preserving layers (dropout, max-pooling,
+flatten, reshape, ...) -- to the activation that feeds it: a
+:class:`~tf_sparse_split.layers.FATReLU` layer, a layer whose ``activation``
+is a ``FATReLU``, or a layer whose ``activation`` is ``"relu"``; the latter
+is converted in place to a ``FATReLU`` (threshold 0 = the same ReLU) and the
+model's compiled functions are rebuilt. The converted activation is part of
+the layer's config from then on, so the model saves and reloads with it.
+"""
+
+import keras
+import numpy as np
+
+from tf_sparse_split.callbacks.split_threshold import find_split_layers
+from tf_sparse_split.layers.activations import FATReLU, is_relu_activation
+from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.tuning import stats as _stats
+from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
+                                              validate_nonnegative_float,
+                                              validate_positive_float)
+
+__all__ = ["SparsityTargetCallback", "find_activation_producer"]
+
+# Layers between an activation and the sparse-split layer that keep every
+# zero a zero (so the consumer's sparsity is driven by the activation's).
+_PASSTHROUGH = (
+    keras.layers.Dropout, keras.layers.SpatialDropout1D,
+    keras.layers.SpatialDropout2D, keras.layers.SpatialDropout3D,
+    keras.layers.MaxPooling1D, keras.layers.MaxPooling2D,
+    keras.layers.MaxPooling3D, keras.layers.Flatten, keras.layers.Reshape,
+    keras.layers.Permute, keras.layers.Identity, keras.layers.ZeroPadding1D,
+    keras.layers.ZeroPadding2D, keras.layers.ZeroPadding3D,
+    keras.layers.Cropping1D, keras.layers.Cropping2D, keras.layers.Cropping3D,
+    keras.layers.ActivityRegularization,
+)
+
+
+def _is_passthrough(layer):
+    from tf_sparse_split.layers.dropout import (ApproximateRandomDropout,
+                                                SensitivityAwareDropout)
+
+    return isinstance(layer, _PASSTHROUGH + (ApproximateRandomDropout,
+                                             SensitivityAwareDropout))
+
+
+def _parent(layer):
+    """The layer whose output is ``layer``'s (single) input, or None."""
+    nodes = getattr(layer, "_inbound_nodes", None) or []
+    if not nodes:
+        return None
+    tensors = nodes[0].input_tensors
+    if len(tensors) != 1:
+        return None
+    history = getattr(tensors[0], "_keras_history", None)
+    return history[0] if history else None
+
+
+def find_activation_producer(layer):
+    """The ReLU-family activation that produces a layer's input.
+
+    Walks back from ``layer`` through the model graph, across zero-preserving
+    layers (dropout, max-pooling, flatten, reshape, padding, cropping, ...).
+
+    Args:
+      layer: a layer that has been called in a Functional or Sequential model.
+
+    Returns:
+      ``(owner, kind)``: ``owner`` is the :class:`FATReLU` layer (``kind
+      "layer"``) or the layer whose ``activation`` produces the input
+      (``kind "fatrelu"`` if that activation is a :class:`FATReLU`,
+      ``"relu"`` if it is ``keras.activations.relu``); ``(None, reason)``
+      when there is none (``reason`` says why: a model input, another
+      activation, a layer that does not preserve zeros, ...).
+    """
+    node = _parent(layer)
+    while node is not None:
+        if isinstance(node, keras.layers.InputLayer):
+            return None, "its input is a model input"
+        if isinstance(node, FATReLU):
+            return node, "layer"
+        act = getattr(node, "activation", None)
+        if isinstance(act, FATReLU):
+            return node, "fatrelu"
+        if act is not None and is_relu_activation(act):
+            return node, "relu"
+        if act is not None and not _is_passthrough(node):
+            name = getattr(act, "__name__", type(act).__name__)
+            return None, (f"it is fed by layer {node.name!r} with activation "
+                          f"{name!r}, not a ReLU or FATReLU")
+        if not _is_passthrough(node):
+            return None, (f"it is fed by layer {node.name!r} "
+                          f"({type(node).__name__}), which is neither a "
+                          "ReLU-family activation nor a zero-preserving layer")
+        node = _parent(node)
+    return None, "no inbound node (call the layer in a model first)"
+
+
+#: Sparsity above the goal by more than this (with the threshold at 0)
+#: lowers the L1 coefficient; never below this fraction of ``l1``.
+_L1_BAND = 0.02
+_L1_MIN_SCALE = 0.1
+
+
+class _Control:
+    """One controlled activation and the sparse-split layer it feeds."""
+
+    def __init__(self, consumer, owner, fat):
+        self.consumer = consumer
+        self.owner = owner
+        self.fat = fat
+        self.offset = 0.0          # feedback correction of the quantile
+        self.l1_scale = 1.0        # feedback scaling of the L1 coefficient
+        self.seen_total = None
+        self.seen_calls = 0
+        self.window_zero = 0.0     # zeros / elements since the last update
+        self.window_elems = 0.0
+        self.epoch_zero = 0.0
+        self.epoch_elems = 0.0
+
+    def read_new_stats(self):
+        """Adds the consumer's statistics since the last read to the
+        window and epoch counts."""
+        total, calls = self.consumer.accumulated_stats_vector()
+        if self.seen_total is None or calls < self.seen_calls:
+            self.seen_total, self.seen_calls = np.zeros_like(total), 0
+        if calls > self.seen_calls:
+            d = total - self.seen_total
+            elems = d[_stats.M] * (d[_stats.K] / (calls - self.seen_calls))
+            zeros = elems - d[_stats.NNZ]
+            self.window_zero += zeros
+            self.window_elems += elems
+            self.epoch_zero += zeros
+            self.epoch_elems += elems
+        self.seen_total, self.seen_calls = total, calls
+
+    def skip_new_stats(self):
+        """Moves the baseline past the calls since the last read without
+        counting them."""
+        self.seen_total, self.seen_calls = \
+            self.consumer.accumulated_stats_vector()
+
+
+class SparsityTargetCallback(keras.callbacks.Callback):
+    """Drives the input sparsity of sparse-split layers toward a target.
+
+    For every controlled sparse-split layer ``L`` (see the module docstring
+    for how its feeding activation is found and converted to
+    :class:`~tf_sparse_split.layers.FATReLU`), with ``t`` the training step
+    counted from ``on_train_begin``:
+
+    1. Warm-up, ``t < warmup_steps``: plain ReLU (threshold 0, no penalty).
+    2. Progressive ramp (ProSparse): over the next ``ramp_steps`` the
+       schedule ``r`` rises linearly from 0 to 1; the activation's L1
+       coefficient is ``r * l1`` and its quantile target is
+       ``r * target_sparsity + offset``. The FATReLU follows the quantile
+       target in-graph at every step (FATReLU docstring), so the threshold
+       rises only once the target exceeds the natural ReLU sparsity.
+    3. Feedback: every ``update_every`` steps the callback reads the zeros
+       ``L`` actually saw (its op statistics) and moves ``offset`` by
+       ``gain * (r * target_sparsity - measured)``, clipped so the quantile
+       target stays in ``[0, 0.999]``. This corrects for layers between the
+       activation and ``L`` that change the sparsity (max-pooling keeps a
+       zero only where its whole window is zero). The penalty alone can
+       push the natural ReLU sparsity past the goal, which no threshold
+       undoes: while the measured sparsity is more than 0.02 above the goal
+       the L1 coefficient is lowered by 10% per update (to no less than
+       ``0.1 * l1``), and it is raised back the same way while below.
+
+    The schedule counts steps from the first ``fit`` of a model; a further
+    ``fit`` of the same model with the same callback continues it (as the
+    optimizer's step count does); another model starts it afresh.
+
+    The threshold stays in force at inference (the point of FATReLU:
+    Kurtz et al.), and the model saves and reloads with it.
+
+    Logs (``on_epoch_end``, so ``History``, the progress bar and TensorBoard
+    see them), per controlled layer ``name``: ``name/sparsity`` (fraction of
+    zeros of its input over the epoch), ``name/fat_threshold``,
+    ``name/l1`` (the coefficient in force) and ``name/sparsity_target``
+    (the quantile target in force). Only training batches count
+    (validation calls are left out).
+
+    Works together with
+    :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` (which sets
+    the split thresholds from the same statistics); put either first.
+
+    Args:
+      target_sparsity: fraction of zeros wanted at each controlled layer's
+        input, in ``[0, 1)``.
+      layers: optional list of sparse-split layer names (or layers) to
+        control; default every sparse-split layer whose input comes from a
+        ReLU-family activation (layers fed by a model input are skipped).
+      warmup_epochs: epochs (may be fractional, >= 0; default 0.5) of plain
+        ReLU training first.
+      ramp_epochs: epochs (> 0; default 1.0) of the progressive ramp.
+      l1: final L1 activity-penalty coefficient (>= 0; default 2.0): the
+        loss gains ``l1 * mean(|activation|)`` per controlled activation.
+      gain: feedback gain (>= 0; default 0.5; 0 = no feedback).
+      update_every: steps between feedback updates (int >= 1; default 10).
+      momentum: threshold EMA momentum of the FATReLUs (in ``[0, 1)``,
+        default 0.9).
+      verbose: 0 or 1 (one line per controlled layer per epoch).
+
+    Attributes:
+      controls: list of dicts ``{"layer", "activation_owner", "fatrelu"}``
+        after ``on_train_begin``.
+      history: one dict per epoch ``{layer name: {"sparsity",
+        "fat_threshold", "l1", "sparsity_target"}}``.
+
+    Raises:
+      ValueError: bad arguments (here), or at ``on_train_begin`` a named
+        layer that is not a sparse-split layer or has no ReLU-family
+        activation feeding it, or no controllable layer at all.
+    """
+
+    def __init__(self, target_sparsity, layers=None, warmup_epochs=0.5,
+                 ramp_epochs=1.0, l1=2.0, gain=0.5, update_every=10,
+                 momentum=0.9, verbose=0):
+        super().__init__()
+        self.target_sparsity = validate_fraction(target_sparsity,
+                                                 "target_sparsity")
+        if layers is not None:
+            if isinstance(layers, (str, bytes)) or not hasattr(
+                    layers, "__iter__"):
+                raise ValueError(
+                    "`layers` must be a list of layer names or layers. "
+                    f"Received: layers={layers!r}")
+            layers = list(layers)
+            if not layers:
+                raise ValueError("`layers` must not be empty. "
+                                 f"Received: layers={layers!r}")
+        self.layer_selection = layers
+        self.warmup_epochs = validate_nonnegative_float(warmup_epochs, "warmup_epochs")
+        self.ramp_epochs = validate_positive_float(ramp_epochs, "ramp_epochs")
+        self.l1 = validate_nonnegative_float(l1, "l1")
+        self.gain = validate_nonnegative_float(gain, "gain")
+        self.update_every = validate_int(update_every, "update_every", 1)
+        self.momentum = validate_fraction(momentum, "momentum")
+        if verbose not in (0, 1) or isinstance(verbose, (bool, float)):
+            raise ValueError(f"`verbose` must be 0 or 1. Received: "
+                             f"verbose={verbose!r}")
+        self.verbose = int(verbose)
+        self.controls = []
+        self.history = []
+        self._controls = []
+        self._step = 0
+        self._steps_per_epoch = None
+        self._model_id = None
+
+    # -- discovery ---------------------------------------------------------
+    def _selected_layers(self):
+        found = find_split_layers(self.model)
+        if self.layer_selection is None:
+            return found, False
+        by_name = {l.name: l for l in found}
+        out = []
+        for item in self.layer_selection:
+            if isinstance(item, SparseSplitLayer):
+                out.append(item)
+            elif isinstance(item, str) and item in by_name:
+                out.append(by_name[item])
+            else:
+                raise ValueError(
+                    f"SparsityTargetCallback: {item!r} is not a sparse-split "
+                    "layer of the model (SparseSplitDense/SparseSplitConv2D)"
+                    f"; the model has {sorted(by_name)}")
+        return out, True
+
+    def _discover(self):
+        consumers, explicit = self._selected_layers()
+        controls, converted, seen = [], False, set()
+        for layer in consumers:
+            owner, kind = find_activation_producer(layer)
+            if owner is None:
+                if explicit:
+                    raise ValueError(
+                        f"SparsityTargetCallback: layer {layer.name!r} cannot "
+                        f"be controlled: {kind}")
+                continue
+            if id(owner) in seen:
+                continue  # one activation feeding two layers: control once
+            seen.add(id(owner))
+            if kind == "layer":
+                fat = owner
+            elif kind == "fatrelu":
+                fat = owner.activation
+            else:
+                fat = FATReLU(name=f"{owner.name}_fatrelu")
+                # The layer is built (state locked): track the new sublayer
+                # the way Keras itself does for late changes.
+                locked = owner._tracker.locked
+                owner._tracker.unlock()
+                try:
+                    owner.activation = fat
+                finally:
+                    if locked:
+                        owner._tracker.lock()
+                converted = True
+            fat.momentum = self.momentum
+            controls.append(_Control(layer, owner, fat))
+        if not controls:
+            raise ValueError(
+                "SparsityTargetCallback: no sparse-split layer of the model "
+                "is fed by a ReLU-family activation (relu or FATReLU)")
+        if converted:
+            # Rebuild the compiled functions so they trace the new activation.
+            for attr in ("train_function", "test_function",
+                         "predict_function"):
+                if hasattr(self.model, attr):
+                    setattr(self.model, attr, None)
+            self.model.make_train_function(force=True)
+        return controls
+
+    # -- schedule ----------------------------------------------------------
+    def _ramp(self):
+        spe = self._steps_per_epoch or 1
+        warm = self.warmup_epochs * spe
+        ramp = self.ramp_epochs * spe
+        return float(np.clip((self._step - warm) / ramp, 0.0, 1.0))
+
+    def _apply(self, r):
+        for c in self._controls:
+            q = float(np.clip(r * self.target_sparsity + c.offset, 0.0, 0.999))
+            c.fat.l1_var.assign(r * self.l1 * c.l1_scale)
+            c.fat.target_var.assign(q if r > 0 else 0.0)
+
+    # -- Keras hooks ---------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        # A further fit() of the same model continues the schedule (like the
+        # optimizer's step count); a new model starts it afresh.
+        resume = self._model_id == id(self.model) and bool(self._controls)
+        self._model_id = id(self.model)
+        if not resume:
+            self._controls = self._discover()
+            self.controls = [{"layer": c.consumer,
+                              "activation_owner": c.owner, "fatrelu": c.fat}
+                             for c in self._controls]
+            self.history = []
+            self._step = 0
+        self._steps_per_epoch = (self.params or {}).get("steps") or None
+        for c in self._controls:
+            if not resume:
+                c.offset, c.l1_scale = 0.0, 1.0
+            c.seen_total = None
+            if c.consumer.threshold_var is not None:
+                c.read_new_stats()  # baseline of the counters
+            c.window_zero = c.window_elems = 0.0
+        self._apply(self._ramp())
+
+    def on_epoch_begin(self, epoch, logs=None):
+        for c in self._controls:
+            c.epoch_zero = c.epoch_elems = 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._steps_per_epoch is None:
+            self._steps_per_epoch = (self.params or {}).get("steps") or None
+        self._apply(self._ramp())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._step % self.update_every:
+            return
+        self._feedback()
+
+    def _feedback(self):
+        r = self._ramp()
+        for c in self._controls:
+            c.read_new_stats()
+            if c.window_elems > 0 and r > 0 and self.gain > 0:
+                measured = c.window_zero / c.window_elems
+                goal = r * self.target_sparsity
+                c.offset += self.gain * (goal - measured)
+                c.offset = float(np.clip(c.offset, -goal, 0.999 - goal))
+                # The penalty alone can push the ReLU's natural sparsity past
+                # the goal, which no threshold can undo: ease it off then,
+                # and restore it when the sparsity falls below the goal.
+                if measured > goal + _L1_BAND:
+                    c.l1_scale = max(c.l1_scale * 0.9, _L1_MIN_SCALE)
+                elif measured < goal:
+                    c.l1_scale = min(c.l1_scale * 1.1, 1.0)
+            c.window_zero = c.window_elems = 0.0
+
+    def on_test_begin(self, logs=None):
+        # Validation calls the layers too: count the training calls so far,
+        # then (on_test_end) skip what validation adds.
+        for c in self._controls:
+            c.read_new_stats()
+
+    def on_test_end(self, logs=None):
+        for c in self._controls:
+            c.skip_new_stats()
+
+    def on_epoch_end(self, epoch, logs=None):
+        record = {}
+        for c in self._controls:
+            c.read_new_stats()
+            c.window_zero = c.window_elems = 0.0
+            sp = (c.epoch_zero / c.epoch_elems if c.epoch_elems > 0
+                  else float("nan"))
+            entry = {"sparsity": float(sp), "fat_threshold": c.fat.threshold,
+                     "l1": c.fat.l1, "sparsity_target": c.fat.target}
+            record[c.consumer.name] = entry
+            if logs is not None:
+                for key, value in entry.items():
+                    logs[f"{c.consumer.name}/{key}"] = value
+            if self.verbose:
+                print(f"SparsityTargetCallback: {c.consumer.name}: sparsity "
+                      f"{sp:.3f} (target {self.target_sparsity:.3f}), "
+                      f"threshold {entry['fat_threshold']:.4g}, l1 "
+                      f"{entry['l1']:.3g}", flush=True)
+        self.history.append(record)
+

@@ -1,0 +1,184 @@
+"""``FATReLU``: the forced-activation-threshold ReLU, with the control values
+that :class:`~tf_sparse_split.callbacks.SparsityTargetCallback` drives.
+
+``FATReLU(x) = x if x > T else 0`` (M. Kurtz et al., "Inducing and
+Exploiting Activation Sparsity for Fast Inference on Deep Neural Networks",
+ICML 2020): a ReLU whose threshold ``T >= 0`` zeroes the small positive
+activations too, so the layer that consumes its output sees more zeros. The
+gradient is 1 where ``x > T`` and 0 elsewhere (the same mask as the output),
+so a sparse-split layer after it may skip the input gradient of its zeros
+exactly (``SparseSplitDense(skip_dead_input_grad=True)``).
+
+Two optional training-time mechanisms, both off by default and both driven
+through non-trainable variables (a compiled ``tf.function`` reads their
+current values; a callback changes them with ``.assign()``):
+
+* L1 activity penalty ``l1 * mean(|FATReLU(x)|)`` added to the model's loss
+  (``add_loss``) in training: pushes pre-activations below the threshold so
+  that cutting them costs less accuracy (Kurtz et al.; C. Song et al.,
+  "ProSparse", 2024, ramp the coefficient up progressively).
+* Quantile tracking: with ``target > 0`` each training call estimates the
+  ``target``-quantile ``q`` of its input ``x`` on ``sample_size`` values at
+  uniformly random positions and moves the threshold toward it,
+  ``T <- max(0, momentum * T + (1 - momentum) * q)``. Below the natural
+  sparsity of the ReLU (``q <= 0``) the threshold stays 0. The output then
+  has about a fraction ``target`` of zeros whatever the scale of ``x``.
+
+Requires the TensorFlow backend of Keras 3.
+"""
+
+import keras
+import tensorflow as tf
+
+from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
+                                              validate_nonnegative_float)
+
+__all__ = ["FATReLU", "is_relu_activation"]
+
+
+def is_relu_activation(fn):
+    """True for ``keras.activations.relu`` (the function ``"relu"``
+    resolves to); a :class:`FATReLU` is checked separately."""
+    return fn is keras.activations.relu
+
+
+@keras.saving.register_keras_serializable(package="tf_sparse_split")
+class FATReLU(keras.layers.Layer):
+    """Forced-activation-threshold ReLU (Kurtz et al., ICML 2020).
+
+    ``output = where(x > threshold, x, 0)``; same shape and dtype as ``x``.
+    Usable as a layer (``keras.Sequential([..., FATReLU(), ...])``) or as
+    the ``activation`` of a layer
+    (``SparseSplitDense(512, activation=FATReLU())``).
+
+    Args:
+      threshold: initial threshold ``T >= 0`` (default 0: a plain ReLU).
+      l1: initial L1 activity-penalty coefficient ``>= 0`` (default 0); in
+        training the layer adds ``l1 * mean(|output|)`` to the model's loss.
+      target: initial quantile target in ``[0, 1)`` (default 0: off). When
+        positive, training calls move the threshold toward the
+        ``target``-quantile of the input (module docstring).
+      momentum: in ``[0, 1)`` (default 0.9), the threshold's exponential
+        moving-average momentum under quantile tracking.
+      sample_size: int >= 16 (default 4096), values of the input sampled
+        (uniformly at random, with replacement) per call for the quantile
+        estimate.
+      **kwargs: base ``Layer`` arguments.
+
+    Attributes (non-trainable float32 scalar weights, saved with the model;
+    ``get_config`` also stores their current values):
+      threshold_var, l1_var, target_var.
+
+    Raises:
+      ValueError: on a negative/NaN threshold or l1, a target or momentum
+        outside ``[0, 1)``, or a sample_size below 16.
+    """
+
+    def __init__(self, threshold=0.0, l1=0.0, target=0.0, momentum=0.9,
+                 sample_size=4096, **kwargs):
+        super().__init__(**kwargs)
+        self._init_values = {
+            "threshold": validate_nonnegative_float(threshold, "threshold"),
+            "l1": validate_nonnegative_float(l1, "l1"),
+            "target": validate_fraction(target, "target"),
+        }
+        self.momentum = validate_fraction(momentum, "momentum")
+        self.sample_size = validate_int(sample_size, "sample_size", 16)
+        self.supports_masking = True
+        self.threshold_var = None
+        self.l1_var = None
+        self.target_var = None
+        # Scalar state, independent of the input shape: created now so the
+        # layer works as another layer's activation and after loading.
+        self.build(None)
+
+    def build(self, input_shape=None):
+        if self.threshold_var is not None:
+            return
+        for key in ("threshold", "l1", "target"):
+            var = self.add_weight(
+                name=key, shape=(), dtype="float32", trainable=False,
+                autocast=False,
+                initializer=keras.initializers.Constant(self._init_values[key]))
+            setattr(self, f"{key}_var", var)
+        self.built = True
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    # -- control values -----------------------------------------------------
+    def _value(self, key):
+        var = getattr(self, f"{key}_var")
+        return float(var.numpy()) if var is not None else self._init_values[key]
+
+    @property
+    def threshold(self):
+        """Current threshold (Python float)."""
+        return self._value("threshold")
+
+    @property
+    def l1(self):
+        """Current L1 coefficient (Python float)."""
+        return self._value("l1")
+
+    @property
+    def target(self):
+        """Current quantile target (Python float; 0 = off)."""
+        return self._value("target")
+
+    def set_controls(self, threshold=None, l1=None, target=None):
+        """Assigns any of the control values (validated as in ``__init__``).
+
+        Raises:
+          ValueError: on an invalid value.
+        """
+        if threshold is not None:
+            self.threshold_var.assign(
+                validate_nonnegative_float(threshold, "threshold"))
+        if l1 is not None:
+            self.l1_var.assign(validate_nonnegative_float(l1, "l1"))
+        if target is not None:
+            self.target_var.assign(validate_fraction(target, "target"))
+
+    # -- forward -------------------------------------------------------------
+    def call(self, inputs, training=False):
+        x = tf.convert_to_tensor(inputs)
+        t = tf.cast(tf.convert_to_tensor(self.threshold_var), x.dtype)
+        zeros = tf.zeros_like(x)
+        # x > T with T >= 0: also zeroes negatives, i.e. ReLU at T = 0.
+        y = tf.where(x > t, x, zeros)
+        if training:
+            l1 = tf.convert_to_tensor(self.l1_var)
+            self.add_loss(l1 * tf.cast(tf.reduce_mean(tf.abs(y)), tf.float32))
+            self._track_quantile(x)
+        return y
+
+    def _track_quantile(self, x):
+        target = tf.convert_to_tensor(self.target_var)
+
+        def update():
+            flat = tf.reshape(tf.stop_gradient(tf.cast(x, tf.float32)), [-1])
+            # Uniform random positions: a fixed stride would sample only the
+            # units/channels it is not coprime with (e.g. 1 in 64 of the
+            # units of a [batch, 2048] activation for a stride of 64).
+            idx = tf.random.uniform([self.sample_size], 0, tf.size(flat),
+                                    dtype=tf.int32)
+            sample = tf.sort(tf.gather(flat, idx))
+            m = tf.size(sample)
+            idx = tf.cast(tf.floor(target * tf.cast(m - 1, tf.float32)),
+                          tf.int32)
+            q = tf.maximum(sample[idx], 0.0)
+            mom = self.momentum
+            old = tf.convert_to_tensor(self.threshold_var)
+            new = tf.maximum(mom * old + (1.0 - mom) * q, 0.0)
+            self.threshold_var.assign(tf.reshape(new, []))
+            return tf.constant(True)
+
+        tf.cond(target > 0.0, update, lambda: tf.constant(False))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"threshold": self.threshold, "l1": self.l1,
+                       "target": self.target, "momentum": self.momentum,
+                       "sample_size": self.sample_size})
+        return config

@@ -1,0 +1,362 @@
+"""``SparseSplitLayer``: the base class of the sparse-split Keras layers.
+
+It holds what every layer whose op splits work by density shares: the
+split threshold (a non-trainable float32 weight ``threshold_var`` that a
+:class:`~tf_sparse_split.callbacks.SplitThresholdCallback` assigns), the
+per-call statistics variables and their API (:meth:`~SparseSplitLayer.
+latest_stats`, :meth:`~SparseSplitLayer.accumulated_stats`,
+:meth:`~SparseSplitLayer.reset_stats`), threshold validation, serialization
+(``threshold`` in ``get_config``; every weight saved in order) and the
+cost-model hook :meth:`~SparseSplitLayer.split_work_coefficients`.
+
+Requires the TensorFlow backend of Keras 3.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+try:  # Keras 3's call context (where Layer.__call__ keeps `training`)
+    from keras.src.backend.common import global_state as _keras_global_state
+except ImportError:  # a Keras without it: only an explicit `training` counts
+    _keras_global_state = None
+
+from tf_sparse_split.tuning import stats as _stats
+from tf_sparse_split.utils.validation import validate_threshold
+
+__all__ = ["SparseSplitLayer", "RECORD_STATS_MODES"]
+
+_OP_DTYPES = ("float32", "float64")
+
+#: Values of :attr:`SparseSplitLayer.record_stats`.
+RECORD_STATS_MODES = ("auto", True, False)
+
+
+def _keras_call_training():
+    """The ``training`` value Keras resolved for the layer call in progress
+    (passed explicitly or inherited from the outer model), or None."""
+    if _keras_global_state is None:
+        return None
+    ctx = _keras_global_state.get_global_attribute("current_call_ctx")
+    return None if ctx is None else getattr(ctx, "training", None)
+
+
+def _is_training(training):
+    """True for a training call: ``training`` is True (a Python bool or a
+    tensor whose value is known at trace time). An unknown symbolic value
+    counts as training (the variables may be written)."""
+    if training is None:
+        return False
+    if isinstance(training, (bool, np.bool_)):
+        return bool(training)
+    value = tf.get_static_value(training)
+    return True if value is None else bool(value)
+
+
+def _check_backend():
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            "tf_sparse_split layers need the TensorFlow backend of Keras; the "
+            f"current backend is {keras.backend.backend()!r}. Set "
+            "KERAS_BACKEND=tensorflow before importing keras.")
+
+
+class SparseSplitLayer(keras.layers.Layer):
+    """Base class of the layers computed by a sparse-split op.
+
+    A concrete layer inherits from it first and from the Keras layer it
+    replaces second (``class SparseSplitDense(SparseSplitLayer,
+    keras.layers.Dense)``), passes ``threshold`` through to this
+    ``__init__`` and, in ``call``, runs its op with
+    ``threshold=tf.convert_to_tensor(self.threshold_var)`` and
+    ``return_stats=True``, casting its operands with :meth:`_op_operands`
+    and handing the statistics vector to :meth:`_record_stats`. It
+    overrides :meth:`split_work_coefficients` when its work is not a
+    matmul's. ``build`` (here) creates the threshold weight after the Keras
+    layer's own weights, so ``get_weights()`` is ``[kernel, (bias,)
+    threshold]``.
+
+    Args:
+      *args: positional arguments of the Keras layer replaced.
+      threshold: initial split threshold: a number in ``[0, 1]``, or
+        negative or ``'auto'`` (default -1.0) to let the op choose per call.
+      **kwargs: keyword arguments of the Keras layer replaced.
+
+    Attributes:
+      threshold_var: the threshold weight (None until built).
+      record_stats: when calls record the op's statistics into the
+        statistics variables (a public switch, see "Statistics" below):
+        ``"auto"`` (default) in training calls (``training=True``, e.g.
+        ``model.fit``) and in eager calls, never in inference graphs;
+        ``True`` in every call, inference graphs included (explicitly
+        enabled, e.g. to collect statistics during ``model.predict``);
+        ``False`` never.
+
+    Statistics: a recording call assigns the latest statistics vector and
+    adds it to the running sum (``tf.Variable`` assign ops in a graph).
+    Under ``record_stats="auto"`` a graph traced for inference --
+    ``model.predict``/``evaluate``, ``model.export``,
+    ``tf.saved_model.save``, a ``tf.function`` calling the layer with
+    ``training`` False or unset -- holds no variable writes, so an exported
+    serving function is free of them (read-only). Eager calls record (they
+    build no graph), so ``layer(x); layer.latest_stats()`` works
+    interactively.
+      supports_jit: False: the ops have no XLA kernels, so Keras does not
+        JIT-compile a model holding this layer (DESIGN.md, "Keras and XLA").
+
+    Raises:
+      ValueError: on a bad ``threshold``.
+      RuntimeError: if the Keras backend is not TensorFlow.
+    """
+
+    #: What to use instead for LoRA (named in the NotImplementedError).
+    _keras_equivalent = "keras.layers.Layer"
+
+    def __init__(self, *args, threshold=-1.0, **kwargs):
+        _check_backend()
+        self._initial_threshold = validate_threshold(threshold)
+        super().__init__(*args, **kwargs)
+        self.supports_jit = False
+        self.threshold_var = None
+        self._stats_vars = None
+        self.record_stats = "auto"
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._build_split_state()
+
+    def _op_operands(self, x, kernel):
+        """Casts (inputs, kernel) for the op; returns them and the dtype of
+        the layer's output.
+
+        Like ``keras.layers.Dense``, the output has the layer's compute dtype
+        (integer or other-float inputs are cast to it first). The op computes
+        in float32 or float64; other compute dtypes (``mixed_float16``, ...)
+        run it in float32 and cast the result back.
+        """
+        out_dtype = tf.as_dtype(self.compute_dtype)
+        op_dtype = out_dtype if out_dtype.name in _OP_DTYPES else tf.float32
+        x = tf.convert_to_tensor(x)
+        if x.dtype != op_dtype:
+            x = tf.cast(x, op_dtype)
+        kernel = tf.convert_to_tensor(kernel)
+        if kernel.dtype != op_dtype:
+            kernel = tf.cast(kernel, op_dtype)
+        return x, kernel, out_dtype
+
+    def _build_split_state(self):
+        self.threshold_var = self.add_weight(
+            name="threshold",
+            shape=(),
+            dtype="float32",
+            initializer=keras.initializers.Constant(self._initial_threshold),
+            trainable=False,
+            autocast=False,
+        )
+        # Statistics: plain tf.Variables, not Keras weights. Created outside
+        # any tf.function being traced.
+        with tf.init_scope():
+            zeros = tf.zeros([_stats.NUM_STATS], tf.float64)
+            self._stats_vars = _StatsVariables(
+                latest=tf.Variable(zeros, trainable=False,
+                                   name=f"{self.name}_stats_latest"),
+                total=tf.Variable(zeros, trainable=False,
+                                  name=f"{self.name}_stats_sum"),
+                calls=tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                  name=f"{self.name}_stats_calls"),
+            )
+
+    # -- cost model -------------------------------------------------------
+    def split_work_coefficients(self, stats_vector):
+        """Flops per unit of work of the two paths, for the cost model.
+
+        The dense path's work is ``ROWS_DENSE * (K - ZERO_COLS_SKIPPED) *
+        dense_coef`` and the sparse path's ``NNZ_SPARSE * sparse_coef``
+        (statistics of :mod:`tf_sparse_split.tuning.stats`). For a matmul both
+        coefficients are ``2 * N``.
+
+        Args:
+          stats_vector: one statistics vector (or an average of several).
+
+        Returns:
+          ``(dense_coef, sparse_coef)``, floats (flop).
+        """
+        n = float(np.asarray(stats_vector, dtype=np.float64)[_stats.N])
+        return 2.0 * n, 2.0 * n
+
+    @property
+    def record_stats(self):
+        """When calls record statistics: ``"auto"``, True or False (see the
+        class docstring). Set it before tracing (a ``tf.function`` traced
+        earlier keeps what it traced).
+
+        Raises:
+          ValueError: on setting any other value.
+        """
+        return self._record_stats_mode
+
+    @record_stats.setter
+    def record_stats(self, mode):
+        if isinstance(mode, np.bool_):
+            mode = bool(mode)
+        if not any(mode is m or (isinstance(mode, str) and mode == m)
+                   for m in RECORD_STATS_MODES):
+            raise ValueError(
+                "`record_stats` must be 'auto', True or False. "
+                f"Received: record_stats={mode!r}")
+        self._record_stats_mode = mode
+
+    def _records_stats(self, training):
+        """Whether this call records its statistics (see ``record_stats``).
+
+        ``training``: the call's ``training`` argument, or None to take the
+        value Keras resolved for the current call (inherited from the outer
+        model's call)."""
+        mode = self._record_stats_mode
+        if mode is True or mode is False:
+            return mode
+        if tf.executing_eagerly():
+            return True
+        if training is None:
+            training = _keras_call_training()
+        return _is_training(training)
+
+    def _record_stats(self, stats_vec, training=None):
+        """Records one call's statistics vector when :meth:`_records_stats`
+        says so (no op otherwise: nothing enters the graph)."""
+        sv = self._stats_vars
+        if sv is None or not self._records_stats(training):
+            return
+        stats_vec = tf.cast(stats_vec, tf.float64)
+        sv.latest.assign(stats_vec)
+        sv.total.assign_add(stats_vec)
+        sv.calls.assign_add(tf.constant(1, tf.int64))
+
+    # -- threshold --------------------------------------------------------
+    @property
+    def threshold(self):
+        """Current split threshold (Python float; negative = automatic)."""
+        if self.threshold_var is None:
+            return self._initial_threshold
+        return float(np.asarray(self.threshold_var.numpy()))
+
+    def set_threshold(self, threshold):
+        """Sets the split threshold (validated as in the constructor).
+
+        Works before and after the layer is built; after, it assigns the
+        weight, which a compiled training step reads at its next call.
+
+        Raises:
+          ValueError: if the threshold is not in [0, 1] or negative.
+        """
+        value = validate_threshold(threshold)
+        if self.threshold_var is None:
+            self._initial_threshold = value
+        else:
+            self.threshold_var.assign(value)
+
+    # -- statistics -------------------------------------------------------
+    def _require_stats(self):
+        if self._stats_vars is None:
+            raise RuntimeError(
+                f"layer {self.name!r} is not built yet: call it on an input "
+                "before reading its statistics")
+        return self._stats_vars
+
+    def latest_stats_vector(self):
+        """The op's statistics vector of the latest call (float64 numpy
+        ``[stats.NUM_STATS]``; zeros before the first call).
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        return self._require_stats().latest.numpy().copy()
+
+    def latest_stats(self):
+        """The latest call's statistics as ``stats.as_dict`` gives them
+        (counts, times in seconds, ``"histogram"``, ``"sparsity"``).
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        return _stats.as_dict(self.latest_stats_vector())
+
+    def accumulated_stats_vector(self):
+        """``(sum, calls)``: the element-wise sum of the statistics vectors
+        of all calls since the last reset (float64 numpy), and their number.
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        sv = self._require_stats()
+        return sv.total.numpy().copy(), int(sv.calls.numpy())
+
+    def accumulated_stats(self):
+        """Statistics summed over the calls since the last reset.
+
+        Returns:
+          dict with the keys of ``stats.as_dict``: counts (rows, nnz, skipped
+          columns, ``m``) and times (seconds) are sums over calls and
+          ``"histogram"`` sums the row counts; ``"threshold"``, ``"k"``,
+          ``"n"`` and ``"heterogeneous"`` are averages over calls; ``"sparsity"`` is the fraction of
+          zeros over all rows seen (``nan`` without calls); plus
+          ``"calls"``, the number of calls.
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        total, calls = self.accumulated_stats_vector()
+        v = total.copy()
+        if calls > 0:
+            for i in (_stats.THRESHOLD, _stats.K, _stats.N,
+                      _stats.HETEROGENEOUS):
+                v[i] = total[i] / calls
+        out = _stats.as_dict(v)
+        out["calls"] = calls
+        return out
+
+    def reset_stats(self):
+        """Zeroes the accumulated statistics and the call count (the latest
+        vector is kept).
+
+        Raises:
+          RuntimeError: if the layer is not built.
+        """
+        sv = self._require_stats()
+        sv.total.assign(tf.zeros([_stats.NUM_STATS], tf.float64))
+        sv.calls.assign(0)
+
+    # -- serialization ----------------------------------------------------
+    def get_config(self):
+        config = super().get_config()
+        for key in ("lora_rank", "lora_alpha"):
+            config.pop(key, None)
+        config["threshold"] = self.threshold
+        return config
+
+    def save_own_variables(self, store):
+        # Every weight in order: kernel, [bias], threshold. (Dense's and
+        # Conv2D's versions write only kernel and bias, and handle LoRA and
+        # quantization, which these layers refuse.)
+        keras.layers.Layer.save_own_variables(self, store)
+
+    def load_own_variables(self, store):
+        keras.layers.Layer.load_own_variables(self, store)
+
+    # -- refused features -------------------------------------------------
+    def enable_lora(self, *args, **kwargs):
+        """Not supported: raises NotImplementedError."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support LoRA; use "
+            f"{self._keras_equivalent}")
+
+
+class _StatsVariables(tf.Module):
+    """Holds a layer's statistics variables (tracked by TensorFlow so an
+    exported function can capture them; invisible to Keras' weight lists)."""
+
+    def __init__(self, latest, total, calls):
+        super().__init__(name=None)
+        self.latest = latest
+        self.total = total
+        self.calls = calls

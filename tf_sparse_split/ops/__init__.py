@@ -1,0 +1,14 @@
+"""TensorFlow op wrappers and their registered gradients.
+
+* :func:`sparse_split_matmul` (:mod:`tf_sparse_split.ops.matmul`) -- the
+  ``SparseSplitMatMul`` op.
+* :func:`sparse_split_conv2d` (:mod:`tf_sparse_split.ops.conv2d`) -- the
+  ``SparseSplitConv2D`` op (NHWC) and its filter-gradient op.
+
+Importing this package registers the gradients (``tf.RegisterGradient``).
+"""
+
+from tf_sparse_split.ops.matmul import sparse_split_matmul
+from tf_sparse_split.ops.conv2d import sparse_split_conv2d
+
+__all__ = ["sparse_split_matmul", "sparse_split_conv2d"]

@@ -1,0 +1,42 @@
+"""Helpers shared by the op wrappers (dtype list, errors, the threshold
+operand)."""
+
+import numbers
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sparse_split.utils.validation import validate_threshold
+
+FLOAT_DTYPES = (tf.float32, tf.float64)
+
+
+def invalid(msg):
+    """A ``tf.errors.InvalidArgumentError`` with ``msg`` (what the op
+    kernels raise for bad inputs, so the wrappers raise the same type)."""
+    return tf.errors.InvalidArgumentError(None, None, msg)
+
+
+def as_threshold(threshold):
+    """The ``threshold`` operand of an op as a float32 scalar tensor.
+
+    A Python or numpy number is checked with
+    :func:`~tf_sparse_split.utils.validation.validate_threshold` (strings,
+    even ``'auto'``, are refused: pass a negative number); a tensor or
+    variable (e.g. a layer's ``threshold_var``) is only checked for a real
+    dtype here, its value by the op kernel.
+
+    Raises:
+      tf.errors.InvalidArgumentError: a non-numeric threshold, one above 1
+        or NaN.
+    """
+    if threshold is None or isinstance(threshold, (str, bytes, bool, np.bool_,
+                                                   numbers.Number)):
+        try:
+            validate_threshold(threshold, allow_str=False)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+    t = tf.convert_to_tensor(threshold)
+    if not t.dtype.is_floating and not t.dtype.is_integer:
+        raise invalid(f"threshold must be a real number, got dtype {t.dtype.name}")
+    return tf.cast(t, tf.float32)

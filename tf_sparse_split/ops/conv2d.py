@@ -1,0 +1,234 @@
+"""``sparse_split_conv2d``: the ``SparseSplitConv2D`` op wrapper (NHWC) and
+its registered gradient."""
+
+import tensorflow as tf
+
+from tf_sparse_split._loader import load_library
+from tf_sparse_split.ops._common import FLOAT_DTYPES, as_threshold, invalid
+
+__all__ = ["sparse_split_conv2d"]
+
+
+def _conv_list(value, name):
+    """strides / dilations as tf.nn.conv2d takes them (int, or 1, 2 or 4
+    ints) -> the NHWC list of 4 ints."""
+    if isinstance(value, bool):
+        raise invalid(f"sparse_split_conv2d: {name} must be ints, got {value!r}")
+    if isinstance(value, (int,)) or (hasattr(value, "dtype") and
+                                     getattr(value, "ndim", 1) == 0):
+        v = int(value)
+        return [1, v, v, 1]
+    try:
+        vals = [int(v) for v in value]
+    except (TypeError, ValueError):
+        raise invalid(
+            f"sparse_split_conv2d: {name} must be an int or a list of 1, 2 or "
+            f"4 ints, got {value!r}") from None
+    if len(vals) == 1:
+        return [1, vals[0], vals[0], 1]
+    if len(vals) == 2:
+        return [1, vals[0], vals[1], 1]
+    if len(vals) == 4:
+        return vals
+    raise invalid(
+        f"sparse_split_conv2d: {name} must have 1, 2 or 4 entries, got {vals}")
+
+
+def _conv_padding(padding, explicit_paddings):
+    """padding as tf.nn.conv2d takes it -> (padding string, flat list of 8)."""
+    if isinstance(padding, (list, tuple)):
+        if explicit_paddings is not None:
+            raise invalid("sparse_split_conv2d: give explicit paddings either "
+                           "as the padding list or as explicit_paddings")
+        try:
+            flat = [int(p) for pair in padding for p in pair]
+        except (TypeError, ValueError):
+            raise invalid(
+                "sparse_split_conv2d: explicit padding must be 4 pairs "
+                f"[[0, 0], [top, bottom], [left, right], [0, 0]], got {padding!r}"
+            ) from None
+        if len(padding) != 4 or len(flat) != 8:
+            raise invalid(
+                "sparse_split_conv2d: explicit padding must be 4 pairs "
+                f"[[0, 0], [top, bottom], [left, right], [0, 0]], got {padding!r}")
+        return "EXPLICIT", flat
+    if not isinstance(padding, str) or padding.upper() not in (
+            "SAME", "VALID", "EXPLICIT"):
+        raise invalid(
+            "sparse_split_conv2d: padding must be 'SAME', 'VALID', 'EXPLICIT' "
+            f"or a list of 4 [before, after] pairs, got {padding!r}")
+    padding = padding.upper()
+    if padding == "EXPLICIT":
+        if explicit_paddings is None:
+            raise invalid("sparse_split_conv2d: padding 'EXPLICIT' needs "
+                           "explicit_paddings (8 ints)")
+        flat = [int(p) for p in explicit_paddings]
+        return "EXPLICIT", flat
+    if explicit_paddings:
+        raise invalid(
+            "sparse_split_conv2d: explicit_paddings must be empty unless "
+            f"padding is 'EXPLICIT', got {explicit_paddings!r} with {padding!r}")
+    return padding, []
+
+
+def _check_conv_attrs(strides, dilations, padding, explicit):
+    for name, v in (("strides", strides), ("dilations", dilations)):
+        if v[0] != 1 or v[3] != 1:
+            raise invalid(
+                f"sparse_split_conv2d: {name} on the batch and channel "
+                f"dimensions must be 1, got {v}")
+        if v[1] <= 0 or v[2] <= 0:
+            raise invalid(f"sparse_split_conv2d: {name} must be positive, got {v}")
+    if padding == "EXPLICIT":
+        if len(explicit) != 8:
+            raise invalid(
+                "sparse_split_conv2d: explicit_paddings must have 8 entries "
+                f"(before/after for N, H, W, C), got {explicit}")
+        if any(p < 0 for p in explicit):
+            raise invalid(
+                f"sparse_split_conv2d: explicit paddings must be >= 0, got {explicit}")
+        if explicit[0] or explicit[1] or explicit[6] or explicit[7]:
+            raise invalid(
+                "sparse_split_conv2d: explicit paddings on the batch and "
+                f"channel dimensions must be 0, got {explicit}")
+
+
+def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: A002
+                        explicit_paddings=None, threshold=-1.0,
+                        return_stats=False, name=None):
+    """``tf.nn.conv2d`` (NHWC input, HWIO filter) that skips the input's zeros.
+
+    Split (K.-Y. Peng, *Adaptive runtime exploiting sparsity in tensor of
+    deep learning on heterogeneous systems*, NTU 2017): each image of the
+    batch whose density -- nonzeros / (H * W * C_in) -- is above
+    ``threshold`` goes to TensorFlow's own CPU convolution kernel (the oneDNN
+    kernel ``tf.nn.conv2d`` runs, for float32), run in-process; the other
+    images go to a sparse kernel whose cost is proportional to their
+    nonzeros (each output pixel gathers the nonzeros under its window times
+    the matching filter rows, vectorised over C_out). Input channels that are
+    zero in every image are compacted away from the dense part, with the
+    matching filter slices. The result equals ``tf.nn.conv2d``'s to float
+    rounding at any threshold; only the speed changes. Results are
+    deterministic (independent of the thread count).
+
+    Gradients are registered: the input gradient runs
+    ``Conv2DBackpropInput`` (dense), the filter gradient
+    ``SparseSplitConv2DBackpropFilter``, whose sparse path costs
+    ``nnz(input) * KH * KW * C_out`` instead of
+    ``N * OH * OW * KH * KW * C_in * C_out``. With dilations > 1 in float64,
+    or with EXPLICIT padding, which TensorFlow 2.21's CPU
+    ``Conv2DBackpropInput`` / ``Conv2DBackpropFilter`` refuse (so
+    ``tf.nn.conv2d`` has no gradient there), the input gradient is computed
+    through ``tf.image.extract_patches`` (slower, exact) and the filter
+    gradient entirely by the sparse kernel.
+
+    Non-finite values: NaN/Inf in ``input`` propagate as in ``tf.nn.conv2d``.
+    Where the input is exactly zero the product is skipped, so a NaN/Inf in
+    the filter facing only zeros gives 0 on the sparse path and for
+    compacted channels (as in ``tf.sparse``).
+
+    Args:
+      input: float32 or float64 tensor ``[N, H, W, C_in]``.
+      filters: tensor of the same dtype ``[KH, KW, C_in, C_out]``.
+      strides: int, or 1, 2 or 4 ints (as ``tf.nn.conv2d``; the batch and
+        channel entries of 4 must be 1), all positive.
+      padding: ``"SAME"``, ``"VALID"``, ``"EXPLICIT"`` (with
+        ``explicit_paddings``), or a list of 4 ``[before, after]`` pairs
+        ``[[0, 0], [top, bottom], [left, right], [0, 0]]``.
+      dilations: int, or 1, 2 or 4 ints, positive. Strides and dilations
+        above 1 may be combined (TensorFlow's CPU ``Conv2D`` allows it).
+      explicit_paddings: with ``padding="EXPLICIT"``, 8 ints: before/after
+        for N, H, W, C (N and C entries 0).
+      threshold: scalar image-density threshold in ``[0, 1]``, or negative
+        (default) to let the op choose from the rates of both paths it
+        measured on this machine. A float or scalar tensor (e.g. a
+        non-trainable variable).
+      return_stats: also return the per-call statistics.
+      name: optional op name.
+
+    Returns:
+      the output ``[N, OH, OW, C_out]`` of the input dtype; with
+      ``return_stats``, ``(output, stats)``, ``stats`` a float64 vector laid
+      out as in :mod:`tf_sparse_split.stats` with rows = images and columns =
+      the ``H*W*C_in`` values of an image (see there).
+
+    Raises:
+      tf.errors.InvalidArgumentError: dtype not float32/float64 or differing,
+        rank other than 4, ``C_in`` differing between input and filter
+        (grouped convolution is not supported), strides/dilations not
+        positive or not 1 on the batch/channel dimensions, a bad padding
+        (unknown string, explicit list not 8 values / negative / nonzero on
+        N or C), an input smaller than the dilated filter with VALID
+        padding, a threshold above 1, NaN or not scalar.
+    """
+    lib = load_library()
+    with tf.name_scope(name or "SparseSplitConv2D"):
+        x = tf.convert_to_tensor(input)
+        f = tf.convert_to_tensor(filters, dtype_hint=x.dtype)
+        if x.dtype not in FLOAT_DTYPES:
+            raise invalid(
+                f"sparse_split_conv2d: input must be float32 or float64, got {x.dtype.name}")
+        if f.dtype != x.dtype:
+            raise invalid(
+                f"sparse_split_conv2d: filters have dtype {f.dtype.name} but "
+                f"input has {x.dtype.name}")
+        for t, what in ((x, "input [N, H, W, C_in]"),
+                        (f, "filters [KH, KW, C_in, C_out]")):
+            if t.shape.rank is not None and t.shape.rank != 4:
+                raise invalid(
+                    f"sparse_split_conv2d: {what} must be rank 4, got shape {t.shape}")
+        cin, fcin = x.shape[-1] if x.shape.rank else None, \
+            f.shape[2] if f.shape.rank else None
+        if cin is not None and fcin is not None and cin != fcin:
+            raise invalid(
+                f"sparse_split_conv2d: input has {cin} channels (shape "
+                f"{x.shape}) but filters expect {fcin} (shape {f.shape}); "
+                "grouped convolution is not supported")
+        strides = _conv_list(strides, "strides")
+        dilations = _conv_list(dilations, "dilations")
+        pad, explicit = _conv_padding(padding, explicit_paddings)
+        _check_conv_attrs(strides, dilations, pad, explicit)
+        out, stats = lib.tf_sparse_split_sparse_split_conv2d(
+            x, f, as_threshold(threshold), strides=strides, padding=pad,
+            explicit_paddings=explicit, dilations=dilations)
+    return (out, stats) if return_stats else out
+
+
+def _attr_str(op, name):
+    v = op.get_attr(name)
+    return v.decode() if isinstance(v, bytes) else v
+
+
+@tf.RegisterGradient("TfSparseSplit>SparseSplitConv2D")
+def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
+    """Input gradient: Conv2DBackpropInput; filter gradient:
+    SparseSplitConv2DBackpropFilter (exploits the input's zeros)."""
+    x, f, threshold = op.inputs
+    strides = list(op.get_attr("strides"))
+    dilations = list(op.get_attr("dilations"))
+    padding = _attr_str(op, "padding")
+    explicit = list(op.get_attr("explicit_paddings"))
+    lib = load_library()
+    dilated = dilations[1] > 1 or dilations[2] > 1
+    if dilated and (x.dtype == tf.float64 or padding == "EXPLICIT"):
+        # TF 2.21's CPU Conv2DBackpropInput refuses dilations > 1 in float64
+        # and, in float32 (oneDNN), together with EXPLICIT padding.
+        from tf_sparse_split.testing import _patches
+
+        kh, kw, ci, co = tf.unstack(tf.shape(f))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            p = _patches(x, int(f.shape[0]), int(f.shape[1]),
+                         strides[1:3], padding, dilations[1:3], explicit)
+            y = tf.einsum("nhwk,ko->nhwo", p,
+                          tf.reshape(f, [kh * kw * ci, co]))
+        grad_x = tape.gradient(y, x, output_gradients=grad)
+    else:
+        grad_x = tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=tf.shape(x), filter=f, out_backprop=grad,
+            strides=strides, padding=padding, explicit_paddings=explicit,
+            dilations=dilations, data_format="NHWC")
+    grad_f = lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+        x, tf.shape(f), grad, threshold, strides=strides, padding=padding,
+        explicit_paddings=explicit, dilations=dilations)[0]
+    return grad_x, grad_f, None

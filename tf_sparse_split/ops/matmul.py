@@ -1,0 +1,264 @@
+"""``sparse_split_matmul``: the ``SparseSplitMatMul`` op wrapper and its
+registered gradient."""
+
+import threading
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sparse_split._loader import load_library
+from tf_sparse_split.ops._common import FLOAT_DTYPES, as_threshold, invalid
+from tf_sparse_split.utils.validation import validate_choice
+
+__all__ = ["sparse_split_matmul", "ACTIVATIONS"]
+
+#: The activations the op fuses into its epilogue (``None`` = ``"none"``).
+ACTIVATIONS = ("none", "relu", "relu6")
+
+_no_gpu_warned = False
+_no_gpu_lock = threading.Lock()
+
+
+def _warn_if_no_gpu():
+    """Warns once per process that heterogeneous=True has no GPU to use.
+
+    Called when a ``heterogeneous=True`` op is created (eagerly: each call;
+    under ``tf.function``: at tracing). Only the first time in the process
+    warns; the op then runs the normal CPU split and records
+    ``stats.HETERO_CPU_FALLBACK`` in its statistics.
+    """
+    global _no_gpu_warned
+    if _no_gpu_warned or tf.config.list_physical_devices("GPU"):
+        return
+    with _no_gpu_lock:
+        if _no_gpu_warned:
+            return
+        _no_gpu_warned = True
+    warnings.warn(
+        "tf_sparse_split: heterogeneous=True needs a GPU (dense rows on the "
+        "GPU, sparse rows on the CPU), but TensorFlow sees none; the op runs "
+        "the normal CPU split instead (same results; stats entry "
+        "HETEROGENEOUS = HETERO_CPU_FALLBACK). This warning is shown once.",
+        RuntimeWarning, stacklevel=3)
+
+
+def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
+                        transpose_b=False, return_stats=False, name=None,
+                        heterogeneous=False, grad_a_live_only=False,
+                        bias=None, activation=None):
+    """Matrix product ``act(op(a) @ op(b) + bias)`` that skips the zeros of
+    ``a``.
+
+    The rows of ``op(a)`` (the activation operand) whose density -- the
+    fraction of nonzeros -- is above ``threshold`` go to a dense GEMM (Eigen
+    on TensorFlow's intra-op thread pool); the other rows go to a tiled CSR
+    SpMM whose cost is proportional to their nonzeros; all-zero columns of
+    ``op(a)`` are compacted away from the dense part together with the
+    matching rows of ``op(b)``. The result equals ``tf.matmul``'s to float
+    rounding at any threshold; only the speed changes. Method: K.-Y. Peng,
+    *Adaptive runtime exploiting sparsity in tensor of deep learning on
+    heterogeneous systems*, NTU 2017 (split by run-time density statistics).
+
+    Heterogeneous split (``heterogeneous=True``, Peng 2017): on the GPU
+    kernel the sparse rows are copied to host memory and multiplied by the
+    CPU SpMM on TensorFlow's CPU thread pool while the dense rows run on the
+    GPU (cuBLAS through TF's MatMul kernel); the two overlap, and the result
+    is merged on the GPU. The answer is the same. Without a GPU the op runs
+    on its CPU kernel, which does the normal CPU split (identical results to
+    ``heterogeneous=False``) and records ``stats.HETERO_CPU_FALLBACK`` in the
+    ``stats.HETEROGENEOUS`` entry; the first such op created in a process
+    with no visible GPU also issues a ``RuntimeWarning`` (once per process).
+    The gradient's sparse product inherits the flag.
+
+    Fused epilogue (``bias``, ``activation``): the op adds ``bias`` to every
+    row of the product and applies the activation in one pass over the output
+    rows after the dense and sparse parts have written them, as
+    ``tf.nn.relu(tf.matmul(a, b) + bias)`` would (TF fuses that into its
+    ``_FusedMatMul`` kernel on the CPU). The gradient masks the incoming
+    gradient with the output (relu: ``out > 0``; relu6: ``0 < out < 6``, as
+    TF's ``ReluGrad``/``Relu6Grad``) and sums it over rows for ``bias``.
+
+    Gradients are registered for ``a``, ``b`` and ``bias``; the one for ``b``
+    (``op(a)^T @ dY``) runs through this op with ``a`` as its sparse operand,
+    so its cost is proportional to ``nnz(a) * N``, not ``M * K * N``.
+
+    Non-finite values: NaN/Inf in ``a`` propagate as in ``tf.matmul``. Where
+    ``a`` is exactly zero the product is skipped, so a NaN/Inf in ``b`` facing
+    only zeros of ``a`` gives 0 instead of NaN (as in ``tf.sparse``) -- on the
+    sparse path and for compacted all-zero columns.
+
+    Args:
+      a: float32 or float64 tensor ``[M, K]`` (``[K, M]`` if ``transpose_a``).
+      b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if ``transpose_b``).
+      threshold: scalar row-density threshold in ``[0, 1]`` (fraction of
+        nonzeros): rows above it go dense, rows at or below it sparse --
+        except that when the only such rows are all-zero and fewer than 1/8
+        of the rows, every row goes dense (cheaper than gathering the rest;
+        same result). Negative: the op chooses it from the rates of the two
+        paths it measured on this machine for this (K, N), and may send every
+        row dense when the split would not pay for gathering the dense rows. A float or a scalar tensor
+        (e.g. a non-trainable variable a callback assigns).
+      transpose_a: if True, multiply by ``a^T``.
+      transpose_b: if True, multiply by ``b^T``.
+      return_stats: if True, also return the per-call statistics.
+      name: optional op name.
+      heterogeneous: bool; if True, dense rows on the GPU and sparse rows on
+        the CPU, overlapped (see above). Default False.
+      grad_a_live_only: bool; if True (and ``transpose_a`` is False), the
+        gradient for ``a`` is computed only for the columns of ``a`` that are
+        not all zero (dead/dropped units) and is 0 in the others: a smaller
+        GEMM ``dY @ b[live]^T``. This is the true gradient only when whatever
+        produced ``a`` zeroes the gradient of its all-zero columns anyway --
+        e.g. ``a`` is a ReLU output (ReluGrad is 0 where the output is 0), or
+        an :class:`~tf_sparse_split.ApproximateRandomDropout` output of a
+        ReLU output (dropped units get 0 from the dropout mask). Default
+        False (the exact dense gradient).
+      bias: optional vector ``[N]`` of the inputs' dtype added to every row
+        of the product (default None: no bias).
+      activation: ``None`` or ``"none"`` (default), ``"relu"`` (``max(x,
+        0)``) or ``"relu6"`` (``min(max(x, 0), 6)``), applied after the bias.
+        NaN stays NaN.
+
+    Returns:
+      The product ``act(op(a) @ op(b) + bias)``, ``[M, N]``, of the inputs'
+      dtype; with ``return_stats``, a
+      tuple ``(product, stats)`` where ``stats`` is a float64 vector laid out
+      as in :mod:`tf_sparse_split.stats` (rows dense/sparse, nnz, all-zero
+      columns skipped, seconds in each part, threshold used, ...).
+
+    Raises:
+      tf.errors.InvalidArgumentError: for a dtype other than float32/float64
+        or differing between ``a`` and ``b`` (or ``bias``), a rank other than
+        2, mismatched inner dimensions, a non-scalar threshold or one above 1
+        or NaN, a ``bias`` that is not a vector ``[N]``.
+      ValueError: an unknown ``activation``; rank/shape errors detected
+        while tracing a ``tf.function`` (shape inference).
+    """
+    if not isinstance(heterogeneous, (bool, np.bool_)):
+        raise TypeError(
+            f"heterogeneous must be a bool, got {heterogeneous!r}")
+    if not isinstance(grad_a_live_only, (bool, np.bool_)):
+        raise TypeError(
+            f"grad_a_live_only must be a bool, got {grad_a_live_only!r}")
+    heterogeneous = bool(heterogeneous)
+    activation = validate_choice(
+        "none" if activation is None else activation, "activation",
+        ACTIVATIONS)
+    lib = load_library()
+    if heterogeneous:
+        _warn_if_no_gpu()
+    with tf.name_scope(name or "SparseSplitMatMul"):
+        a = tf.convert_to_tensor(a)
+        # Arrays and tensors keep their dtype (a mismatch is an error, not a
+        # silent cast); Python lists/scalars take a's dtype.
+        b = (tf.convert_to_tensor(b) if hasattr(b, "dtype")
+             else tf.convert_to_tensor(b, dtype_hint=a.dtype))
+        if a.dtype not in FLOAT_DTYPES:
+            raise invalid(
+                f"sparse_split_matmul: a must be float32 or float64, got {a.dtype.name}")
+        if b.dtype != a.dtype:
+            raise invalid(
+                f"sparse_split_matmul: b has dtype {b.dtype.name} but a has {a.dtype.name}")
+        biases = []
+        if bias is not None:
+            bias = (tf.convert_to_tensor(bias) if hasattr(bias, "dtype")
+                    else tf.convert_to_tensor(bias, dtype_hint=a.dtype))
+            if bias.dtype != a.dtype:
+                raise invalid(
+                    f"sparse_split_matmul: bias has dtype {bias.dtype.name} "
+                    f"but a has {a.dtype.name}")
+            if bias.shape.rank is not None and bias.shape.rank != 1:
+                raise invalid(
+                    "sparse_split_matmul: bias must be a vector [N], got "
+                    f"shape {bias.shape}")
+            biases = [bias]
+        product, stats = lib.tf_sparse_split_sparse_split_mat_mul(
+            a, b, as_threshold(threshold), biases, transpose_a=transpose_a,
+            transpose_b=transpose_b, heterogeneous=heterogeneous,
+            grad_a_live_only=bool(grad_a_live_only), activation=activation)
+    return (product, stats) if return_stats else product
+
+
+def _grad_a_live_columns(a, b, grad, tb):
+    """dA = dY @ op(b)^T computed for the live (not all-zero) columns of
+    ``a`` [M, K] only; 0 in its all-zero columns (see ``grad_a_live_only``).
+
+    The gather of op(b)'s live rows and the scatter of the result cost
+    memory passes, so the smaller GEMM is used only when at least a quarter
+    of the columns are dead (e.g. row dropout); otherwise the plain GEMM.
+    """
+    live_mask = tf.reduce_any(tf.not_equal(a, 0), axis=0)
+    k = tf.shape(a, out_type=tf.int64)[1]
+    m = tf.shape(a, out_type=tf.int64)[0]
+    n_live = tf.reduce_sum(tf.cast(live_mask, tf.int64))
+
+    def full():
+        return tf.matmul(grad, b, transpose_b=not tb)
+
+    def live_only():
+        live = tf.where(live_mask)[:, 0]                         # [k_live]
+        if tb:   # op(b) = b^T, b [N, K]: live columns of b
+            g_live = tf.matmul(grad, tf.gather(b, live, axis=1))
+        else:    # b [K, N]: live rows of b
+            g_live = tf.matmul(grad, tf.gather(b, live, axis=0), transpose_b=True)
+        grad_a_t = tf.scatter_nd(live[:, None], tf.transpose(g_live),
+                                 tf.stack([k, m]))
+        return tf.transpose(grad_a_t)
+
+    return tf.cond(n_live * 4 <= k * 3, live_only, full)
+
+
+def _activation_grad(activation, out, grad):
+    """The incoming gradient masked by the activation's derivative, from the
+    op's output: relu: ``out > 0``; relu6: ``0 < out < 6`` (as TF's
+    ``ReluGrad``/``Relu6Grad``, which test the pre-activation the same way).
+    """
+    if activation == "relu":
+        return tf.where(out > 0, grad, tf.zeros_like(grad))
+    if activation == "relu6":
+        return tf.where(tf.logical_and(out > 0, out < 6), grad,
+                        tf.zeros_like(grad))
+    return grad
+
+
+@tf.RegisterGradient("TfSparseSplit>SparseSplitMatMul")
+def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
+    """Gradients of ``act(op(a) @ op(b) + bias)``; the ``b`` gradient exploits
+    a's zeros."""
+    a, b, threshold = op.inputs[:3]
+    has_bias = op.get_attr("num_bias") == 1
+    activation = op.get_attr("activation")
+    if isinstance(activation, bytes):
+        activation = activation.decode()
+    # d(pre-activation): the product and bias gradients start from it.
+    grad = _activation_grad(activation, op.outputs[0], grad)
+    grad_bias = [tf.reduce_sum(grad, axis=0)] if has_bias else []
+    ta = op.get_attr("transpose_a")
+    tb = op.get_attr("transpose_b")
+    hetero = op.get_attr("heterogeneous")
+    lib = load_library()
+
+    def sparse(x, y, transpose_a):
+        return lib.tf_sparse_split_sparse_split_mat_mul(
+            x, y, threshold, [], transpose_a=transpose_a,
+            heterogeneous=hetero)[0]
+
+    if not ta and op.get_attr("grad_a_live_only"):
+        grad_a = _grad_a_live_columns(a, b, grad, tb)
+        grad_b = sparse(a, grad, True)                       # A^T dC
+        if tb:
+            grad_b = tf.transpose(grad_b)
+    elif not ta and not tb:  # C = A B
+        grad_a = tf.matmul(grad, b, transpose_b=True)
+        grad_b = sparse(a, grad, True)                       # A^T dC
+    elif not ta and tb:      # C = A B^T
+        grad_a = tf.matmul(grad, b)
+        grad_b = tf.transpose(sparse(a, grad, True))         # (A^T dC)^T
+    elif ta and not tb:      # C = A^T B
+        grad_a = tf.matmul(b, grad, transpose_b=True)
+        grad_b = sparse(a, grad, False)                      # A dC
+    else:                    # C = A^T B^T
+        grad_a = tf.matmul(b, grad, transpose_a=True, transpose_b=True)
+        grad_b = tf.transpose(sparse(a, grad, False))        # (A dC)^T
+    return [grad_a, grad_b, None] + grad_bias

@@ -1,0 +1,301 @@
+"""The ``tf-sparse-split`` command line.
+
+Subcommands:
+
+``train``
+    Trains a ReLU MLP (``Dense``-ReLU hidden layers, softmax output) on
+    scikit-learn's embedded 8x8 digits or on MNIST IDX files, with
+    :class:`~tf_sparse_split.layers.SparseSplitDense` layers and the
+    :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` (K.-Y. Peng,
+    "Adaptive runtime exploiting sparsity in tensor of deep learning on
+    heterogeneous systems", NTU 2017), or with plain ``keras.layers.Dense``
+    (``--baseline``), or both in turn from the same initial weights
+    (``--compare``). Prints, per epoch, the time in seconds, loss and
+    accuracy, and each sparse-split layer's input sparsity and threshold;
+    at the end the test accuracy. ``--dropout {none,standard,row,tile}``
+    puts a dropout layer after every hidden layer: ``keras.layers.Dropout``
+    (``standard``) or :class:`~tf_sparse_split.layers.
+    ApproximateRandomDropout` with row or tile patterns, whose dropped
+    neurons the following sparse-split layer skips (Z. Song et al.,
+    "Approximate Random Dropout", arXiv 1805.08939), at ``--dropout-rate``.
+
+``profile MODEL_PATH``
+    Loads a SavedModel directory or a ``.keras`` file, runs it on sample
+    inputs (random with ReLU-like sparsity, or ``--input x.npy``) and prints,
+    for every MatMul/Conv2D node, the activation sparsity and the op time of
+    ``tf.matmul`` against ``sparse_split_matmul`` on the captured operands,
+    and whether the graph-rewrite pass (:mod:`tf_sparse_split.rewrite`) would
+    replace it. On GPU machines Keras needs ``jit_compile=False`` for the
+    pass to apply.
+
+``train --strategy {none,mirrored,multi-worker}`` trains under a
+``tf.distribute`` strategy (multi-worker: ``TF_CONFIG``, a custom loop;
+:mod:`tf_sparse_split.tools.distribute`); ``--tensorboard DIR`` writes
+per-layer summaries, ``--plot FILE.png`` a training plot
+(:mod:`tf_sparse_split.tools.plots`), ``--checkpoint-dir DIR`` the model
+after every epoch. ``profile MODEL --end-to-end`` times whole-model inference
+plain / with the rewrite pass / with sparse-split layers
+(:mod:`tf_sparse_split.tools.latency`).
+
+With ``--model cnn`` it trains a small CNN instead (conv-ReLU-conv-ReLU-
+max-pool-dense on the images reshaped to ``side x side x 1``: 8x8 digits,
+28x28 MNIST) with :class:`~tf_sparse_split.layers.SparseSplitConv2D`
+layers (or ``keras.layers.Conv2D`` with ``--baseline``).
+
+``--target-sparsity S`` (mlp, cnn) adds the
+:class:`~tf_sparse_split.callbacks.SparsityTargetCallback`: the inputs of
+the sparse-split layers fed by a ReLU are driven toward a fraction S of
+zeros (FATReLU thresholds + progressive L1; Kurtz et al., ICML 2020;
+ProSparse, 2024); ``--compare`` then also prints each layer's input
+sparsity and the steady-state epoch time. ``--model lstm`` trains image rows
+as sequences with :class:`~tf_sparse_split.layers.SparseSplitLSTM`
+(``--units``; ``--dropout row|tile|standard`` with ``--dropout-rate`` and
+``--recurrent-dropout-rate``; Z. Song et al., arXiv 2203.05705) or
+``keras.layers.LSTM`` with the same rates (``--baseline``).
+
+This module only parses arguments and dispatches: the train command is
+:func:`tf_sparse_split.tools.train.train_command` (models from
+:mod:`tf_sparse_split.tools.models`), the profile command
+:func:`tf_sparse_split.tools.profile.profile_command`.
+
+Run as ``tf-sparse-split train ...`` or ``python -m tf_sparse_split train ...``.
+:func:`main` returns the exit code (0 success, 1 runtime error such as
+missing data or an unbuilt op library, 2 bad arguments).
+"""
+
+import argparse
+import sys
+
+from tf_sparse_split.tools.models import DROPOUT_KINDS
+from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
+                                              validate_positive_float,
+                                              validate_threshold)
+
+__all__ = ["main", "build_parser", "parse_positive_int", "parse_int_list",
+           "parse_positive_float", "parse_threshold", "parse_rate",
+           "parse_tile_shape"]
+
+
+def _checked(check, text, *args):
+    try:
+        return check(text, *args)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_positive_int(text):
+    """argparse type: an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    return _checked(validate_int, value, "value", 1)
+
+
+def parse_positive_float(text):
+    """argparse type: a number > 0."""
+    return _checked(validate_positive_float, text, "value")
+
+
+def parse_int_list(text):
+    """argparse type: comma-separated integers > 0 (e.g. ``512,512``)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(
+            "give at least one hidden size, e.g. 512,512")
+    return [parse_positive_int(p) for p in parts]
+
+
+def parse_threshold(text):
+    """argparse type: a threshold in [0, 1] or ``auto`` (-1.0)."""
+    return _checked(validate_threshold, text, "threshold")
+
+
+def parse_rate(text):
+    """argparse type: a rate or fraction in [0, 1)."""
+    return _checked(validate_fraction, text, "value")
+
+
+def parse_tile_shape(text):
+    """argparse type: ``ROWS,UNITS``, two integers > 0."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(
+            f"give ROWS,UNITS (e.g. 32,32), got {text!r}")
+    return tuple(parse_positive_int(p) for p in parts)
+
+
+def build_parser():
+    """The ``argparse`` parser of the ``tf-sparse-split`` command."""
+    parser = argparse.ArgumentParser(
+        prog="tf-sparse-split",
+        description="Sparse-split matmul for Keras: exploit the zeros of "
+                    "ReLU activations at run time.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    train = sub.add_parser(
+        "train", help="train an MLP (or --model cnn) with sparse-split layers",
+        description="Train a ReLU MLP with SparseSplitDense layers and the "
+                    "threshold-tuning callback (or plain Dense with "
+                    "--baseline, or both with --compare).")
+    train.add_argument(
+        "--data", metavar="DIR", default=None,
+        help="directory with MNIST IDX files (t10k-images-idx3-ubyte[.gz], "
+             "t10k-labels-idx1-ubyte[.gz], train-* optional); default: "
+             "scikit-learn's embedded 8x8 digits")
+    train.add_argument("--epochs", type=parse_positive_int, default=5,
+                       help="epochs (default 5)")
+    train.add_argument("--batch-size", type=parse_positive_int, default=128,
+                       help="batch size (default 128)")
+    train.add_argument("--hidden", type=parse_int_list, default=[512, 512],
+                       metavar="N,N,...",
+                       help="hidden layer sizes (default 512,512)")
+    train.add_argument("--lr", type=parse_positive_float, default=1e-3,
+                       help="Adam learning rate (default 1e-3)")
+    train.add_argument("--seed", type=int, default=0,
+                       help="random seed (default 0)")
+    train.add_argument(
+        "--threshold", type=parse_threshold, default=-1.0, metavar="T|auto",
+        help="initial split threshold in [0, 1], or 'auto' (default): the "
+             "callback tunes it after each epoch")
+    train.add_argument("--model", choices=("mlp", "cnn", "lstm"),
+                       default="mlp",
+                       help="mlp (default): Dense-ReLU layers; cnn: "
+                            "conv-relu-conv-relu-pool-dense; lstm: image "
+                            "rows as a sequence -> SparseSplitLSTM -> dense "
+                            "(--dropout row|tile|standard patterns)")
+    train.add_argument("--units", type=parse_positive_int, default=128,
+                       help="LSTM units of --model lstm (default 128)")
+    train.add_argument("--recurrent-dropout-rate", type=parse_rate,
+                       default=None, metavar="R",
+                       help="recurrent dropout of --model lstm in [0, 1) "
+                            "(default: --dropout-rate)")
+    train.add_argument("--filters", type=parse_int_list, default=[16, 32],
+                       metavar="N,N",
+                       help="filters of the two 3x3 conv layers of --model "
+                            "cnn (default 16,32)")
+    mode = train.add_mutually_exclusive_group()
+    mode.add_argument("--baseline", action="store_true",
+                      help="use plain keras.layers.Dense instead")
+    mode.add_argument("--compare", action="store_true",
+                      help="train both (same seed) and print a side-by-side "
+                           "summary")
+    train.add_argument(
+        "--dropout", choices=DROPOUT_KINDS, default="none",
+        help="dropout after every hidden layer: none (default), standard "
+             "(keras.layers.Dropout), row or tile (ApproximateRandomDropout "
+             "patterns the sparse-split layers skip)")
+    train.add_argument("--dropout-rate", type=parse_rate, default=None,
+                       metavar="R",
+                       help="dropout rate in [0, 1) (default 0.5; needs "
+                            "--dropout)")
+    train.add_argument("--tile-shape", type=parse_tile_shape, default=None,
+                       metavar="ROWS,UNITS",
+                       help="tile of --dropout tile (default 32,32; UNITS "
+                            "must divide every hidden size)")
+    train.add_argument(
+        "--target-sparsity", type=parse_rate, default=None, metavar="S",
+        help="induce activation sparsity: drive the input of every "
+             "sparse-split layer fed by a ReLU toward a fraction S of zeros "
+             "in [0, 1) (SparsityTargetCallback: FATReLU thresholds + a "
+             "progressive L1 penalty; --model mlp and cnn)")
+    train.add_argument("--quiet", action="store_true",
+                       help="no progress bar or per-epoch lines; only the "
+                            "summary")
+    # Distribution, TensorBoard, plots (tools/distribute.py, tools/plots.py).
+    train.add_argument(
+        "--strategy", choices=("none", "mirrored", "multi-worker"),
+        default="none",
+        help="none (default); mirrored: Keras fit under MirroredStrategy; "
+             "multi-worker: MultiWorkerMirroredStrategy from TF_CONFIG in a "
+             "custom training loop (run the same command on every worker)")
+    train.add_argument(
+        "--tensorboard", metavar="DIR", default=None,
+        help="write TensorBoard event files (per-layer sparsity, threshold, "
+             "rows and seconds per path, zero columns, row-density "
+             "histogram per epoch) to DIR (chief only)")
+    train.add_argument(
+        "--plot", metavar="FILE.png", default=None,
+        help="draw per-layer input sparsity and threshold and the epoch time "
+             "per epoch (both models with --compare) to a PNG (chief only)")
+    train.add_argument(
+        "--checkpoint-dir", metavar="DIR", default=None,
+        help="save DIR/model.keras after every epoch (with --strategy "
+             "multi-worker only the chief writes)")
+    prof = sub.add_parser(
+        "profile", help="measure activation sparsity and dense vs split op "
+                        "time for each MatMul/Conv2D of a model",
+        description="Load a SavedModel directory or .keras file, run it on "
+                    "sample inputs and time tf.matmul against "
+                    "sparse_split_matmul on every MatMul's captured operands. "
+                    "On GPU machines compile Keras models with "
+                    "jit_compile=False for the rewrite pass to apply.")
+    prof.add_argument("model", metavar="MODEL_PATH",
+                      help="SavedModel directory or .keras file")
+    prof.add_argument("--input", metavar="X.npy", default=None,
+                      help="input array (.npy) for a single-input model; "
+                           "default: random inputs")
+    prof.add_argument("--batch-size", type=parse_positive_int, default=128,
+                      help="batch size of random inputs (default 128)")
+    prof.add_argument("--input-sparsity", type=parse_rate, default=0.5,
+                      help="fraction of zeros of random inputs (default 0.5, "
+                           "as after a ReLU)")
+    prof.add_argument("--threshold", type=parse_threshold, default=-1.0,
+                      metavar="T|auto", help="split threshold (default auto)")
+    prof.add_argument("--repeats", type=parse_positive_int, default=10,
+                      help="timed repetitions per op (median; default 10)")
+    prof.add_argument("--signature", default=None,
+                      help="SavedModel signature (default serving_default)")
+    prof.add_argument("--seed", type=int, default=0,
+                      help="seed of the random inputs (default 0)")
+    # Whole-model latency (tools/latency.py).
+    prof.add_argument(
+        "--end-to-end", action="store_true",
+        help="time whole-model inference instead: plain, with the rewrite "
+             "pass, and converted to sparse-split layers (p50/p90 ms, "
+             "interleaved, after warm-up)")
+    prof.add_argument(
+        "--sparse-model", metavar="PATH", default=None,
+        help="--end-to-end: a sparse-split version of the model (.keras) to "
+             "time too (default: converted from a .keras model's Dense/"
+             "Conv2D layers where possible)")
+    return parser
+
+
+def main(argv=None):
+    """Entry point of ``tf-sparse-split``; returns the exit code.
+
+    Args:
+      argv: argument list without the program name (default ``sys.argv[1:]``).
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or bad arguments (2)
+        return int(e.code) if isinstance(e.code, int) else 2
+    out = sys.stdout
+    try:
+        if args.command == "train":
+            from tf_sparse_split.tools.train import train_command
+
+            return train_command(args, out)
+        if args.command == "profile" and getattr(args, "end_to_end", False):
+            from tf_sparse_split.tools.latency import latency_command
+
+            return latency_command(args, out)
+        if args.command == "profile":
+            from tf_sparse_split.tools.profile import profile_command
+
+            return profile_command(args, out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"tf-sparse-split: error: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:  # includes LibraryLoadError
+        print(f"tf-sparse-split: error: {e}", file=sys.stderr)
+        return 1
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Model builders of the ``tf-sparse-split train`` command (and the
+benchmarks): :func:`build_mlp` (ReLU MLP, optional structured dropout),
+:func:`build_cnn` (small ReLU CNN) and :func:`build_lstm` (LSTM classifier),
+with sparse-split layers or their plain Keras counterparts."""
+
+__all__ = ["build_mlp", "build_cnn", "build_lstm", "DROPOUT_KINDS"]
+
+#: Values of ``build_mlp(dropout=...)`` (and ``train --dropout``).
+DROPOUT_KINDS = ("none", "standard", "row", "tile")
+
+
+def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
+              dropout="none", dropout_rate=0.5, seed=None, tile_shape=None):
+    """An MLP ``input -> [hidden ReLU [dropout]]* -> softmax``.
+
+    Args:
+      input_dim: features per example.
+      hidden: list of hidden layer widths.
+      num_classes: output classes.
+      sparse: SparseSplitDense layers (True) or keras.layers.Dense (False).
+      threshold: initial threshold of the SparseSplitDense layers.
+      dropout: ``"none"``, ``"standard"`` (``keras.layers.Dropout``),
+        ``"row"`` or ``"tile"`` (``ApproximateRandomDropout``): a dropout
+        layer after every hidden layer, named ``dropout_1``, ...
+      dropout_rate: its rate in ``[0, 1)``.
+      seed: seed of the dropout layers (layer ``i`` gets ``seed + i``).
+      tile_shape: tile of the ``"tile"`` pattern (default ``(32, 32)``).
+
+    Returns:
+      an uncompiled ``keras.Sequential``; layers are named ``hidden_1``, ...,
+      ``output``.
+
+    Raises:
+      ValueError: unknown ``dropout``, bad rate, or a tile not dividing a
+        hidden size.
+    """
+    import keras
+
+    from tf_sparse_split.layers import SparseSplitDense
+
+    def dense(units, activation, name, after_relu=False):
+        if sparse:
+            # After a ReLU (optionally through row/tile dropout) the input
+            # gradient is needed only for units alive in the batch.
+            return SparseSplitDense(units, activation=activation,
+                                    threshold=threshold, name=name,
+                                    skip_dead_input_grad=after_relu)
+        return keras.layers.Dense(units, activation=activation, name=name)
+
+    if dropout not in DROPOUT_KINDS:
+        raise ValueError(f"dropout must be one of {DROPOUT_KINDS}, got "
+                         f"{dropout!r}")
+
+    def drop(i):
+        from tf_sparse_split.layers import ApproximateRandomDropout
+
+        s = None if seed is None else seed + i
+        name = f"dropout_{i + 1}"
+        if dropout == "standard":
+            return keras.layers.Dropout(dropout_rate, seed=s, name=name)
+        return ApproximateRandomDropout(
+            dropout_rate, pattern=dropout, seed=s, name=name,
+            tile_shape=tile_shape if dropout == "tile" else None)
+
+    layers = [keras.Input((input_dim,))]
+    for i, width in enumerate(hidden):
+        layers.append(dense(width, "relu", f"hidden_{i + 1}", after_relu=i > 0))
+        if dropout != "none":
+            layers.append(drop(i))
+    layers.append(dense(num_classes, "softmax", "output", after_relu=True))
+    return keras.Sequential(layers, name="sparse_mlp" if sparse else "mlp")
+
+
+def build_cnn(side, filters, num_classes, sparse=True, threshold=-1.0):
+    """A small CNN ``[side, side, 1] -> conv 3x3 ReLU -> conv 3x3 ReLU ->
+    2x2 max-pool -> flatten -> softmax``.
+
+    Args:
+      side: image height = width.
+      filters: two ints, the filters of the two conv layers.
+      num_classes: output classes.
+      sparse: SparseSplitConv2D / SparseSplitDense (True) or keras Conv2D /
+        Dense (False).
+      threshold: initial threshold of the sparse-split layers.
+
+    Returns:
+      an uncompiled ``keras.Sequential``; layers named ``conv_1``,
+      ``conv_2``, ``pool``, ``flatten``, ``output``.
+
+    Raises:
+      ValueError: if ``filters`` does not have two entries.
+    """
+    import keras
+
+    from tf_sparse_split.layers import SparseSplitConv2D, SparseSplitDense
+
+    if len(filters) != 2:
+        raise ValueError(f"--filters needs two sizes for the two conv "
+                         f"layers, got {filters}")
+
+    def conv(n, name):
+        if sparse:
+            return SparseSplitConv2D(n, 3, padding="same", activation="relu",
+                                     threshold=threshold, name=name)
+        return keras.layers.Conv2D(n, 3, padding="same", activation="relu",
+                                   name=name)
+
+    out = (SparseSplitDense(num_classes, activation="softmax",
+                            threshold=threshold, name="output") if sparse
+           else keras.layers.Dense(num_classes, activation="softmax",
+                                   name="output"))
+    return keras.Sequential(
+        [keras.Input((side, side, 1)), conv(filters[0], "conv_1"),
+         conv(filters[1], "conv_2"), keras.layers.MaxPooling2D(2, name="pool"),
+         keras.layers.Flatten(name="flatten"), out],
+        name="sparse_cnn" if sparse else "cnn")
+
+
+def build_lstm(timesteps, features, units, num_classes, sparse=True,
+               dropout="row", dropout_rate=0.0, recurrent_dropout_rate=0.0,
+               seed=None, tile_shape=None):
+    """An LSTM classifier ``[timesteps, features] -> LSTM(units) -> softmax``
+    (e.g. MNIST rows as sequences: 28 steps x 28 features).
+
+    Args:
+      timesteps, features: the input sequence shape.
+      units: LSTM units.
+      num_classes: output classes.
+      sparse: :class:`~tf_sparse_split.layers.SparseSplitLSTM` (True) or
+        ``keras.layers.LSTM`` (False; Keras' random dropout masks).
+      dropout: pattern of the sparse layer's dropout: ``"row"``, ``"tile"``,
+        ``"standard"`` (Keras' masks: ``pattern="random"``) or ``"none"``
+        (rates forced to 0).
+      dropout_rate, recurrent_dropout_rate: the LSTM's ``dropout`` and
+        ``recurrent_dropout`` in ``[0, 1)``.
+      seed: dropout seed.
+      tile_shape: tile of the ``"tile"`` pattern.
+
+    Returns:
+      an uncompiled ``keras.Sequential`` with layers ``lstm`` and ``output``
+      (a plain ``keras.layers.Dense`` in both variants).
+
+    Raises:
+      ValueError: unknown ``dropout`` or bad rates/tile.
+    """
+    import keras
+
+    from tf_sparse_split.layers import SparseSplitLSTM
+
+    if dropout not in DROPOUT_KINDS:
+        raise ValueError(f"dropout must be one of {DROPOUT_KINDS}, got "
+                         f"{dropout!r}")
+    if dropout == "none":
+        dropout_rate = recurrent_dropout_rate = 0.0
+    kwargs = dict(dropout=dropout_rate, recurrent_dropout=recurrent_dropout_rate,
+                  seed=seed, name="lstm")
+    if sparse:
+        pattern = {"standard": "random", "none": "row"}.get(dropout, dropout)
+        rnn = SparseSplitLSTM(units, pattern=pattern,
+                              tile_shape=tile_shape if pattern == "tile"
+                              else None, **kwargs)
+    else:
+        rnn = keras.layers.LSTM(units, **kwargs)
+    return keras.Sequential(
+        [keras.Input((timesteps, features)), rnn,
+         keras.layers.Dense(num_classes, activation="softmax", name="output")],
+        name="sparse_lstm" if sparse else "lstm")

@@ -1,0 +1,99 @@
+"""``tf-sparse-split train --plot FILE.png``: training plots (matplotlib).
+
+:func:`plot_training` draws, per epoch, each sparse-split layer's input
+sparsity and split threshold (from the threshold tuner's history) and the
+epoch time of every model trained (sparse-split and, with ``--compare``, the
+plain-Keras baseline from the same initial weights).
+"""
+
+import math
+
+__all__ = ["plot_training"]
+
+
+def _layer_series(history, key):
+    """{layer: [value per epoch]} from a tuner history (NaN where absent;
+    thresholds < 0, i.e. automatic per call, also NaN)."""
+    names = []
+    for record in history:
+        for name in record["layers"]:
+            if name not in names:
+                names.append(name)
+    series = {}
+    for name in names:
+        values = []
+        for record in history:
+            v = record["layers"].get(name, {}).get(key)
+            if v is None or (key == "threshold" and v < 0):
+                v = math.nan
+            values.append(float(v))
+        series[name] = values
+    return series
+
+
+def plot_training(results, path, title=None):
+    """Writes the training plot of ``results`` to the PNG file ``path``.
+
+    Args:
+      results: list of result dicts of :func:`tf_sparse_split.tools.train.run`
+        (keys ``"kind"``, ``"epoch_times"`` in seconds and
+        ``"tuning_history"``, the per-epoch records of
+        :class:`~tf_sparse_split.tuning.tuner.ThresholdTuner`).
+      path: output file name (``.png``).
+      title: optional figure title.
+
+    Returns:
+      ``path``.
+
+    Raises:
+      ValueError: if ``results`` is empty or ``path`` does not end in
+        ``.png``.
+    """
+    if not results:
+        raise ValueError("plot_training needs at least one result")
+    if not str(path).lower().endswith(".png"):
+        raise ValueError(f"--plot writes a PNG file; give a name ending in "
+                         f".png, got {path!r}")
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax_sp, ax_th, ax_t = axes
+    tuned = [r for r in results if r.get("tuning_history")]
+    for r in tuned:
+        epochs = [rec["epoch"] + 1 for rec in r["tuning_history"]]
+        for name, ys in _layer_series(r["tuning_history"], "sparsity").items():
+            ax_sp.plot(epochs, ys, marker="o", label=name)
+        for name, ys in _layer_series(r["tuning_history"], "threshold").items():
+            ax_th.plot(epochs, ys, marker="s", drawstyle="steps-post",
+                       label=name)
+    if not tuned:
+        for ax in (ax_sp, ax_th):
+            ax.text(0.5, 0.5, "no sparse-split layers\n(baseline only)",
+                    ha="center", va="center", transform=ax.transAxes)
+    ax_sp.set(title="input sparsity per layer (sparse-split model)",
+              xlabel="epoch", ylabel="fraction of zeros", ylim=(0, 1))
+    ax_th.set(title="split threshold for the next epoch",
+              xlabel="epoch", ylabel="row-density threshold", ylim=(-0.05, 1.05))
+    for r in results:
+        times = r.get("epoch_times") or []
+        ax_t.plot(range(1, len(times) + 1), times, marker="o",
+                  label=f"{r.get('kind', '?')} "
+                        f"(mean {sum(times) / max(len(times), 1):.2f} s)")
+    ax_t.set(title="epoch time", xlabel="epoch", ylabel="seconds")
+    ax_t.set_ylim(bottom=0)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

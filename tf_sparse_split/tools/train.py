@@ -1,0 +1,329 @@
+"""The ``tf-sparse-split train`` command: trains a model built by
+:mod:`tf_sparse_split.tools.models` on the digits or MNIST
+(:mod:`tf_sparse_split.tools.datasets`), with the
+:class:`~tf_sparse_split.callbacks.SplitThresholdCallback` for sparse-split
+models, and prints per-epoch lines, the test accuracy and, with
+``--compare``, a side-by-side summary against plain Keras layers.
+
+:func:`run` trains one model from parsed arguments (the benchmarks call it
+too); :func:`train_command` is the whole command.
+"""
+
+import time
+
+from tf_sparse_split.tools.distribute import (make_strategy,
+                                              run_multi_worker, strategy_scope)
+from tf_sparse_split.tools.models import build_cnn, build_mlp
+
+__all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printer",
+           "steady_epoch_time", "input_sparsity"]
+
+
+def epoch_printer(epochs, layer_names, out):
+    import keras
+
+    class EpochPrinter(keras.callbacks.Callback):
+        """Prints one summary line per epoch plus one per layer."""
+
+        def __init__(self):
+            super().__init__()
+            self.times = []
+            self._start = None
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            elapsed = time.perf_counter() - self._start
+            self.times.append(elapsed)
+            logs = logs or {}
+            if out is None:
+                return
+            print(f"epoch {epoch + 1}/{epochs}: time {elapsed:.2f} s, "
+                  f"loss {logs.get('loss', float('nan')):.4f}, "
+                  f"accuracy {logs.get('accuracy', float('nan')):.4f}",
+                  file=out, flush=True)
+            for name in layer_names:
+                sp = logs.get(f"{name}/sparsity")
+                th = logs.get(f"{name}/threshold")
+                if sp is None or th is None:
+                    continue
+                th_text = "auto" if th < 0 else f"{th:.4f}"
+                fat = logs.get(f"{name}/fat_threshold")
+                fat_text = ("" if fat is None else
+                            f", FATReLU threshold {fat:.4f}, l1 "
+                            f"{logs.get(f'{name}/l1', 0.0):.3g}")
+                print(f"  {name}: input sparsity {sp:.3f}, threshold "
+                      f"{th_text}{fat_text}", file=out, flush=True)
+
+    return EpochPrinter()
+
+
+def build_model(args, sparse, x_train, x_test, num_classes):
+    """The model of ``train`` for parsed arguments (``--model``, ``--hidden``,
+    ``--filters``, ``--threshold``, ``--dropout`` ...), uncompiled.
+
+    Returns:
+      ``(model, x_train, x_test, description)``; images are reshaped to
+      ``side x side x 1`` for ``--model cnn``.
+
+    Raises:
+      ValueError: options that do not fit the model or data.
+    """
+    if getattr(args, "model", "mlp") == "lstm":
+        model, desc, x_train, x_test = _lstm_model(
+            args, sparse, x_train, x_test, num_classes)
+    elif getattr(args, "model", "mlp") == "cnn":
+        if args.dropout != "none":
+            raise ValueError("--dropout applies to --model mlp only")
+        side = int(round(x_train.shape[1] ** 0.5))
+        if side * side != x_train.shape[1]:
+            raise ValueError(f"--model cnn needs square images, got "
+                             f"{x_train.shape[1]} pixels")
+        x_train = x_train.reshape(-1, side, side, 1)
+        x_test = x_test.reshape(-1, side, side, 1)
+        model = build_cnn(side, args.filters, num_classes, sparse=sparse,
+                          threshold=args.threshold)
+        desc = (f"CNN {side}x{side}x1 conv3x3({args.filters[0]})-relu-"
+                f"conv3x3({args.filters[1]})-relu-maxpool2-dense"
+                f"({num_classes}) "
+                f"({'SparseSplitConv2D' if sparse else 'keras.layers.Conv2D'})")
+    else:
+        model = build_mlp(x_train.shape[1], args.hidden, num_classes,
+                          sparse=sparse, threshold=args.threshold,
+                          dropout=args.dropout,
+                          dropout_rate=args.dropout_rate, seed=args.seed,
+                          tile_shape=args.tile_shape)
+        sizes = "-".join(str(s) for s in
+                         [x_train.shape[1], *args.hidden, num_classes])
+        desc = (f"MLP {sizes} "
+                f"({'SparseSplitDense' if sparse else 'keras.layers.Dense'})")
+    return model, x_train, x_test, desc
+
+
+def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
+    """Trains one model; returns a dict of results."""
+    import keras
+
+    from tf_sparse_split.callbacks import SplitThresholdCallback
+    from tf_sparse_split.layers import SparseSplitLayer
+
+    keras.utils.set_random_seed(args.seed)
+    kind = "sparse-split" if sparse else "baseline"
+    strategy = getattr(args, "distribute_strategy", None)
+    with strategy_scope(strategy):
+        model, x_train, x_test, desc = build_model(args, sparse, x_train,
+                                                   x_test, num_classes)
+        model.compile(optimizer=keras.optimizers.Adam(args.lr),
+                      loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], jit_compile=False)
+    if out is not None:
+        print(f"model: {kind} {desc}", file=out, flush=True)
+        if args.dropout != "none" and getattr(args, "model", "mlp") != "lstm":
+            what = {"standard": "keras.layers.Dropout",
+                    "row": "ApproximateRandomDropout row patterns",
+                    "tile": "ApproximateRandomDropout tile patterns "
+                            f"{args.tile_shape or (32, 32)}"}[args.dropout]
+            print(f"dropout: {what}, rate {args.dropout_rate}, after every "
+                  "hidden layer", file=out, flush=True)
+    layer_names = [l.name for l in model.layers
+                   if isinstance(l, SparseSplitLayer)] if sparse else []
+    printer = epoch_printer(args.epochs, layer_names,
+                             None if args.quiet else out)
+    callbacks = []
+    split_cb = None
+    target = getattr(args, "target_sparsity", None)
+    if sparse and target is not None:
+        from tf_sparse_split.callbacks import SparsityTargetCallback
+
+        callbacks.append(SparsityTargetCallback(target))
+    if sparse:
+        split_cb = SplitThresholdCallback(
+            log_dir=getattr(args, "tensorboard", None))
+        callbacks.append(split_cb)
+    if getattr(args, "checkpoint_dir", None):
+        import os
+
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        callbacks.append(keras.callbacks.ModelCheckpoint(
+            os.path.join(args.checkpoint_dir, "model.keras")))
+    if not args.quiet:
+        # Our printer must run after the progress bar finishes its line.
+        callbacks.append(keras.callbacks.ProgbarLogger())
+    callbacks.append(printer)
+    history = model.fit(
+        x_train, y_train, epochs=args.epochs, batch_size=args.batch_size,
+        shuffle=True, callbacks=callbacks, verbose=0 if args.quiet else 1)
+    test_loss, test_acc = model.evaluate(x_test, y_test,
+                                         batch_size=args.batch_size,
+                                         verbose=0)
+    result = {
+        "kind": kind,
+        "dropout": args.dropout,
+        "dropout_rate": args.dropout_rate,
+        "epoch_times": list(printer.times),
+        "time_per_epoch": sum(printer.times) / max(len(printer.times), 1),
+        "loss": float(history.history["loss"][-1]),
+        "accuracy": float(history.history["accuracy"][-1]),
+        "test_loss": float(test_loss),
+        "test_accuracy": float(test_acc),
+        "thresholds": ({l.name: l.threshold for l in model.layers
+                        if isinstance(l, SparseSplitLayer)} if sparse else {}),
+        "tuning_history": list(split_cb.history) if split_cb else [],
+        "steady_time_per_epoch": steady_epoch_time(printer.times),
+        "input_sparsity": input_sparsity(model, x_test[:1000]),
+    }
+    if out is not None:
+        print(f"{kind}: test accuracy {result['test_accuracy']:.4f}, test "
+              f"loss {result['test_loss']:.4f}, time/epoch "
+              f"{result['time_per_epoch']:.2f} s", file=out, flush=True)
+    return result
+
+
+def _lstm_model(args, sparse, x_train, x_test, num_classes):
+    """``--model lstm``: images as sequences of rows."""
+    from tf_sparse_split.tools.models import build_lstm
+
+    if getattr(args, "target_sparsity", None) is not None:
+        raise ValueError("--target-sparsity applies to --model mlp and cnn")
+    side = int(round(x_train.shape[1] ** 0.5))
+    if side * side != x_train.shape[1]:
+        raise ValueError(f"--model lstm needs square images, got "
+                         f"{x_train.shape[1]} pixels")
+    rate = args.dropout_rate or 0.0
+    rec = args.recurrent_dropout_rate
+    rec = rate if rec is None else rec
+    model = build_lstm(side, side, args.units, num_classes, sparse=sparse,
+                       dropout=args.dropout, dropout_rate=rate,
+                       recurrent_dropout_rate=rec, seed=args.seed,
+                       tile_shape=args.tile_shape)
+    lstm = model.get_layer("lstm")
+    what = (f"SparseSplitLSTM pattern={lstm.pattern}" if sparse
+            else "keras.layers.LSTM")
+    desc = (f"LSTM {side} steps x {side} features -> LSTM({args.units}, "
+            f"dropout={lstm.dropout}, recurrent_dropout="
+            f"{lstm.recurrent_dropout}) -> dense({num_classes}) ({what})")
+    return (model, desc, x_train.reshape(-1, side, side),
+            x_test.reshape(-1, side, side))
+
+
+def steady_epoch_time(times):
+    """Median epoch time without the first epoch (tracing, warm-up); the
+    only epoch's time if there is one."""
+    import numpy as np
+
+    times = list(times)
+    if not times:
+        return float("nan")
+    return float(np.median(times[1:] if len(times) > 1 else times))
+
+
+def input_sparsity(model, x, batch_size=256):
+    """Fraction of zeros of the input of every ``Dense``/``Conv2D`` layer
+    (plain or sparse-split) of ``model`` on ``x``, in inference mode:
+    ``{layer name: fraction}``. Empty for models without such layers or
+    without a symbolic graph."""
+    import keras
+    import numpy as np
+
+    names = [l.name for l in model.layers
+             if isinstance(l, (keras.layers.Dense, keras.layers.Conv2D))]
+    if not names:
+        return {}
+    try:
+        probe = keras.Model(model.inputs,
+                            [model.get_layer(n).input for n in names])
+    except (AttributeError, ValueError):
+        return {}
+    outs = probe.predict(x, batch_size=batch_size, verbose=0)
+    if len(names) == 1:
+        outs = [outs]
+    return {n: float(np.mean(np.asarray(o) == 0)) for n, o in zip(names, outs)}
+
+
+def print_compare(sparse_res, base_res, out):
+    rows = [
+        ("time/epoch (s)", "time_per_epoch", "{:.2f}"),
+        ("steady epoch (s)", "steady_time_per_epoch", "{:.2f}"),
+        ("final loss", "loss", "{:.4f}"),
+        ("final accuracy", "accuracy", "{:.4f}"),
+        ("test accuracy", "test_accuracy", "{:.4f}"),
+    ]
+    print("", file=out)
+    print(f"{'':<18}{'sparse-split':>14}{'baseline':>14}", file=out)
+    for label, key, fmt in rows:
+        print(f"{label:<18}{fmt.format(sparse_res[key]):>14}"
+              f"{fmt.format(base_res[key]):>14}", file=out)
+    for name, sp in sparse_res.get("input_sparsity", {}).items():
+        bsp = base_res.get("input_sparsity", {}).get(name)
+        label = f"{name} in. sparsity"
+        print(f"{label:<18}{sp:>14.3f}"
+              f"{(f'{bsp:.3f}' if bsp is not None else 'n/a'):>14}",
+              file=out)
+    if sparse_res["time_per_epoch"] > 0:
+        ratio = base_res["time_per_epoch"] / sparse_res["time_per_epoch"]
+        print(f"speed-up (baseline time / sparse-split time): {ratio:.2f}x",
+              file=out, flush=True)
+    if sparse_res.get("steady_time_per_epoch", 0) > 0:
+        ratio = (base_res["steady_time_per_epoch"] /
+                 sparse_res["steady_time_per_epoch"])
+        print(f"steady-state speed-up (median of epochs 2..E): {ratio:.2f}x",
+              file=out, flush=True)
+
+
+def train_command(args, out):
+    from tf_sparse_split.tools import datasets
+
+    # The strategy first: multi-worker collectives must be set up before any
+    # other TensorFlow work.
+    strategy_name = getattr(args, "strategy", "none")
+    args.distribute_strategy = make_strategy(strategy_name)
+    if strategy_name == "multi-worker":
+        def runner(*a):
+            return run_multi_worker(*a, args.distribute_strategy)
+    else:
+        runner = run
+
+    if args.dropout == "none":
+        if args.dropout_rate is not None or args.tile_shape is not None:
+            raise ValueError("--dropout-rate and --tile-shape need --dropout")
+    else:
+        if args.dropout_rate is None:
+            args.dropout_rate = 0.5
+        if args.tile_shape is not None and args.dropout != "tile":
+            raise ValueError("--tile-shape needs --dropout tile")
+    if getattr(args, "recurrent_dropout_rate", None) is not None and (
+            args.model != "lstm" or args.dropout == "none"):
+        raise ValueError("--recurrent-dropout-rate needs --model lstm and "
+                         "--dropout")
+
+    if args.data is None:
+        (x_train, y_train), (x_test, y_test) = datasets.load_digits()  # fixed split
+        data_name = "scikit-learn digits (8x8, embedded)"
+    else:
+        (x_train, y_train), (x_test, y_test) = datasets.load_mnist(args.data)
+        data_name = f"MNIST IDX files in {args.data}"
+    num_classes = int(max(y_train.max(), y_test.max())) + 1
+    print(f"data: {data_name}: {x_train.shape[0]} train / {x_test.shape[0]} "
+          f"test examples, {x_train.shape[1]} features, {num_classes} "
+          f"classes, input sparsity {float((x_train == 0).mean()):.3f}",
+          file=out, flush=True)
+    if args.compare:
+        sparse_res = runner(args, True, x_train, y_train, x_test, y_test,
+                            num_classes, out)
+        base_res = runner(args, False, x_train, y_train, x_test, y_test,
+                          num_classes, out)
+        print_compare(sparse_res, base_res, out)
+        results = [sparse_res, base_res]
+    else:
+        results = [runner(args, not args.baseline, x_train, y_train, x_test,
+                          y_test, num_classes, out)]
+    if getattr(args, "plot", None):
+        from tf_sparse_split.tools.distribute import is_chief
+        from tf_sparse_split.tools.plots import plot_training
+
+        if is_chief(args.distribute_strategy):
+            plot_training(results, args.plot, title=f"tf-sparse-split train "
+                          f"({data_name}, {getattr(args, 'model', 'mlp')})")
+            print(f"plot: {args.plot}", file=out, flush=True)
+    return 0

@@ -1,0 +1,552 @@
+"""``ThresholdTuner``: per-layer split-threshold tuning that any training loop
+can drive (Keras ``fit`` through
+:class:`~tf_sparse_split.callbacks.SplitThresholdCallback`, or a custom loop
+with ``strategy.run`` under any ``tf.distribute`` strategy).
+
+The sparsity of a ReLU network's activations differs between layers and
+changes from epoch to epoch (R. Sun and L. Zhang, "Dynamic Sparse Method for
+Deep Learning Execution", 2019), so one fixed threshold is not right for all
+layers or all of training. The tuner times each layer's dense and sparse
+paths from the statistics the ops record, fits a
+:class:`~tf_sparse_split.tuning.CostModel` per layer (time = overhead + work /
+rate per path, after K.-Y. Peng, NTU 2017), and at the end of every epoch
+sets each layer's threshold to the one the model predicts fastest for that
+epoch's row-density histogram. The threshold never changes the results,
+only the speed.
+
+Host synchronisation. The layers accumulate their statistics in variables
+on the device at every call. The tuner reads them (one device-to-host copy of
+all layers' statistics, :func:`_to_numpy`) only
+
+* after each of the first epoch's ``explore_batches`` batches (both paths
+  must be timed),
+* after ``samples_per_epoch`` sampled batches per epoch (timing samples at
+  the current thresholds), and
+* at the beginning and the end of each epoch (the epoch's totals),
+
+so a steady-state step adds no host sync.
+
+Distribution. Under a ``tf.distribute`` strategy every read is an
+all-reduce (``SUM``) over all replicas of all workers, inside
+``strategy.run``: every replica and worker then holds the same statistics and
+fits the same cost models; the thresholds decided on replica 0 (the chief) are
+then broadcast (an all-reduce of the chief's values and zeros elsewhere), so
+all replicas and workers run with bit-identical thresholds. Every worker must
+therefore call the tuner's methods at the same batches (they do when all run
+the same loop over an auto-sharded dataset). Timing samples are the mean over
+replicas of one call; epoch totals are sums over all replicas' calls.
+
+Usage in a custom loop::
+
+    tuner = ThresholdTuner(model, strategy=strategy, log_dir="tb")
+    tuner.begin_training()
+    for epoch in range(epochs):
+        tuner.begin_epoch(epoch, steps=steps_per_epoch)
+        for step in range(steps_per_epoch):
+            tuner.before_batch(step)
+            strategy.run(train_step, args=(next(iterator),))
+        record = tuner.end_epoch(epoch)   # thresholds set for next epoch
+    tuner.close()
+"""
+
+import math
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.tuning import stats as _stats
+from tf_sparse_split.tuning.cost_model import DENSE, SPARSE, CostModel
+from tf_sparse_split.utils.validation import validate_int
+
+__all__ = ["ThresholdTuner", "find_split_layers", "is_chief", "SCALAR_TAGS",
+           "HISTOGRAM_TAG"]
+
+#: Per-layer scalar summaries written each epoch (tag ``<layer>/<name>``):
+#: fraction of zeros of the layer's input, threshold for the next epoch,
+#: rows sent to each path (summed over the epoch's calls), seconds in each
+#: path and in the analysis (summed), all-zero columns skipped (mean per
+#: call).
+SCALAR_TAGS = ("input_sparsity", "threshold", "rows_dense", "rows_sparse",
+               "seconds_dense", "seconds_sparse", "seconds_analyze",
+               "zero_columns_skipped")
+#: Per-layer histogram summary (tag ``<layer>/<name>``): rows per row-density
+#: bin over the epoch (``stats.DENSITY_BINS`` equal bins over [0, 1]).
+HISTOGRAM_TAG = "row_density"
+
+# One read of a layer: [latest | total | calls].
+_WIDTH = 2 * _stats.NUM_STATS + 1
+
+
+def find_split_layers(model):
+    """Every :class:`~tf_sparse_split.layers.SparseSplitLayer` of ``model``
+    (recursively through nested models and layers; ``model`` itself too), in
+    model order, each once. ``model`` may also be a list of layers/models."""
+    roots = model if isinstance(model, (list, tuple)) else [model]
+    found, seen = [], set()
+    for root in roots:
+        candidates = [root]
+        flatten = getattr(root, "_flatten_layers", None)
+        if flatten is not None:
+            candidates = list(flatten(include_self=True, recursive=True))
+        for layer in candidates:
+            if isinstance(layer, SparseSplitLayer) and id(layer) not in seen:
+                seen.add(id(layer))
+                found.append(layer)
+    return found
+
+
+def is_chief(strategy):
+    """Whether this process is the chief of ``strategy``'s cluster: the task
+    of type ``chief``, or worker 0 when there is none; True without a
+    multi-worker cluster (or for None)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not getattr(resolver, "task_type", None):
+        return True
+    if resolver.task_type == "chief":
+        return True
+    cluster = resolver.cluster_spec().as_dict()
+    return (resolver.task_type == "worker" and resolver.task_id == 0 and
+            "chief" not in cluster)
+
+
+def _to_numpy(tensor):
+    """The one place where the tuner copies statistics to the host (tests
+    count calls to it)."""
+    return np.asarray(tensor.numpy(), dtype=np.float64)
+
+
+class _LayerState:
+    """Per-layer bookkeeping of the tuner."""
+
+    def __init__(self, layer, warmup_samples):
+        self.layer = layer
+        self.cost_model = CostModel(warmup_samples=warmup_samples)
+        # The layer's own threshold (restored after exploration; kept here
+        # so that the tuner never reads the variable back).
+        self.threshold = layer.threshold
+        self.epoch_start = None      # (total, calls) at the epoch's start
+        self.epoch_end = None        # (total, calls) after its last batch
+
+
+class ThresholdTuner:
+    """Fits per-layer cost models during training and sets the thresholds.
+
+    Args:
+      model: a Keras model or layer, or a list of them: the
+        :class:`~tf_sparse_split.layers.SparseSplitLayer` s found in it
+        (:func:`find_split_layers`) are tuned; layers built later (by the
+        first step) are picked up at the next :meth:`before_batch`.
+      strategy: the ``tf.distribute.Strategy`` the model was built under, or
+        None for the current one (``tf.distribute.get_strategy()``).
+      explore_batches: int >= 0, batches of the first epoch spent alternating
+        every layer's threshold between 1.0 (all rows sparse) and 0.0 (all
+        nonzero rows dense) so that both paths are timed; then the layers'
+        own thresholds are restored (0 = no exploration).
+      samples_per_epoch: int >= 0, batches per epoch (after exploration)
+        whose statistics are read as timing samples at the current
+        thresholds, spread over the epoch when its length is known.
+      min_samples: int >= 1, timing samples a path needs before it is fitted.
+      warmup_samples: int >= 0, first samples of each path and layer that are
+        discarded (first calls are slow: allocation, page faults).
+      log_dir: directory for TensorBoard event files (``tf.summary``): per
+        layer and epoch the scalars :data:`SCALAR_TAGS` and the histogram
+        :data:`HISTOGRAM_TAG`; None (default) writes nothing. Only the chief
+        (worker 0) writes.
+
+    Attributes:
+      layers: the layers being tuned.
+      history: one dict per epoch, ``{"epoch": int, "layers": {name: entry}}``
+        with entry keys ``sparsity`` (fraction of zeros of the input),
+        ``threshold`` (for the next epoch), ``dense_rate``/``sparse_rate``
+        (flop/s, None while not fitted), ``dense_overhead``/
+        ``sparse_overhead`` (s), ``time_in_op`` (dense + sparse + analysis
+        seconds, summed), ``time_dense``, ``time_sparse``, ``time_analyze``
+        (s, summed), ``rows_dense``, ``rows_sparse`` (summed),
+        ``zero_cols_skipped`` (mean per call), ``histogram`` (rows per
+        density bin, summed) and ``calls``.
+      host_reads: number of statistics reads (device-to-host copies) so far.
+
+    Raises:
+      ValueError: on invalid arguments.
+    """
+
+    def __init__(self, model, strategy=None, explore_batches=6,
+                 samples_per_epoch=4, min_samples=2, warmup_samples=1,
+                 log_dir=None):
+        self.model = model
+        self.explore_batches = validate_int(explore_batches, "explore_batches",
+                                            0)
+        self.samples_per_epoch = validate_int(samples_per_epoch,
+                                              "samples_per_epoch", 0)
+        self.min_samples = validate_int(min_samples, "min_samples", 1)
+        self.warmup_samples = validate_int(warmup_samples, "warmup_samples", 0)
+        if log_dir is not None and not isinstance(log_dir, (str, bytes)) and \
+                not hasattr(log_dir, "__fspath__"):
+            raise ValueError(f"log_dir must be a path or None, got {log_dir!r}")
+        self.log_dir = None if log_dir is None else \
+            os.fsdecode(os.fspath(log_dir))
+        self._strategy_arg = strategy
+        self.strategy = None
+        self.history = []
+        self.layers = []
+        self.states = []
+        self.host_reads = 0
+        self._writer = None
+        self._read_fn = None
+        self._read_key = None
+        self._broadcast_fn = None
+        self._reset_epoch_state()
+        self._exploring = False
+        self._epochs_done = 0
+
+    # -- distribution -----------------------------------------------------
+    def _resolve_strategy(self):
+        s = self._strategy_arg
+        self.strategy = s if s is not None else tf.distribute.get_strategy()
+
+    @property
+    def num_replicas(self):
+        """Replicas in sync (all workers), 1 without distribution."""
+        return int(self.strategy.num_replicas_in_sync) if self.strategy else 1
+
+    @property
+    def is_chief(self):
+        """Whether this process writes the logs (:func:`is_chief`)."""
+        return is_chief(self.strategy)
+
+    def _replicated(self, fn):
+        """Runs ``fn`` (replica context -> tensor) on every replica and
+        returns the all-reduced (SUM) value seen by this worker."""
+        def replica_fn():
+            value = fn()
+            ctx = tf.distribute.get_replica_context()
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+        result = self.strategy.run(replica_fn)
+        return self.strategy.experimental_local_results(result)[0]
+
+    def _build_read_fn(self, states):
+        layers = [s.layer for s in states]
+
+        def local_stats():
+            rows = []
+            for layer in layers:
+                sv = layer._stats_vars
+                rows.append(tf.concat([
+                    tf.convert_to_tensor(sv.latest),
+                    tf.convert_to_tensor(sv.total),
+                    tf.reshape(tf.cast(tf.convert_to_tensor(sv.calls),
+                                       tf.float64), [1])], axis=0))
+            return tf.stack(rows)
+
+        if self.num_replicas == 1:
+            return local_stats
+        return tf.function(lambda: self._replicated(local_stats))
+
+    def _read(self, states):
+        """One host read of ``states``' statistics: dict state ->
+        (latest sample averaged over replicas, total, calls)."""
+        key = tuple(id(s.layer) for s in states)
+        if self._read_key != key:
+            self._read_fn, self._read_key = self._build_read_fn(states), key
+        values = _to_numpy(self._read_fn())
+        self.host_reads += 1
+        n = _stats.NUM_STATS
+        out = {}
+        for s, row in zip(states, values):
+            out[id(s)] = (row[:n] / self.num_replicas, row[n:2 * n],
+                          int(round(row[2 * n])))
+        return out
+
+    def _broadcast_thresholds(self, values):
+        """The chief's (replica 0's) ``values`` on every replica/worker."""
+        values = np.asarray(values, dtype=np.float64)
+        if self.num_replicas == 1:
+            return values
+        if self._broadcast_fn is None:
+            def broadcast(v):
+                def chief_only():
+                    ctx = tf.distribute.get_replica_context()
+                    return tf.where(
+                        tf.equal(ctx.replica_id_in_sync_group, 0), v,
+                        tf.zeros_like(v))
+
+                return self._replicated(chief_only)
+
+            self._broadcast_fn = tf.function(broadcast)
+        self.host_reads += 1
+        return _to_numpy(self._broadcast_fn(tf.constant(values)))
+
+    # -- layer discovery --------------------------------------------------
+    def _built(self):
+        return [s for s in self.states if s.layer.threshold_var is not None]
+
+    def _discover(self):
+        known = {id(s.layer) for s in self.states}
+        new = []
+        for layer in find_split_layers(self.model):
+            if id(layer) not in known:
+                state = _LayerState(layer, self.warmup_samples)
+                self.states.append(state)
+                new.append(state)
+        self.layers = [s.layer for s in self.states]
+        return new
+
+    def _needs_discovery(self, batch):
+        if not self.states:
+            # Layers appear at the latest with the first step's build.
+            return self._epochs_done == 0 and batch <= 1
+        return any(s.layer.threshold_var is None for s in self.states)
+
+    # -- driving ----------------------------------------------------------
+    def _reset_epoch_state(self):
+        self._epoch = None
+        self._steps = None
+        self._sample_at = set()
+        self._pending = False
+        self._pending_sample = set()
+        self._epoch_closed = False
+
+    def begin_training(self):
+        """Starts over: finds the layers, resets their statistics and the
+        cost models, clears :attr:`history`."""
+        self._resolve_strategy()
+        self.history = []
+        self.states = []
+        self.host_reads = 0
+        self._read_fn = self._read_key = None
+        self._exploring = False
+        self._epochs_done = 0
+        self._reset_epoch_state()
+        for s in self._discover():
+            if s.layer.threshold_var is not None:
+                s.layer.reset_stats()
+        if self.log_dir is not None and self.is_chief and self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def begin_epoch(self, epoch, steps=None):
+        """Marks the start of an epoch (reads the statistics totals once).
+
+        Args:
+          epoch: int, the epoch index (the summaries' step).
+          steps: batches in the epoch if known (spreads the sampled batches
+            over it), else None (the first batches after exploration are
+            sampled).
+        """
+        if self.strategy is None:
+            self.begin_training()
+        self._reset_epoch_state()
+        self._epoch = int(epoch)
+        self._steps = None if steps is None else int(steps)
+        first = self._epochs_done == 0
+        start = self.explore_batches if first else 0
+        n = self.samples_per_epoch
+        if n > 0:
+            if self._steps is not None:
+                if self._steps > start:
+                    picks = np.linspace(start, self._steps - 1,
+                                        min(n, self._steps - start))
+                    self._sample_at = {int(round(p)) for p in picks}
+            else:
+                self._sample_at = set(range(start, start + n))
+        built = self._built()
+        if built:
+            values = self._read(built)
+            for s in built:
+                s.epoch_start = values[id(s)][1:]
+        for s in self.states:
+            if s.layer.threshold_var is None:
+                s.epoch_start = None
+
+    def before_batch(self, batch):
+        """Call before running training batch ``batch`` (0-based within the
+        epoch) on every worker: takes the timing sample of the previous batch
+        if it was sampled, sets the exploration thresholds, and schedules
+        this batch's sample. Reads from the device only after sampled and
+        exploration batches."""
+        if self._epoch is None:
+            self.begin_epoch(self._epochs_done)
+        batch = int(batch)
+        self._take_pending_sample()
+        if self._needs_discovery(batch):
+            for s in self._discover():
+                # Built by the step that just ran: its statistics so far are
+                # this epoch's (epoch_start None counts from zero).
+                s.epoch_start = None
+        explore = self._epochs_done == 0 and batch < self.explore_batches
+        if explore:
+            value = 1.0 if batch % 2 == 0 else 0.0
+            for s in self._built():
+                s.layer.threshold_var.assign(value)
+            self._exploring = True
+        elif self._exploring:
+            self._restore_thresholds()
+        if explore or batch in self._sample_at:
+            self._pending = True
+            self._pending_sample = {id(s) for s in self._built()}
+
+    def _restore_thresholds(self):
+        for s in self._built():
+            s.layer.threshold_var.assign(s.threshold)
+        self._exploring = False
+
+    def _take_pending_sample(self, values=None):
+        if not self._pending:
+            return values
+        built = self._built()
+        if values is None and built:
+            values = self._read(built)
+        for s in built:
+            if id(s) in self._pending_sample:
+                latest = values[id(s)][0]
+                s.cost_model.add_stats(
+                    latest, coefficients=s.layer.split_work_coefficients(latest))
+        self._pending = False
+        self._pending_sample = set()
+        return values
+
+    def end_epoch_batches(self):
+        """Call after the epoch's last training batch, before any validation
+        calls: reads the epoch's totals (and the last sample). Called by
+        :meth:`end_epoch` if not called before; calling it twice in an
+        epoch does nothing."""
+        if self._epoch_closed:
+            return
+        built = self._built()
+        values = self._read(built) if built else None
+        self._take_pending_sample(values)
+        if self._exploring:
+            self._restore_thresholds()
+        for s in built:
+            s.epoch_end = values[id(s)][1:]
+        self._epoch_closed = True
+
+    def end_epoch(self, epoch=None):
+        """Fits each layer's cost model (all samples so far), sets its
+        threshold for the next epoch (the same on every replica and worker),
+        writes the summaries, and returns the epoch's record (also appended
+        to :attr:`history`)."""
+        if self._epoch is None:
+            self.begin_epoch(self._epochs_done if epoch is None else epoch)
+        epoch = self._epoch if epoch is None else int(epoch)
+        self.end_epoch_batches()
+        built = self._built()
+        entries = [self._update_layer(s) for s in built]
+        if built:
+            chosen = self._broadcast_thresholds(
+                [e.pop("_threshold") for e in entries])
+            for s, entry, value in zip(built, entries, chosen):
+                value = float(np.float32(value))
+                s.layer.threshold_var.assign(value)
+                s.threshold = value
+                entry["threshold"] = value
+        record = {"epoch": epoch,
+                  "layers": {s.layer.name: e for s, e in zip(built, entries)}}
+        self.history.append(record)
+        self._write_summaries(record)
+        self._epochs_done += 1
+        self._reset_epoch_state()
+        return record
+
+    def close(self):
+        """Flushes and closes the summary writer (if any)."""
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+    # -- per-layer decision -------------------------------------------------
+    def _update_layer(self, s):
+        if s.epoch_end is None:
+            v, calls = np.zeros(_stats.NUM_STATS), 0
+        else:
+            v, calls = s.epoch_end
+            if s.epoch_start is not None:
+                v = v - s.epoch_start[0]
+                calls = calls - s.epoch_start[1]
+        current = s.threshold
+        entry = {"sparsity": float("nan"), "threshold": current,
+                 "_threshold": current,
+                 "dense_rate": None, "sparse_rate": None,
+                 "dense_overhead": None, "sparse_overhead": None,
+                 "time_dense": float(v[_stats.TIME_DENSE]),
+                 "time_sparse": float(v[_stats.TIME_SPARSE]),
+                 "time_analyze": float(v[_stats.TIME_ANALYZE]),
+                 "time_in_op": float(v[_stats.TIME_DENSE] +
+                                     v[_stats.TIME_SPARSE] +
+                                     v[_stats.TIME_ANALYZE]),
+                 "rows_dense": float(v[_stats.ROWS_DENSE]),
+                 "rows_sparse": float(v[_stats.ROWS_SPARSE]),
+                 "zero_cols_skipped": (float(v[_stats.ZERO_COLS_SKIPPED]) /
+                                       calls if calls else 0.0),
+                 "histogram": [float(h) for h in v[_stats.HISTOGRAM]],
+                 "calls": int(calls)}
+        cm = s.cost_model
+        cm.fit(min_samples=self.min_samples)
+        for path in (DENSE, SPARSE):
+            entry[f"{path}_rate"] = cm.rate(path)
+            entry[f"{path}_overhead"] = cm.overhead(path)
+        if calls <= 0:
+            return entry
+        k = v[_stats.K] / calls
+        elems = v[_stats.M] * k
+        if elems > 0:
+            entry["sparsity"] = float(1.0 - v[_stats.NNZ] / elems)
+        hist = v[_stats.HISTOGRAM] / calls
+        m = v[_stats.M] / calls
+        n = v[_stats.N] / calls
+        k_live = min(max(k - v[_stats.ZERO_COLS_SKIPPED] / calls, 0.0), k)
+        nnz = v[_stats.NNZ] / calls
+        best = cm.best_threshold(
+            hist, m, k, k_live, n, nnz=nnz,
+            heterogeneous=bool(getattr(s.layer, "heterogeneous", False)),
+            coefficients=s.layer.split_work_coefficients(v / calls))
+        if best is not None:
+            entry["_threshold"] = float(best)
+        return entry
+
+    # -- TensorBoard --------------------------------------------------------
+    def _write_summaries(self, record):
+        if self._writer is None:
+            return
+        from tensorflow.core.framework import summary_pb2
+
+        # Written with tf.summary.write and the metadata of TensorBoard's
+        # scalar and histogram plugins (what tf.summary.scalar/histogram
+        # write), so that no tensorboard package is needed to log.
+        hist_meta = summary_pb2.SummaryMetadata()
+        hist_meta.plugin_data.plugin_name = "histograms"
+        scalar_meta = summary_pb2.SummaryMetadata()
+        scalar_meta.plugin_data.plugin_name = "scalars"
+        step = int(record["epoch"])
+        bins = _stats.DENSITY_BINS
+        edges = np.arange(bins + 1, dtype=np.float64) / bins
+        with self._writer.as_default():
+            for name, e in record["layers"].items():
+                scalars = {
+                    "input_sparsity": e["sparsity"],
+                    "threshold": e["threshold"],
+                    "rows_dense": e["rows_dense"],
+                    "rows_sparse": e["rows_sparse"],
+                    "seconds_dense": e["time_dense"],
+                    "seconds_sparse": e["time_sparse"],
+                    "seconds_analyze": e["time_analyze"],
+                    "zero_columns_skipped": e["zero_cols_skipped"],
+                }
+                for tag in SCALAR_TAGS:
+                    value = scalars[tag]
+                    if value is None or not math.isfinite(value):
+                        continue
+                    tf.summary.write(f"{name}/{tag}",
+                                     tf.constant(value, tf.float32),
+                                     step=step, metadata=scalar_meta)
+                # TensorBoard's histogram format: [bins, 3] rows of
+                # (left edge, right edge, count).
+                hist = np.stack([edges[:-1], edges[1:],
+                                 np.asarray(e["histogram"])], axis=1)
+                tf.summary.write(f"{name}/{HISTOGRAM_TAG}",
+                                 tf.constant(hist, tf.float64), step=step,
+                                 metadata=hist_meta)
+        self._writer.flush()

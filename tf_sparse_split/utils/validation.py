@@ -1,0 +1,201 @@
+"""Argument validation shared by the ops, layers, callbacks, rewrite switch
+and command line.
+
+Every check raises ``ValueError`` with a Keras-style message that names the
+argument and ends with ``Received: name=value``; callers that must raise
+another type (the op wrappers raise ``tf.errors.InvalidArgumentError``, the
+command line ``argparse.ArgumentTypeError``) convert it.
+"""
+
+import math
+import numbers
+
+import numpy as np
+
+__all__ = [
+    "AUTO_THRESHOLD",
+    "validate_threshold",
+    "validate_fraction",
+    "validate_int",
+    "validate_positive_float",
+    "validate_choice",
+    "validate_nonnegative_float",
+]
+
+#: The value an "automatic" threshold (``'auto'`` or any negative number) is
+#: stored as: the op then chooses the split from the rates it measured.
+AUTO_THRESHOLD = -1.0
+
+
+def _received(name, value):
+    return f"Received: {name}={value!r}"
+
+
+def validate_threshold(threshold, name="threshold", *, allow_negative=True,
+                       allow_str=True):
+    """Checks a dense/sparse split threshold and returns it as a float.
+
+    Args:
+      threshold: a real number in ``[0, 1]`` (rows or images whose density
+        is above it go dense, the others sparse), or ``'auto'`` (any case)
+        for automatic, stored as :data:`AUTO_THRESHOLD`. With
+        ``allow_negative`` a negative number also means automatic and is
+        returned unchanged. With ``allow_str`` a numeric string (``"0.5"``,
+        as the command line passes it) is parsed.
+      name: the argument's name, for the message.
+      allow_negative: accept negative numbers (automatic).
+      allow_str: accept strings (``'auto'`` and numeric strings); if False,
+        every ``str``/``bytes`` is refused.
+
+    Returns:
+      the threshold as a Python float.
+
+    Raises:
+      ValueError: a bool, ``None``, a non-numeric value, NaN, a value above
+        1, a negative value without ``allow_negative``, or a string without
+        ``allow_str``.
+    """
+    expected = ("a number in [0, 1], or 'auto'" +
+                (" or a negative number" if allow_negative else "") +
+                " for automatic")
+    if isinstance(threshold, (bool, np.bool_)) or threshold is None:
+        raise ValueError(f"`{name}` must be {expected}. "
+                         f"{_received(name, threshold)}")
+    if isinstance(threshold, (str, bytes)):
+        if not allow_str:
+            raise ValueError(f"`{name}` must be {expected}, not a string. "
+                             f"{_received(name, threshold)}")
+        text = threshold.decode() if isinstance(threshold, bytes) else threshold
+        if text.strip().lower() == "auto":
+            return AUTO_THRESHOLD
+    try:
+        value = float(threshold)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be {expected}. "
+                         f"{_received(name, threshold)}") from None
+    if math.isnan(value) or value > 1.0 or (value < 0.0 and not allow_negative):
+        raise ValueError(f"`{name}` must be {expected}. "
+                         f"{_received(name, threshold)}")
+    return value
+
+
+def validate_fraction(value, name, *, low_inclusive=True,
+                      high_inclusive=False):
+    """Checks a rate or fraction in ``[0, 1)`` (bounds configurable).
+
+    Args:
+      value: a real number (or numeric string).
+      name: the argument's name, for the message.
+      low_inclusive: whether 0 is allowed (default True).
+      high_inclusive: whether 1 is allowed (default False).
+
+    Returns:
+      the value as a Python float.
+
+    Raises:
+      ValueError: a bool, a non-numeric value, NaN or a value out of range.
+    """
+    interval = (("[" if low_inclusive else "(") + "0, 1" +
+                ("]" if high_inclusive else ")"))
+    msg = f"`{name}` must be a number in {interval}. {_received(name, value)}"
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(msg)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(msg) from None
+    low_ok = v >= 0.0 if low_inclusive else v > 0.0
+    high_ok = v <= 1.0 if high_inclusive else v < 1.0
+    if not (low_ok and high_ok):  # also rejects NaN
+        raise ValueError(msg)
+    return v
+
+
+def validate_int(value, name, minimum=1):
+    """Checks an integer argument ``>= minimum``.
+
+    Args:
+      value: a Python or numpy integer (bools are refused).
+      name: the argument's name, for the message.
+      minimum: the smallest allowed value (default 1: a positive integer).
+
+    Returns:
+      the value as a Python int.
+
+    Raises:
+      ValueError: not an integer, or below ``minimum``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (numbers.Integral, np.integer)):
+        raise ValueError(f"`{name}` must be an integer >= {minimum}. "
+                         f"{_received(name, value)}")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}. "
+                         f"{_received(name, value)}")
+    return int(value)
+
+
+def validate_positive_float(value, name):
+    """Checks a real number ``> 0`` (e.g. a learning rate).
+
+    Returns:
+      the value as a Python float.
+
+    Raises:
+      ValueError: a bool, a non-numeric value, NaN, or a value ``<= 0``.
+    """
+    msg = f"`{name}` must be a number > 0. {_received(name, value)}"
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(msg)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(msg) from None
+    if not v > 0:
+        raise ValueError(msg)
+    return v
+
+
+def validate_choice(value, name, choices):
+    """Checks that ``value`` is one of ``choices`` (e.g. an activation name).
+
+    Args:
+      value: the argument.
+      name: the argument's name, for the message.
+      choices: the allowed values (compared with ``==``; strings exactly).
+
+    Returns:
+      the value, unchanged.
+
+    Raises:
+      ValueError: ``value`` is not one of ``choices``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not any(
+            type(value) is type(c) and value == c for c in choices):
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{name}` must be one of {allowed}. "
+                         f"{_received(name, value)}")
+    return value
+
+
+def validate_nonnegative_float(value, name):
+    """Checks a finite real number ``>= 0`` (e.g. a penalty coefficient or
+    an activation threshold).
+
+    Returns:
+      the value as a Python float.
+
+    Raises:
+      ValueError: a bool, a non-numeric value, NaN, infinity, or a value
+        ``< 0``.
+    """
+    msg = f"`{name}` must be a finite number >= 0. {_received(name, value)}"
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(msg)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(msg) from None
+    if not 0.0 <= v < math.inf:
+        raise ValueError(msg)
+    return v
