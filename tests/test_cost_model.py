@@ -7,7 +7,7 @@ import pytest
 
 from tf_sparse_split.tuning import stats
 from tf_sparse_split.tuning.cost_model import (
-    CostModel, DENSE, SPARSE, candidate_thresholds)
+    ARGMIN_POLICY, CostModel, DENSE, SPARSE, candidate_thresholds)
 
 
 def _fill(model, path, overhead, rate, works):
@@ -197,7 +197,7 @@ def test_best_threshold_is_the_argmin_of_predicted_time(
     cm.fit()
     m = sum(hist)
     k_live = int(round(k * (1 - dead)))
-    best = cm.best_threshold(hist, m, k, k_live, n)
+    best = cm.best_threshold(hist, m, k, k_live, n, policy=ARGMIN_POLICY)
     times = [cm.predicted_time(hist, m, k, k_live, n, t)
              for t in candidate_thresholds()]
     assert best in candidate_thresholds()
@@ -239,3 +239,33 @@ def test_nnz_corrects_the_bin_center_estimate():
         pytest.approx(exact_sparse)
     with pytest.raises(ValueError):
         cm.predicted_time(hist, m, k, k, n, 1.0, nnz=-1.0)
+
+
+def test_best_threshold_is_the_ops_decision_with_its_margins():
+    """One definition: best_threshold is cc/core/cost_model.h's DecideSplit
+    (through the pybind11 module) on the fitted terms, so a split that is
+    predicted only 5% faster than all-dense is not taken (the ops' 10%
+    margin), while the plain argmin would take it."""
+    from tf_sparse_split import _kernels as K
+
+    m, k, n = 256, 1024, 512
+    hist = np.zeros(stats.DENSITY_BINS)
+    hist[0] = m                                  # every row below 1/16
+    nnz = 0.02 * m * k
+    dense_t = 1e-5 + 2.0 * m * k * n / 1e11      # all-dense seconds
+    sparse_rate = 2.0 * nnz * n / (0.95 * dense_t - 1e-5)
+    cm = _two_paths(dense_rate=1e11, sparse_rate=sparse_rate)
+    t_argmin = cm.best_threshold(hist, m, k, k, n, nnz=nnz, policy=ARGMIN_POLICY)
+    assert t_argmin == pytest.approx(1 / stats.DENSITY_BINS)
+    assert cm.best_threshold(hist, m, k, k, n, nnz=nnz) == 0.0
+    # The same decision as the C++ function on the same terms.
+    rows, nnz_b = K.profile_from_histogram(hist, 1, nnz)
+    shape = {"m": m, "k": 1, "k_live": 1, "can_compact": False,
+             "dense_flops_per_elem": 2.0 * n * k, "sparse_flops_per_nnz": 2.0 * n}
+    terms = {"dense_fixed_s": cm.overhead(DENSE), "dense_rate": cm.rate(DENSE),
+             "sparse_fixed_s": cm.overhead(SPARSE), "sparse_rate": cm.rate(SPARSE)}
+    assert K.decide_split(shape, (rows, nnz_b), terms)["kind"] == "all_dense"
+    # A clear win (2x) is taken with the margins too.
+    fast = _two_paths(dense_rate=1e11, sparse_rate=4 * sparse_rate)
+    assert fast.best_threshold(hist, m, k, k, n, nnz=nnz) == pytest.approx(
+        1 / stats.DENSITY_BINS)

@@ -19,7 +19,8 @@ import tf_sparse_split as tfss
 from tf_sparse_split.ops import matmul as tfss_ops
 from tf_sparse_split.tuning import stats as S
 from tf_sparse_split.callbacks import SplitThresholdCallback
-from tf_sparse_split.tuning.cost_model import DENSE, SPARSE, CostModel, candidate_thresholds
+from tf_sparse_split.tuning.cost_model import (
+    ARGMIN_POLICY, DENSE, SPARSE, CostModel, candidate_thresholds)
 from tf_sparse_split.layers import SparseSplitDense
 
 tfss.load_library()  # fail loudly if the op library is not built
@@ -190,8 +191,9 @@ def test_cost_model_max_picks_a_balanced_threshold():
     cm = _synthetic_model(1e10, 1e10)
     hist = np.full(16, 10.0)
     m, k, n = 160, 1024, 256
-    thr_sum = cm.best_threshold(hist, m, k, k, n)
-    thr_max = cm.best_threshold(hist, m, k, k, n, heterogeneous=True)
+    thr_sum = cm.best_threshold(hist, m, k, k, n, policy=ARGMIN_POLICY)
+    thr_max = cm.best_threshold(hist, m, k, k, n, heterogeneous=True,
+                                policy=ARGMIN_POLICY)
     assert thr_sum == 1.0
     assert thr_max == 0.75
     # Both are the argmin of their own objective over the candidates.

@@ -39,7 +39,10 @@ input: [N, H, W, C_in].
 filter: [KH, KW, C_in, C_out].
 threshold: scalar float32 image-density threshold in [0, 1]; images with
   density nnz / (H*W*C_in) above it go to a dense convolution, the rest to a
-  sparse kernel. Negative: chosen automatically. Never changes the answer.
+  sparse kernel. Negative: chosen automatically by the cost model of
+  cc/core/cost_model.h (calibrated on the first such call for this layer
+  geometry; the dense path unless the sparse one is predicted clearly
+  faster). Never changes the answer.
 output: [N, OH, OW, C_out].
 stats: float64 [kNumStats] per-call statistics, laid out as in
   cc/core/stats.h (tf_sparse_split/tuning/stats.py).

@@ -61,7 +61,11 @@ a: [m, k] (or [k, m] with transpose_a), the activation operand.
 b: [k, n] (or [n, k] with transpose_b).
 threshold: scalar float32 row-density threshold in [0, 1]; rows of op(a)
   with density above it go to a dense GEMM, the rest to a CSR SpMM. A
-  negative value chooses it automatically. The answer does not depend on it.
+  negative value chooses it automatically with the cost model of
+  cc/core/cost_model.h (calibrated on the first such call per dtype, k,
+  n bucket: fixed, conversion, flop-rate and copy terms; the dense GEMM
+  unless a split is predicted at least 10% faster). The answer does not
+  depend on it.
 bias: optional (num_bias = 1) vector [n] added to every row of the product.
 product: [m, n], act(op(a) * op(b) + bias), computed by the fused epilogue
   (cc/kernels/epilogue.h) after both parts of the split have written their

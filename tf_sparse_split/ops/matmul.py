@@ -95,10 +95,14 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         nonzeros): rows above it go dense, rows at or below it sparse --
         except that when the only such rows are all-zero and fewer than 1/8
         of the rows, every row goes dense (cheaper than gathering the rest;
-        same result). Negative: the op chooses it from the rates of the two
-        paths it measured on this machine for this (K, N), and may send every
-        row dense when the split would not pay for gathering the dense rows. A float or a scalar tensor
-        (e.g. a non-trainable variable a callback assigns).
+        same result). Negative: the op chooses the split with its cost model
+        (``cc/core/cost_model.h``: per-call fixed, CSR-conversion,
+        flop-rate and copy terms, calibrated on the first such call for
+        this dtype, K and N bucket on this machine), which keeps every row
+        dense unless a split is predicted at least 10% faster, and keeps its
+        choice from call to call unless the timings really change. A float
+        or a scalar tensor (e.g. a non-trainable variable a callback
+        assigns).
       transpose_a: if True, multiply by ``a^T``.
       transpose_b: if True, multiply by ``b^T``.
       return_stats: if True, also return the per-call statistics.

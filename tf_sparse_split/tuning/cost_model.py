@@ -37,6 +37,18 @@ GPU, sparse rows on the CPU, at the same time) the two paths overlap, so the
 predicted time of a threshold is ``max(T_dense, T_sparse)`` -- the later of
 the two devices' finishing times -- instead of their sum, and the best
 threshold balances the devices rather than minimising total work.
+
+One definition. This class only *fits* the two paths' terms from the
+statistics; the prediction and the decision are the ops' own cost model,
+``cc/core/cost_model.h``, reached through the pybind11 module
+(``tf_sparse_split._kernels.predict_plan_seconds`` / ``decide_split``): the
+fitted overheads and rates are handed over as its ``CostTerms`` (per-call
+fixed seconds and flop/s of each path). :meth:`CostModel.best_threshold`
+therefore applies the ops' margins (:data:`DEFAULT_POLICY`): a threshold
+that sends rows sparse is chosen only when predicted at least 10% (and 100
+us) faster than all-dense, and among thresholds within 2% of the fastest the
+one with the most dense rows wins. ``policy=ARGMIN_POLICY`` gives the plain
+argmin.
 """
 
 import dataclasses
@@ -44,9 +56,23 @@ import math
 
 import numpy as np
 
+from tf_sparse_split import _loader
 from tf_sparse_split.tuning import stats as _stats
 
-__all__ = ["CostModel", "PathFit", "DENSE", "SPARSE", "candidate_thresholds"]
+__all__ = ["CostModel", "PathFit", "DENSE", "SPARSE", "candidate_thresholds",
+           "DEFAULT_POLICY", "ARGMIN_POLICY"]
+
+#: The ops' decision margins (cc/core/cost_model.h DecisionPolicy): None
+#: selects them.
+DEFAULT_POLICY = None
+#: No margins: best_threshold returns the argmin of the predicted time (ties
+#: to the smaller threshold).
+ARGMIN_POLICY = {"enter_margin": 0.0, "stay_margin": 0.0,
+                 "switch_margin": 0.0, "tie_margin": 0.0, "min_gain_s": 0.0}
+
+# A rate of inf (time not growing with the work) as the C++ model's finite
+# flop/s.
+_HUGE_RATE = 1e300
 
 DENSE = "dense"
 SPARSE = "sparse"
@@ -281,9 +307,35 @@ class CostModel:
                 f"k_live={k_live}, n={n}")
         return hist
 
+    def _problem(self, hist, k, k_live, n, nnz, heterogeneous, coefficients):
+        """The C++ model's (shape, profile, terms) for one call: rows are the
+        histogram's, the dense path multiplies k_live values per row
+        (``dense_coef`` flop each), the sparse path ``sparse_coef`` flop per
+        nonzero; the terms are the two fitted lines."""
+        kern = _loader.kernels()
+        dense_coef, sparse_coef = _coefficients(coefficients, n)
+        if nnz is not None and (nnz < 0 or not math.isfinite(nnz)):
+            raise ValueError(f"nnz must be finite and >= 0, got {nnz}")
+        rows, nnz_b = kern.profile_from_histogram(
+            hist, 1, -1.0 if nnz is None else float(nnz))
+        if nnz is None:
+            nnz_b = nnz_b * float(k)   # bin centers times k
+        m_rows = int(math.ceil(float(hist.sum())))
+        shape = {"m": m_rows, "k": 1, "k_live": 1, "can_compact": False,
+                 "dense_flops_per_elem": float(k_live) * dense_coef,
+                 "sparse_flops_per_nnz": sparse_coef}
+        terms = {"heterogeneous": bool(heterogeneous)}
+        for path, fixed_key, rate_key in ((DENSE, "dense_fixed_s", "dense_rate"),
+                                          (SPARSE, "sparse_fixed_s", "sparse_rate")):
+            fit = self._fits[path]
+            terms[fixed_key] = float(fit.overhead)
+            terms[rate_key] = _HUGE_RATE if math.isinf(fit.rate) else float(fit.rate)
+        return kern, shape, (rows, nnz_b), terms
+
     def predicted_time(self, histogram, m, k, k_live, n, threshold,
                        nnz=None, heterogeneous=False, coefficients=None):
-        """Predicted seconds of one call at ``threshold``.
+        """Predicted seconds of one call at ``threshold`` (the ops' cost
+        model, ``_kernels.predict_plan_seconds``).
 
         Rows in density bins whose upper edge is <= ``threshold`` go sparse
         with ``nnz ~= bin_center_density * k`` each; the other rows go dense
@@ -304,30 +356,17 @@ class CostModel:
             raise RuntimeError(
                 "both paths must be fitted to predict a split (have: "
                 f"{sorted(self._fits)})")
-        bins = hist.size
-        centers = (np.arange(bins) + 0.5) / bins
-        if nnz is not None:
-            estimate = float(np.sum(hist * centers * k))
-            if nnz < 0 or not math.isfinite(nnz):
-                raise ValueError(f"nnz must be finite and >= 0, got {nnz}")
-            if estimate > 0:
-                centers = centers * (float(nnz) / estimate)
-        sparse_bins = int(math.floor(float(threshold) * bins + 1e-9))
-        sparse_bins = min(max(sparse_bins, 0), bins)
-        rows_sparse_nnz = np.sum(hist[:sparse_bins] * centers[:sparse_bins] * k)
-        rows_dense = np.sum(hist[sparse_bins:])
-        dense_coef, sparse_coef = _coefficients(coefficients, n)
-        dense_work = rows_dense * k_live * dense_coef
-        sparse_work = rows_sparse_nnz * sparse_coef
-        t_dense = float(self._fits[DENSE].predict(dense_work))
-        t_sparse = float(self._fits[SPARSE].predict(sparse_work))
-        if heterogeneous:
-            return max(t_dense, t_sparse)
-        return t_dense + t_sparse
+        kern, shape, profile, terms = self._problem(
+            hist, k, k_live, n, nnz, heterogeneous, coefficients)
+        bucket = int(math.floor(float(threshold) * hist.size + 1e-9))
+        bucket = min(max(bucket, 0), hist.size)
+        return float(kern.predict_plan_seconds(shape, profile, terms, bucket))
 
     def best_threshold(self, histogram, m, k, k_live, n, nnz=None,
-                       heterogeneous=False, coefficients=None):
-        """Fastest threshold among the density-bin edges.
+                       heterogeneous=False, coefficients=None,
+                       policy=DEFAULT_POLICY):
+        """The threshold the ops' cost model chooses
+        (``_kernels.decide_split``) among the density-bin edges.
 
         Args:
           histogram: rows per row-density bin for one call (the
@@ -345,29 +384,28 @@ class CostModel:
             ``max(T_dense, T_sparse)`` instead of ``T_dense + T_sparse``.
           coefficients: optional ``(dense_coef, sparse_coef)`` as in
             :meth:`add_stats` (default ``(2 n, 2 n)``, a matmul's).
+          policy: the decision margins: :data:`DEFAULT_POLICY` (the ops'),
+            :data:`ARGMIN_POLICY` (none), or a dict of ``enter_margin``,
+            ``stay_margin``, ``switch_margin``, ``tie_margin`` (fractions)
+            and ``min_gain_s`` (seconds).
 
         Returns:
-          the threshold in ``candidate_thresholds()`` with the smallest
-          predicted time (ties go to the smaller threshold, i.e. more rows
-          dense), as a Python float; or **None** when only one path (or no
-          path) has been fitted: with no measurement of the other path there
-          is nothing to compare, and the caller should keep its current
-          threshold.
+          a threshold in ``candidate_thresholds()`` as a Python float: 0.0
+          when all-dense is chosen (rows with any nonzero go dense); or
+          **None** when only one path (or no path) has been fitted: with no
+          measurement of the other path there is nothing to compare, and the
+          caller should keep its current threshold.
 
         Raises:
-          ValueError: on inconsistent sizes or a bad histogram.
+          ValueError: on inconsistent sizes, a bad histogram or policy.
         """
         hist = self._check_problem(histogram, m, k, k_live, n)
         if DENSE not in self._fits or SPARSE not in self._fits:
             return None
-        best, best_t = None, math.inf
-        for thr in candidate_thresholds(hist.size):
-            t = self.predicted_time(hist, m, k, k_live, n, thr, nnz=nnz,
-                                    heterogeneous=heterogeneous,
-                                    coefficients=coefficients)
-            if t < best_t - 1e-15:
-                best, best_t = thr, t
-        return float(best)
+        kern, shape, profile, terms = self._problem(
+            hist, k, k_live, n, nnz, heterogeneous, coefficients)
+        plan = kern.decide_split(shape, profile, terms, None, policy)
+        return float(plan["threshold"])
 
     def summary(self):
         """dict: ``{path: {"overhead_s", "rate_flops", "samples"}}``."""
