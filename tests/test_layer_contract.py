@@ -201,7 +201,7 @@ def test_statistics_update_under_tf_function_and_are_not_weights(case):
     layer.set_threshold(1.0)
     f(x2)
     assert layer.latest_stats()["rows_dense"] == 0
-    assert len(layer.weights) == n_weights == 3
+    assert len(layer.weights) == n_weights == 2  # kernel, bias
 
 
 def test_record_stats_off_leaves_statistics_alone(case):

@@ -106,9 +106,12 @@ def test_profile_saved_model_random_inputs(tmp_path, capsys):
     sparsities = sorted(float(r[5]) for r in mm)
     assert any(abs(s - 0.8) < 0.1 for s in sparsities), out  # input x
     # The pass's own answer: the Conv2D reads relu(img) and is replaced by
-    # default (enable() rewrites Conv2D too), as is relu(x @ w1) @ w2.
+    # default (enable() rewrites Conv2D too); the MatMuls read the input and
+    # relu(...) + sum, and are not.
     conv = next(r for r in rows.values() if r[1] == "Conv2D")
-    assert conv[3] == "Relu" and conv[4] == "yes", out
+    assert conv[-7] == "Relu" and conv[-6] == "yes", out
+    assert sorted(r[4] for r in mm) == ["no", "no"], out
+    assert "total (pass=yes nodes)" in out
 
 
 def test_profile_errors(tmp_path, keras_model, capsys):

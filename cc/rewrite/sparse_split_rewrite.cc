@@ -250,6 +250,9 @@ struct GraphContext {
   bool has_other_device = false;  // a non-CPU device we have no kernel for
   std::string other_device;
   const tf::Device* default_function_device = nullptr;
+  // Function library of the graph (options.flib_def), or null to use the
+  // graph's own.
+  const tf::FunctionLibraryDefinition* flib = nullptr;
 };
 
 GraphContext MakeContext(const tf::GraphOptimizationPassOptions& options) {
@@ -281,6 +284,7 @@ GraphContext MakeContext(const tf::GraphOptimizationPassOptions& options) {
     }
   }
   ctx.default_function_device = options.default_function_device;
+  ctx.flib = options.flib_def;
   return ctx;
 }
 
@@ -380,28 +384,43 @@ std::string Decide(const tf::Graph& g, const tf::Node* n,
 }
 
 // MatMul/Conv2D nodes inside the XLA-compiled functions that `n` calls (a
-// call node with _XlaMustCompile, or a call of a function whose definition
-// has it): the pass cannot act there. Appends "op\tinner node\tfunction".
-void XlaCalleeNodes(const tf::Graph& g, const tf::Node* n,
+// call node with _XlaMustCompile, a call of a function whose definition has
+// it, or an XlaLaunch node): the pass cannot act there. Appends {op, inner
+// node, function}. `flib` is the function library of the graph (or null).
+void XlaCalleeNodes(const tf::Node* n, const tf::FunctionLibraryDefinition* flib,
                     std::vector<std::array<std::string, 3>>* out) {
   bool must = false;
   tf::TryGetNodeAttr(n->attrs(), "_XlaMustCompile", &must);
-  std::string fname;
-  const tf::FunctionDef* fdef = nullptr;
-  const tf::NameAttrList* f = nullptr;
-  if (tf::TryGetNodeAttr(n->attrs(), "f", &f) && f != nullptr) {
-    fname = f->name();
-  } else if (g.flib_def().Find(n->type_string()) != nullptr) {
-    fname = n->type_string();
+  const std::string& type = n->type_string();
+  if (type == "XlaLaunch" || type == "XlaLaunchV2" || type == "_XlaCompile") {
+    must = true;
   }
+  std::string fname;
+  for (const char* attr : {"f", "function"}) {
+    const tf::NameAttrList* f = nullptr;
+    if (fname.empty() && tf::TryGetNodeAttr(n->attrs(), attr, &f) &&
+        f != nullptr) {
+      fname = f->name();
+    }
+  }
+  if (fname.empty() && flib != nullptr && flib->Find(type) != nullptr) {
+    fname = type;
+  }
+  VLOG(2) << "tf_sparse_split rewrite: node " << n->name() << " (" << type
+          << ") calls '" << fname << "', _XlaMustCompile=" << must;
   if (fname.empty()) return;
-  fdef = g.flib_def().Find(fname);
-  if (fdef == nullptr) return;
-  for (const char* a : {"_XlaMustCompile", "_XlaCompile"}) {
-    auto it = fdef->attr().find(a);
-    if (it != fdef->attr().end() && it->second.b()) must = true;
+  const tf::FunctionDef* fdef = flib != nullptr ? flib->Find(fname) : nullptr;
+  if (fdef != nullptr) {
+    for (const char* a : {"_XlaMustCompile", "_XlaCompile"}) {
+      auto it = fdef->attr().find(a);
+      if (it != fdef->attr().end() && it->second.b()) must = true;
+    }
   }
   if (!must) return;
+  if (fdef == nullptr) {
+    out->push_back({"MatMul/Conv2D?", "<body not in the library>", fname});
+    return;
+  }
   for (const tf::NodeDef& nd : fdef->node_def()) {
     for (const auto& e : RewriteTable()) {
       if (nd.op() == e.source_op) out->push_back({nd.op(), nd.name(), fname});
@@ -414,6 +433,8 @@ void XlaCalleeNodes(const tf::Graph& g, const tf::Node* n,
 std::vector<Candidate> FindCandidates(
     const tf::Graph& g, const GraphContext& ctx, const RewriteConfig& cfg,
     std::vector<std::string>* xla) {
+  const tf::FunctionLibraryDefinition* flib =
+      ctx.flib != nullptr ? ctx.flib : &g.flib_def();
   std::vector<Candidate> out;
   std::unique_ptr<tf::ShapeRefiner> refiner;
   for (const tf::Node* n : g.op_nodes()) {
@@ -421,9 +442,9 @@ std::vector<Candidate> FindCandidates(
     if (entry == nullptr) {
       if (xla == nullptr || !ctx.graph_reason.empty()) continue;
       std::vector<std::array<std::string, 3>> inner;
-      XlaCalleeNodes(g, n, &inner);
+      XlaCalleeNodes(n, flib, &inner);
       for (const auto& in : inner) {
-        if (!cfg.ops.count(in[0])) continue;
+        if (!cfg.ops.count(in[0]) && in[0] != "MatMul/Conv2D?") continue;
         xla->push_back(absl::StrCat(
             "action=declined\top=", in[0], "\tname=", n->name(), "/", in[1],
             "\tfunction=", ctx.function, "\treason=inside XLA-compiled "
