@@ -406,9 +406,9 @@ void XlaCalleeNodes(const tf::Node* n, const tf::FunctionLibraryDefinition* flib
   if (fname.empty() && flib != nullptr && flib->Find(type) != nullptr) {
     fname = type;
   }
+  if (fname.empty()) return;
   VLOG(2) << "tf_sparse_split rewrite: node " << n->name() << " (" << type
           << ") calls '" << fname << "', _XlaMustCompile=" << must;
-  if (fname.empty()) return;
   const tf::FunctionDef* fdef = flib != nullptr ? flib->Find(fname) : nullptr;
   if (fdef != nullptr) {
     for (const char* a : {"_XlaMustCompile", "_XlaCompile"}) {

@@ -44,6 +44,7 @@ missing data or an unbuilt op library, 2 bad arguments).
 """
 
 import argparse
+import os
 import sys
 
 from tf_sparse_split.tools.models import DROPOUT_KINDS
@@ -251,6 +252,9 @@ def main(argv=None):
     except SystemExit as e:  # argparse: --help (0) or bad arguments (2)
         return int(e.code) if isinstance(e.code, int) else 2
     out = sys.stdout
+    # TensorFlow's C++ INFO lines (oneDNN, CPU features) are noise here;
+    # warnings and errors still show. An explicit setting wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     try:
         if args.command == "train":
             from tf_sparse_split.tools.train import train_command
