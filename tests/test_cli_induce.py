@@ -28,7 +28,7 @@ def test_target_sparsity_mlp_compare(capsys):
     assert "  hidden_1: input sparsity" in out
     assert "FATReLU" not in out.split("hidden_1: input sparsity")[1].split(
         "\n")[0]  # fed by the pixels: not controlled
-    for label in ("steady epoch (s)", "test accuracy",
+    for label in ("steady epoch, median (s)", "test accuracy",
                   "hidden_2 in. sparsity", "output in. sparsity"):
         assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d+", out), \
             label
