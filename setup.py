@@ -37,6 +37,7 @@ Environment variables:
 """
 
 import glob
+import hashlib
 import os
 import platform
 import shutil
@@ -241,6 +242,22 @@ class BuildExt(build_ext):
 
                 ext.include_dirs.append(pybind11.get_include())
                 ext.extra_compile_args = [*common, "-fvisibility=hidden"]
+        # Extensions are built one after the other: both compile the
+        # cc/core sources, with different flags, and setuptools names the
+        # objects by source path, so a parallel (-j) build of the two would
+        # race on the same object files (seen: a pybind11 module linked with
+        # a half-written object that aborted on its first exception).
+        self.parallel = None
+        super().build_extensions()
+        self._write_build_info(tf, march_desc, isa, nvcc)
+
+    def _write_build_info(self, tf, march_desc, isa, nvcc):
+        # After linking: the size and SHA-256 of the op library, which the
+        # loader checks before handing the file to the dynamic loader.
+        lib = self.get_ext_fullpath("tf_sparse_split._sparse_split_ops")
+        with open(lib, "rb") as f:
+            lib_sha256 = hashlib.sha256(f.read()).hexdigest()
+        lib_size = os.path.getsize(lib)
         # Record what the library was built against; the loader checks it.
         # Written beside the built extensions (wheel) and, for in-place and
         # editable builds, into the source package as well.
@@ -256,13 +273,8 @@ class BuildExt(build_ext):
                 f.write(f"MARCH = {march_desc!r}\n")
                 f.write(f"ISA = {isa!r}\n")
                 f.write(f"CUDA = {nvcc is not None!r}\n")
-        # Extensions are built one after the other: both compile the
-        # cc/core sources, with different flags, and setuptools names the
-        # objects by source path, so a parallel (-j) build of the two would
-        # race on the same object files (seen: a pybind11 module linked with
-        # a half-written object that aborted on its first exception).
-        self.parallel = None
-        super().build_extensions()
+                f.write(f"LIB_SIZE = {lib_size!r}\n")
+                f.write(f"LIB_SHA256 = {lib_sha256!r}\n")
 
     def build_extension(self, ext):
         # One temporary folder per extension, so their objects never mix.

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,15 @@ def test_train_sparse_on_digits(capsys):
     assert "epoch 2/2: time" in out
     for name in ("hidden_1", "hidden_2", "output"):
         m = re.search(rf"  {name}: input sparsity (\d\.\d{{3}}), threshold "
-                      r"(\d\.\d{4})", out)
+                      r"for next epoch (\d\.\d{4})", out)
         assert m, out
         assert 0.0 < float(m.group(1)) < 1.0
     m = re.search(r"sparse-split: test accuracy (\d\.\d{4})", out)
     assert m and float(m.group(1)) > 0.2  # better than chance after 2 epochs
+    assert re.search(r"time/epoch \d+\.\d\d s \(steady state: mean of "
+                     r"epochs 2-2; epoch 1, with tracing: \d+\.\d\d s\)", out)
+    # stdout is not a terminal here: no progress bar control characters.
+    assert "\r" not in out and "\x08" not in out and "\x1b" not in out
 
 
 def test_train_baseline(capsys):
@@ -55,12 +60,12 @@ def test_train_compare(capsys):
     assert rc == 0
     assert "model: sparse-split MLP" in out and "model: baseline MLP" in out
     assert re.search(r"\s+sparse-split\s+baseline", out)
-    for label in ("time/epoch (s)", "final loss", "final accuracy",
-                  "test accuracy"):
+    for label in ("time/epoch, 1 epoch with tracing (s)", "final loss",
+                  "final accuracy", "test accuracy"):
         assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d+", out), \
             label
-    assert re.search(r"speed-up \(baseline time / sparse-split time\): "
-                     r"\d+\.\d\dx", out)
+    assert re.search(r"speed-up \(baseline time / sparse-split time, 1 "
+                     r"epoch, includes tracing\): \d+\.\d\dx", out)
     # Same seed, same data, same results to float rounding: the final
     # training losses agree closely.
     loss = re.search(r"final loss\s+(\d+\.\d+)\s+(\d+\.\d+)", out)
@@ -71,6 +76,17 @@ def test_train_compare(capsys):
     ["train", "--hidden", "0"], ["train", "--threshold", "2"],
     ["train", "--epochs", "-1"], ["train", "--baseline", "--compare"],
     ["nope"], [],
+    # negative thresholds are refused: 'auto' or [0, 1]
+    ["train", "--threshold", "-0.5"], ["profile", "m.keras", "--threshold", "-1"],
+    # conflicting or ignored flags
+    ["train", "--model", "cnn", "--hidden", "8"],
+    ["train", "--filters", "4,4"],
+    ["train", "--baseline", "--threshold", "0.5"],
+    ["train", "--model", "cnn", "--dropout", "row"],
+    ["train", "--dropout-rate", "0.3"],
+    ["train", "--dropout", "row", "--tile-shape", "2,2"],
+    ["profile", "m.keras", "--input", "x.npy", "--batch-size", "4"],
+    ["profile", "m.keras", "--input", "x.npy", "--input-sparsity", "0.2"],
 ])
 def test_bad_arguments_exit_2(capsys, argv):
     rc, _, err = _run(capsys, argv)
@@ -94,3 +110,40 @@ def test_python_dash_m_help():
     assert proc.returncode == 0, proc.stderr
     assert "usage: tf-sparse-split train" in proc.stdout
     assert "--baseline" in proc.stdout and "--compare" in proc.stdout
+
+
+def test_threshold_help_matches_accepted_values(capsys):
+    assert cli.main(["train", "--threshold", "auto", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "[0, 1]" in out and "'auto'" in out and "negative" not in out
+    assert cli.parse_threshold("auto") == -1.0
+    assert cli.parse_threshold("0.25") == 0.25
+
+
+@pytest.mark.parametrize("how", ["console_script", "dash_m"])
+def test_help_is_fast_and_does_not_import_tensorflow(how):
+    """--help must not import TensorFlow (no TF log lines, under 2 s)."""
+    script = Path(sys.executable).parent / "tf-sparse-split"
+    if how == "console_script":
+        if not script.exists():
+            pytest.skip("console script not installed")
+        cmd = [str(script), "--help"]
+    else:
+        cmd = [sys.executable, "-m", "tf_sparse_split", "--help"]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                              timeout=120)
+        times.append(time.perf_counter() - t0)
+        assert proc.returncode == 0, proc.stderr
+        assert "usage: tf-sparse-split" in proc.stdout
+        assert proc.stderr == ""  # no TensorFlow log lines
+    assert min(times) < 2.0, times
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom tf_sparse_split.tools import "
+         "cli\ncli.build_parser()\nimport tf_sparse_split.__main__\n"
+         "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert probe.stdout.strip() == "[]", probe.stderr

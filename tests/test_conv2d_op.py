@@ -215,8 +215,10 @@ F4 = np.ones((3, 3, 3, 4), np.float32)
     (dict(padding="EXPLICIT", explicit_paddings=[1, 0, 1, 1, 1, 1, 0, 0]), "batch and channel"),
     (dict(padding=[[0, 0], [1, 1], [1, 1]]), "4 pairs"),
     (dict(padding="SAME", explicit_paddings=[0] * 8), "empty unless"),
-    (dict(padding="VALID", filters=np.ones((7, 7, 3, 4), np.float32)), "smaller"),
-    (dict(padding="VALID", dilations=3), "smaller"),
+    # A filter one larger than the input gives an empty output (as
+    # tf.nn.conv2d, test_adoption.py); two larger is an error.
+    (dict(padding="VALID", filters=np.ones((8, 8, 3, 4), np.float32)), "smaller"),
+    (dict(padding="VALID", dilations=4), "smaller"),
     (dict(threshold=1.5), "threshold"),
     (dict(threshold=float("nan")), "threshold"),
     (dict(threshold=[0.1, 0.2]), "scalar"),

@@ -26,7 +26,7 @@ def _pair(layer_kwargs, input_shape, threshold, seed=0):
     ref = keras.layers.Conv2D(**layer_kwargs)
     ours.build(input_shape)
     ref.build(input_shape)
-    ref.set_weights(ours.get_weights()[:len(ref.get_weights())])
+    ref.set_weights(ours.get_weights())
     x = T.random_sparse_images((3, *input_shape[1:]), 0.6, rng,
                                zero_channels=0.3)
     return ours, ref, x

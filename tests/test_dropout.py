@@ -462,8 +462,9 @@ def test_cli_build_mlp_places_dropout():
     (["--dropout", "row", "--dropout-rate", "1.0"], 2,
      "must be a number in [0, 1)"),
     (["--dropout", "blocks"], 2, "invalid choice"),
-    (["--dropout-rate", "0.3"], 1, "need --dropout"),
-    (["--dropout", "row", "--tile-shape", "8,8"], 1, "needs --dropout tile"),
+    # Flags that do not apply are usage errors (exit 2), checked at parsing.
+    (["--dropout-rate", "0.3"], 2, "need --dropout"),
+    (["--dropout", "row", "--tile-shape", "8,8"], 2, "needs --dropout tile"),
     (["--dropout", "tile", "--tile-shape", "8,12"], 1, "does not divide"),
 ])
 def test_cli_dropout_bad_arguments(capsys, argv, rc, msg):

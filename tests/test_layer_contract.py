@@ -83,14 +83,15 @@ def test_weights_and_threshold_variable(case):
     assert layer.threshold == 0.375
     layer, _ = _built(case, 0.25)
     weights = layer.get_weights()
-    assert [w.shape for w in weights] == shapes + [()]
-    assert float(weights[-1]) == 0.25
+    # The Keras layer's list: the threshold is not a Keras weight.
+    assert [w.shape for w in weights] == shapes
+    assert float(layer.threshold_var.numpy()) == 0.25
     assert layer.threshold_var.trainable is False
     assert len(layer.trainable_weights) == 2
-    assert [w.name for w in layer.non_trainable_weights] == ["threshold"]
+    assert layer.non_trainable_weights == []
     layer.set_threshold(0.75)
     assert layer.threshold == 0.75
-    assert float(layer.get_weights()[-1]) == 0.75
+    assert float(layer.threshold_var.numpy()) == 0.75
     layer.set_threshold("auto")
     assert layer.threshold == -1.0
     assert layer.supports_jit is False
@@ -201,7 +202,7 @@ def test_statistics_update_under_tf_function_and_are_not_weights(case):
     layer.set_threshold(1.0)
     f(x2)
     assert layer.latest_stats()["rows_dense"] == 0
-    assert len(layer.weights) == n_weights == 3
+    assert len(layer.weights) == n_weights == 2  # kernel, bias
 
 
 def test_record_stats_off_leaves_statistics_alone(case):

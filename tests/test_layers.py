@@ -27,7 +27,7 @@ def _twin_dense(layer, input_dim):
     dense = keras.layers.Dense(layer.units, activation=layer.activation,
                                use_bias=layer.use_bias, dtype=layer.dtype)
     dense.build((None, input_dim))
-    dense.set_weights(layer.get_weights()[:-1])  # drop the threshold
+    dense.set_weights(layer.get_weights())  # same list as Dense's
     return dense
 
 
@@ -41,7 +41,7 @@ def test_forward_matches_dense(shape, threshold):
     ref = _twin_dense(layer, shape[-1])(x)
     np.testing.assert_allclose(y.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
     # Against a float64 reference too.
-    w, b, _ = layer.get_weights()
+    w, b = layer.get_weights()
     ref64 = np.maximum(x.astype(np.float64) @ w.astype(np.float64) + b, 0)
     np.testing.assert_allclose(y.numpy(), ref64, rtol=1e-5, atol=1e-5)
 
@@ -52,7 +52,7 @@ def test_forward_float64_and_no_bias():
                              threshold=0.25)
     y = layer(x)
     assert y.dtype == tf.float64
-    assert len(layer.get_weights()) == 2  # kernel, threshold
+    assert len(layer.get_weights()) == 1  # kernel, as Dense(use_bias=False)
     np.testing.assert_allclose(y.numpy(), x @ layer.get_weights()[0],
                                rtol=1e-12, atol=1e-12)
 
@@ -62,7 +62,7 @@ def test_mixed_precision_computes_in_float32():
     layer = SparseSplitDense(8, dtype="mixed_float16")
     y = layer(x)
     assert y.dtype == tf.float16
-    w, b, _ = layer.get_weights()
+    w, b = layer.get_weights()
     np.testing.assert_allclose(y.numpy().astype(np.float32), x @ w + b,
                                rtol=1e-2, atol=1e-2)
 
@@ -140,12 +140,12 @@ def test_training_step_matches_dense():
 
     ours = model(SparseSplitDense, threshold=0.5)
     ref = model(keras.layers.Dense)
-    ref.set_weights([w for w in ours.get_weights() if w.ndim > 0])
+    ref.set_weights(ours.get_weights())
     for m in (ours, ref):
         m.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy",
                   jit_compile=False)
         m.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
-    ours_w = [w for w in ours.get_weights() if w.ndim > 0]
+    ours_w = ours.get_weights()
     for a, b in zip(ours_w, ref.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 

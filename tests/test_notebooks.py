@@ -33,7 +33,11 @@ def test_notebook_is_nbformat_4():
         assert needle in text
 
 
-def test_notebook_code_runs(capsys):
+def test_notebook_code_runs(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    # The notebook's temporary files go here, and must be gone afterwards.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     nb = _load()
     namespace = {"__name__": "__notebook__"}
     for cell in nb["cells"]:
@@ -44,3 +48,4 @@ def test_notebook_code_runs(capsys):
     assert "reloaded identical: True" in out
     assert namespace["diff"] < 1e-5
     assert len(namespace["callback"].history) == namespace["EPOCHS"]
+    assert list(tmp_path.iterdir()) == []  # no .keras file left behind

@@ -60,7 +60,17 @@ def test_profile_keras_file_with_input(keras_model, tmp_path, capsys):
     assert float(second[5]) == pytest.approx(float(np.mean(h == 0)), abs=1e-3)
     for r in (first, second):  # dense ms, split ms, speed-up
         assert float(r[7]) > 0 and float(r[8]) > 0 and r[9].endswith("x")
-    assert re.search(r"total \(timed nodes\)\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+x", out)
+    # The headline covers only the node the pass would replace (the second;
+    # the first reads the model input, not a ReLU).
+    m = re.search(r"total \(pass=yes nodes\)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+"
+                  r"\d+\.\d+x", out)
+    assert m, out
+    assert float(m.group(1)) == pytest.approx(float(second[7]), abs=2e-3)
+    assert "headline: the 1 node(s) the rewrite pass would replace" in out
+    assert re.search(r"not replaced: \S*h1\S*: activation input comes from "
+                     r"Placeholder", out), out
+    assert re.search(r"whole model, end to end \(one call, rewrite pass off "
+                     r"vs on\): \d+\.\d+ ms vs \d+\.\d+ ms, \d+\.\d+x", out)
     assert "jit_compile=False" in out
 
 
@@ -95,6 +105,13 @@ def test_profile_saved_model_random_inputs(tmp_path, capsys):
     mm = [r for r in rows.values() if r[1] == "MatMul"]
     sparsities = sorted(float(r[5]) for r in mm)
     assert any(abs(s - 0.8) < 0.1 for s in sparsities), out  # input x
+    # The pass's own answer: the Conv2D reads relu(img) and is replaced by
+    # default (enable() rewrites Conv2D too); the MatMuls read the input and
+    # relu(...) + sum, and are not.
+    conv = next(r for r in rows.values() if r[1] == "Conv2D")
+    assert conv[-7] == "Relu" and conv[-6] == "yes", out
+    assert sorted(r[4] for r in mm) == ["no", "no"], out
+    assert "total (pass=yes nodes)" in out
 
 
 def test_profile_errors(tmp_path, keras_model, capsys):
@@ -132,4 +149,5 @@ def test_profile_model_with_sparse_split_layers(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if "TfSparseSplit>SparseSplitMatMul" in ln.split()[1:2]]
     assert len(lines) == 2, out
-    assert re.search(r"total \(timed nodes\)\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+x", out)
+    assert all(ln.split()[4] == "ours" for ln in lines), out
+    assert "the rewrite pass would replace none of these nodes" in out

@@ -28,10 +28,12 @@ def rw():
     rewrite.disable()
     rewrite.reset_counters()
     rewrite.log(clear=True)
+    rewrite._take_missed()
     yield rewrite
     rewrite.disable()
     rewrite.reset_counters()
     rewrite.log(clear=True)
+    rewrite._take_missed()
 
 
 def _records(action=None, name_part=None):
@@ -83,7 +85,8 @@ def test_forward_and_gradients_match_unrewritten(rw, dtype, rtol):
     y0, g0 = _mlp3_step(dtype)(x)
     assert rw.counters() == {}
     assert _records("rewritten") == []
-    rw.enable()
+    with pytest.warns(RuntimeWarning, match="already instantiated"):
+        rw.enable()  # the first step ran while the pass was off
     y1, g1 = _mlp3_step(dtype)(x)
     _assert_close(y1, y0, rtol)
     for a, b in zip(g1, g0):
@@ -112,7 +115,7 @@ def test_pass_off_by_default():
         "f = tf.function(lambda x: tf.matmul(tf.nn.relu(x), w))\n"
         "f(tf.ones([3, 8]))\n"
         "assert rewrite.counters() == {}, rewrite.counters()\n"
-        "assert rewrite.log() == [], rewrite.log()\n"
+        "assert [r['action'] for r in rewrite.log()] == ['missed'], rewrite.log()\n"
         "rewrite.enable()\n"
         "f2 = tf.function(lambda x: tf.matmul(tf.nn.relu(x), w))\n"
         "f2(tf.ones([3, 8]))\n"
@@ -385,3 +388,109 @@ def test_declines_nodes_in_xla_scope(rw):
     assert rw.counters() == {}
     (rec,) = _records("declined", "mm_scope")
     assert "XLA" in rec["reason"], rec
+
+
+# -- what the pass sees (issue 11, item 4) ----------------------------------
+def test_enable_defaults_include_conv2d(rw):
+    """enable()'s defaults rewrite what profile reports as pass=yes,
+    Conv2D included."""
+    assert rewrite.DEFAULT_OPS == ("MatMul", "Conv2D")
+    active = rw.enable()
+    assert "Conv2D" in active and rw.config()["ops"] == ("MatMul", "Conv2D")
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 6, 6, 3)).astype(np.float32)
+    k = rng.standard_normal((3, 3, 3, 4)).astype(np.float32)
+
+    @tf.function
+    def f(a):
+        return tf.nn.conv2d(tf.nn.relu(a), k, 1, "SAME")
+
+    got = f(x)
+    assert rw.counters().get("Conv2D") == 1
+    _assert_close(got, tf.nn.conv2d(tf.nn.relu(x), k, 1, "SAME"), 1e-5)
+
+
+def test_nchw_conv2d_is_declined(rw):
+    rw.enable()
+    g = tf.Graph()
+    with g.as_default():
+        a = tf.nn.relu(tf.compat.v1.placeholder(tf.float32, [1, 3, 5, 5]))
+        tf.raw_ops.Conv2D(input=a, filter=tf.ones([1, 1, 3, 2]),
+                          strides=[1, 1, 1, 1], padding="VALID",
+                          data_format="NCHW", name="conv_nchw")
+    rec = {r["name"]: r for r in rewrite.dry_run(g)}
+    assert rec["conv_nchw"]["action"] == "declined"
+    assert "data_format" in rec["conv_nchw"]["reason"]
+
+
+def test_function_instantiated_before_enable_warns_and_logs(rw):
+    w = tf.constant(np.eye(4, dtype=np.float32))
+
+    @tf.function
+    def early(a):
+        return tf.matmul(tf.nn.relu(a), w)
+
+    early(tf.ones([2, 4]))  # instantiated while the pass is off
+    name = early.get_concrete_function(tf.ones([2, 4])).function_def \
+        .signature.name
+    with pytest.warns(RuntimeWarning, match="already instantiated") as rec:
+        rw.enable()
+    assert name in str(rec[0].message)
+    missed = [r for r in rw.log() if r["action"] == "missed"]
+    assert any(r["function"] == name and r["op"] == "MatMul:1"
+               for r in missed), missed
+    # Once: a second enable() does not warn again for the same function.
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rw.enable()
+    early(tf.ones([2, 4]))  # keeps its graph
+    assert rw.counters() == {}
+
+
+def test_xla_callee_is_logged_as_declined(rw):
+    rw.enable()
+    w = tf.constant(np.eye(4, dtype=np.float32))
+
+    @tf.function(jit_compile=True)
+    def xla(a):
+        return tf.matmul(a, w)
+
+    @tf.function
+    def outer(a):
+        return xla(tf.nn.relu(a)) + 1.0
+
+    try:
+        outer(tf.ones([2, 4]))
+    except tf.errors.OpError as e:  # no XLA in this TensorFlow build
+        pytest.skip(f"XLA unavailable: {e}")
+    declined = [r for r in rw.log() if r["action"] == "declined"
+                and "XLA-compiled" in r.get("reason", "")]
+    assert declined and declined[0]["op"] == "MatMul", rw.log()
+
+
+def test_dry_run_answers_like_the_pass(rw):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8, 4], name="x")
+        w = tf.ones([4, 4])
+        h = tf.matmul(x, w, name="from_input")
+        tf.matmul(tf.nn.relu(h), w, name="from_relu")
+        tf.matmul(tf.nn.dropout(tf.nn.relu(h), 0.5), w, name="from_dropout")
+        tf.matmul(tf.cast(tf.nn.relu(h), tf.float64), tf.ones([4, 4], tf.float64),
+                  name="through_cast")
+        tf.matmul(tf.cast(tf.nn.relu(h), tf.int32), tf.ones([4, 4], tf.int32),
+                  name="int")
+    rec = {r["name"]: r for r in rewrite.dry_run(g)}
+    assert rec["from_input"]["action"] == "declined"
+    assert rec["from_input"]["producer"] == "Placeholder"
+    assert "not a listed sparse producer" in rec["from_input"]["reason"]
+    assert rec["from_relu"]["action"] == "would_rewrite"
+    assert rec["from_relu"]["producer"] == "Relu"
+    assert rec["from_dropout"]["producer"] == "Dropout"
+    assert rec["through_cast"]["action"] == "would_rewrite"
+    assert "dtype" in rec["int"]["reason"]
+    assert rewrite.dry_run(g, producers="any")[0]["action"] == "would_rewrite"
+    assert rw.counters() == {} and not rw.is_enabled()  # nothing changed
+    with pytest.raises(TypeError):
+        rewrite.dry_run("not a graph")

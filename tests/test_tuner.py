@@ -219,7 +219,7 @@ out = {"replicas": cb.tuner.num_replicas, "history": [
          v["dense_rate"] is not None and v["sparse_rate"] is not None]
      for k, v in r["layers"].items()} for r in cb.history]}
 var = model.get_layer("wide").threshold_var
-var = getattr(var, "value", var)
+var = var.value if isinstance(var, keras.Variable) else var
 out["components"] = [float(c.numpy())
                      for c in strategy.experimental_local_results(var)]
 out["zeros"] = float((x == 0).mean())

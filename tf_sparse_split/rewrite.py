@@ -2,10 +2,11 @@
 
 The op library contains a TensorFlow graph-optimization pass (C++,
 ``cc/rewrite/``) that replaces, in the graphs TensorFlow optimizes, a
-``MatMul`` (and ``Conv2D`` once the ``SparseSplitConv2D`` op exists) whose
+``MatMul`` or ``Conv2D`` (NHWC) whose
 activation input can be sparse -- produced by ``Relu``, ``Relu6``, their
 gradients ``ReluGrad``/``Relu6Grad``, or the dropout pattern -- with the
-sparse-split op (``SparseSplitMatMul``), which computes the same product
+sparse-split op (``SparseSplitMatMul``, ``SparseSplitConv2D``), which
+computes the same product
 while skipping the activation's zeros (K.-Y. Peng, *Adaptive runtime
 exploiting sparsity in tensor of deep learning on heterogeneous systems*,
 NTU 2017). Existing models -- Keras models of plain ``Dense`` layers,
@@ -14,7 +15,7 @@ SavedModels exported by plain TensorFlow -- then use it without changes::
     from tf_sparse_split import rewrite
     rewrite.enable()                 # graphs traced/instantiated from now on
     model.fit(...)                   # Keras: compile(jit_compile=False)
-    print(rewrite.counters())        # {'MatMul': 6}
+    print(rewrite.counters())        # {'MatMul': 6, 'Conv2D': 2}
 
 What the pass does:
 
@@ -40,21 +41,40 @@ What the pass does:
   single eager ops, and activations not from a listed producer.
 * Any error inside the pass is logged and the graph is left unchanged.
 
-Already-traced functions keep the graph they were optimized with: TensorFlow
-optimizes a function graph once, when it is first instantiated (first call),
-so :func:`enable`/:func:`disable` affect functions first *called* afterwards.
-To switch an existing ``tf.function`` re-trace it (e.g. a new
-``tf.function`` object, or for Keras ``model.make_train_function(force=True)``
-/ re-``compile``); a loaded SavedModel's functions are instantiated on their
-first call after loading.
+What the pass sees -- exactly:
 
-On GPU machines Keras compiles with XLA by default (``jit_compile="auto"``);
-the pass cannot act inside XLA clusters, so use
-``model.compile(..., jit_compile=False)``.
+* TensorFlow optimizes a function graph once, when it is first
+  *instantiated* (first call), so :func:`enable`/:func:`disable` affect
+  functions first *called* afterwards. A function (or Keras
+  ``train_function``/``predict_function``) already called while the pass was
+  off keeps its graph. The pass notices such graphs while it is off (once
+  the op library is loaded, i.e. after ``import tf_sparse_split`` and
+  TensorFlow): :func:`enable` warns once about them and :func:`log` has an
+  ``action="missed"`` record per function graph. Re-trace to switch them: a
+  new ``tf.function`` object, or for Keras
+  ``model.make_train_function(force=True)`` / ``make_predict_function(
+  force=True)`` or compile again. Functions called before the library was
+  loaded are not seen at all. A loaded SavedModel's functions are
+  instantiated on their first call after loading.
+* XLA: the bodies of XLA-compiled functions (``jit_compile=True``, Keras'
+  default ``jit_compile="auto"`` on GPU machines) are compiled by XLA,
+  which does not run TensorFlow's graph-optimization passes: when such a
+  function is called at top level (eagerly), the pass never sees it, and
+  nothing is logged. When it is called from inside a function the pass does
+  see, each MatMul/Conv2D of the XLA callee gets an ``action="declined"``
+  record ("inside XLA-compiled function ...") and TensorFlow's log a warning
+  once per process. Use ``jit_compile=False`` (Keras:
+  ``model.compile(..., jit_compile=False)``) for the pass to apply.
+* Single eager ops (``tf.matmul`` outside ``tf.function``) are never
+  rewritten.
+
+:func:`dry_run` asks the pass what it would do to a graph without changing
+it; ``tf-sparse-split profile`` uses it.
 """
 
 import contextlib
 import threading
+import warnings
 
 import tensorflow as tf
 
@@ -62,8 +82,8 @@ from tf_sparse_split._loader import load_library
 from tf_sparse_split.utils.validation import validate_threshold
 
 __all__ = ["enable", "disable", "enabled", "is_enabled", "config",
-           "counters", "reset_counters", "log", "active_ops",
-           "DEFAULT_PRODUCERS", "SUPPORTED_OPS"]
+           "counters", "reset_counters", "log", "active_ops", "dry_run",
+           "DEFAULT_PRODUCERS", "DEFAULT_OPS", "SUPPORTED_OPS"]
 
 #: Producers whose outputs count as sparse by default. "Dropout" stands for
 #: the dropout pattern (``SelectV2(mask, x * scale, 0)`` of ``tf.nn.dropout``
@@ -72,10 +92,13 @@ DEFAULT_PRODUCERS = ("Relu", "Relu6", "ReluGrad", "Relu6Grad", "Dropout")
 #: Source op types the pass knows (Conv2D is active only when the
 #: ``SparseSplitConv2D`` op is registered).
 SUPPORTED_OPS = ("MatMul", "Conv2D")
+#: Source op types :func:`enable` rewrites by default (what ``profile``
+#: reports as ``pass=yes``).
+DEFAULT_OPS = ("MatMul", "Conv2D")
 
 _LOCK = threading.Lock()
 _CONFIG = {"enabled": False, "threshold": "auto", "min_flops": 0.0,
-           "ops": ("MatMul",), "producers": DEFAULT_PRODUCERS}
+           "ops": DEFAULT_OPS, "producers": DEFAULT_PRODUCERS}
 
 
 def _eager():
@@ -130,7 +153,7 @@ def _validate(threshold, min_flops, ops, producers):
     return min_flops, ops, producers
 
 
-def enable(threshold="auto", min_flops=0.0, ops=("MatMul",),
+def enable(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,
            producers=DEFAULT_PRODUCERS):
     """Turns the rewrite pass on for graphs instantiated from now on.
 
@@ -141,7 +164,8 @@ def enable(threshold="auto", min_flops=0.0, ops=("MatMul",),
       min_flops: nodes whose statically known FLOP count (``2*M*K*N`` for
         MatMul) is below this are left alone; dimensions unknown at graph
         time never cause a skip.
-      ops: source op types to rewrite, a subset of :data:`SUPPORTED_OPS`.
+      ops: source op types to rewrite, a subset of :data:`SUPPORTED_OPS`
+        (default :data:`DEFAULT_OPS`: ``MatMul`` and ``Conv2D``).
         ``"Conv2D"`` takes effect only when ``SparseSplitConv2D`` is
         registered (see :func:`active_ops`).
       producers: op types whose outputs count as sparse activations
@@ -150,6 +174,11 @@ def enable(threshold="auto", min_flops=0.0, ops=("MatMul",),
 
     Returns:
       The tuple of source op types whose replacement op is registered.
+
+    Warns:
+      RuntimeWarning: once for the function graphs with MatMul/Conv2D nodes
+        that TensorFlow instantiated while the pass was off (they keep their
+        graphs; see the module docstring), naming a few.
 
     Raises:
       ValueError: for a threshold outside ``[0, 1]`` (other than ``"auto"``),
@@ -163,7 +192,92 @@ def enable(threshold="auto", min_flops=0.0, ops=("MatMul",),
         active = _apply(cfg)
         _CONFIG.clear()
         _CONFIG.update(cfg)
+    _warn_missed()
     return active
+
+
+def _take_missed():
+    """The "missed" records since the last call (see :func:`_warn_missed`),
+    emptying that list (the log keeps them)."""
+    lib = load_library()
+    with _eager():
+        return _parse(lib.tf_sparse_split_sparse_split_rewrite_missed())
+
+
+def _warn_missed():
+    missed = _take_missed()
+    if not missed:
+        return
+    names = [r.get("function", "?") for r in missed]
+    shown = ", ".join(f"{n} ({r.get('op', '')})" for n, r in
+                      zip(names[:4], missed[:4]))
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    warnings.warn(
+        f"tf_sparse_split.rewrite: {len(names)} function graph(s) with "
+        f"MatMul/Conv2D nodes were already instantiated while the pass was "
+        f"off and keep their graphs: {shown}{more}. TensorFlow optimizes a "
+        "function once; re-trace it to rewrite it (a new tf.function, or for "
+        "Keras model.make_train_function(force=True) / "
+        "make_predict_function(force=True) or compile again). "
+        "rewrite.log() lists them (action='missed').",
+        RuntimeWarning, stacklevel=3)
+
+
+def _parse(records):
+    out = []
+    for r in records.numpy():
+        fields = {}
+        for part in r.decode().split("\t"):
+            key, _, value = part.partition("=")
+            fields[key] = value
+        out.append(fields)
+    return out
+
+
+def dry_run(graph, ops=DEFAULT_OPS, producers=DEFAULT_PRODUCERS,
+            min_flops=0.0):
+    """Asks the pass what it would do to ``graph``, without changing it or
+    the configuration.
+
+    The graph is treated as a plain graph placed on this process's CPU (the
+    device checks of a real run, e.g. a GPU the placer could pick, are not
+    made); nodes inside functions the graph calls are looked at only for
+    XLA callees.
+
+    Args:
+      graph: a ``tf.Graph``, a ``tf.compat.v1.GraphDef``, or a concrete
+        function (its graph).
+      ops, producers, min_flops: as for :func:`enable`.
+
+    Returns:
+      list of dicts, one per MatMul/Conv2D node, with string values:
+      ``action`` (``"would_rewrite"`` or ``"declined"``), ``op``, ``name``,
+      ``producer`` (the activation's producer op type, or the dropout
+      pattern ``"Dropout"``; for declined nodes the op type found, or empty
+      if the pass declined before looking) and, when declined, ``reason``.
+
+    Raises:
+      ValueError: bad ``ops``/``producers``/``min_flops``.
+      TypeError: ``graph`` of another type.
+      tf_sparse_split.LibraryLoadError: if the op library cannot be loaded.
+    """
+    min_flops, ops, producers = _validate("auto", min_flops, ops, producers)
+    if hasattr(graph, "graph") and hasattr(graph.graph, "as_graph_def"):
+        graph = graph.graph
+    if hasattr(graph, "as_graph_def"):
+        graph = graph.as_graph_def()
+    if not hasattr(graph, "SerializeToString"):
+        raise TypeError(f"dry_run takes a tf.Graph, GraphDef or concrete "
+                        f"function, got {type(graph).__name__}")
+    producers = ["*"] if producers == "any" else list(producers)
+    lib = load_library()
+    with _eager():
+        records = lib.tf_sparse_split_sparse_split_rewrite_dry_run(
+            tf.constant(graph.SerializeToString()),
+            tf.constant(float(min_flops), tf.float64),
+            tf.constant(list(ops), tf.string, shape=[len(ops)]),
+            tf.constant(producers, tf.string, shape=[len(producers)]))
+    return _parse(records)
 
 
 def disable():
@@ -189,7 +303,7 @@ def config():
 
 
 @contextlib.contextmanager
-def enabled(threshold="auto", min_flops=0.0, ops=("MatMul",),
+def enabled(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,
             producers=DEFAULT_PRODUCERS):
     """Context manager: :func:`enable` inside, the previous configuration after.
 
@@ -237,9 +351,12 @@ def log(clear=False):
 
     Returns:
       list of dicts, one per node the pass rewrote or declined, with string
-      values. Every record has ``action`` (``"rewritten"`` or
-      ``"declined"``), ``op``, ``name`` and ``function`` (the function graph's
-      name, e.g. ``__inference_f_42``); declined records have ``reason``;
+      values. Every record has ``action`` (``"rewritten"``, ``"declined"``
+      or ``"missed"``), ``op``, ``name`` and ``function`` (the function
+      graph's name, e.g. ``__inference_f_42``); declined and missed records
+      have ``reason``; a ``"missed"`` record stands for a whole function
+      graph instantiated while the pass was off (``op`` lists its counts,
+      e.g. ``"MatMul:3"``, ``name`` is empty);
       rewritten ones have ``new_op``, ``producer``, ``dtype``, ``device``,
       ``assigned_device``, ``transpose_a``/``transpose_b`` (``"0"``/``"1"``),
       ``threshold``, ``threshold_node``, and ``control_in``, ``control_out``,
@@ -249,14 +366,7 @@ def log(clear=False):
     lib = load_library()
     with _eager():
         records = lib.tf_sparse_split_sparse_split_rewrite_log(tf.constant(bool(clear)))
-    out = []
-    for r in records.numpy():
-        fields = {}
-        for part in r.decode().split("\t"):
-            key, _, value = part.partition("=")
-            fields[key] = value
-        out.append(fields)
-    return out
+    return _parse(records)
 
 
 def active_ops():

@@ -337,11 +337,14 @@ bool ConvOutputSize(int64_t in, int64_t k, int64_t stride, int64_t dilation,
   const int64_t pb = padding == 2 ? pad_before : 0;
   const int64_t pa = padding == 2 ? pad_after : 0;
   const int64_t padded = in + pb + pa;
-  if (padded < ek) {
+  // As TensorFlow (GetWindowedOutputSizeFromDimsV2): a filter up to
+  // `stride - 1` larger than the padded input gives an empty output, a
+  // larger one an error.
+  if ((padded - ek + stride) / stride < 0) {
     *error = "the (padded) input is smaller than the dilated filter";
     return false;
   }
-  *out = (padded - ek) / stride + 1;
+  *out = padded < ek ? 0 : (padded - ek) / stride + 1;
   *pad_lead = pb;
   return true;
 }

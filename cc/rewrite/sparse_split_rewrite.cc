@@ -2,6 +2,7 @@
 #include "cc/rewrite/sparse_split_rewrite.h"
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <exception>
 #include <memory>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "tensorflow/core/common_runtime/device_set.h"
+#include "tensorflow/core/framework/graph.pb.h"
 #include "tensorflow/core/common_runtime/graph_constructor.h"
 #include "tensorflow/core/common_runtime/shape_refiner.h"
 #include "tensorflow/core/framework/device.h"
@@ -35,12 +37,14 @@ namespace tf = ::tensorflow;
 namespace {
 
 constexpr size_t kMaxLogRecords = 100000;
+constexpr size_t kMaxMissed = 1000;
 
 struct State {
   std::mutex mu;
   RewriteConfig config;
   std::map<std::string, int64_t> counters;
   std::deque<std::string> log;
+  std::deque<std::string> missed;  // RecordMissed, until TakeMissed
 };
 
 State& GlobalState() {
@@ -195,11 +199,17 @@ absl::Status BuildTargetDef(const tf::Node* n, const RewriteEntry& e,
   return tf::ValidateNodeDef(*def, target);
 }
 
+// What the pass decided for one source-op node. `entry` and `target_def`
+// are set when it would be rewritten (`reason` empty).
 struct Candidate {
+  const tf::Node* node = nullptr;
   std::string name;
-  const RewriteEntry* entry;
+  std::string op;
+  const RewriteEntry* entry = nullptr;
   std::string producer;
+  std::string reason;  // non-empty: declined, and why
   tf::NodeDef target_def;
+  bool rewrite() const { return reason.empty(); }
 };
 
 std::string FunctionName(const tf::GraphOptimizationPassOptions& o) {
@@ -233,245 +243,369 @@ double StaticFlops(tf::ShapeRefiner* refiner, const tf::Node* n,
   return 2.0 * out_elems * f_elems;
 }
 
-absl::Status RunImpl(const tf::GraphOptimizationPassOptions& options,
-                     const RewriteConfig& cfg) {
-  tf::Graph* g = options.graph->get();
-  const std::string fn = FunctionName(options);
-  std::vector<std::string> records;
-  auto decline = [&](const tf::Node* n, const std::string& reason) {
-    VLOG(1) << "tf_sparse_split rewrite: leaving " << n->type_string() << " '"
-            << n->name() << "'" << (fn.empty() ? "" : " in function " + fn)
-            << " alone: " << reason;
-    records.push_back(absl::StrCat("action=declined\top=", n->type_string(),
-                                   "\tname=", n->name(), "\tfunction=", fn,
-                                   "\treason=", reason));
-  };
+// What the pass knows about the graph as a whole.
+struct GraphContext {
+  std::string function;      // function graph's name ("" for a plain graph)
+  std::string graph_reason;  // non-empty: every candidate is declined for it
+  bool has_other_device = false;  // a non-CPU device we have no kernel for
+  std::string other_device;
+  const tf::Device* default_function_device = nullptr;
+  // Function library of the graph (options.flib_def), or null to use the
+  // graph's own.
+  const tf::FunctionLibraryDefinition* flib = nullptr;
+};
 
-  // Whole-graph reasons to decline.
-  std::string graph_reason;
+GraphContext MakeContext(const tf::GraphOptimizationPassOptions& options) {
+  GraphContext ctx;
+  ctx.function = FunctionName(options);
   if (options.function_def != nullptr) {
     for (const char* a : {"_XlaMustCompile", "_XlaCompile"}) {
       auto it = options.function_def->attr().find(a);
       if (it != options.function_def->attr().end() && it->second.b()) {
-        graph_reason = absl::StrCat("function is compiled by XLA (", a,
-                                    "=true, e.g. jit_compile=True)");
+        ctx.graph_reason = absl::StrCat("function is compiled by XLA (", a,
+                                        "=true, e.g. jit_compile=True)");
       }
     }
   }
-  if (graph_reason.empty() && absl::StartsWith(fn, "__wrapped__")) {
+  if (ctx.graph_reason.empty() && absl::StartsWith(ctx.function, "__wrapped__")) {
     // A single eager op run as a function (TF's run_eager_op_as_function):
     // not a user graph; its input is an _Arg, so only producers="any" would
     // match, and then every eager tf.matmul would change op.
-    graph_reason = "single eager op run as a function";
+    ctx.graph_reason = "single eager op run as a function";
   }
-  bool has_other_device = false;  // a non-CPU device the pass has no kernel for
-  std::string other_device;
   if (options.device_set != nullptr) {
     for (const tf::Device* d : options.device_set->devices()) {
       const std::string& t = d->device_type();
-      if (t == "TPU" || t == "TPU_SYSTEM") graph_reason = "TPU system";
-      if (t != tf::DEVICE_CPU) { has_other_device = true; other_device = t; }
+      if (t == "TPU" || t == "TPU_SYSTEM") ctx.graph_reason = "TPU system";
+      if (t != tf::DEVICE_CPU) {
+        ctx.has_other_device = true;
+        ctx.other_device = t;
+      }
     }
   }
+  ctx.default_function_device = options.default_function_device;
+  ctx.flib = options.flib_def;
+  return ctx;
+}
 
-  std::vector<Candidate> candidates;
-  std::unique_ptr<tf::ShapeRefiner> refiner;
-  for (const tf::Node* n : g->op_nodes()) {
-    const RewriteEntry* entry = nullptr;
+const RewriteEntry* EntryFor(const tf::Node* n) {
+  for (const auto& e : RewriteTable()) {
+    if (n->type_string() == e.source_op) return &e;
+  }
+  return nullptr;
+}
+
+// The reason to leave a source-op node alone, or "" (then *cand is filled
+// for the replacement). `refiner` is created on first use (min_flops).
+std::string Decide(const tf::Graph& g, const tf::Node* n,
+                   const RewriteEntry& entry, const GraphContext& ctx,
+                   const RewriteConfig& cfg,
+                   std::unique_ptr<tf::ShapeRefiner>* refiner, Candidate* cand) {
+  if (!ctx.graph_reason.empty()) return ctx.graph_reason;
+  const tf::OpDef* target = LookUpOp(entry.target_op);
+  if (target == nullptr) {
+    return absl::StrCat(entry.target_op, " is not registered");
+  }
+  std::string which;
+  if (HasXlaOrTpuAttr(n, &which)) return absl::StrCat("XLA/TPU attribute ", which);
+  tf::DataType dtype = tf::DT_INVALID;
+  if (!tf::TryGetNodeAttr(n->attrs(), "T", &dtype)) return "no T attribute";
+  bool dtype_ok = false;
+  for (const auto& a : target->attr()) {
+    if (a.name() != "T") continue;
+    for (int t : a.allowed_values().list().type()) dtype_ok |= t == dtype;
+  }
+  if (!dtype_ok) {
+    return absl::StrCat("dtype ", tf::DataTypeString(dtype),
+                        " not supported by ", entry.target_op);
+  }
+  // Attributes the target op lacks must be ones that do not change the
+  // result (e.g. Conv2D's data_format must be NHWC, the target's layout).
+  for (const auto& kv : n->attrs()) {
+    if (absl::StartsWith(kv.first, "_")) continue;
+    bool declared = false;
+    for (const auto& a : target->attr()) declared |= a.name() == kv.first;
+    if (declared || kv.first == "use_cudnn_on_gpu" || kv.first == "grad_a" ||
+        kv.first == "grad_b" ||
+        (kv.first == "data_format" && kv.second.s() == "NHWC")) {
+      continue;
+    }
+    return absl::StrCat("attribute ", kv.first, " = ",
+                        tf::SummarizeAttrValue(kv.second), " not supported by ",
+                        entry.target_op);
+  }
+  std::string seen;
+  cand->producer = SparseProducer(n, entry.activation_input, cfg.producers, &seen);
+  if (cand->producer.empty()) {
+    cand->producer = seen;
+    return absl::StrCat("activation input comes from ", seen,
+                        ", not a listed sparse producer");
+  }
+  absl::Status st = BuildTargetDef(n, entry, *target, &cand->target_def);
+  if (!st.ok()) return absl::StrCat("cannot build replacement: ", st.message());
+  const std::string device = n->assigned_device_name().empty()
+                                 ? n->requested_device()
+                                 : n->assigned_device_name();
+  const std::string device_type = DeviceTypeOf(device);
+  if (!device_type.empty()) {
+    if (!tf::KernelDefAvailable(tf::DeviceType(device_type), cand->target_def)) {
+      return absl::StrCat("no ", entry.target_op, " kernel for device ", device);
+    }
+  } else {
+    const tf::Device* fd = ctx.default_function_device;
+    if (fd != nullptr && fd->device_type() != tf::DEVICE_CPU &&
+        !tf::KernelDefAvailable(tf::DeviceType(fd->device_type()),
+                                cand->target_def)) {
+      return absl::StrCat("function runs on ", fd->name(), " where ",
+                          entry.target_op, " has no kernel");
+    }
+    if (ctx.has_other_device &&
+        !tf::KernelDefAvailable(tf::DeviceType(ctx.other_device),
+                                cand->target_def) &&
+        tf::KernelDefAvailable(tf::DeviceType(ctx.other_device), n->def())) {
+      return absl::StrCat("no device requested and the placer could put ",
+                          n->type_string(), " on ", ctx.other_device, " where ",
+                          entry.target_op, " has no kernel");
+    }
+  }
+  if (cfg.min_flops > 0) {
+    if (*refiner == nullptr) {
+      *refiner = std::make_unique<tf::ShapeRefiner>(g.versions(), g.op_registry());
+      std::vector<tf::Node*> order;
+      tf::GetReversePostOrder(g, &order);
+      for (tf::Node* m : order) (*refiner)->AddNode(m).IgnoreError();
+    }
+    const double flops = StaticFlops(refiner->get(), n, entry);
+    if (flops >= 0 && flops < cfg.min_flops) {
+      return absl::StrCat("flops ", flops, " < min_flops ", cfg.min_flops);
+    }
+  }
+  return "";
+}
+
+// MatMul/Conv2D nodes inside the XLA-compiled functions that `n` calls (a
+// call node with _XlaMustCompile, a call of a function whose definition has
+// it, or an XlaLaunch node): the pass cannot act there. Appends {op, inner
+// node, function}. `flib` is the function library of the graph (or null).
+void XlaCalleeNodes(const tf::Node* n, const tf::FunctionLibraryDefinition* flib,
+                    std::vector<std::array<std::string, 3>>* out) {
+  bool must = false;
+  tf::TryGetNodeAttr(n->attrs(), "_XlaMustCompile", &must);
+  const std::string& type = n->type_string();
+  if (type == "XlaLaunch" || type == "XlaLaunchV2" || type == "_XlaCompile") {
+    must = true;
+  }
+  std::string fname;
+  for (const char* attr : {"f", "function"}) {
+    const tf::NameAttrList* f = nullptr;
+    if (fname.empty() && tf::TryGetNodeAttr(n->attrs(), attr, &f) &&
+        f != nullptr) {
+      fname = f->name();
+    }
+  }
+  if (fname.empty() && flib != nullptr && flib->Find(type) != nullptr) {
+    fname = type;
+  }
+  if (fname.empty()) return;
+  VLOG(2) << "tf_sparse_split rewrite: node " << n->name() << " (" << type
+          << ") calls '" << fname << "', _XlaMustCompile=" << must;
+  const tf::FunctionDef* fdef = flib != nullptr ? flib->Find(fname) : nullptr;
+  if (fdef != nullptr) {
+    for (const char* a : {"_XlaMustCompile", "_XlaCompile"}) {
+      auto it = fdef->attr().find(a);
+      if (it != fdef->attr().end() && it->second.b()) must = true;
+    }
+  }
+  if (!must) return;
+  if (fdef == nullptr) {
+    out->push_back({"MatMul/Conv2D?", "<body not in the library>", fname});
+    return;
+  }
+  for (const tf::NodeDef& nd : fdef->node_def()) {
     for (const auto& e : RewriteTable()) {
-      if (n->type_string() == e.source_op) entry = &e;
+      if (nd.op() == e.source_op) out->push_back({nd.op(), nd.name(), fname});
     }
-    if (entry == nullptr || !cfg.ops.count(entry->source_op)) continue;
-    if (!graph_reason.empty()) { decline(n, graph_reason); continue; }
-    const tf::OpDef* target = LookUpOp(entry->target_op);
-    if (target == nullptr) {
-      decline(n, absl::StrCat(entry->target_op, " is not registered"));
-      continue;
-    }
-    std::string which;
-    if (HasXlaOrTpuAttr(n, &which)) {
-      decline(n, absl::StrCat("XLA/TPU attribute ", which));
-      continue;
-    }
-    tf::DataType dtype = tf::DT_INVALID;
-    if (!tf::TryGetNodeAttr(n->attrs(), "T", &dtype)) {
-      decline(n, "no T attribute");
-      continue;
-    }
-    bool dtype_ok = false;
-    for (const auto& a : target->attr()) {
-      if (a.name() != "T") continue;
-      for (int t : a.allowed_values().list().type()) dtype_ok |= t == dtype;
-    }
-    if (!dtype_ok) {
-      decline(n, absl::StrCat("dtype ", tf::DataTypeString(dtype),
-                              " not supported by ", entry->target_op));
-      continue;
-    }
-    std::string seen;
-    std::string producer = SparseProducer(n, entry->activation_input,
-                                          cfg.producers, &seen);
-    if (producer.empty()) {
-      decline(n, absl::StrCat("activation input comes from ", seen,
-                              ", not a listed sparse producer"));
-      continue;
-    }
-    Candidate cand{n->name(), entry, producer, {}};
-    absl::Status st = BuildTargetDef(n, *entry, *target, &cand.target_def);
-    if (!st.ok()) {
-      decline(n, absl::StrCat("cannot build replacement: ", st.message()));
-      continue;
-    }
-    const std::string device = n->assigned_device_name().empty()
-                                   ? n->requested_device()
-                                   : n->assigned_device_name();
-    std::string dtype_name = DeviceTypeOf(device);
-    if (!dtype_name.empty()) {
-      if (!tf::KernelDefAvailable(tf::DeviceType(dtype_name), cand.target_def)) {
-        decline(n, absl::StrCat("no ", entry->target_op, " kernel for device ",
-                                device));
-        continue;
-      }
-    } else {
-      if (options.default_function_device != nullptr &&
-          options.default_function_device->device_type() != tf::DEVICE_CPU &&
-          !tf::KernelDefAvailable(
-              tf::DeviceType(options.default_function_device->device_type()),
-              cand.target_def)) {
-        decline(n, absl::StrCat("function runs on ",
-                                options.default_function_device->name(),
-                                " where ", entry->target_op, " has no kernel"));
-        continue;
-      }
-      if (has_other_device &&
-          !tf::KernelDefAvailable(tf::DeviceType(other_device), cand.target_def) &&
-          tf::KernelDefAvailable(tf::DeviceType(other_device), n->def())) {
-        decline(n, absl::StrCat("no device requested and the placer could put ",
-                                n->type_string(), " on ", other_device,
-                                " where ", entry->target_op, " has no kernel"));
-        continue;
-      }
-    }
-    if (cfg.min_flops > 0) {
-      if (refiner == nullptr) {
-        refiner = std::make_unique<tf::ShapeRefiner>(g->versions(),
-                                                     g->op_registry());
-        std::vector<tf::Node*> order;
-        tf::GetReversePostOrder(*g, &order);
-        for (tf::Node* m : order) refiner->AddNode(m).IgnoreError();
-      }
-      double flops = StaticFlops(refiner.get(), n, *entry);
-      if (flops >= 0 && flops < cfg.min_flops) {
-        decline(n, absl::StrCat("flops ", flops, " < min_flops ", cfg.min_flops));
-        continue;
-      }
-    }
-    candidates.push_back(std::move(cand));
   }
+}
 
-  if (candidates.empty()) {
+// Every source-op node of `g` with the pass's decision, in graph order;
+// plus records (into *xla) of MatMul/Conv2D nodes hidden in XLA callees.
+std::vector<Candidate> FindCandidates(
+    const tf::Graph& g, const GraphContext& ctx, const RewriteConfig& cfg,
+    std::vector<std::string>* xla) {
+  const tf::FunctionLibraryDefinition* flib =
+      ctx.flib != nullptr ? ctx.flib : &g.flib_def();
+  std::vector<Candidate> out;
+  std::unique_ptr<tf::ShapeRefiner> refiner;
+  for (const tf::Node* n : g.op_nodes()) {
+    const RewriteEntry* entry = EntryFor(n);
+    if (entry == nullptr) {
+      if (xla == nullptr || !ctx.graph_reason.empty()) continue;
+      std::vector<std::array<std::string, 3>> inner;
+      XlaCalleeNodes(n, flib, &inner);
+      for (const auto& in : inner) {
+        if (!cfg.ops.count(in[0]) && in[0] != "MatMul/Conv2D?") continue;
+        xla->push_back(absl::StrCat(
+            "action=declined\top=", in[0], "\tname=", n->name(), "/", in[1],
+            "\tfunction=", ctx.function, "\treason=inside XLA-compiled "
+            "function ", in[2], " (jit_compile=True): the pass cannot act "
+            "inside XLA clusters"));
+      }
+      continue;
+    }
+    if (!cfg.ops.count(entry->source_op)) continue;
+    Candidate cand;
+    cand.node = n;
+    cand.name = n->name();
+    cand.op = n->type_string();
+    cand.reason = Decide(g, n, *entry, ctx, cfg, &refiner, &cand);
+    if (cand.rewrite()) cand.entry = entry;
+    out.push_back(std::move(cand));
+  }
+  return out;
+}
+
+std::string DeclineRecord(const Candidate& c, const std::string& fn) {
+  return absl::StrCat("action=declined\top=", c.op, "\tname=", c.name,
+                      "\tfunction=", fn, "\treason=", c.reason);
+}
+
+// Replaces the node named cand.name in `g` by cand.target_def (same name,
+// devices, control edges, consumers) plus a threshold Const; fills *record.
+absl::Status ReplaceNode(tf::Graph* g, const Candidate& cand, float threshold,
+                         const std::string& fn, std::string* record) {
+  tf::Node* n = nullptr;
+  for (tf::Node* m : g->op_nodes()) {
+    if (m->name() == cand.name) { n = m; break; }
+  }
+  if (n == nullptr) return tf::errors::Internal("node ", cand.name, " missing");
+  const RewriteEntry& e = *cand.entry;
+  std::vector<std::pair<tf::Node*, int>> data_in(e.num_data_inputs);
+  std::vector<tf::Node*> control_in;
+  for (const tf::Edge* edge : n->in_edges()) {
+    if (edge->IsControlEdge()) {
+      control_in.push_back(edge->src());
+    } else if (edge->dst_input() < e.num_data_inputs) {
+      data_in[edge->dst_input()] = {edge->src(), edge->src_output()};
+    }
+  }
+  for (int i = 0; i < e.num_data_inputs; ++i) {
+    if (data_in[i].first == nullptr) {
+      return tf::errors::Internal("node ", cand.name, " lacks input ", i);
+    }
+  }
+  struct Out { tf::Node* dst; int src_output; int dst_input; };
+  std::vector<Out> data_out;
+  std::vector<tf::Node*> control_out;
+  for (const tf::Edge* edge : n->out_edges()) {
+    if (edge->IsControlEdge()) {
+      control_out.push_back(edge->dst());
+    } else {
+      data_out.push_back({edge->dst(), edge->src_output(), edge->dst_input()});
+    }
+  }
+  const std::string assigned = n->assigned_device_name();
+  const std::string requested = n->requested_device();
+
+  tf::NodeDef cdef;
+  cdef.set_name(g->NewName(absl::StrCat(cand.name, "/tfss_threshold")));
+  cdef.set_op("Const");
+  cdef.set_device(requested);
+  tf::Tensor thr(tf::DT_FLOAT, tf::TensorShape({}));
+  thr.scalar<float>()() = threshold;
+  tf::AddNodeAttr("dtype", tf::DT_FLOAT, &cdef);
+  tf::AddNodeAttr("value", thr, &cdef);
+
+  g->RemoveNode(n);
+  absl::Status st;
+  tf::Node* nn = g->AddNode(cand.target_def, &st);
+  TF_RETURN_IF_ERROR(st);
+  tf::Node* c = g->AddNode(cdef, &st);
+  TF_RETURN_IF_ERROR(st);
+  nn->set_assigned_device_name(assigned);
+  c->set_assigned_device_name(assigned);
+  for (int i = 0; i < e.num_data_inputs; ++i) {
+    g->AddEdge(data_in[i].first, data_in[i].second, nn, i);
+  }
+  g->AddEdge(c, 0, nn, e.num_data_inputs);
+  // Keeps the Const in the activation's control-flow frame.
+  g->AddControlEdge(data_in[e.activation_input].first, c);
+  for (tf::Node* src : control_in) g->AddControlEdge(src, nn);
+  std::vector<std::string> outs, couts, cins;
+  for (const Out& o : data_out) {
+    g->AddEdge(nn, o.src_output, o.dst, o.dst_input);
+    outs.push_back(absl::StrCat(o.dst->name(), ":", o.dst_input));
+  }
+  for (tf::Node* dst : control_out) {
+    g->AddControlEdge(nn, dst);
+    couts.push_back(dst->name());
+  }
+  for (tf::Node* src : control_in) cins.push_back(src->name());
+  std::sort(outs.begin(), outs.end());
+  std::sort(couts.begin(), couts.end());
+  std::sort(cins.begin(), cins.end());
+  bool ta = false, tb = false;
+  tf::TryGetNodeAttr(nn->attrs(), "transpose_a", &ta);
+  tf::TryGetNodeAttr(nn->attrs(), "transpose_b", &tb);
+  tf::DataType dt = tf::DT_INVALID;
+  tf::TryGetNodeAttr(nn->attrs(), "T", &dt);
+  *record = absl::StrCat(
+      "action=rewritten\top=", e.source_op, "\tnew_op=", e.target_op,
+      "\tname=", cand.name, "\tfunction=", fn, "\tproducer=", cand.producer,
+      "\tdtype=", tf::DataTypeString(dt), "\tdevice=", requested,
+      "\tassigned_device=", assigned, "\ttranspose_a=", ta ? 1 : 0,
+      "\ttranspose_b=", tb ? 1 : 0, "\tthreshold=", threshold,
+      "\tthreshold_node=", c->name(), "\tcontrol_in=", absl::StrJoin(cins, ","),
+      "\tcontrol_out=", absl::StrJoin(couts, ","),
+      "\tdata_out=", absl::StrJoin(outs, ","));
+  VLOG(1) << "tf_sparse_split rewrite: " << e.source_op << " '" << cand.name
+          << "' -> " << e.target_op << " (activation from " << cand.producer
+          << ")" << (fn.empty() ? "" : " in function " + fn);
+  return absl::OkStatus();
+}
+
+void WarnXlaOnce(const std::vector<std::string>& xla) {
+  static std::once_flag once;
+  if (xla.empty()) return;
+  std::call_once(once, [&] {
+    LOG(WARNING) << "tf_sparse_split rewrite: MatMul/Conv2D nodes inside "
+                    "XLA-compiled functions (jit_compile=True) are not "
+                    "rewritten; see tf_sparse_split.rewrite.log(). First: "
+                 << xla.front();
+  });
+}
+
+absl::Status RunImpl(const tf::GraphOptimizationPassOptions& options,
+                     const RewriteConfig& cfg) {
+  tf::Graph* g = options.graph->get();
+  const GraphContext ctx = MakeContext(options);
+  const std::string& fn = ctx.function;
+  std::vector<std::string> records;
+  std::vector<Candidate> cands = FindCandidates(*g, ctx, cfg, &records);
+  WarnXlaOnce(records);
+  bool any = false;
+  for (const Candidate& c : cands) {
+    if (c.rewrite()) { any = true; continue; }
+    VLOG(1) << "tf_sparse_split rewrite: leaving " << c.op << " '" << c.name
+            << "'" << (fn.empty() ? "" : " in function " + fn)
+            << " alone: " << c.reason;
+    records.push_back(DeclineRecord(c, fn));
+  }
+  if (!any) {
     AppendLog(&records);
     return absl::OkStatus();
   }
-
   // Rewrite a copy; install it only if everything succeeded.
   auto copy = std::make_unique<tf::Graph>(g->flib_def());
   tf::CopyGraph(*g, copy.get());
-  std::unordered_map<std::string, tf::Node*> by_name;
-  for (tf::Node* n : copy->op_nodes()) by_name[n->name()] = n;
-
   std::vector<std::string> done;
   std::map<std::string, int64_t> counted;
-  for (Candidate& cand : candidates) {
-    auto it = by_name.find(cand.name);
-    if (it == by_name.end()) {
-      return tf::errors::Internal("node ", cand.name, " missing in copy");
-    }
-    tf::Node* n = it->second;
-    const RewriteEntry& e = *cand.entry;
-    std::vector<std::pair<tf::Node*, int>> data_in(e.num_data_inputs);
-    std::vector<tf::Node*> control_in;
-    for (const tf::Edge* edge : n->in_edges()) {
-      if (edge->IsControlEdge()) {
-        control_in.push_back(edge->src());
-      } else if (edge->dst_input() < e.num_data_inputs) {
-        data_in[edge->dst_input()] = {edge->src(), edge->src_output()};
-      }
-    }
-    for (int i = 0; i < e.num_data_inputs; ++i) {
-      if (data_in[i].first == nullptr) {
-        return tf::errors::Internal("node ", cand.name, " lacks input ", i);
-      }
-    }
-    struct Out { tf::Node* dst; int src_output; int dst_input; };
-    std::vector<Out> data_out;
-    std::vector<tf::Node*> control_out;
-    for (const tf::Edge* edge : n->out_edges()) {
-      if (edge->IsControlEdge()) {
-        control_out.push_back(edge->dst());
-      } else {
-        data_out.push_back({edge->dst(), edge->src_output(), edge->dst_input()});
-      }
-    }
-    const std::string assigned = n->assigned_device_name();
-    const std::string requested = n->requested_device();
-
-    tf::NodeDef cdef;
-    cdef.set_name(copy->NewName(absl::StrCat(cand.name, "/tfss_threshold")));
-    cdef.set_op("Const");
-    cdef.set_device(requested);
-    tf::Tensor thr(tf::DT_FLOAT, tf::TensorShape({}));
-    thr.scalar<float>()() = cfg.threshold;
-    tf::AddNodeAttr("dtype", tf::DT_FLOAT, &cdef);
-    tf::AddNodeAttr("value", thr, &cdef);
-
-    copy->RemoveNode(n);
-    n = nullptr;
-    absl::Status st;
-    tf::Node* nn = copy->AddNode(cand.target_def, &st);
-    TF_RETURN_IF_ERROR(st);
-    tf::Node* c = copy->AddNode(cdef, &st);
-    TF_RETURN_IF_ERROR(st);
-    nn->set_assigned_device_name(assigned);
-    c->set_assigned_device_name(assigned);
-    for (int i = 0; i < e.num_data_inputs; ++i) {
-      copy->AddEdge(data_in[i].first, data_in[i].second, nn, i);
-    }
-    copy->AddEdge(c, 0, nn, e.num_data_inputs);
-    // Keeps the Const in the activation's control-flow frame.
-    copy->AddControlEdge(data_in[e.activation_input].first, c);
-    for (tf::Node* src : control_in) copy->AddControlEdge(src, nn);
-    std::vector<std::string> outs, couts, cins;
-    for (const Out& o : data_out) {
-      copy->AddEdge(nn, o.src_output, o.dst, o.dst_input);
-      outs.push_back(absl::StrCat(o.dst->name(), ":", o.dst_input));
-    }
-    for (tf::Node* dst : control_out) {
-      copy->AddControlEdge(nn, dst);
-      couts.push_back(dst->name());
-    }
-    for (tf::Node* src : control_in) cins.push_back(src->name());
-    std::sort(outs.begin(), outs.end());
-    std::sort(couts.begin(), couts.end());
-    std::sort(cins.begin(), cins.end());
-    bool ta = false, tb = false;
-    tf::TryGetNodeAttr(nn->attrs(), "transpose_a", &ta);
-    tf::TryGetNodeAttr(nn->attrs(), "transpose_b", &tb);
-    tf::DataType dt = tf::DT_INVALID;
-    tf::TryGetNodeAttr(nn->attrs(), "T", &dt);
-    done.push_back(absl::StrCat(
-        "action=rewritten\top=", e.source_op, "\tnew_op=", e.target_op,
-        "\tname=", cand.name, "\tfunction=", fn, "\tproducer=", cand.producer,
-        "\tdtype=", tf::DataTypeString(dt), "\tdevice=", requested,
-        "\tassigned_device=", assigned, "\ttranspose_a=", ta ? 1 : 0,
-        "\ttranspose_b=", tb ? 1 : 0, "\tthreshold=", cfg.threshold,
-        "\tthreshold_node=", c->name(), "\tcontrol_in=", absl::StrJoin(cins, ","),
-        "\tcontrol_out=", absl::StrJoin(couts, ","),
-        "\tdata_out=", absl::StrJoin(outs, ",")));
-    VLOG(1) << "tf_sparse_split rewrite: " << e.source_op << " '" << cand.name
-            << "' -> " << e.target_op << " (activation from " << cand.producer
-            << ")" << (fn.empty() ? "" : " in function " + fn);
-    counted[e.source_op] += 1;
+  for (const Candidate& c : cands) {
+    if (!c.rewrite()) continue;
+    std::string record;
+    TF_RETURN_IF_ERROR(ReplaceNode(copy.get(), c, cfg.threshold, fn, &record));
+    done.push_back(std::move(record));
+    counted[c.entry->source_op] += 1;
   }
   *options.graph = std::move(copy);
   for (auto& r : done) records.push_back(std::move(r));
@@ -480,6 +614,34 @@ absl::Status RunImpl(const tf::GraphOptimizationPassOptions& options,
   std::lock_guard<std::mutex> lock(s.mu);
   for (const auto& kv : counted) s.counters[kv.first] += kv.second;
   return absl::OkStatus();
+}
+
+// While the pass is off: a function graph holding MatMul/Conv2D nodes is
+// being instantiated, and TensorFlow will not optimize it again. Recorded
+// so that enable() can warn (and log() show) which functions keep their ops.
+void RecordMissed(const tf::GraphOptimizationPassOptions& options) {
+  const std::string fn = FunctionName(options);
+  if (absl::StartsWith(fn, "__wrapped__")) return;  // single eager op
+  std::map<std::string, int> ops;
+  for (const tf::Node* n : (*options.graph)->op_nodes()) {
+    if (EntryFor(n) != nullptr) ops[n->type_string()] += 1;
+  }
+  if (ops.empty()) return;
+  std::vector<std::string> parts;
+  for (const auto& kv : ops) parts.push_back(absl::StrCat(kv.first, ":", kv.second));
+  std::vector<std::string> records{absl::StrCat(
+      "action=missed\top=", absl::StrJoin(parts, ","), "\tname=\tfunction=",
+      fn.empty() ? "<graph>" : fn,
+      "\treason=instantiated while the rewrite pass was off; TensorFlow "
+      "optimizes a function graph once, so it keeps its ops (re-trace it "
+      "after enable())")};
+  {
+    State& s = GlobalState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.missed.push_back(records.front());
+    if (s.missed.size() > kMaxMissed) s.missed.pop_front();
+  }
+  AppendLog(&records);
 }
 
 }  // namespace
@@ -534,14 +696,49 @@ std::vector<std::string> LogRecords(bool clear) {
   return out;
 }
 
+std::vector<std::string> TakeMissed() {
+  State& s = GlobalState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  std::vector<std::string> out(s.missed.begin(), s.missed.end());
+  s.missed.clear();
+  return out;
+}
+
+absl::Status DryRun(const tf::GraphDef& graph_def, const RewriteConfig& cfg,
+                    std::vector<std::string>* records) {
+  tf::FunctionLibraryDefinition flib(tf::OpRegistry::Global(),
+                                     graph_def.library());
+  tf::Graph g(flib);
+  tf::GraphConstructorOptions opts;
+  opts.allow_internal_ops = true;
+  opts.add_default_attributes = true;
+  TF_RETURN_IF_ERROR(tf::ConvertGraphDefToGraph(opts, graph_def, &g));
+  GraphContext ctx;  // a plain graph on this process's CPU
+  std::vector<Candidate> cands = FindCandidates(g, ctx, cfg, records);
+  for (const Candidate& c : cands) {
+    if (!c.rewrite()) {
+      records->push_back(absl::StrCat(DeclineRecord(c, ""), "\tproducer=",
+                                      c.producer));
+      continue;
+    }
+    records->push_back(absl::StrCat(
+        "action=would_rewrite\top=", c.op, "\tnew_op=", c.entry->target_op,
+        "\tname=", c.name, "\tfunction=\tproducer=", c.producer));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SparseSplitRewritePass::Run(
     const tf::GraphOptimizationPassOptions& options) {
   const RewriteConfig cfg = GetConfig();
-  if (!cfg.enabled) return absl::OkStatus();
   if (options.graph == nullptr || *options.graph == nullptr) {
     return absl::OkStatus();
   }
   try {
+    if (!cfg.enabled) {
+      RecordMissed(options);
+      return absl::OkStatus();
+    }
     absl::Status st = RunImpl(options, cfg);
     if (!st.ok()) {
       LOG(WARNING) << "tf_sparse_split rewrite pass failed; graph left "

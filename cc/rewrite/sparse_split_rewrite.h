@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "tensorflow/core/common_runtime/optimization_registry.h"
+#include "tensorflow/core/framework/graph.pb.h"
 
 namespace tf_sparse_split {
 namespace rewrite {
@@ -45,7 +46,7 @@ struct RewriteConfig {
   // (unknown dimensions never cause a skip).
   double min_flops = 0.0;
   // Source op types to rewrite ("MatMul", "Conv2D").
-  std::set<std::string> ops = {"MatMul"};
+  std::set<std::string> ops = {"MatMul", "Conv2D"};
   // Producer op types of the activation input that make it "sparse";
   // "Dropout" stands for the dropout pattern, "*" for any producer.
   std::set<std::string> producers = {"Relu", "Relu6", "ReluGrad", "Relu6Grad",
@@ -77,6 +78,20 @@ void ResetCounters();
 // Records of what the pass did (one string per rewritten or declined node,
 // "key=value" fields separated by tabs), oldest first; bounded in size.
 std::vector<std::string> LogRecords(bool clear);
+
+// Records ("action=missed", one per function graph) of the function graphs
+// holding MatMul/Conv2D nodes that TensorFlow instantiated while the pass was
+// off (they keep their ops), since the last call; they are in the log too.
+std::vector<std::string> TakeMissed();
+
+// Dry run: the pass's decision for every MatMul/Conv2D node of `graph_def`
+// (a plain graph on this process's CPU, `cfg.enabled` ignored), without
+// changing anything. One record per node, fields as in the log:
+// action=would_rewrite (op, new_op, name, producer) or action=declined (op,
+// name, reason, producer = the activation's producer when it was found),
+// plus declined records for nodes inside XLA-compiled callees.
+absl::Status DryRun(const ::tensorflow::GraphDef& graph_def,
+                    const RewriteConfig& cfg, std::vector<std::string>* records);
 
 class SparseSplitRewritePass : public ::tensorflow::GraphOptimizationPass {
  public:

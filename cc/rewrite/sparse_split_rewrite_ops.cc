@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cc/rewrite/sparse_split_rewrite.h"
+#include "tensorflow/core/framework/graph.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -73,6 +74,42 @@ What the sparse-split pass did: one tab-separated key=value record per node it r
 
 clear: bool scalar; if true the log is emptied after being read.
 records: string vector.
+)doc");
+
+REGISTER_OP("TfSparseSplit>SparseSplitRewriteMissed")
+    .Output("records: string")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) -> absl::Status {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Function graphs with MatMul/Conv2D nodes instantiated while the pass was off, since the last call.
+
+records: string vector, one "action=missed" log record per function graph;
+  reading empties the list (the log keeps them).
+)doc");
+
+REGISTER_OP("TfSparseSplit>SparseSplitRewriteDryRun")
+    .Input("graph_def: string")
+    .Input("min_flops: double")
+    .Input("ops: string")
+    .Input("producers: string")
+    .Output("records: string")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) -> absl::Status {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+What the sparse-split pass would do to a graph, without changing it.
+
+graph_def: string scalar, a serialized GraphDef (its function library is used
+  to look into called functions).
+min_flops, ops, producers: as in SparseSplitRewriteConfig.
+records: string vector, one tab-separated key=value record per MatMul/Conv2D
+  node: action=would_rewrite or action=declined (with reason), op, name,
+  producer.
 )doc");
 
 namespace {
@@ -157,8 +194,48 @@ class SparseSplitRewriteLogOp : public tf::OpKernel {
   }
 };
 
+class SparseSplitRewriteMissedOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    StringVector(ctx, 0, TakeMissed());
+  }
+};
+
+class SparseSplitRewriteDryRunOp : public tf::OpKernel {
+ public:
+  using tf::OpKernel::OpKernel;
+  void Compute(tf::OpKernelContext* ctx) override {
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 0, "graph_def"));
+    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 1, "min_flops"));
+    OP_REQUIRES(ctx, ctx->input(2).dims() == 1 && ctx->input(3).dims() == 1,
+                tf::errors::InvalidArgument(
+                    "ops and producers must be vectors, got shapes ",
+                    ctx->input(2).shape().DebugString(), " and ",
+                    ctx->input(3).shape().DebugString()));
+    tf::GraphDef graph_def;
+    OP_REQUIRES(ctx,
+                graph_def.ParseFromString(
+                    std::string(ctx->input(0).scalar<tf::tstring>()())),
+                tf::errors::InvalidArgument(
+                    "graph_def is not a serialized GraphDef"));
+    RewriteConfig cfg;
+    cfg.enabled = true;
+    cfg.min_flops = ctx->input(1).scalar<double>()();
+    cfg.ops = StringSet(ctx->input(2));
+    cfg.producers = StringSet(ctx->input(3));
+    std::vector<std::string> records;
+    OP_REQUIRES_OK(ctx, DryRun(graph_def, cfg, &records));
+    StringVector(ctx, 0, records);
+  }
+};
+
 }  // namespace
 
+REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitRewriteMissed").Device(tf::DEVICE_CPU),
+                        SparseSplitRewriteMissedOp);
+REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitRewriteDryRun").Device(tf::DEVICE_CPU),
+                        SparseSplitRewriteDryRunOp);
 REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitRewriteConfig").Device(tf::DEVICE_CPU),
                         SparseSplitRewriteConfigOp);
 REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitRewriteCounters").Device(tf::DEVICE_CPU),

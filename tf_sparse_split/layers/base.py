@@ -1,12 +1,14 @@
 """``SparseSplitLayer``: the base class of the sparse-split Keras layers.
 
 It holds what every layer whose op splits work by density shares: the
-split threshold (a non-trainable float32 weight ``threshold_var`` that a
-:class:`~tf_sparse_split.callbacks.SplitThresholdCallback` assigns), the
+split threshold (a float32 ``tf.Variable`` ``threshold_var`` that a
+:class:`~tf_sparse_split.callbacks.SplitThresholdCallback` assigns; not a
+Keras weight, so the weight lists equal ``Dense``'s / ``Conv2D``'s), the
 per-call statistics variables and their API (:meth:`~SparseSplitLayer.
 latest_stats`, :meth:`~SparseSplitLayer.accumulated_stats`,
 :meth:`~SparseSplitLayer.reset_stats`), threshold validation, serialization
-(``threshold`` in ``get_config``; every weight saved in order) and the
+(``threshold`` in ``get_config``; the weights and then the threshold saved
+in order) and the
 cost-model hook :meth:`~SparseSplitLayer.split_work_coefficients`.
 
 Requires the TensorFlow backend of Keras 3.
@@ -72,9 +74,10 @@ class SparseSplitLayer(keras.layers.Layer):
     ``return_stats=True``, casting its operands with :meth:`_op_operands`
     and handing the statistics vector to :meth:`_record_stats`. It
     overrides :meth:`split_work_coefficients` when its work is not a
-    matmul's. ``build`` (here) creates the threshold weight after the Keras
-    layer's own weights, so ``get_weights()`` is ``[kernel, (bias,)
-    threshold]``.
+    matmul's. ``build`` (here) creates the threshold variable after the
+    Keras layer's own weights; it is not a Keras weight, so
+    ``get_weights()`` is ``[kernel, (bias,)]`` as for the Keras layer
+    replaced and ``set_weights`` takes that layer's list.
 
     Args:
       *args: positional arguments of the Keras layer replaced.
@@ -83,7 +86,9 @@ class SparseSplitLayer(keras.layers.Layer):
       **kwargs: keyword arguments of the Keras layer replaced.
 
     Attributes:
-      threshold_var: the threshold weight (None until built).
+      threshold_var: the threshold, a non-trainable float32 scalar
+        ``tf.Variable`` (None until built); saved in ``.keras`` files, and
+        tracked by TensorFlow for SavedModels and checkpoints.
       record_stats: when calls record the op's statistics into the
         statistics variables (a public switch, see "Statistics" below):
         ``"auto"`` (default) in training calls (``training=True``, e.g.
@@ -145,14 +150,17 @@ class SparseSplitLayer(keras.layers.Layer):
         return x, kernel, out_dtype
 
     def _build_split_state(self):
-        self.threshold_var = self.add_weight(
-            name="threshold",
-            shape=(),
-            dtype="float32",
-            initializer=keras.initializers.Constant(self._initial_threshold),
-            trainable=False,
-            autocast=False,
-        )
+        # The threshold is a plain tf.Variable, not a Keras weight: the
+        # weight lists (get_weights/set_weights, model.get_weights) are then
+        # exactly those of keras.layers.Dense / Conv2D, so weights move
+        # between a plain model and its sparse-split copy. TensorFlow tracks
+        # it (SavedModel, checkpoints); .keras files store it through
+        # save_own_variables/load_own_variables below, at the index it had
+        # when it was a weight (files written by 0.1 load unchanged).
+        with tf.init_scope():
+            self.threshold_var = tf.Variable(
+                tf.constant(self._initial_threshold, tf.float32),
+                trainable=False, name=f"{self.name}_threshold")
         # Statistics: plain tf.Variables, not Keras weights. Created outside
         # any tf.function being traced.
         with tf.init_scope():
@@ -335,13 +343,62 @@ class SparseSplitLayer(keras.layers.Layer):
         return config
 
     def save_own_variables(self, store):
-        # Every weight in order: kernel, [bias], threshold. (Dense's and
-        # Conv2D's versions write only kernel and bias, and handle LoRA and
-        # quantization, which these layers refuse.)
-        keras.layers.Layer.save_own_variables(self, store)
+        """Writes the Keras weights (``kernel``, ``[bias]``, as
+        ``keras.layers.Layer`` numbers them) and then the threshold, under
+        the next index: the layout of files written when the threshold was
+        a weight."""
+        if not self.built:
+            return
+        weights = self._tfss_keras_variables()
+        for i, v in enumerate(weights):
+            store[str(i)] = v
+        store[str(len(weights))] = self.threshold_var.numpy()
 
     def load_own_variables(self, store):
-        keras.layers.Layer.load_own_variables(self, store)
+        """Reads what :meth:`save_own_variables` wrote; the threshold entry
+        is optional (a store with only the Keras weights keeps the current
+        threshold).
+
+        Raises:
+          ValueError: if the store holds a different number of entries.
+        """
+        if not self.built:
+            return
+        weights = self._tfss_keras_variables()
+        n = len(store.keys())
+        if n not in (len(weights), len(weights) + 1):
+            raise ValueError(
+                f"layer {self.name!r} expects {len(weights)} variables "
+                f"(kernel{', bias' if len(weights) > 1 else ''}) and optionally "
+                f"the threshold, but the file holds {n}")
+        for i, v in enumerate(weights):
+            v.assign(store[str(i)])
+        if n == len(weights) + 1:
+            self.threshold_var.assign(
+                np.asarray(store[str(len(weights))], np.float32).reshape(()))
+
+    def _tfss_keras_variables(self):
+        # Keras' own order: trainable, then non-trainable.
+        return list(self._trainable_variables) + list(
+            self._non_trainable_variables)
+
+    def set_weights(self, weights):
+        """Sets ``[kernel, (bias,)]`` as ``keras.layers.Dense`` /
+        ``Conv2D`` do (e.g. ``layer.set_weights(dense.get_weights())``).
+
+        Also accepts the 0.1 list with the threshold appended
+        (``[kernel, (bias,), threshold]``), which then sets the threshold.
+
+        Raises:
+          ValueError: on a wrong number of arrays or wrong shapes.
+        """
+        weights = list(weights)
+        n = len(self.weights)
+        if self.built and len(weights) == n + 1 and \
+                np.ndim(weights[-1]) == 0:
+            self.set_threshold(float(np.asarray(weights[-1])))
+            weights = weights[:-1]
+        super().set_weights(weights)
 
     # -- refused features -------------------------------------------------
     def enable_lora(self, *args, **kwargs):

@@ -50,9 +50,10 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
       threshold: initial image-density split threshold in ``[0, 1]`` (images
         whose density nnz / (H*W*C_in) is above it go dense), or negative
         (default -1.0) to let the op choose per call. Stored as the
-        non-trainable float32 weight ``threshold_var`` that a
+        non-trainable float32 ``tf.Variable`` ``threshold_var`` that a
         :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` assigns,
-        saved with the model.
+        saved with the model (not a Keras weight: ``get_weights()`` is
+        ``Conv2D``'s ``[kernel, bias]``).
       **kwargs: base ``Layer`` arguments.
 
     Dtypes: the op computes in float32 or float64; other compute dtypes are

@@ -55,10 +55,11 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
         input with density = nonzeros / input_dim above it go to the dense
         GEMM, the others to the CSR SpMM; 1.0 = all sparse, 0.0 = all
         nonzero rows dense), or negative (default -1.0) to let the op choose
-        per call. Stored as a non-trainable float32 Keras weight
+        per call. Stored as a non-trainable float32 ``tf.Variable``
         ``threshold_var`` (so a compiled ``tf.function`` reads the current
         value; a callback changes it with ``.assign()``) and saved with the
-        model.
+        model; it is not a Keras weight: ``get_weights()`` /
+        ``set_weights()`` take ``Dense``'s list ``[kernel, bias]``.
       heterogeneous: bool (default False), passed to the op: on a GPU the
         dense rows run on the GPU while the sparse rows run on the CPU
         (overlapped, K.-Y. Peng, NTU 2017), and the
@@ -88,8 +89,8 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
 
     Statistics: training calls (and eager calls) record the op's statistics
     vector (``tf_sparse_split.stats``) into two ``tf.Variable`` objects that
-    are not Keras weights (``get_weights()`` is ``[kernel, bias, threshold]``,
-    or ``[kernel, threshold]`` without bias): the latest vector, and the sum
+    are not Keras weights (``get_weights()`` is ``[kernel, bias]``, or
+    ``[kernel]`` without bias, as for ``Dense``): the latest vector, and the sum
     since the last :meth:`reset_stats` with the number of calls. Under
     ``tf.function`` (``model.fit``) they are updated with assign ops;
     inference graphs (``model.predict``, exported serving functions) write

@@ -64,6 +64,7 @@ missing data or an unbuilt op library, 2 bad arguments).
 """
 
 import argparse
+import os
 import sys
 
 from tf_sparse_split.tools.models import DROPOUT_KINDS
@@ -107,8 +108,10 @@ def parse_int_list(text):
 
 
 def parse_threshold(text):
-    """argparse type: a threshold in [0, 1] or ``auto`` (-1.0)."""
-    return _checked(validate_threshold, text, "threshold")
+    """argparse type: a threshold in [0, 1] or ``auto`` (stored as -1.0);
+    negative numbers are refused (write ``auto``)."""
+    return _checked(lambda t: validate_threshold(t, "threshold",
+                                                 allow_negative=False), text)
 
 
 def parse_rate(text):
@@ -147,17 +150,19 @@ def build_parser():
                        help="epochs (default 5)")
     train.add_argument("--batch-size", type=parse_positive_int, default=128,
                        help="batch size (default 128)")
-    train.add_argument("--hidden", type=parse_int_list, default=[512, 512],
+    train.add_argument("--hidden", type=parse_int_list, default=None,
                        metavar="N,N,...",
-                       help="hidden layer sizes (default 512,512)")
+                       help="hidden layer sizes of --model mlp (default "
+                            "512,512)")
     train.add_argument("--lr", type=parse_positive_float, default=1e-3,
                        help="Adam learning rate (default 1e-3)")
     train.add_argument("--seed", type=int, default=0,
                        help="random seed (default 0)")
     train.add_argument(
-        "--threshold", type=parse_threshold, default=-1.0, metavar="T|auto",
-        help="initial split threshold in [0, 1], or 'auto' (default): the "
-             "callback tunes it after each epoch")
+        "--threshold", type=parse_threshold, default=None, metavar="T|auto",
+        help="initial split threshold of the sparse-split layers: a number "
+             "in [0, 1], or 'auto' (default; the op chooses per call); the "
+             "callback tunes it after each epoch for the next one")
     train.add_argument("--model", choices=("mlp", "cnn", "lstm"),
                        default="mlp",
                        help="mlp (default): Dense-ReLU layers; cnn: "
@@ -170,7 +175,7 @@ def build_parser():
                        default=None, metavar="R",
                        help="recurrent dropout of --model lstm in [0, 1) "
                             "(default: --dropout-rate)")
-    train.add_argument("--filters", type=parse_int_list, default=[16, 32],
+    train.add_argument("--filters", type=parse_int_list, default=None,
                        metavar="N,N",
                        help="filters of the two 3x3 conv layers of --model "
                             "cnn (default 16,32)")
@@ -201,7 +206,8 @@ def build_parser():
              "progressive L1 penalty; --model mlp and cnn)")
     train.add_argument("--quiet", action="store_true",
                        help="no progress bar or per-epoch lines; only the "
-                            "summary")
+                            "summary (the progress bar is also left out "
+                            "when stdout is not a terminal)")
     # Distribution, TensorBoard, plots (tools/distribute.py, tools/plots.py).
     train.add_argument(
         "--strategy", choices=("none", "mirrored", "multi-worker"),
@@ -235,13 +241,16 @@ def build_parser():
     prof.add_argument("--input", metavar="X.npy", default=None,
                       help="input array (.npy) for a single-input model; "
                            "default: random inputs")
-    prof.add_argument("--batch-size", type=parse_positive_int, default=128,
-                      help="batch size of random inputs (default 128)")
-    prof.add_argument("--input-sparsity", type=parse_rate, default=0.5,
+    prof.add_argument("--batch-size", type=parse_positive_int, default=None,
+                      help="batch size of random inputs (default 128; not "
+                           "with --input)")
+    prof.add_argument("--input-sparsity", type=parse_rate, default=None,
                       help="fraction of zeros of random inputs (default 0.5, "
-                           "as after a ReLU)")
+                           "as after a ReLU; not with --input)")
     prof.add_argument("--threshold", type=parse_threshold, default=-1.0,
-                      metavar="T|auto", help="split threshold (default auto)")
+                      metavar="T|auto",
+                      help="split threshold: a number in [0, 1] or 'auto' "
+                           "(default)")
     prof.add_argument("--repeats", type=parse_positive_int, default=10,
                       help="timed repetitions per op (median; default 10)")
     prof.add_argument("--signature", default=None,
@@ -262,6 +271,49 @@ def build_parser():
     return parser
 
 
+def _check_combinations(parser, args):
+    """Refuses flags that conflict or would be ignored (``parser.error``:
+    exit code 2), then fills in the defaults of the flags left unset."""
+    given = lambda name: getattr(args, name, None) is not None  # noqa: E731
+    if args.command == "train":
+        if args.model == "cnn":
+            if given("hidden"):
+                parser.error("--hidden applies to --model mlp; --model cnn "
+                             "takes --filters")
+            if args.dropout != "none":
+                parser.error("--dropout applies to --model mlp only")
+        elif given("filters"):
+            parser.error("--filters applies to --model cnn")
+        if args.model == "lstm":
+            if given("hidden"):
+                parser.error("--hidden applies to --model mlp; --model lstm "
+                             "takes --units")
+            if given("target_sparsity"):
+                parser.error("--target-sparsity applies to --model mlp and "
+                             "cnn")
+        elif given("recurrent_dropout_rate"):
+            parser.error("--recurrent-dropout-rate applies to --model lstm")
+        if args.baseline and given("threshold"):
+            parser.error("--threshold sets the sparse-split layers; "
+                         "--baseline trains plain Keras layers")
+        if args.dropout == "none":
+            if given("dropout_rate") or given("tile_shape"):
+                parser.error("--dropout-rate and --tile-shape need --dropout")
+        elif given("tile_shape") and args.dropout != "tile":
+            parser.error("--tile-shape needs --dropout tile")
+        args.hidden = args.hidden or [512, 512]
+        args.filters = args.filters or [16, 32]
+        args.threshold = -1.0 if args.threshold is None else args.threshold
+    elif args.command == "profile":
+        if args.input is not None and (given("batch_size")
+                                       or given("input_sparsity")):
+            parser.error("--batch-size and --input-sparsity describe random "
+                         "inputs; they cannot be used with --input")
+        args.batch_size = args.batch_size or 128
+        args.input_sparsity = (0.5 if args.input_sparsity is None
+                               else args.input_sparsity)
+
+
 def main(argv=None):
     """Entry point of ``tf-sparse-split``; returns the exit code.
 
@@ -271,9 +323,13 @@ def main(argv=None):
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        _check_combinations(parser, args)
     except SystemExit as e:  # argparse: --help (0) or bad arguments (2)
         return int(e.code) if isinstance(e.code, int) else 2
     out = sys.stdout
+    # TensorFlow's C++ INFO lines (oneDNN, CPU features) are noise here;
+    # warnings and errors still show. An explicit setting wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     try:
         if args.command == "train":
             from tf_sparse_split.tools.train import train_command

@@ -8,9 +8,14 @@ time of TensorFlow's dense op against ``sparse_split_matmul`` on the same
 captured activation and weights, in the same run (K.-Y. Peng, NTU 2017:
 split dense and sparse rows by run-time density).
 
-It also says whether the rewrite pass (:mod:`tf_sparse_split.rewrite`) would
-replace the node with its default producers. On GPU machines Keras compiles
-with XLA by default; the pass applies only with
+Whether the rewrite pass (:mod:`tf_sparse_split.rewrite`) would replace a
+node is asked of the pass itself (:func:`tf_sparse_split.rewrite.dry_run`
+with :func:`~tf_sparse_split.rewrite.enable`'s defaults), with its reason
+when it would not. The headline total covers only the nodes the pass would
+replace; the whole model is also timed end to end, its graph instantiated
+once with the pass off and once with it on (so ``rewrite.counters()`` and
+``rewrite.log()`` of the calling process include that run). On GPU machines
+Keras compiles with XLA by default; the pass applies only with
 ``model.compile(..., jit_compile=False)``.
 """
 
@@ -22,14 +27,11 @@ import numpy as np
 __all__ = ["profile_model", "load_model_function", "NodeProfile",
            "format_report", "profile_command"]
 
-_LOOK_THROUGH = {"Identity", "Snapshot", "StopGradient", "Reshape", "Cast",
-                 "Transpose", "EnsureShape", "ExpandDims", "Squeeze"}
-
-
 class NodeProfile(dict):
     """One row of the report (a dict): name, op, shape, sparsity,
     zero_columns, dense_s, split_s (None if not timed), producer,
-    rewritable."""
+    rewritable (True/False as the pass decided; None for nodes that already
+    are sparse-split ops), reason (why the pass would not replace it)."""
 
 
 # Node types profiled, and the dense op each computes.
@@ -88,30 +90,6 @@ def load_model_function(path, signature=None):
     raise ValueError(f"{path} is neither a SavedModel directory nor a .keras file")
 
 
-def _producer(op):
-    """(producer type, rewritable by the default producers)."""
-    from tf_sparse_split.rewrite import DEFAULT_PRODUCERS
-
-    src = op.inputs[0].op
-    for _ in range(16):
-        if src.type in DEFAULT_PRODUCERS:
-            return src.type, True
-        if src.type in ("SelectV2", "Select") and any(
-                i.op.type == "Const" and not np.any(_const(i.op))
-                for i in src.inputs[1:]):
-            return "Dropout", True
-        if src.type not in _LOOK_THROUGH:
-            break
-        src = src.inputs[0].op
-    return src.type, False
-
-
-def _const(op):
-    import tensorflow as tf
-
-    return tf.make_ndarray(op.get_attr("value"))
-
-
 def _median_time(fn, repeats):
     """Median seconds of ``fn().numpy()`` with ``fn`` run as a tf.function
     (as in a model's graph: no eager Python overhead on either side)."""
@@ -127,8 +105,51 @@ def _median_time(fn, repeats):
     return float(np.median(times))
 
 
+def _end_to_end(frozen, inputs, repeats):
+    """Median seconds of one call of the whole (frozen) model, instantiated
+    with the rewrite pass off and on: ``(off_s, on_s)``, timed interleaved
+    (``max(3 * repeats, 30)`` rounds).
+    The pass configuration is restored afterwards."""
+    import tensorflow as tf
+
+    from tf_sparse_split import rewrite
+
+    args = [tf.constant(x) for x in inputs]
+    previous = rewrite.config()
+    # The graphs this profile ran with the pass off (the captures, the op
+    # timings) are not the user's: no "instantiated while off" warning.
+    rewrite._take_missed()
+    with rewrite.enabled(threshold=previous["threshold"]):
+        split = tf.function(lambda: frozen(*args))
+        split()  # first call: instantiated (and rewritten) now
+    if previous["enabled"]:
+        rewrite.disable()
+    try:
+        plain = tf.function(lambda: frozen(*args))
+        plain()
+    finally:
+        if previous["enabled"]:
+            rewrite.enable(threshold=previous["threshold"],
+                           min_flops=previous["min_flops"],
+                           ops=previous["ops"], producers=previous["producers"])
+
+    def once(fn):
+        t0 = time.perf_counter()
+        tf.nest.map_structure(lambda t: t.numpy(), fn())
+        return time.perf_counter() - t0
+
+    once(plain), once(split)  # warm-up (and the op's calibration)
+    off, on = [], []
+    # One call is short and noisy: at least 30 interleaved rounds.
+    for _ in range(max(3 * repeats, 30)):
+        off.append(once(plain))
+        on.append(once(split))
+    return float(np.median(off)), float(np.median(on))
+
+
 def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
-                  threshold=-1.0, repeats=10, seed=0, signature=None):
+                  threshold=-1.0, repeats=10, seed=0, signature=None,
+                  end_to_end=False):
     """Profiles the MatMul/Conv2D nodes of a model.
 
     Args:
@@ -142,6 +163,9 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
       repeats: timed repetitions per op (median reported).
       seed: seed of the random inputs.
       signature: SavedModel signature key.
+      end_to_end: also time the whole model with the rewrite pass off and
+        on (see :func:`_end_to_end`); the result is in the attribute
+        ``end_to_end`` of the returned row list, ``(off_s, on_s)``.
 
     Returns:
       ``(description, list of NodeProfile, input shapes)``.
@@ -154,6 +178,7 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
     from tensorflow.python.framework.convert_to_constants import (
         convert_variables_to_constants_v2)
 
+    from tf_sparse_split import rewrite
     from tf_sparse_split.ops import sparse_split_conv2d, sparse_split_matmul
 
     fn, desc, owner = load_model_function(path, signature)
@@ -185,15 +210,23 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
             raise ValueError(f"input of shape {x.shape} does not fit the "
                              f"model input {t.name} of shape {t.shape}")
         feeds[t.name] = x
+    decisions = {r["name"]: r for r in rewrite.dry_run(graph)}
     nodes = [op for op in graph.get_operations() if op.type in _PROFILED]
     fetches = [[op.inputs[0], op.inputs[1]] for op in nodes]
     with tf.compat.v1.Session(graph=graph) as sess:
         values = sess.run(fetches, feed_dict=feeds)
-    rows = []
+    rows = _ProfileRows()
     for op, (a, b) in zip(nodes, values):
-        producer, rewritable = _producer(op)
+        decision = decisions.get(op.name)
+        if decision is None:  # already a sparse-split op
+            producer, rewritable, reason = op.inputs[0].op.type, None, ""
+        else:
+            producer = decision.get("producer") or "?"
+            rewritable = decision["action"] == "would_rewrite"
+            reason = decision.get("reason", "")
         row = NodeProfile(name=op.name, op=op.type, producer=producer,
-                          rewritable=rewritable, dtype=a.dtype.name,
+                          rewritable=rewritable, reason=reason,
+                          dtype=a.dtype.name,
                           sparsity=float(np.mean(a == 0)) if a.size else 0.0,
                           dense_s=None, split_s=None, zero_columns=None)
         kind = _PROFILED[op.type]
@@ -238,8 +271,17 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
         else:
             row["shape"] = f"{a.shape}x{b.shape}"
         rows.append(row)
+    if end_to_end:
+        rows.end_to_end = _end_to_end(frozen, inputs, repeats)
     del owner  # the variables were needed until the graph was frozen and run
     return desc, rows, [x.shape for x in inputs]
+
+
+class _ProfileRows(list):
+    """The rows of :func:`profile_model`; ``end_to_end`` is ``(off_s,
+    on_s)`` when measured, else None."""
+
+    end_to_end = None
 
 
 def format_report(path, desc, rows, input_shapes, input_desc, out):
@@ -258,34 +300,46 @@ def format_report(path, desc, rows, input_shapes, input_desc, out):
             f"{'pass':<6}{'sparsity':>9}{'zero cols':>10}{'dense ms':>10}"
             f"{'split ms':>10}{'speed-up':>10}")
     print(head, file=out)
-    tot_d = tot_s = 0.0
     for r in rows:
         d, s = r["dense_s"], r["split_s"]
         zc = "" if r["zero_columns"] is None else f"{r['zero_columns']:.3f}"
         dt = "" if d is None else f"{d * 1e3:.3f}"
         st = "n/a" if s is None else f"{s * 1e3:.3f}"
         sp = "" if (d is None or s is None or s <= 0) else f"{d / s:.2f}x"
-        if d is not None and s is not None:
-            tot_d += d
-            tot_s += s
+        verdict = {True: "yes", False: "no", None: "ours"}[r["rewritable"]]
         print(f"{r['name']:<{width}}{r['op']:<{opw}}{r['shape']:<{shw}}"
-              f"{r['producer']:<{prw}}{'yes' if r['rewritable'] else 'no':<6}"
+              f"{r['producer']:<{prw}}{verdict:<6}"
               f"{r['sparsity']:>9.3f}{zc:>10}{dt:>10}{st:>10}{sp:>10}", file=out)
-    if tot_s > 0:
-        print(f"{'total (timed nodes)':<{width}}{'':<{opw + shw + prw + 25}}{tot_d * 1e3:>10.3f}"
-              f"{tot_s * 1e3:>10.3f}{tot_d / tot_s:>9.2f}x", file=out)
-        rw = [r for r in rows if r["rewritable"] and r["split_s"] is not None]
-        if rw:
-            d = sum(r["dense_s"] for r in rw)
-            s = sum(r["split_s"] for r in rw)
-            print(f"nodes the rewrite pass would replace (pass=yes): dense "
-                  f"{d * 1e3:.3f} ms, split {s * 1e3:.3f} ms, {d / s:.2f}x",
-                  file=out)
-    print("'pass': whether tf_sparse_split.rewrite.enable() (default producers) "
-          "replaces the node. Times: median op time on the captured operands "
-          "(tf.matmul vs sparse_split_matmul, same run). On GPU machines, "
-          "compile Keras models with jit_compile=False for the pass to apply.",
-          file=out)
+    rw = [r for r in rows if r["rewritable"] and r["split_s"] is not None
+          and r["dense_s"] is not None]
+    if rw:
+        d = sum(r["dense_s"] for r in rw)
+        s = sum(r["split_s"] for r in rw)
+        label = "total (pass=yes nodes)"
+        print(f"{label:<{width}}{'':<{opw + shw + prw + 25}}{d * 1e3:>10.3f}"
+              f"{s * 1e3:>10.3f}{d / s:>9.2f}x", file=out)
+        print(f"headline: the {len(rw)} node(s) the rewrite pass would "
+              f"replace take {d * 1e3:.3f} ms with TensorFlow's op and "
+              f"{s * 1e3:.3f} ms split: {d / s:.2f}x on those nodes",
+              file=out)
+    else:
+        print("headline: the rewrite pass would replace none of these nodes",
+              file=out)
+    declined = [r for r in rows if r["rewritable"] is False]
+    for r in declined:
+        print(f"  not replaced: {r['name']}: {r['reason']}", file=out)
+    e2e = getattr(rows, "end_to_end", None)
+    if e2e is not None:
+        off, on = e2e
+        print(f"whole model, end to end (one call, rewrite pass off vs on): "
+              f"{off * 1e3:.3f} ms vs {on * 1e3:.3f} ms, "
+              f"{off / on if on > 0 else float('nan'):.2f}x", file=out)
+    print("'pass': whether tf_sparse_split.rewrite.enable() (defaults) "
+          "replaces the node, as the pass itself answers (rewrite.dry_run); "
+          "'ours': already a sparse-split op. Times: median op time on the "
+          "captured operands (TensorFlow's op vs the sparse-split op, same "
+          "run). On GPU machines, compile Keras models with "
+          "jit_compile=False for the pass to apply.", file=out)
 
 
 def profile_command(args, out):
@@ -313,6 +367,7 @@ def profile_command(args, out):
     desc, rows, shapes = profile_model(
         args.model, inputs=inputs, batch_size=args.batch_size,
         input_sparsity=args.input_sparsity, threshold=args.threshold,
-        repeats=args.repeats, seed=args.seed, signature=args.signature)
+        repeats=args.repeats, seed=args.seed, signature=args.signature,
+        end_to_end=True)
     format_report(args.model, desc, rows, shapes, input_desc, out)
     return 0

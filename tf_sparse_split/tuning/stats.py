@@ -78,7 +78,9 @@ def as_dict(stats):
     """Returns the named scalar entries of one statistics vector as floats.
 
     Args:
-      stats: array-like of length ``NUM_STATS`` (numpy or eager tensor).
+      stats: array-like of length ``NUM_STATS`` (numpy or eager tensor), or
+        a dict this function returned (e.g. ``layer.latest_stats()``, which
+        is already converted): returned as a copy.
 
     Returns:
       dict from the names in :data:`NAMES` (without the histogram) to floats,
@@ -91,6 +93,13 @@ def as_dict(stats):
     """
     import numpy as np
 
+    if isinstance(stats, dict):
+        missing = [k for k in ("histogram", "sparsity") if k not in stats]
+        if missing:
+            raise ValueError(f"expected a statistics vector or a dict from "
+                             f"as_dict(); the dict lacks {missing}")
+        return {k: (list(v) if k == "histogram" else v)
+                for k, v in stats.items()}
     v = np.asarray(stats, dtype=np.float64).reshape(-1)
     if v.shape[0] != NUM_STATS:
         raise ValueError(f"expected {NUM_STATS} statistics, got {v.shape[0]}")

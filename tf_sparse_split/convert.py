@@ -1,0 +1,194 @@
+"""One-call conversion of Keras models to sparse-split layers and back.
+
+:func:`sparse_split_model` returns a copy of a Keras model in which every
+eligible ``keras.layers.Dense`` / ``keras.layers.Conv2D`` is a
+:class:`~tf_sparse_split.layers.SparseSplitDense` /
+:class:`~tf_sparse_split.layers.SparseSplitConv2D` with the same
+configuration and weights, so the copy predicts the same values (to float
+rounding). :func:`strip_sparse_split` is the inverse: plain Keras layers with
+the same weights, e.g. to export a model for an environment without
+``tf_sparse_split``.
+
+Both work on ``Sequential`` and functional models, including models nested in
+them (cloned recursively with ``keras.models.clone_model``); shared layers
+stay shared. Subclassed models (a custom ``call``) cannot be rebuilt layer
+by layer and raise ``ValueError``. The copy is not compiled and has no
+optimizer state: compile it before training.
+
+Requires the TensorFlow backend of Keras 3.
+"""
+
+import keras
+
+from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.layers.conv2d import SparseSplitConv2D
+from tf_sparse_split.layers.dense import SparseSplitDense
+from tf_sparse_split.utils.validation import validate_threshold
+
+__all__ = ["sparse_split_model", "strip_sparse_split", "eligible_reason"]
+
+# Config keys of the sparse-split layers that plain Keras layers lack.
+_SPLIT_ONLY_KEYS = ("threshold", "heterogeneous", "skip_dead_input_grad")
+
+
+def eligible_reason(layer):
+    """Why ``layer`` cannot be swapped for a sparse-split layer, or None if
+    it can.
+
+    Eligible: exactly ``keras.layers.Dense`` (not a subclass; no LoRA, not
+    quantized) or exactly ``keras.layers.Conv2D`` with
+    ``data_format="channels_last"`` and ``groups=1``.
+
+    Returns:
+      None, or a string (e.g. ``"groups=2"``).
+    """
+    cls = type(layer)
+    if cls is keras.layers.Dense:
+        if getattr(layer, "lora_enabled", False):
+            return "LoRA is enabled"
+        if getattr(layer, "quantization_mode", None) is not None:
+            return f"quantized ({layer.quantization_mode})"
+        return None
+    if cls is keras.layers.Conv2D:
+        if layer.data_format != "channels_last":
+            return f"data_format={layer.data_format!r}"
+        if layer.groups != 1:
+            return f"groups={layer.groups}"
+        if getattr(layer, "lora_enabled", False):
+            return "LoRA is enabled"
+        return None
+    return f"{cls.__name__} is not keras.layers.Dense or keras.layers.Conv2D"
+
+
+def _check_model(model, what):
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"{what} takes a keras.Model, got {type(model).__name__}")
+    if not isinstance(model, (keras.Sequential,)) and \
+            not isinstance(model, keras.src.models.functional.Functional):
+        raise ValueError(
+            f"{what} supports Sequential and functional Keras models (and "
+            f"models nested in them); {type(model).__name__} is a subclassed "
+            "model whose layers cannot be rebuilt one by one. Build it as a "
+            "functional model, or use SparseSplitDense/SparseSplitConv2D in "
+            "its code directly")
+
+
+def _filter(layer_filter):
+    if layer_filter is None:
+        return lambda layer: True
+    if callable(layer_filter):
+        return layer_filter
+    if isinstance(layer_filter, str):
+        layer_filter = (layer_filter,)
+    try:
+        names = frozenset(layer_filter)
+    except TypeError:
+        raise ValueError("layer_filter must be None, a callable taking a "
+                         "layer, or a collection of layer names, got "
+                         f"{layer_filter!r}") from None
+    return lambda layer: layer.name in names
+
+
+def _clone(model, convert):
+    """clone_model with ``convert(layer)`` (None: plain copy) for every
+    layer, recursively; then copies every layer's weights."""
+    pairs = []
+
+    def clone_function(layer):
+        new = convert(layer)
+        if new is None:
+            new = layer.__class__.from_config(layer.get_config())
+        pairs.append((layer, new))
+        return new
+
+    clone = keras.models.clone_model(model, clone_function=clone_function,
+                                     recursive=True)
+    for old, new in pairs:
+        if not old.built:
+            continue
+        if not new.built:
+            raise ValueError(
+                f"layer {old.name!r} was not built in the copy; give the "
+                "model an Input (or call it once) before converting it")
+        new.set_weights(old.get_weights())
+        if isinstance(old, SparseSplitLayer) and isinstance(new, SparseSplitLayer):
+            new.set_threshold(old.threshold)
+    return clone
+
+
+def sparse_split_model(model, layer_filter=None, threshold="auto"):
+    """A copy of ``model`` with its ``Dense``/``Conv2D`` layers computed by
+    the sparse-split ops.
+
+    Every layer for which :func:`eligible_reason` is None and
+    ``layer_filter`` accepts is replaced by a ``SparseSplitDense`` /
+    ``SparseSplitConv2D`` with the same configuration (name, units/filters,
+    activation, initializers, regularizers, constraints, dtype policy) and
+    weights; every other layer is copied unchanged with its weights. The
+    copy computes the same values as ``model`` to float rounding (the
+    threshold changes speed only).
+
+    Args:
+      model: a built ``Sequential`` or functional ``keras.Model`` (nested
+        ones included).
+      layer_filter: which eligible layers to swap: None (all), a callable
+        ``layer -> bool``, or a collection of layer names (nested models'
+        layers included).
+      threshold: initial split threshold of the new layers: ``"auto"``
+        (default; the op chooses per call) or a number in ``[0, 1]``.
+
+    Returns:
+      A new, uncompiled ``keras.Model`` of the same class.
+
+    Raises:
+      ValueError: a subclassed model, an unbuilt model, a bad threshold or
+        ``layer_filter``.
+    """
+    _check_model(model, "sparse_split_model")
+    threshold = validate_threshold(threshold)
+    accept = _filter(layer_filter)
+
+    def convert(layer):
+        if eligible_reason(layer) is not None or not accept(layer):
+            return None
+        config = layer.get_config()
+        for key in ("lora_rank", "lora_alpha", "quantization_config"):
+            config.pop(key, None)
+        config["threshold"] = threshold
+        cls = (SparseSplitDense if type(layer) is keras.layers.Dense
+               else SparseSplitConv2D)
+        return cls.from_config(config)
+
+    return _clone(model, convert)
+
+
+def strip_sparse_split(model):
+    """A copy of ``model`` with every ``SparseSplitDense``/``SparseSplitConv2D``
+    replaced by ``keras.layers.Dense``/``keras.layers.Conv2D`` with the same
+    configuration and weights (the threshold is dropped). Other layers, the
+    structured dropout layers included, are copied unchanged.
+
+    Args:
+      model: a built ``Sequential`` or functional ``keras.Model``.
+
+    Returns:
+      A new, uncompiled ``keras.Model``.
+
+    Raises:
+      ValueError: a subclassed or unbuilt model.
+    """
+    _check_model(model, "strip_sparse_split")
+
+    def convert(layer):
+        if isinstance(layer, SparseSplitDense):
+            cls = keras.layers.Dense
+        elif isinstance(layer, SparseSplitConv2D):
+            cls = keras.layers.Conv2D
+        else:
+            return None
+        config = layer.get_config()
+        for key in _SPLIT_ONLY_KEYS:
+            config.pop(key, None)
+        return cls.from_config(config)
+
+    return _clone(model, convert)
