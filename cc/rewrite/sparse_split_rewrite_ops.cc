@@ -125,17 +125,20 @@ std::set<std::string> StringSet(const tf::Tensor& t) {
   return out;
 }
 
-// Reads the string-vector inputs `ops` (input ops_index) and `producers`
-// (input ops_index + 1) into cfg->ops and cfg->producers.
-absl::Status OpFilterInputs(tf::OpKernelContext* ctx, int ops_index,
-                            RewriteConfig* cfg) {
-  const tf::Tensor& ops = ctx->input(ops_index);
-  const tf::Tensor& producers = ctx->input(ops_index + 1);
+// Reads the inputs `min_flops` (a float64 scalar, input i), `ops` and
+// `producers` (string vectors, inputs i + 1 and i + 2) that both the config
+// and the dry-run op take into cfg.
+absl::Status NodeFilterInputs(tf::OpKernelContext* ctx, int i,
+                              RewriteConfig* cfg) {
+  TF_RETURN_IF_ERROR(ScalarInput(ctx, i, "min_flops"));
+  const tf::Tensor& ops = ctx->input(i + 1);
+  const tf::Tensor& producers = ctx->input(i + 2);
   if (ops.dims() != 1 || producers.dims() != 1) {
     return tf::errors::InvalidArgument(
         "ops and producers must be vectors, got shapes ",
         ops.shape().DebugString(), " and ", producers.shape().DebugString());
   }
+  cfg->min_flops = ctx->input(i).scalar<double>()();
   cfg->ops = StringSet(ops);
   cfg->producers = StringSet(producers);
   return absl::OkStatus();
@@ -156,12 +159,10 @@ class SparseSplitRewriteConfigOp : public tf::OpKernel {
   void Compute(tf::OpKernelContext* ctx) override {
     OP_REQUIRES_OK(ctx, ScalarInput(ctx, 0, "enable"));
     OP_REQUIRES_OK(ctx, ScalarInput(ctx, 1, "threshold"));
-    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 2, "min_flops"));
     RewriteConfig cfg;
-    OP_REQUIRES_OK(ctx, OpFilterInputs(ctx, 3, &cfg));
+    OP_REQUIRES_OK(ctx, NodeFilterInputs(ctx, 2, &cfg));
     cfg.enabled = ctx->input(0).scalar<bool>()();
     cfg.threshold = ctx->input(1).scalar<float>()();
-    cfg.min_flops = ctx->input(2).scalar<double>()();
     OP_REQUIRES(ctx, !(cfg.threshold > 1.0f) && cfg.threshold == cfg.threshold,
                 tf::errors::InvalidArgument(
                     "threshold must be in [0, 1] or negative, got ", cfg.threshold));
@@ -213,9 +214,8 @@ class SparseSplitRewriteDryRunOp : public tf::OpKernel {
   using tf::OpKernel::OpKernel;
   void Compute(tf::OpKernelContext* ctx) override {
     OP_REQUIRES_OK(ctx, ScalarInput(ctx, 0, "graph_def"));
-    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 1, "min_flops"));
     RewriteConfig cfg;
-    OP_REQUIRES_OK(ctx, OpFilterInputs(ctx, 2, &cfg));
+    OP_REQUIRES_OK(ctx, NodeFilterInputs(ctx, 1, &cfg));
     tf::GraphDef graph_def;
     OP_REQUIRES(ctx,
                 graph_def.ParseFromString(
@@ -223,7 +223,6 @@ class SparseSplitRewriteDryRunOp : public tf::OpKernel {
                 tf::errors::InvalidArgument(
                     "graph_def is not a serialized GraphDef"));
     cfg.enabled = true;
-    cfg.min_flops = ctx->input(1).scalar<double>()();
     std::vector<std::string> records;
     OP_REQUIRES_OK(ctx, DryRun(graph_def, cfg, &records));
     StringVector(ctx, 0, records);
