@@ -99,11 +99,10 @@ class Variant:
         if weights is not None:
             own = []
             it = iter(weights)
-            for layer in self.model.layers:
-                w = [next(it), next(it)]  # kernel, bias
-                if sparse:
-                    w.append(layer.get_weights()[2])  # threshold
-                own += w
+            # get_weights() is [kernel, bias] per layer for both layer types
+            # (SparseSplitDense's threshold is not a Keras weight).
+            for _ in self.model.layers:
+                own += [next(it), next(it)]  # kernel, bias
             self.model.set_weights(own)
         self.optimizer = keras.optimizers.Adam(1e-3)
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
