@@ -40,6 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from _common import markdown_table, write_report  # noqa: E402
+
 CONFIGS = ("baseline", "standard+split", "row", "tile")
 
 
@@ -124,23 +126,18 @@ def main(argv=None):
                   flush=True)
     header = ("| rate | configuration | s/epoch | speed-up vs Dropout+Dense "
               "| test accuracy | train accuracy |")
-    lines = [header, "|---|---|---|---|---|---|"]
-    for rate, config, t, ratio, acc, tacc in rows:
-        lines.append(f"| {rate:.1f} | {config} | {t:.3f} | {ratio:.2f}x | "
-                     f"{acc:.4f} | {tacc:.4f} |")
-    table = "\n".join(lines)
+    table = markdown_table(header, [
+        f"| {rate:.1f} | {config} | {t:.3f} | {ratio:.2f}x | {acc:.4f} | "
+        f"{tacc:.4f} |" for rate, config, t, ratio, acc, tacc in rows])
     print()
-    print(table)
+    print(table, end="")
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"# bench_dropout: MLP {sizes} on {args.data}\n\n")
-            f.write(f"{x_train.shape[0]} train / {x_test.shape[0]} test "
-                    f"examples, batch {args.batch_size}, {args.epochs} "
-                    f"epochs, seed {args.seed}, tile {args.tile_shape}. "
-                    "Time per epoch: median of epochs 2..E. Speed-up = "
-                    "baseline (keras Dropout + Dense) time / time.\n\n")
-            f.write(table + "\n")
+    write_report(args.out, (
+        f"# bench_dropout: MLP {sizes} on {args.data}\n\n"
+        f"{x_train.shape[0]} train / {x_test.shape[0]} test examples, batch "
+        f"{args.batch_size}, {args.epochs} epochs, seed {args.seed}, tile "
+        f"{args.tile_shape}. Time per epoch: median of epochs 2..E. Speed-up "
+        "= baseline (keras Dropout + Dense) time / time.\n\n" + table))
     return 0
 
 

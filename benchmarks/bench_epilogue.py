@@ -20,15 +20,14 @@ Usage::
 """
 
 import argparse
-import os
-import platform
-import statistics
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import tf_sparse_split as tfss
+from _common import (format_median_min_spread, markdown_table,
+                     median_min_spread_ms, median_time, rotated,
+                     tf_machine_desc, write_report)
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.testing import random_sparse
 
@@ -72,29 +71,21 @@ def run_case(m, k, n, sparsity, threshold, rounds, reps, rng):
             fn(a, b, c).numpy()
     per_round = {v: [] for v in VARIANTS}
     for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
-        for v in order:
+        for v in rotated(VARIANTS, r):
             fn = fns[v]
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn(a, b, c).numpy()
-                times.append(time.perf_counter() - t0)
-            per_round[v].append(statistics.median(times))
+            per_round[v].append(median_time(lambda: fn(a, b, c).numpy(), reps))
     out = {"case": f"{m}x{k}x{n}", "sparsity": sparsity, "threshold": threshold}
     for v in VARIANTS:
-        ts = per_round[v]
-        out[v] = (statistics.median(ts) * 1e3, min(ts) * 1e3,
-                  max(ts) / min(ts))
+        out[v] = median_min_spread_ms(per_round[v])
     return out
 
 
 def to_markdown(rows, title):
     head = "| M x K x N | sparsity | threshold | " + " | ".join(
         f"{v} ms" for v in VARIANTS) + " | ours fused / tf fused | ours fused / ours unfused | our epilogue (ms) | TF's epilogue (ms) |"
-    lines = [title, "", head, "|" + "---|" * (3 + len(VARIANTS) + 4)]
+    lines = []
     for r in rows:
-        cells = [f"{r[v][0]:.3f} (min {r[v][1]:.3f}, x{r[v][2]:.2f})" for v in VARIANTS]
+        cells = [format_median_min_spread(r[v]) for v in VARIANTS]
         lines.append(
             f"| {r['case']} | {r['sparsity']:.2f} | {r['threshold']:g} | "
             + " | ".join(cells)
@@ -102,7 +93,7 @@ def to_markdown(rows, title):
             f"{r['ours fused'][0] / r['ours unfused'][0]:.3f} | "
             f"{r['ours fused'][0] - r['ours product'][0]:+.3f} | "
             f"{r['tf fused'][0] - r['tf matmul'][0]:+.3f} |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(head, lines, title)
 
 
 def main(argv=None):
@@ -118,21 +109,16 @@ def main(argv=None):
     for case in CASES:
         rows.append(run_case(*case, args.rounds, args.reps, rng))
         print(rows[-1], flush=True)
-    info = build_info()
     title = (
         f"Fused epilogue (bias + relu), float32: medians over {args.rounds} "
         f"interleaved rounds of {args.reps} calls (min, and max/min of the "
-        f"round medians = spread); TensorFlow {tf.__version__}, "
-        f"{os.cpu_count()} CPUs ({platform.machine()}), library built with "
-        f"{info['MARCH']} ({info['ISA']}). 'our epilogue' = ours fused - ours "
-        "product; 'TF's epilogue' = tf fused - tf matmul.")
+        f"round medians = spread); {tf_machine_desc(build_info())}. "
+        "'our epilogue' = ours fused - ours product; 'TF's epilogue' = "
+        "tf fused - tf matmul.")
     md = to_markdown(rows, title)
     print()
     print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(md)
-        print(f"wrote {args.out}")
+    write_report(args.out, md)
     return 0
 
 

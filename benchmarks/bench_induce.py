@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import tf_sparse_split as tfss  # noqa: E402
 from tf_sparse_split.tools import datasets, models  # noqa: E402
 from tf_sparse_split.tools.train import input_sparsity  # noqa: E402
+from _common import call_times  # noqa: E402
 
 
 def _compile(model):
@@ -116,13 +117,14 @@ def main():
                for _ in range(args.block)]
     for m in (ours, ref):  # warm both step functions
         m.train_on_batch(x[batches[0]], y[batches[0]])
+    def block(m):
+        for b in batches:
+            m.train_on_batch(x[b], y[b])
+
     t_o, t_r = [], []
     for _ in range(args.rounds):
         for m, store in ((ours, t_o), (ref, t_r)):
-            t0 = time.perf_counter()
-            for b in batches:
-                m.train_on_batch(x[b], y[b])
-            store.append((time.perf_counter() - t0) / len(batches))
+            store.append(call_times(lambda: block(m), 1)[0] / len(batches))
     t_o, t_r = np.array(t_o), np.array(t_r)
     ratio = t_r / t_o
     print(f"\ncase {args.case}: test accuracy ours {acc_o:.4f}, plain "

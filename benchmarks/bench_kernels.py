@@ -25,12 +25,11 @@ Usage::
 
 import argparse
 import os
-import platform
 import statistics
-import time
 
 import numpy as np
 
+from _common import call_times, cpus_desc, markdown_table, write_report
 from tf_sparse_split._loader import kernels
 from tf_sparse_split.testing import random_sparse
 
@@ -79,9 +78,7 @@ def measure(m, k, n, sparsity, reps, threads, rng, gemm):
     times = {name: [] for name in jobs}
     for _ in range(reps):
         for name, f in jobs.items():
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
+            times[name] += call_times(f, 1)
     # Correctness guard: a benchmark of a wrong kernel is worthless.
     ref = a.astype(np.float64) @ b.astype(np.float64)
     got = h.spmm(b, threads=threads)
@@ -109,11 +106,10 @@ def fmt(v):
 
 
 def to_markdown(rows, title):
-    lines = [title, "",
-             "| sparsity | nnz | copy GB/s | count GB/s | count+CSR GB/s (% of copy) | "
-             "count+CSR of a^T GB/s (% of copy) | SpMM useful GFLOP/s (% of dense) | "
-             "SpMM^T useful GFLOP/s (% of dense) | dense GEMM GFLOP/s | dense a^T GEMM GFLOP/s |",
-             "|" + "---|" * 10]
+    header = ("| sparsity | nnz | copy GB/s | count GB/s | count+CSR GB/s (% of copy) | "
+              "count+CSR of a^T GB/s (% of copy) | SpMM useful GFLOP/s (% of dense) | "
+              "SpMM^T useful GFLOP/s (% of dense) | dense GEMM GFLOP/s | dense a^T GEMM GFLOP/s |")
+    lines = []
     for r in rows:
         c = r["copy"][0]
         lines.append(
@@ -123,7 +119,7 @@ def to_markdown(rows, title):
             f"{fmt(r['spmm'])} ({100 * r['spmm'][0] / r['gemm'][0]:.0f}%) | "
             f"{fmt(r['spmm T'])} ({100 * r['spmm T'][0] / r['gemm T'][0]:.0f}%) | "
             f"{fmt(r['gemm'])} | {fmt(r['gemm T'])} |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, lines, title)
 
 
 def main(argv=None):
@@ -144,16 +140,13 @@ def main(argv=None):
         rows.append(r)
         print(to_markdown([r], "").splitlines()[-1], flush=True)
     title = (f"Kernel rates, a: {args.m}x{args.k} float32, N = {args.n}, {args.threads} "
-             f"threads, {os.cpu_count()} CPUs ({platform.machine()}); median (min..max) of "
+             f"threads, {cpus_desc()}; median (min..max) of "
              f"{args.reps} interleaved rounds. GB/s count a's bytes once per pass; "
              f"useful GFLOP/s = 2*nnz*N/s; dense = {gemm[0]} (2*M*K*N/s).")
     md = to_markdown(rows, title)
     print()
     print(title)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(md)
-    print(f"wrote {args.out}")
+    write_report(args.out, md)
     return 0
 
 

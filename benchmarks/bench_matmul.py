@@ -27,14 +27,13 @@ Usage::
 
 import argparse
 import os
-import platform
 import statistics
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import tf_sparse_split as tfss
+from _common import call_times, markdown_table, tf_machine_desc, write_report
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.testing import random_sparse
 
@@ -80,9 +79,8 @@ def run_case(m, k, n, sparsity, direction, reps, rng):
     times = [[] for _ in fns]
     for _ in range(reps):
         for i, f in enumerate(fns):
-            t0 = time.perf_counter()
-            f(a, y)  # CPU execution is synchronous: the result is ready
-            times[i].append(time.perf_counter() - t0)
+            # CPU execution is synchronous: the result is ready.
+            times[i] += call_times(lambda: f(a, y), 1)
     med = [statistics.median(t) for t in times]
     per_round = [d / s for d, s in zip(times[0], times[3])]
     return {
@@ -107,9 +105,7 @@ def row_markdown(r):
 
 
 def to_markdown(rows, title):
-    lines = [title, "", HEADER, "|" + "---|" * 9]
-    lines += [row_markdown(r) for r in rows]
-    return "\n".join(lines) + "\n"
+    return markdown_table(HEADER, [row_markdown(r) for r in rows], title)
 
 
 def plot(rows, path, title):
@@ -174,22 +170,15 @@ def main(argv=None):
                 r = run_case(m, k, n, sp, direction, reps, rng)
                 rows.append(r)
                 print(row_markdown(r), flush=True)
-    info = build_info()
     title = (f"Speed-up t(tf.matmul) / t(column), float32, median of {reps} interleaved "
-             f"rounds; TensorFlow {tf.__version__}, {os.cpu_count()} CPUs "
-             f"({platform.machine()}), library built with {info['MARCH']} ({info['ISA']}). "
+             f"rounds; {tf_machine_desc(build_info())}. "
              f"'ours sparse' = threshold 1.0 (every row through the CSR SpMM); "
              f"spread = min..max of its per-round ratios.")
     print()
     print(title)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(to_markdown(rows, title))
     png = os.path.splitext(args.out)[0] + ".png"
-    if plot(rows, png, title):
-        print(f"wrote {args.out} and {png}")
-    else:
-        print(f"wrote {args.out}")
+    write_report(args.out, to_markdown(rows, title),
+                 also=lambda: png if plot(rows, png, title) else None)
     return 0
 
 

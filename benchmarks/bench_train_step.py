@@ -41,9 +41,7 @@ Usage::
 
 import argparse
 import os
-import platform
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +49,8 @@ import tensorflow as tf
 import keras
 
 import tf_sparse_split as tfss
+from _common import (cpus_desc, format_median_min_spread, markdown_table,
+                     median_min_spread_ms, median_time, rotated, write_report)
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.tools.datasets import load_digits, load_mnist
 from tf_sparse_split.ops.matmul import _grad_a_live_columns
@@ -99,11 +99,10 @@ class Variant:
         if weights is not None:
             own = []
             it = iter(weights)
-            for layer in self.model.layers:
-                w = [next(it), next(it)]  # kernel, bias
-                if sparse:
-                    w.append(layer.get_weights()[2])  # threshold
-                own += w
+            # get_weights() is [kernel, bias] per layer for both layer types
+            # (SparseSplitDense's threshold is not a Keras weight).
+            for _ in self.model.layers:
+                own += [next(it), next(it)]  # kernel, bias
             self.model.set_weights(own)
         self.optimizer = keras.optimizers.Adam(1e-3)
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
@@ -207,14 +206,9 @@ class Variant:
 
 
 def _time(fn, args, reps):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        tf.nest.map_structure(
-            lambda t: t.numpy() if hasattr(t, "numpy") else t, out)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``fn(*args)`` with its outputs copied to the host."""
+    return median_time(lambda: tf.nest.map_structure(
+        lambda t: t.numpy() if hasattr(t, "numpy") else t, fn(*args)), reps)
 
 
 def main(argv=None):
@@ -253,9 +247,8 @@ def main(argv=None):
     names = list(ref.parts)
     res = {v.name: {n: [] for n in names} for v in variants}
     for r in range(args.rounds):
-        order = variants if r % 2 == 0 else variants[::-1]
         for n in names:
-            for v in order:
+            for v in rotated(variants, r):  # alternating order
                 fn, a = v.parts[n]
                 res[v.name][n].append(_time(fn, a, args.reps))
 
@@ -267,19 +260,13 @@ def main(argv=None):
              f"Adam, {data_desc}, after {args.warmup} warm-up steps; medians "
              f"over {args.rounds} interleaved rounds of {args.reps} calls (ms; "
              f"min; spread = max/min of round medians); TensorFlow "
-             f"{tf.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
+             f"{tf.__version__}, {cpus_desc()}, "
              f"library built with {build_info()['MARCH']}; load average "
              f"{os.getloadavg()[0]:.1f} at the end (other jobs on the machine "
              "widen the spread).")
-    lines += [title, "",
-              "| part | keras Dense (ms) | SparseSplitDense (ms) | ratio keras/ours |",
-              "|---|---|---|---|"]
     for n in names:
-        cells = []
-        for v in variants:
-            ts = res[v.name][n]
-            cells.append(f"{statistics.median(ts) * 1e3:.3f} (min "
-                         f"{min(ts) * 1e3:.3f}, x{max(ts) / min(ts):.2f})")
+        cells = [format_median_min_spread(median_min_spread_ms(res[v.name][n]))
+                 for v in variants]
         ratio = med(ref.name, n) / max(med(ours.name, n), 1e-9)
         lines.append(f"| {n} | {cells[0]} | {cells[1]} | {ratio:.2f} |")
     summed = {}
@@ -306,13 +293,11 @@ def main(argv=None):
                     f"skipped {int(s['zero_cols_skipped'])}/{int(s['k'])}")
     lines += ["", "SparseSplitDense statistics of the last call: " +
               "; ".join(dens) + "."]
-    md = "\n".join(lines) + "\n"
+    md = markdown_table(
+        "| part | keras Dense (ms) | SparseSplitDense (ms) | ratio keras/ours |",
+        lines, title)
     print(md)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(md)
-        print(f"wrote {args.out}")
+    write_report(args.out, md)
     return 0
 
 

@@ -38,3 +38,17 @@ def op_library():
     import tf_sparse_split as tfss
 
     return tfss.load_library()
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """Runs the ``tf-sparse-split`` command in-process: a function
+    ``run_cli(argv) -> (exit code, stdout, stderr)``."""
+    from tf_sparse_split.tools import cli
+
+    def run(argv):
+        rc = cli.main(argv)
+        captured = capsys.readouterr()
+        return rc, captured.out, captured.err
+
+    return run

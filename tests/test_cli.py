@@ -18,14 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train", "--epochs", "1", "--hidden", "32,16", "--batch-size", "128"]
 
 
-def _run(capsys, argv):
-    rc = cli.main(argv)
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def test_train_sparse_on_digits(capsys):
-    rc, out, _ = _run(capsys, SMALL + ["--epochs", "2"])
+def test_train_sparse_on_digits(run_cli):
+    rc, out, _ = run_cli(SMALL + ["--epochs", "2"])
     assert rc == 0
     assert "data: scikit-learn digits" in out
     assert "1438 train / 359 test examples, 64 features" in out
@@ -46,8 +40,8 @@ def test_train_sparse_on_digits(capsys):
     assert "\r" not in out and "\x08" not in out and "\x1b" not in out
 
 
-def test_train_baseline(capsys):
-    rc, out, _ = _run(capsys, SMALL + ["--baseline", "--quiet"])
+def test_train_baseline(run_cli):
+    rc, out, _ = run_cli(SMALL + ["--baseline", "--quiet"])
     assert rc == 0
     assert "model: baseline MLP 64-32-16-10 (keras.layers.Dense)" in out
     assert "input sparsity" not in out.split("model:")[1]
@@ -55,8 +49,8 @@ def test_train_baseline(capsys):
     assert re.search(r"baseline: test accuracy \d\.\d{4}", out)
 
 
-def test_train_compare(capsys):
-    rc, out, _ = _run(capsys, SMALL + ["--compare", "--threshold", "0.5"])
+def test_train_compare(run_cli):
+    rc, out, _ = run_cli(SMALL + ["--compare", "--threshold", "0.5"])
     assert rc == 0
     assert "model: sparse-split MLP" in out and "model: baseline MLP" in out
     assert re.search(r"\s+sparse-split\s+baseline", out)
@@ -88,14 +82,14 @@ def test_train_compare(capsys):
     ["profile", "m.keras", "--input", "x.npy", "--batch-size", "4"],
     ["profile", "m.keras", "--input", "x.npy", "--input-sparsity", "0.2"],
 ])
-def test_bad_arguments_exit_2(capsys, argv):
-    rc, _, err = _run(capsys, argv)
+def test_bad_arguments_exit_2(run_cli, argv):
+    rc, _, err = run_cli(argv)
     assert rc == 2
     assert "usage:" in err
 
 
-def test_missing_data_dir_exits_1(capsys, tmp_path):
-    rc, _, err = _run(capsys, SMALL + ["--data", str(tmp_path / "none")])
+def test_missing_data_dir_exits_1(run_cli, tmp_path):
+    rc, _, err = run_cli(SMALL + ["--data", str(tmp_path / "none")])
     assert rc == 1
     assert "MNIST directory not found" in err
 

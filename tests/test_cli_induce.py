@@ -6,20 +6,13 @@ import re
 import pytest
 
 import tf_sparse_split as tfss
-from tf_sparse_split.tools import cli
 
 tfss.load_library()  # fail loudly if the op library is not built
 
 
-def _run(capsys, argv):
-    rc = cli.main(argv)
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
-
-
-def test_target_sparsity_mlp_compare(capsys):
-    rc, out, _ = _run(capsys, ["train", "--epochs", "2", "--hidden", "64,64",
-                               "--target-sparsity", "0.8", "--compare"])
+def test_target_sparsity_mlp_compare(run_cli):
+    rc, out, _ = run_cli(["train", "--epochs", "2", "--hidden", "64,64",
+                          "--target-sparsity", "0.8", "--compare"])
     assert rc == 0, out
     # Per-epoch lines of the induced model show the FATReLU controls.
     assert re.search(r"  hidden_2: input sparsity \d\.\d{3}, threshold for next epoch "
@@ -36,19 +29,19 @@ def test_target_sparsity_mlp_compare(capsys):
                      r"\d+\.\d\dx", out)
 
 
-def test_target_sparsity_cnn(capsys):
-    rc, out, _ = _run(capsys, ["train", "--model", "cnn", "--epochs", "1",
-                               "--filters", "4,8", "--target-sparsity",
-                               "0.8", "--quiet"])
+def test_target_sparsity_cnn(run_cli):
+    rc, out, _ = run_cli(["train", "--model", "cnn", "--epochs", "1",
+                          "--filters", "4,8", "--target-sparsity",
+                          "0.8", "--quiet"])
     assert rc == 0, out
     assert re.search(r"sparse-split: test accuracy \d\.\d{4}", out)
 
 
-def test_lstm(capsys):
-    rc, out, _ = _run(capsys, ["train", "--model", "lstm", "--units", "16",
-                               "--epochs", "1", "--dropout", "row",
-                               "--dropout-rate", "0.5",
-                               "--recurrent-dropout-rate", "0.3", "--quiet"])
+def test_lstm(run_cli):
+    rc, out, _ = run_cli(["train", "--model", "lstm", "--units", "16",
+                          "--epochs", "1", "--dropout", "row",
+                          "--dropout-rate", "0.5",
+                          "--recurrent-dropout-rate", "0.3", "--quiet"])
     assert rc == 0, out
     assert ("model: sparse-split LSTM 8 steps x 8 features -> LSTM(16, "
             "dropout=0.5, recurrent_dropout=0.3) -> dense(10) "
@@ -74,8 +67,7 @@ def test_lstm_baseline_is_keras_lstm_with_same_rates():
     (["--model", "gru"], 2),
     (["--units", "0"], 2),
 ])
-def test_bad_arguments(capsys, argv, code):
-    rc, _, err = _run(capsys, ["train", "--epochs", "1", "--hidden", "8"]
-                      + argv)
+def test_bad_arguments(run_cli, argv, code):
+    rc, _, err = run_cli(["train", "--epochs", "1", "--hidden", "8"] + argv)
     assert rc == code, err
     assert ("usage:" in err) if code == 2 else ("error:" in err)

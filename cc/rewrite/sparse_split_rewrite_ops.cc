@@ -18,6 +18,18 @@ namespace rewrite {
 namespace tf = ::tensorflow;
 using tf::shape_inference::InferenceContext;
 
+namespace {
+
+// Shape function of every op here: each output is a vector of unknown length.
+absl::Status UnknownVectorOutputs(InferenceContext* c) {
+  for (int i = 0; i < c->num_outputs(); ++i) {
+    c->set_output(i, c->Vector(InferenceContext::kUnknownDim));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 REGISTER_OP("TfSparseSplit>SparseSplitRewriteConfig")
     .Input("enable: bool")
     .Input("threshold: float")
@@ -26,10 +38,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitRewriteConfig")
     .Input("producers: string")
     .Output("active_ops: string")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) -> absl::Status {
-      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(UnknownVectorOutputs)
     .Doc(R"doc(
 Configures the sparse-split graph-rewrite pass for graphs optimized from now on.
 
@@ -48,11 +57,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitRewriteCounters")
     .Output("op_types: string")
     .Output("counts: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) -> absl::Status {
-      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(UnknownVectorOutputs)
     .Doc(R"doc(
 Nodes rewritten by the sparse-split pass since load (or the last reset), by source op type.
 
@@ -65,10 +70,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitRewriteLog")
     .Input("clear: bool")
     .Output("records: string")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) -> absl::Status {
-      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(UnknownVectorOutputs)
     .Doc(R"doc(
 What the sparse-split pass did: one tab-separated key=value record per node it rewrote or declined.
 
@@ -79,10 +81,7 @@ records: string vector.
 REGISTER_OP("TfSparseSplit>SparseSplitRewriteMissed")
     .Output("records: string")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) -> absl::Status {
-      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(UnknownVectorOutputs)
     .Doc(R"doc(
 Function graphs with MatMul/Conv2D nodes instantiated while the pass was off, since the last call.
 
@@ -97,10 +96,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitRewriteDryRun")
     .Input("producers: string")
     .Output("records: string")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) -> absl::Status {
-      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(UnknownVectorOutputs)
     .Doc(R"doc(
 What the sparse-split pass would do to a graph, without changing it.
 
@@ -129,6 +125,25 @@ std::set<std::string> StringSet(const tf::Tensor& t) {
   return out;
 }
 
+// Reads the inputs `min_flops` (a float64 scalar, input i), `ops` and
+// `producers` (string vectors, inputs i + 1 and i + 2) that both the config
+// and the dry-run op take into cfg.
+absl::Status NodeFilterInputs(tf::OpKernelContext* ctx, int i,
+                              RewriteConfig* cfg) {
+  TF_RETURN_IF_ERROR(ScalarInput(ctx, i, "min_flops"));
+  const tf::Tensor& ops = ctx->input(i + 1);
+  const tf::Tensor& producers = ctx->input(i + 2);
+  if (ops.dims() != 1 || producers.dims() != 1) {
+    return tf::errors::InvalidArgument(
+        "ops and producers must be vectors, got shapes ",
+        ops.shape().DebugString(), " and ", producers.shape().DebugString());
+  }
+  cfg->min_flops = ctx->input(i).scalar<double>()();
+  cfg->ops = StringSet(ops);
+  cfg->producers = StringSet(producers);
+  return absl::OkStatus();
+}
+
 void StringVector(tf::OpKernelContext* ctx, int index,
                   const std::vector<std::string>& values) {
   tf::Tensor* out = nullptr;
@@ -144,21 +159,13 @@ class SparseSplitRewriteConfigOp : public tf::OpKernel {
   void Compute(tf::OpKernelContext* ctx) override {
     OP_REQUIRES_OK(ctx, ScalarInput(ctx, 0, "enable"));
     OP_REQUIRES_OK(ctx, ScalarInput(ctx, 1, "threshold"));
-    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 2, "min_flops"));
-    OP_REQUIRES(ctx, ctx->input(3).dims() == 1 && ctx->input(4).dims() == 1,
-                tf::errors::InvalidArgument(
-                    "ops and producers must be vectors, got shapes ",
-                    ctx->input(3).shape().DebugString(), " and ",
-                    ctx->input(4).shape().DebugString()));
     RewriteConfig cfg;
+    OP_REQUIRES_OK(ctx, NodeFilterInputs(ctx, 2, &cfg));
     cfg.enabled = ctx->input(0).scalar<bool>()();
     cfg.threshold = ctx->input(1).scalar<float>()();
-    cfg.min_flops = ctx->input(2).scalar<double>()();
     OP_REQUIRES(ctx, !(cfg.threshold > 1.0f) && cfg.threshold == cfg.threshold,
                 tf::errors::InvalidArgument(
                     "threshold must be in [0, 1] or negative, got ", cfg.threshold));
-    cfg.ops = StringSet(ctx->input(3));
-    cfg.producers = StringSet(ctx->input(4));
     SetConfig(cfg);
     StringVector(ctx, 0, ActiveSourceOps());
   }
@@ -207,23 +214,15 @@ class SparseSplitRewriteDryRunOp : public tf::OpKernel {
   using tf::OpKernel::OpKernel;
   void Compute(tf::OpKernelContext* ctx) override {
     OP_REQUIRES_OK(ctx, ScalarInput(ctx, 0, "graph_def"));
-    OP_REQUIRES_OK(ctx, ScalarInput(ctx, 1, "min_flops"));
-    OP_REQUIRES(ctx, ctx->input(2).dims() == 1 && ctx->input(3).dims() == 1,
-                tf::errors::InvalidArgument(
-                    "ops and producers must be vectors, got shapes ",
-                    ctx->input(2).shape().DebugString(), " and ",
-                    ctx->input(3).shape().DebugString()));
+    RewriteConfig cfg;
+    OP_REQUIRES_OK(ctx, NodeFilterInputs(ctx, 1, &cfg));
     tf::GraphDef graph_def;
     OP_REQUIRES(ctx,
                 graph_def.ParseFromString(
                     std::string(ctx->input(0).scalar<tf::tstring>()())),
                 tf::errors::InvalidArgument(
                     "graph_def is not a serialized GraphDef"));
-    RewriteConfig cfg;
     cfg.enabled = true;
-    cfg.min_flops = ctx->input(1).scalar<double>()();
-    cfg.ops = StringSet(ctx->input(2));
-    cfg.producers = StringSet(ctx->input(3));
     std::vector<std::string> records;
     OP_REQUIRES_OK(ctx, DryRun(graph_def, cfg, &records));
     StringVector(ctx, 0, records);

@@ -126,6 +126,20 @@ class SparseSplitLayer(keras.layers.Layer):
         self._stats_vars = None
         self.record_stats = "auto"
 
+    #: The ``keras.layers.Dense``/``Conv2D`` arguments the subclasses take
+    #: and pass on unchanged (see :meth:`_keras_weight_args`).
+    _KERAS_WEIGHT_ARGS = ("activation", "use_bias", "kernel_initializer",
+                          "bias_initializer", "kernel_regularizer",
+                          "bias_regularizer", "activity_regularizer",
+                          "kernel_constraint", "bias_constraint")
+
+    @classmethod
+    def _keras_weight_args(cls, arguments):
+        """The entries of ``arguments`` (a subclass ``__init__``'s
+        ``locals()``) named in :attr:`_KERAS_WEIGHT_ARGS`, as keyword
+        arguments for the Keras layer's ``__init__``."""
+        return {k: arguments[k] for k in cls._KERAS_WEIGHT_ARGS}
+
     def build(self, input_shape):
         super().build(input_shape)
         self._build_split_state()

@@ -97,14 +97,7 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
         super().__init__(
             filters, kernel_size, threshold=threshold, strides=strides, padding=padding,
             data_format="channels_last", dilation_rate=dilation_rate,
-            groups=1, activation=activation, use_bias=use_bias,
-            kernel_initializer=kernel_initializer,
-            bias_initializer=bias_initializer,
-            kernel_regularizer=kernel_regularizer,
-            bias_regularizer=bias_regularizer,
-            activity_regularizer=activity_regularizer,
-            kernel_constraint=kernel_constraint,
-            bias_constraint=bias_constraint, **kwargs)
+            groups=1, **self._keras_weight_args(locals()), **kwargs)
         self._spatial = None
 
     def build(self, input_shape):

@@ -147,20 +147,8 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
                 "SparseSplitDense does not support quantization "
                 "(quantization_config); the sparse-split op multiplies "
                 "float32/float64 kernels only")
-        super().__init__(
-            units,
-            threshold=threshold,
-            activation=activation,
-            use_bias=use_bias,
-            kernel_initializer=kernel_initializer,
-            bias_initializer=bias_initializer,
-            kernel_regularizer=kernel_regularizer,
-            bias_regularizer=bias_regularizer,
-            activity_regularizer=activity_regularizer,
-            kernel_constraint=kernel_constraint,
-            bias_constraint=bias_constraint,
-            **kwargs,
-        )
+        super().__init__(units, threshold=threshold,
+                         **self._keras_weight_args(locals()), **kwargs)
 
     # -- building ---------------------------------------------------------
     def build(self, input_shape):

@@ -343,10 +343,8 @@ def main(argv=None):
             from tf_sparse_split.tools.profile import profile_command
 
             return profile_command(args, out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"tf-sparse-split: error: {e}", file=sys.stderr)
-        return 1
-    except ImportError as e:  # includes LibraryLoadError
+    # ImportError includes LibraryLoadError.
+    except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"tf-sparse-split: error: {e}", file=sys.stderr)
         return 1
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover

@@ -22,10 +22,14 @@ without recording statistics (inference). On GPU machines Keras models need
 ``jit_compile=False`` for the rewrite pass (it cannot act inside XLA).
 """
 
-import os
 import time
 
 import numpy as np
+
+from tf_sparse_split.tools._model_io import (input_from_args, model_kind,
+                                             random_input, restore_rewrite,
+                                             select_signature,
+                                             stop_recording_stats)
 
 __all__ = ["convert_to_sparse_split", "end_to_end_latency", "format_latency",
            "latency_command"]
@@ -94,11 +98,7 @@ def convert_to_sparse_split(model, threshold=-1.0):
 def _keras_fn(model):
     import tensorflow as tf
 
-    from tf_sparse_split.layers import SparseSplitLayer
-
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, SparseSplitLayer):
-            layer.record_stats = False
+    stop_recording_stats(model)
     return tf.function(lambda x: model(x, training=False))
 
 
@@ -106,15 +106,7 @@ def _saved_model_fn(path, signature):
     import tensorflow as tf
 
     loaded = tf.saved_model.load(path)
-    sigs = dict(loaded.signatures)
-    if not sigs:
-        raise ValueError(f"SavedModel {path} has no signatures")
-    key = signature or ("serving_default" if "serving_default" in sigs
-                        else sorted(sigs)[0])
-    if key not in sigs:
-        raise ValueError(f"SavedModel {path} has no signature {key!r} (has "
-                         f"{sorted(sigs)})")
-    fn = sigs[key]
+    key, fn = select_signature(loaded, path, signature)
     specs = [t for t in fn.structured_input_signature[1].values()]
     if len(specs) != 1:
         raise ValueError(f"--end-to-end needs a single-input model; signature "
@@ -141,30 +133,15 @@ def _load(path, signature):
     import keras
     import tensorflow as tf
 
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no such model: {path}")
-    if path.endswith(".keras") and os.path.isfile(path):
+    if model_kind(path) == "keras":
         model = keras.saving.load_model(path, compile=False)
         if len(model.inputs) != 1:
             raise ValueError("--end-to-end needs a single-input model")
         t = model.inputs[0]
         return (_keras_fn(model), model,
                 (tuple(t.shape), tf.as_dtype(t.dtype)), model)
-    if os.path.isdir(path) and os.path.exists(
-            os.path.join(path, "saved_model.pb")):
-        fn, owner, spec = _saved_model_fn(path, signature)
-        return fn, owner, (tuple(spec.shape.as_list()), spec.dtype), None
-    raise ValueError(f"{path} is neither a SavedModel directory nor a .keras "
-                     "file")
-
-
-def _make_input(shape, dtype, batch_size, sparsity, seed):
-    rng = np.random.default_rng(seed)
-    shape = [batch_size if d is None else int(d) for d in shape]
-    x = np.maximum(rng.standard_normal(shape), 0.0)
-    # relu(normal) has 50% zeros; zero more to reach the requested sparsity.
-    x[rng.random(shape) < max(0.0, (sparsity - 0.5) / 0.5)] = 0.0
-    return x.astype(dtype.as_numpy_dtype)
+    fn, owner, spec = _saved_model_fn(path, signature)
+    return fn, owner, (tuple(spec.shape.as_list()), spec.dtype), None
 
 
 def end_to_end_latency(path, inputs=None, batch_size=128, input_sparsity=0.5,
@@ -205,7 +182,8 @@ def end_to_end_latency(path, inputs=None, batch_size=128, input_sparsity=0.5,
     notes = []
     plain_fn, plain_owner, (shape, dtype), keras_model = _load(path, signature)
     if inputs is None:
-        inputs = _make_input(shape, dtype, batch_size, input_sparsity, seed)
+        inputs = random_input(shape, dtype, batch_size, input_sparsity,
+                              np.random.default_rng(seed))
     inputs = np.asarray(inputs)
     if len(inputs.shape) != len(shape) or any(
             d is not None and d != s for d, s in zip(shape, inputs.shape)):
@@ -218,11 +196,7 @@ def end_to_end_latency(path, inputs=None, batch_size=128, input_sparsity=0.5,
     try:
         reference = _first_output(plain_fn(x)).numpy()  # instantiated: plain
     finally:
-        if previous["enabled"]:
-            rewrite.enable(threshold=previous["threshold"],
-                           min_flops=previous["min_flops"],
-                           ops=previous["ops"],
-                           producers=previous["producers"])
+        restore_rewrite(previous)
     variants.append(["plain", plain_fn])
     # The rewrite pass acts when a function is first instantiated: a fresh
     # copy of the model, first called with the pass on.
@@ -329,15 +303,7 @@ def latency_command(args, out):
     from tf_sparse_split._loader import load_library
 
     load_library()
-    inputs = None
-    input_desc = (f"random, relu(normal) with {args.input_sparsity:.2f} "
-                  f"zeros, seed {args.seed}")
-    if args.input is not None:
-        if not os.path.isfile(args.input):
-            raise FileNotFoundError(f"no such input file: {args.input}")
-        inputs = np.load(args.input)
-        input_desc = (f"from {args.input}, "
-                      f"{float(np.mean(inputs == 0)):.3f} zeros")
+    inputs, input_desc = input_from_args(args)
     result = end_to_end_latency(
         args.model, inputs=inputs, batch_size=args.batch_size,
         input_sparsity=args.input_sparsity, rounds=args.repeats,

@@ -19,10 +19,14 @@ Keras compiles with XLA by default; the pass applies only with
 ``model.compile(..., jit_compile=False)``.
 """
 
-import os
 import time
 
 import numpy as np
+
+from tf_sparse_split.tools._model_io import (input_from_args, model_kind,
+                                             random_input, restore_rewrite,
+                                             select_signature,
+                                             stop_recording_stats)
 
 __all__ = ["profile_model", "load_model_function", "NodeProfile",
            "format_report", "profile_command"]
@@ -58,36 +62,21 @@ def load_model_function(path, signature=None):
     """
     import tensorflow as tf
 
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no such model: {path}")
-    if path.endswith(".keras") and os.path.isfile(path):
+    if model_kind(path) == "keras":
         import keras
-
-        from tf_sparse_split.layers import SparseSplitLayer
 
         model = keras.saving.load_model(path, compile=False)
         # Sparse-split layers record statistics in variables; a frozen graph
         # has no variables to update, so profiling runs them without it.
-        for layer in model._flatten_layers(include_self=False, recursive=True):
-            if isinstance(layer, SparseSplitLayer):
-                layer.record_stats = False
+        stop_recording_stats(model)
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in model.inputs]
         fn = tf.function(lambda *xs: model(list(xs) if len(xs) > 1 else xs[0],
                                            training=False))
         return (fn.get_concrete_function(*specs), f"Keras model {model.name!r}",
                 model)
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "saved_model.pb")):
-        loaded = tf.saved_model.load(path)
-        sigs = dict(loaded.signatures)
-        if not sigs:
-            raise ValueError(f"SavedModel {path} has no signatures")
-        key = signature or ("serving_default" if "serving_default" in sigs
-                            else sorted(sigs)[0])
-        if key not in sigs:
-            raise ValueError(f"SavedModel {path} has no signature {key!r} "
-                             f"(has {sorted(sigs)})")
-        return sigs[key], f"SavedModel, signature {key!r}", loaded
-    raise ValueError(f"{path} is neither a SavedModel directory nor a .keras file")
+    loaded = tf.saved_model.load(path)
+    key, fn = select_signature(loaded, path, signature)
+    return fn, f"SavedModel, signature {key!r}", loaded
 
 
 def _median_time(fn, repeats):
@@ -128,10 +117,7 @@ def _end_to_end(frozen, inputs, repeats):
         plain = tf.function(lambda: frozen(*args))
         plain()
     finally:
-        if previous["enabled"]:
-            rewrite.enable(threshold=previous["threshold"],
-                           min_flops=previous["min_flops"],
-                           ops=previous["ops"], producers=previous["producers"])
+        restore_rewrite(previous)
 
     def once(fn):
         t0 = time.perf_counter()
@@ -196,11 +182,8 @@ def profile_model(path, inputs=None, batch_size=128, input_sparsity=0.5,
     if inputs is None:
         inputs = []
         for t in placeholders:
-            shape = [batch_size if d is None else d for d in t.shape.as_list()]
-            x = np.maximum(rng.standard_normal(shape), 0)
-            # relu(normal) has 50% zeros; move to the requested sparsity.
-            x[rng.random(shape) < max(0.0, (input_sparsity - 0.5) / 0.5)] = 0
-            inputs.append(x.astype(t.dtype.as_numpy_dtype))
+            inputs.append(random_input(t.shape.as_list(), t.dtype, batch_size,
+                                       input_sparsity, rng))
     if len(inputs) != len(placeholders):
         raise ValueError(f"the model takes {len(placeholders)} inputs, got "
                          f"{len(inputs)}")
@@ -356,14 +339,8 @@ def profile_command(args, out):
     from tf_sparse_split._loader import load_library
 
     load_library()
-    inputs = None
-    input_desc = (f"random, relu(normal) with {args.input_sparsity:.2f} zeros, "
-                  f"seed {args.seed}")
-    if args.input is not None:
-        if not os.path.isfile(args.input):
-            raise FileNotFoundError(f"no such input file: {args.input}")
-        inputs = [np.load(args.input)]
-        input_desc = f"from {args.input}, {float(np.mean(inputs[0] == 0)):.3f} zeros"
+    x, input_desc = input_from_args(args)
+    inputs = None if x is None else [x]
     desc, rows, shapes = profile_model(
         args.model, inputs=inputs, batch_size=args.batch_size,
         input_sparsity=args.input_sparsity, threshold=args.threshold,

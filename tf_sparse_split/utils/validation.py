@@ -31,6 +31,17 @@ def _received(name, value):
     return f"Received: {name}={value!r}"
 
 
+def _parse_float(value, msg):
+    """``float(value)``; ``ValueError(msg)`` for a bool or a value that does
+    not convert."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(msg)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(msg) from None
+
+
 def validate_threshold(threshold, name="threshold", *, allow_negative=True,
                        allow_str=True):
     """Checks a dense/sparse split threshold and returns it as a float.
@@ -58,9 +69,9 @@ def validate_threshold(threshold, name="threshold", *, allow_negative=True,
     expected = ("a number in [0, 1], or 'auto'" +
                 (" or a negative number" if allow_negative else "") +
                 " for automatic")
-    if isinstance(threshold, (bool, np.bool_)) or threshold is None:
-        raise ValueError(f"`{name}` must be {expected}. "
-                         f"{_received(name, threshold)}")
+    msg = f"`{name}` must be {expected}. {_received(name, threshold)}"
+    if threshold is None:
+        raise ValueError(msg)
     if isinstance(threshold, (str, bytes)):
         if not allow_str:
             raise ValueError(f"`{name}` must be {expected}, not a string. "
@@ -68,14 +79,9 @@ def validate_threshold(threshold, name="threshold", *, allow_negative=True,
         text = threshold.decode() if isinstance(threshold, bytes) else threshold
         if text.strip().lower() == "auto":
             return AUTO_THRESHOLD
-    try:
-        value = float(threshold)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be {expected}. "
-                         f"{_received(name, threshold)}") from None
+    value = _parse_float(threshold, msg)  # also refuses bools
     if math.isnan(value) or value > 1.0 or (value < 0.0 and not allow_negative):
-        raise ValueError(f"`{name}` must be {expected}. "
-                         f"{_received(name, threshold)}")
+        raise ValueError(msg)
     return value
 
 
@@ -98,12 +104,7 @@ def validate_fraction(value, name, *, low_inclusive=True,
     interval = (("[" if low_inclusive else "(") + "0, 1" +
                 ("]" if high_inclusive else ")"))
     msg = f"`{name}` must be a number in {interval}. {_received(name, value)}"
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(msg)
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(msg) from None
+    v = _parse_float(value, msg)
     low_ok = v >= 0.0 if low_inclusive else v > 0.0
     high_ok = v <= 1.0 if high_inclusive else v < 1.0
     if not (low_ok and high_ok):  # also rejects NaN
@@ -145,12 +146,7 @@ def validate_positive_float(value, name):
       ValueError: a bool, a non-numeric value, NaN, or a value ``<= 0``.
     """
     msg = f"`{name}` must be a number > 0. {_received(name, value)}"
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(msg)
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(msg) from None
+    v = _parse_float(value, msg)
     if not v > 0:
         raise ValueError(msg)
     return v
@@ -190,12 +186,7 @@ def validate_nonnegative_float(value, name):
         ``< 0``.
     """
     msg = f"`{name}` must be a finite number >= 0. {_received(name, value)}"
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(msg)
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(msg) from None
+    v = _parse_float(value, msg)
     if not 0.0 <= v < math.inf:
         raise ValueError(msg)
     return v
