@@ -1,4 +1,4 @@
-// The bias + activation epilogue of a matrix product (layer 1 of DESIGN.md:
+// The bias + activation epilogue of a matrix product (layer 1 of docs/ARCHITECTURE.md:
 // framework-free, no TensorFlow headers): c[i, :] = act(c[i, :] + bias) on
 // the rows of a row-major output, in place, one pass over each row.
 //

@@ -1,5 +1,5 @@
 // Framework-free CPU kernels behind SparseSplitConv2D and
-// SparseSplitConv2DBackpropFilter (layer 1 of DESIGN.md).
+// SparseSplitConv2DBackpropFilter (layer 1 of docs/ARCHITECTURE.md).
 //
 // No TensorFlow headers: plain pointers and sizes, and the ParallelFor hook
 // of sparse_matmul.h through which the caller supplies its thread pool.

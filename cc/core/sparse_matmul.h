@@ -1,4 +1,4 @@
-// Framework-free CPU kernels behind SparseSplitMatMul (layer 1 of DESIGN.md).
+// Framework-free CPU kernels behind SparseSplitMatMul (layer 1 of docs/ARCHITECTURE.md).
 //
 // No TensorFlow headers here: plain pointers, sizes and strides, and a
 // ParallelFor hook through which the caller supplies its thread pool (TF's

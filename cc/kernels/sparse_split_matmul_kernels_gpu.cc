@@ -1,4 +1,4 @@
-// SparseSplitMatMul: GPU kernel (layer 2 of DESIGN.md, GPU side).
+// SparseSplitMatMul: GPU kernel (layer 2 of docs/ARCHITECTURE.md, GPU side).
 //
 // Compiled into the op library only for a CUDA TensorFlow (setup.py defines
 // GOOGLE_CUDA=1 and links the nvcc objects of cc/core/cuda and -lcudart);

@@ -107,7 +107,7 @@ class SparseSplitLayer(keras.layers.Layer):
     build no graph), so ``layer(x); layer.latest_stats()`` works
     interactively.
       supports_jit: False: the ops have no XLA kernels, so Keras does not
-        JIT-compile a model holding this layer (DESIGN.md, "Keras and XLA").
+        JIT-compile a model holding this layer (docs/ARCHITECTURE.md, "Keras and XLA").
 
     Raises:
       ValueError: on a bad ``threshold``.

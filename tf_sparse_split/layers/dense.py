@@ -99,7 +99,7 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     :meth:`latest_stats` and :meth:`accumulated_stats`.
 
     XLA: the op has no XLA kernel, so ``supports_jit`` is False and Keras
-    does not JIT-compile a model holding this layer (DESIGN.md, "Keras and
+    does not JIT-compile a model holding this layer (docs/ARCHITECTURE.md, "Keras and
     XLA").
 
     Raises:

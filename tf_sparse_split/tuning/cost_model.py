@@ -30,7 +30,7 @@ refitted. When the samples' work values span less than a factor of two the
 overhead cannot be told from the rate, and the line goes through the origin. A path that did no work in a call (``work == 0``) is not a sample
 for that path: the op spends nothing there, and the model predicts 0 s for
 zero work. Nothing is hard-coded about the break-even point; it follows from
-the two measured rates (see DESIGN.md, "Performance notes").
+the two measured rates (see docs/ARCHITECTURE.md, "Performance notes").
 
 In a heterogeneous split (``heterogeneous=True`` on the op: dense rows on the
 GPU, sparse rows on the CPU, at the same time) the two paths overlap, so the

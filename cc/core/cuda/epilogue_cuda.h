@@ -1,5 +1,5 @@
 // CUDA version of the bias + activation epilogue of ../epilogue.h (layer 1
-// of DESIGN.md, GPU side; framework-free, only the CUDA runtime headers).
+// of docs/ARCHITECTURE.md, GPU side; framework-free, only the CUDA runtime headers).
 //
 // c[i, :] = act(c[i, :] + bias) in place on every row of the row-major
 // device matrix c [m, n] (leading dimension ldc >= n); bias is a device

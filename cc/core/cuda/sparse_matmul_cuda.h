@@ -1,4 +1,4 @@
-// CUDA kernels behind SparseSplitMatMul (layer 1 of DESIGN.md, GPU side).
+// CUDA kernels behind SparseSplitMatMul (layer 1 of docs/ARCHITECTURE.md, GPU side).
 //
 // Framework-free: no TensorFlow headers. Every pointer argument is a DEVICE
 // pointer unless stated otherwise; sizes are host int64 values; work is
