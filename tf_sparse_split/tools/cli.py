@@ -299,8 +299,13 @@ def _check_combinations(parser, args):
         if args.dropout == "none":
             if given("dropout_rate") or given("tile_shape"):
                 parser.error("--dropout-rate and --tile-shape need --dropout")
+            if given("recurrent_dropout_rate"):
+                parser.error("--recurrent-dropout-rate needs --model lstm and "
+                             "--dropout")
         elif given("tile_shape") and args.dropout != "tile":
             parser.error("--tile-shape needs --dropout tile")
+        if args.dropout != "none" and args.dropout_rate is None:
+            args.dropout_rate = 0.5
         args.hidden = args.hidden or [512, 512]
         args.filters = args.filters or [16, 32]
         args.threshold = -1.0 if args.threshold is None else args.threshold

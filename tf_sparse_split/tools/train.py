@@ -309,19 +309,7 @@ def train_command(args, out):
     else:
         runner = run
 
-    if args.dropout == "none":
-        if args.dropout_rate is not None or args.tile_shape is not None:
-            raise ValueError("--dropout-rate and --tile-shape need --dropout")
-    else:
-        if args.dropout_rate is None:
-            args.dropout_rate = 0.5
-        if args.tile_shape is not None and args.dropout != "tile":
-            raise ValueError("--tile-shape needs --dropout tile")
-    if getattr(args, "recurrent_dropout_rate", None) is not None and (
-            args.model != "lstm" or args.dropout == "none"):
-        raise ValueError("--recurrent-dropout-rate needs --model lstm and "
-                         "--dropout")
-
+    # Flag combinations and defaults were settled by tools.cli.
     if args.data is None:
         (x_train, y_train), (x_test, y_test) = datasets.load_digits()  # fixed split
         data_name = "scikit-learn digits (8x8, embedded)"
