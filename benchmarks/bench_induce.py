@@ -105,6 +105,12 @@ def main():
         print(f"epoch {epoch + 1}: ours {t1 - t0:.2f} s, plain {t2 - t1:.2f}"
               f" s; test acc ours {ours.evaluate(xt, yt, verbose=0)[1]:.4f}"
               f" plain {ref.evaluate(xt, yt, verbose=0)[1]:.4f}", flush=True)
+        if args.case != "lstm":   # per-layer sparsity curve over epochs
+            sp_o = input_sparsity(ours, xt[:1000])
+            sp_r = input_sparsity(ref, xt[:1000])
+            print("  input sparsity ours/plain: " + ", ".join(
+                f"{name} {sp_o[name]:.3f}/{sp_r.get(name, float('nan')):.3f}"
+                for name in sp_o), flush=True)
     acc_o = ours.evaluate(xt, yt, verbose=0)[1]
     acc_r = ref.evaluate(xt, yt, verbose=0)[1]
     sp_o, sp_r = input_sparsity(ours, xt), input_sparsity(ref, xt)

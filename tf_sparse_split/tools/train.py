@@ -243,10 +243,19 @@ def input_sparsity(model, x, batch_size=256):
                             [model.get_layer(n).input for n in names])
     except (AttributeError, ValueError):
         return {}
-    outs = probe.predict(x, batch_size=batch_size, verbose=0)
-    if len(names) == 1:
-        outs = [outs]
-    return {n: float(np.mean(np.asarray(o) == 0)) for n, o in zip(names, outs)}
+    # Eager calls: ``predict`` would trace a new function for every probe
+    # (TF's retracing warning when this runs once per epoch).
+    zeros, total = np.zeros(len(names)), np.zeros(len(names))
+    for start in range(0, len(x), batch_size):
+        outs = probe(x[start:start + batch_size], training=False)
+        if len(names) == 1:
+            outs = [outs]
+        for i, o in enumerate(outs):
+            o = np.asarray(o)
+            zeros[i] += np.count_nonzero(o == 0)
+            total[i] += o.size
+    return {n: float(z / t) if t else float("nan")
+            for n, z, t in zip(names, zeros, total)}
 
 
 def _steady(times):
