@@ -55,6 +55,33 @@ struct TransposeCompressTile {
 };
 
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// Transposes the 16 x 16 floats of r[0..16) (row i in r[i]) in registers.
+inline void Transpose16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d t0 = _mm512_castps_pd(t[i]), t1 = _mm512_castps_pd(t[i + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[i + 2]), t3 = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  for (int h8 = 0; h8 < 16; h8 += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h8 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0x88);
+      t[h8 + 4 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
 template <>
 struct TransposeCompressTile<float> {
   static constexpr int64_t kSize = 16;
@@ -64,7 +91,7 @@ struct TransposeCompressTile<float> {
     __mmask16 sel = 0;
     for (int64_t j = 0; j < w; ++j)
       sel |= static_cast<__mmask16>((slot[j] >= 0 ? 1u : 0u) << j);
-    __m512 r[16], t[16];
+    __m512 r[16];
     __mmask16 nz[16];
     int total = 0;
     const __m512 zero = _mm512_setzero_ps();
@@ -89,28 +116,7 @@ struct TransposeCompressTile<float> {
       return;
     }
     // Transpose in registers, then compress each column as a row segment.
-    for (int i = 0; i < 16; i += 2) {
-      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-      const __m512d t0 = _mm512_castps_pd(t[i]), t1 = _mm512_castps_pd(t[i + 1]);
-      const __m512d t2 = _mm512_castps_pd(t[i + 2]), t3 = _mm512_castps_pd(t[i + 3]);
-      r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-      r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-      r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-      r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-    }
-    for (int h8 = 0; h8 < 16; h8 += 8) {
-      for (int i = 0; i < 4; ++i) {
-        t[h8 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0x88);
-        t[h8 + 4 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0xdd);
-      }
-    }
-    for (int i = 0; i < 8; ++i) {
-      r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-      r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-    }
+    Transpose16x16(r);
     const __m256i base_lo = _mm256_set1_epi32(static_cast<int32_t>(q0));
     const __m256i base_hi = _mm256_set1_epi32(static_cast<int32_t>(q0) + 8);
     for (unsigned m = sel; m != 0; m &= m - 1) {
@@ -763,6 +769,47 @@ void MaskedCopyRows(const T* mask, int64_t k, const int64_t* rows,
   });
 }
 
+namespace {
+
+// out[r, j] = a[col_j, r] for r in [r0, r0 + rh), j in [j0, j0 + jw) (rh,
+// jw <= 16; col_j = cols ? cols[j] : j): one tile of a transposed gather.
+template <typename T>
+struct TransposeTile {
+  static void Run(const T* a, int64_t phys_cols, const int64_t* cols,
+                  int64_t j0, int64_t jw, int64_t r0, int64_t rh, T* out,
+                  int64_t n_cols) {
+    for (int64_t j = j0; j < j0 + jw; ++j) {
+      const T* src = a + (cols ? cols[j] : j) * phys_cols;
+      for (int64_t r = r0; r < r0 + rh; ++r) out[r * n_cols + j] = src[r];
+    }
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// 16 rows of a loaded, transposed in registers, 16 rows of out stored: every
+// cache line is read or written whole, once.
+template <>
+struct TransposeTile<float> {
+  static void Run(const float* a, int64_t phys_cols, const int64_t* cols,
+                  int64_t j0, int64_t jw, int64_t r0, int64_t rh, float* out,
+                  int64_t n_cols) {
+    const __mmask16 rmask = static_cast<__mmask16>((1u << rh) - 1u);
+    const __mmask16 jmask = static_cast<__mmask16>((1u << jw) - 1u);
+    __m512 v[16];
+    for (int i = 0; i < 16; ++i) {
+      v[i] = i < jw ? _mm512_maskz_loadu_ps(
+                          rmask, a + (cols ? cols[j0 + i] : j0 + i) * phys_cols + r0)
+                    : _mm512_setzero_ps();
+    }
+    Transpose16x16(v);
+    for (int i = 0; i < rh; ++i)
+      _mm512_mask_storeu_ps(out + (r0 + i) * n_cols + j0, jmask, v[i]);
+  }
+};
+#endif
+
+}  // namespace
+
 template <typename T>
 void GatherSubmatrix(const T* a, int64_t phys_rows, int64_t phys_cols,
                      bool transpose_a, const int64_t* rows, int64_t n_rows,
@@ -783,13 +830,28 @@ void GatherSubmatrix(const T* a, int64_t phys_rows, int64_t phys_cols,
       }
     });
   } else {
-    // out[r, j] = a[col_j, row_r]: walk physical rows (the op's columns) so
-    // reads are contiguous, writing a column of out at a time.
+    // out[r, j] = a[col_j, row_r]. Without a row selection: 16 x 16 tiles
+    // (TransposeTile), a thread owning 16 columns of out (one cache line
+    // of each of its rows) and walking the rows; every line is read or
+    // written whole (a column of out at a time touched each line of out 16
+    // times, far apart).
+    if (rows == nullptr) {
+      constexpr int64_t kTile = 16;
+      const int64_t col_tiles = (n_cols + kTile - 1) / kTile;
+      pfor(col_tiles, n_rows * kTile * 2, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t j0 = t * kTile, jw = std::min(kTile, n_cols - j0);
+          for (int64_t r0 = 0; r0 < n_rows; r0 += kTile)
+            TransposeTile<T>::Run(a, phys_cols, cols, j0, jw, r0,
+                                  std::min(kTile, n_rows - r0), out, n_cols);
+        }
+      });
+      return;
+    }
     pfor(n_cols, n_rows * 2, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const T* src = a + (cols ? cols[j] : j) * phys_cols;
-        for (int64_t r = 0; r < n_rows; ++r)
-          out[r * n_cols + j] = src[rows ? rows[r] : r];
+        for (int64_t r = 0; r < n_rows; ++r) out[r * n_cols + j] = src[rows[r]];
       }
     });
   }
