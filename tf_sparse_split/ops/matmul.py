@@ -121,8 +121,9 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         elsewhere: ``(a != 0) * (dY @ op(b)^T)``, by the SDDMM op
         (:func:`~tf_sparse_split.ops.sparse_split_sddmm`, cost ``nnz(a) *
         N`` instead of ``M * K * N``; CPU only: under an explicit GPU
-        device, a GEMM over the live columns, then masked). This is the true gradient only when whatever produced
-        ``a`` has zero gradient wherever ``a`` is zero -- e.g. ``a`` is a
+        device, a GEMM over the live columns, then masked). This is the
+        true gradient only when whatever produced ``a`` has zero gradient
+        wherever ``a`` is zero -- e.g. ``a`` is a
         ReLU or FATReLU output (their gradient is 0 where the output is 0),
         possibly through dropout (dropped units get 0 from the mask),
         max-pooling or a reshape. Default False (the exact dense gradient).
