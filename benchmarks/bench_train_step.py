@@ -53,7 +53,8 @@ from _common import (cpus_desc, format_median_min_spread, markdown_table,
                      median_min_spread_ms, median_time, rotated, write_report)
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.tools.datasets import load_digits, load_mnist
-from tf_sparse_split.ops.matmul import _grad_a_live_columns
+from tf_sparse_split.ops.matmul import _dy_product
+from tf_sparse_split.ops.sddmm import sparse_split_sddmm
 from tf_sparse_split.tools.models import build_mlp
 
 HERE = Path(__file__).resolve().parent
@@ -136,9 +137,10 @@ class Variant:
         The backward products are the ones the registered gradients run
         (TF's MatMul gradient for Dense; ``_sparse_split_matmul_grad`` for
         ours: dW through the sparse op with the input as its sparse operand,
-        dX as a dense GEMM, over the live input columns only with
-        ``skip_dead_input_grad``), applied to the gradient at the layer's
-        pre-activation, so that no part recomputes the forward pass.
+        dX through the sparse op with dp as its sparse operand, or the SDDMM
+        masked by the input with ``skip_dead_input_grad``), applied to the
+        gradient at the layer's pre-activation, so that no part recomputes
+        the forward pass.
         """
         model, opt, loss_fn = self.model, self.optimizer, self.loss_fn
         layers = model.layers
@@ -173,9 +175,9 @@ class Variant:
 
                 def d_x(h, dp, layer=layer, live_only=live_only):
                     w = tf.convert_to_tensor(layer.kernel)
-                    if live_only:
-                        return _grad_a_live_columns(h, w, dp, False)
-                    return tf.matmul(dp, w, transpose_b=True)
+                    if live_only:  # SDDMM: (h != 0) * (dp @ w^T)
+                        return sparse_split_sddmm(h, dp, w, -1.0)
+                    return _dy_product(dp, w, True, False)
             else:
                 def d_w(h, dp):
                     return (tf.matmul(h, dp, transpose_a=True),

@@ -84,6 +84,17 @@ SplitShape MatMulSplitShape(int64_t m, int64_t k, int64_t k_live,
   return s;
 }
 
+SplitShape SddmmSplitShape(int64_t m, int64_t k, int64_t k_live,
+                           int64_t n) {
+  SplitShape s = MatMulSplitShape(m, k, k_live, n);
+  // PredictDenseSeconds charges k values per gathered row (here: the masked
+  // scatter of the output row) plus row_copy_elems (the gather of x's row).
+  s.row_copy_elems = static_cast<double>(n);
+  s.weight_elems_per_col = 0.0;
+  s.can_compact = false;
+  return s;
+}
+
 DensityProfile ProfileFromRowNnz(const int64_t* row_nnz, int64_t m, int64_t k,
                                  int buckets) {
   DensityProfile p;

@@ -61,6 +61,13 @@ struct SplitShape {
 // when compacting.
 SplitShape MatMulSplitShape(int64_t m, int64_t k, int64_t k_live, int64_t n);
 
+// The shape of an SDDMM (mask [m, k], x [m, n], op(b) [k, n]; the rows of
+// the mask are split): 2n flop per output value on the dense path (a GEMM
+// row of x * op(b)^T, then masked) and per nonzero of the mask on the sparse
+// path (one dot of length n); a split gathers the n values of a dense row of
+// x and scatters its k output values; no compaction.
+SplitShape SddmmSplitShape(int64_t m, int64_t k, int64_t k_live, int64_t n);
+
 // Rows grouped by density for the decision. Bucket 0 holds the rows of
 // density 0; bucket j in [1, B] those of density in ((j-1)/B, j/B]. The
 // threshold of candidate j is j/B: buckets 0..j go sparse.

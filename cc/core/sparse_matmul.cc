@@ -55,6 +55,33 @@ struct TransposeCompressTile {
 };
 
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// Transposes the 16 x 16 floats of r[0..16) (row i in r[i]) in registers.
+inline void Transpose16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d t0 = _mm512_castps_pd(t[i]), t1 = _mm512_castps_pd(t[i + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[i + 2]), t3 = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  for (int h8 = 0; h8 < 16; h8 += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h8 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0x88);
+      t[h8 + 4 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+
 template <>
 struct TransposeCompressTile<float> {
   static constexpr int64_t kSize = 16;
@@ -64,7 +91,7 @@ struct TransposeCompressTile<float> {
     __mmask16 sel = 0;
     for (int64_t j = 0; j < w; ++j)
       sel |= static_cast<__mmask16>((slot[j] >= 0 ? 1u : 0u) << j);
-    __m512 r[16], t[16];
+    __m512 r[16];
     __mmask16 nz[16];
     int total = 0;
     const __m512 zero = _mm512_setzero_ps();
@@ -89,28 +116,7 @@ struct TransposeCompressTile<float> {
       return;
     }
     // Transpose in registers, then compress each column as a row segment.
-    for (int i = 0; i < 16; i += 2) {
-      t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-      const __m512d t0 = _mm512_castps_pd(t[i]), t1 = _mm512_castps_pd(t[i + 1]);
-      const __m512d t2 = _mm512_castps_pd(t[i + 2]), t3 = _mm512_castps_pd(t[i + 3]);
-      r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-      r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-      r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-      r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-    }
-    for (int h8 = 0; h8 < 16; h8 += 8) {
-      for (int i = 0; i < 4; ++i) {
-        t[h8 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0x88);
-        t[h8 + 4 + i] = _mm512_shuffle_f32x4(r[h8 + i], r[h8 + 4 + i], 0xdd);
-      }
-    }
-    for (int i = 0; i < 8; ++i) {
-      r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-      r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-    }
+    Transpose16x16(r);
     const __m256i base_lo = _mm256_set1_epi32(static_cast<int32_t>(q0));
     const __m256i base_hi = _mm256_set1_epi32(static_cast<int32_t>(q0) + 8);
     for (unsigned m = sel; m != 0; m &= m - 1) {
@@ -598,28 +604,211 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
   });
 }
 
+namespace {
+
+// Dots of R rows xr[0..R) of x with one row y, n values each. The summation
+// order of a dot does not depend on R (nor on which other rows share the
+// call): deterministic bits whatever the grouping.
 template <typename T>
-void Sddmm(const T* mask, const T* x, const T* y, int64_t m, int64_t k,
-           int64_t n, T* out, const ParallelFor& pfor) {
-  if (m == 0 || k == 0) return;
-  pfor(m, k * 4 + n, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const T* mrow = mask + i * k;
-      const T* xrow = x + i * n;
-      T* orow = out + i * k;
-      for (int64_t j = 0; j < k; ++j) {
-        if (mrow[j] == T(0)) {
-          orow[j] = T(0);
-          continue;
-        }
-        const T* yrow = y + j * n;
-        T s = T(0);
-        for (int64_t t = 0; t < n; ++t) s += xrow[t] * yrow[t];
-        orow[j] = s;
+struct SddmmDots {
+  template <int R>
+  static void Run(const T* const* xr, const T* y, int64_t n, T* res) {
+    for (int r = 0; r < R; ++r) {
+      T s = T(0);
+      for (int64_t t = 0; t < n; ++t) s += xr[r][t] * y[t];
+      res[r] = s;
+    }
+  }
+};
+
+#if defined(__AVX512F__)
+// Two accumulators per dot over 2 x 16 floats (2 x 8 doubles) per step;
+// the tail goes through masked loads (zeros beyond n, never read).
+template <>
+struct SddmmDots<float> {
+  template <int R>
+  static void Run(const float* const* xr, const float* y, int64_t n,
+                  float* res) {
+    __m512 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 32 <= n; t += 32) {
+      const __m512 y0 = _mm512_loadu_ps(y + t);
+      const __m512 y1 = _mm512_loadu_ps(y + t + 16);
+      for (int r = 0; r < R; ++r) {
+        a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr[r] + t), y0, a0[r]);
+        a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr[r] + t + 16), y1, a1[r]);
+      }
+    }
+    if (t + 16 <= n) {
+      const __m512 y0 = _mm512_loadu_ps(y + t);
+      for (int r = 0; r < R; ++r)
+        a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr[r] + t), y0, a0[r]);
+      t += 16;
+    }
+    if (t < n) {
+      const __mmask16 mk = static_cast<__mmask16>((1u << (n - t)) - 1u);
+      const __m512 y1 = _mm512_maskz_loadu_ps(mk, y + t);
+      for (int r = 0; r < R; ++r)
+        a1[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, xr[r] + t), y1, a1[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      res[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+  }
+};
+
+template <>
+struct SddmmDots<double> {
+  template <int R>
+  static void Run(const double* const* xr, const double* y, int64_t n,
+                  double* res) {
+    __m512d a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_pd();
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      const __m512d y0 = _mm512_loadu_pd(y + t);
+      const __m512d y1 = _mm512_loadu_pd(y + t + 8);
+      for (int r = 0; r < R; ++r) {
+        a0[r] = _mm512_fmadd_pd(_mm512_loadu_pd(xr[r] + t), y0, a0[r]);
+        a1[r] = _mm512_fmadd_pd(_mm512_loadu_pd(xr[r] + t + 8), y1, a1[r]);
+      }
+    }
+    if (t + 8 <= n) {
+      const __m512d y0 = _mm512_loadu_pd(y + t);
+      for (int r = 0; r < R; ++r)
+        a0[r] = _mm512_fmadd_pd(_mm512_loadu_pd(xr[r] + t), y0, a0[r]);
+      t += 8;
+    }
+    if (t < n) {
+      const __mmask8 mk = static_cast<__mmask8>((1u << (n - t)) - 1u);
+      const __m512d y1 = _mm512_maskz_loadu_pd(mk, y + t);
+      for (int r = 0; r < R; ++r)
+        a1[r] = _mm512_fmadd_pd(_mm512_maskz_loadu_pd(mk, xr[r] + t), y1, a1[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      res[r] = _mm512_reduce_add_pd(_mm512_add_pd(a0[r], a1[r]));
+  }
+};
+#endif  // __AVX512F__
+
+}  // namespace
+
+template <typename T>
+void CsrSddmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
+              const T* x, int64_t ldx, const T* y, int64_t ldy, int64_t k,
+              int64_t n, T* out, int64_t ldo, const ParallelFor& pfor) {
+  if (n_rows == 0 || k == 0) return;
+  ZeroRows<T>(out_rows, n_rows, k, out, ldo, pfor);
+  const int64_t nnz = csr.row_ptr[n_rows];
+  if (nnz == 0 || n == 0) return;  // empty dots are 0
+  // The pattern transposed (CSC): col_ptr[k + 1], and per column the
+  // positions r (ascending) of the rows holding it.
+  std::vector<int64_t> col_ptr(k + 1, 0);
+  for (int64_t p = 0; p < nnz; ++p) ++col_ptr[csr.col_idx[p] + 1];
+  for (int64_t j = 0; j < k; ++j) col_ptr[j + 1] += col_ptr[j];
+  UninitVector<int64_t> col_rows(nnz);
+  {
+    std::vector<int64_t> cursor(col_ptr.begin(), col_ptr.end() - 1);
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t p = csr.row_ptr[r]; p < csr.row_ptr[r + 1]; ++p)
+        col_rows[cursor[csr.col_idx[p]]++] = out_rows[r];
+  }
+  // Each thread walks a range of columns: y[j] is read once (then from L1
+  // for every group of dots of column j); x (the rows of the dots) is
+  // reused from L2 across columns.
+  constexpr int kGroup = 4;
+  const int64_t cost = std::max<int64_t>(1, (nnz / k + 1) * n);
+  pfor(k, cost, [&](int64_t j0, int64_t j1) {
+    const T* xr[kGroup];
+    T res[kGroup];
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t p0 = col_ptr[j], p1 = col_ptr[j + 1];
+      const T* yj = y + j * ldy;
+      int64_t p = p0;
+      for (; p + kGroup <= p1; p += kGroup) {
+        for (int r = 0; r < kGroup; ++r) xr[r] = x + col_rows[p + r] * ldx;
+        SddmmDots<T>::template Run<kGroup>(xr, yj, n, res);
+        for (int r = 0; r < kGroup; ++r) out[col_rows[p + r] * ldo + j] = res[r];
+      }
+      for (; p < p1; ++p) {
+        xr[0] = x + col_rows[p] * ldx;
+        SddmmDots<T>::template Run<1>(xr, yj, n, res);
+        out[col_rows[p] * ldo + j] = res[0];
       }
     }
   });
 }
+
+template <typename T>
+void Sddmm(const T* mask, const T* x, const T* y, int64_t m, int64_t k,
+           int64_t n, T* out, const ParallelFor& pfor) {
+  if (m == 0 || k == 0) return;
+  std::vector<int64_t> row_nnz(m), col_nnz(k), rows(m);
+  CountNonzeros<T>(mask, m, k, false, row_nnz.data(), col_nnz.data(), pfor);
+  for (int64_t i = 0; i < m; ++i) rows[i] = i;
+  Csr<T> csr;
+  BuildCsr<T>(mask, m, k, false, rows.data(), m, row_nnz.data(),
+              col_nnz.data(), &csr, pfor);
+  CsrSddmm<T>(csr, rows.data(), m, x, n, y, n, k, n, out, k, pfor);
+}
+
+template <typename T>
+void MaskedCopyRows(const T* mask, int64_t k, const int64_t* rows,
+                    int64_t n_rows, const T* src, T* out, int64_t ldo,
+                    const ParallelFor& pfor) {
+  if (n_rows == 0 || k == 0) return;
+  pfor(n_rows, k * 2, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = rows ? rows[r] : r;
+      const T* mrow = mask + i * k;
+      const T* srow = src + r * k;
+      T* orow = out + i * ldo;
+      for (int64_t j = 0; j < k; ++j)
+        orow[j] = mrow[j] != T(0) ? srow[j] : T(0);
+    }
+  });
+}
+
+namespace {
+
+// out[r, j] = a[col_j, r] for r in [r0, r0 + rh), j in [j0, j0 + jw) (rh,
+// jw <= 16; col_j = cols ? cols[j] : j): one tile of a transposed gather.
+template <typename T>
+struct TransposeTile {
+  static void Run(const T* a, int64_t phys_cols, const int64_t* cols,
+                  int64_t j0, int64_t jw, int64_t r0, int64_t rh, T* out,
+                  int64_t n_cols) {
+    for (int64_t j = j0; j < j0 + jw; ++j) {
+      const T* src = a + (cols ? cols[j] : j) * phys_cols;
+      for (int64_t r = r0; r < r0 + rh; ++r) out[r * n_cols + j] = src[r];
+    }
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// 16 rows of a loaded, transposed in registers, 16 rows of out stored: every
+// cache line is read or written whole, once.
+template <>
+struct TransposeTile<float> {
+  static void Run(const float* a, int64_t phys_cols, const int64_t* cols,
+                  int64_t j0, int64_t jw, int64_t r0, int64_t rh, float* out,
+                  int64_t n_cols) {
+    const __mmask16 rmask = static_cast<__mmask16>((1u << rh) - 1u);
+    const __mmask16 jmask = static_cast<__mmask16>((1u << jw) - 1u);
+    __m512 v[16];
+    for (int i = 0; i < 16; ++i) {
+      v[i] = i < jw ? _mm512_maskz_loadu_ps(
+                          rmask, a + (cols ? cols[j0 + i] : j0 + i) * phys_cols + r0)
+                    : _mm512_setzero_ps();
+    }
+    Transpose16x16(v);
+    for (int i = 0; i < rh; ++i)
+      _mm512_mask_storeu_ps(out + (r0 + i) * n_cols + j0, jmask, v[i]);
+  }
+};
+#endif
+
+}  // namespace
 
 template <typename T>
 void GatherSubmatrix(const T* a, int64_t phys_rows, int64_t phys_cols,
@@ -641,13 +830,28 @@ void GatherSubmatrix(const T* a, int64_t phys_rows, int64_t phys_cols,
       }
     });
   } else {
-    // out[r, j] = a[col_j, row_r]: walk physical rows (the op's columns) so
-    // reads are contiguous, writing a column of out at a time.
+    // out[r, j] = a[col_j, row_r]. Without a row selection: 16 x 16 tiles
+    // (TransposeTile), a thread owning 16 columns of out (one cache line
+    // of each of its rows) and walking the rows; every line is read or
+    // written whole (a column of out at a time touched each line of out 16
+    // times, far apart).
+    if (rows == nullptr) {
+      constexpr int64_t kTile = 16;
+      const int64_t col_tiles = (n_cols + kTile - 1) / kTile;
+      pfor(col_tiles, n_rows * kTile * 2, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t j0 = t * kTile, jw = std::min(kTile, n_cols - j0);
+          for (int64_t r0 = 0; r0 < n_rows; r0 += kTile)
+            TransposeTile<T>::Run(a, phys_cols, cols, j0, jw, r0,
+                                  std::min(kTile, n_rows - r0), out, n_cols);
+        }
+      });
+      return;
+    }
     pfor(n_cols, n_rows * 2, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const T* src = a + (cols ? cols[j] : j) * phys_cols;
-        for (int64_t r = 0; r < n_rows; ++r)
-          out[r * n_cols + j] = src[rows ? rows[r] : r];
+        for (int64_t r = 0; r < n_rows; ++r) out[r * n_cols + j] = src[rows[r]];
       }
     });
   }
@@ -684,8 +888,13 @@ void ZeroRows(const int64_t* out_rows, int64_t n_rows, int64_t n, T* c,
   template void CsrSpmm<T>(const Csr<T>&, const int64_t*, int64_t, const T*,  \
                            int64_t, int64_t, int64_t, T*, int64_t,            \
                            const ParallelFor&);                               \
+  template void CsrSddmm<T>(const Csr<T>&, const int64_t*, int64_t, const T*, \
+                            int64_t, const T*, int64_t, int64_t, int64_t, T*, \
+                            int64_t, const ParallelFor&);                     \
   template void Sddmm<T>(const T*, const T*, const T*, int64_t, int64_t,      \
                          int64_t, T*, const ParallelFor&);                    \
+  template void MaskedCopyRows<T>(const T*, int64_t, const int64_t*, int64_t, \
+                                  const T*, T*, int64_t, const ParallelFor&); \
   template void GatherSubmatrix<T>(const T*, int64_t, int64_t, bool,          \
                                    const int64_t*, int64_t, const int64_t*,   \
                                    int64_t, T*, const ParallelFor&);          \

@@ -113,13 +113,44 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
              const T* b, int64_t k, int64_t n, int64_t ldb, T* c,
              int64_t ldc, const ParallelFor& pfor);
 
-// SDDMM: out[i, j] = mask[i, j] != 0 ? dot(x[i, :], y[j, :]) : 0 for the
-// row-major mask [m, k], x [m, n], y [k, n]; out is [m, k] row-major. Cost is
-// proportional to nnz(mask) * n. Used for dX = dY * W^T when X came from a
-// ReLU (its gradient is zero wherever X is).
+// CSR SDDMM (sampled dense-dense product): for r in [0, n_rows), row
+// out_rows[r] of the row-major out (leading dimension ldo, k columns) is
+// overwritten with
+//   out[out_rows[r], j] = dot(x[out_rows[r], 0..n), y[j, 0..n))  where row r
+//                          of csr has column j,  0 elsewhere,
+// x row-major with leading dimension ldx, y row-major [k, n] with leading
+// dimension ldy. Only the pattern of csr is used, not its values. Cost is
+// proportional to nnz(csr) * n plus one pass over the output rows. Used for
+// dA = dY * op(b)^T when a came through a ReLU-family activation (its
+// gradient is zero wherever a is).
+// Method: the CSR is transposed (counting sort, O(nnz + k)) so that the
+// nonzeros are walked column by column: each row y[j] is read from memory
+// once and kept in L1 while the dots with the rows of x of column j (x is
+// reused across columns from L2) run four at a time, one AVX-512 accumulator
+// pair per dot. Every dot sums its n products in the same fixed order
+// (lane-wise over 32-value chunks, then a fixed reduction tree) whatever the
+// tiling or thread count: deterministic bits. NaN/Inf in x or y propagate
+// into the dots that read them.
+template <typename T>
+void CsrSddmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
+              const T* x, int64_t ldx, const T* y, int64_t ldy, int64_t k,
+              int64_t n, T* out, int64_t ldo, const ParallelFor& pfor);
+
+// SDDMM with a dense mask: out[i, j] = mask[i, j] != 0 ? dot(x[i, :],
+// y[j, :]) : 0 for the row-major mask [m, k], x [m, n], y [k, n]; out is
+// [m, k] row-major. Counts the mask, builds its CSR and runs CsrSddmm.
 template <typename T>
 void Sddmm(const T* mask, const T* x, const T* y, int64_t m, int64_t k,
            int64_t n, T* out, const ParallelFor& pfor);
+
+// Masked row copy: for r in [0, n_rows), with i = rows ? rows[r] : r,
+//   out[i * ldo + j] = mask[i * k + j] != 0 ? src[r * k + j] : 0,  j < k.
+// src may equal out when rows is null and ldo == k (in place). The dense
+// path of the SDDMM op: a GEMM's rows restricted to the mask's pattern.
+template <typename T>
+void MaskedCopyRows(const T* mask, int64_t k, const int64_t* rows,
+                    int64_t n_rows, const T* src, T* out, int64_t ldo,
+                    const ParallelFor& pfor);
 
 // Gathers rows `rows[0..n_rows)` and columns `cols[0..n_cols)` of op(a) into
 // the row-major [n_rows, n_cols] matrix out. A null `rows` means all m rows

@@ -52,6 +52,7 @@ enum FamilyOp : int64_t {
   kFamilyMatMulGpu = 1,
   kFamilyConv2DForward = 2,
   kFamilyConv2DFilterGrad = 3,
+  kFamilySddmmCpu = 4,
 };
 
 // The calibration contract of an op (a functor with these members; T is

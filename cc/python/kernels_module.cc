@@ -451,6 +451,14 @@ void BindCostModel(py::module_& mod) {
           py::arg("m"), py::arg("k"), py::arg("k_live"), py::arg("n"),
           "The cost model's shape dict of a product op(a) [m, k] * op(b) [k, n] "
           "with k_live live columns (what SparseSplitMatMul uses).");
+  mod.def("sddmm_split_shape",
+          [](int64_t m, int64_t k, int64_t k_live, int64_t n) {
+            if (k_live < 0 || k_live > k) throw py::value_error("need 0 <= k_live <= k");
+            return DictOf(SddmmSplitShape(m, k, k_live, n));
+          },
+          py::arg("m"), py::arg("k"), py::arg("k_live"), py::arg("n"),
+          "The cost model's shape dict of an SDDMM: mask [m, k] (k_live live "
+          "columns), x [m, n], op(b) [k, n] (what SparseSplitSddmm uses).");
   mod.def("profile_from_row_nnz",
           [](const Arr<int64_t>& row_nnz, int64_t k, int buckets) {
             if (buckets < 1) throw py::value_error("buckets must be >= 1");

@@ -25,6 +25,9 @@ is a ``FATReLU``, or a layer whose ``activation`` is ``"relu"``; the latter
 is converted in place to a ``FATReLU`` (threshold 0 = the same ReLU) and the
 model's compiled functions are rebuilt. The converted activation is part of
 the layer's config from then on, so the model saves and reloads with it.
+A controlled ``SparseSplitDense`` gets ``skip_dead_input_grad=True`` (its
+input gradient is then computed only at the input's nonzeros, by the SDDMM
+op): the FATReLU's gradient is 0 wherever its output is, so this is exact.
 """
 
 import keras
@@ -316,6 +319,12 @@ class SparsityTargetCallback(keras.callbacks.Callback):
                         owner._tracker.lock()
                 converted = True
             fat.momentum = self.momentum
+            if getattr(layer, "skip_dead_input_grad", None) is False:
+                # Its input now comes through a FATReLU (across zero-
+                # preserving layers), whose gradient is 0 wherever the input
+                # is: the input gradient is needed only at its nonzeros.
+                layer.skip_dead_input_grad = True
+                converted = True
             controls.append(_Control(layer, owner, fat))
         if not controls:
             raise ValueError(

@@ -70,13 +70,15 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
         ``stats.HETERO_CPU_FALLBACK`` and warns once per process
         (``RuntimeWarning``). Saved in ``get_config``.
       skip_dead_input_grad: bool (default False). If True, the gradient for
-        the layer's input is computed only for input units that are not zero
-        in the whole batch (0 for the others), a GEMM that shrinks with the
-        dead/dropped units. Exact only when the layer before zeroes the
-        gradient of those units anyway: its input is a ReLU output, or an
-        ``ApproximateRandomDropout`` (row pattern) output of a ReLU output
-        -- the usual ``Dense(relu) -> [dropout] -> SparseSplitDense`` stack.
-        Saved in ``get_config``.
+        the layer's input is computed only where the input is nonzero (0
+        elsewhere), by an SDDMM whose cost is proportional to the input's
+        nonzeros (``grad_a_live_only`` of
+        :func:`~tf_sparse_split.sparse_split_matmul`). Exact only when the
+        layer before has zero gradient wherever its output is zero: its
+        input is a ReLU or FATReLU output, possibly through dropout,
+        max-pooling or a reshape -- the usual ``Dense(relu) -> [dropout] ->
+        SparseSplitDense`` stack (:class:`SparsityTargetCallback` sets it on
+        the layers it controls). Saved in ``get_config``.
       lora_rank, lora_alpha, quantization_config: accepted for signature
         compatibility with ``Dense`` but must be None: LoRA and quantization
         would replace the kernel the op multiplies by, so they are refused

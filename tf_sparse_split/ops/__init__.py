@@ -4,11 +4,14 @@
   ``SparseSplitMatMul`` op.
 * :func:`sparse_split_conv2d` (:mod:`tf_sparse_split.ops.conv2d`) -- the
   ``SparseSplitConv2D`` op (NHWC) and its filter-gradient op.
+* :func:`sparse_split_sddmm` (:mod:`tf_sparse_split.ops.sddmm`) -- the
+  ``SparseSplitSddmm`` op (masked input gradient behind ReLU).
 
 Importing this package registers the gradients (``tf.RegisterGradient``).
 """
 
 from tf_sparse_split.ops.matmul import sparse_split_matmul
 from tf_sparse_split.ops.conv2d import sparse_split_conv2d
+from tf_sparse_split.ops.sddmm import sparse_split_sddmm
 
-__all__ = ["sparse_split_matmul", "sparse_split_conv2d"]
+__all__ = ["sparse_split_matmul", "sparse_split_conv2d", "sparse_split_sddmm"]

@@ -81,7 +81,14 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
 
     Gradients are registered for ``a``, ``b`` and ``bias``; the one for ``b``
     (``op(a)^T @ dY``) runs through this op with ``a`` as its sparse operand,
-    so its cost is proportional to ``nnz(a) * N``, not ``M * K * N``.
+    so its cost is proportional to ``nnz(a) * N``, not ``M * K * N``. The one
+    for ``a`` exploits the zeros of the incoming gradient ``dY`` [M, N] (the
+    activation's derivative masks it: ReLU, FATReLU, dropout downstream):
+    ``dY @ op(b)^T`` runs through this op with ``dY`` as its sparse operand
+    and an automatic threshold (TF's GEMM when ``N < 64``); with
+    ``grad_a_live_only`` it is the SDDMM masked by ``a`` instead (below).
+    Sparsity per component of training, gradients included: R. Sun and
+    L. Zhang, *Dynamic Sparse Method for Deep Learning Execution*, 2019.
 
     Non-finite values: NaN/Inf in ``a`` propagate as in ``tf.matmul``. Where
     ``a`` is exactly zero the product is skipped, so a NaN/Inf in ``b`` facing
@@ -110,14 +117,16 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       heterogeneous: bool; if True, dense rows on the GPU and sparse rows on
         the CPU, overlapped (see above). Default False.
       grad_a_live_only: bool; if True (and ``transpose_a`` is False), the
-        gradient for ``a`` is computed only for the columns of ``a`` that are
-        not all zero (dead/dropped units) and is 0 in the others: a smaller
-        GEMM ``dY @ b[live]^T``. This is the true gradient only when whatever
-        produced ``a`` zeroes the gradient of its all-zero columns anyway --
-        e.g. ``a`` is a ReLU output (ReluGrad is 0 where the output is 0), or
-        an :class:`~tf_sparse_split.ApproximateRandomDropout` output of a
-        ReLU output (dropped units get 0 from the dropout mask). Default
-        False (the exact dense gradient).
+        gradient for ``a`` is computed only where ``a`` is nonzero and is 0
+        elsewhere: ``(a != 0) * (dY @ op(b)^T)``, by the SDDMM op
+        (:func:`~tf_sparse_split.ops.sparse_split_sddmm`, cost ``nnz(a) *
+        N`` instead of ``M * K * N``; CPU only: under an explicit GPU
+        device, a GEMM over the live columns, then masked). This is the
+        true gradient only when whatever produced ``a`` has zero gradient
+        wherever ``a`` is zero -- e.g. ``a`` is a
+        ReLU or FATReLU output (their gradient is 0 where the output is 0),
+        possibly through dropout (dropped units get 0 from the mask),
+        max-pooling or a reshape. Default False (the exact dense gradient).
       bias: optional vector ``[N]`` of the inputs' dtype added to every row
         of the product (default None: no bias).
       activation: ``None`` or ``"none"`` (default), ``"relu"`` (``max(x,
@@ -213,6 +222,47 @@ def _grad_a_live_columns(a, b, grad, tb):
     return tf.cond(n_live * 4 <= k * 3, live_only, full)
 
 
+#: Smallest inner dimension (columns of dY) for which the input gradient
+#: runs through the sparse-split op with dY as its sparse operand: below it
+#: the product is a few fixed costs, and the op's counting pass and call
+#: overhead cannot be won back (the cost model would choose the dense GEMM
+#: anyway). Unknown static sizes go through the op (its cost model decides).
+_MIN_SPARSE_DY_COLUMNS = 64
+
+
+def _dy_product(grad, b, transpose_b, hetero, transpose_out=False):
+    """``dY @ op(b)`` (``^T`` with ``transpose_out``) with ``dY`` [M, N] as
+    the sparse operand: dY is itself mostly zeros when the layer's output
+    goes through ReLU/FATReLU or dropout (masked by the activation's
+    derivative), which the op measures per call; where it does not pay, the
+    cost model keeps TF's dense GEMM (same result to float rounding).
+    """
+    n = grad.shape[1]
+    if n is not None and n < _MIN_SPARSE_DY_COLUMNS:
+        if transpose_out:  # (dY op(b))^T = op(b)^T dY^T
+            return tf.matmul(b, grad, transpose_a=not transpose_b,
+                             transpose_b=True)
+        return tf.matmul(grad, b, transpose_b=transpose_b)
+    out = load_library().tf_sparse_split_sparse_split_mat_mul(
+        grad, b, as_threshold(-1.0), [], transpose_b=transpose_b,
+        heterogeneous=hetero)[0]
+    return tf.transpose(out) if transpose_out else out
+
+
+def _grad_a_masked(op, a, b, grad, tb):
+    """dA = (a != 0) * (dY @ op(b)^T) (``grad_a_live_only``): the SDDMM op
+    computes only the entries where ``a`` is nonzero, cost ``nnz(a) * N``.
+    The SDDMM has no GPU kernel: an op placed on a GPU keeps the
+    live-column GEMM there."""
+    device = getattr(op, "device", None) or getattr(a, "device", None) or ""
+    if "GPU" in device.upper():
+        full = _grad_a_live_columns(a, b, grad, tb)
+        return tf.where(tf.not_equal(a, 0), full, tf.zeros_like(full))
+    from tf_sparse_split.ops.sddmm import sparse_split_sddmm
+
+    return sparse_split_sddmm(a, grad, b, -1.0, transpose_b=tb)
+
+
 def _activation_grad(activation, out, grad):
     """The incoming gradient masked by the activation's derivative, from the
     op's output: relu: ``out > 0``; relu6: ``0 < out < 6`` (as TF's
@@ -249,20 +299,20 @@ def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
             heterogeneous=hetero)[0]
 
     if not ta and op.get_attr("grad_a_live_only"):
-        grad_a = _grad_a_live_columns(a, b, grad, tb)
+        grad_a = _grad_a_masked(op, a, b, grad, tb)
         grad_b = sparse(a, grad, True)                       # A^T dC
         if tb:
             grad_b = tf.transpose(grad_b)
     elif not ta and not tb:  # C = A B
-        grad_a = tf.matmul(grad, b, transpose_b=True)
+        grad_a = _dy_product(grad, b, True, hetero)          # dC B^T
         grad_b = sparse(a, grad, True)                       # A^T dC
     elif not ta and tb:      # C = A B^T
-        grad_a = tf.matmul(grad, b)
+        grad_a = _dy_product(grad, b, False, hetero)         # dC B
         grad_b = tf.transpose(sparse(a, grad, True))         # (A^T dC)^T
     elif ta and not tb:      # C = A^T B
-        grad_a = tf.matmul(b, grad, transpose_b=True)
+        grad_a = _dy_product(grad, b, True, hetero, transpose_out=True)
         grad_b = sparse(a, grad, False)                      # A dC
     else:                    # C = A^T B^T
-        grad_a = tf.matmul(b, grad, transpose_a=True, transpose_b=True)
+        grad_a = _dy_product(grad, b, False, hetero, transpose_out=True)
         grad_b = tf.transpose(sparse(a, grad, False))        # (A dC)^T
     return [grad_a, grad_b, None] + grad_bias

@@ -1,0 +1,248 @@
+// SparseSplitSddmm: CPU kernel (registration in cc/ops/sparse_split_sddmm_ops.cc).
+//
+// product = (x * op(b)^T) restricted to the nonzeros of mask: the input
+// gradient dA = dY * op(b)^T of a product a * op(b) where a came through a
+// ReLU-family activation (its gradient is zero wherever a is), exploiting
+// the zeros of the activation in the gradient as well (R. Sun and L. Zhang,
+// "Dynamic Sparse Method for Deep Learning Execution", 2019: sparsity per
+// layer and per component of training). The rows of the mask are split like
+// the rows of a SparseSplitMatMul activation (split_runtime.h): rows above
+// the threshold go to TF's own MatMul (x rows * op(b)^T), whose output is
+// then masked; the others to the CSR SDDMM of cc/core (one dot of length n
+// per nonzero of the mask). The cost model (cc/core/cost_model.h,
+// SddmmSplitShape) chooses the split for a negative threshold.
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "cc/core/cost_model.h"
+#include "cc/core/sparse_matmul.h"
+#include "cc/kernels/sparse_split_matmul_common.h"
+#include "cc/kernels/split_runtime.h"
+#include "cc/kernels/tf_kernel.h"
+#include "cc/kernels/tf_parallel_for.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace tf_sparse_split {
+
+namespace tf = ::tensorflow;
+
+namespace {
+
+// Checks ranks and sizes: mask [m, k], x [m, n], op(b) [k, n], a scalar
+// threshold in [0, 1] or negative; InvalidArgument naming the shapes.
+absl::Status ValidateSddmm(const tf::Tensor& mask, const tf::Tensor& x,
+                           const tf::Tensor& b, const tf::Tensor& threshold,
+                           bool tb, MatMulProblem* p) {
+  for (const auto& [t, name] :
+       {std::pair<const tf::Tensor*, const char*>{&mask, "mask"},
+        {&x, "x"}, {&b, "b"}}) {
+    if (!tf::TensorShapeUtils::IsMatrix(t->shape()))
+      return tf::errors::InvalidArgument(
+          "SparseSplitSddmm: ", name, " must be a matrix (rank 2), got shape ",
+          t->shape().DebugString());
+  }
+  if (!tf::TensorShapeUtils::IsScalar(threshold.shape()))
+    return tf::errors::InvalidArgument(
+        "SparseSplitSddmm: threshold must be a scalar, got shape ",
+        threshold.shape().DebugString());
+  p->threshold = threshold.scalar<float>()();
+  if (std::isnan(p->threshold) || p->threshold > 1.0f)
+    return tf::errors::InvalidArgument(
+        "SparseSplitSddmm: threshold must be in [0, 1] or negative "
+        "(automatic), got ", p->threshold);
+  p->m = mask.dim_size(0);
+  p->k = mask.dim_size(1);
+  p->n = x.dim_size(1);
+  const int64_t bk = b.dim_size(tb ? 1 : 0), bn = b.dim_size(tb ? 0 : 1);
+  if (x.dim_size(0) != p->m || bk != p->k || bn != p->n)
+    return tf::errors::InvalidArgument(
+        "SparseSplitSddmm: shapes must be mask [m, k], x [m, n] and b [k, n] "
+        "([n, k] with transpose_b); got mask ", mask.shape().DebugString(),
+        ", x ", x.shape().DebugString(), ", b ", b.shape().DebugString(),
+        " (transpose_b=", tb, ")");
+  if (p->k >= (int64_t{1} << 31))
+    return tf::errors::InvalidArgument(
+        "SparseSplitSddmm: mask has ", p->k,
+        " columns, more than the 2^31-1 supported by the CSR indices");
+  return absl::OkStatus();
+}
+
+// The calibration functor of split_runtime.h: samples are the first rows of
+// the mask (rows of x alike); the dense path is TF's MatMul of the rows of x
+// by op(b)^T, then masked; the sparse path builds the rows' CSR and runs the
+// SDDMM.
+template <typename T>
+struct SddmmPaths {
+  tf::OpKernelContext* ctx;
+  const tf::Tensor& mask;
+  const tf::Tensor& x;
+  const tf::Tensor& b;
+  bool tb;
+  int64_t k, n;
+  const TfKernel& gemm;  // x * op(b)^T
+  const ParallelFor& pfor;
+
+  absl::Status Sample(int64_t rows, tf::Tensor* sample) {
+    *sample = mask.Slice(0, rows);
+    return absl::OkStatus();
+  }
+
+  absl::Status RunDense(const tf::Tensor& sample) {
+    const int64_t rows = sample.dim_size(0);
+    const tf::Tensor xs = x.Slice(0, rows);
+    tf::Tensor product;
+    TF_RETURN_IF_ERROR(gemm.Run(ctx, {&xs, &b}, &product));
+    T* c = product.flat<T>().data();
+    MaskedCopyRows<T>(sample.flat<T>().data(), k, nullptr, rows, c, c, k, pfor);
+    return absl::OkStatus();
+  }
+
+  absl::Status RunSparse(const tf::Tensor& sample, const int64_t* row_nnz) {
+    const int64_t rows = sample.dim_size(0);
+    std::vector<int64_t> idx(rows);
+    std::iota(idx.begin(), idx.end(), int64_t{0});
+    Csr<T> csr;
+    BuildCsr<T>(sample.flat<T>().data(), rows, k, false, idx.data(), rows,
+                row_nnz, nullptr, &csr, pfor);
+    tf::Tensor bt_t;
+    const T* y = nullptr;
+    TF_RETURN_IF_ERROR(OperandY(&bt_t, &y));
+    std::vector<T> c(rows * k);
+    CsrSddmm<T>(csr, idx.data(), rows, x.flat<T>().data(), n, y, n, k, n,
+                c.data(), k, pfor);
+    return absl::OkStatus();
+  }
+
+  // op(b) as a row-major [k, n] matrix: b itself, or b^T materialised in
+  // *bt_t when transpose_b.
+  absl::Status OperandY(tf::Tensor* bt_t, const T** y) {
+    *y = b.flat<T>().data();
+    if (!tb) return absl::OkStatus();
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(b.dtype(), tf::TensorShape({k, n}), bt_t));
+    GatherSubmatrix<T>(*y, b.dim_size(0), b.dim_size(1), true, nullptr, k,
+                       nullptr, n, bt_t->flat<T>().data(), pfor);
+    *y = bt_t->flat<T>().data();
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+template <typename T>
+class SparseSplitSddmmOp : public tf::OpKernel {
+ public:
+  explicit SparseSplitSddmmOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
+    // x [m, n] * op(b)^T: b [k, n] read transposed, or b [n, k] as is.
+    OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_CPU,
+                                     tf::DataTypeToEnum<T>::value, false, !tb_,
+                                     &gemm_));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    const tf::Tensor& mask = ctx->input(0);
+    const tf::Tensor& x = ctx->input(1);
+    const tf::Tensor& b = ctx->input(2);
+    MatMulProblem prob;
+    OP_REQUIRES_OK(ctx, ValidateSddmm(mask, x, b, ctx->input(3), tb_, &prob));
+    const int64_t m = prob.m, k = prob.k, n = prob.n;
+    SplitCall call(ctx, 1, m, k, n, prob.threshold);
+    OP_REQUIRES_OK(ctx, call.status());
+    const tf::TensorShape out_shape({m, k});
+    const T* mask_ptr = mask.flat<T>().data();
+    ParallelFor pfor = TfParallelFor(ctx);
+
+    // --- Analysis: densities of the mask's rows. ---------------------------
+    std::vector<int64_t> row_nnz(m), col_nnz(k);
+    const int64_t nnz =
+        m > 0 && k > 0 ? CountNonzeros<T>(mask_ptr, m, k, false, row_nnz.data(),
+                                          col_nnz.data(), pfor)
+                       : 0;
+    if (m == 0 || k == 0 || n == 0 || nnz == 0) {
+      // No dot to compute: every output is 0.
+      tf::Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+      out->flat<T>().setZero();
+      call.FinishEmpty(m, k, k > 0 ? row_nnz.data() : nullptr);
+      return;
+    }
+    const int64_t k_live = static_cast<int64_t>(
+        std::count_if(col_nnz.begin(), col_nnz.end(),
+                      [](int64_t c) { return c != 0; }));
+
+    // --- Decision (cost model, calibrated on the first automatic call). ---
+    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
+    FamilyModel& family =
+        FamilyFor({kFamilySddmmCpu, dt, k, NBucket(n), tb_ ? 1 : 0});
+    SddmmPaths<T> paths{ctx, mask, x, b, tb_, k, n, gemm_, pfor};
+    OP_REQUIRES_OK(ctx, call.Decide<T>(ctx, paths,
+                                       SddmmSplitShape(m, k, k_live, n),
+                                       row_nnz.data(), &family, &plans_, pfor));
+    const std::vector<int64_t>& dense_rows = call.split().dense_rows;
+    const std::vector<int64_t>& sparse_rows = call.split().sparse_rows;
+    const int64_t rd = call.rows_dense(), rs = call.rows_sparse();
+
+    // --- Dense part: TF's MatMul on the dense rows of x, then masked. ------
+    tf::Tensor* out = nullptr;
+    if (rd == m) {
+      tf::Tensor product;
+      OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&x, &b}, &product));
+      T* c = product.flat<T>().data();
+      MaskedCopyRows<T>(mask_ptr, k, nullptr, m, c, c, k, pfor);
+      ctx->set_output(0, product);
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+      if (rd > 0) {
+        tf::Tensor xd, cd;
+        OP_REQUIRES_OK(ctx, ctx->allocate_temp(x.dtype(),
+                                               tf::TensorShape({rd, n}), &xd));
+        GatherSubmatrix<T>(x.flat<T>().data(), m, n, false, dense_rows.data(),
+                           rd, nullptr, n, xd.flat<T>().data(), pfor);
+        OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&xd, &b}, &cd));
+        MaskedCopyRows<T>(mask_ptr, k, dense_rows.data(), rd,
+                          cd.flat<T>().data(), out->flat<T>().data(), k, pfor);
+      }
+    }
+    call.DenseDone();
+
+    // --- Sparse part: CSR of the sparse rows, SDDMM. -----------------------
+    if (rs > 0) {
+      T* c = out->flat<T>().data();
+      if (call.split().nnz_sparse == 0) {
+        ZeroRows<T>(sparse_rows.data(), rs, k, c, k, pfor);
+      } else {
+        Csr<T> csr;
+        BuildCsr<T>(mask_ptr, m, k, false, sparse_rows.data(), rs,
+                    row_nnz.data(), col_nnz.data(), &csr, pfor);
+        tf::Tensor bt_t;
+        const T* y = nullptr;
+        OP_REQUIRES_OK(ctx, paths.OperandY(&bt_t, &y));
+        CsrSddmm<T>(csr, sparse_rows.data(), rs, x.flat<T>().data(), n, y, n,
+                    k, n, c, k, pfor);
+      }
+    }
+    call.SparseDone();
+    call.Finish(nnz, 0);
+  }
+
+ private:
+  bool tb_ = false;
+  TfKernel gemm_;
+  PlanMemory plans_;  // this op's last plan (hysteresis)
+};
+
+#define TFSS_REGISTER_CPU(T)                                        \
+  REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitSddmm")    \
+                              .Device(tf::DEVICE_CPU)               \
+                              .TypeConstraint<T>("T")               \
+                              .HostMemory("threshold")              \
+                              .HostMemory("stats"),                 \
+                          SparseSplitSddmmOp<T>);
+TFSS_REGISTER_CPU(float)
+TFSS_REGISTER_CPU(double)
+#undef TFSS_REGISTER_CPU
+
+}  // namespace tf_sparse_split

@@ -1,0 +1,91 @@
+"""``sparse_split_sddmm``: the ``SparseSplitSddmm`` op wrapper (sampled
+dense-dense product) and its registered gradient.
+
+It computes the input gradient of a ``SparseSplitMatMul`` whose activation
+came through a ReLU-family activation (``grad_a_live_only=True``): ``dA =
+(a != 0) * (dY @ op(b)^T)``, with cost proportional to ``nnz(a) * N`` instead
+of ``M * K * N`` -- sparsity exploited in the gradients as well as in the
+forward pass (R. Sun and L. Zhang, *Dynamic Sparse Method for Deep Learning
+Execution*, 2019).
+"""
+
+import tensorflow as tf
+
+from tf_sparse_split._loader import load_library
+from tf_sparse_split.ops._common import FLOAT_DTYPES, as_threshold, invalid
+
+__all__ = ["sparse_split_sddmm"]
+
+
+def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
+                       return_stats=False, name=None):
+    """``(x @ op(b)^T)`` restricted to the nonzeros of ``mask`` (SDDMM).
+
+    ``product[i, j] = dot(x[i, :], op(b)[j, :])`` where ``mask[i, j] != 0``,
+    else 0. The rows of ``mask`` whose density (fraction of nonzeros) is
+    above ``threshold`` are computed by TensorFlow's own GEMM (on those rows
+    of ``x``) and then masked; the others by a CSR SDDMM that walks the
+    nonzeros of ``mask`` column by column (one dot of length ``N`` per
+    nonzero, each row of ``op(b)`` read once). The result is the same to
+    float rounding at any threshold, and its bits do not depend on the
+    thread count.
+
+    Args:
+      mask: float32 or float64 tensor ``[M, K]``; only its zero pattern is
+        used (NaN/Inf count as nonzero).
+      x: tensor of the same dtype, ``[M, N]``.
+      b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if
+        ``transpose_b``); ``op(b)`` is ``[K, N]``.
+      threshold: scalar row-density threshold in ``[0, 1]`` on the rows of
+        ``mask``, or negative (default): chosen per call by the cost model
+        (``cc/core/cost_model.h``, calibrated on the first such call for
+        this dtype, K and N bucket), which keeps the dense GEMM unless the
+        SDDMM is predicted at least 10% faster. A float or a scalar tensor.
+      transpose_b: if True, ``b`` is ``[N, K]`` and ``op(b) = b^T``.
+      return_stats: if True, also return the per-call statistics (layout of
+        :mod:`tf_sparse_split.stats`; the split of the mask's rows).
+      name: optional op name.
+
+    Returns:
+      ``[M, K]`` tensor of the inputs' dtype; with ``return_stats``, a tuple
+      ``(product, stats)``.
+
+    Raises:
+      tf.errors.InvalidArgumentError: a dtype other than float32/float64 or
+        differing between the inputs, a rank other than 2, sizes that do not
+        match (``mask [M, K]``, ``x [M, N]``, ``op(b) [K, N]``), a
+        non-scalar threshold or one above 1 or NaN.
+      ValueError: rank/shape errors detected while tracing a
+        ``tf.function`` (shape inference).
+    """
+    lib = load_library()
+    with tf.name_scope(name or "SparseSplitSddmm"):
+        mask = tf.convert_to_tensor(mask)
+        if mask.dtype not in FLOAT_DTYPES:
+            raise invalid("sparse_split_sddmm: mask must be float32 or "
+                          f"float64, got {mask.dtype.name}")
+        x = (tf.convert_to_tensor(x) if hasattr(x, "dtype")
+             else tf.convert_to_tensor(x, dtype_hint=mask.dtype))
+        b = (tf.convert_to_tensor(b) if hasattr(b, "dtype")
+             else tf.convert_to_tensor(b, dtype_hint=mask.dtype))
+        for t, what in ((x, "x"), (b, "b")):
+            if t.dtype != mask.dtype:
+                raise invalid(f"sparse_split_sddmm: {what} has dtype "
+                              f"{t.dtype.name} but mask has {mask.dtype.name}")
+        product, stats = lib.tf_sparse_split_sparse_split_sddmm(
+            mask, x, b, as_threshold(threshold), transpose_b=bool(transpose_b))
+    return (product, stats) if return_stats else product
+
+
+@tf.RegisterGradient("TfSparseSplit>SparseSplitSddmm")
+def _sparse_split_sddmm_grad(op, grad, unused_grad_stats):
+    """Gradients of ``(mask != 0) * (x @ op(b)^T)`` for ``x`` and ``b`` (the
+    mask's pattern has none): with ``g = (mask != 0) * grad``,
+    ``dx = g @ op(b)`` and ``d op(b) = g^T @ x``."""
+    mask, x, b = op.inputs[:3]
+    g = tf.where(tf.not_equal(mask, 0), grad, tf.zeros_like(grad))
+    tb = op.get_attr("transpose_b")
+    grad_x = tf.matmul(g, b, transpose_b=tb)
+    grad_b = (tf.matmul(x, g, transpose_a=True) if tb
+              else tf.matmul(g, x, transpose_a=True))
+    return [None, grad_x, grad_b, None]
