@@ -51,6 +51,9 @@ __all__ = ["SparseSplitLSTM", "SparseSplitLSTMCell", "LSTM_PATTERNS"]
 #: Values of ``pattern``.
 LSTM_PATTERNS = ("row", "tile", "random")
 
+#: Default ``pattern_groups`` of ``pattern="row"``.
+DEFAULT_PATTERN_GROUPS = 8
+
 
 def _check_pattern(pattern):
     if pattern not in LSTM_PATTERNS:
@@ -63,6 +66,68 @@ def _first(mask):
     """Keras' cell keeps four masks (one per gate) when implementation=1
     (forced by recurrent dropout); the pattern masks are the same four."""
     return mask[0] if isinstance(mask, (list, tuple)) else mask
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _check_groups(pattern_groups, pattern):
+    """``pattern_groups``: None -> the default (row: DEFAULT_PATTERN_GROUPS,
+    otherwise 1); more than one group needs row patterns."""
+    if pattern_groups is None:
+        return DEFAULT_PATTERN_GROUPS if pattern == "row" else 1
+    groups = validate_int(pattern_groups, "pattern_groups")
+    if groups > 1 and pattern != "row":
+        raise ValueError(
+            "`pattern_groups` > 1 needs pattern='row' (tile and random masks"
+            f" are per example already). Received: pattern_groups={groups}, "
+            f"pattern={pattern!r}")
+    return groups
+
+
+def _group_masks(mask, groups, rows):
+    """The ``[G, dim]`` per-group masks of a cell mask (``[1, dim]``, or
+    ``[batch, dim]`` with example ``b`` in group ``b // rows``). Groups
+    made only of padding repeat the last group's mask."""
+    last = tf.shape(mask)[0] - 1
+    return tf.gather(mask, tf.minimum(tf.range(groups) * rows, last))
+
+
+def _kept_first(masks):
+    """Per group (row of ``masks`` [G, dim]): the unit order with the kept
+    units first (``perm`` [G, dim], stable), the largest kept count ``k``
+    over the groups, and the mask values of each group's first ``k`` units
+    in that order (``[G, k]``: the rescale factor, 0 where a group keeps
+    fewer than ``k`` units -- those rows of the compacted kernel are
+    zeroed)."""
+    dropped = tf.cast(masks <= 0, tf.int32)
+    perm = tf.argsort(dropped, axis=1, stable=True)
+    k = tf.reduce_max(tf.reduce_sum(1 - dropped, axis=1))
+    return perm, k, tf.gather(masks, perm[:, :k], axis=1, batch_dims=1)
+
+
+def _grouped_matmul(a, w):
+    """``a`` [G, ..., K] times ``w`` [G, K, N] (per group) or [1, K, N]
+    (shared: one 2-D GEMM) -> [G, ..., N]. No broadcasting batch matmul."""
+    shape = tf.shape(a)
+    a3 = tf.reshape(a, [shape[0] if w.shape[0] != 1 else 1, -1, shape[-1]])
+    if w.shape[0] == 1:
+        out = tf.matmul(a3[0], w[0])
+    else:
+        out = tf.matmul(a3, w)
+    return tf.reshape(out, tf.concat([shape[:-1], tf.shape(w)[-1:]], 0))
+
+
+def _gather_cols(w, cols):
+    """``w`` [Gw, K, 4U] with its last axis permuted per group by ``cols``
+    [Gc, 4U] (Gw, Gc each 1 or G) -> [max(Gw, Gc), K, 4U]."""
+    if cols.shape[0] == 1:
+        return tf.gather(w, cols[0], axis=2)
+    if w.shape[0] == 1:
+        w = tf.broadcast_to(w, tf.concat([tf.shape(cols)[:1],
+                                          tf.shape(w)[1:]], 0))
+    return tf.gather(w, cols, axis=2, batch_dims=1)
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
@@ -84,8 +149,9 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
     """
 
     def __init__(self, units, pattern="row", tile_shape=None, max_period=8,
-                 **kwargs):
+                 pattern_groups=None, **kwargs):
         self.pattern = _check_pattern(pattern)
+        self.pattern_groups = _check_groups(pattern_groups, pattern)
         if pattern == "tile":
             self.tile_shape = check_tile_shape(
                 (32, 32) if tile_shape is None else tile_shape)
@@ -130,11 +196,21 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
     def _pattern_mask(self, which, step_input):
         dist, dim = self._distributions[which]
         x = tf.convert_to_tensor(step_input)
+        batch = tf.shape(x)[0]
+        groups = self.pattern_groups if self.pattern == "row" else 1
         keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
                                  self.seed_generator, pattern=self.pattern,
                                  tile_shape=self.tile_shape,
-                                 batch_size=tf.shape(x)[0])
-        mask = keep * tf.math.divide_no_nan(1.0, tf.reduce_mean(keep))
+                                 batch_size=batch,
+                                 groups=groups if groups > 1 else None,
+                                 same_pattern=True)
+        # Row patterns are rescaled per group (E[mask] = 1 in every group),
+        # tile masks by the whole mask's realized rate.
+        kept = (tf.reduce_mean(keep, axis=1, keepdims=True)
+                if self.pattern == "row" else tf.reduce_mean(keep))
+        mask = keep * tf.math.divide_no_nan(1.0, kept)
+        if groups > 1:   # example b belongs to group b // ceil(batch / G)
+            mask = tf.gather(mask, tf.range(batch) // _ceil_div(batch, groups))
         mask = tf.cast(mask, x.dtype)
         count = getattr(self, "dropout_mask_count", None)
         return mask if count is None else [mask] * count
@@ -160,7 +236,8 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         config.update({"pattern": self.pattern,
                        "tile_shape": (list(self.tile_shape) if self.tile_shape
                                       else None),
-                       "max_period": self.max_period})
+                       "max_period": self.max_period,
+                       "pattern_groups": self.pattern_groups})
         return config
 
 
@@ -211,10 +288,11 @@ class SparseSplitLSTM(keras.layers.LSTM):
                  return_sequences=False, return_state=False,
                  go_backwards=False, stateful=False, unroll=False,
                  use_cudnn="auto", pattern="row", tile_shape=None,
-                 max_period=8, **kwargs):
+                 max_period=8, pattern_groups=None, **kwargs):
         cell = SparseSplitLSTMCell(
             units, pattern=pattern, tile_shape=tile_shape,
-            max_period=max_period, activation=activation,
+            max_period=max_period, pattern_groups=pattern_groups,
+            activation=activation,
             recurrent_activation=recurrent_activation, use_bias=use_bias,
             kernel_initializer=kernel_initializer,
             unit_forget_bias=unit_forget_bias,
@@ -269,76 +347,96 @@ class SparseSplitLSTM(keras.layers.LSTM):
         units = cell.units
         x = tf.convert_to_tensor(sequences)
         dtype = x.dtype
-        h0 = tf.convert_to_tensor(initial_state[0])
-        c0 = tf.convert_to_tensor(initial_state[1])
         kernel = tf.cast(tf.convert_to_tensor(cell.kernel), dtype)
         rkernel = tf.cast(tf.convert_to_tensor(cell.recurrent_kernel), dtype)
         bias = (tf.cast(tf.convert_to_tensor(cell.bias), dtype)
                 if cell.use_bias else None)
         row = cell.pattern == "row"
+        # The batch runs as G groups of ``rows`` examples ([G, rows, ...]),
+        # each with its own row patterns (tile masks: one group); a batch
+        # that G does not divide is padded with zero examples, whose
+        # outputs are cut off at the end.
+        groups = cell.pattern_groups if row else 1
+        batch = tf.shape(x)[0]
+        rows = _ceil_div(batch, groups)
+        pad = groups * rows - batch
+        h0 = tf.convert_to_tensor(initial_state[0])
+        c0 = tf.convert_to_tensor(initial_state[1])
+        dp = (_first(cell.get_dropout_mask(x[:, 0, :]))
+              if cell.dropout > 0 else None)
+        rdp = (_first(cell.get_recurrent_dropout_mask(h0))
+               if cell.recurrent_dropout > 0 else None)
 
-        # Units in the loop are kept in the order ``perm``: with row
-        # recurrent dropout the kept units first, so each step's compacted
-        # state is a column prefix of h (a slice, not a gather); outputs are
-        # put back in order at the end. Gate columns are reordered to
-        # (i, f, o, c) so one sigmoid covers the three sigmoid gates.
-        perm = n_kept = None
-        rdp = None
-        if cell.recurrent_dropout > 0:
-            rdp = _first(cell.get_recurrent_dropout_mask(h0))
-            if row:
-                keep = rdp[0] > 0
-                kept_r = tf.where(keep)[:, 0]
-                perm = tf.concat([kept_r, tf.where(tf.logical_not(keep))[:, 0]],
-                                 0)
-                n_kept = tf.size(kept_r)
-        unit_order = (perm if perm is not None
-                      else tf.range(units, dtype=tf.int64))
-        cols = tf.concat([unit_order + g * units for g in (0, 1, 3, 2)], 0)
-        kernel = tf.gather(kernel, cols, axis=1)
-        rkernel = tf.gather(rkernel, cols, axis=1)
-        if bias is not None:
-            bias = tf.gather(bias, cols)
+        def grouped(t):      # [batch, ...] -> [G, rows, ...]
+            t = tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1))
+            return tf.reshape(t, tf.concat([[groups, rows],
+                                            tf.shape(t)[1:]], 0))
+
+        # Units in the loop are kept in a per-group order ``perm`` [G, U]:
+        # with row recurrent dropout each group's kept units first, so a
+        # step's compacted state is a column prefix of h (a slice, not a
+        # gather); outputs are put back in order at the end. Gate columns
+        # are reordered to (i, f, o, c) so one sigmoid covers the three
+        # sigmoid gates.
+        perm = None
+        if rdp is not None and row:
+            perm, n_kept, r_scale = _kept_first(
+                _group_masks(rdp, groups, rows))
+            order = perm
+        else:
+            order = tf.range(units)[None, :]
+        cols = tf.concat([order + g * units for g in (0, 1, 3, 2)], 1)
+        h0, c0 = grouped(h0), grouped(c0)
         if perm is not None:
-            h0 = tf.gather(h0, perm, axis=1)
-            c0 = tf.gather(c0, perm, axis=1)
+            h0 = tf.gather(h0, perm, axis=2, batch_dims=1)
+            c0 = tf.gather(c0, perm, axis=2, batch_dims=1)
+        if bias is not None:
+            bias = tf.gather(bias, cols)[:, None, :]          # [G', 1, 4U]
 
         # Input product of all steps at once, on the kept input features.
-        if cell.dropout > 0:
-            dp = _first(cell.get_dropout_mask(x[:, 0, :]))
-            if row:
-                kept = tf.where(dp[0] > 0)[:, 0]
-                x = tf.gather(x, kept, axis=2)
-                kernel = tf.gather(kernel, kept) * tf.reduce_max(dp)
-            else:
-                x = x * dp[:, None, :]
         if self.go_backwards:
             x = tf.reverse(x, [1])
-        xt = tf.transpose(x, [1, 0, 2])                       # [T, B, F']
-        steps, batch = tf.shape(xt)[0], tf.shape(xt)[1]
-        zx = tf.matmul(tf.reshape(xt, [steps * batch, -1]), kernel)
+        kernel = kernel[None]                                 # [1, F, 4U]
+        if dp is not None and row:
+            in_perm, n_in, in_scale = _kept_first(
+                _group_masks(dp, groups, rows))
+            kept_in = in_perm[:, :n_in]
+            kernel = (tf.gather(kernel[0], kept_in)           # [G, F', 4U]
+                      * in_scale[:, :, None])
+            x = tf.gather(grouped(x), kept_in, axis=3, batch_dims=1)
+        else:
+            if dp is not None:   # tile masks, one group
+                x = x * dp[:, None, :]
+            x = grouped(x)
+        kernel = _gather_cols(kernel, cols)                   # [G', F', 4U]
+        xt = tf.transpose(x, [0, 2, 1, 3])                    # [G, T, R, F']
+        steps = tf.shape(xt)[1]
+        zx = _grouped_matmul(xt, kernel)                      # [G, T, R, 4U]
         if bias is not None:
-            zx = zx + bias
-        # Read per step from a TensorArray: slicing the [T, B, 4U] tensor
+            zx = zx + bias[:, None]
+        zx = tf.transpose(zx, [1, 0, 2, 3])                   # [T, G, R, 4U]
+        # Read per step from a TensorArray: slicing the [T, ...] tensor
         # inside the loop would make every step's gradient a full-size
         # tensor (O(T^2) memory traffic in the backward pass).
-        zx = tf.TensorArray(dtype, size=steps).unstack(
-            tf.reshape(zx, [steps, batch, 4 * units]))
+        zx = tf.TensorArray(dtype, size=steps).unstack(zx)
 
         # Recurrent product on the kept units of the state.
         if perm is not None:
-            r_c = tf.gather(rkernel, kept_r) * tf.reduce_max(rdp)
+            r_c = _gather_cols(tf.gather(rkernel, perm[:, :n_kept])
+                               * r_scale[:, :, None], cols)   # [G, k, 4U]
 
             def recurrent(h):
-                return tf.matmul(h[:, :n_kept], r_c)
-        elif rdp is not None:   # tile masks
-            rdp = tf.gather(rdp, unit_order, axis=1)
-
-            def recurrent(h):
-                return tf.matmul(h * rdp, rkernel)
+                return tf.matmul(h[:, :, :n_kept], r_c)
         else:
-            def recurrent(h):
-                return tf.matmul(h, rkernel)
+            r_full = _gather_cols(rkernel[None], cols)        # [1, U, 4U]
+            if rdp is not None:   # tile masks, one group
+                rdp = grouped(rdp)
+
+                def recurrent(h):
+                    return _grouped_matmul(h * rdp, r_full)
+            else:
+                def recurrent(h):
+                    return _grouped_matmul(h, r_full)
 
         act, rec_act = cell.activation, cell.recurrent_activation
         keep_all = self.return_sequences
@@ -346,8 +444,8 @@ class SparseSplitLSTM(keras.layers.LSTM):
 
         def body(t, h, c, ta):
             z = zx.read(t) + recurrent(h)
-            i, f, o = tf.split(rec_act(z[:, :3 * units]), 3, axis=1)
-            c = f * c + i * act(z[:, 3 * units:])
+            i, f, o = tf.split(rec_act(z[..., :3 * units]), 3, axis=-1)
+            c = f * c + i * act(z[..., 3 * units:])
             h = o * act(c)
             if keep_all:
                 ta = ta.write(t, h)
@@ -356,14 +454,18 @@ class SparseSplitLSTM(keras.layers.LSTM):
         _, h, c, out_ta = tf.while_loop(
             lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, out_ta),
             maximum_iterations=steps)
-        if perm is not None:
-            inv = tf.math.invert_permutation(perm)
-            h = tf.gather(h, inv, axis=1)
-            c = tf.gather(c, inv, axis=1)
-        if keep_all:
-            outputs = tf.transpose(out_ta.stack(), [1, 0, 2])
+
+        def ungrouped(t):    # [G, rows, ..., U] -> [batch, ..., U]
             if perm is not None:
-                outputs = tf.gather(outputs, inv, axis=2)
+                t = tf.gather(t, tf.argsort(perm, axis=1), axis=-1,
+                              batch_dims=1)
+            t = tf.reshape(t, tf.concat([[groups * rows], tf.shape(t)[2:]],
+                                        0))
+            return t[:batch]
+
+        h, c = ungrouped(h), ungrouped(c)
+        if keep_all:
+            outputs = ungrouped(tf.transpose(out_ta.stack(), [1, 2, 0, 3]))
         else:
             outputs = h[:, None, :]
         return h, outputs, [h, c]
@@ -373,5 +475,6 @@ class SparseSplitLSTM(keras.layers.LSTM):
         config.update({"pattern": self.cell.pattern,
                        "tile_shape": (list(self.cell.tile_shape)
                                       if self.cell.tile_shape else None),
-                       "max_period": self.cell.max_period})
+                       "max_period": self.cell.max_period,
+                       "pattern_groups": self.cell.pattern_groups})
         return config
