@@ -58,45 +58,66 @@ def test_pattern_random_equals_keras_lstm_with_seed(rng, return_sequences):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("pattern,tile_shape,go_backwards,rates,groups,batch", [
-    ("row", None, False, (0.5, 0.5), 1, 5), ("row", None, True, (0.0, 0.6), 1, 5),
-    ("row", None, False, (0.4, 0.0), 1, 5),
-    ("tile", (2, 4), True, (0.5, 0.5), 1, 5),
+@pytest.mark.parametrize("pattern,tile_shape,go_backwards,rates,groups,batch,"
+                         "options", [
+    ("row", None, False, (0.5, 0.5), 1, 5, {}),
+    ("row", None, True, (0.0, 0.6), 1, 5, {}),
+    ("row", None, False, (0.4, 0.0), 1, 5, {}),
+    ("tile", (2, 4), True, (0.5, 0.5), 1, 5, {}),
     # groups: batch divisible, not divisible (padding), fewer examples than
     # groups, one rate only
-    ("row", None, False, (0.5, 0.5), 4, 12), ("row", None, True, (0.5, 0.5), 4, 13),
-    ("row", None, False, (0.5, 0.3), 8, 5), ("row", None, True, (0.0, 0.6), 3, 7),
-    ("row", None, False, (0.4, 0.0), 4, 10),
+    ("row", None, False, (0.5, 0.5), 4, 12, {}),
+    ("row", None, True, (0.5, 0.5), 4, 13, {}),
+    ("row", None, False, (0.5, 0.3), 8, 5, {}),
+    ("row", None, True, (0.0, 0.6), 3, 7, {}),
+    ("row", None, False, (0.4, 0.0), 4, 10, {}),
+    # last state only, c not in the loss (no upstream gradient for it);
+    # other activations: TensorFlow differentiates the loop instead of the
+    # written-out backward pass
+    ("row", None, False, (0.5, 0.5), 4, 9,
+     {"return_sequences": False, "loss_on_c": False}),
+    ("row", None, True, (0.5, 0.5), 4, 9,
+     {"activation": "relu", "recurrent_activation": "hard_sigmoid"}),
+    ("tile", (2, 4), False, (0.3, 0.5), 1, 6, {"activation": "softsign"}),
 ])
 def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
                                                  go_backwards, rates, groups,
-                                                 batch):
+                                                 batch, options):
     """The compacted products give the values (and gradients) of Keras' own
     loop run with the same pattern masks (per-group masks included)."""
     x = tf.constant(rng.standard_normal((batch, 7, 12)).astype("float32"))
+    options = dict(options)
+    loss_on_c = options.pop("loss_on_c", True)
+    options.setdefault("return_sequences", True)
     layer = tfss.SparseSplitLSTM(
         16, dropout=rates[0], recurrent_dropout=rates[1], seed=1,
-        pattern=pattern, tile_shape=tile_shape, return_sequences=True,
-        go_backwards=go_backwards, pattern_groups=groups)
+        pattern=pattern, tile_shape=tile_shape, go_backwards=go_backwards,
+        pattern_groups=groups, **options)
     layer.build(x.shape)
     assert layer._use_compacted_loop(None, True)
     state = [tf.constant(rng.standard_normal((batch, 16)).astype("float32"))
              for _ in range(2)]
     with tf.GradientTape(persistent=True) as tape:
-        tape.watch(x)
+        tape.watch([x] + state)
         layer._maybe_config_dropout_masks(layer.cell, x[:, 0, :], state)
         _, out, (h, c) = layer._compacted_loop(x, state)
         _, ref, (h_ref, c_ref) = keras.layers.LSTM.inner_loop(
             layer, x, state, None, training=True)
-        loss = tf.reduce_sum(out * out) + tf.reduce_sum(c)
-        loss_ref = tf.reduce_sum(ref * ref) + tf.reduce_sum(c_ref)
+        if not options["return_sequences"]:
+            ref = ref[:, -1:]
+        loss = tf.reduce_sum(out * out)
+        loss_ref = tf.reduce_sum(ref * ref)
+        if loss_on_c:
+            loss += tf.reduce_sum(c)
+            loss_ref += tf.reduce_sum(c_ref)
     layer._maybe_reset_dropout_masks(layer.cell)
-    assert out.shape == ref.shape == (batch, 7, 16)
+    steps = 7 if options["return_sequences"] else 1
+    assert out.shape == ref.shape == (batch, steps, 16)
     np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-5)
     np.testing.assert_allclose(h.numpy(), h_ref.numpy(), atol=1e-5)
     np.testing.assert_allclose(c.numpy(), c_ref.numpy(), atol=1e-5)
-    for a, b in zip(tape.gradient(loss, layer.trainable_weights + [x]),
-                    tape.gradient(loss_ref, layer.trainable_weights + [x])):
+    wrt = layer.trainable_weights + [x] + state
+    for a, b in zip(tape.gradient(loss, wrt), tape.gradient(loss_ref, wrt)):
         np.testing.assert_allclose(tf.convert_to_tensor(a).numpy(),
                                    tf.convert_to_tensor(b).numpy(),
                                    atol=2e-5)

@@ -9,15 +9,22 @@ report 1.24-1.85x faster LSTM training at dropout rates 0.3-0.7.
 How the compaction works. Keras draws one dropout mask per batch for the
 inputs and one for the recurrent state and holds both over all time steps.
 Here a *row* pattern (:mod:`tf_sparse_split.layers.dropout`, "Pattern
-definitions") drops the same units for every example and every step, so a
-dropped unit is zero in every per-step product. Once per batch the layer
-gathers the kept rows of ``kernel`` and ``recurrent_kernel`` (scaled by the
-pattern's ``1 / (1 - realized rate)``) and runs
+definitions") drops the same units for every example of a *group* and every
+step, so a dropped unit is zero in every per-step product of that group.
+The batch is split into ``pattern_groups`` groups ``G`` of consecutive
+examples (example ``b`` in group ``b // ceil(batch / G)``; a batch that
+``G`` does not divide is padded with zero examples inside the layer). Once
+per batch each group's kept rows of ``kernel`` and ``recurrent_kernel`` are
+gathered (scaled by the group's ``1 / (1 - realized rate)``), and the layer
+runs
 
-* the input product for all steps as one GEMM
-  ``x[:, :, kept_in] @ (s_in * kernel[kept_in])`` (the input mask is fixed
-  over the steps, so nothing depends on the recurrence), and
-* per step ``h[:, kept_rec] @ (s_rec * recurrent_kernel[kept_rec])``,
+* the input product for all steps as one batched GEMM
+  ``x_g[:, :, kept_in_g] @ (s_in_g * kernel[kept_in_g])`` (the input mask is
+  fixed over the steps, so nothing depends on the recurrence), and
+* per step one batched GEMM ``h_g[:, kept_g] @ (s_g *
+  recurrent_kernel[kept_g])`` over the groups (``[G, batch/G, k] @ [G, k,
+  4*units]``; the state of each group is kept in its own unit order, kept
+  units first, so ``h_g[:, kept_g]`` is a slice),
 
 which is exact: the same values as masking and multiplying by the full
 matrices, to float rounding. The backward pass differentiates the same
@@ -26,6 +33,22 @@ with them (the gathers' gradients scatter into the kept rows only). The
 operands are dense after compaction (the LSTM state is a tanh product, not
 sparse), so the products use TensorFlow's GEMM; ``sparse_split_matmul`` would
 not pay here.
+
+Why groups (a departure from Song et al., who draw one pattern per
+training iteration for the whole batch): with one pattern per batch every
+example drops the same units, so each step trains one sub-network and the
+dropped half of the recurrent kernel rows gets no gradient at all; on MNIST
+rows (LSTM(256), dropout = recurrent_dropout = 0.5) that cost 12.6 points
+of test accuracy after 4 epochs against Keras' per-example masks, almost all
+of it from the recurrent mask (README, LSTM section). With groups, each
+batch draws one ``(kind, period)`` from the searched distribution and every
+group its own offset: the groups drop different units (all units get
+gradient from part of the batch) but keep the same number of them (+-1 when
+the period does not divide the width; the few extra rows of the smaller
+groups are zeroed), so the batched GEMM stays compact. Each group's
+per-unit drop probability is exactly the rate and ``E[mask] = 1`` per unit
+and group. Independent patterns per group would pad every group to the
+largest kept count (often ~7/8 of the units), losing the compaction.
 
 ``pattern="tile"`` uses tile masks (blocks of ``[batch, units]``): exact
 semantics, no compaction (no unit is zero for the whole batch), so no
@@ -51,8 +74,10 @@ __all__ = ["SparseSplitLSTM", "SparseSplitLSTMCell", "LSTM_PATTERNS"]
 #: Values of ``pattern``.
 LSTM_PATTERNS = ("row", "tile", "random")
 
-#: Default ``pattern_groups`` of ``pattern="row"``.
+#: Default ``pattern_groups`` of ``pattern="row"`` and default
+#: ``max_period`` (measured choices: README, LSTM section).
 DEFAULT_PATTERN_GROUPS = 8
+DEFAULT_MAX_PERIOD = 4
 
 
 def _check_pattern(pattern):
@@ -107,16 +132,156 @@ def _kept_first(masks):
     return perm, k, tf.gather(masks, perm[:, :k], axis=1, batch_dims=1)
 
 
-def _grouped_matmul(a, w):
+def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
+    """The LSTM recurrence of the compacted loop, in grouped layout.
+
+    Per step ``t``: ``z = zx[t] + (h[..., :k] * hmask) @ r`` (per group;
+    gates in the order i, f, o, c), ``c = f * c + i * act(c~)``,
+    ``h = o * act(c)``.
+
+    Args:
+      zx: ``[T, G, R, 4U]`` input products (bias included).
+      h0, c0: ``[G, R, U]`` initial state.
+      r: ``[G or 1, k, 4U]`` compacted recurrent kernel.
+      k: number of leading state units multiplied (int or int32 scalar).
+      hmask: None or a ``[1, R, U]`` mask applied to h (tile masks; k = U).
+      act, rec_act: the cell's activations.
+      keep_all: also return the states of all steps.
+      units: U.
+
+    Returns:
+      ``(h_T, c_T, hs)``: ``hs`` ``[T, G, R, U]`` if ``keep_all``, else None.
+
+    With Keras' default activations (tanh, sigmoid) the backward pass is
+    written out (``_lstm_backward``) so that the recurrent weight gradient
+    is one batched GEMM over all steps instead of a ``[k, 4U]`` per-group
+    accumulation in every step of TensorFlow's differentiated while loop;
+    otherwise TensorFlow differentiates the loop.
+    """
+    dtype = zx.dtype
+
+    def forward(zx, h0, c0, r):
+        steps = tf.shape(zx)[0]
+        # Read per step from a TensorArray: slicing the [T, ...] tensor
+        # inside the loop would make every step's gradient a full-size
+        # tensor (O(T^2) memory traffic in the backward pass).
+        zx_ta = tf.TensorArray(dtype, size=steps).unstack(zx)
+        tas = [tf.TensorArray(dtype, size=steps) for _ in range(5)]
+
+        def body(t, h, c, hs_ta, hk_ta, gate_ta, c_ta, tc_ta):
+            hk = h[..., :k] if hmask is None else h * hmask
+            z = zx_ta.read(t) + _grouped_matmul(hk, r)
+            sig = rec_act(z[..., :3 * units])
+            cand = act(z[..., 3 * units:])
+            i, f, o = tf.split(sig, 3, axis=-1)
+            if manual:   # what the backward pass needs
+                hk_ta = hk_ta.write(t, hk)
+                gate_ta = gate_ta.write(t, tf.concat([sig, cand], -1))
+                c_ta = c_ta.write(t, c)                       # c_{t-1}
+            c = f * c + i * cand
+            tc = act(c)
+            h = o * tc
+            if manual:
+                tc_ta = tc_ta.write(t, tc)
+            if keep_all:
+                hs_ta = hs_ta.write(t, h)
+            return t + 1, h, c, hs_ta, hk_ta, gate_ta, c_ta, tc_ta
+
+        _, h, c, hs_ta, *saved = tf.while_loop(
+            lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, *tas),
+            maximum_iterations=steps)
+        hs = hs_ta.stack() if keep_all else None
+        return h, c, hs, saved
+
+    manual = (act is keras.activations.tanh
+              and rec_act is keras.activations.sigmoid)
+    if not manual:
+        h, c, hs, _ = forward(zx, h0, c0, r)
+        return h, c, hs
+
+    @tf.custom_gradient
+    def run(zx, h0, c0, r):
+        h, c, hs, saved = forward(zx, h0, c0, r)
+
+        def grad(*upstream):
+            return _lstm_backward(upstream, zx, c0, r, k, hmask, saved,
+                                  keep_all, units)
+
+        return (h, c, hs) if keep_all else (h, c), grad
+
+    out = run(zx, h0, c0, r)
+    return (out[0], out[1], out[2] if keep_all else None)
+
+
+def _lstm_backward(upstream, zx, c0, r, k, hmask, saved, keep_all, units):
+    """Gradients ``(d zx, d h0, d c0, d r)`` of :func:`_recurrence` (tanh
+    and sigmoid activations) from the upstream gradients of its outputs
+    ``(h_T, c_T[, hs])`` (None = zero)."""
+    hk_ta, gate_ta, c_ta, tc_ta = saved
+    steps = tf.shape(zx)[0]
+    zeros = tf.zeros_like(c0)
+    d_h = zeros if upstream[0] is None else upstream[0]
+    d_c = zeros if upstream[1] is None else upstream[1]
+    d_hs = upstream[2] if keep_all else None
+    if keep_all and d_hs is not None:
+        d_hs_ta = tf.TensorArray(zx.dtype, size=steps).unstack(d_hs)
+    dz_ta = tf.TensorArray(zx.dtype, size=steps)
+
+    def body(t, dh, dc, dz_ta):
+        if keep_all and d_hs is not None:
+            dh = dh + d_hs_ta.read(t)
+        gates = gate_ta.read(t)
+        i, f, o = tf.split(gates[..., :3 * units], 3, axis=-1)
+        cand = gates[..., 3 * units:]
+        c_prev = c_ta.read(t)
+        tc = tc_ta.read(t)
+        dc = dc + dh * o * (1.0 - tc * tc)
+        dz = tf.concat([dc * cand * i * (1.0 - i),
+                        dc * c_prev * f * (1.0 - f),
+                        dh * tc * o * (1.0 - o),
+                        dc * i * (1.0 - cand * cand)], -1)
+        dz_ta = dz_ta.write(t, dz)
+        dhk = _grouped_matmul(dz, r, transpose_b=True)
+        if hmask is None:
+            dh = tf.pad(dhk, [[0, 0], [0, 0], [0, units - k]])
+            dh.set_shape(dc.shape)
+        else:
+            dh = dhk * hmask
+        return t - 1, dh, dc * f, dz_ta
+
+    _, dh0, dc0, dz_ta = tf.while_loop(
+        lambda t, *_: t >= 0, body, (steps - 1, d_h, d_c, dz_ta),
+        maximum_iterations=steps)
+    dz = dz_ta.stack()                                        # [T, G, R, 4U]
+    hk = hk_ta.stack()                                        # [T, G, R, k]
+    # Recurrent weight gradient: one GEMM over all steps (per group).
+    if r.shape[0] == 1:
+        d_r = tf.matmul(tf.reshape(hk, [-1, tf.shape(hk)[-1]]),
+                        tf.reshape(dz, [-1, 4 * units]),
+                        transpose_a=True)[None]
+    else:
+        groups = r.shape[0]
+        d_r = tf.matmul(
+            tf.reshape(tf.transpose(hk, [1, 0, 2, 3]),
+                       [groups, -1, tf.shape(hk)[-1]]),
+            tf.reshape(tf.transpose(dz, [1, 0, 2, 3]),
+                       [groups, -1, 4 * units]), transpose_a=True)
+    return dz, dh0, dc0, d_r
+
+
+def _grouped_matmul(a, w, transpose_b=False):
     """``a`` [G, ..., K] times ``w`` [G, K, N] (per group) or [1, K, N]
-    (shared: one 2-D GEMM) -> [G, ..., N]. No broadcasting batch matmul."""
+    (shared: one 2-D GEMM) -> [G, ..., N] (``transpose_b``: ``w`` is
+    [G or 1, N, K]). No broadcasting batch matmul: a rank-4 by rank-3
+    broadcasting BatchMatMulV2 corrupted the heap in TF 2.21 tests."""
     shape = tf.shape(a)
     a3 = tf.reshape(a, [shape[0] if w.shape[0] != 1 else 1, -1, shape[-1]])
     if w.shape[0] == 1:
-        out = tf.matmul(a3[0], w[0])
+        out = tf.matmul(a3[0], w[0], transpose_b=transpose_b)
     else:
-        out = tf.matmul(a3, w)
-    return tf.reshape(out, tf.concat([shape[:-1], tf.shape(w)[-1:]], 0))
+        out = tf.matmul(a3, w, transpose_b=transpose_b)
+    n = tf.shape(w)[-2] if transpose_b else tf.shape(w)[-1]
+    return tf.reshape(out, tf.concat([shape[:-1], [n]], 0))
 
 
 def _gather_cols(w, cols):
@@ -135,21 +300,25 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
     """``keras.layers.LSTMCell`` with row/tile-pattern dropout masks.
 
     Same arguments as ``keras.layers.LSTMCell`` plus ``pattern``,
-    ``tile_shape`` and ``max_period`` (see :class:`SparseSplitLSTM`). The
-    masks are drawn once per batch (Keras caches them over the steps) from
-    a distribution found by
+    ``tile_shape``, ``max_period`` and ``pattern_groups`` (see
+    :class:`SparseSplitLSTM`). The masks are drawn once per batch (Keras
+    caches them over the steps) from a distribution found by
     :func:`~tf_sparse_split.search_pattern_distribution`, so every unit is
     dropped with probability ``dropout`` (``recurrent_dropout``); kept
-    values are scaled by ``1 / (1 - realized rate)``, so ``E[mask] = 1``
-    per unit. Row masks are ``[1, dim]``, tile masks ``[batch, dim]``.
+    values are scaled by ``1 / (1 - realized rate)`` (per group for row
+    patterns), so ``E[mask] = 1`` per unit. Row masks are ``[1, dim]`` with
+    one group, ``[batch, dim]`` (constant within each group: one pattern
+    per batch, one offset per group) with several; tile masks
+    ``[batch, dim]``.
     Unlike Keras' random masks (one per gate when ``implementation=1``,
     which Keras forces for ``recurrent_dropout > 0``), the four gates share
     one pattern: a dropped unit is then absent from all four gate products,
     which is what lets the layer compact it away (Song et al.).
     """
 
-    def __init__(self, units, pattern="row", tile_shape=None, max_period=8,
-                 pattern_groups=None, **kwargs):
+    def __init__(self, units, pattern="row", tile_shape=None,
+                 max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
+                 **kwargs):
         self.pattern = _check_pattern(pattern)
         self.pattern_groups = _check_groups(pattern_groups, pattern)
         if pattern == "tile":
@@ -260,7 +429,14 @@ class SparseSplitLSTM(keras.layers.LSTM):
         features (if ``dropout > 0``) and ``units`` (if
         ``recurrent_dropout > 0``).
       max_period: largest pattern period the search considers (>= 2,
-        default 8).
+        default ``DEFAULT_MAX_PERIOD`` = 4: shorter periods keep each
+        batch's realized rate nearer the target, e.g. at most 3 of 4 units
+        dropped at rate 0.5 instead of 7 of 8).
+      pattern_groups: number ``G >= 1`` of example groups with their own
+        row-pattern offsets (module docstring, "Why groups"); default
+        ``DEFAULT_PATTERN_GROUPS`` (8) for ``pattern="row"``, 1 otherwise
+        (more than 1 needs ``pattern="row"``). ``G = 1`` is one pattern for
+        the whole batch (Song et al.), fastest but markedly less accurate.
 
     The compacted loop runs in training with ``pattern="row"`` or
     ``"tile"`` and a nonzero dropout rate, without a time mask and without
@@ -272,8 +448,10 @@ class SparseSplitLSTM(keras.layers.LSTM):
     ``supports_jit`` is False (the kept-unit count is data dependent).
 
     Raises:
-      ValueError: bad ``pattern``, ``tile_shape`` or ``max_period``, a tile
-        not dividing the dimension it drops, or bad ``LSTM`` arguments.
+      ValueError: bad ``pattern``, ``tile_shape``, ``max_period`` or
+        ``pattern_groups`` (not an int >= 1, or > 1 without
+        ``pattern="row"``), a tile not dividing the dimension it drops, or
+        bad ``LSTM`` arguments.
     """
 
     def __init__(self, units, activation="tanh",
@@ -288,7 +466,8 @@ class SparseSplitLSTM(keras.layers.LSTM):
                  return_sequences=False, return_state=False,
                  go_backwards=False, stateful=False, unroll=False,
                  use_cudnn="auto", pattern="row", tile_shape=None,
-                 max_period=8, pattern_groups=None, **kwargs):
+                 max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
+                 **kwargs):
         cell = SparseSplitLSTMCell(
             units, pattern=pattern, tile_shape=tile_shape,
             max_period=max_period, pattern_groups=pattern_groups,
@@ -415,45 +594,20 @@ class SparseSplitLSTM(keras.layers.LSTM):
         if bias is not None:
             zx = zx + bias[:, None]
         zx = tf.transpose(zx, [1, 0, 2, 3])                   # [T, G, R, 4U]
-        # Read per step from a TensorArray: slicing the [T, ...] tensor
-        # inside the loop would make every step's gradient a full-size
-        # tensor (O(T^2) memory traffic in the backward pass).
-        zx = tf.TensorArray(dtype, size=steps).unstack(zx)
 
-        # Recurrent product on the kept units of the state.
+        # Recurrent product on the kept units of the state:
+        # h[:, :, :k] (times the tile mask) @ r per group.
         if perm is not None:
-            r_c = _gather_cols(tf.gather(rkernel, perm[:, :n_kept])
-                               * r_scale[:, :, None], cols)   # [G, k, 4U]
-
-            def recurrent(h):
-                return tf.matmul(h[:, :, :n_kept], r_c)
+            r = _gather_cols(tf.gather(rkernel, perm[:, :n_kept])
+                             * r_scale[:, :, None], cols)     # [G, k, 4U]
+            hmask = None
         else:
-            r_full = _gather_cols(rkernel[None], cols)        # [1, U, 4U]
-            if rdp is not None:   # tile masks, one group
-                rdp = grouped(rdp)
-
-                def recurrent(h):
-                    return _grouped_matmul(h * rdp, r_full)
-            else:
-                def recurrent(h):
-                    return _grouped_matmul(h, r_full)
-
-        act, rec_act = cell.activation, cell.recurrent_activation
-        keep_all = self.return_sequences
-        out_ta = tf.TensorArray(dtype, size=steps if keep_all else 1)
-
-        def body(t, h, c, ta):
-            z = zx.read(t) + recurrent(h)
-            i, f, o = tf.split(rec_act(z[..., :3 * units]), 3, axis=-1)
-            c = f * c + i * act(z[..., 3 * units:])
-            h = o * act(c)
-            if keep_all:
-                ta = ta.write(t, h)
-            return t + 1, h, c, ta
-
-        _, h, c, out_ta = tf.while_loop(
-            lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, out_ta),
-            maximum_iterations=steps)
+            r = _gather_cols(rkernel[None], cols)             # [1, U, 4U]
+            n_kept = units
+            hmask = grouped(rdp) if rdp is not None else None  # tile masks
+        h, c, hs = _recurrence(zx, h0, c0, r, n_kept, hmask,
+                               cell.activation, cell.recurrent_activation,
+                               self.return_sequences, units)
 
         def ungrouped(t):    # [G, rows, ..., U] -> [batch, ..., U]
             if perm is not None:
@@ -464,8 +618,8 @@ class SparseSplitLSTM(keras.layers.LSTM):
             return t[:batch]
 
         h, c = ungrouped(h), ungrouped(c)
-        if keep_all:
-            outputs = ungrouped(tf.transpose(out_ta.stack(), [1, 2, 0, 3]))
+        if self.return_sequences:
+            outputs = ungrouped(tf.transpose(hs, [1, 2, 0, 3]))
         else:
             outputs = h[:, None, :]
         return h, outputs, [h, c]
