@@ -170,9 +170,9 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
         # inside the loop would make every step's gradient a full-size
         # tensor (O(T^2) memory traffic in the backward pass).
         zx_ta = tf.TensorArray(dtype, size=steps).unstack(zx)
-        tas = [tf.TensorArray(dtype, size=steps) for _ in range(5)]
+        tas = [tf.TensorArray(dtype, size=steps) for _ in range(6)]
 
-        def body(t, h, c, hs_ta, hk_ta, gate_ta, c_ta, tc_ta):
+        def body(t, h, c, hs_ta, hk_ta, sig_ta, cand_ta, c_ta, tc_ta):
             hk = h[..., :k] if hmask is None else h * hmask
             z = zx_ta.read(t) + _grouped_matmul(hk, r)
             sig = rec_act(z[..., :3 * units])
@@ -180,7 +180,8 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
             i, f, o = tf.split(sig, 3, axis=-1)
             if manual:   # what the backward pass needs
                 hk_ta = hk_ta.write(t, hk)
-                gate_ta = gate_ta.write(t, tf.concat([sig, cand], -1))
+                sig_ta = sig_ta.write(t, sig)
+                cand_ta = cand_ta.write(t, cand)
                 c_ta = c_ta.write(t, c)                       # c_{t-1}
             c = f * c + i * cand
             tc = act(c)
@@ -189,7 +190,7 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
                 tc_ta = tc_ta.write(t, tc)
             if keep_all:
                 hs_ta = hs_ta.write(t, h)
-            return t + 1, h, c, hs_ta, hk_ta, gate_ta, c_ta, tc_ta
+            return t + 1, h, c, hs_ta, hk_ta, sig_ta, cand_ta, c_ta, tc_ta
 
         _, h, c, hs_ta, *saved = tf.while_loop(
             lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, *tas),
@@ -221,7 +222,7 @@ def _lstm_backward(upstream, zx, c0, r, k, hmask, saved, keep_all, units):
     """Gradients ``(d zx, d h0, d c0, d r)`` of :func:`_recurrence` (tanh
     and sigmoid activations) from the upstream gradients of its outputs
     ``(h_T, c_T[, hs])`` (None = zero)."""
-    hk_ta, gate_ta, c_ta, tc_ta = saved
+    hk_ta, sig_ta, cand_ta, c_ta, tc_ta = saved
     steps = tf.shape(zx)[0]
     zeros = tf.zeros_like(c0)
     d_h = zeros if upstream[0] is None else upstream[0]
@@ -234,9 +235,8 @@ def _lstm_backward(upstream, zx, c0, r, k, hmask, saved, keep_all, units):
     def body(t, dh, dc, dz_ta):
         if keep_all and d_hs is not None:
             dh = dh + d_hs_ta.read(t)
-        gates = gate_ta.read(t)
-        i, f, o = tf.split(gates[..., :3 * units], 3, axis=-1)
-        cand = gates[..., 3 * units:]
+        i, f, o = tf.split(sig_ta.read(t), 3, axis=-1)
+        cand = cand_ta.read(t)
         c_prev = c_ta.read(t)
         tc = tc_ta.read(t)
         dc = dc + dh * o * (1.0 - tc * tc)
