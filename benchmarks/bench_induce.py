@@ -53,7 +53,8 @@ def build_pair(case, args, side):
     else:
         kw = dict(dropout=args.pattern, dropout_rate=args.rate,
                   recurrent_dropout_rate=args.rate, seed=args.seed)
-        ours = models.build_lstm(side, side, args.units, 10, sparse=True, **kw)
+        ours = models.build_lstm(side, side, args.units, 10, sparse=True,
+                                 pattern_groups=args.groups, **kw)
         keras.utils.set_random_seed(args.seed)
         ref = models.build_lstm(side, side, args.units, 10, sparse=False,
                                 **kw)
@@ -86,6 +87,9 @@ def main():
     p.add_argument("--units", type=int, default=256)
     p.add_argument("--rate", type=float, default=0.5)
     p.add_argument("--pattern", default="row")
+    p.add_argument("--groups", type=int, default=None,
+                   help="SparseSplitLSTM pattern_groups (lstm; default: "
+                        "the layer's default)")
     args = p.parse_args()
 
     if args.data:
@@ -133,6 +137,9 @@ def main():
             store.append(call_times(lambda: block(m), 1)[0] / len(batches))
     t_o, t_r = np.array(t_o), np.array(t_r)
     ratio = t_r / t_o
+    if args.case == "lstm":
+        print(f"\nSparseSplitLSTM pattern={args.pattern} pattern_groups="
+              f"{ours.get_layer('lstm').cell.pattern_groups}", end="")
     print(f"\ncase {args.case}: test accuracy ours {acc_o:.4f}, plain "
           f"{acc_r:.4f} (diff {acc_o - acc_r:+.4f})")
     for layer in ours.layers:

@@ -7,7 +7,8 @@ import tensorflow as tf
 import keras
 
 import tf_sparse_split as tfss
-from tf_sparse_split.layers.lstm import SparseSplitLSTMCell
+from tf_sparse_split.layers.lstm import (DEFAULT_PATTERN_GROUPS,
+                                         SparseSplitLSTMCell)
 
 
 def _pair(x_shape, units=16, **kwargs):
@@ -57,51 +58,87 @@ def test_pattern_random_equals_keras_lstm_with_seed(rng, return_sequences):
             np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("pattern,tile_shape,go_backwards,rates", [
-    ("row", None, False, (0.5, 0.5)), ("row", None, True, (0.0, 0.6)),
-    ("row", None, False, (0.4, 0.0)), ("tile", (2, 4), True, (0.5, 0.5)),
+@pytest.mark.parametrize("pattern,tile_shape,go_backwards,rates,groups,batch,"
+                         "options", [
+    ("row", None, False, (0.5, 0.5), 1, 5, {}),
+    ("row", None, True, (0.0, 0.6), 1, 5, {}),
+    ("row", None, False, (0.4, 0.0), 1, 5, {}),
+    ("tile", (2, 4), True, (0.5, 0.5), 1, 5, {}),
+    # groups: batch divisible, not divisible (padding), fewer examples than
+    # groups, one rate only
+    ("row", None, False, (0.5, 0.5), 4, 12, {}),
+    ("row", None, True, (0.5, 0.5), 4, 13, {}),
+    ("row", None, False, (0.5, 0.3), 8, 5, {}),
+    ("row", None, True, (0.0, 0.6), 3, 7, {}),
+    ("row", None, False, (0.4, 0.0), 4, 10, {}),
+    # last state only, c not in the loss (no upstream gradient for it);
+    # other activations: TensorFlow differentiates the loop instead of the
+    # written-out backward pass
+    ("row", None, False, (0.5, 0.5), 4, 9,
+     {"return_sequences": False, "loss_on_c": False}),
+    ("row", None, True, (0.5, 0.5), 4, 9,
+     {"activation": "relu", "recurrent_activation": "hard_sigmoid"}),
+    ("tile", (2, 4), False, (0.3, 0.5), 1, 6, {"activation": "softsign"}),
 ])
 def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
-                                                 go_backwards, rates):
+                                                 go_backwards, rates, groups,
+                                                 batch, options):
     """The compacted products give the values (and gradients) of Keras' own
-    loop run with the same pattern masks."""
-    x = tf.constant(rng.standard_normal((5, 7, 12)).astype("float32"))
+    loop run with the same pattern masks (per-group masks included)."""
+    x = tf.constant(rng.standard_normal((batch, 7, 12)).astype("float32"))
+    options = dict(options)
+    loss_on_c = options.pop("loss_on_c", True)
+    options.setdefault("return_sequences", True)
     layer = tfss.SparseSplitLSTM(
         16, dropout=rates[0], recurrent_dropout=rates[1], seed=1,
-        pattern=pattern, tile_shape=tile_shape, return_sequences=True,
-        go_backwards=go_backwards)
+        pattern=pattern, tile_shape=tile_shape, go_backwards=go_backwards,
+        pattern_groups=groups, **options)
     layer.build(x.shape)
     assert layer._use_compacted_loop(None, True)
-    state = [tf.zeros((5, 16)), tf.zeros((5, 16))]
+    state = [tf.constant(rng.standard_normal((batch, 16)).astype("float32"))
+             for _ in range(2)]
     with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x] + state)
         layer._maybe_config_dropout_masks(layer.cell, x[:, 0, :], state)
         _, out, (h, c) = layer._compacted_loop(x, state)
         _, ref, (h_ref, c_ref) = keras.layers.LSTM.inner_loop(
             layer, x, state, None, training=True)
-        loss = tf.reduce_sum(out * out) + tf.reduce_sum(c)
-        loss_ref = tf.reduce_sum(ref * ref) + tf.reduce_sum(c_ref)
+        if not options["return_sequences"]:
+            ref = ref[:, -1:]
+        loss = tf.reduce_sum(out * out)
+        loss_ref = tf.reduce_sum(ref * ref)
+        if loss_on_c:
+            loss += tf.reduce_sum(c)
+            loss_ref += tf.reduce_sum(c_ref)
     layer._maybe_reset_dropout_masks(layer.cell)
+    steps = 7 if options["return_sequences"] else 1
+    assert out.shape == ref.shape == (batch, steps, 16)
     np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-5)
+    np.testing.assert_allclose(h.numpy(), h_ref.numpy(), atol=1e-5)
     np.testing.assert_allclose(c.numpy(), c_ref.numpy(), atol=1e-5)
-    for a, b in zip(tape.gradient(loss, layer.trainable_weights),
-                    tape.gradient(loss_ref, layer.trainable_weights)):
+    wrt = layer.trainable_weights + [x] + state
+    for a, b in zip(tape.gradient(loss, wrt), tape.gradient(loss_ref, wrt)):
         np.testing.assert_allclose(tf.convert_to_tensor(a).numpy(),
                                    tf.convert_to_tensor(b).numpy(),
                                    atol=2e-5)
 
 
-def test_row_masks_rate_and_unbiased():
+@pytest.mark.parametrize("groups,batch", [(1, 4), (4, 10)])
+def test_row_masks_rate_and_unbiased(groups, batch):
     """Every unit is dropped with the requested rate and E[mask] = 1 per
-    unit (kept values are rescaled by 1 / (1 - realized rate)), so
-    E[output] = input; a mask is constant over the batch (whole units)."""
-    rate, units, draws = 0.5, 24, 3000
+    unit in every group (kept values are rescaled by 1 / (1 - the group's
+    realized rate)), so E[output] = input; a mask is constant over the
+    examples of a group (whole units; example b is in group
+    b // ceil(batch / groups)), groups draw their own offsets of one
+    pattern per batch, so they keep the same number of units (+-1)."""
+    rate, units, draws, dim = 0.5, 24, 3000, 20
     cell = SparseSplitLSTMCell(units, dropout=rate, recurrent_dropout=0.3,
-                               seed=3)
-    cell.build((None, 20))
+                               seed=3, pattern_groups=groups)
+    cell.build((None, dim))
     dist = cell.pattern_distribution("input")
     np.testing.assert_allclose(dist.per_unit_drop_probability(), rate,
                                atol=1e-9)
-    step = tf.ones((4, 20))
+    step = tf.ones((batch, dim))
 
     @tf.function
     def draw_many():
@@ -110,13 +147,29 @@ def test_row_masks_rate_and_unbiased():
             ta = ta.write(i, cell._pattern_mask("input", step)[0])
         return ta.stack()
 
-    masks = draw_many().numpy()                       # [draws, 1, 20]
-    assert masks.shape[1] == 1
-    drop = (masks[:, 0, :] == 0).mean(axis=0)
+    masks = draw_many().numpy()                   # [draws, batch or 1, dim]
+    rows = -(-batch // groups)
+    starts = list(range(0, batch, rows))
+    assert masks.shape[1] == (1 if groups == 1 else batch)
+    for b in range(masks.shape[1]):               # constant within a group
+        np.testing.assert_array_equal(masks[:, b], masks[:, b // rows * rows])
+    g_masks = masks[:, starts if groups > 1 else [0]]   # [draws, G', dim]
+    drop = (g_masks == 0).mean(axis=0)
     np.testing.assert_allclose(drop, rate, atol=0.05)
-    np.testing.assert_allclose(masks[:, 0, :].mean(axis=0), 1.0, atol=0.08)
-    rmask = cell._pattern_mask("recurrent", tf.ones((4, units)))[0].numpy()
-    assert rmask.shape == (1, units)
+    np.testing.assert_allclose(g_masks.mean(axis=0), 1.0, atol=0.08)
+    kept = (g_masks > 0).sum(axis=2)                     # [draws, G']
+    for d in range(0, draws, 97):
+        for g in range(g_masks.shape[1]):
+            np.testing.assert_allclose(g_masks[d, g][g_masks[d, g] > 0],
+                                       dim / kept[d, g], rtol=1e-6)
+    assert (kept.max(axis=1) - kept.min(axis=1)).max() <= 1
+    if groups > 1:   # the groups' masks differ in most draws
+        differ = [len({m.tobytes() for m in g_masks[d]}) > 1
+                  for d in range(draws)]
+        assert np.mean(differ) > 0.5
+    rmask = cell._pattern_mask("recurrent", tf.ones((batch, units)))[0]
+    rmask = rmask.numpy()
+    assert rmask.shape == (1 if groups == 1 else batch, units)
     kept = rmask[0] > 0
     np.testing.assert_allclose(rmask[0, kept], units / kept.sum(), rtol=1e-6)
 
@@ -127,7 +180,7 @@ def test_training_fit_and_keras_round_trip(rng, tmp_path):
     model = keras.Sequential([
         keras.Input((6, 8)),
         tfss.SparseSplitLSTM(12, dropout=0.5, recurrent_dropout=0.5, seed=0,
-                             name="lstm"),
+                             pattern_groups=3, name="lstm"),
         keras.layers.Dense(3, activation="softmax")])
     model.compile("adam", "sparse_categorical_crossentropy", jit_compile=False)
     before = model.get_layer("lstm").get_weights()[1].copy()
@@ -140,11 +193,15 @@ def test_training_fit_and_keras_round_trip(rng, tmp_path):
     assert isinstance(layer, tfss.SparseSplitLSTM)
     assert layer.get_config() == model.get_layer("lstm").get_config()
     assert layer.pattern == "row" and layer.dropout == 0.5
+    assert layer.get_config()["pattern_groups"] == 3
+    assert tfss.SparseSplitLSTM(8).get_config()["pattern_groups"] == \
+        DEFAULT_PATTERN_GROUPS
     np.testing.assert_array_equal(model.predict(x, verbose=0),
                                   loaded.predict(x, verbose=0))
     cfg = tfss.SparseSplitLSTM(8, pattern="tile", tile_shape=(4, 4),
                                recurrent_dropout=0.5).get_config()
     assert tfss.SparseSplitLSTM.from_config(cfg).get_config() == cfg
+    assert cfg["pattern_groups"] == 1
     keras_cfg = keras.layers.LSTM(8).get_config()
     assert set(keras_cfg) <= set(cfg)   # same arguments, plus the pattern
 
@@ -155,6 +212,11 @@ def test_training_fit_and_keras_round_trip(rng, tmp_path):
     ({"pattern": "tile", "tile_shape": (0, 4)}, "tile_shape"),
     ({"max_period": 1}, "max_period"),
     ({"use_cudnn": "yes"}, "use_cudnn"),
+    ({"pattern_groups": 0}, "pattern_groups"),
+    ({"pattern_groups": 2.5}, "pattern_groups"),
+    ({"pattern_groups": True}, "pattern_groups"),
+    ({"pattern": "tile", "pattern_groups": 2}, "pattern_groups"),
+    ({"pattern": "random", "pattern_groups": 4}, "pattern_groups"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

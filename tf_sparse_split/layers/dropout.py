@@ -90,39 +90,62 @@ __all__ = [
 # ---------------------------------------------------------------------------
 # pattern draws (shared with the LSTM's recurrent dropout)
 # ---------------------------------------------------------------------------
-def draw_pattern(patterns, probs, seed_generator):
-    """Draws one pattern of a distribution and its offset.
+def draw_pattern(patterns, probs, seed_generator, groups=None,
+                 same_pattern=False):
+    """Draws one pattern of a distribution and its offset (or ``groups`` of
+    them).
 
     Args:
       patterns: list of ``(kind, period)``.
       probs: their probabilities (numpy, sums to 1).
       seed_generator: a ``keras.random.SeedGenerator`` (advanced).
+      groups: None for one draw (scalars), or an int ``G >= 1`` for ``G``
+        independent draws (vectors ``[G]``).
+      same_pattern: with ``groups``: one ``(kind, period)`` draw shared by
+        all groups, each group with its own offset.
 
     Returns:
-      ``(is_drop, period, offset)``: a bool scalar and two int32 scalars,
-      the offset uniform in ``[0, period)``.
+      ``(is_drop, period, offset)``: bool and two int32 tensors (scalars, or
+      ``[groups]``), each offset uniform in ``[0, period)``.
     """
     logits = tf.math.log(tf.constant(
         np.maximum(probs, 1e-30)[None, :], tf.float32))
+    shape = () if groups is None else (groups,)
+    n_kinds = 1 if groups is None or same_pattern else groups
     idx = tf.cast(tf.reshape(keras.random.categorical(
-        logits, 1, seed=seed_generator), []), tf.int32)
+        logits, n_kinds, seed=seed_generator), [n_kinds]), tf.int32)
+    idx = tf.broadcast_to(idx, shape) if groups else tf.reshape(idx, [])
     periods = tf.constant([p for _, p in patterns], tf.int32)
     drops = tf.constant([k == "drop" for k, _ in patterns])
     p = tf.gather(periods, idx)
-    u = keras.random.uniform((), seed=seed_generator)
+    u = keras.random.uniform(shape, seed=seed_generator)
     o = tf.minimum(tf.cast(tf.floor(u * tf.cast(p, tf.float32)),
                            tf.int32), p - 1)
     return tf.gather(drops, idx), p, o
 
 
 def pattern_keep_mask(patterns, probs, units, seed_generator, pattern="row",
-                      tile_shape=None, batch_size=None):
+                      tile_shape=None, batch_size=None, groups=None,
+                      same_pattern=False):
     """Draws one row/tile keep mask (module docstring, "Pattern
     definitions"): float32 ``[1, units]`` for ``pattern="row"``, ``[batch_size,
-    units]`` for ``"tile"``; 1 = kept, 0 = dropped (not rescaled). Advances
-    ``seed_generator``."""
-    is_drop, p, o = draw_pattern(patterns, probs, seed_generator)
-    if pattern == "row":
+    units]`` for ``"tile"``; 1 = kept, 0 = dropped (not rescaled). With
+    ``groups=G`` (row only): ``[G, units]``, one independent row pattern per
+    row (``same_pattern``: see :func:`draw_pattern`). Advances
+    ``seed_generator``.
+
+    Raises:
+      ValueError: ``groups`` with ``pattern="tile"``.
+    """
+    if groups is not None and pattern != "row":
+        raise ValueError("groups of row patterns need pattern='row', got "
+                         f"{pattern!r}")
+    is_drop, p, o = draw_pattern(patterns, probs, seed_generator,
+                                 groups=groups, same_pattern=same_pattern)
+    if groups is not None:
+        q = tf.range(units, dtype=tf.int32)[None, :]
+        is_drop, p, o = is_drop[:, None], p[:, None], o[:, None]
+    elif pattern == "row":
         q = tf.range(units, dtype=tf.int32)[None, :]
     else:
         tb, tu = tile_shape

@@ -9,15 +9,22 @@ report 1.24-1.85x faster LSTM training at dropout rates 0.3-0.7.
 How the compaction works. Keras draws one dropout mask per batch for the
 inputs and one for the recurrent state and holds both over all time steps.
 Here a *row* pattern (:mod:`tf_sparse_split.layers.dropout`, "Pattern
-definitions") drops the same units for every example and every step, so a
-dropped unit is zero in every per-step product. Once per batch the layer
-gathers the kept rows of ``kernel`` and ``recurrent_kernel`` (scaled by the
-pattern's ``1 / (1 - realized rate)``) and runs
+definitions") drops the same units for every example of a *group* and every
+step, so a dropped unit is zero in every per-step product of that group.
+The batch is split into ``pattern_groups`` groups ``G`` of consecutive
+examples (example ``b`` in group ``b // ceil(batch / G)``; a batch that
+``G`` does not divide is padded with zero examples inside the layer). Once
+per batch each group's kept rows of ``kernel`` and ``recurrent_kernel`` are
+gathered (scaled by the group's ``1 / (1 - realized rate)``), and the layer
+runs
 
-* the input product for all steps as one GEMM
-  ``x[:, :, kept_in] @ (s_in * kernel[kept_in])`` (the input mask is fixed
-  over the steps, so nothing depends on the recurrence), and
-* per step ``h[:, kept_rec] @ (s_rec * recurrent_kernel[kept_rec])``,
+* the input product for all steps as one batched GEMM
+  ``x_g[:, :, kept_in_g] @ (s_in_g * kernel[kept_in_g])`` (the input mask is
+  fixed over the steps, so nothing depends on the recurrence), and
+* per step one batched GEMM ``h_g[:, kept_g] @ (s_g *
+  recurrent_kernel[kept_g])`` over the groups (``[G, batch/G, k] @ [G, k,
+  4*units]``; the state of each group is kept in its own unit order, kept
+  units first, so ``h_g[:, kept_g]`` is a slice),
 
 which is exact: the same values as masking and multiplying by the full
 matrices, to float rounding. The backward pass differentiates the same
@@ -26,6 +33,26 @@ with them (the gathers' gradients scatter into the kept rows only). The
 operands are dense after compaction (the LSTM state is a tanh product, not
 sparse), so the products use TensorFlow's GEMM; ``sparse_split_matmul`` would
 not pay here.
+
+Why groups (a departure from Song et al., who draw one pattern per
+training iteration for the whole batch): with one pattern per batch every
+example drops the same units, so each step trains one sub-network and the
+dropped half of the recurrent kernel rows gets no gradient at all; on MNIST
+rows (LSTM(256), dropout = recurrent_dropout = 0.5) that cost 12.6 points
+of test accuracy after 4 epochs against Keras' per-example masks, almost all
+of it from the recurrent mask (README, LSTM section). With groups, each
+batch draws one ``(kind, period)`` from the searched distribution and every
+group its own offset: the groups drop different units (all units get
+gradient from part of the batch) but keep the same number of them (+-1 when
+the period does not divide the width; the few extra rows of the smaller
+groups are zeroed), so the batched GEMM stays compact. Each group's
+per-unit drop probability is exactly the rate and ``E[mask] = 1`` per unit
+and group. Independent patterns per group would pad every group to the
+largest kept count (most batches: 3/4 of the units or more), losing the
+compaction. The default ``max_period`` is 4 (8 in
+:class:`~tf_sparse_split.layers.ApproximateRandomDropout`): at rate 0.5 a
+batch then drops between 1/4 and 3/4 of the units, not up to 7/8 with the
+rest scaled by 8 (measurements: README).
 
 ``pattern="tile"`` uses tile masks (blocks of ``[batch, units]``): exact
 semantics, no compaction (no unit is zero for the whole batch), so no
@@ -51,6 +78,11 @@ __all__ = ["SparseSplitLSTM", "SparseSplitLSTMCell", "LSTM_PATTERNS"]
 #: Values of ``pattern``.
 LSTM_PATTERNS = ("row", "tile", "random")
 
+#: Default ``pattern_groups`` of ``pattern="row"`` and default
+#: ``max_period`` (measured choices: README, LSTM section).
+DEFAULT_PATTERN_GROUPS = 8
+DEFAULT_MAX_PERIOD = 4
+
 
 def _check_pattern(pattern):
     if pattern not in LSTM_PATTERNS:
@@ -65,27 +97,234 @@ def _first(mask):
     return mask[0] if isinstance(mask, (list, tuple)) else mask
 
 
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _check_groups(pattern_groups, pattern):
+    """``pattern_groups``: None -> the default (row: DEFAULT_PATTERN_GROUPS,
+    otherwise 1); more than one group needs row patterns."""
+    if pattern_groups is None:
+        return DEFAULT_PATTERN_GROUPS if pattern == "row" else 1
+    groups = validate_int(pattern_groups, "pattern_groups")
+    if groups > 1 and pattern != "row":
+        raise ValueError(
+            "`pattern_groups` > 1 needs pattern='row' (tile and random masks"
+            f" are per example already). Received: pattern_groups={groups}, "
+            f"pattern={pattern!r}")
+    return groups
+
+
+def _group_masks(mask, groups, rows):
+    """The ``[G, dim]`` per-group masks of a cell mask (``[1, dim]``, or
+    ``[batch, dim]`` with example ``b`` in group ``b // rows``). Groups
+    made only of padding repeat the last group's mask."""
+    last = tf.shape(mask)[0] - 1
+    return tf.gather(mask, tf.minimum(tf.range(groups) * rows, last))
+
+
+def _kept_first(masks):
+    """Per group (row of ``masks`` [G, dim]): the unit order with the kept
+    units first (``perm`` [G, dim], stable), the largest kept count ``k``
+    over the groups, and the mask values of each group's first ``k`` units
+    in that order (``[G, k]``: the rescale factor, 0 where a group keeps
+    fewer than ``k`` units -- those rows of the compacted kernel are
+    zeroed)."""
+    dropped = tf.cast(masks <= 0, tf.int32)
+    perm = tf.argsort(dropped, axis=1, stable=True)
+    k = tf.reduce_max(tf.reduce_sum(1 - dropped, axis=1))
+    return perm, k, tf.gather(masks, perm[:, :k], axis=1, batch_dims=1)
+
+
+def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
+    """The LSTM recurrence of the compacted loop, in grouped layout.
+
+    Per step ``t``: ``z = zx[t] + (h[..., :k] * hmask) @ r`` (per group;
+    gates in the order i, f, o, c), ``c = f * c + i * act(c~)``,
+    ``h = o * act(c)``.
+
+    Args:
+      zx: ``[T, G, R, 4U]`` input products (bias included).
+      h0, c0: ``[G, R, U]`` initial state.
+      r: ``[G or 1, k, 4U]`` compacted recurrent kernel.
+      k: number of leading state units multiplied (int or int32 scalar).
+      hmask: None or a ``[1, R, U]`` mask applied to h (tile masks; k = U).
+      act, rec_act: the cell's activations.
+      keep_all: also return the states of all steps.
+      units: U.
+
+    Returns:
+      ``(h_T, c_T, hs)``: ``hs`` ``[T, G, R, U]`` if ``keep_all``, else None.
+
+    With Keras' default activations (tanh, sigmoid) the backward pass is
+    written out (``_lstm_backward``) so that the recurrent weight gradient
+    is one batched GEMM over all steps instead of a ``[k, 4U]`` per-group
+    accumulation in every step of TensorFlow's differentiated while loop;
+    otherwise TensorFlow differentiates the loop.
+    """
+    dtype = zx.dtype
+
+    def forward(zx, h0, c0, r):
+        steps = tf.shape(zx)[0]
+        # Read per step from a TensorArray: slicing the [T, ...] tensor
+        # inside the loop would make every step's gradient a full-size
+        # tensor (O(T^2) memory traffic in the backward pass).
+        zx_ta = tf.TensorArray(dtype, size=steps).unstack(zx)
+        tas = [tf.TensorArray(dtype, size=steps) for _ in range(6)]
+
+        def body(t, h, c, hs_ta, hk_ta, sig_ta, cand_ta, c_ta, tc_ta):
+            hk = h[..., :k] if hmask is None else h * hmask
+            z = zx_ta.read(t) + _grouped_matmul(hk, r)
+            sig = rec_act(z[..., :3 * units])
+            cand = act(z[..., 3 * units:])
+            i, f, o = tf.split(sig, 3, axis=-1)
+            if manual:   # what the backward pass needs
+                hk_ta = hk_ta.write(t, hk)
+                sig_ta = sig_ta.write(t, sig)
+                cand_ta = cand_ta.write(t, cand)
+                c_ta = c_ta.write(t, c)                       # c_{t-1}
+            c = f * c + i * cand
+            tc = act(c)
+            h = o * tc
+            if manual:
+                tc_ta = tc_ta.write(t, tc)
+            if keep_all:
+                hs_ta = hs_ta.write(t, h)
+            return t + 1, h, c, hs_ta, hk_ta, sig_ta, cand_ta, c_ta, tc_ta
+
+        _, h, c, hs_ta, *saved = tf.while_loop(
+            lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, *tas),
+            maximum_iterations=steps)
+        hs = hs_ta.stack() if keep_all else None
+        return h, c, hs, saved
+
+    manual = (act is keras.activations.tanh
+              and rec_act is keras.activations.sigmoid)
+    if not manual:
+        h, c, hs, _ = forward(zx, h0, c0, r)
+        return h, c, hs
+
+    @tf.custom_gradient
+    def run(zx, h0, c0, r):
+        h, c, hs, saved = forward(zx, h0, c0, r)
+
+        def grad(*upstream):
+            return _lstm_backward(upstream, zx, c0, r, k, hmask, saved,
+                                  keep_all, units)
+
+        return (h, c, hs) if keep_all else (h, c), grad
+
+    out = run(zx, h0, c0, r)
+    return (out[0], out[1], out[2] if keep_all else None)
+
+
+def _lstm_backward(upstream, zx, c0, r, k, hmask, saved, keep_all, units):
+    """Gradients ``(d zx, d h0, d c0, d r)`` of :func:`_recurrence` (tanh
+    and sigmoid activations) from the upstream gradients of its outputs
+    ``(h_T, c_T[, hs])`` (None = zero)."""
+    hk_ta, sig_ta, cand_ta, c_ta, tc_ta = saved
+    steps = tf.shape(zx)[0]
+    zeros = tf.zeros_like(c0)
+    d_h = zeros if upstream[0] is None else upstream[0]
+    d_c = zeros if upstream[1] is None else upstream[1]
+    d_hs = upstream[2] if keep_all else None
+    if keep_all and d_hs is not None:
+        d_hs_ta = tf.TensorArray(zx.dtype, size=steps).unstack(d_hs)
+    dz_ta = tf.TensorArray(zx.dtype, size=steps)
+
+    def body(t, dh, dc, dz_ta):
+        if keep_all and d_hs is not None:
+            dh = dh + d_hs_ta.read(t)
+        i, f, o = tf.split(sig_ta.read(t), 3, axis=-1)
+        cand = cand_ta.read(t)
+        c_prev = c_ta.read(t)
+        tc = tc_ta.read(t)
+        dc = dc + dh * o * (1.0 - tc * tc)
+        dz = tf.concat([dc * cand * i * (1.0 - i),
+                        dc * c_prev * f * (1.0 - f),
+                        dh * tc * o * (1.0 - o),
+                        dc * i * (1.0 - cand * cand)], -1)
+        dz_ta = dz_ta.write(t, dz)
+        dhk = _grouped_matmul(dz, r, transpose_b=True)
+        if hmask is None:
+            dh = tf.pad(dhk, [[0, 0], [0, 0], [0, units - k]])
+            dh.set_shape(dc.shape)
+        else:
+            dh = dhk * hmask
+        return t - 1, dh, dc * f, dz_ta
+
+    _, dh0, dc0, dz_ta = tf.while_loop(
+        lambda t, *_: t >= 0, body, (steps - 1, d_h, d_c, dz_ta),
+        maximum_iterations=steps)
+    dz = dz_ta.stack()                                        # [T, G, R, 4U]
+    hk = hk_ta.stack()                                        # [T, G, R, k]
+    # Recurrent weight gradient: one GEMM over all steps (per group).
+    if r.shape[0] == 1:
+        d_r = tf.matmul(tf.reshape(hk, [-1, tf.shape(hk)[-1]]),
+                        tf.reshape(dz, [-1, 4 * units]),
+                        transpose_a=True)[None]
+    else:
+        groups = r.shape[0]
+        d_r = tf.matmul(
+            tf.reshape(tf.transpose(hk, [1, 0, 2, 3]),
+                       [groups, -1, tf.shape(hk)[-1]]),
+            tf.reshape(tf.transpose(dz, [1, 0, 2, 3]),
+                       [groups, -1, 4 * units]), transpose_a=True)
+    return dz, dh0, dc0, d_r
+
+
+def _grouped_matmul(a, w, transpose_b=False):
+    """``a`` [G, ..., K] times ``w`` [G, K, N] (per group) or [1, K, N]
+    (shared: one 2-D GEMM) -> [G, ..., N] (``transpose_b``: ``w`` is
+    [G or 1, N, K]). No broadcasting batch matmul: a rank-4 by rank-3
+    broadcasting BatchMatMulV2 corrupted the heap in TF 2.21 tests."""
+    shape = tf.shape(a)
+    a3 = tf.reshape(a, [shape[0] if w.shape[0] != 1 else 1, -1, shape[-1]])
+    if w.shape[0] == 1:
+        out = tf.matmul(a3[0], w[0], transpose_b=transpose_b)
+    else:
+        out = tf.matmul(a3, w, transpose_b=transpose_b)
+    n = tf.shape(w)[-2] if transpose_b else tf.shape(w)[-1]
+    return tf.reshape(out, tf.concat([shape[:-1], [n]], 0))
+
+
+def _gather_cols(w, cols):
+    """``w`` [Gw, K, 4U] with its last axis permuted per group by ``cols``
+    [Gc, 4U] (Gw, Gc each 1 or G) -> [max(Gw, Gc), K, 4U]."""
+    if cols.shape[0] == 1:
+        return tf.gather(w, cols[0], axis=2)
+    if w.shape[0] == 1:
+        w = tf.broadcast_to(w, tf.concat([tf.shape(cols)[:1],
+                                          tf.shape(w)[1:]], 0))
+    return tf.gather(w, cols, axis=2, batch_dims=1)
+
+
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
 class SparseSplitLSTMCell(keras.layers.LSTMCell):
     """``keras.layers.LSTMCell`` with row/tile-pattern dropout masks.
 
     Same arguments as ``keras.layers.LSTMCell`` plus ``pattern``,
-    ``tile_shape`` and ``max_period`` (see :class:`SparseSplitLSTM`). The
-    masks are drawn once per batch (Keras caches them over the steps) from
-    a distribution found by
+    ``tile_shape``, ``max_period`` and ``pattern_groups`` (see
+    :class:`SparseSplitLSTM`). The masks are drawn once per batch (Keras
+    caches them over the steps) from a distribution found by
     :func:`~tf_sparse_split.search_pattern_distribution`, so every unit is
     dropped with probability ``dropout`` (``recurrent_dropout``); kept
-    values are scaled by ``1 / (1 - realized rate)``, so ``E[mask] = 1``
-    per unit. Row masks are ``[1, dim]``, tile masks ``[batch, dim]``.
+    values are scaled by ``1 / (1 - realized rate)`` (per group for row
+    patterns), so ``E[mask] = 1`` per unit. Row masks are ``[1, dim]`` with
+    one group, ``[batch, dim]`` (constant within each group: one pattern
+    per batch, one offset per group) with several; tile masks
+    ``[batch, dim]``.
     Unlike Keras' random masks (one per gate when ``implementation=1``,
     which Keras forces for ``recurrent_dropout > 0``), the four gates share
     one pattern: a dropped unit is then absent from all four gate products,
     which is what lets the layer compact it away (Song et al.).
     """
 
-    def __init__(self, units, pattern="row", tile_shape=None, max_period=8,
+    def __init__(self, units, pattern="row", tile_shape=None,
+                 max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
                  **kwargs):
         self.pattern = _check_pattern(pattern)
+        self.pattern_groups = _check_groups(pattern_groups, pattern)
         if pattern == "tile":
             self.tile_shape = check_tile_shape(
                 (32, 32) if tile_shape is None else tile_shape)
@@ -130,11 +369,21 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
     def _pattern_mask(self, which, step_input):
         dist, dim = self._distributions[which]
         x = tf.convert_to_tensor(step_input)
+        batch = tf.shape(x)[0]
+        groups = self.pattern_groups if self.pattern == "row" else 1
         keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
                                  self.seed_generator, pattern=self.pattern,
                                  tile_shape=self.tile_shape,
-                                 batch_size=tf.shape(x)[0])
-        mask = keep * tf.math.divide_no_nan(1.0, tf.reduce_mean(keep))
+                                 batch_size=batch,
+                                 groups=groups if groups > 1 else None,
+                                 same_pattern=True)
+        # Row patterns are rescaled per group (E[mask] = 1 in every group),
+        # tile masks by the whole mask's realized rate.
+        kept = (tf.reduce_mean(keep, axis=1, keepdims=True)
+                if self.pattern == "row" else tf.reduce_mean(keep))
+        mask = keep * tf.math.divide_no_nan(1.0, kept)
+        if groups > 1:   # example b belongs to group b // ceil(batch / G)
+            mask = tf.gather(mask, tf.range(batch) // _ceil_div(batch, groups))
         mask = tf.cast(mask, x.dtype)
         count = getattr(self, "dropout_mask_count", None)
         return mask if count is None else [mask] * count
@@ -160,7 +409,8 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         config.update({"pattern": self.pattern,
                        "tile_shape": (list(self.tile_shape) if self.tile_shape
                                       else None),
-                       "max_period": self.max_period})
+                       "max_period": self.max_period,
+                       "pattern_groups": self.pattern_groups})
         return config
 
 
@@ -183,7 +433,14 @@ class SparseSplitLSTM(keras.layers.LSTM):
         features (if ``dropout > 0``) and ``units`` (if
         ``recurrent_dropout > 0``).
       max_period: largest pattern period the search considers (>= 2,
-        default 8).
+        default ``DEFAULT_MAX_PERIOD`` = 4: shorter periods keep each
+        batch's realized rate nearer the target, e.g. at most 3 of 4 units
+        dropped at rate 0.5 instead of 7 of 8).
+      pattern_groups: number ``G >= 1`` of example groups with their own
+        row-pattern offsets (module docstring, "Why groups"); default
+        ``DEFAULT_PATTERN_GROUPS`` (8) for ``pattern="row"``, 1 otherwise
+        (more than 1 needs ``pattern="row"``). ``G = 1`` is one pattern for
+        the whole batch (Song et al.), fastest but markedly less accurate.
 
     The compacted loop runs in training with ``pattern="row"`` or
     ``"tile"`` and a nonzero dropout rate, without a time mask and without
@@ -195,8 +452,10 @@ class SparseSplitLSTM(keras.layers.LSTM):
     ``supports_jit`` is False (the kept-unit count is data dependent).
 
     Raises:
-      ValueError: bad ``pattern``, ``tile_shape`` or ``max_period``, a tile
-        not dividing the dimension it drops, or bad ``LSTM`` arguments.
+      ValueError: bad ``pattern``, ``tile_shape``, ``max_period`` or
+        ``pattern_groups`` (not an int >= 1, or > 1 without
+        ``pattern="row"``), a tile not dividing the dimension it drops, or
+        bad ``LSTM`` arguments.
     """
 
     def __init__(self, units, activation="tanh",
@@ -211,10 +470,12 @@ class SparseSplitLSTM(keras.layers.LSTM):
                  return_sequences=False, return_state=False,
                  go_backwards=False, stateful=False, unroll=False,
                  use_cudnn="auto", pattern="row", tile_shape=None,
-                 max_period=8, **kwargs):
+                 max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
+                 **kwargs):
         cell = SparseSplitLSTMCell(
             units, pattern=pattern, tile_shape=tile_shape,
-            max_period=max_period, activation=activation,
+            max_period=max_period, pattern_groups=pattern_groups,
+            activation=activation,
             recurrent_activation=recurrent_activation, use_bias=use_bias,
             kernel_initializer=kernel_initializer,
             unit_forget_bias=unit_forget_bias,
@@ -269,101 +530,100 @@ class SparseSplitLSTM(keras.layers.LSTM):
         units = cell.units
         x = tf.convert_to_tensor(sequences)
         dtype = x.dtype
-        h0 = tf.convert_to_tensor(initial_state[0])
-        c0 = tf.convert_to_tensor(initial_state[1])
         kernel = tf.cast(tf.convert_to_tensor(cell.kernel), dtype)
         rkernel = tf.cast(tf.convert_to_tensor(cell.recurrent_kernel), dtype)
         bias = (tf.cast(tf.convert_to_tensor(cell.bias), dtype)
                 if cell.use_bias else None)
         row = cell.pattern == "row"
+        # The batch runs as G groups of ``rows`` examples ([G, rows, ...]),
+        # each with its own row patterns (tile masks: one group); a batch
+        # that G does not divide is padded with zero examples, whose
+        # outputs are cut off at the end.
+        groups = cell.pattern_groups if row else 1
+        batch = tf.shape(x)[0]
+        rows = _ceil_div(batch, groups)
+        pad = groups * rows - batch
+        h0 = tf.convert_to_tensor(initial_state[0])
+        c0 = tf.convert_to_tensor(initial_state[1])
+        dp = (_first(cell.get_dropout_mask(x[:, 0, :]))
+              if cell.dropout > 0 else None)
+        rdp = (_first(cell.get_recurrent_dropout_mask(h0))
+               if cell.recurrent_dropout > 0 else None)
 
-        # Units in the loop are kept in the order ``perm``: with row
-        # recurrent dropout the kept units first, so each step's compacted
-        # state is a column prefix of h (a slice, not a gather); outputs are
-        # put back in order at the end. Gate columns are reordered to
-        # (i, f, o, c) so one sigmoid covers the three sigmoid gates.
-        perm = n_kept = None
-        rdp = None
-        if cell.recurrent_dropout > 0:
-            rdp = _first(cell.get_recurrent_dropout_mask(h0))
-            if row:
-                keep = rdp[0] > 0
-                kept_r = tf.where(keep)[:, 0]
-                perm = tf.concat([kept_r, tf.where(tf.logical_not(keep))[:, 0]],
-                                 0)
-                n_kept = tf.size(kept_r)
-        unit_order = (perm if perm is not None
-                      else tf.range(units, dtype=tf.int64))
-        cols = tf.concat([unit_order + g * units for g in (0, 1, 3, 2)], 0)
-        kernel = tf.gather(kernel, cols, axis=1)
-        rkernel = tf.gather(rkernel, cols, axis=1)
-        if bias is not None:
-            bias = tf.gather(bias, cols)
+        def grouped(t):      # [batch, ...] -> [G, rows, ...]
+            t = tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1))
+            return tf.reshape(t, tf.concat([[groups, rows],
+                                            tf.shape(t)[1:]], 0))
+
+        # Units in the loop are kept in a per-group order ``perm`` [G, U]:
+        # with row recurrent dropout each group's kept units first, so a
+        # step's compacted state is a column prefix of h (a slice, not a
+        # gather); outputs are put back in order at the end. Gate columns
+        # are reordered to (i, f, o, c) so one sigmoid covers the three
+        # sigmoid gates.
+        perm = None
+        if rdp is not None and row:
+            perm, n_kept, r_scale = _kept_first(
+                _group_masks(rdp, groups, rows))
+            order = perm
+        else:
+            order = tf.range(units)[None, :]
+        cols = tf.concat([order + g * units for g in (0, 1, 3, 2)], 1)
+        h0, c0 = grouped(h0), grouped(c0)
         if perm is not None:
-            h0 = tf.gather(h0, perm, axis=1)
-            c0 = tf.gather(c0, perm, axis=1)
+            h0 = tf.gather(h0, perm, axis=2, batch_dims=1)
+            c0 = tf.gather(c0, perm, axis=2, batch_dims=1)
+        if bias is not None:
+            bias = tf.gather(bias, cols)[:, None, :]          # [G', 1, 4U]
 
         # Input product of all steps at once, on the kept input features.
-        if cell.dropout > 0:
-            dp = _first(cell.get_dropout_mask(x[:, 0, :]))
-            if row:
-                kept = tf.where(dp[0] > 0)[:, 0]
-                x = tf.gather(x, kept, axis=2)
-                kernel = tf.gather(kernel, kept) * tf.reduce_max(dp)
-            else:
-                x = x * dp[:, None, :]
         if self.go_backwards:
             x = tf.reverse(x, [1])
-        xt = tf.transpose(x, [1, 0, 2])                       # [T, B, F']
-        steps, batch = tf.shape(xt)[0], tf.shape(xt)[1]
-        zx = tf.matmul(tf.reshape(xt, [steps * batch, -1]), kernel)
-        if bias is not None:
-            zx = zx + bias
-        # Read per step from a TensorArray: slicing the [T, B, 4U] tensor
-        # inside the loop would make every step's gradient a full-size
-        # tensor (O(T^2) memory traffic in the backward pass).
-        zx = tf.TensorArray(dtype, size=steps).unstack(
-            tf.reshape(zx, [steps, batch, 4 * units]))
-
-        # Recurrent product on the kept units of the state.
-        if perm is not None:
-            r_c = tf.gather(rkernel, kept_r) * tf.reduce_max(rdp)
-
-            def recurrent(h):
-                return tf.matmul(h[:, :n_kept], r_c)
-        elif rdp is not None:   # tile masks
-            rdp = tf.gather(rdp, unit_order, axis=1)
-
-            def recurrent(h):
-                return tf.matmul(h * rdp, rkernel)
+        kernel = kernel[None]                                 # [1, F, 4U]
+        if dp is not None and row:
+            in_perm, n_in, in_scale = _kept_first(
+                _group_masks(dp, groups, rows))
+            kept_in = in_perm[:, :n_in]
+            kernel = (tf.gather(kernel[0], kept_in)           # [G, F', 4U]
+                      * in_scale[:, :, None])
+            x = tf.gather(grouped(x), kept_in, axis=3, batch_dims=1)
         else:
-            def recurrent(h):
-                return tf.matmul(h, rkernel)
+            if dp is not None:   # tile masks, one group
+                x = x * dp[:, None, :]
+            x = grouped(x)
+        kernel = _gather_cols(kernel, cols)                   # [G', F', 4U]
+        xt = tf.transpose(x, [0, 2, 1, 3])                    # [G, T, R, F']
+        steps = tf.shape(xt)[1]
+        zx = _grouped_matmul(xt, kernel)                      # [G, T, R, 4U]
+        if bias is not None:
+            zx = zx + bias[:, None]
+        zx = tf.transpose(zx, [1, 0, 2, 3])                   # [T, G, R, 4U]
 
-        act, rec_act = cell.activation, cell.recurrent_activation
-        keep_all = self.return_sequences
-        out_ta = tf.TensorArray(dtype, size=steps if keep_all else 1)
-
-        def body(t, h, c, ta):
-            z = zx.read(t) + recurrent(h)
-            i, f, o = tf.split(rec_act(z[:, :3 * units]), 3, axis=1)
-            c = f * c + i * act(z[:, 3 * units:])
-            h = o * act(c)
-            if keep_all:
-                ta = ta.write(t, h)
-            return t + 1, h, c, ta
-
-        _, h, c, out_ta = tf.while_loop(
-            lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, out_ta),
-            maximum_iterations=steps)
+        # Recurrent product on the kept units of the state:
+        # h[:, :, :k] (times the tile mask) @ r per group.
         if perm is not None:
-            inv = tf.math.invert_permutation(perm)
-            h = tf.gather(h, inv, axis=1)
-            c = tf.gather(c, inv, axis=1)
-        if keep_all:
-            outputs = tf.transpose(out_ta.stack(), [1, 0, 2])
+            r = _gather_cols(tf.gather(rkernel, perm[:, :n_kept])
+                             * r_scale[:, :, None], cols)     # [G, k, 4U]
+            hmask = None
+        else:
+            r = _gather_cols(rkernel[None], cols)             # [1, U, 4U]
+            n_kept = units
+            hmask = grouped(rdp) if rdp is not None else None  # tile masks
+        h, c, hs = _recurrence(zx, h0, c0, r, n_kept, hmask,
+                               cell.activation, cell.recurrent_activation,
+                               self.return_sequences, units)
+
+        def ungrouped(t):    # [G, rows, ..., U] -> [batch, ..., U]
             if perm is not None:
-                outputs = tf.gather(outputs, inv, axis=2)
+                t = tf.gather(t, tf.argsort(perm, axis=1), axis=-1,
+                              batch_dims=1)
+            t = tf.reshape(t, tf.concat([[groups * rows], tf.shape(t)[2:]],
+                                        0))
+            return t[:batch]
+
+        h, c = ungrouped(h), ungrouped(c)
+        if self.return_sequences:
+            outputs = ungrouped(tf.transpose(hs, [1, 2, 0, 3]))
         else:
             outputs = h[:, None, :]
         return h, outputs, [h, c]
@@ -373,5 +633,6 @@ class SparseSplitLSTM(keras.layers.LSTM):
         config.update({"pattern": self.cell.pattern,
                        "tile_shape": (list(self.cell.tile_shape)
                                       if self.cell.tile_shape else None),
-                       "max_period": self.cell.max_period})
+                       "max_period": self.cell.max_period,
+                       "pattern_groups": self.cell.pattern_groups})
         return config

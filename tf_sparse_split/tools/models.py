@@ -118,7 +118,7 @@ def build_cnn(side, filters, num_classes, sparse=True, threshold=-1.0):
 
 def build_lstm(timesteps, features, units, num_classes, sparse=True,
                dropout="row", dropout_rate=0.0, recurrent_dropout_rate=0.0,
-               seed=None, tile_shape=None):
+               seed=None, tile_shape=None, pattern_groups=None):
     """An LSTM classifier ``[timesteps, features] -> LSTM(units) -> softmax``
     (e.g. MNIST rows as sequences: 28 steps x 28 features).
 
@@ -135,6 +135,8 @@ def build_lstm(timesteps, features, units, num_classes, sparse=True,
         ``recurrent_dropout`` in ``[0, 1)``.
       seed: dropout seed.
       tile_shape: tile of the ``"tile"`` pattern.
+      pattern_groups: ``SparseSplitLSTM``'s ``pattern_groups`` for the
+        ``"row"`` pattern (None: its default).
 
     Returns:
       an uncompiled ``keras.Sequential`` with layers ``lstm`` and ``output``
@@ -158,7 +160,10 @@ def build_lstm(timesteps, features, units, num_classes, sparse=True,
         pattern = {"standard": "random", "none": "row"}.get(dropout, dropout)
         rnn = SparseSplitLSTM(units, pattern=pattern,
                               tile_shape=tile_shape if pattern == "tile"
-                              else None, **kwargs)
+                              else None,
+                              pattern_groups=(pattern_groups
+                                              if pattern == "row" else None),
+                              **kwargs)
     else:
         rnn = keras.layers.LSTM(units, **kwargs)
     return keras.Sequential(
