@@ -150,10 +150,47 @@ def test_filter_gradient_both_formulations(padding, dtype):
     xt, ft, dyt = (tf.constant(v, dtype) for v in (x, f, dy))
     one = [1, 1, 1, 1]
     tol = 1e-5 if dtype == tf.float32 else 1e-12
-    for nnz_x, nnz_dy in ((1, 100), (100, 1), (None, None)):
-        args = [tf.constant(v, tf.float64) if v is not None else None
-                for v in (nnz_x, nnz_dy)]
+    # nnz(x) = 0 takes the x branch, the true count the grad branch (dy is
+    # sparser), None skips the choice.
+    for nnz_x in (0, int(np.count_nonzero(x)), None):
+        arg = None if nnz_x is None else tf.constant(nnz_x, tf.float64)
         gf = conv_ops.conv2d_filter_grad(
-            xt, ft, dyt, tf.constant(-1.0), one, pad, explicit, one, *args)
+            xt, ft, dyt, tf.constant(-1.0), one, pad, explicit, one, arg)
         assert gf.dtype == dtype and gf.shape == f.shape
-        assert T.relative_error(gf, ref_f) <= tol, (nnz_x, nnz_dy)
+        assert T.relative_error(gf, ref_f) <= tol, nnz_x
+
+
+def test_rotated_filter():
+    f = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)
+    want = f[::-1, ::-1].transpose(0, 1, 3, 2)
+    np.testing.assert_array_equal(conv_ops._rotated_filter(tf.constant(f)), want)
+
+    @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
+    def unknown_shape(t):
+        return conv_ops._rotated_filter(t)
+
+    np.testing.assert_array_equal(unknown_shape(tf.constant(f)), want)
+
+
+def test_first_layer_input_gradient_is_pruned():
+    """Only the filter gradient of a layer fed by a model input is needed:
+    the input-gradient convolution must not be kept alive by it."""
+    x = tf.constant(T.random_sparse_images((2, 9, 9, 3), 0.5,
+                                           np.random.default_rng(0)))
+    f = tf.Variable(np.random.default_rng(1).normal(size=(3, 3, 3, 4))
+                    .astype(np.float32))
+
+    @tf.function
+    def grad_f():
+        with tf.GradientTape() as tape:
+            y = tf.nn.relu(tfss.sparse_split_conv2d(x, f, 1, "SAME"))
+        return tape.gradient(y, f)
+
+    graph = grad_f.get_concrete_function().graph
+    dx_ops = [op for op in graph.get_operations()
+              if op.type == "TfSparseSplit>SparseSplitConv2D" and
+              "gradient" in op.name]
+    assert len(dx_ops) == 1
+    # No consumers: the executor prunes it (the filter gradient's choice
+    # reads nnz(x) from the forward op's statistics, not from this op's).
+    assert all(not out.consumers() for out in dx_ops[0].outputs)

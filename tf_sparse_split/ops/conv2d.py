@@ -1,6 +1,7 @@
 """``sparse_split_conv2d``: the ``SparseSplitConv2D`` op wrapper (NHWC) and
 its registered gradient."""
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
@@ -233,8 +234,16 @@ def _transposed_paddings(kh, kw, dilations, padding, explicit):
 def _rotated_filter(f):
     """``[KH, KW, C_in, C_out] -> [KH, KW, C_out, C_in]``, rotated 180
     degrees in the spatial dimensions: the filter of the transposed
-    convolution."""
-    return tf.transpose(tf.reverse(f, axis=[0, 1]), [0, 1, 3, 2])
+    convolution. One gather of a constant permutation when the shape is
+    known (TensorFlow's oneDNN Transpose costs about 1 ms per call even on a
+    3x3x16x32 filter), else reverse + transpose."""
+    if not f.shape.is_fully_defined():
+        return tf.transpose(tf.reverse(f, axis=[0, 1]), [0, 1, 3, 2])
+    kh, kw, ci, co = (int(d) for d in f.shape)
+    idx = np.arange(kh * kw * ci * co, dtype=np.int32).reshape(kh, kw, ci, co)
+    idx = np.ascontiguousarray(idx[::-1, ::-1].transpose(0, 1, 3, 2))
+    return tf.reshape(tf.gather(tf.reshape(f, [-1]), idx.reshape(-1)),
+                      [kh, kw, co, ci])
 
 
 def _transposed_conv(f, dilations, padding, explicit):
@@ -255,8 +264,7 @@ def _transposed_conv(f, dilations, padding, explicit):
     return pads, "EXPLICIT"
 
 
-def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
-                      return_stats=False):
+def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations):
     """Input gradient ``dX`` of ``conv2d(x, f)`` for the output gradient
     ``grad`` (the layout and attrs of the ``SparseSplitConv2D`` op: 4-entry
     strides/dilations, padding string, flat explicit paddings).
@@ -273,21 +281,17 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
     refuses, an im2col formulation (slower, exact).
 
     Returns:
-      ``dX``, same shape and dtype as ``x``; with ``return_stats``,
-      ``(dX, stats)`` where ``stats`` is the statistics vector of the
-      sparse-split convolution of ``grad`` (its ``NNZ`` = nonzeros of
-      ``grad``), or None on the other paths.
+      ``dX``, same shape and dtype as ``x``.
     """
     tc = _transposed_conv(f, dilations, padding, explicit) \
         if strides[1] == 1 and strides[2] == 1 else None
     if tc is not None:
         pads, pad = tc
         lib = load_library()
-        dx, stats = lib.tf_sparse_split_sparse_split_conv2d(
+        return lib.tf_sparse_split_sparse_split_conv2d(
             grad, _rotated_filter(f), tf.constant(-1.0, tf.float32),
             strides=[1, 1, 1, 1], padding=pad, explicit_paddings=pads,
-            dilations=dilations)
-        return (dx, stats) if return_stats else dx
+            dilations=dilations)[0]
     dilated = dilations[1] > 1 or dilations[2] > 1
     if dilated and (x.dtype == tf.float64 or padding == "EXPLICIT"):
         # TF 2.21's CPU Conv2DBackpropInput refuses dilations > 1 in float64
@@ -301,30 +305,36 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
                          strides[1:3], padding, dilations[1:3], explicit)
             y = tf.einsum("nhwk,ko->nhwo", p,
                           tf.reshape(f, [kh * kw * ci, co]))
-        dx = tape.gradient(y, x, output_gradients=grad)
-    else:
-        dx = tf.raw_ops.Conv2DBackpropInput(
+        return tape.gradient(y, x, output_gradients=grad)
+    return tf.raw_ops.Conv2DBackpropInput(
             input_sizes=tf.shape(x), filter=f, out_backprop=grad,
-            strides=strides, padding=padding, explicit_paddings=explicit,
-            dilations=dilations, data_format="NHWC")
-    return (dx, None) if return_stats else dx
+        strides=strides, padding=padding, explicit_paddings=explicit,
+        dilations=dilations, data_format="NHWC")
+
+
+#: Cost of converting one value to CSR, in multiply-adds of the sparse
+#: kernels (measured ~13 on the CLI CNN's conv_2: a CSR build reads every
+#: value, the kernel's work grows with the nonzeros).
+_CONVERT_FMA_PER_VALUE = 16.0
 
 
 def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
-                       dilations, nnz_x=None, nnz_grad=None):
+                       dilations, nnz_x=None):
     """Filter gradient ``dF = sum x (*) grad`` of ``conv2d(x, f)``.
 
     ``SparseSplitConv2DBackpropFilter`` over ``x``'s zeros (sparse work
-    ``nnz(x) * KH*KW*C_out``). With strides 1 and the nonzero counts of
-    both operands given (scalar tensors; the gradient takes them from the
-    forward op's and the input gradient's statistics, so they cost nothing),
-    a ``tf.cond`` takes instead the transposed formulation over ``grad``'s
-    zeros when its work ``nnz(grad) * KH*KW*C_in`` is smaller: ``dF``
-    rotated 180 degrees with its channels swapped is the filter gradient of
-    the transposed convolution (:func:`conv2d_input_grad`), whose input is
-    ``grad`` and whose output gradient is ``x`` (Sun and Zhang 2019: use
-    whichever operand is sparser). That branch uses the automatic
-    threshold.
+    ``nnz(x) * KH*KW*C_out`` multiply-adds plus a CSR build reading all of
+    ``x``). With strides 1 and ``nnz_x`` given (a scalar tensor; the
+    gradient takes it from the forward op's statistics, so it costs
+    nothing), the transposed formulation over ``grad``'s zeros can be taken
+    instead: ``dF`` rotated 180 degrees with its channels swapped is the
+    filter gradient of the transposed convolution (:func:`conv2d_input_grad`),
+    whose input is ``grad`` and whose output gradient is ``x`` (Sun and
+    Zhang 2019: use whichever operand is sparser). A ``tf.cond`` takes it
+    when its estimated cost ``16 * size(grad) + nnz(grad) * KH*KW*C_in`` is
+    below ``16 * size(x) + nnz(x) * KH*KW*C_out``; ``nnz(grad)`` is counted
+    (one pass over ``grad``) only when the shapes allow that branch to win.
+    That branch uses the automatic threshold.
 
     Returns:
       ``dF`` ``[KH, KW, C_in, C_out]`` of ``x``'s dtype.
@@ -339,24 +349,30 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
 
     tc = _transposed_conv(f, dilations, padding, explicit) \
         if strides[1] == 1 and strides[2] == 1 else None
-    if tc is None or nnz_x is None or nnz_grad is None or \
-            f.shape[2] is None or f.shape[3] is None:
+    if tc is None or nnz_x is None or not f.shape.is_fully_defined() or \
+            not x.shape.is_fully_defined() or \
+            not grad.shape.is_fully_defined():
         return over_x()
     pads, pad = tc
-    ci, co = int(f.shape[2]), int(f.shape[3])
+    kh, kw, ci, co = (int(d) for d in f.shape)
+    a = _CONVERT_FMA_PER_VALUE
+    size_x, size_g = float(x.shape.num_elements()), \
+        float(grad.shape.num_elements())
+    # The grad branch cannot win even with no nonzeros in grad.
+    if a * size_g >= a * size_x + size_x * kh * kw * co:
+        return over_x()
 
     def over_grad():
-        shape = tf.shape(f)
-        sizes = tf.stack([shape[0], shape[1], shape[3], shape[2]])
         g = lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
-            grad, sizes, x, tf.constant(-1.0, tf.float32),
+            grad, [kh, kw, co, ci], x, tf.constant(-1.0, tf.float32),
             strides=[1, 1, 1, 1], padding=pad, explicit_paddings=pads,
             dilations=dilations)[0]
         return _rotated_filter(g)
 
-    use_grad = tf.cast(nnz_grad, tf.float64) * ci < \
-        tf.cast(nnz_x, tf.float64) * co
-    return tf.cond(use_grad, over_grad, over_x)
+    nnz_g = tf.cast(tf.math.count_nonzero(grad), tf.float64)
+    cost_x = a * size_x + tf.cast(nnz_x, tf.float64) * (kh * kw * co)
+    cost_g = a * size_g + nnz_g * (kh * kw * ci)
+    return tf.cond(cost_g < cost_x, over_grad, over_x)
 
 
 @tf.RegisterGradient("TfSparseSplit>SparseSplitConv2D")
@@ -370,11 +386,12 @@ def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
     dilations = list(op.get_attr("dilations"))
     padding = _attr_str(op, "padding")
     explicit = list(op.get_attr("explicit_paddings"))
-    grad_x, dx_stats = conv2d_input_grad(x, f, grad, strides, padding,
-                                         explicit, dilations,
-                                         return_stats=True)
-    nnz_x = op.outputs[1][_stats.NNZ]
-    nnz_grad = None if dx_stats is None else dx_stats[_stats.NNZ]
+    grad_x = conv2d_input_grad(x, f, grad, strides, padding, explicit,
+                               dilations)
+    # nnz(x) from the forward op's statistics (free); not from the input
+    # gradient's (that would keep an unused input gradient, e.g. of the
+    # first layer, from being pruned).
     grad_f = conv2d_filter_grad(x, f, grad, threshold, strides, padding,
-                                explicit, dilations, nnz_x, nnz_grad)
+                                explicit, dilations,
+                                op.outputs[1][_stats.NNZ])
     return grad_x, grad_f, None
