@@ -150,14 +150,15 @@ def test_filter_gradient_both_formulations(padding, dtype):
     xt, ft, dyt = (tf.constant(v, dtype) for v in (x, f, dy))
     one = [1, 1, 1, 1]
     tol = 1e-5 if dtype == tf.float32 else 1e-12
-    # nnz(x) = 0 takes the x branch, the true count the grad branch (dy is
-    # sparser), None skips the choice.
-    for nnz_x in (0, int(np.count_nonzero(x)), None):
-        arg = None if nnz_x is None else tf.constant(nnz_x, tf.float64)
+    # (nnz_x, nnz_grad): (0, true) takes the x branch, (true, true) the
+    # grad branch (dy is sparser), None skips the choice.
+    nx, ng = int(np.count_nonzero(x)), int(np.count_nonzero(dy))
+    for nnz in ((0, ng), (nx, ng), (nx, None), (None, None)):
+        args = [None if v is None else tf.constant(v, tf.float64) for v in nnz]
         gf = conv_ops.conv2d_filter_grad(
-            xt, ft, dyt, tf.constant(-1.0), one, pad, explicit, one, arg)
+            xt, ft, dyt, tf.constant(-1.0), one, pad, explicit, one, *args)
         assert gf.dtype == dtype and gf.shape == f.shape
-        assert T.relative_error(gf, ref_f) <= tol, nnz_x
+        assert T.relative_error(gf, ref_f) <= tol, nnz
 
 
 def test_rotated_filter():
@@ -191,6 +192,29 @@ def test_first_layer_input_gradient_is_pruned():
               if op.type == "TfSparseSplit>SparseSplitConv2D" and
               "gradient" in op.name]
     assert len(dx_ops) == 1
-    # No consumers: the executor prunes it (the filter gradient's choice
-    # reads nnz(x) from the forward op's statistics, not from this op's).
+    # No consumers: the executor prunes it (for a graph input x the filter
+    # gradient's choice does not read this op's statistics).
     assert all(not out.consumers() for out in dx_ops[0].outputs)
+
+
+def test_hidden_layer_filter_gradient_chooses_at_run_time():
+    """For an input computed in the graph, the filter gradient's tf.cond
+    reads nnz(grad) from the input-gradient convolution's statistics."""
+    rng = np.random.default_rng(2)
+    x0 = tf.constant(rng.normal(size=(2, 9, 9, 3)).astype(np.float32))
+    f = tf.Variable(rng.normal(size=(3, 3, 3, 4)).astype(np.float32))
+
+    @tf.function
+    def grad_f():
+        with tf.GradientTape() as tape:
+            y = tfss.sparse_split_conv2d(tf.nn.relu(x0), f, 1, "SAME")
+            loss = tf.reduce_sum(tf.nn.relu(y))
+        return tape.gradient(loss, f)
+
+    types = [op.type for op in grad_f.get_concrete_function().graph
+             .get_operations()]
+    assert "StatelessIf" in types or "If" in types
+    with tf.GradientTape() as tape:
+        y = tf.nn.conv2d(tf.nn.relu(x0), f, 1, "SAME")
+        loss = tf.reduce_sum(tf.nn.relu(y))
+    assert T.relative_error(grad_f(), tape.gradient(loss, f)) <= 1e-5

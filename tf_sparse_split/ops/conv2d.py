@@ -264,7 +264,8 @@ def _transposed_conv(f, dilations, padding, explicit):
     return pads, "EXPLICIT"
 
 
-def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations):
+def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
+                      return_stats=False):
     """Input gradient ``dX`` of ``conv2d(x, f)`` for the output gradient
     ``grad`` (the layout and attrs of the ``SparseSplitConv2D`` op: 4-entry
     strides/dilations, padding string, flat explicit paddings).
@@ -281,17 +282,21 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations):
     refuses, an im2col formulation (slower, exact).
 
     Returns:
-      ``dX``, same shape and dtype as ``x``.
+      ``dX``, same shape and dtype as ``x``; with ``return_stats``,
+      ``(dX, stats)``: ``stats`` is the statistics vector of the
+      sparse-split convolution of ``grad`` (its ``NNZ`` counts ``grad``'s
+      nonzeros), None on the other paths.
     """
     tc = _transposed_conv(f, dilations, padding, explicit) \
         if strides[1] == 1 and strides[2] == 1 else None
     if tc is not None:
         pads, pad = tc
         lib = load_library()
-        return lib.tf_sparse_split_sparse_split_conv2d(
+        dx, stats = lib.tf_sparse_split_sparse_split_conv2d(
             grad, _rotated_filter(f), tf.constant(-1.0, tf.float32),
             strides=[1, 1, 1, 1], padding=pad, explicit_paddings=pads,
-            dilations=dilations)[0]
+            dilations=dilations)
+        return (dx, stats) if return_stats else dx
     dilated = dilations[1] > 1 or dilations[2] > 1
     if dilated and (x.dtype == tf.float64 or padding == "EXPLICIT"):
         # TF 2.21's CPU Conv2DBackpropInput refuses dilations > 1 in float64
@@ -305,11 +310,13 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations):
                          strides[1:3], padding, dilations[1:3], explicit)
             y = tf.einsum("nhwk,ko->nhwo", p,
                           tf.reshape(f, [kh * kw * ci, co]))
-        return tape.gradient(y, x, output_gradients=grad)
-    return tf.raw_ops.Conv2DBackpropInput(
+        dx = tape.gradient(y, x, output_gradients=grad)
+    else:
+        dx = tf.raw_ops.Conv2DBackpropInput(
             input_sizes=tf.shape(x), filter=f, out_backprop=grad,
-        strides=strides, padding=padding, explicit_paddings=explicit,
-        dilations=dilations, data_format="NHWC")
+            strides=strides, padding=padding, explicit_paddings=explicit,
+            dilations=dilations, data_format="NHWC")
+    return (dx, None) if return_stats else dx
 
 
 #: Cost of converting one value to CSR, in multiply-adds of the sparse
@@ -319,7 +326,7 @@ _CONVERT_FMA_PER_VALUE = 16.0
 
 
 def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
-                       dilations, nnz_x=None):
+                       dilations, nnz_x=None, nnz_grad=None):
     """Filter gradient ``dF = sum x (*) grad`` of ``conv2d(x, f)``.
 
     ``SparseSplitConv2DBackpropFilter`` over ``x``'s zeros (sparse work
@@ -327,14 +334,14 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
     ``x``). With strides 1 and ``nnz_x`` given (a scalar tensor; the
     gradient takes it from the forward op's statistics, so it costs
     nothing), the transposed formulation over ``grad``'s zeros can be taken
-    instead: ``dF`` rotated 180 degrees with its channels swapped is the
+    instead when ``nnz_grad`` is given too: ``dF`` rotated 180 degrees with its channels swapped is the
     filter gradient of the transposed convolution (:func:`conv2d_input_grad`),
     whose input is ``grad`` and whose output gradient is ``x`` (Sun and
     Zhang 2019: use whichever operand is sparser). A ``tf.cond`` takes it
     when its estimated cost ``16 * size(grad) + nnz(grad) * KH*KW*C_in`` is
-    below ``16 * size(x) + nnz(x) * KH*KW*C_out``; ``nnz(grad)`` is counted
-    (one pass over ``grad``) only when the shapes allow that branch to win.
-    That branch uses the automatic threshold.
+    below ``16 * size(x) + nnz(x) * KH*KW*C_out`` (no ``tf.cond`` where
+    the shapes alone rule that branch out). That branch uses the automatic
+    threshold.
 
     Returns:
       ``dF`` ``[KH, KW, C_in, C_out]`` of ``x``'s dtype.
@@ -349,7 +356,8 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
 
     tc = _transposed_conv(f, dilations, padding, explicit) \
         if strides[1] == 1 and strides[2] == 1 else None
-    if tc is None or nnz_x is None or not f.shape.is_fully_defined() or \
+    if tc is None or nnz_x is None or nnz_grad is None or \
+            not f.shape.is_fully_defined() or \
             not x.shape.is_fully_defined() or \
             not grad.shape.is_fully_defined():
         return over_x()
@@ -369,10 +377,19 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
             dilations=dilations)[0]
         return _rotated_filter(g)
 
-    nnz_g = tf.cast(tf.math.count_nonzero(grad), tf.float64)
+    nnz_g = tf.cast(nnz_grad, tf.float64)
     cost_x = a * size_x + tf.cast(nnz_x, tf.float64) * (kh * kw * co)
     cost_g = a * size_g + nnz_g * (kh * kw * ci)
     return tf.cond(cost_g < cost_x, over_grad, over_x)
+
+
+def _is_graph_input(t):
+    """True for a graph tensor produced by a placeholder (a function's
+    argument) or a constant; False for anything else and in eager mode."""
+    try:
+        return t.op.type in ("Placeholder", "Const")
+    except AttributeError:  # an eager tensor has no op
+        return False
 
 
 @tf.RegisterGradient("TfSparseSplit>SparseSplitConv2D")
@@ -386,12 +403,18 @@ def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
     dilations = list(op.get_attr("dilations"))
     padding = _attr_str(op, "padding")
     explicit = list(op.get_attr("explicit_paddings"))
-    grad_x = conv2d_input_grad(x, f, grad, strides, padding, explicit,
-                               dilations)
-    # nnz(x) from the forward op's statistics (free); not from the input
-    # gradient's (that would keep an unused input gradient, e.g. of the
-    # first layer, from being pruned).
+    grad_x, dx_stats = conv2d_input_grad(x, f, grad, strides, padding,
+                                         explicit, dilations,
+                                         return_stats=True)
+    # nnz(x) and nnz(grad) come free from the statistics of the forward op
+    # and of the input-gradient convolution. Not for an input fed by the
+    # graph (a placeholder or constant: a model's first layer), whose input
+    # gradient is usually unused: reading its statistics would keep it
+    # from being pruned.
+    nnz_grad = None
+    if dx_stats is not None and not _is_graph_input(x):
+        nnz_grad = dx_stats[_stats.NNZ]
     grad_f = conv2d_filter_grad(x, f, grad, threshold, strides, padding,
                                 explicit, dilations,
-                                op.outputs[1][_stats.NNZ])
+                                op.outputs[1][_stats.NNZ], nnz_grad)
     return grad_x, grad_f, None
