@@ -50,8 +50,12 @@ def _fat_relu_l1(x, t, l1):
     TensorFlow's own gradient of ``where`` plus ``l1 * mean(abs(y))`` runs
     about eight element-wise passes over the activation (Abs, Sign, two
     Muls, Tile, AddN and the two Selects); here the backward pass is one
-    add and one select: ``dx = where(x > t, dy + dpenalty * l1 / size, 0)``.
-    ``t`` and ``l1`` get no gradient (they are controls, not weights).
+    add and one ``ReluGrad``: ``dx = (dy + dpenalty * l1 / size) * (y > 0)``
+    -- the mask ``x > t`` is ``y > 0`` since ``t >= 0`` -- with the
+    semantics of ``tf.nn.relu``'s gradient (a NaN/Inf gradient at a masked
+    position gives NaN; ``SelectV2`` is 2-3x slower than ``ReluGrad`` on a
+    128x28x28x32 activation). ``t`` and ``l1`` get no gradient (they are
+    controls, not weights).
     """
     mask = x > t
     zero = tf.zeros([], x.dtype)
@@ -60,10 +64,9 @@ def _fat_relu_l1(x, t, l1):
     penalty = l1 * tf.reduce_sum(y) / size
 
     def grad(dy, dpenalty):
-        if dpenalty is None:  # the penalty does not reach the loss
-            return tf.where(mask, dy, zero), None, None
-        c = tf.cast(dpenalty, x.dtype) * l1 / size
-        return tf.where(mask, dy + c, zero), None, None
+        if dpenalty is not None:  # None: the penalty does not reach the loss
+            dy = dy + tf.cast(dpenalty, x.dtype) * l1 / size
+        return tf.raw_ops.ReluGrad(gradients=dy, features=y), None, None
 
     return (y, penalty), grad
 

@@ -113,16 +113,25 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     rounding at any threshold; only the speed changes. Results are
     deterministic (independent of the thread count).
 
-    Gradients are registered: the input gradient runs
-    ``Conv2DBackpropInput`` (dense), the filter gradient
-    ``SparseSplitConv2DBackpropFilter``, whose sparse path costs
+    Gradients are registered and exploit the zeros of both operands (R. Sun
+    and L. Zhang, "Dynamic Sparse Method for Deep Learning Execution",
+    2019). At stride 1 (any dilation) the input gradient is a
+    ``SparseSplitConv2D`` of the output gradient ``dY`` with the filter
+    rotated 180 degrees and its channels swapped (automatic threshold), so
+    the zeros that ReLU masks and max-pooling put into ``dY`` are skipped;
+    at other strides, or with explicit paddings wider than the filter, it
+    is ``Conv2DBackpropInput`` (dense). The filter gradient is
+    ``SparseSplitConv2DBackpropFilter`` over the input's zeros (sparse path
     ``nnz(input) * KH * KW * C_out`` instead of
-    ``N * OH * OW * KH * KW * C_in * C_out``. With dilations > 1 in float64,
-    or with EXPLICIT padding, which TensorFlow 2.21's CPU
+    ``N * OH * OW * KH * KW * C_in * C_out``) or, at stride 1 when ``dY`` is
+    the cheaper operand (a ``tf.cond`` on the nonzero counts both ops
+    already measured), the same op over ``dY``'s zeros in the transposed
+    formulation (:func:`conv2d_filter_grad`). With dilations > 1 in
+    float64, or with EXPLICIT padding, which TensorFlow 2.21's CPU
     ``Conv2DBackpropInput`` / ``Conv2DBackpropFilter`` refuse (so
-    ``tf.nn.conv2d`` has no gradient there), the input gradient is computed
-    through ``tf.image.extract_patches`` (slower, exact) and the filter
-    gradient entirely by the sparse kernel.
+    ``tf.nn.conv2d`` has no gradient there), a non-stride-1 input gradient
+    is computed through ``tf.image.extract_patches`` (slower, exact) and the
+    filter gradient entirely by the sparse kernel.
 
     Non-finite values: NaN/Inf in ``input`` propagate as in ``tf.nn.conv2d``.
     Where the input is exactly zero the product is skipped, so a NaN/Inf in
