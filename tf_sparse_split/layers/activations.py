@@ -185,7 +185,37 @@ class FATReLU(keras.layers.Layer):
         self._track_quantile(x)
         return y
 
-    def _track_quantile(self, x):
+    def bias_call(self, x, bias, training=False):
+        """``FATReLU(x + bias)`` with the bias broadcast over the last
+        dimension, in one pass (:func:`~tf_sparse_split.ops.bias_fat_relu`;
+        its gradient is one pass too, with the L1 penalty's and the bias
+        gradient folded in). Same value, penalty and threshold tracking as
+        ``self(x + bias, training=training)``; what
+        :class:`~tf_sparse_split.layers.SparseSplitConv2D` runs when this
+        is its activation.
+
+        Args:
+          x: float32 or float64 tensor ``[..., C]``.
+          bias: ``[C]`` of x's dtype.
+          training: as in ``call``.
+
+        Returns:
+          ``FATReLU(x + bias)``, x's shape and dtype.
+        """
+        from tf_sparse_split.ops.fat_relu import bias_fat_relu
+
+        x = tf.convert_to_tensor(x)
+        t = tf.maximum(tf.cast(tf.convert_to_tensor(self.threshold_var),
+                               x.dtype), tf.zeros([], x.dtype))
+        y, total = bias_fat_relu(x, bias, t)
+        if training:
+            l1 = tf.cast(tf.convert_to_tensor(self.l1_var), x.dtype)
+            size = tf.cast(tf.size(x), x.dtype)
+            self.add_loss(tf.cast(l1 * total / size, tf.float32))
+            self._track_quantile(x, bias)
+        return y
+
+    def _track_quantile(self, x, bias=None):
         target = tf.convert_to_tensor(self.target_var)
 
         def update():
@@ -195,7 +225,11 @@ class FATReLU(keras.layers.Layer):
             # units of a [batch, 2048] activation for a stride of 64).
             idx = tf.random.uniform([self.sample_size], 0, tf.size(flat),
                                     dtype=tf.int32)
-            sample = tf.sort(tf.gather(flat, idx))
+            values = tf.gather(flat, idx)
+            if bias is not None:  # the pre-activation is x + bias
+                b = tf.stop_gradient(tf.cast(bias, tf.float32))
+                values = values + tf.gather(b, idx % tf.size(b))
+            sample = tf.sort(values)
             m = tf.size(sample)
             idx = tf.cast(tf.floor(target * tf.cast(m - 1, tf.float32)),
                           tf.int32)
