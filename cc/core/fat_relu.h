@@ -16,8 +16,9 @@
 // Because t >= 0, the kept elements (v > t) are exactly those with y > 0.
 //
 // Deterministic: the rows are cut into fixed blocks of kFatReluBlockValues
-// values (never a function of the thread count); each block's partial sums
-// are added in block order.
+// values (never a function of the thread count); within a block the sums
+// run per column in row order, and the blocks' partial sums are added in
+// block order.
 #ifndef TF_SPARSE_SPLIT_CC_CORE_FAT_RELU_H_
 #define TF_SPARSE_SPLIT_CC_CORE_FAT_RELU_H_
 
@@ -31,43 +32,67 @@ namespace tf_sparse_split {
 
 constexpr int64_t kFatReluBlockValues = 1 << 15;
 
-// Rows per fixed block for rows of c values, and the number of blocks.
+// Rows per fixed block for rows of c values.
 inline int64_t FatReluRowsPerBlock(int64_t c) {
   return std::max<int64_t>(1, kFatReluBlockValues / std::max<int64_t>(1, c));
 }
 
-// y = (x + bias > t ? x + bias : 0); returns the sum of y (accumulated in
-// double). bias: [c] or null (no bias).
+namespace fat_relu_internal {
+
+// Row loops with restrict-qualified operands, so the compiler vectorises
+// them (one vector compare + blend per lane group).
+template <typename T>
+inline void ForwardRow(const T* __restrict x, const T* __restrict bias,
+                       int64_t c, T t, T* __restrict y) {
+  for (int64_t j = 0; j < c; ++j) {
+    const T v = x[j] + bias[j];
+    y[j] = v > t ? v : T(0);
+  }
+}
+template <typename T>
+inline void ForwardRowNoBias(const T* __restrict x, int64_t c, T t,
+                             T* __restrict y) {
+  for (int64_t j = 0; j < c; ++j) y[j] = x[j] > t ? x[j] : T(0);
+}
+template <typename T>
+inline void BackwardRow(const T* __restrict dy, const T* __restrict y,
+                        int64_t c, T offset, T* __restrict dx) {
+  for (int64_t j = 0; j < c; ++j) dx[j] = y[j] > T(0) ? dy[j] + offset : T(0);
+}
+template <typename T>
+inline void AddRow(const T* __restrict src, int64_t c, T* __restrict acc) {
+  for (int64_t j = 0; j < c; ++j) acc[j] += src[j];
+}
+
+}  // namespace fat_relu_internal
+
+// y = (x + bias > t ? x + bias : 0); returns the sum of y (per-column sums
+// within a block, then the blocks' totals in block order, in double).
+// bias: [c] or null (no bias).
 template <typename T>
 double BiasFatReluForward(const T* x, const T* bias, int64_t rows, int64_t c,
                           T t, T* y, const ParallelFor& pfor) {
+  using namespace fat_relu_internal;
   if (rows <= 0 || c <= 0) return 0.0;
   const int64_t per = FatReluRowsPerBlock(c);
   const int64_t blocks = (rows + per - 1) / per;
   std::vector<double> part(blocks, 0.0);
   pfor(blocks, per * c * 2, [&](int64_t b, int64_t e) {
+    std::vector<T> col(c);
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t r0 = blk * per, r1 = std::min(rows, r0 + per);
-      T s = T(0);
+      std::fill(col.begin(), col.end(), T(0));
       for (int64_t i = r0; i < r1; ++i) {
-        const T* __restrict xi = x + i * c;
-        T* __restrict yi = y + i * c;
         if (bias) {
-          for (int64_t j = 0; j < c; ++j) {
-            const T v = xi[j] + bias[j];
-            const T o = v > t ? v : T(0);
-            yi[j] = o;
-            s += o;
-          }
+          ForwardRow<T>(x + i * c, bias, c, t, y + i * c);
         } else {
-          for (int64_t j = 0; j < c; ++j) {
-            const T o = xi[j] > t ? xi[j] : T(0);
-            yi[j] = o;
-            s += o;
-          }
+          ForwardRowNoBias<T>(x + i * c, c, t, y + i * c);
         }
+        AddRow<T>(y + i * c, c, col.data());
       }
-      part[blk] = static_cast<double>(s);
+      double s = 0.0;
+      for (int64_t j = 0; j < c; ++j) s += static_cast<double>(col[j]);
+      part[blk] = s;
     }
   });
   double total = 0.0;
@@ -80,6 +105,7 @@ double BiasFatReluForward(const T* x, const T* bias, int64_t rows, int64_t c,
 template <typename T>
 void BiasFatReluBackward(const T* dy, const T* y, int64_t rows, int64_t c,
                          T offset, T* dx, T* dbias, const ParallelFor& pfor) {
+  using namespace fat_relu_internal;
   if (dbias) std::fill(dbias, dbias + std::max<int64_t>(c, 0), T(0));
   if (rows <= 0 || c <= 0) return;
   const int64_t per = FatReluRowsPerBlock(c);
@@ -88,27 +114,15 @@ void BiasFatReluBackward(const T* dy, const T* y, int64_t rows, int64_t c,
   pfor(blocks, per * c * 3, [&](int64_t b, int64_t e) {
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t r0 = blk * per, r1 = std::min(rows, r0 + per);
-      T* __restrict acc = dbias ? part.data() + blk * c : nullptr;
       for (int64_t i = r0; i < r1; ++i) {
-        const T* __restrict dyi = dy + i * c;
-        const T* __restrict yi = y + i * c;
-        T* __restrict dxi = dx + i * c;
-        if (acc) {
-          for (int64_t j = 0; j < c; ++j) {
-            const T g = yi[j] > T(0) ? dyi[j] + offset : T(0);
-            dxi[j] = g;
-            acc[j] += g;
-          }
-        } else {
-          for (int64_t j = 0; j < c; ++j)
-            dxi[j] = yi[j] > T(0) ? dyi[j] + offset : T(0);
-        }
+        BackwardRow<T>(dy + i * c, y + i * c, c, offset, dx + i * c);
+        if (dbias) AddRow<T>(dx + i * c, c, part.data() + blk * c);
       }
     }
   });
   if (!dbias) return;
   for (int64_t blk = 0; blk < blocks; ++blk)
-    for (int64_t j = 0; j < c; ++j) dbias[j] += part[blk * c + j];
+    AddRow<T>(part.data() + blk * c, c, dbias);
 }
 
 }  // namespace tf_sparse_split
