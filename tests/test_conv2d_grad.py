@@ -218,3 +218,18 @@ def test_hidden_layer_filter_gradient_chooses_at_run_time():
         y = tf.nn.conv2d(tf.nn.relu(x0), f, 1, "SAME")
         loss = tf.reduce_sum(tf.nn.relu(y))
     assert T.relative_error(grad_f(), tape.gradient(loss, f)) <= 1e-5
+
+
+def test_is_graph_input():
+    @tf.function(input_signature=[tf.TensorSpec([2, 3], tf.int32)])
+    def check(a):
+        ds = iter(tf.data.Dataset.from_tensors(tf.ones([2, 3])))
+        cast = tf.cast(a, tf.float32)
+        flags = [conv_ops._is_graph_input(t) for t in (
+            a, tf.reshape(cast, [3, 2]), next(ds), tf.constant(1.0),
+            tf.nn.relu(cast), cast * 2.0)]
+        assert flags == [True, True, True, True, False, False], flags
+        return cast
+
+    check(tf.ones([2, 3], tf.int32))
+    assert not conv_ops._is_graph_input(tf.ones([2]))  # eager

@@ -340,13 +340,14 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
 
     ``SparseSplitConv2DBackpropFilter`` over ``x``'s zeros (sparse work
     ``nnz(x) * KH*KW*C_out`` multiply-adds plus a CSR build reading all of
-    ``x``). With strides 1 and ``nnz_x`` given (a scalar tensor; the
-    gradient takes it from the forward op's statistics, so it costs
-    nothing), the transposed formulation over ``grad``'s zeros can be taken
-    instead when ``nnz_grad`` is given too: ``dF`` rotated 180 degrees with its channels swapped is the
-    filter gradient of the transposed convolution (:func:`conv2d_input_grad`),
-    whose input is ``grad`` and whose output gradient is ``x`` (Sun and
-    Zhang 2019: use whichever operand is sparser). A ``tf.cond`` takes it
+    ``x``). With strides 1 and both nonzero counts given (scalar tensors;
+    the gradient takes them from the statistics of the forward op and of
+    the input-gradient convolution, so they cost nothing), the transposed
+    formulation over ``grad``'s zeros can be taken instead: ``dF`` rotated
+    180 degrees with its channels swapped is the filter gradient of the
+    transposed convolution (:func:`conv2d_input_grad`), whose input is
+    ``grad`` and whose output gradient is ``x`` (Sun and Zhang 2019: use
+    whichever operand is sparser). A ``tf.cond`` takes it
     when its estimated cost ``16 * size(grad) + nnz(grad) * KH*KW*C_in`` is
     below ``16 * size(x) + nnz(x) * KH*KW*C_out`` (no ``tf.cond`` where
     the shapes alone rule that branch out). That branch uses the automatic
@@ -392,11 +393,22 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
     return tf.cond(cost_g < cost_x, over_grad, over_x)
 
 
+#: Ops that feed data into a graph (function arguments, constants, tf.data
+#: iterators), and ops that pass a tensor on unchanged in value or layout.
+_SOURCE_OPS = ("Placeholder", "Const", "IteratorGetNext",
+               "IteratorGetNextSync", "OptionalGetValue")
+_PASS_OPS = ("Identity", "Cast", "Reshape", "ExpandDims", "Squeeze")
+
+
 def _is_graph_input(t):
-    """True for a graph tensor produced by a placeholder (a function's
-    argument) or a constant; False for anything else and in eager mode."""
+    """True for a graph tensor that is data fed to the graph (a placeholder,
+    a constant or a tf.data element, possibly cast or reshaped: a model's
+    first layer); False for anything else and in eager mode."""
     try:
-        return t.op.type in ("Placeholder", "Const")
+        op = t.op
+        while op.type in _PASS_OPS and op.inputs:
+            op = op.inputs[0].op
+        return op.type in _SOURCE_OPS
     except AttributeError:  # an eager tensor has no op
         return False
 
