@@ -15,7 +15,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.layers.activations import FATReLU
+from tf_sparse_split.layers.base import (SparseSplitLayer, _is_training,
+                                         _keras_call_training)
 from tf_sparse_split.ops.conv2d import sparse_split_conv2d
 from tf_sparse_split.tuning import stats as _stats
 
@@ -104,6 +106,22 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
         super().build(input_shape)
         if input_shape[1] is not None and input_shape[2] is not None:
             self._spatial = (int(input_shape[1]), int(input_shape[2]))
+
+    def call(self, inputs):
+        """As ``keras.layers.Conv2D.call``; with a bias and a
+        :class:`~tf_sparse_split.layers.FATReLU` activation (what
+        :class:`~tf_sparse_split.callbacks.SparsityTargetCallback` installs),
+        the bias and the activation run fused in one pass
+        (:meth:`FATReLU.bias_call`), forward and backward."""
+        act = self.activation
+        if not (self.use_bias and isinstance(act, FATReLU)):
+            return super().call(inputs)
+        y = self.convolution_op(inputs, self.kernel)
+        bias = tf.convert_to_tensor(self.bias)
+        if y.dtype.name not in ("float32", "float64"):
+            return act(y + tf.cast(bias, y.dtype))
+        training = _is_training(_keras_call_training())
+        return act.bias_call(y, tf.cast(bias, y.dtype), training=training)
 
     def convolution_op(self, inputs, kernel):
         x, k, out_dtype = self._op_operands(inputs, kernel)

@@ -13,5 +13,7 @@ Importing this package registers the gradients (``tf.RegisterGradient``).
 from tf_sparse_split.ops.matmul import sparse_split_matmul
 from tf_sparse_split.ops.conv2d import sparse_split_conv2d
 from tf_sparse_split.ops.sddmm import sparse_split_sddmm
+from tf_sparse_split.ops.fat_relu import bias_fat_relu
 
-__all__ = ["sparse_split_matmul", "sparse_split_conv2d", "sparse_split_sddmm"]
+__all__ = ["sparse_split_matmul", "sparse_split_conv2d", "sparse_split_sddmm",
+           "bias_fat_relu"]

@@ -1,10 +1,12 @@
 """``sparse_split_conv2d``: the ``SparseSplitConv2D`` op wrapper (NHWC) and
 its registered gradient."""
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
 from tf_sparse_split.ops._common import FLOAT_DTYPES, as_threshold, invalid
+from tf_sparse_split.tuning import stats as _stats
 
 __all__ = ["sparse_split_conv2d"]
 
@@ -111,16 +113,25 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     rounding at any threshold; only the speed changes. Results are
     deterministic (independent of the thread count).
 
-    Gradients are registered: the input gradient runs
-    ``Conv2DBackpropInput`` (dense), the filter gradient
-    ``SparseSplitConv2DBackpropFilter``, whose sparse path costs
+    Gradients are registered and exploit the zeros of both operands (R. Sun
+    and L. Zhang, "Dynamic Sparse Method for Deep Learning Execution",
+    2019). At stride 1 (any dilation) the input gradient is a
+    ``SparseSplitConv2D`` of the output gradient ``dY`` with the filter
+    rotated 180 degrees and its channels swapped (automatic threshold), so
+    the zeros that ReLU masks and max-pooling put into ``dY`` are skipped;
+    at other strides, or with explicit paddings wider than the filter, it
+    is ``Conv2DBackpropInput`` (dense). The filter gradient is
+    ``SparseSplitConv2DBackpropFilter`` over the input's zeros (sparse path
     ``nnz(input) * KH * KW * C_out`` instead of
-    ``N * OH * OW * KH * KW * C_in * C_out``. With dilations > 1 in float64,
-    or with EXPLICIT padding, which TensorFlow 2.21's CPU
+    ``N * OH * OW * KH * KW * C_in * C_out``) or, at stride 1 when ``dY`` is
+    the cheaper operand (a ``tf.cond`` on the nonzero counts both ops
+    already measured), the same op over ``dY``'s zeros in the transposed
+    formulation (:func:`conv2d_filter_grad`). With dilations > 1 in
+    float64, or with EXPLICIT padding, which TensorFlow 2.21's CPU
     ``Conv2DBackpropInput`` / ``Conv2DBackpropFilter`` refuse (so
-    ``tf.nn.conv2d`` has no gradient there), the input gradient is computed
-    through ``tf.image.extract_patches`` (slower, exact) and the filter
-    gradient entirely by the sparse kernel.
+    ``tf.nn.conv2d`` has no gradient there), a non-stride-1 input gradient
+    is computed through ``tf.image.extract_patches`` (slower, exact) and the
+    filter gradient entirely by the sparse kernel.
 
     Non-finite values: NaN/Inf in ``input`` propagate as in ``tf.nn.conv2d``.
     Where the input is exactly zero the product is skipped, so a NaN/Inf in
@@ -201,16 +212,100 @@ def _attr_str(op, name):
     return v.decode() if isinstance(v, bytes) else v
 
 
-@tf.RegisterGradient("TfSparseSplit>SparseSplitConv2D")
-def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
-    """Input gradient: Conv2DBackpropInput; filter gradient:
-    SparseSplitConv2DBackpropFilter (exploits the input's zeros)."""
-    x, f, threshold = op.inputs
-    strides = list(op.get_attr("strides"))
-    dilations = list(op.get_attr("dilations"))
-    padding = _attr_str(op, "padding")
-    explicit = list(op.get_attr("explicit_paddings"))
-    lib = load_library()
+def _transposed_paddings(kh, kw, dilations, padding, explicit):
+    """The explicit paddings (flat list of 8) under which the input gradient
+    of a stride-1 convolution is a forward convolution of its output
+    gradient, or None where no such padding exists.
+
+    For stride 1, ``dX[h] = sum_k dY[h + pad_top - k * d] W[k]``; with the
+    filter rotated 180 degrees (``k' = KH - 1 - k``) and its channels
+    swapped this is the forward convolution of ``dY`` with dilation ``d``
+    and leading padding ``(KH - 1) * d - pad_top`` (trailing likewise). The
+    original padding must not exceed the dilated filter's extent
+    (``pad <= (KH - 1) * d``), else the new padding would be negative (only
+    possible with EXPLICIT padding).
+    """
+    ek_h = (kh - 1) * dilations[1]
+    ek_w = (kw - 1) * dilations[2]
+    if padding == "VALID":
+        pads = (0, 0, 0, 0)
+    elif padding == "SAME":
+        # TensorFlow's SAME at stride 1: total ek, the extra one after.
+        pads = (ek_h // 2, ek_h - ek_h // 2, ek_w // 2, ek_w - ek_w // 2)
+    else:
+        pads = tuple(explicit[2:6])
+    t, b, l, r = pads
+    if max(t, b) > ek_h or max(l, r) > ek_w:
+        return None
+    return [0, 0, ek_h - t, ek_h - b, ek_w - l, ek_w - r, 0, 0]
+
+
+def _rotated_filter(f):
+    """``[KH, KW, C_in, C_out] -> [KH, KW, C_out, C_in]``, rotated 180
+    degrees in the spatial dimensions: the filter of the transposed
+    convolution. One gather of a constant permutation when the shape is
+    known (TensorFlow's oneDNN Transpose costs about 1 ms per call even on a
+    3x3x16x32 filter), else reverse + transpose."""
+    if not f.shape.is_fully_defined():
+        return tf.transpose(tf.reverse(f, axis=[0, 1]), [0, 1, 3, 2])
+    kh, kw, ci, co = (int(d) for d in f.shape)
+    idx = np.arange(kh * kw * ci * co, dtype=np.int32).reshape(kh, kw, ci, co)
+    idx = np.ascontiguousarray(idx[::-1, ::-1].transpose(0, 1, 3, 2))
+    return tf.reshape(tf.gather(tf.reshape(f, [-1]), idx.reshape(-1)),
+                      [kh, kw, co, ci])
+
+
+def _transposed_conv(f, dilations, padding, explicit):
+    """``(pads, padding)`` of the transposed convolution of a stride-1
+    convolution with filter ``f`` (:func:`_transposed_paddings`; the
+    padding string is ``"SAME"`` when the paddings are TensorFlow's SAME,
+    so the dense kernels run their SAME path), or None where the identity
+    does not apply (unknown filter size, paddings beyond the filter)."""
+    if f.shape.rank != 4 or f.shape[0] is None or f.shape[1] is None:
+        return None
+    kh, kw = int(f.shape[0]), int(f.shape[1])
+    pads = _transposed_paddings(kh, kw, dilations, padding, explicit)
+    if pads is None:
+        return None
+    ek_h, ek_w = (kh - 1) * dilations[1], (kw - 1) * dilations[2]
+    if pads[2:6] == [ek_h // 2, ek_h - ek_h // 2, ek_w // 2, ek_w - ek_w // 2]:
+        return [], "SAME"
+    return pads, "EXPLICIT"
+
+
+def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
+                      return_stats=False):
+    """Input gradient ``dX`` of ``conv2d(x, f)`` for the output gradient
+    ``grad`` (the layout and attrs of the ``SparseSplitConv2D`` op: 4-entry
+    strides/dilations, padding string, flat explicit paddings).
+
+    With strides 1 (any dilation), and paddings that fit the filter, ``dX``
+    is computed as the forward ``SparseSplitConv2D`` of ``grad`` with the
+    rotated, channel-swapped filter (:func:`_transposed_paddings`) and the
+    automatic threshold: the op then skips ``grad``'s zeros (R. Sun and
+    L. Zhang, "Dynamic Sparse Method for Deep Learning Execution", 2019:
+    the output gradient after ReLU and max-pooling is mostly zeros), and
+    its cost model keeps the dense convolution where that does not pay.
+    Otherwise ``Conv2DBackpropInput`` (dense); with dilations > 1 in
+    float64 or with EXPLICIT padding, which TensorFlow 2.21's CPU kernel
+    refuses, an im2col formulation (slower, exact).
+
+    Returns:
+      ``dX``, same shape and dtype as ``x``; with ``return_stats``,
+      ``(dX, stats)``: ``stats`` is the statistics vector of the
+      sparse-split convolution of ``grad`` (its ``NNZ`` counts ``grad``'s
+      nonzeros), None on the other paths.
+    """
+    tc = _transposed_conv(f, dilations, padding, explicit) \
+        if strides[1] == 1 and strides[2] == 1 else None
+    if tc is not None:
+        pads, pad = tc
+        lib = load_library()
+        dx, stats = lib.tf_sparse_split_sparse_split_conv2d(
+            grad, _rotated_filter(f), tf.constant(-1.0, tf.float32),
+            strides=[1, 1, 1, 1], padding=pad, explicit_paddings=pads,
+            dilations=dilations)
+        return (dx, stats) if return_stats else dx
     dilated = dilations[1] > 1 or dilations[2] > 1
     if dilated and (x.dtype == tf.float64 or padding == "EXPLICIT"):
         # TF 2.21's CPU Conv2DBackpropInput refuses dilations > 1 in float64
@@ -224,13 +319,123 @@ def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
                          strides[1:3], padding, dilations[1:3], explicit)
             y = tf.einsum("nhwk,ko->nhwo", p,
                           tf.reshape(f, [kh * kw * ci, co]))
-        grad_x = tape.gradient(y, x, output_gradients=grad)
+        dx = tape.gradient(y, x, output_gradients=grad)
     else:
-        grad_x = tf.raw_ops.Conv2DBackpropInput(
+        dx = tf.raw_ops.Conv2DBackpropInput(
             input_sizes=tf.shape(x), filter=f, out_backprop=grad,
             strides=strides, padding=padding, explicit_paddings=explicit,
             dilations=dilations, data_format="NHWC")
-    grad_f = lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
-        x, tf.shape(f), grad, threshold, strides=strides, padding=padding,
-        explicit_paddings=explicit, dilations=dilations)[0]
+    return (dx, None) if return_stats else dx
+
+
+#: Cost of converting one value to CSR, in multiply-adds of the sparse
+#: kernels (measured ~13 on the CLI CNN's conv_2: a CSR build reads every
+#: value, the kernel's work grows with the nonzeros).
+_CONVERT_FMA_PER_VALUE = 16.0
+
+
+def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
+                       dilations, nnz_x=None, nnz_grad=None):
+    """Filter gradient ``dF = sum x (*) grad`` of ``conv2d(x, f)``.
+
+    ``SparseSplitConv2DBackpropFilter`` over ``x``'s zeros (sparse work
+    ``nnz(x) * KH*KW*C_out`` multiply-adds plus a CSR build reading all of
+    ``x``). With strides 1 and both nonzero counts given (scalar tensors;
+    the gradient takes them from the statistics of the forward op and of
+    the input-gradient convolution, so they cost nothing), the transposed
+    formulation over ``grad``'s zeros can be taken instead: ``dF`` rotated
+    180 degrees with its channels swapped is the filter gradient of the
+    transposed convolution (:func:`conv2d_input_grad`), whose input is
+    ``grad`` and whose output gradient is ``x`` (Sun and Zhang 2019: use
+    whichever operand is sparser). A ``tf.cond`` takes it
+    when its estimated cost ``16 * size(grad) + nnz(grad) * KH*KW*C_in`` is
+    below ``16 * size(x) + nnz(x) * KH*KW*C_out`` (no ``tf.cond`` where
+    the shapes alone rule that branch out). That branch uses the automatic
+    threshold.
+
+    Returns:
+      ``dF`` ``[KH, KW, C_in, C_out]`` of ``x``'s dtype.
+    """
+    lib = load_library()
+
+    def over_x():
+        return lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+            x, tf.shape(f), grad, threshold, strides=strides,
+            padding=padding, explicit_paddings=explicit,
+            dilations=dilations)[0]
+
+    tc = _transposed_conv(f, dilations, padding, explicit) \
+        if strides[1] == 1 and strides[2] == 1 else None
+    if tc is None or nnz_x is None or nnz_grad is None or \
+            not f.shape.is_fully_defined() or \
+            not x.shape.is_fully_defined() or \
+            not grad.shape.is_fully_defined():
+        return over_x()
+    pads, pad = tc
+    kh, kw, ci, co = (int(d) for d in f.shape)
+    a = _CONVERT_FMA_PER_VALUE
+    size_x, size_g = float(x.shape.num_elements()), \
+        float(grad.shape.num_elements())
+    # The grad branch cannot win even with no nonzeros in grad.
+    if a * size_g >= a * size_x + size_x * kh * kw * co:
+        return over_x()
+
+    def over_grad():
+        g = lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+            grad, [kh, kw, co, ci], x, tf.constant(-1.0, tf.float32),
+            strides=[1, 1, 1, 1], padding=pad, explicit_paddings=pads,
+            dilations=dilations)[0]
+        return _rotated_filter(g)
+
+    nnz_g = tf.cast(nnz_grad, tf.float64)
+    cost_x = a * size_x + tf.cast(nnz_x, tf.float64) * (kh * kw * co)
+    cost_g = a * size_g + nnz_g * (kh * kw * ci)
+    return tf.cond(cost_g < cost_x, over_grad, over_x)
+
+
+#: Ops that feed data into a graph (function arguments, constants, tf.data
+#: iterators), and ops that pass a tensor on unchanged in value or layout.
+_SOURCE_OPS = ("Placeholder", "Const", "IteratorGetNext",
+               "IteratorGetNextSync", "OptionalGetValue")
+_PASS_OPS = ("Identity", "Cast", "Reshape", "ExpandDims", "Squeeze")
+
+
+def _is_graph_input(t):
+    """True for a graph tensor that is data fed to the graph (a placeholder,
+    a constant or a tf.data element, possibly cast or reshaped: a model's
+    first layer); False for anything else and in eager mode."""
+    try:
+        op = t.op
+        while op.type in _PASS_OPS and op.inputs:
+            op = op.inputs[0].op
+        return op.type in _SOURCE_OPS
+    except AttributeError:  # an eager tensor has no op
+        return False
+
+
+@tf.RegisterGradient("TfSparseSplit>SparseSplitConv2D")
+def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
+    """Input gradient: :func:`conv2d_input_grad` (a sparse-split forward
+    convolution of ``grad`` at stride 1); filter gradient:
+    :func:`conv2d_filter_grad` (over the zeros of ``x`` or, when sparser,
+    of ``grad``)."""
+    x, f, threshold = op.inputs
+    strides = list(op.get_attr("strides"))
+    dilations = list(op.get_attr("dilations"))
+    padding = _attr_str(op, "padding")
+    explicit = list(op.get_attr("explicit_paddings"))
+    grad_x, dx_stats = conv2d_input_grad(x, f, grad, strides, padding,
+                                         explicit, dilations,
+                                         return_stats=True)
+    # nnz(x) and nnz(grad) come free from the statistics of the forward op
+    # and of the input-gradient convolution. Not for an input fed by the
+    # graph (a placeholder or constant: a model's first layer), whose input
+    # gradient is usually unused: reading its statistics would keep it
+    # from being pruned.
+    nnz_grad = None
+    if dx_stats is not None and not _is_graph_input(x):
+        nnz_grad = dx_stats[_stats.NNZ]
+    grad_f = conv2d_filter_grad(x, f, grad, threshold, strides, padding,
+                                explicit, dilations,
+                                op.outputs[1][_stats.NNZ], nnz_grad)
     return grad_x, grad_f, None

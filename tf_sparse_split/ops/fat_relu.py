@@ -1,0 +1,58 @@
+"""``bias_fat_relu``: bias + FATReLU in one pass (the ``BiasFatRelu`` op)
+and its registered gradient (``BiasFatReluGrad``, one pass)."""
+
+import tensorflow as tf
+
+from tf_sparse_split._loader import load_library
+from tf_sparse_split.ops._common import FLOAT_DTYPES, invalid
+
+__all__ = ["bias_fat_relu"]
+
+
+def bias_fat_relu(x, bias, threshold, name=None):
+    """``y = where(x + bias > threshold, x + bias, 0)`` and ``sum(y)``.
+
+    One pass over ``x`` on the CPU (TensorFlow's graph for the same runs
+    BiasAdd, Greater, SelectV2 and Sum); the gradient is one pass too:
+    ``dx = (y > 0) ? dy + dsum : 0`` and ``dbias`` its sum over all
+    dimensions but the last (``threshold`` gets none). Deterministic (fixed
+    blocks, whatever the thread count). A NaN ``x + bias`` gives 0.
+
+    Args:
+      x: float32 or float64 tensor ``[..., C]`` (e.g. NHWC convolution
+        output).
+      bias: tensor ``[C]`` of the same dtype.
+      threshold: scalar ``>= 0`` (cast to x's dtype).
+      name: optional op name.
+
+    Returns:
+      ``(y, sum)``: ``y`` of x's shape and dtype, ``sum`` a scalar of x's
+      dtype (the sum of ``y``, e.g. for an L1 activity penalty).
+
+    Raises:
+      tf.errors.InvalidArgumentError: dtype not float32/float64 or differing,
+        ``bias`` not ``[C]``, a threshold that is negative, NaN or not a
+        scalar.
+    """
+    lib = load_library()
+    with tf.name_scope(name or "BiasFatRelu"):
+        x = tf.convert_to_tensor(x)
+        if x.dtype not in FLOAT_DTYPES:
+            raise invalid(
+                f"bias_fat_relu: x must be float32 or float64, got {x.dtype.name}")
+        bias = tf.convert_to_tensor(bias)
+        if bias.dtype != x.dtype:
+            raise invalid(f"bias_fat_relu: bias has dtype {bias.dtype.name} "
+                          f"but x has {x.dtype.name}")
+        t = tf.cast(tf.convert_to_tensor(threshold), x.dtype)
+        return lib.tf_sparse_split_bias_fat_relu(x, bias, t)
+
+
+@tf.RegisterGradient("TfSparseSplit>BiasFatRelu")
+def _bias_fat_relu_grad(op, dy, dsum):
+    lib = load_library()
+    y = op.outputs[0]
+    if dsum is None:
+        dsum = tf.zeros([], y.dtype)
+    dx, dbias = lib.tf_sparse_split_bias_fat_relu_grad(dy, y, dsum)
+    return dx, dbias, None
