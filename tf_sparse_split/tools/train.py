@@ -239,7 +239,8 @@ def input_sparsity(model, x, batch_size=256):
     if not names:
         return {}
     try:
-        probe = keras.Model(model.inputs,
+        inputs = model.inputs
+        probe = keras.Model(inputs[0] if len(inputs) == 1 else inputs,
                             [model.get_layer(n).input for n in names])
     except (AttributeError, ValueError):
         return {}
