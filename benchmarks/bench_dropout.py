@@ -80,6 +80,9 @@ def parse_args(argv=None):
                    help="interleaved rounds of step timing (default 8)")
     p.add_argument("--block", type=parse_positive_int, default=8,
                    help="training steps per round and model (default 8)")
+    p.add_argument("--groups", type=parse_positive_int, default=1,
+                   help="pattern_groups of the row configuration's "
+                        "ApproximateRandomDropout (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write a markdown table here")
     args = p.parse_args(argv)
@@ -106,7 +109,8 @@ def _build(config, rate, args, data):
     ns = argparse.Namespace(
         model="mlp", hidden=args.hidden, threshold=-1.0, seed=args.seed,
         dropout=dropout, dropout_rate=rate,
-        tile_shape=args.tile_shape if dropout == "tile" else None)
+        tile_shape=args.tile_shape if dropout == "tile" else None,
+        pattern_groups=args.groups)
     sparse = config != "baseline"
     keras.utils.set_random_seed(args.seed)
     model = build_model(ns, sparse, x_train, x_test, 10)[0]
@@ -149,7 +153,8 @@ def main(argv=None):
     print(f"MLP {sizes}, {x_train.shape[0]} train / {x_test.shape[0]} test "
           f"examples, batch {args.batch_size}, {args.epochs} epochs "
           f"(interleaved), then {args.rounds} rounds of {args.block} "
-          f"interleaved steps; seed {args.seed}, tile {args.tile_shape}",
+          f"interleaved steps; seed {args.seed}, tile {args.tile_shape}, row "
+          f"pattern_groups {args.groups}",
           flush=True)
     rows = []
     t_all = time.perf_counter()
@@ -206,7 +211,8 @@ def main(argv=None):
     write_report(args.out, (
         f"# bench_dropout: MLP {sizes} on {args.data}\n\n"
         f"{x_train.shape[0]} train / {x_test.shape[0]} test examples, batch "
-        f"{args.batch_size}, seed {args.seed}, tile {args.tile_shape}, "
+        f"{args.batch_size}, seed {args.seed}, tile {args.tile_shape}, row "
+        f"pattern_groups {args.groups}, "
         f"{cpus_desc()}. All configurations of a rate train together, epoch "
         f"by epoch in rotated order ({args.epochs} epochs, same data order); "
         f"then {args.rounds} rounds of {args.block} training steps each, in "

@@ -311,6 +311,79 @@ def test_serialization_round_trip(tmp_path):
         model.get_layer("ard_row").pattern_probabilities()
 
 
+def test_pattern_groups_masks_per_group_of_examples():
+    # 9 examples in 4 groups of ceil(9/4) = 3 consecutive examples (the last
+    # group holds none): every group's rows share one row pattern, rescaled
+    # by that group's own realized rate; the groups' patterns differ.
+    layer = tfss.ApproximateRandomDropout(0.5, seed=4, pattern_groups=4)
+    x = _positive((9, 2, 40))            # rank 3: drops the last axis
+    seen = set()
+    for _ in range(20):
+        y = layer(x, training=True).numpy()
+        dropped = y == 0
+        for g0 in (0, 3, 6):
+            block = dropped[g0:g0 + 3]
+            assert np.all(block == block[:1, :1])   # one pattern per group
+            realized = block[0, 0].mean()
+            assert 0 < realized < 1
+            np.testing.assert_allclose(y[g0:g0 + 3][~block],
+                                       x[g0:g0 + 3][~block] / (1 - realized),
+                                       rtol=1e-6)
+        seen.add(len({dropped[g0, 0].tobytes() for g0 in (0, 3, 6)}))
+    assert max(seen) > 1                  # groups draw independently
+
+
+def test_pattern_groups_rate_per_unit_and_unbiased():
+    # 300 steps x 4 groups = 1200 draws per unit: drop-rate std per unit
+    # <= sqrt(0.25 / 1200) = 0.0144, tolerance 0.075 (> 5 std). E[output] =
+    # input: the mean of y / x over draws is 1 within 0.1 per unit.
+    layer = tfss.ApproximateRandomDropout(0.5, seed=6, pattern_groups=4)
+    x = _positive((8, 24))
+
+    @tf.function
+    def draw():
+        return tf.stack([layer(x, training=True) for _ in range(50)])
+
+    ys = np.concatenate([draw().numpy() for _ in range(6)])   # [300, 8, 24]
+    per_group = ys[:, ::2, :]                                 # one row/group
+    np.testing.assert_allclose((per_group == 0).mean(axis=(0, 1)), 0.5,
+                               atol=0.075)
+    np.testing.assert_allclose((per_group / x[::2]).mean(axis=(0, 1)), 1.0,
+                               atol=0.1)
+
+
+def test_pattern_groups_config_and_gradient_exact(tmp_path):
+    model = keras.Sequential([
+        keras.Input((16,)),
+        tfss.ApproximateRandomDropout(0.5, seed=2, pattern_groups=3,
+                                      name="ard"),
+        tfss.SparseSplitDense(4, skip_dead_input_grad=True)])
+    path = tmp_path / "g.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.get_layer("ard").get_config()["pattern_groups"] == 3
+    assert loaded.get_layer("ard").get_config() == \
+        model.get_layer("ard").get_config()
+    # The gradient through the grouped mask is the mask (and scale) itself.
+    layer = model.get_layer("ard")
+    x = tf.constant(_positive((6, 16)))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+    g = tape.gradient(y, x).numpy()
+    np.testing.assert_allclose(g * x.numpy(), y.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pattern_groups=0), "pattern_groups"),
+    (dict(pattern_groups="2"), "pattern_groups"),
+    (dict(pattern_groups=2, pattern="tile"), "pattern='row'"),
+])
+def test_pattern_groups_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tfss.ApproximateRandomDropout(0.5, **kwargs)
+
+
 @pytest.mark.parametrize("kwargs, shape, match", [
     (dict(rate=1.0), (None, 8), "rate"),
     (dict(rate=-0.5), (None, 8), "rate"),
