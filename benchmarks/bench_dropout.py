@@ -80,9 +80,9 @@ def parse_args(argv=None):
                    help="interleaved rounds of step timing (default 8)")
     p.add_argument("--block", type=parse_positive_int, default=8,
                    help="training steps per round and model (default 8)")
-    p.add_argument("--groups", type=parse_positive_int, default=1,
+    p.add_argument("--groups", type=parse_positive_int, default=None,
                    help="pattern_groups of the row configuration's "
-                        "ApproximateRandomDropout (default 1)")
+                        "ApproximateRandomDropout (default: the layer's, 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write a markdown table here")
     args = p.parse_args(argv)
@@ -154,7 +154,7 @@ def main(argv=None):
           f"examples, batch {args.batch_size}, {args.epochs} epochs "
           f"(interleaved), then {args.rounds} rounds of {args.block} "
           f"interleaved steps; seed {args.seed}, tile {args.tile_shape}, row "
-          f"pattern_groups {args.groups}",
+          f"pattern_groups {args.groups or 'default (8)'}",
           flush=True)
     rows = []
     t_all = time.perf_counter()
@@ -212,7 +212,7 @@ def main(argv=None):
         f"# bench_dropout: MLP {sizes} on {args.data}\n\n"
         f"{x_train.shape[0]} train / {x_test.shape[0]} test examples, batch "
         f"{args.batch_size}, seed {args.seed}, tile {args.tile_shape}, row "
-        f"pattern_groups {args.groups}, "
+        f"pattern_groups {args.groups or 'default (8)'}, "
         f"{cpus_desc()}. All configurations of a rate train together, epoch "
         f"by epoch in rotated order ({args.epochs} epochs, same data order); "
         f"then {args.rounds} rounds of {args.block} training steps each, in "

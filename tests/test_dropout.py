@@ -123,6 +123,8 @@ def test_realized_drop_rate_per_unit(pattern, rate):
 @pytest.mark.parametrize("pattern", ["row", "tile"])
 def test_training_rescales_and_inference_is_identity(pattern):
     kw = {"tile_shape": (8, 16)} if pattern == "tile" else {}
+    if pattern == "row":   # one pattern for the whole batch
+        kw["pattern_groups"] = 1
     layer = tfss.ApproximateRandomDropout(0.5, pattern=pattern, seed=1, **kw)
     x = _positive((32, 64))
     np.testing.assert_array_equal(layer(x).numpy(), x)          # default
@@ -148,7 +150,7 @@ def test_rate_zero_is_identity_in_training():
 
 
 def test_higher_rank_input_drops_last_axis():
-    layer = tfss.ApproximateRandomDropout(0.5, seed=2)
+    layer = tfss.ApproximateRandomDropout(0.5, seed=2, pattern_groups=1)
     x = _positive((3, 5, 16))
     y = layer(x, training=True).numpy()
     dropped = y == 0
@@ -181,7 +183,7 @@ def test_dense_after_row_dropout_skips_dropped_columns():
     # columns dead), so the check does not depend on timings; in automatic
     # mode it compacts when the measured flops saved beat the gather.
     units = 96
-    drop = tfss.ApproximateRandomDropout(0.5, seed=5)
+    drop = tfss.ApproximateRandomDropout(0.5, seed=5, pattern_groups=1)
     dense = tfss.SparseSplitDense(24, threshold=0.0)
     x = _positive((40, units))
     for _ in range(5):
@@ -227,6 +229,24 @@ def test_weight_gradient_of_dense_goes_through_the_op():
     assert ops.count("TfSparseSplit>SparseSplitMatMul") == 2, ops
     g = step(x).numpy()
     assert np.all(np.isfinite(g))
+
+
+def test_dense_after_grouped_row_dropout_sparse_path_touches_only_kept():
+    # Per-group row patterns (the default) leave (almost) no all-zero
+    # column; with the threshold at 1.0 every row goes to the CSR path,
+    # whose work is the kept values only, and the result is exact.
+    drop = tfss.ApproximateRandomDropout(0.5, seed=8)
+    dense = tfss.SparseSplitDense(16, threshold=1.0)
+    x = _positive((32, 64))
+    y = drop(x, training=True)
+    out = dense(y)
+    st = stats.as_dict(dense.latest_stats_vector())
+    kept = int(np.count_nonzero(y.numpy()))
+    assert kept < x.size
+    assert st["rows_sparse"] == 32 and st["nnz_sparse"] == kept
+    np.testing.assert_allclose(
+        out.numpy(), y.numpy() @ dense.kernel.numpy() + dense.bias.numpy(),
+        rtol=1e-5, atol=1e-5)
 
 
 def test_dense_after_tile_dropout_sparse_path_touches_only_kept():

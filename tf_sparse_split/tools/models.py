@@ -11,7 +11,7 @@ DROPOUT_KINDS = ("none", "standard", "row", "tile")
 
 def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
               dropout="none", dropout_rate=0.5, seed=None, tile_shape=None,
-              pattern_groups=1):
+              pattern_groups=None):
     """An MLP ``input -> [hidden ReLU [dropout]]* -> softmax``.
 
     Args:
@@ -27,7 +27,7 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
       seed: seed of the dropout layers (layer ``i`` gets ``seed + i``).
       tile_shape: tile of the ``"tile"`` pattern (default ``(32, 32)``).
       pattern_groups: ``ApproximateRandomDropout``'s ``pattern_groups`` for
-        ``dropout="row"`` (default 1: one pattern per batch).
+        ``dropout="row"`` (default None: the layer's default, 8).
 
     Returns:
       an uncompiled ``keras.Sequential``; layers are named ``hidden_1``, ...,
@@ -64,7 +64,7 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
         return ApproximateRandomDropout(
             dropout_rate, pattern=dropout, seed=s, name=name,
             tile_shape=tile_shape if dropout == "tile" else None,
-            pattern_groups=pattern_groups if dropout == "row" else 1)
+            pattern_groups=pattern_groups if dropout == "row" else None)
 
     layers = [keras.Input((input_dim,))]
     for i, width in enumerate(hidden):

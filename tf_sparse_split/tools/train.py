@@ -94,7 +94,7 @@ def build_model(args, sparse, x_train, x_test, num_classes):
                           dropout=args.dropout,
                           dropout_rate=args.dropout_rate, seed=args.seed,
                           tile_shape=args.tile_shape,
-                          pattern_groups=getattr(args, "pattern_groups", 1))
+                          pattern_groups=getattr(args, "pattern_groups", None))
         sizes = "-".join(str(s) for s in
                          [x_train.shape[1], *args.hidden, num_classes])
         desc = (f"MLP {sizes} "
