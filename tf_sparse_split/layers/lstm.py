@@ -140,12 +140,13 @@ def _kept_first(masks):
 def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
     """The LSTM recurrence of the compacted loop, in grouped layout.
 
-    Per step ``t``: ``z = zx[t] + (h[..., :k] * hmask) @ r`` (per group;
+    Per step ``t``: ``z = zx[:, t] + (h[..., :k] * hmask) @ r`` (per group;
     gates in the order i, f, o, c), ``c = f * c + i * act(c~)``,
     ``h = o * act(c)``.
 
     Args:
-      zx: ``[T, G, R, 4U]`` input products (bias included).
+      zx: ``[G, T, R, 4U]`` input products (bias included), group-major
+        (the layout of the batched input GEMM).
       h0, c0: ``[G, R, U]`` initial state.
       r: ``[G or 1, k, 4U]`` compacted recurrent kernel.
       k: number of leading state units multiplied (int or int32 scalar).
@@ -193,20 +194,20 @@ def _step_input(h, k, hmask):
 
 
 def _fused_forward(zx, h0, c0, r, k, hmask):
-    """Forward loop with the fused gate op: per step one TensorArray read,
-    one slice, one GEMM, one :func:`lstm_gates` and two TensorArray
-    writes. Returns ``(h_T, c_T, hs [T, G, R, U], saved_ta)``; ``saved_ta``
-    holds each step's ``saved`` output for the backward pass."""
-    steps = tf.shape(zx)[0]
-    # Read per step from a TensorArray: slicing the [T, ...] tensor inside
-    # the loop would make every step's gradient a full-size tensor.
-    zx_ta = tf.TensorArray(zx.dtype, size=steps).unstack(zx)
+    """Forward loop with the fused gate op: per step one gather of
+    ``zx[:, t]``, one slice, one GEMM, one :func:`lstm_gates` and two
+    TensorArray writes. Returns ``(h_T, c_T, hs [T, G, R, U], saved_ta)``;
+    ``saved_ta`` holds each step's ``saved`` output for the backward pass.
+    (TensorFlow does not differentiate this loop, so reading ``zx[:, t]``
+    in it costs no full-size gradient per step, and ``zx`` needs no
+    transpose to time-major.)"""
+    steps = tf.shape(zx)[1]
     hs_ta = tf.TensorArray(zx.dtype, size=steps)
     saved_ta = tf.TensorArray(zx.dtype, size=steps)
 
     def body(t, h, c, hs_ta, saved_ta):
         zh = _grouped_matmul(_step_input(h, k, hmask), r)
-        h, c, saved = lstm_gates(zx_ta.read(t), zh, c)
+        h, c, saved = lstm_gates(tf.gather(zx, t, axis=1), zh, c)
         return t + 1, h, c, hs_ta.write(t, h), saved_ta.write(t, saved)
 
     _, h, c, hs_ta, saved_ta = tf.while_loop(
@@ -220,8 +221,12 @@ def _generic_recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all,
                         units):
     """:func:`_recurrence` for other activations: elementwise TF ops,
     differentiated by TensorFlow."""
-    steps = tf.shape(zx)[0]
-    zx_ta = tf.TensorArray(zx.dtype, size=steps).unstack(zx)
+    steps = tf.shape(zx)[1]
+    # Read per step from a TensorArray: slicing the [G, T, ...] tensor
+    # inside the differentiated loop would make every step's gradient a
+    # full-size tensor (O(T^2) memory traffic in the backward pass).
+    zx_ta = tf.TensorArray(zx.dtype, size=steps).unstack(
+        tf.transpose(zx, [1, 0, 2, 3]))
     hs_ta = tf.TensorArray(zx.dtype, size=steps)
 
     def body(t, h, c, hs_ta):
@@ -249,7 +254,7 @@ def _lstm_backward(upstream, zx, h0, hs, r, k, hmask, saved_ta, keep_all):
     output gradient with ``keep_all``), one :func:`lstm_gates_grad` (which
     takes the recurrent product's ``[G, R, k]`` input gradient as is, no
     padding to ``U``), one TensorArray write and one GEMM."""
-    steps = tf.shape(zx)[0]
+    steps = tf.shape(zx)[1]
     zeros = tf.zeros_like(h0)
     d_h = zeros if upstream[0] is None else upstream[0]
     d_c = zeros if upstream[1] is None else upstream[1]
@@ -277,22 +282,21 @@ def _lstm_backward(upstream, zx, h0, hs, r, k, hmask, saved_ta, keep_all):
         dh0 = tf.pad(dh0, [[0, 0], [0, 0], [0, tf.shape(d_h)[-1]
                                               - tf.shape(dh0)[-1]]])
         dh0.set_shape(d_h.shape)
-    dz = dz_ta.stack()                                        # [T, G, R, 4U]
-    # The recurrent products' inputs of all steps (h_{t-1}).
-    hk = _step_input(tf.concat([h0[None], hs[:-1]], 0), k, hmask)
+    dz = tf.transpose(dz_ta.stack(), [1, 0, 2, 3])           # [G, T, R, 4U]
+    # The recurrent products' inputs of all steps (h_{t-1}), group-major.
+    hk = tf.transpose(
+        _step_input(tf.concat([h0[None], hs[:-1]], 0), k, hmask),
+        [1, 0, 2, 3])                                         # [G, T, R, k]
     # Recurrent weight gradient: one GEMM over all steps (per group).
-    units4 = tf.shape(dz)[-1]
+    n_k, units4 = tf.shape(hk)[-1], tf.shape(dz)[-1]
     if r.shape[0] == 1:
-        d_r = tf.matmul(tf.reshape(hk, [-1, tf.shape(hk)[-1]]),
+        d_r = tf.matmul(tf.reshape(hk, [-1, n_k]),
                         tf.reshape(dz, [-1, units4]),
                         transpose_a=True)[None]
     else:
-        groups = r.shape[0]
-        d_r = tf.matmul(
-            tf.reshape(tf.transpose(hk, [1, 0, 2, 3]),
-                       [groups, -1, tf.shape(hk)[-1]]),
-            tf.reshape(tf.transpose(dz, [1, 0, 2, 3]),
-                       [groups, -1, units4]), transpose_a=True)
+        d_r = tf.matmul(tf.reshape(hk, [r.shape[0], -1, n_k]),
+                        tf.reshape(dz, [r.shape[0], -1, units4]),
+                        transpose_a=True)
     return dz, dh0, dc0, d_r
 
 
@@ -620,10 +624,16 @@ class SparseSplitLSTM(keras.layers.LSTM):
         kernel = _gather_cols(kernel, cols)                   # [G', F', 4U]
         xt = tf.transpose(x, [0, 2, 1, 3])                    # [G, T, R, F']
         steps = tf.shape(xt)[1]
-        zx = _grouped_matmul(xt, kernel)                      # [G, T, R, 4U]
         if bias is not None:
-            zx = zx + bias[:, None]
-        zx = tf.transpose(zx, [1, 0, 2, 3])                   # [T, G, R, 4U]
+            # The bias as one more input feature (a column of ones) of the
+            # GEMM: no separate add over [G, T, R, 4U], and its gradient
+            # comes out of the kernel gradient's GEMM.
+            xt = tf.concat([xt, tf.ones_like(xt[..., :1])], -1)
+            g_max = max(kernel.shape[0], bias.shape[0])
+            kernel = tf.concat(
+                [tf.broadcast_to(w, tf.concat([[g_max], tf.shape(w)[1:]], 0))
+                 for w in (kernel, bias)], 1)                 # [G', F'+1, 4U]
+        zx = _grouped_matmul(xt, kernel)                      # [G, T, R, 4U]
 
         # Recurrent product on the kept units of the state:
         # h[:, :, :k] (times the tile mask) @ r per group.
