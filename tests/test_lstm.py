@@ -141,7 +141,10 @@ def _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
                      for g in tape.gradient(loss_ref, wrt)]
         return (out, h, c), (ref, h_ref, c_ref), grads, grads_ref
 
-    ours, refs, grads, grads_ref = (tf.function(run) if graph else run)()
+    # autograph off: the loops are explicit tf.while_loops, and autograph
+    # would convert the unbound Keras inner_loop call wrongly.
+    ours, refs, grads, grads_ref = (
+        tf.function(run, autograph=False) if graph else run)()
     steps = 7 if options["return_sequences"] else 1
     assert ours[0].shape == refs[0].shape == (batch, steps, 16)
     for a, b in zip(ours, refs):     # outputs, h, c

@@ -32,7 +32,10 @@ compacted products, so the input, recurrent and weight gradients shrink
 with them (the gathers' gradients scatter into the kept rows only). The
 operands are dense after compaction (the LSTM state is a tanh product, not
 sparse), so the products use TensorFlow's GEMM; ``sparse_split_matmul`` would
-not pay here.
+not pay here. With Keras' default activations each step's gate math is one
+fused op forward and one backward (:mod:`tf_sparse_split.ops.lstm_gates`):
+at LSTM sizes the per-step executor overhead of a dozen small elementwise
+ops otherwise costs as much as the step's GEMM.
 
 Why groups (a departure from Song et al., who draw one pattern per
 training iteration for the whole batch): with one pattern per batch every
