@@ -196,6 +196,41 @@ def _step_input(h, k, hmask):
     return h[..., :k] if hmask is None else h * hmask
 
 
+def _gates_ops():
+    """``(gates, gates_grad)`` with the signatures of :func:`lstm_gates` and
+    :func:`lstm_gates_grad`: the fused ops (CPU kernels only), or the same
+    math in TensorFlow elementwise ops when a GPU is visible (the fused ops
+    would copy every step's tensors between the devices)."""
+    if tf.config.list_logical_devices("GPU"):
+        return _tf_gates, _tf_gates_grad
+    return lstm_gates, lstm_gates_grad
+
+
+def _tf_gates(zx, zh, c_prev):
+    """:func:`lstm_gates` in TensorFlow ops."""
+    units = tf.shape(c_prev)[-1]
+    z = zx + zh
+    sig = tf.sigmoid(z[..., :3 * units])
+    cand = tf.tanh(z[..., 3 * units:])
+    i, f, o = tf.split(sig, 3, axis=-1)
+    c = f * c_prev + i * cand
+    tc = tf.tanh(c)
+    return o * tc, c, tf.concat([sig, cand, tc, c_prev], -1)
+
+
+def _tf_gates_grad(saved, dh_rec, dh_out, dc):
+    """:func:`lstm_gates_grad` in TensorFlow ops."""
+    i, f, o, cand, tc, c_prev = tf.split(saved, 6, axis=-1)
+    pad = tf.shape(dh_out)[-1] - tf.shape(dh_rec)[-1]
+    dh = dh_out + tf.pad(dh_rec, [[0, 0]] * (dh_rec.shape.rank - 1)
+                         + [[0, pad]])
+    dc = dc + dh * o * (1.0 - tc * tc)
+    dz = tf.concat([dc * cand * i * (1.0 - i), dc * c_prev * f * (1.0 - f),
+                    dh * tc * o * (1.0 - o), dc * i * (1.0 - cand * cand)],
+                   -1)
+    return dz, dc * f
+
+
 def _fused_forward(zx, h0, c0, r, k, hmask):
     """Forward loop with the fused gate op: per step one gather of
     ``zx[:, t]``, one slice, one GEMM, one :func:`lstm_gates` and two
@@ -207,10 +242,11 @@ def _fused_forward(zx, h0, c0, r, k, hmask):
     steps = tf.shape(zx)[1]
     hs_ta = tf.TensorArray(zx.dtype, size=steps)
     saved_ta = tf.TensorArray(zx.dtype, size=steps)
+    gates = _gates_ops()[0]
 
     def body(t, h, c, hs_ta, saved_ta):
         zh = _grouped_matmul(_step_input(h, k, hmask), r)
-        h, c, saved = lstm_gates(tf.gather(zx, t, axis=1), zh, c)
+        h, c, saved = gates(tf.gather(zx, t, axis=1), zh, c)
         return t + 1, h, c, hs_ta.write(t, h), saved_ta.write(t, saved)
 
     _, h, c, hs_ta, saved_ta = tf.while_loop(
@@ -265,10 +301,11 @@ def _lstm_backward(upstream, zx, h0, hs, r, k, hmask, saved_ta, keep_all):
     if d_hs is not None:
         d_hs_ta = tf.TensorArray(zx.dtype, size=steps).unstack(d_hs)
     dz_ta = tf.TensorArray(zx.dtype, size=steps)
+    gates_grad = _gates_ops()[1]
 
     def body(t, dh_rec, dc, dz_ta):
         dh_out = zeros if d_hs is None else d_hs_ta.read(t)
-        dz, dc = lstm_gates_grad(saved_ta.read(t), dh_rec, dh_out, dc)
+        dz, dc = gates_grad(saved_ta.read(t), dh_rec, dh_out, dc)
         dhk = _grouped_matmul(dz, r, transpose_b=True)       # [G, R, k]
         dh_rec = dhk if hmask is None else dhk * hmask
         return t - 1, dh_rec, dc, dz_ta.write(t, dz)
