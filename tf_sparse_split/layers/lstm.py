@@ -35,7 +35,8 @@ sparse), so the products use TensorFlow's GEMM; ``sparse_split_matmul`` would
 not pay here. With Keras' default activations each step's gate math is one
 fused op forward and one backward (:mod:`tf_sparse_split.ops.lstm_gates`):
 at LSTM sizes the per-step executor overhead of a dozen small elementwise
-ops otherwise costs as much as the step's GEMM.
+ops otherwise costs as much as the step's GEMM. (The fused ops have CPU
+kernels only; when a GPU is visible the same math runs as TensorFlow ops.)
 
 Why groups (a departure from Song et al., who draw one pattern per
 training iteration for the whole batch): with one pattern per batch every
