@@ -85,6 +85,40 @@ def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
                                                  batch, options):
     """The compacted products give the values (and gradients) of Keras' own
     loop run with the same pattern masks (per-group masks included)."""
+    _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
+                            groups, batch, options, graph=False)
+
+
+@pytest.mark.parametrize("pattern,tile_shape,go_backwards,rates,groups,batch,"
+                         "options", [
+    ("row", None, True, (0.5, 0.5), 4, 13, {}),
+    ("row", None, False, (0.4, 0.0), 4, 10, {}),
+    ("tile", (2, 4), False, (0.5, 0.5), 1, 6, {}),
+    ("row", None, False, (0.5, 0.5), 4, 9,
+     {"return_sequences": False, "loss_on_c": False}),
+])
+def test_compacted_loop_equals_masked_keras_loop_in_graph(
+        rng, pattern, tile_shape, go_backwards, rates, groups, batch,
+        options):
+    """The same inside a tf.function (graph while loops, as in fit)."""
+    _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
+                            groups, batch, options, graph=True)
+
+
+def test_compacted_loop_tf_gates_path(rng, monkeypatch):
+    """The step math in TensorFlow ops (what runs when a GPU is visible)
+    gives the same values and gradients as Keras' masked loop."""
+    from tf_sparse_split.layers import lstm
+    monkeypatch.setattr(lstm, "_gates_ops",
+                        lambda: (lstm._tf_gates, lstm._tf_gates_grad))
+    _compare_compacted_loop(rng, "row", None, True, (0.5, 0.5), 4, 13, {},
+                            graph=True)
+    _compare_compacted_loop(rng, "tile", (2, 4), False, (0.5, 0.5), 1, 6,
+                            {}, graph=False)
+
+
+def _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
+                            groups, batch, options, graph):
     x = tf.constant(rng.standard_normal((batch, 7, 12)).astype("float32"))
     options = dict(options)
     loss_on_c = options.pop("loss_on_c", True)
@@ -97,30 +131,38 @@ def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
     assert layer._use_compacted_loop(None, True)
     state = [tf.constant(rng.standard_normal((batch, 16)).astype("float32"))
              for _ in range(2)]
-    with tf.GradientTape(persistent=True) as tape:
-        tape.watch([x] + state)
-        layer._maybe_config_dropout_masks(layer.cell, x[:, 0, :], state)
-        _, out, (h, c) = layer._compacted_loop(x, state)
-        _, ref, (h_ref, c_ref) = keras.layers.LSTM.inner_loop(
-            layer, x, state, None, training=True)
-        if not options["return_sequences"]:
-            ref = ref[:, -1:]
-        loss = tf.reduce_sum(out * out)
-        loss_ref = tf.reduce_sum(ref * ref)
-        if loss_on_c:
-            loss += tf.reduce_sum(c)
-            loss_ref += tf.reduce_sum(c_ref)
-    layer._maybe_reset_dropout_masks(layer.cell)
-    steps = 7 if options["return_sequences"] else 1
-    assert out.shape == ref.shape == (batch, steps, 16)
-    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-5)
-    np.testing.assert_allclose(h.numpy(), h_ref.numpy(), atol=1e-5)
-    np.testing.assert_allclose(c.numpy(), c_ref.numpy(), atol=1e-5)
     wrt = layer.trainable_weights + [x] + state
-    for a, b in zip(tape.gradient(loss, wrt), tape.gradient(loss_ref, wrt)):
-        np.testing.assert_allclose(tf.convert_to_tensor(a).numpy(),
-                                   tf.convert_to_tensor(b).numpy(),
-                                   atol=2e-5)
+
+    def run():
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([x] + state)
+            layer._maybe_config_dropout_masks(layer.cell, x[:, 0, :], state)
+            _, out, (h, c) = layer._compacted_loop(x, state)
+            _, ref, (h_ref, c_ref) = keras.layers.LSTM.inner_loop(
+                layer, x, state, None, training=True)
+            if not options["return_sequences"]:
+                ref = ref[:, -1:]
+            loss = tf.reduce_sum(out * out)
+            loss_ref = tf.reduce_sum(ref * ref)
+            if loss_on_c:
+                loss += tf.reduce_sum(c)
+                loss_ref += tf.reduce_sum(c_ref)
+        layer._maybe_reset_dropout_masks(layer.cell)
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, wrt)]
+        grads_ref = [tf.convert_to_tensor(g)
+                     for g in tape.gradient(loss_ref, wrt)]
+        return (out, h, c), (ref, h_ref, c_ref), grads, grads_ref
+
+    # autograph off: the loops are explicit tf.while_loops, and autograph
+    # would convert the unbound Keras inner_loop call wrongly.
+    ours, refs, grads, grads_ref = (
+        tf.function(run, autograph=False) if graph else run)()
+    steps = 7 if options["return_sequences"] else 1
+    assert ours[0].shape == refs[0].shape == (batch, steps, 16)
+    for a, b in zip(ours, refs):     # outputs, h, c
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+    for a, b in zip(grads, grads_ref):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=2e-5)
 
 
 @pytest.mark.parametrize("groups,batch", [(1, 4), (4, 10)])

@@ -32,7 +32,11 @@ compacted products, so the input, recurrent and weight gradients shrink
 with them (the gathers' gradients scatter into the kept rows only). The
 operands are dense after compaction (the LSTM state is a tanh product, not
 sparse), so the products use TensorFlow's GEMM; ``sparse_split_matmul`` would
-not pay here.
+not pay here. With Keras' default activations each step's gate math is one
+fused op forward and one backward (:mod:`tf_sparse_split.ops.lstm_gates`):
+at LSTM sizes the per-step executor overhead of a dozen small elementwise
+ops otherwise costs as much as the step's GEMM. (The fused ops have CPU
+kernels only; when a GPU is visible the same math runs as TensorFlow ops.)
 
 Why groups (a departure from Song et al., who draw one pattern per
 training iteration for the whole batch): with one pattern per batch every
@@ -68,6 +72,7 @@ import keras
 import tensorflow as tf
 
 from tf_sparse_split.layers.dropout import pattern_keep_mask
+from tf_sparse_split.ops.lstm_gates import lstm_gates, lstm_gates_grad
 from tf_sparse_split.tuning.pattern_search import (check_tile_fits,
                                                    check_tile_shape,
                                                    search_pattern_distribution)
@@ -139,12 +144,13 @@ def _kept_first(masks):
 def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
     """The LSTM recurrence of the compacted loop, in grouped layout.
 
-    Per step ``t``: ``z = zx[t] + (h[..., :k] * hmask) @ r`` (per group;
+    Per step ``t``: ``z = zx[:, t] + (h[..., :k] * hmask) @ r`` (per group;
     gates in the order i, f, o, c), ``c = f * c + i * act(c~)``,
     ``h = o * act(c)``.
 
     Args:
-      zx: ``[T, G, R, 4U]`` input products (bias included).
+      zx: ``[G, T, R, 4U]`` input products (bias included), group-major
+        (the layout of the batched input GEMM).
       h0, c0: ``[G, R, U]`` initial state.
       r: ``[G or 1, k, 4U]`` compacted recurrent kernel.
       k: number of leading state units multiplied (int or int32 scalar).
@@ -156,61 +162,28 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
     Returns:
       ``(h_T, c_T, hs)``: ``hs`` ``[T, G, R, U]`` if ``keep_all``, else None.
 
-    With Keras' default activations (tanh, sigmoid) the backward pass is
-    written out (``_lstm_backward``) so that the recurrent weight gradient
-    is one batched GEMM over all steps instead of a ``[k, 4U]`` per-group
-    accumulation in every step of TensorFlow's differentiated while loop;
-    otherwise TensorFlow differentiates the loop.
+    With Keras' default activations (tanh, sigmoid) each step's gate math is
+    one fused op (:func:`~tf_sparse_split.ops.lstm_gates`) and the backward
+    pass is written out (``_lstm_backward``: one fused op
+    :func:`~tf_sparse_split.ops.lstm_gates_grad` per step, and the
+    recurrent weight gradient as one batched GEMM over all steps instead of
+    a ``[k, 4U]`` per-group accumulation in every step of TensorFlow's
+    differentiated while loop); otherwise TensorFlow differentiates the
+    loop of elementwise ops.
     """
-    dtype = zx.dtype
-
-    def forward(zx, h0, c0, r):
-        steps = tf.shape(zx)[0]
-        # Read per step from a TensorArray: slicing the [T, ...] tensor
-        # inside the loop would make every step's gradient a full-size
-        # tensor (O(T^2) memory traffic in the backward pass).
-        zx_ta = tf.TensorArray(dtype, size=steps).unstack(zx)
-        tas = [tf.TensorArray(dtype, size=steps) for _ in range(6)]
-
-        def body(t, h, c, hs_ta, hk_ta, sig_ta, cand_ta, c_ta, tc_ta):
-            hk = h[..., :k] if hmask is None else h * hmask
-            z = zx_ta.read(t) + _grouped_matmul(hk, r)
-            sig = rec_act(z[..., :3 * units])
-            cand = act(z[..., 3 * units:])
-            i, f, o = tf.split(sig, 3, axis=-1)
-            if manual:   # what the backward pass needs
-                hk_ta = hk_ta.write(t, hk)
-                sig_ta = sig_ta.write(t, sig)
-                cand_ta = cand_ta.write(t, cand)
-                c_ta = c_ta.write(t, c)                       # c_{t-1}
-            c = f * c + i * cand
-            tc = act(c)
-            h = o * tc
-            if manual:
-                tc_ta = tc_ta.write(t, tc)
-            if keep_all:
-                hs_ta = hs_ta.write(t, h)
-            return t + 1, h, c, hs_ta, hk_ta, sig_ta, cand_ta, c_ta, tc_ta
-
-        _, h, c, hs_ta, *saved = tf.while_loop(
-            lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, *tas),
-            maximum_iterations=steps)
-        hs = hs_ta.stack() if keep_all else None
-        return h, c, hs, saved
-
     manual = (act is keras.activations.tanh
               and rec_act is keras.activations.sigmoid)
     if not manual:
-        h, c, hs, _ = forward(zx, h0, c0, r)
-        return h, c, hs
+        return _generic_recurrence(zx, h0, c0, r, k, hmask, act, rec_act,
+                                   keep_all, units)
 
     @tf.custom_gradient
     def run(zx, h0, c0, r):
-        h, c, hs, saved = forward(zx, h0, c0, r)
+        h, c, hs, saved_ta = _fused_forward(zx, h0, c0, r, k, hmask)
 
         def grad(*upstream):
-            return _lstm_backward(upstream, zx, c0, r, k, hmask, saved,
-                                  keep_all, units)
+            return _lstm_backward(upstream, zx, h0, hs, r, k, hmask, saved_ta,
+                                  keep_all)
 
         return (h, c, hs) if keep_all else (h, c), grad
 
@@ -218,58 +191,153 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
     return (out[0], out[1], out[2] if keep_all else None)
 
 
-def _lstm_backward(upstream, zx, c0, r, k, hmask, saved, keep_all, units):
+def _step_input(h, k, hmask):
+    """The part of the state that enters the recurrent product:
+    ``h[..., :k]`` (row patterns) or ``h * hmask`` (tile masks)."""
+    return h[..., :k] if hmask is None else h * hmask
+
+
+def _gates_ops():
+    """``(gates, gates_grad)`` with the signatures of :func:`lstm_gates` and
+    :func:`lstm_gates_grad`: the fused ops (CPU kernels only), or the same
+    math in TensorFlow elementwise ops when a GPU is visible (the fused ops
+    would copy every step's tensors between the devices)."""
+    if tf.config.list_logical_devices("GPU"):
+        return _tf_gates, _tf_gates_grad
+    return lstm_gates, lstm_gates_grad
+
+
+def _tf_gates(zx, zh, c_prev):
+    """:func:`lstm_gates` in TensorFlow ops."""
+    units = tf.shape(c_prev)[-1]
+    z = zx + zh
+    sig = tf.sigmoid(z[..., :3 * units])
+    cand = tf.tanh(z[..., 3 * units:])
+    i, f, o = tf.split(sig, 3, axis=-1)
+    c = f * c_prev + i * cand
+    tc = tf.tanh(c)
+    return o * tc, c, tf.concat([sig, cand, tc, c_prev], -1)
+
+
+def _tf_gates_grad(saved, dh_rec, dh_out, dc):
+    """:func:`lstm_gates_grad` in TensorFlow ops."""
+    i, f, o, cand, tc, c_prev = tf.split(saved, 6, axis=-1)
+    pad = tf.shape(dh_out)[-1] - tf.shape(dh_rec)[-1]
+    dh = dh_out + tf.pad(dh_rec, [[0, 0]] * (dh_rec.shape.rank - 1)
+                         + [[0, pad]])
+    dc = dc + dh * o * (1.0 - tc * tc)
+    dz = tf.concat([dc * cand * i * (1.0 - i), dc * c_prev * f * (1.0 - f),
+                    dh * tc * o * (1.0 - o), dc * i * (1.0 - cand * cand)],
+                   -1)
+    return dz, dc * f
+
+
+def _fused_forward(zx, h0, c0, r, k, hmask):
+    """Forward loop with the fused gate op: per step one gather of
+    ``zx[:, t]``, one slice, one GEMM, one :func:`lstm_gates` and two
+    TensorArray writes. Returns ``(h_T, c_T, hs [T, G, R, U], saved_ta)``;
+    ``saved_ta`` holds each step's ``saved`` output for the backward pass.
+    (TensorFlow does not differentiate this loop, so reading ``zx[:, t]``
+    in it costs no full-size gradient per step, and ``zx`` needs no
+    transpose to time-major.)"""
+    steps = tf.shape(zx)[1]
+    hs_ta = tf.TensorArray(zx.dtype, size=steps)
+    saved_ta = tf.TensorArray(zx.dtype, size=steps)
+    gates = _gates_ops()[0]
+
+    def body(t, h, c, hs_ta, saved_ta):
+        zh = _grouped_matmul(_step_input(h, k, hmask), r)
+        h, c, saved = gates(tf.gather(zx, t, axis=1), zh, c)
+        return t + 1, h, c, hs_ta.write(t, h), saved_ta.write(t, saved)
+
+    _, h, c, hs_ta, saved_ta = tf.while_loop(
+        lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, hs_ta,
+                                         saved_ta),
+        maximum_iterations=steps)
+    return h, c, hs_ta.stack(), saved_ta
+
+
+def _generic_recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all,
+                        units):
+    """:func:`_recurrence` for other activations: elementwise TF ops,
+    differentiated by TensorFlow."""
+    steps = tf.shape(zx)[1]
+    # Read per step from a TensorArray: slicing the [G, T, ...] tensor
+    # inside the differentiated loop would make every step's gradient a
+    # full-size tensor (O(T^2) memory traffic in the backward pass).
+    zx_ta = tf.TensorArray(zx.dtype, size=steps).unstack(
+        tf.transpose(zx, [1, 0, 2, 3]))
+    hs_ta = tf.TensorArray(zx.dtype, size=steps)
+
+    def body(t, h, c, hs_ta):
+        z = zx_ta.read(t) + _grouped_matmul(_step_input(h, k, hmask), r)
+        i, f, o = tf.split(rec_act(z[..., :3 * units]), 3, axis=-1)
+        c = f * c + i * act(z[..., 3 * units:])
+        h = o * act(c)
+        if keep_all:
+            hs_ta = hs_ta.write(t, h)
+        return t + 1, h, c, hs_ta
+
+    _, h, c, hs_ta = tf.while_loop(
+        lambda t, *_: t < steps, body, (tf.constant(0), h0, c0, hs_ta),
+        maximum_iterations=steps)
+    return h, c, hs_ta.stack() if keep_all else None
+
+
+def _lstm_backward(upstream, zx, h0, hs, r, k, hmask, saved_ta, keep_all):
     """Gradients ``(d zx, d h0, d c0, d r)`` of :func:`_recurrence` (tanh
     and sigmoid activations) from the upstream gradients of its outputs
-    ``(h_T, c_T[, hs])`` (None = zero)."""
-    hk_ta, sig_ta, cand_ta, c_ta, tc_ta = saved
-    steps = tf.shape(zx)[0]
-    zeros = tf.zeros_like(c0)
+    ``(h_T, c_T[, hs])`` (None = zero); ``hs`` and ``saved_ta`` come from
+    :func:`_fused_forward`.
+
+    Per step (backwards): one TensorArray read of ``saved`` (and one of the
+    output gradient with ``keep_all``), one :func:`lstm_gates_grad` (which
+    takes the recurrent product's ``[G, R, k]`` input gradient as is, no
+    padding to ``U``), one TensorArray write and one GEMM."""
+    steps = tf.shape(zx)[1]
+    zeros = tf.zeros_like(h0)
     d_h = zeros if upstream[0] is None else upstream[0]
     d_c = zeros if upstream[1] is None else upstream[1]
     d_hs = upstream[2] if keep_all else None
-    if keep_all and d_hs is not None:
+    if d_hs is not None:
         d_hs_ta = tf.TensorArray(zx.dtype, size=steps).unstack(d_hs)
     dz_ta = tf.TensorArray(zx.dtype, size=steps)
+    gates_grad = _gates_ops()[1]
 
-    def body(t, dh, dc, dz_ta):
-        if keep_all and d_hs is not None:
-            dh = dh + d_hs_ta.read(t)
-        i, f, o = tf.split(sig_ta.read(t), 3, axis=-1)
-        cand = cand_ta.read(t)
-        c_prev = c_ta.read(t)
-        tc = tc_ta.read(t)
-        dc = dc + dh * o * (1.0 - tc * tc)
-        dz = tf.concat([dc * cand * i * (1.0 - i),
-                        dc * c_prev * f * (1.0 - f),
-                        dh * tc * o * (1.0 - o),
-                        dc * i * (1.0 - cand * cand)], -1)
-        dz_ta = dz_ta.write(t, dz)
-        dhk = _grouped_matmul(dz, r, transpose_b=True)
-        if hmask is None:
-            dh = tf.pad(dhk, [[0, 0], [0, 0], [0, units - k]])
-            dh.set_shape(dc.shape)
-        else:
-            dh = dhk * hmask
-        return t - 1, dh, dc * f, dz_ta
+    def body(t, dh_rec, dc, dz_ta):
+        dh_out = zeros if d_hs is None else d_hs_ta.read(t)
+        dz, dc = gates_grad(saved_ta.read(t), dh_rec, dh_out, dc)
+        dhk = _grouped_matmul(dz, r, transpose_b=True)       # [G, R, k]
+        dh_rec = dhk if hmask is None else dhk * hmask
+        return t - 1, dh_rec, dc, dz_ta.write(t, dz)
 
+    # The first step's dh_rec is the upstream gradient of h_T (all U
+    # units); later ones are k wide.
     _, dh0, dc0, dz_ta = tf.while_loop(
         lambda t, *_: t >= 0, body, (steps - 1, d_h, d_c, dz_ta),
+        shape_invariants=(tf.TensorShape([]),
+                          d_h.shape[:-1].concatenate([None]),
+                          d_c.shape, tf.TensorShape(None)),
         maximum_iterations=steps)
-    dz = dz_ta.stack()                                        # [T, G, R, 4U]
-    hk = hk_ta.stack()                                        # [T, G, R, k]
+    if hmask is None:   # d h0 from the last GEMM is k wide
+        dh0 = tf.pad(dh0, [[0, 0], [0, 0], [0, tf.shape(d_h)[-1]
+                                              - tf.shape(dh0)[-1]]])
+        dh0.set_shape(d_h.shape)
+    dz = tf.transpose(dz_ta.stack(), [1, 0, 2, 3])           # [G, T, R, 4U]
+    # The recurrent products' inputs of all steps (h_{t-1}), group-major.
+    hk = tf.transpose(
+        _step_input(tf.concat([h0[None], hs[:-1]], 0), k, hmask),
+        [1, 0, 2, 3])                                         # [G, T, R, k]
     # Recurrent weight gradient: one GEMM over all steps (per group).
+    n_k, units4 = tf.shape(hk)[-1], tf.shape(dz)[-1]
     if r.shape[0] == 1:
-        d_r = tf.matmul(tf.reshape(hk, [-1, tf.shape(hk)[-1]]),
-                        tf.reshape(dz, [-1, 4 * units]),
+        d_r = tf.matmul(tf.reshape(hk, [-1, n_k]),
+                        tf.reshape(dz, [-1, units4]),
                         transpose_a=True)[None]
     else:
-        groups = r.shape[0]
-        d_r = tf.matmul(
-            tf.reshape(tf.transpose(hk, [1, 0, 2, 3]),
-                       [groups, -1, tf.shape(hk)[-1]]),
-            tf.reshape(tf.transpose(dz, [1, 0, 2, 3]),
-                       [groups, -1, 4 * units]), transpose_a=True)
+        d_r = tf.matmul(tf.reshape(hk, [r.shape[0], -1, n_k]),
+                        tf.reshape(dz, [r.shape[0], -1, units4]),
+                        transpose_a=True)
     return dz, dh0, dc0, d_r
 
 
@@ -278,6 +346,9 @@ def _grouped_matmul(a, w, transpose_b=False):
     (shared: one 2-D GEMM) -> [G, ..., N] (``transpose_b``: ``w`` is
     [G or 1, N, K]). No broadcasting batch matmul: a rank-4 by rank-3
     broadcasting BatchMatMulV2 corrupted the heap in TF 2.21 tests."""
+    if a.shape.rank == 3 and w.shape[0] is not None and \
+            w.shape[0] == a.shape[0]:   # same batch: no reshapes needed
+        return tf.matmul(a, w, transpose_b=transpose_b)
     shape = tf.shape(a)
     a3 = tf.reshape(a, [shape[0] if w.shape[0] != 1 else 1, -1, shape[-1]])
     if w.shape[0] == 1:
@@ -594,10 +665,16 @@ class SparseSplitLSTM(keras.layers.LSTM):
         kernel = _gather_cols(kernel, cols)                   # [G', F', 4U]
         xt = tf.transpose(x, [0, 2, 1, 3])                    # [G, T, R, F']
         steps = tf.shape(xt)[1]
-        zx = _grouped_matmul(xt, kernel)                      # [G, T, R, 4U]
         if bias is not None:
-            zx = zx + bias[:, None]
-        zx = tf.transpose(zx, [1, 0, 2, 3])                   # [T, G, R, 4U]
+            # The bias as one more input feature (a column of ones) of the
+            # GEMM: no separate add over [G, T, R, 4U], and its gradient
+            # comes out of the kernel gradient's GEMM.
+            xt = tf.concat([xt, tf.ones_like(xt[..., :1])], -1)
+            g_max = max(kernel.shape[0], bias.shape[0])
+            kernel = tf.concat(
+                [tf.broadcast_to(w, tf.concat([[g_max], tf.shape(w)[1:]], 0))
+                 for w in (kernel, bias)], 1)                 # [G', F'+1, 4U]
+        zx = _grouped_matmul(xt, kernel)                      # [G, T, R, 4U]
 
         # Recurrent product on the kept units of the state:
         # h[:, :, :k] (times the tile mask) @ r per group.
