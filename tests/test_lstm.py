@@ -270,3 +270,25 @@ def test_tile_not_dividing_is_reported_at_build():
                                  tile_shape=(4, 5))
     with pytest.raises(ValueError, match="does not divide"):
         layer.build((None, 3, 12))
+
+
+@pytest.mark.parametrize("groups", [1, 8])
+def test_empty_batch_in_training_matches_keras(groups):
+    # An empty batch (e.g. the last shard of a split) trains like Keras'
+    # layer: empty outputs, zero-size gradients, no error.
+    layer = tfss.SparseSplitLSTM(8, dropout=0.5, recurrent_dropout=0.5,
+                                 return_sequences=True, pattern_groups=groups)
+    ref = keras.layers.LSTM(8, dropout=0.5, recurrent_dropout=0.5,
+                            return_sequences=True)
+    x = tf.zeros((0, 6, 3))
+    assert ref(x, training=True).shape == (0, 6, 8)
+    with tf.GradientTape() as tape:
+        y = layer(x, training=True)
+        loss = tf.reduce_sum(y)
+    assert y.shape == (0, 6, 8)
+    grads = tape.gradient(loss, layer.trainable_weights)
+    for g, w in zip(grads, layer.trainable_weights):
+        assert g is not None
+        g = tf.convert_to_tensor(g)           # IndexedSlices from gathers
+        assert g.shape == w.shape
+        np.testing.assert_array_equal(g.numpy(), 0.0)

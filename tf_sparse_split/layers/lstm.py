@@ -123,9 +123,13 @@ def _check_groups(pattern_groups, pattern):
 def _group_masks(mask, groups, rows):
     """The ``[G, dim]`` per-group masks of a cell mask (``[1, dim]``, or
     ``[batch, dim]`` with example ``b`` in group ``b // rows``). Groups
-    made only of padding repeat the last group's mask."""
-    last = tf.shape(mask)[0] - 1
-    return tf.gather(mask, tf.minimum(tf.range(groups) * rows, last))
+    made only of padding repeat the last group's mask; an empty batch gets
+    all-ones masks (nothing to drop)."""
+    n = tf.shape(mask)[0]
+    # One row of ones after the masks: read only when the batch is empty.
+    padded = tf.concat([mask, tf.ones([1, tf.shape(mask)[1]], mask.dtype)], 0)
+    last = tf.maximum(n - 1, 0)
+    return tf.gather(padded, tf.minimum(tf.range(groups) * rows, last))
 
 
 def _kept_first(masks):

@@ -6,6 +6,9 @@
   ``SparseSplitConv2D`` op (NHWC) and its filter-gradient op.
 * :func:`sparse_split_sddmm` (:mod:`tf_sparse_split.ops.sddmm`) -- the
   ``SparseSplitSddmm`` op (masked input gradient behind ReLU).
+* :func:`bias_fat_relu` (:mod:`tf_sparse_split.ops.fat_relu`) -- bias add +
+  FATReLU (+ the L1 penalty's sum) in one pass, and its gradient
+  (``BiasFatRelu`` / ``BiasFatReluGrad``; used by ``SparseSplitConv2D``).
 * :func:`lstm_gates`, :func:`lstm_gates_grad`
   (:mod:`tf_sparse_split.ops.lstm_gates`) -- one LSTM step's gate math
   fused (``LstmGates`` / ``LstmGatesGrad``; used by ``SparseSplitLSTM``).
