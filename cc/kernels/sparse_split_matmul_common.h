@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "cc/core/cost_model.h"
@@ -187,6 +188,36 @@ inline RowSplit SplitRows(const int64_t* row_nnz, int64_t m, int64_t k,
     AllRowsDense(m, &s);
   }
   return s;
+}
+
+// op(b) as a row-major [k, n] matrix for the CPU kernels: b itself, or b^T
+// materialised in *tmp (allocated from ctx) when transpose_b.
+template <typename T>
+absl::Status RowMajorOpB(::tensorflow::OpKernelContext* ctx,
+                         const ::tensorflow::Tensor& b, bool transpose_b,
+                         int64_t k, int64_t n, const ParallelFor& pfor,
+                         ::tensorflow::Tensor* tmp, const T** out) {
+  *out = b.flat<T>().data();
+  if (!transpose_b) return absl::OkStatus();
+  TF_RETURN_IF_ERROR(
+      ctx->allocate_temp(b.dtype(), ::tensorflow::TensorShape({k, n}), tmp));
+  GatherSubmatrix<T>(*out, b.dim_size(0), b.dim_size(1), true, nullptr, k,
+                     nullptr, n, tmp->flat<T>().data(), pfor);
+  *out = tmp->flat<T>().data();
+  return absl::OkStatus();
+}
+
+// The CSR of every row of a row-major [rows, k] calibration sample (row
+// counts given), with the identity output-row map in *rows_out.
+template <typename T>
+void SampleCsr(const ::tensorflow::Tensor& sample, int64_t k,
+               const int64_t* row_nnz, const ParallelFor& pfor,
+               std::vector<int64_t>* rows_out, Csr<T>* csr) {
+  const int64_t rows = sample.dim_size(0);
+  rows_out->resize(rows);
+  std::iota(rows_out->begin(), rows_out->end(), int64_t{0});
+  BuildCsr<T>(sample.flat<T>().data(), rows, k, false, rows_out->data(), rows,
+              row_nnz, nullptr, csr, pfor);
 }
 
 }  // namespace tf_sparse_split

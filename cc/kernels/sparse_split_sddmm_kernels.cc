@@ -100,12 +100,10 @@ struct SddmmPaths {
   }
 
   absl::Status RunSparse(const tf::Tensor& sample, const int64_t* row_nnz) {
-    const int64_t rows = sample.dim_size(0);
-    std::vector<int64_t> idx(rows);
-    std::iota(idx.begin(), idx.end(), int64_t{0});
+    std::vector<int64_t> idx;
     Csr<T> csr;
-    BuildCsr<T>(sample.flat<T>().data(), rows, k, false, idx.data(), rows,
-                row_nnz, nullptr, &csr, pfor);
+    SampleCsr<T>(sample, k, row_nnz, pfor, &idx, &csr);
+    const int64_t rows = sample.dim_size(0);
     tf::Tensor bt_t;
     const T* y = nullptr;
     TF_RETURN_IF_ERROR(OperandY(&bt_t, &y));
@@ -115,17 +113,8 @@ struct SddmmPaths {
     return absl::OkStatus();
   }
 
-  // op(b) as a row-major [k, n] matrix: b itself, or b^T materialised in
-  // *bt_t when transpose_b.
   absl::Status OperandY(tf::Tensor* bt_t, const T** y) {
-    *y = b.flat<T>().data();
-    if (!tb) return absl::OkStatus();
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(b.dtype(), tf::TensorShape({k, n}), bt_t));
-    GatherSubmatrix<T>(*y, b.dim_size(0), b.dim_size(1), true, nullptr, k,
-                       nullptr, n, bt_t->flat<T>().data(), pfor);
-    *y = bt_t->flat<T>().data();
-    return absl::OkStatus();
+    return RowMajorOpB<T>(ctx, b, tb, k, n, pfor, bt_t, y);
   }
 };
 
