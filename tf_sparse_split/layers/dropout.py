@@ -168,9 +168,30 @@ def pattern_keep_mask(patterns, probs, units, seed_generator, pattern="row",
 # ---------------------------------------------------------------------------
 # layers
 # ---------------------------------------------------------------------------
-#: ``ApproximateRandomDropout``'s default ``pattern_groups`` for row patterns
-#: (measured: README, "Structured dropout").
+#: Default ``pattern_groups`` of row patterns and default ``max_period`` of
+#: ``ApproximateRandomDropout`` and ``SparseSplitLSTM`` (measured: README,
+#: "Structured dropout" and the LSTM section).
 DEFAULT_PATTERN_GROUPS = 8
+DEFAULT_MAX_PERIOD = 4
+
+
+def check_pattern_groups(pattern_groups, pattern):
+    """``pattern_groups`` of a layer with pattern ``pattern``: None -> the
+    default (row: :data:`DEFAULT_PATTERN_GROUPS`, otherwise 1).
+
+    Raises:
+      ValueError: not an integer >= 1, or more than one group with a
+        pattern other than ``"row"``.
+    """
+    if pattern_groups is None:
+        return DEFAULT_PATTERN_GROUPS if pattern == "row" else 1
+    groups = validate_int(pattern_groups, "pattern_groups")
+    if groups > 1 and pattern != "row":
+        raise ValueError(
+            "`pattern_groups` > 1 needs pattern='row' (the masks of the other "
+            "patterns differ between examples already). Received: "
+            f"pattern_groups={groups}, pattern={pattern!r}")
+    return groups
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
@@ -219,21 +240,13 @@ class ApproximateRandomDropout(keras.layers.Layer):
         layer or not dividing it is reported at build time).
     """
 
-    def __init__(self, rate, pattern="row", tile_shape=None, max_period=4,
-                 seed=None, probabilities=None, pattern_groups=None,
-                 **kwargs):
+    def __init__(self, rate, pattern="row", tile_shape=None,
+                 max_period=DEFAULT_MAX_PERIOD, seed=None, probabilities=None,
+                 pattern_groups=None, **kwargs):
         super().__init__(**kwargs)
         self.rate = validate_fraction(rate, "rate")
         self.pattern = check_pattern(pattern)
-        if pattern_groups is None:
-            pattern_groups = DEFAULT_PATTERN_GROUPS if pattern == "row" else 1
-        self.pattern_groups = validate_int(pattern_groups, "pattern_groups",
-                                           1)
-        if self.pattern_groups > 1 and pattern != "row":
-            raise ValueError("`pattern_groups` > 1 needs pattern='row' (tile "
-                             "masks differ between examples already). "
-                             f"Received: pattern_groups={pattern_groups!r}, "
-                             f"pattern={pattern!r}")
+        self.pattern_groups = check_pattern_groups(pattern_groups, pattern)
         if pattern == "tile":
             self.tile_shape = check_tile_shape(
                 (32, 32) if tile_shape is None else tile_shape)

@@ -71,7 +71,10 @@ Requires the TensorFlow backend of Keras 3.
 import keras
 import tensorflow as tf
 
-from tf_sparse_split.layers.dropout import pattern_keep_mask
+from tf_sparse_split.layers.dropout import (DEFAULT_MAX_PERIOD,  # noqa: F401
+                                            DEFAULT_PATTERN_GROUPS,
+                                            check_pattern_groups,
+                                            pattern_keep_mask)
 from tf_sparse_split.ops.lstm_gates import lstm_gates, lstm_gates_grad
 from tf_sparse_split.tuning.pattern_search import (check_tile_fits,
                                                    check_tile_shape,
@@ -82,11 +85,6 @@ __all__ = ["SparseSplitLSTM", "SparseSplitLSTMCell", "LSTM_PATTERNS"]
 
 #: Values of ``pattern``.
 LSTM_PATTERNS = ("row", "tile", "random")
-
-#: Default ``pattern_groups`` of ``pattern="row"`` and default
-#: ``max_period`` (measured choices: README, LSTM section).
-DEFAULT_PATTERN_GROUPS = 8
-DEFAULT_MAX_PERIOD = 4
 
 
 def _check_pattern(pattern):
@@ -104,20 +102,6 @@ def _first(mask):
 
 def _ceil_div(a, b):
     return (a + b - 1) // b
-
-
-def _check_groups(pattern_groups, pattern):
-    """``pattern_groups``: None -> the default (row: DEFAULT_PATTERN_GROUPS,
-    otherwise 1); more than one group needs row patterns."""
-    if pattern_groups is None:
-        return DEFAULT_PATTERN_GROUPS if pattern == "row" else 1
-    groups = validate_int(pattern_groups, "pattern_groups")
-    if groups > 1 and pattern != "row":
-        raise ValueError(
-            "`pattern_groups` > 1 needs pattern='row' (tile and random masks"
-            f" are per example already). Received: pattern_groups={groups}, "
-            f"pattern={pattern!r}")
-    return groups
 
 
 def _group_masks(mask, groups, rows):
@@ -399,7 +383,7 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
                  **kwargs):
         self.pattern = _check_pattern(pattern)
-        self.pattern_groups = _check_groups(pattern_groups, pattern)
+        self.pattern_groups = check_pattern_groups(pattern_groups, pattern)
         if pattern == "tile":
             self.tile_shape = check_tile_shape(
                 (32, 32) if tile_shape is None else tile_shape)
