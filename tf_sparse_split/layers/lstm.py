@@ -652,7 +652,6 @@ class SparseSplitLSTM(keras.layers.LSTM):
             x = grouped(x)
         kernel = _gather_cols(kernel, cols)                   # [G', F', 4U]
         xt = tf.transpose(x, [0, 2, 1, 3])                    # [G, T, R, F']
-        steps = tf.shape(xt)[1]
         if bias is not None:
             # The bias as one more input feature (a column of ones) of the
             # GEMM: no separate add over [G, T, R, 4U], and its gradient

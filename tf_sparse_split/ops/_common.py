@@ -17,6 +17,37 @@ def invalid(msg):
     return tf.errors.InvalidArgumentError(None, None, msg)
 
 
+def float_operand(value, op, name):
+    """``value`` as a tensor, which must be float32 or float64.
+
+    Raises:
+      tf.errors.InvalidArgumentError: ``"{op}: {name} must be float32 or
+        float64, got ..."``.
+    """
+    t = tf.convert_to_tensor(value)
+    if t.dtype not in FLOAT_DTYPES:
+        raise invalid(f"{op}: {name} must be float32 or float64, got "
+                      f"{t.dtype.name}")
+    return t
+
+
+def operand_like(value, ref, op, name, ref_name):
+    """``value`` as a tensor of ``ref``'s dtype: arrays and tensors keep
+    their own dtype (a mismatch is an error, not a silent cast); Python
+    lists and scalars take ``ref``'s dtype.
+
+    Raises:
+      tf.errors.InvalidArgumentError: ``"{op}: {name} has dtype ... but
+        {ref_name} has ..."``.
+    """
+    t = (tf.convert_to_tensor(value) if hasattr(value, "dtype")
+         else tf.convert_to_tensor(value, dtype_hint=ref.dtype))
+    if t.dtype != ref.dtype:
+        raise invalid(f"{op}: {name} has dtype {t.dtype.name} but {ref_name} "
+                      f"has {ref.dtype.name}")
+    return t
+
+
 def as_threshold(threshold):
     """The ``threshold`` operand of an op as a float32 scalar tensor.
 

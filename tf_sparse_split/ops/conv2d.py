@@ -5,7 +5,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
-from tf_sparse_split.ops._common import FLOAT_DTYPES, as_threshold, invalid
+from tf_sparse_split.ops._common import (as_threshold, float_operand,
+                                         invalid)
 from tf_sparse_split.tuning import stats as _stats
 
 __all__ = ["sparse_split_conv2d"]
@@ -176,11 +177,8 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     """
     lib = load_library()
     with tf.name_scope(name or "SparseSplitConv2D"):
-        x = tf.convert_to_tensor(input)
+        x = float_operand(input, "sparse_split_conv2d", "input")
         f = tf.convert_to_tensor(filters, dtype_hint=x.dtype)
-        if x.dtype not in FLOAT_DTYPES:
-            raise invalid(
-                f"sparse_split_conv2d: input must be float32 or float64, got {x.dtype.name}")
         if f.dtype != x.dtype:
             raise invalid(
                 f"sparse_split_conv2d: filters have dtype {f.dtype.name} but "
@@ -255,12 +253,15 @@ def _rotated_filter(f):
                       [kh, kw, co, ci])
 
 
-def _transposed_conv(f, dilations, padding, explicit):
+def _transposed_conv(f, strides, dilations, padding, explicit):
     """``(pads, padding)`` of the transposed convolution of a stride-1
     convolution with filter ``f`` (:func:`_transposed_paddings`; the
     padding string is ``"SAME"`` when the paddings are TensorFlow's SAME,
     so the dense kernels run their SAME path), or None where the identity
-    does not apply (unknown filter size, paddings beyond the filter)."""
+    does not apply (strides other than 1, unknown filter size, paddings
+    beyond the filter)."""
+    if strides[1] != 1 or strides[2] != 1:
+        return None
     if f.shape.rank != 4 or f.shape[0] is None or f.shape[1] is None:
         return None
     kh, kw = int(f.shape[0]), int(f.shape[1])
@@ -296,8 +297,7 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
       sparse-split convolution of ``grad`` (its ``NNZ`` counts ``grad``'s
       nonzeros), None on the other paths.
     """
-    tc = _transposed_conv(f, dilations, padding, explicit) \
-        if strides[1] == 1 and strides[2] == 1 else None
+    tc = _transposed_conv(f, strides, dilations, padding, explicit)
     if tc is not None:
         pads, pad = tc
         lib = load_library()
@@ -364,8 +364,7 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
             padding=padding, explicit_paddings=explicit,
             dilations=dilations)[0]
 
-    tc = _transposed_conv(f, dilations, padding, explicit) \
-        if strides[1] == 1 and strides[2] == 1 else None
+    tc = _transposed_conv(f, strides, dilations, padding, explicit)
     if tc is None or nnz_x is None or nnz_grad is None or \
             not f.shape.is_fully_defined() or \
             not x.shape.is_fully_defined() or \

@@ -4,7 +4,7 @@ and its registered gradient (``BiasFatReluGrad``, one pass)."""
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
-from tf_sparse_split.ops._common import FLOAT_DTYPES, invalid
+from tf_sparse_split.ops._common import float_operand, invalid
 
 __all__ = ["bias_fat_relu"]
 
@@ -36,10 +36,7 @@ def bias_fat_relu(x, bias, threshold, name=None):
     """
     lib = load_library()
     with tf.name_scope(name or "BiasFatRelu"):
-        x = tf.convert_to_tensor(x)
-        if x.dtype not in FLOAT_DTYPES:
-            raise invalid(
-                f"bias_fat_relu: x must be float32 or float64, got {x.dtype.name}")
+        x = float_operand(x, "bias_fat_relu", "x")
         bias = tf.convert_to_tensor(bias)
         if bias.dtype != x.dtype:
             raise invalid(f"bias_fat_relu: bias has dtype {bias.dtype.name} "

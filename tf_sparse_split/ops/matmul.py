@@ -8,7 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
-from tf_sparse_split.ops._common import FLOAT_DTYPES, as_threshold, invalid
+from tf_sparse_split.ops._common import (as_threshold, float_operand,
+                                         invalid, operand_like)
 from tf_sparse_split.utils.validation import validate_choice
 
 __all__ = ["sparse_split_matmul", "ACTIVATIONS"]
@@ -162,25 +163,12 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     if heterogeneous:
         _warn_if_no_gpu()
     with tf.name_scope(name or "SparseSplitMatMul"):
-        a = tf.convert_to_tensor(a)
-        # Arrays and tensors keep their dtype (a mismatch is an error, not a
-        # silent cast); Python lists/scalars take a's dtype.
-        b = (tf.convert_to_tensor(b) if hasattr(b, "dtype")
-             else tf.convert_to_tensor(b, dtype_hint=a.dtype))
-        if a.dtype not in FLOAT_DTYPES:
-            raise invalid(
-                f"sparse_split_matmul: a must be float32 or float64, got {a.dtype.name}")
-        if b.dtype != a.dtype:
-            raise invalid(
-                f"sparse_split_matmul: b has dtype {b.dtype.name} but a has {a.dtype.name}")
+        op = "sparse_split_matmul"
+        a = float_operand(a, op, "a")
+        b = operand_like(b, a, op, "b", "a")
         biases = []
         if bias is not None:
-            bias = (tf.convert_to_tensor(bias) if hasattr(bias, "dtype")
-                    else tf.convert_to_tensor(bias, dtype_hint=a.dtype))
-            if bias.dtype != a.dtype:
-                raise invalid(
-                    f"sparse_split_matmul: bias has dtype {bias.dtype.name} "
-                    f"but a has {a.dtype.name}")
+            bias = operand_like(bias, a, op, "bias", "a")
             if bias.shape.rank is not None and bias.shape.rank != 1:
                 raise invalid(
                     "sparse_split_matmul: bias must be a vector [N], got "

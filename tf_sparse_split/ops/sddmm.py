@@ -12,7 +12,8 @@ Execution*, 2019).
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
-from tf_sparse_split.ops._common import FLOAT_DTYPES, as_threshold, invalid
+from tf_sparse_split.ops._common import (as_threshold, float_operand,
+                                         operand_like)
 
 __all__ = ["sparse_split_sddmm"]
 
@@ -60,18 +61,10 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
     """
     lib = load_library()
     with tf.name_scope(name or "SparseSplitSddmm"):
-        mask = tf.convert_to_tensor(mask)
-        if mask.dtype not in FLOAT_DTYPES:
-            raise invalid("sparse_split_sddmm: mask must be float32 or "
-                          f"float64, got {mask.dtype.name}")
-        x = (tf.convert_to_tensor(x) if hasattr(x, "dtype")
-             else tf.convert_to_tensor(x, dtype_hint=mask.dtype))
-        b = (tf.convert_to_tensor(b) if hasattr(b, "dtype")
-             else tf.convert_to_tensor(b, dtype_hint=mask.dtype))
-        for t, what in ((x, "x"), (b, "b")):
-            if t.dtype != mask.dtype:
-                raise invalid(f"sparse_split_sddmm: {what} has dtype "
-                              f"{t.dtype.name} but mask has {mask.dtype.name}")
+        op = "sparse_split_sddmm"
+        mask = float_operand(mask, op, "mask")
+        x = operand_like(x, mask, op, "x", "mask")
+        b = operand_like(b, mask, op, "b", "mask")
         product, stats = lib.tf_sparse_split_sparse_split_sddmm(
             mask, x, b, as_threshold(threshold), transpose_b=bool(transpose_b))
     return (product, stats) if return_stats else product
