@@ -417,3 +417,16 @@ def test_keras_training_matches_unrewritten(rw):
         assert "fuse" in kinds, kinds
         if build is _mlp:
             assert "sddmm" in kinds, kinds
+
+
+def test_input_producer_counts_graph_inputs(rw):
+    """producers + ("Input",) counts a graph input (here a Placeholder) as
+    sparse; the defaults do not."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 16])
+        tf.matmul(x, tf.ones([16, 5]), name="from_input")
+    (rec,) = rewrite.dry_run(g)
+    assert rec["action"] == "declined" and rec["producer"] == "Placeholder"
+    (rec,) = rewrite.dry_run(g, producers=rewrite.DEFAULT_PRODUCERS + ("Input",))
+    assert rec["action"] == "would_rewrite" and rec["producer"] == "Input"

@@ -24,7 +24,8 @@ What the pass does:
   The replacement keeps the node's name, requested and assigned device,
   attributes (``transpose_a``/``transpose_b``), control inputs and all
   consumers; its extra ``stats`` output is unused; the threshold is a new
-  scalar ``Const`` named ``<node>/tfss_threshold/_N``.
+  scalar ``Const`` named ``<node>/tfss_threshold/_N``. A fused replacement (below) takes
+  the name and consumers of the last node it absorbs.
 * Look-through: the activation counts as sparse when a listed producer
   reaches it through ops that keep zeros: identities, casts and layout
   changes (``Identity``, ``Reshape`` -- Keras ``Flatten`` --,
@@ -200,7 +201,12 @@ def enable(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,
         registered (see :func:`active_ops`).
       producers: op types whose outputs count as sparse activations
         (default :data:`DEFAULT_PRODUCERS`; ``"Dropout"`` = the dropout
-        pattern), or ``"any"`` to rewrite regardless of the producer.
+        pattern; ``"Input"`` = the graph's inputs -- ``_Arg``,
+        ``Placeholder``, ``IteratorGetNext`` -- for data known to be
+        sparse, e.g. MNIST pixels (~80% zeros) or bag-of-words features:
+        ``producers=DEFAULT_PRODUCERS + ("Input",)``), or ``"any"`` to
+        rewrite regardless of the producer. The ops measure the density per
+        call and keep the dense kernel where the zeros do not pay.
 
     Returns:
       The tuple of source op types whose replacement op is registered.

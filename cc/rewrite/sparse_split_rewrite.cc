@@ -187,8 +187,10 @@ void AddUnique(std::vector<std::string>* v, const std::string& s) {
   if (std::find(v->begin(), v->end(), s) == v->end()) v->push_back(s);
 }
 
-// True if output `port` of `src` is a sparse activation: a listed producer,
-// or a look-through op all of whose look-through inputs are sparse.
+// True if output `port` of `src` is a sparse activation: a listed producer
+// ("Input" standing for a graph's inputs: _Arg, Placeholder,
+// IteratorGetNext), or a look-through op all of whose look-through inputs
+// are sparse.
 bool TraceSparse(const tf::Node* src, int port,
                  const std::set<std::string>& producers, int depth,
                  SparseTrace* t) {
@@ -203,6 +205,12 @@ bool TraceSparse(const tf::Node* src, int port,
   }
   if (producers.count("Dropout") && IsDropout(src)) {
     AddUnique(&t->producers, "Dropout");
+    return true;
+  }
+  if (producers.count("Input") &&
+      (op == "_Arg" || op == "Placeholder" || op == "IteratorGetNext" ||
+       op == "IteratorGetNextSync")) {
+    AddUnique(&t->producers, "Input");
     return true;
   }
   const std::vector<int> inputs = LookThroughInputs(src, port);
