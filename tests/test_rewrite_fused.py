@@ -430,3 +430,33 @@ def test_input_producer_counts_graph_inputs(rw):
     assert rec["action"] == "declined" and rec["producer"] == "Placeholder"
     (rec,) = rewrite.dry_run(g, producers=rewrite.DEFAULT_PRODUCERS + ("Input",))
     assert rec["action"] == "would_rewrite" and rec["producer"] == "Input"
+
+
+def test_fused_and_sddmm_nodes_inside_a_while_loop(rw):
+    """A loop body with ReLU -> MatMul + bias -> ReLU and its gradient: the
+    replacements (and their Consts) live in the loop's frame; values and
+    gradients equal the unrewritten loop's."""
+    rng = np.random.default_rng(35)
+    w = tf.constant(rng.standard_normal((12, 12)).astype(np.float32) * 0.4)
+    b = tf.constant(rng.standard_normal(12).astype(np.float32) * 0.1)
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            tape.watch([w, b])
+
+            def step(i, h):
+                z = tf.nn.bias_add(tf.matmul(tf.nn.relu(h), w, name="mm"), b)
+                return i + 1, tf.nn.relu(z) - 0.05
+
+            _, h = tf.while_loop(lambda i, h: i < 4, step, [0, x])
+            loss = tf.reduce_sum(h * h)
+        return h, tape.gradient(loss, [w, b])
+
+    x = _signed((5, 12), 36)
+    off, on = _off_then_on(rw, body, x)
+    _assert_close(on[0], off[0])
+    for a, b_ in zip(on[1], off[1]):
+        _assert_close(a, b_)
+    recs = _records()
+    assert any(r["kind"] == "fuse" and "while" in r["name"] for r in recs), recs
+    assert any("while_grad" in r["name"] for r in recs), recs
