@@ -142,8 +142,8 @@ bool IsDropout(const tf::Node* n) {
 //    That is less sparsity than the input had, but every remaining zero is
 //    one the op can skip, and the op measures the density per call and
 //    keeps the dense kernel where too little is left (the answer is the same
-//    either way). On a signed dropout output MaxPool/AvgPool keep only the
-//    windows whose values are all zero, too.
+//    either way). On a signed input (dropout of a linear layer) they keep
+//    at least the all-zero windows.
 // The look-through inputs of `n` reached from its output `port` (empty: not
 // look-through).
 std::vector<int> LookThroughInputs(const tf::Node* n, int port) {
