@@ -21,7 +21,9 @@ activations look like training's and the ops' cost models are calibrated),
 then ``--rounds`` rounds of one block of ``--steps`` steps per model, in an
 order that rotates per round. Reported: per model the median block time
 per step (ms) with min and spread, and per round the speed-up over plain
-(plain block time / model block time): median and range over rounds.
+(plain block time / model block time): median and range over rounds;
+and the process CPU time per step (all threads; includes the thread pools'
+spinning), which other tenants disturb less than the wall time.
 The block-ratio medians are robust to a machine whose speed changes
 between blocks (other tenants).
 
@@ -112,6 +114,7 @@ def main(argv=None):
             m.train_on_batch(*batches[(i + 1) % len(batches)])
 
     times = {k: [] for k in models}
+    cpu = {k: [] for k in models}
     ratios = {k: [] for k in models if k != "plain"}
     names = list(models)
     step = 0
@@ -119,10 +122,11 @@ def main(argv=None):
         block = {}
         for name in rotated(names, r):
             m = models[name]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for s in range(args.steps):
                 m.train_on_batch(*batches[(step + s) % len(batches)])
             block[name] = (time.perf_counter() - t0) / args.steps
+            cpu[name].append((time.process_time() - c0) / args.steps)
         step += args.steps
         for k, t in block.items():
             times[k].append(t)
@@ -136,11 +140,14 @@ def main(argv=None):
         rat = ratios.get(k)
         rat_s = ("1 (baseline)" if rat is None else
                  f"{statistics.median(rat):.3f} ({min(rat):.3f}-{max(rat):.3f})")
+        cpu_ratio = statistics.median(cpu["plain"]) / statistics.median(cpu[k])
         rows.append(f"| {k} | {format_median_min_spread(median_min_spread_ms(times[k]))}"
-                    f" | {rat_s} |")
+                    f" | {rat_s} | {statistics.median(cpu[k]) * 1e3:.1f} "
+                    f"({cpu_ratio:.3f}) |")
     text = markdown_table(
         "| model | ms per step: median (min, spread) | speed-up over plain: "
-        "median (range) |", rows,
+        "median (range) | process CPU ms per step: median (plain / model) |",
+        rows,
         title=(f"Training step, MLP 784-{'-'.join(map(str, HIDDEN))}-10, batch "
                f"{BATCH}, train_on_batch; {args.rounds} rounds x {args.steps} "
                f"steps per model, interleaved; {data_desc}; "

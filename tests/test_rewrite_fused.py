@@ -459,4 +459,8 @@ def test_fused_and_sddmm_nodes_inside_a_while_loop(rw):
         _assert_close(a, b_)
     recs = _records()
     assert any(r["kind"] == "fuse" and "while" in r["name"] for r in recs), recs
-    assert any("while_grad" in r["name"] for r in recs), recs
+    # In the gradient loop the ReLU output arrives through a
+    # TensorListPopBack: the ReluGrad consumer alone makes it an SDDMM.
+    (sddmm,) = [r for r in recs if r["kind"] == "sddmm"]
+    assert "while_grad" in sddmm["name"] and sddmm["producer"] == "ReluGrad"
+    assert sddmm["via"] == "features:TensorListPopBack", sddmm

@@ -733,10 +733,24 @@ bool TrySddmm(const tf::Node* n, const GraphContext& ctx,
   int mask_port = 0;
   std::string consumer;
   if (!ReluGradConsumers(n, &mask, &mask_port, &consumer)) return false;
+  // F is the features input of ReluGrad: in TensorFlow's gradient of Relu,
+  // the ReLU's output, seen directly or through what carries it to the
+  // backward pass (e.g. a while loop's TensorListPopBack). So the mask is
+  // sparse when F traces to a listed producer, or when the ReluGrad op type
+  // itself is listed (then the producer is recorded as that op).
   SparseTrace t;
-  if (!TraceSparse(mask, mask_port, cfg.producers, 0, &t) &&
-      !cfg.producers.count("*")) {
-    return false;
+  const tf::Node* grad_node = nullptr;
+  for (const tf::Edge* e : n->out_edges()) {
+    if (!e->IsControlEdge() && e->dst()->name() == consumer) grad_node = e->dst();
+  }
+  const std::string grad_op = grad_node != nullptr ? grad_node->type_string() : "";
+  if (!TraceSparse(mask, mask_port, cfg.producers, 0, &t)) {
+    if (cfg.producers.count(grad_op)) {
+      t.producers = {grad_op};
+      t.via = {absl::StrCat("features:", t.seen)};
+    } else if (!cfg.producers.count("*")) {
+      return false;
+    }
   }
   tf::NodeDef def;
   if (!BuildSddmmDef(n, *sddmm, &def).ok()) return false;
