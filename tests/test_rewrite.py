@@ -398,9 +398,10 @@ def test_declines_nodes_in_xla_scope(rw):
 def test_enable_defaults_include_conv2d(rw):
     """enable()'s defaults rewrite what profile reports as pass=yes,
     Conv2D included."""
-    assert rewrite.DEFAULT_OPS == ("MatMul", "Conv2D")
+    assert rewrite.DEFAULT_OPS == ("MatMul", "Conv2D", "Conv2DBackpropFilter")
     active = rw.enable()
-    assert "Conv2D" in active and rw.config()["ops"] == ("MatMul", "Conv2D")
+    assert "Conv2D" in active and "Conv2DBackpropFilter" in active
+    assert rw.config()["ops"] == rewrite.DEFAULT_OPS
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 6, 6, 3)).astype(np.float32)
     k = rng.standard_normal((3, 3, 3, 4)).astype(np.float32)

@@ -417,6 +417,11 @@ def test_keras_training_matches_unrewritten(rw):
         assert "fuse" in kinds, kinds
         if build is _mlp:
             assert "sddmm" in kinds, kinds
+        else:
+            # The second conv's filter gradient reads the first MaxPool.
+            (dw,) = [r for r in _records() if r["op"] == "Conv2DBackpropFilter"]
+            assert dw["via"] == "MaxPool" and dw["producer"] == "Relu", dw
+            assert dw["new_op"] == "TfSparseSplit>SparseSplitConv2DBackpropFilter"
 
 
 def test_input_producer_counts_graph_inputs(rw):
@@ -464,3 +469,20 @@ def test_fused_and_sddmm_nodes_inside_a_while_loop(rw):
     (sddmm,) = [r for r in recs if r["kind"] == "sddmm"]
     assert "while_grad" in sddmm["name"] and sddmm["producer"] == "ReluGrad"
     assert sddmm["via"] == "features:TensorListPopBack", sddmm
+
+
+def test_conv_filter_gradient_entry_and_its_flops(rw):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.nn.relu(tf.compat.v1.placeholder(tf.float32, [2, 8, 8, 3]))
+        dy = tf.compat.v1.placeholder(tf.float32, [2, 8, 8, 4])
+        tf.raw_ops.Conv2DBackpropFilter(
+            input=x, filter_sizes=[3, 3, 3, 4], out_backprop=dy,
+            strides=[1, 1, 1, 1], padding="SAME", name="dw")
+    flops = 2.0 * (2 * 8 * 8 * 4) * (3 * 3 * 3)
+    (rec,) = rewrite.dry_run(g, min_flops=flops)
+    assert rec["action"] == "would_rewrite", rec
+    assert rec["new_op"] == "TfSparseSplit>SparseSplitConv2DBackpropFilter"
+    (rec,) = rewrite.dry_run(g, min_flops=flops + 1)
+    assert rec["action"] == "declined" and "min_flops" in rec["reason"], rec
+    assert rewrite.dry_run(g, ops=("MatMul", "Conv2D")) == []  # not listed

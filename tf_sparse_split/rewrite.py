@@ -62,7 +62,11 @@ What the pass does:
   values are the same (``kind="sddmm"``, ``mask`` in :func:`log`; what
   ``SparseSplitDense(skip_dead_input_grad=True)`` gets from its registered
   gradient). Every replacement computes the same values, so gradients stay
-  correct.
+  correct. A ``Conv2DBackpropFilter`` (the filter gradient of a
+  ``Conv2D``) whose input ``x`` is a sparse activation becomes
+  ``SparseSplitConv2DBackpropFilter`` (cost proportional to ``x``'s
+  nonzeros on its sparse path), as ``SparseSplitConv2D``'s registered
+  gradient does.
 * It leaves alone -- and says why at ``VLOG(1)``
   (``TF_CPP_VMODULE=sparse_split_rewrite=1``) and in :func:`log` -- what it
   cannot replace exactly: dtypes other than float32/float64, nodes on a
@@ -120,12 +124,14 @@ __all__ = ["enable", "disable", "enabled", "is_enabled", "config",
 #: the dropout pattern (``SelectV2(mask, x * scale, 0)`` of ``tf.nn.dropout``
 #: and Keras, or ``x * Cast(bool mask)``).
 DEFAULT_PRODUCERS = ("Relu", "Relu6", "ReluGrad", "Relu6Grad", "Dropout")
-#: Source op types the pass knows (Conv2D is active only when the
-#: ``SparseSplitConv2D`` op is registered).
-SUPPORTED_OPS = ("MatMul", "Conv2D")
+#: Source op types the pass knows (Conv2D and Conv2DBackpropFilter are
+#: active only when ``SparseSplitConv2D`` / ``SparseSplitConv2DBackpropFilter``
+#: are registered). ``Conv2DBackpropFilter`` is the filter gradient of a
+#: ``Conv2D`` in a training graph; its input ``x`` is the sparse operand.
+SUPPORTED_OPS = ("MatMul", "Conv2D", "Conv2DBackpropFilter")
 #: Source op types :func:`enable` rewrites by default (what ``profile``
 #: reports as ``pass=yes``).
-DEFAULT_OPS = ("MatMul", "Conv2D")
+DEFAULT_OPS = ("MatMul", "Conv2D", "Conv2DBackpropFilter")
 
 _LOCK = threading.Lock()
 _CONFIG = {"enabled": False, "threshold": "auto", "min_flops": 0.0,
@@ -196,9 +202,10 @@ def enable(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,
         MatMul) is below this are left alone; dimensions unknown at graph
         time never cause a skip.
       ops: source op types to rewrite, a subset of :data:`SUPPORTED_OPS`
-        (default :data:`DEFAULT_OPS`: ``MatMul`` and ``Conv2D``).
-        ``"Conv2D"`` takes effect only when ``SparseSplitConv2D`` is
-        registered (see :func:`active_ops`).
+        (default :data:`DEFAULT_OPS`: ``MatMul``, ``Conv2D`` and the
+        filter gradient ``Conv2DBackpropFilter``). The convolutions take
+        effect only when their sparse-split ops are registered (see
+        :func:`active_ops`).
       producers: op types whose outputs count as sparse activations
         (default :data:`DEFAULT_PRODUCERS`; ``"Dropout"`` = the dropout
         pattern; ``"Input"`` = the graph's inputs -- ``_Arg``,

@@ -398,6 +398,16 @@ double StaticFlops(tf::ShapeRefiner* refiner, const tf::Node* n,
     if (m < 0 || k < 0 || nn < 0) return -1;
     return 2.0 * m * k * nn;
   }
+  if (std::string(e.source_op) == "Conv2DBackpropFilter") {
+    // 2 * |dY| * KH * KW * C_in: every output-gradient value meets a filter
+    // window of the input.
+    tf::shape_inference::ShapeHandle dy = c->input(2), f = c->output(0);
+    if (!c->FullyDefined(dy) || !c->FullyDefined(f) || c->Rank(f) != 4) return -1;
+    double dy_elems = 1;
+    for (int i = 0; i < c->Rank(dy); ++i) dy_elems *= c->Value(c->Dim(dy, i));
+    return 2.0 * dy_elems * c->Value(c->Dim(f, 0)) * c->Value(c->Dim(f, 1)) *
+           c->Value(c->Dim(f, 2));
+  }
   // Convolution-like: 2 * |output| * (filter elements / output channels).
   tf::shape_inference::ShapeHandle out = c->output(0), f = c->input(1);
   if (!c->FullyDefined(out) || !c->FullyDefined(f)) return -1;
@@ -823,7 +833,9 @@ std::string Decide(const tf::Graph& g, const tf::Node* n,
       return absl::StrCat("flops ", flops, " < min_flops ", cfg.min_flops);
     }
   }
-  if (cand->kind == Kind::kReplace && FindEpilogue(g, n, *target, refiner, cand)) {
+  const bool forward = n->type_string() == "MatMul" || n->type_string() == "Conv2D";
+  if (cand->kind == Kind::kReplace && forward &&
+      FindEpilogue(g, n, *target, refiner, cand)) {
     tf::NodeDef fused;
     absl::Status st = BuildTargetDef(n, entry, *target, &fused, 1,
                                      cand->activation, cand->new_name());
@@ -1200,6 +1212,11 @@ const std::vector<RewriteEntry>& RewriteTable() {
       // Active only when the SparseSplitConv2D op is registered (checked at
       // pass time): input, filter, threshold -> output, stats.
       {"Conv2D", "TfSparseSplit>SparseSplitConv2D", 0, 2},
+      // The filter gradient dW = conv-correlation of the input x with dY:
+      // input, filter_sizes, out_backprop, threshold -> filter_backprop,
+      // stats; x (input 0) is the sparse operand, as in the forward op.
+      {"Conv2DBackpropFilter", "TfSparseSplit>SparseSplitConv2DBackpropFilter",
+       0, 3},
   };
   return *table;
 }
