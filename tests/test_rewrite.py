@@ -92,14 +92,18 @@ def test_forward_and_gradients_match_unrewritten(rw, dtype, rtol):
     for a, b in zip(g1, g0):
         _assert_close(a, b, rtol)
     # Forward l2, l3 (ReLU inputs); backward dW2 = h1^T dZ2 and dW3 = h2^T dY
-    # (transpose_a, ReLU outputs) and dH1 = dZ2 W2^T (dZ2 from ReluGrad).
-    assert rw.counters() == {"MatMul": 5}
+    # (transpose_a, ReLU outputs); dH2 = dY W3^T and dH1 = dZ2 W2^T feed
+    # only ReluGrad(., h2) / ReluGrad(., h1): SDDMMs masked by h2 / h1.
+    assert rw.counters() == {"MatMul": 6}
     done = _records("rewritten")
-    assert len(done) == 5
-    assert sorted(r["producer"] for r in done) == ["Relu"] * 4 + ["ReluGrad"]
+    assert len(done) == 6
+    assert [r["producer"] for r in done] == ["Relu"] * 6
     assert sum(r["transpose_a"] == "1" for r in done) == 2
-    assert sum(r["transpose_b"] == "1" for r in done) == 1
-    assert {r["new_op"] for r in done} == {"TfSparseSplit>SparseSplitMatMul"}
+    sddmm = [r for r in done if r["kind"] == "sddmm"]
+    assert len(sddmm) == 2
+    assert {r["new_op"] for r in sddmm} == {"TfSparseSplit>SparseSplitSddmm"}
+    assert {r["new_op"] for r in done if r["kind"] != "sddmm"} == {
+        "TfSparseSplit>SparseSplitMatMul"}
     fwd = {r["name"] for r in done if "gradient" not in r["name"]}
     assert fwd == {"l2", "l3"}
     declined = {r["name"] for r in _records("declined")}
@@ -394,9 +398,10 @@ def test_declines_nodes_in_xla_scope(rw):
 def test_enable_defaults_include_conv2d(rw):
     """enable()'s defaults rewrite what profile reports as pass=yes,
     Conv2D included."""
-    assert rewrite.DEFAULT_OPS == ("MatMul", "Conv2D")
+    assert rewrite.DEFAULT_OPS == ("MatMul", "Conv2D", "Conv2DBackpropFilter")
     active = rw.enable()
-    assert "Conv2D" in active and rw.config()["ops"] == ("MatMul", "Conv2D")
+    assert "Conv2D" in active and "Conv2DBackpropFilter" in active
+    assert rw.config()["ops"] == rewrite.DEFAULT_OPS
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 6, 6, 3)).astype(np.float32)
     k = rng.standard_normal((3, 3, 3, 4)).astype(np.float32)

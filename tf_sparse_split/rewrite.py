@@ -24,14 +24,49 @@ What the pass does:
   The replacement keeps the node's name, requested and assigned device,
   attributes (``transpose_a``/``transpose_b``), control inputs and all
   consumers; its extra ``stats`` output is unused; the threshold is a new
-  scalar ``Const`` named ``<node>/tfss_threshold/_N``.
+  scalar ``Const`` named ``<node>/tfss_threshold/_N``. A fused replacement (below) takes
+  the name and consumers of the last node it absorbs.
+* Look-through: the activation counts as sparse when a listed producer
+  reaches it through ops that keep zeros: identities, casts and layout
+  changes (``Identity``, ``Reshape`` -- Keras ``Flatten`` --,
+  ``Transpose``, ``ExpandDims``, ``Squeeze``, ...), ``Slice``,
+  ``StridedSlice``, ``GatherV2``, ``Tile``, zero padding (``Pad``;
+  ``PadV2`` with a zero constant: Keras ``ZeroPadding2D``), ``ConcatV2``
+  /``Pack`` of sparse inputs only, and pooling (``MaxPool``, ``AvgPool``:
+  on ReLU outputs, which are >= 0, both are 0 exactly where the whole
+  window is 0, so they keep the all-zero regions of a feature map; the op
+  measures what is left per call). :func:`log` records them in ``via``.
+* Fused forms: a ``MatMul``/``Conv2D`` followed by its bias add
+  (``BiasAdd`` NHWC, or ``Add``/``AddV2`` with a ``[N]`` or
+  ``[1, ..., 1, N]`` operand, as Keras 3 writes it) and optionally
+  ``Relu``/``Relu6``, each the only consumer of the value before it
+  (``Shape`` readers aside), becomes one sparse-split op with ``bias`` and
+  ``activation`` -- what Grappler's remapper would have fused into
+  ``_FusedMatMul``/``_FusedConv2D``, which a replaced node no longer gets.
+  The new node takes the last absorbed node's name (``new_name`` in
+  :func:`log`, ``kind="fuse"``, ``fused="AddV2+Relu"``). ``Conv2D`` is
+  fused only when the registered ``SparseSplitConv2D`` has a ``num_bias``
+  attribute (checked on its OpDef when the pass runs).
 * Gradients: the pass runs after ``tf.GradientTape`` / Keras built the
-  gradient graph, so the backward ``MatMul`` ops are plain ``MatMul`` ops;
-  those whose activation operand is known to be sparse are rewritten too:
-  ``dW = x^T . dY`` (``transpose_a=True``, ``x`` a ReLU/dropout output) and
+  gradient graph (a ``tf.function``'s gradient ops are in the function
+  graph TensorFlow instantiates; Keras ``train_step`` included), so the
+  backward ``MatMul`` ops are plain ``MatMul`` ops; those whose activation
+  operand is known to be sparse are rewritten too:
+  ``dW = x^T . dY`` (``transpose_a=True``, ``x`` a sparse activation) and
   ``dX = dY . W^T`` when ``dY`` is a ``ReluGrad`` output (zero wherever the
-  ReLU output was). Every replacement computes the same values, so
-  gradients stay correct.
+  ReLU output was). When every consumer of ``dX = dY . op(W)`` is
+  ``ReluGrad(dX, F)`` (or ``Relu6Grad``) for one tensor ``F`` -- the input
+  gradient of a layer whose input came from a ReLU -- it becomes
+  ``SparseSplitSddmm(mask=F, dY, W)``, which computes it only where
+  ``F != 0``: ``ReluGrad`` keeps the gradient only where ``F > 0``, so the
+  values are the same (``kind="sddmm"``, ``mask`` in :func:`log`; what
+  ``SparseSplitDense(skip_dead_input_grad=True)`` gets from its registered
+  gradient). Every replacement computes the same values, so gradients stay
+  correct. A ``Conv2DBackpropFilter`` (the filter gradient of a
+  ``Conv2D``) whose input ``x`` is a sparse activation becomes
+  ``SparseSplitConv2DBackpropFilter`` (cost proportional to ``x``'s
+  nonzeros on its sparse path), as ``SparseSplitConv2D``'s registered
+  gradient does.
 * It leaves alone -- and says why at ``VLOG(1)``
   (``TF_CPP_VMODULE=sparse_split_rewrite=1``) and in :func:`log` -- what it
   cannot replace exactly: dtypes other than float32/float64, nodes on a
@@ -89,12 +124,14 @@ __all__ = ["enable", "disable", "enabled", "is_enabled", "config",
 #: the dropout pattern (``SelectV2(mask, x * scale, 0)`` of ``tf.nn.dropout``
 #: and Keras, or ``x * Cast(bool mask)``).
 DEFAULT_PRODUCERS = ("Relu", "Relu6", "ReluGrad", "Relu6Grad", "Dropout")
-#: Source op types the pass knows (Conv2D is active only when the
-#: ``SparseSplitConv2D`` op is registered).
-SUPPORTED_OPS = ("MatMul", "Conv2D")
+#: Source op types the pass knows (Conv2D and Conv2DBackpropFilter are
+#: active only when ``SparseSplitConv2D`` / ``SparseSplitConv2DBackpropFilter``
+#: are registered). ``Conv2DBackpropFilter`` is the filter gradient of a
+#: ``Conv2D`` in a training graph; its input ``x`` is the sparse operand.
+SUPPORTED_OPS = ("MatMul", "Conv2D", "Conv2DBackpropFilter")
 #: Source op types :func:`enable` rewrites by default (what ``profile``
 #: reports as ``pass=yes``).
-DEFAULT_OPS = ("MatMul", "Conv2D")
+DEFAULT_OPS = ("MatMul", "Conv2D", "Conv2DBackpropFilter")
 
 _LOCK = threading.Lock()
 _CONFIG = {"enabled": False, "threshold": "auto", "min_flops": 0.0,
@@ -165,12 +202,18 @@ def enable(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,
         MatMul) is below this are left alone; dimensions unknown at graph
         time never cause a skip.
       ops: source op types to rewrite, a subset of :data:`SUPPORTED_OPS`
-        (default :data:`DEFAULT_OPS`: ``MatMul`` and ``Conv2D``).
-        ``"Conv2D"`` takes effect only when ``SparseSplitConv2D`` is
-        registered (see :func:`active_ops`).
+        (default :data:`DEFAULT_OPS`: ``MatMul``, ``Conv2D`` and the
+        filter gradient ``Conv2DBackpropFilter``). The convolutions take
+        effect only when their sparse-split ops are registered (see
+        :func:`active_ops`).
       producers: op types whose outputs count as sparse activations
         (default :data:`DEFAULT_PRODUCERS`; ``"Dropout"`` = the dropout
-        pattern), or ``"any"`` to rewrite regardless of the producer.
+        pattern; ``"Input"`` = the graph's inputs -- ``_Arg``,
+        ``Placeholder``, ``IteratorGetNext`` -- for data known to be
+        sparse, e.g. MNIST pixels (~80% zeros) or bag-of-words features:
+        ``producers=DEFAULT_PRODUCERS + ("Input",)``), or ``"any"`` to
+        rewrite regardless of the producer. The ops measure the density per
+        call and keep the dense kernel where the zeros do not pay.
 
     Returns:
       The tuple of source op types whose replacement op is registered.
@@ -253,8 +296,13 @@ def dry_run(graph, ops=DEFAULT_OPS, producers=DEFAULT_PRODUCERS,
       list of dicts, one per MatMul/Conv2D node, with string values:
       ``action`` (``"would_rewrite"`` or ``"declined"``), ``op``, ``name``,
       ``producer`` (the activation's producer op type, or the dropout
-      pattern ``"Dropout"``; for declined nodes the op type found, or empty
-      if the pass declined before looking) and, when declined, ``reason``.
+      pattern ``"Dropout"``, joined by ``"+"`` for a concat of several; for
+      declined nodes the op type found, or empty if the pass declined
+      before looking), ``via`` (the zero-preserving ops passed on the way,
+      comma-separated, e.g. ``"Reshape,MaxPool"``) and, when declined,
+      ``reason``; ``would_rewrite`` records also have ``new_op``, ``kind``,
+      ``new_name``, ``fused``, ``activation`` and ``unfused`` as in
+      :func:`log`.
 
     Raises:
       ValueError: bad ``ops``/``producers``/``min_flops``.
@@ -357,7 +405,14 @@ def log(clear=False):
       have ``reason``; a ``"missed"`` record stands for a whole function
       graph instantiated while the pass was off (``op`` lists its counts,
       e.g. ``"MatMul:3"``, ``name`` is empty);
-      rewritten ones have ``new_op``, ``producer``, ``dtype``, ``device``,
+      rewritten ones have ``new_op``, ``producer``, ``via`` (look-through
+      ops between producer and node), ``kind`` (``"replace"``: the node
+      alone; ``"fuse"``: with its bias add and activation, ``fused`` their
+      op types joined by ``"+"``, ``activation`` ``"none"``/``"relu"``/
+      ``"relu6"``, ``new_name`` the absorbed last node's name, which the new
+      node takes; ``"sddmm"``: an input gradient feeding only ``ReluGrad``,
+      ``mask`` the node masking it), ``unfused`` (why a following bias add
+      or activation was not absorbed, or empty), ``dtype``, ``device``,
       ``assigned_device``, ``transpose_a``/``transpose_b`` (``"0"``/``"1"``),
       ``threshold``, ``threshold_node``, and ``control_in``, ``control_out``,
       ``data_out`` (comma-separated node names; ``data_out`` as

@@ -16,7 +16,11 @@
 //    the reason is logged at VLOG(1) and into the rewrite log.
 //  * The new node keeps the original name, requested and assigned device,
 //    control inputs and every consumer edge (data and control); its extra
-//    `stats` output is unused. The threshold input is a new scalar float32
+//    `stats` output is unused. A fused replacement (the node with its bias
+//    add and ReLU/ReLU6, each the only consumer of the value before it)
+//    takes the last absorbed node's name, consumers and control edges. An
+//    input-gradient MatMul feeding only ReluGrad(., F) becomes a
+//    SparseSplitSddmm masked by F (same values: ReluGrad zeroes the rest). The threshold input is a new scalar float32
 //    Const "<name>/tfss_threshold[_N]" on the same device, with a control
 //    edge from the activation's producer (so it lives in the same
 //    control-flow frame).
@@ -45,10 +49,12 @@ struct RewriteConfig {
   // Candidates whose statically known FLOP count is below this are skipped
   // (unknown dimensions never cause a skip).
   double min_flops = 0.0;
-  // Source op types to rewrite ("MatMul", "Conv2D").
-  std::set<std::string> ops = {"MatMul", "Conv2D"};
+  // Source op types to rewrite ("MatMul", "Conv2D", "Conv2DBackpropFilter").
+  std::set<std::string> ops = {"MatMul", "Conv2D", "Conv2DBackpropFilter"};
   // Producer op types of the activation input that make it "sparse";
-  // "Dropout" stands for the dropout pattern, "*" for any producer.
+  // "Dropout" stands for the dropout pattern, "Input" for the graph's
+  // inputs (_Arg, Placeholder, IteratorGetNext: data known to be sparse,
+  // e.g. image pixels), "*" for any producer.
   std::set<std::string> producers = {"Relu", "Relu6", "ReluGrad", "Relu6Grad",
                                      "Dropout"};
 };

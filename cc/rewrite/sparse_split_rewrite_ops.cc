@@ -46,9 +46,10 @@ enable: bool scalar; false switches the pass off.
 threshold: float32 scalar given to every SparseSplit* op the pass adds
   (negative: automatic).
 min_flops: float64 scalar; nodes with fewer statically known FLOPs are left alone.
-ops: string vector of source op types to rewrite ("MatMul", "Conv2D").
+ops: string vector of source op types to rewrite ("MatMul", "Conv2D",
+  "Conv2DBackpropFilter").
 producers: string vector of activation producer op types ("Relu", ...,
-  "Dropout" for the dropout pattern, "*" for any).
+  "Dropout" for the dropout pattern, "Input" for graph inputs, "*" for any).
 active_ops: string vector of source op types whose replacement op is registered.
 )doc");
 
