@@ -103,7 +103,7 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         nonzeros): rows above it go dense, rows at or below it sparse --
         except that when the only such rows are all-zero and fewer than 1/8
         of the rows, every row goes dense (cheaper than gathering the rest;
-        same result). Negative: the op chooses the split with its cost model
+        same result). Negative or ``'auto'``: the op chooses the split with its cost model
         (``cc/core/cost_model.h``: per-call fixed, CSR-conversion,
         flop-rate and copy terms, calibrated on the first such call for
         this dtype, K and N bucket on this machine), which keeps every row

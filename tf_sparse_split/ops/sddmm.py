@@ -38,7 +38,7 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
       b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if
         ``transpose_b``); ``op(b)`` is ``[K, N]``.
       threshold: scalar row-density threshold in ``[0, 1]`` on the rows of
-        ``mask``, or negative (default): chosen per call by the cost model
+        ``mask``, or negative (default) or ``'auto'``: chosen per call by the cost model
         (``cc/core/cost_model.h``, calibrated on the first such call for
         this dtype, K and N bucket), which keeps the dense GEMM unless the
         SDDMM is predicted at least 10% faster. A float or a scalar tensor.
