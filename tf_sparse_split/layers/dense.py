@@ -90,7 +90,7 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     and the result is cast back to the compute dtype.
 
     Statistics: training calls (and eager calls) record the op's statistics
-    vector (``tf_sparse_split.stats``) into two ``tf.Variable`` objects that
+    vector (``tf_sparse_split.tuning.stats``) into two ``tf.Variable`` objects that
     are not Keras weights (``get_weights()`` is ``[kernel, bias]``, or
     ``[kernel]`` without bias, as for ``Dense``): the latest vector, and the sum
     since the last :meth:`reset_stats` with the number of calls. Under

@@ -163,7 +163,7 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     Returns:
       the output ``[N, OH, OW, C_out]`` of the input dtype; with
       ``return_stats``, ``(output, stats)``, ``stats`` a float64 vector laid
-      out as in :mod:`tf_sparse_split.stats` with rows = images and columns =
+      out as in :mod:`tf_sparse_split.tuning.stats` with rows = images and columns =
       the ``H*W*C_in`` values of an image (see there).
 
     Raises:

@@ -138,7 +138,7 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       The product ``act(op(a) @ op(b) + bias)``, ``[M, N]``, of the inputs'
       dtype; with ``return_stats``, a
       tuple ``(product, stats)`` where ``stats`` is a float64 vector laid out
-      as in :mod:`tf_sparse_split.stats` (rows dense/sparse, nnz, all-zero
+      as in :mod:`tf_sparse_split.tuning.stats` (rows dense/sparse, nnz, all-zero
       columns skipped, seconds in each part, threshold used, ...).
 
     Raises:

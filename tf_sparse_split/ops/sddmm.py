@@ -44,7 +44,7 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
         SDDMM is predicted at least 10% faster. A float or a scalar tensor.
       transpose_b: if True, ``b`` is ``[N, K]`` and ``op(b) = b^T``.
       return_stats: if True, also return the per-call statistics (layout of
-        :mod:`tf_sparse_split.stats`; the split of the mask's rows).
+        :mod:`tf_sparse_split.tuning.stats`; the split of the mask's rows).
       name: optional op name.
 
     Returns:
