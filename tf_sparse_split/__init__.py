@@ -123,10 +123,10 @@ def __dir__():
 #: imported yet). The same error is raised by the first use.
 library_error = None
 
-_LOCK = threading.RLock()
+_LOCK = threading.Lock()
 _PACKAGES = ("tensorflow", "keras")
-_executed = set()   # of _PACKAGES: imported, or their execution finished
-_done = set()       # "ops", "keras": registrations made
+_executed = set()   # of _PACKAGES: those whose execution finished
+_done = set()       # "ops", "keras": registrations made (or under way)
 
 
 def _ready(name):
@@ -147,25 +147,34 @@ def _register():
     :data:`library_error`, not raised; a failure to import the layers is a
     ``RuntimeWarning`` (it must not break the user's import)."""
     global library_error
+    if _claim("ops", "tensorflow"):
+        from tf_sparse_split._loader import LibraryLoadError, load_library
+        try:
+            load_library()
+            library_error = None
+        except LibraryLoadError as e:
+            library_error = e
+        except Exception as e:  # never break the user's import
+            warnings.warn(f"tf_sparse_split could not load its op library: "
+                          f"{e}", RuntimeWarning, stacklevel=2)
+    if _claim("keras", "tensorflow", "keras"):
+        try:
+            importlib.import_module("tf_sparse_split.layers")
+        except Exception as e:  # never break the user's `import keras`
+            warnings.warn(f"tf_sparse_split could not register its Keras "
+                          f"layers: {e}", RuntimeWarning, stacklevel=2)
+
+
+def _claim(registration, *packages):
+    """True, once, for the caller that is to make ``registration`` now that
+    ``packages`` are ready. The lock is not held while registering (that
+    imports modules, whose import locks another thread may hold while it
+    waits here)."""
     with _LOCK:
-        if "ops" not in _done and _ready("tensorflow"):
-            _done.add("ops")
-            from tf_sparse_split._loader import LibraryLoadError, load_library
-            try:
-                load_library()
-                library_error = None
-            except LibraryLoadError as e:
-                library_error = e
-            except Exception as e:  # never break the user's import
-                warnings.warn(f"tf_sparse_split could not load its op "
-                              f"library: {e}", RuntimeWarning, stacklevel=2)
-        if "keras" not in _done and _ready("tensorflow") and _ready("keras"):
-            _done.add("keras")
-            try:
-                importlib.import_module("tf_sparse_split.layers")
-            except Exception as e:  # never break the user's `import keras`
-                warnings.warn(f"tf_sparse_split could not register its Keras "
-                              f"layers: {e}", RuntimeWarning, stacklevel=2)
+        if registration in _done or not all(map(_ready, packages)):
+            return False
+        _done.add(registration)
+        return True
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
