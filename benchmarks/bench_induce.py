@@ -1,4 +1,4 @@
-"""Induced sparsity and SparseSplitLSTM against plain Keras (issue 10).
+"""Induced sparsity and SparseSplitLSTM against plain Keras.
 
 For each case -- MLP 784-2048-2048-10 with ``SparsityTargetCallback(0.9)``
 vs plain ``keras.layers.Dense``; the CLI's CNN with target 0.8 vs plain

@@ -1,4 +1,4 @@
-"""What a new user hits (issue 11): reloading saved models in a fresh
+"""What a new user hits: reloading saved models in a fresh
 process, Dense/Conv2D weight lists, one-call conversion, damaged libraries,
 the cheap import, the source-tree shadowing advice, statistics dicts and
 empty convolution outputs."""
@@ -344,28 +344,15 @@ def test_source_tree_shadowing_gives_the_right_advice(tmp_path):
     assert "--force-reinstall" not in r.stdout
 
 
-def test_old_module_paths_import_lazily():
-    r = _python("""
-        import sys
-        import tf_sparse_split.stats as s
-        from tf_sparse_split.tuning import stats
-        assert s is stats and s.__spec__.name == "tf_sparse_split.tuning.stats"
-        from tf_sparse_split import cli, dropout
-        assert callable(cli.main) and dropout.ApproximateRandomDropout
-        print("OK")
-        """)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
-
-
 # -- 7. statistics dicts -----------------------------------------------------
 def test_as_dict_accepts_latest_stats(op_library):
     layer = tfss.SparseSplitDense(3)
     layer(np.eye(4, dtype=np.float32))
     d = layer.latest_stats()
-    assert tfss.stats.as_dict(d) == d
-    assert tfss.stats.as_dict(layer.latest_stats_vector()) == d
+    assert tfss.tuning.stats.as_dict(d) == d
+    assert tfss.tuning.stats.as_dict(layer.latest_stats_vector()) == d
     with pytest.raises(ValueError, match="lacks"):
-        tfss.stats.as_dict({"m": 1.0})
+        tfss.tuning.stats.as_dict({"m": 1.0})
 
 
 # -- 8. empty convolution output -------------------------------------------

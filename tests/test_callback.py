@@ -85,7 +85,7 @@ def test_callback_tunes_a_very_sparse_layer():
     assert rec["time_in_op"] > 0
 
 
-def test_exploration_restores_threshold_and_reset_on_train_begin():
+def test_exploration_restores_threshold_and_resume_false_starts_over():
     keras.utils.set_random_seed(1)
     x, y = _data(256, 64, 0.5, seed=1)
     model = keras.Sequential([
@@ -103,13 +103,15 @@ def test_exploration_restores_threshold_and_reset_on_train_begin():
             seen.append(layer.latest_stats()["threshold"])
 
     # Batches 0, 1 explore (1.0 then 0.0); then the own threshold is back.
-    cb = SplitThresholdCallback(explore_batches=2, min_samples=1)
+    cb = SplitThresholdCallback(explore_batches=2, min_samples=1,
+                                resume=False)
     model.fit(x, y, epochs=1, batch_size=32, callbacks=[cb, Spy()],
               verbose=0)
     assert seen[:2] == [1.0, 0.0]
     assert seen[2:] == pytest.approx([0.3] * 6)
     assert 0.0 <= layer.threshold <= 1.0
-    # A second fit starts over: history and samples reset.
+    # With resume=False a second fit starts over: history and samples
+    # reset (the default resumes: tests/test_threshold_resume.py).
     seen.clear()
     model.fit(x, y, epochs=1, batch_size=32, callbacks=[cb, Spy()],
               verbose=0)

@@ -70,8 +70,7 @@ def test_train_compare(run_cli):
     ["train", "--hidden", "0"], ["train", "--threshold", "2"],
     ["train", "--epochs", "-1"], ["train", "--baseline", "--compare"],
     ["nope"], [],
-    # negative thresholds are refused: 'auto' or [0, 1]
-    ["train", "--threshold", "-0.5"], ["profile", "m.keras", "--threshold", "-1"],
+    ["train", "--threshold", "fast"], ["profile", "m.keras", "--threshold", "nan"],
     # conflicting or ignored flags
     ["train", "--model", "cnn", "--hidden", "8"],
     ["train", "--filters", "4,4"],

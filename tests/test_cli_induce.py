@@ -1,4 +1,4 @@
-"""CLI flags of issue 10: ``train --target-sparsity`` (mlp, cnn) and
+"""CLI flags of induced sparsity: ``train --target-sparsity`` (mlp, cnn) and
 ``train --model lstm`` (one short epoch on the embedded digits)."""
 
 import re

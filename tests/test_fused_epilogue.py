@@ -1,4 +1,4 @@
-"""The fused bias + activation epilogue of SparseSplitMatMul (issue 9 item 4):
+"""The fused bias + activation epilogue of SparseSplitMatMul:
 ``sparse_split_matmul(a, b, bias=..., activation=...)`` against
 ``tf.nn.relu(tf.matmul(a, b) + bias)`` (and relu6, none), its gradients
 against TF's, bad inputs, and SparseSplitDense against keras Dense."""

@@ -88,7 +88,7 @@ def test_bad_arguments():
         K.sddmm(np.ones((2, 3), np.float32), np.ones((2, 4), np.float32), np.ones((2, 4), np.float32))
 
 
-# --- Paths added for issue 9 (fast CSR build, tiled SpMM, transposed build) ---
+# --- Fast CSR build, tiled SpMM, transposed build ---
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape", [(1, 1), (7, 13), (13, 7), (16, 16), (17, 33), (1000, 7),

@@ -1,6 +1,6 @@
-"""Compatibility across the package reorganisation (issue 13): a ``.keras``
-file saved with the v0.1 layout still loads, the old module paths still
-import, and the Python statistics layout agrees with cc/core/stats.h."""
+"""Compatibility of saved files and layouts: a ``.keras`` file saved by
+version 0.1 still loads with identical predictions, and the Python
+statistics layout agrees with cc/core/stats.h."""
 
 import re
 
@@ -28,28 +28,6 @@ def test_legacy_keras_file_loads_with_identical_predictions(data_dir,
     assert model.get_layer("dense_2").skip_dead_input_grad is True
     np.testing.assert_array_equal(model.predict(expected["x"], verbose=0),
                                   expected["y"])
-
-
-def test_old_module_paths_still_import():
-    from tf_sparse_split import (callbacks, cli, conv_layers, cost_model,
-                                 datasets, dropout, layers, ops, profile,
-                                 stats)
-    from tf_sparse_split.tools import cli as new_cli
-    from tf_sparse_split.tools import datasets as new_datasets
-    from tf_sparse_split.tools import models
-
-    assert conv_layers.SparseSplitConv2D is tfss.SparseSplitConv2D
-    assert layers.SparseSplitDense is tfss.SparseSplitDense
-    assert callbacks.SplitThresholdCallback is tfss.SplitThresholdCallback
-    assert cost_model.CostModel is tfss.CostModel
-    assert ops.sparse_split_matmul is tfss.sparse_split_matmul
-    assert dropout.ApproximateRandomDropout is tfss.ApproximateRandomDropout
-    assert (dropout.search_pattern_distribution
-            is tfss.search_pattern_distribution)
-    assert cli.main is new_cli.main and cli.build_mlp is models.build_mlp
-    assert datasets.load_digits is new_datasets.load_digits
-    assert profile.profile_model is not None
-    assert stats.NUM_STATS == S.NUM_STATS and stats.as_dict is S.as_dict
 
 
 def _python_name(cc_name):

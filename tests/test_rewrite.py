@@ -394,7 +394,7 @@ def test_declines_nodes_in_xla_scope(rw):
     assert "XLA" in rec["reason"], rec
 
 
-# -- what the pass sees (issue 11, item 4) ----------------------------------
+# -- what the pass sees ----------------------------------------------------
 def test_enable_defaults_include_conv2d(rw):
     """enable()'s defaults rewrite what profile reports as pass=yes,
     Conv2D included."""

@@ -1,4 +1,4 @@
-"""Statistics recording of the sparse-split layers (issue 9 item 5):
+"""Statistics recording of the sparse-split layers:
 training calls record, inference graphs and exported serving functions do
 not write variables, and ``record_stats`` switches it explicitly."""
 

@@ -1,4 +1,4 @@
-"""FATReLU and SparsityTargetCallback (issue 10): semantics, wiring,
+"""FATReLU and SparsityTargetCallback: semantics, wiring,
 serialization, argument checks, and reaching a target on a real problem."""
 
 import numpy as np

@@ -1,5 +1,4 @@
-"""`train --strategy/--tensorboard/--plot` and `profile --end-to-end`
-(issue 12)."""
+"""`train --strategy/--tensorboard/--plot` and `profile --end-to-end`."""
 
 import glob
 import json

@@ -1,5 +1,5 @@
-"""ThresholdTuner: host reads bounded (issue 9 item 5), custom loops,
-TensorBoard summaries (issue 12)."""
+"""ThresholdTuner: host reads bounded (statistics read only on sampled
+batches), custom loops, TensorBoard summaries."""
 
 import glob
 from unittest import mock

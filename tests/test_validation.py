@@ -6,33 +6,47 @@ import numpy as np
 import pytest
 
 from tf_sparse_split.utils.validation import (AUTO_THRESHOLD,
+                                              threshold_from_text,
                                               validate_fraction, validate_int,
                                               validate_positive_float,
                                               validate_threshold)
 
 
 @pytest.mark.parametrize("value, expected", [
-    (0, 0.0), (1, 1.0), (0.25, 0.25), (np.float32(0.5), 0.5), ("0.75", 0.75),
-    (-1, -1.0), (-0.5, -0.5), ("auto", AUTO_THRESHOLD), (" AUTO ", -1.0),
+    (0, 0.0), (1, 1.0), (0.25, 0.25), (np.float32(0.5), 0.5),
+    (np.float64(0.125), 0.125), (-1, -1.0), (-0.5, -0.5), (-math.inf, -math.inf),
+    ("auto", AUTO_THRESHOLD), (" AUTO ", -1.0), (np.str_("Auto"), -1.0),
 ])
 def test_threshold_accepts(value, expected):
     assert validate_threshold(value) == expected
 
 
-@pytest.mark.parametrize("value", [1.5, math.nan, "abc", None, True, [0.5],
-                                   np.bool_(False)])
+@pytest.mark.parametrize("value", [1.5, math.inf, math.nan, np.float32("nan"),
+                                   "abc", "", "0.75", "-1", b"auto", None,
+                                   True, [0.5], np.bool_(False)])
 def test_threshold_refuses_with_keras_style_message(value):
-    with pytest.raises(ValueError, match=r"Received: threshold="):
+    with pytest.raises(ValueError, match=r"must be a number in \[0, 1\], or "
+                                         r"'auto' or a negative number for "
+                                         r"automatic\. Received: threshold="):
         validate_threshold(value)
 
 
-def test_threshold_options():
-    with pytest.raises(ValueError, match=r"Received: t=-0.5"):
-        validate_threshold(-0.5, "t", allow_negative=False)
-    assert validate_threshold("auto", allow_negative=False) == AUTO_THRESHOLD
-    for text in ("auto", "0.5", b"0.5"):
-        with pytest.raises(ValueError, match="not a string"):
-            validate_threshold(text, allow_str=False)
+def test_threshold_names_the_argument():
+    with pytest.raises(ValueError, match=r"`t` must .* Received: t='fast'"):
+        validate_threshold("fast", "t")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("auto", -1.0), ("AUTO", -1.0), ("0.5", 0.5), ("1", 1.0), ("0", 0.0),
+    ("-1", -1.0), ("-0.25", -0.25), ("1e-2", 0.01)])
+def test_threshold_from_text(text, expected):
+    assert threshold_from_text(text) == expected
+
+
+@pytest.mark.parametrize("text", ["fast", "", "nan", "1.5", "inf", "0,5"])
+def test_threshold_from_text_refuses(text):
+    with pytest.raises(ValueError, match=r"Received: threshold="):
+        threshold_from_text(text)
 
 
 def test_fraction():

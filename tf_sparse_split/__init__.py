@@ -28,13 +28,30 @@ Public API:
   layers (weights copied), and back.
 
 Importing the package is cheap (it does not import TensorFlow): the public
-names above are loaded on first use (PEP 562). The op library and the Keras
-classes are registered as soon as TensorFlow (and Keras) are imported --
-right away when they already are, else the moment they finish importing --
-so a SavedModel or ``.keras`` file that uses the ops loads after
-``import tf_sparse_split`` with no further call. If the op library is not
-built the import still succeeds; the :class:`LibraryLoadError` (with the
-rebuild command) comes from the first call that needs the library.
+names above are loaded on first use (PEP 562).
+
+Registration. A SavedModel or ``.keras`` file that uses the ops loads after
+``import tf_sparse_split`` with no further call, whatever the order of the
+imports of ``tf_sparse_split``, ``tensorflow`` and ``keras``. One mechanism
+does it: :func:`_register` loads the op library once TensorFlow is imported
+(the ops, their kernels and the rewrite pass) and imports
+:mod:`tf_sparse_split.layers` once TensorFlow and Keras both are (its
+``@keras.saving.register_keras_serializable(package="tf_sparse_split")``
+decorators put ``tf_sparse_split>SparseSplitDense`` and the other layers in
+Keras' global registry). It runs at the package's import, and again each
+time the execution of the ``tensorflow`` or ``keras`` package finishes, seen
+by the finder :class:`_RegisterAfterImport` at the front of
+``sys.meta_path``. The finder finds nothing itself: it hands on the spec the
+other finders return, with the loader's ``exec_module`` wrapped. A spec that
+is only looked up (TensorFlow calls ``importlib.util.find_spec("keras")``
+while importing, long before it imports Keras) is never executed and uses up
+nothing; once both registrations are made the finder returns None at
+once. ``import keras`` runs inside ``import tensorflow`` (and the reverse),
+so the layers are imported only when neither package is still
+initialising. Importing the layers directly (``tfss.SparseSplitDense``)
+registers them too. If the op library is not built the import still
+succeeds; the :class:`LibraryLoadError` (with the rebuild command) is kept
+in ``library_error`` and raised by the first call that needs the library.
 
 Subpackages by role: :mod:`~tf_sparse_split.ops` (op wrappers and
 gradients), :mod:`~tf_sparse_split.layers` (Keras layers),
@@ -87,13 +104,9 @@ __all__ = ["__version__", "rewrite", *_PUBLIC]
 
 
 def __getattr__(name):
-    if name.startswith("_"):  # private modules are imported, not looked up
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name in _PUBLIC:
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
     elif name in _SUBMODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
-    elif name in _old_paths():
         value = importlib.import_module(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -102,72 +115,49 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC) | set(_SUBMODULES)
-                  | set(_old_paths()))
-
-
-# -- old module paths (before issue 13), imported on demand ---------------
-def _old_paths():
-    _compat = importlib.import_module("tf_sparse_split._compat")
-    return {**_compat._ALIASES, **_compat._SPLIT}
-
-
-class _OldPathLoader(importlib.abc.Loader):
-    """Loads ``tf_sparse_split.<old>`` as the module that replaced it (or a
-    module re-exporting the names of the modules it was split into)."""
-
-    def create_module(self, spec):
-        _compat = importlib.import_module("tf_sparse_split._compat")
-        old = spec.name.rpartition(".")[2]
-        if old in _compat._ALIASES:
-            module = importlib.import_module(_compat._ALIASES[old])
-        else:
-            package = sys.modules[__name__]
-            _compat.install(package)  # builds the re-exporting modules
-            module = sys.modules[spec.name]
-        self._spec = getattr(module, "__spec__", None)
-        return module
-
-    def exec_module(self, module):
-        # The import system set __spec__ to the alias's: restore it.
-        if self._spec is not None and module.__spec__ is not self._spec:
-            module.__spec__ = self._spec
-
-
-class _OldPathFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        prefix, _, old = fullname.rpartition(".")
-        if prefix != __name__ or old not in _old_paths():
-            return None
-        return importlib.util.spec_from_loader(fullname, _OldPathLoader())
+    return sorted(set(globals()) | set(_PUBLIC) | set(_SUBMODULES))
 
 
 # -- registration with TensorFlow and Keras --------------------------------
-_REGISTER_LOCK = threading.RLock()
-#: Why the op library could not be loaded at import (None: loaded, or
-#: TensorFlow not imported yet). The same error is raised on use.
+#: Why the op library could not be loaded (None: loaded, or TensorFlow not
+#: imported yet). The same error is raised by the first use.
 library_error = None
 
+_LOCK = threading.Lock()
+_PACKAGES = ("tensorflow", "keras")
+_executed = set()   # of _PACKAGES: those whose execution finished
+_done = set()       # "ops", "keras": registrations made (or under way)
 
-def _register_ops():
-    """Loads the op library (registers the ops, kernels and rewrite pass);
-    an unbuilt or damaged library is remembered, not raised: the error
-    comes, with the rebuild command, from the first use."""
+
+def _ready(name):
+    """Whether ``name`` (a top-level package) is fully imported: its
+    execution finished (seen by the finder) or it is in ``sys.modules`` and
+    not initialising."""
+    if name in _executed:
+        return True
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and not getattr(spec, "_initializing", False)
+
+
+def _register():
+    """Makes the registrations whose packages are ready (idempotent): the
+    op library once TensorFlow is imported, the Keras layers once TensorFlow
+    and Keras are. An unbuilt or damaged library is remembered in
+    :data:`library_error`, not raised; a failure to import the layers is a
+    ``RuntimeWarning`` (it must not break the user's import)."""
     global library_error
-    from tf_sparse_split._loader import LibraryLoadError, load_library
-
-    with _REGISTER_LOCK:
+    if _claim("ops", "tensorflow"):
+        from tf_sparse_split._loader import LibraryLoadError, load_library
         try:
             load_library()
             library_error = None
         except LibraryLoadError as e:
             library_error = e
-
-
-def _register_keras():
-    """Imports the layers, which registers them as Keras serializables
-    (package ``tf_sparse_split``)."""
-    with _REGISTER_LOCK:
+        except Exception as e:  # never break the user's import
+            warnings.warn(f"tf_sparse_split could not load its op library: "
+                          f"{e}", RuntimeWarning, stacklevel=2)
+    if _claim("keras", "tensorflow", "keras"):
         try:
             importlib.import_module("tf_sparse_split.layers")
         except Exception as e:  # never break the user's `import keras`
@@ -175,61 +165,58 @@ def _register_keras():
                           f"layers: {e}", RuntimeWarning, stacklevel=2)
 
 
-def _imported(name):
-    module = sys.modules.get(name)
-    spec = getattr(module, "__spec__", None)
-    return module is not None and not getattr(spec, "_initializing", False)
+def _claim(registration, *packages):
+    """True, once, for the caller that is to make ``registration`` now that
+    ``packages`` are ready. The lock is not held while registering (that
+    imports modules, whose import locks another thread may hold while it
+    waits here)."""
+    with _LOCK:
+        if registration in _done or not all(map(_ready, packages)):
+            return False
+        _done.add(registration)
+        return True
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback right after a top-level module (``tensorflow``,
-    ``keras``) finishes importing, by wrapping its loader's
-    ``exec_module``; finds nothing itself."""
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Calls :func:`_register` each time the execution of the
+    ``tensorflow`` or ``keras`` package finishes. Finds nothing itself: it
+    returns the spec the finders after it return, with the loader's
+    ``exec_module`` wrapped. Looking a spec up without executing it
+    (``importlib.util.find_spec``) changes nothing."""
 
-    def __init__(self, callbacks):
-        self._callbacks = dict(callbacks)
-        self._busy = set()
+    def __init__(self):
+        self._busy = threading.local()
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in self._callbacks or fullname in self._busy:
+        if fullname not in _PACKAGES or len(_done) == 2 or \
+                getattr(self._busy, "on", False):
             return None
-        self._busy.add(fullname)
+        self._busy.on = True
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            self._busy.discard(fullname)
-        if spec is None or spec.loader is None or \
-                not hasattr(spec.loader, "exec_module"):
+            self._busy.on = False
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None or getattr(exec_module, "_tfss_wrapped", False):
             return spec
-        callback = self._callbacks.pop(fullname)
-        loader = spec.loader
-        exec_module = loader.exec_module
 
         def exec_then_register(module):
-            exec_module(module)
             try:
-                del loader.exec_module  # back to the class's method
-            except AttributeError:
-                pass
-            callback()
+                exec_module(module)
+            finally:
+                if vars(loader).get("exec_module") is exec_then_register:
+                    del loader.exec_module  # back to the class's method
+            _executed.add(fullname)
+            _register()
 
-        loader.exec_module = exec_then_register
+        exec_then_register._tfss_wrapped = True
+        try:
+            loader.exec_module = exec_then_register
+        except AttributeError:  # a loader that takes no attributes
+            pass
         return spec
 
 
-def _install():
-    sys.meta_path.append(_OldPathFinder())
-    pending = {}
-    if _imported("tensorflow"):
-        _register_ops()
-    else:
-        pending["tensorflow"] = _register_ops
-    if _imported("keras"):
-        _register_keras()
-    else:
-        pending["keras"] = _register_keras
-    if pending:
-        sys.meta_path.insert(0, _AfterImport(pending))
-
-
-_install()
+sys.meta_path.insert(0, _RegisterAfterImport())
+_register()

@@ -143,10 +143,8 @@ def _eager():
 
 
 def _threshold_value(threshold):
-    # 'auto' -> -1.0 (the op chooses); numbers in [0, 1]; no negatives and
-    # no numeric strings.
-    auto = isinstance(threshold, str) and threshold.strip().lower() == "auto"
-    return validate_threshold(threshold, allow_negative=False, allow_str=auto)
+    # 'auto' or a negative number -> automatic (the op chooses); [0, 1].
+    return validate_threshold(threshold)
 
 
 def _apply(cfg):
@@ -195,8 +193,9 @@ def enable(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,
     """Turns the rewrite pass on for graphs instantiated from now on.
 
     Args:
-      threshold: ``"auto"`` (the op chooses from rates it measured on this
-        machine) or a row-density threshold in ``[0, 1]`` given to every op
+      threshold: ``"auto"`` or a negative number (the op chooses from rates
+        it measured on this machine), or a row-density threshold in
+        ``[0, 1]`` given to every op
         the pass adds. The results do not depend on it, only the speed.
       min_flops: nodes whose statically known FLOP count (``2*M*K*N`` for
         MatMul) is below this are left alone; dimensions unknown at graph
@@ -224,7 +223,8 @@ def enable(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,
         graphs; see the module docstring), naming a few.
 
     Raises:
-      ValueError: for a threshold outside ``[0, 1]`` (other than ``"auto"``),
+      ValueError: for a threshold above 1, NaN or a string other than
+        ``"auto"``,
         a negative ``min_flops``, unknown ``ops`` or malformed ``producers``.
       tf_sparse_split.LibraryLoadError: if the op library cannot be loaded.
     """

@@ -40,10 +40,18 @@ class SplitThresholdCallback(keras.callbacks.Callback):
       :class:`~tf_sparse_split.layers.SparseSplitConv2D`, also inside
       nested models), resets their statistics and starts fresh cost models
       (each layer's ``split_work_coefficients`` gives its op's flop formulas).
-    * First epoch of each ``fit``: for the first ``explore_batches`` batches
-      it alternates every layer's threshold between 1.0 (all rows sparse) and
-      0.0 (all nonzero rows dense), so that both paths are timed; then it
-      restores the layer's own threshold. Results are unaffected.
+      With ``resume`` (default), a later ``fit`` of the same model object
+      whose sparse-split layers are the same, with the same names and shapes
+      (:func:`~tf_sparse_split.tuning.tuner.layer_key`), keeps the cost
+      models, thresholds and :attr:`history` instead, and explores no more:
+      calling ``fit`` once per epoch (custom schedules, Keras Tuner,
+      continual training) pays the exploration once. Another model, or
+      layers replaced or rebuilt with other shapes, start over.
+    * First epoch of a ``fit`` that starts over: for the first
+      ``explore_batches`` batches it alternates every layer's threshold
+      between 1.0 (all rows sparse) and 0.0 (all nonzero rows dense), so
+      that both paths are timed; then it restores the layer's own threshold.
+      Results are unaffected.
     * ``on_train_batch_begin``: takes the timing sample of the previous batch
       if it was an exploration batch or one of the ``samples_per_epoch``
       sampled batches of the epoch. Other batches cost no host sync: the
@@ -74,7 +82,10 @@ class SplitThresholdCallback(keras.callbacks.Callback):
 
     Attributes:
       history: list with one dict per epoch: ``{"epoch": int, "layers":
-        {layer_name: entry}}``, entries as in ``ThresholdTuner.history``
+        {layer_name: entry}, "explore_batches": int}`` (the epoch's
+        exploration batches; with ``resume``, the epochs of every ``fit`` of
+        the model, ``epoch`` as Keras numbered it), entries as in
+        ``ThresholdTuner.history``
         (``sparsity``, ``threshold``, ``dense_rate``, ``sparse_rate`` in
         flop/s or None, ``dense_overhead``, ``sparse_overhead`` and
         ``time_in_op`` in seconds, ``rows_dense``, ``rows_sparse``,
@@ -98,14 +109,21 @@ class SplitThresholdCallback(keras.callbacks.Callback):
       samples_per_epoch: int >= 0 (default 4), batches per epoch (after
         exploration) read as timing samples, spread over the epoch.
       log_dir: directory for TensorBoard event files, or None (default).
+      resume: bool (default True): a later ``fit`` of the same model keeps
+        what was learned (see ``on_train_begin``); False: every ``fit``
+        starts over.
 
     Raises:
       ValueError: on invalid arguments.
     """
 
     def __init__(self, explore_batches=6, min_samples=2, warmup_samples=1,
-                 verbose=0, samples_per_epoch=4, log_dir=None):
+                 verbose=0, samples_per_epoch=4, log_dir=None, resume=True):
         super().__init__()
+        if not isinstance(resume, bool):
+            raise ValueError(f"`resume` must be True or False. Received: "
+                             f"resume={resume!r}")
+        self.resume = resume
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         self.verbose = int(verbose)
@@ -155,10 +173,18 @@ class SplitThresholdCallback(keras.callbacks.Callback):
                 "the cost-model fit need more batches and thresholds may stay "
                 "unchanged for a while; compile with steps_per_execution=1 "
                 "for tuning", RuntimeWarning, stacklevel=2)
-        if self.tuner is not None:
-            self.tuner.close()
-        self.tuner = self._make_tuner(self.model, self.log_dir)
-        self.tuner.begin_training()
+        if self.tuner is not None and self.tuner.model is self.model:
+            # Same model: the tuner itself checks its layers and shapes.
+            self.tuner.begin_training(resume=self.resume)
+        else:
+            if self.tuner is not None:
+                self.tuner.close()
+            self.tuner = self._make_tuner(self.model, self.log_dir)
+            self.tuner.begin_training()
+        if self.verbose and self.tuner.resumed:
+            print("SplitThresholdCallback: same model and layer shapes as the "
+                  "previous fit: cost models and thresholds kept, no "
+                  "exploration", flush=True)
         self._in_epoch = False
 
     def on_epoch_begin(self, epoch, logs=None):

@@ -269,7 +269,8 @@ class SparseSplitLayer(keras.layers.Layer):
         weight, which a compiled training step reads at its next call.
 
         Raises:
-          ValueError: if the threshold is not in [0, 1] or negative.
+          ValueError: unless the threshold is in [0, 1], negative or
+            ``'auto'`` (NaN, above 1, another string).
         """
         value = validate_threshold(threshold)
         if self.threshold_var is None:

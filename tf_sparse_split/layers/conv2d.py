@@ -51,7 +51,7 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
       groups: must be 1 (grouped convolution is not supported).
       threshold: initial image-density split threshold in ``[0, 1]`` (images
         whose density nnz / (H*W*C_in) is above it go dense), or negative
-        (default -1.0) to let the op choose per call. Stored as the
+        (default -1.0) or ``'auto'`` to let the op choose per call. Stored as the
         non-trainable float32 ``tf.Variable`` ``threshold_var`` that a
         :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` assigns,
         saved with the model (not a Keras weight: ``get_weights()`` is

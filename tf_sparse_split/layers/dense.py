@@ -51,10 +51,10 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
       units, activation, use_bias, kernel_initializer, bias_initializer,
       kernel_regularizer, bias_regularizer, activity_regularizer,
       kernel_constraint, bias_constraint: as in ``keras.layers.Dense``.
-      threshold: float, initial split threshold: in ``[0, 1]`` (rows of the
+      threshold: float or ``'auto'``, initial split threshold: in ``[0, 1]`` (rows of the
         input with density = nonzeros / input_dim above it go to the dense
         GEMM, the others to the CSR SpMM; 1.0 = all sparse, 0.0 = all
-        nonzero rows dense), or negative (default -1.0) to let the op choose
+        nonzero rows dense), or negative (default -1.0) or ``'auto'`` to let the op choose
         per call. Stored as a non-trainable float32 ``tf.Variable``
         ``threshold_var`` (so a compiled ``tf.function`` reads the current
         value; a callback changes it with ``.assign()``) and saved with the
@@ -90,7 +90,7 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     and the result is cast back to the compute dtype.
 
     Statistics: training calls (and eager calls) record the op's statistics
-    vector (``tf_sparse_split.stats``) into two ``tf.Variable`` objects that
+    vector (``tf_sparse_split.tuning.stats``) into two ``tf.Variable`` objects that
     are not Keras weights (``get_weights()`` is ``[kernel, bias]``, or
     ``[kernel]`` without bias, as for ``Dense``): the latest vector, and the sum
     since the last :meth:`reset_stats` with the number of calls. Under

@@ -52,19 +52,19 @@ def as_threshold(threshold):
     """The ``threshold`` operand of an op as a float32 scalar tensor.
 
     A Python or numpy number is checked with
-    :func:`~tf_sparse_split.utils.validation.validate_threshold` (strings,
-    even ``'auto'``, are refused: pass a negative number); a tensor or
+    :func:`~tf_sparse_split.utils.validation.validate_threshold` (``'auto'``
+    or a negative number: automatic, passed as -1.0); a tensor or
     variable (e.g. a layer's ``threshold_var``) is only checked for a real
     dtype here, its value by the op kernel.
 
     Raises:
-      tf.errors.InvalidArgumentError: a non-numeric threshold, one above 1
-        or NaN.
+      tf.errors.InvalidArgumentError: a non-numeric threshold (a string
+        other than ``'auto'``), one above 1 or NaN.
     """
     if threshold is None or isinstance(threshold, (str, bytes, bool, np.bool_,
                                                    numbers.Number)):
         try:
-            validate_threshold(threshold, allow_str=False)
+            threshold = validate_threshold(threshold)
         except ValueError as e:
             raise invalid(str(e)) from None
     t = tf.convert_to_tensor(threshold)

@@ -152,7 +152,7 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
       explicit_paddings: with ``padding="EXPLICIT"``, 8 ints: before/after
         for N, H, W, C (N and C entries 0).
       threshold: scalar image-density threshold in ``[0, 1]``, or negative
-        (default) to let the op choose with its cost model
+        (default) or ``'auto'`` to let the op choose with its cost model
         (``cc/core/cost_model.h``, calibrated on the first such call for
         this layer geometry on this machine; dense unless the sparse path is
         predicted clearly faster). A float or scalar tensor (e.g. a
@@ -163,7 +163,7 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     Returns:
       the output ``[N, OH, OW, C_out]`` of the input dtype; with
       ``return_stats``, ``(output, stats)``, ``stats`` a float64 vector laid
-      out as in :mod:`tf_sparse_split.stats` with rows = images and columns =
+      out as in :mod:`tf_sparse_split.tuning.stats` with rows = images and columns =
       the ``H*W*C_in`` values of an image (see there).
 
     Raises:

@@ -103,7 +103,7 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         nonzeros): rows above it go dense, rows at or below it sparse --
         except that when the only such rows are all-zero and fewer than 1/8
         of the rows, every row goes dense (cheaper than gathering the rest;
-        same result). Negative: the op chooses the split with its cost model
+        same result). Negative or ``'auto'``: the op chooses the split with its cost model
         (``cc/core/cost_model.h``: per-call fixed, CSR-conversion,
         flop-rate and copy terms, calibrated on the first such call for
         this dtype, K and N bucket on this machine), which keeps every row
@@ -138,7 +138,7 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       The product ``act(op(a) @ op(b) + bias)``, ``[M, N]``, of the inputs'
       dtype; with ``return_stats``, a
       tuple ``(product, stats)`` where ``stats`` is a float64 vector laid out
-      as in :mod:`tf_sparse_split.stats` (rows dense/sparse, nnz, all-zero
+      as in :mod:`tf_sparse_split.tuning.stats` (rows dense/sparse, nnz, all-zero
       columns skipped, seconds in each part, threshold used, ...).
 
     Raises:

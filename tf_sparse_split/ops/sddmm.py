@@ -38,13 +38,13 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
       b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if
         ``transpose_b``); ``op(b)`` is ``[K, N]``.
       threshold: scalar row-density threshold in ``[0, 1]`` on the rows of
-        ``mask``, or negative (default): chosen per call by the cost model
+        ``mask``, or negative (default) or ``'auto'``: chosen per call by the cost model
         (``cc/core/cost_model.h``, calibrated on the first such call for
         this dtype, K and N bucket), which keeps the dense GEMM unless the
         SDDMM is predicted at least 10% faster. A float or a scalar tensor.
       transpose_b: if True, ``b`` is ``[N, K]`` and ``op(b) = b^T``.
       return_stats: if True, also return the per-call statistics (layout of
-        :mod:`tf_sparse_split.stats`; the split of the mask's rows).
+        :mod:`tf_sparse_split.tuning.stats`; the split of the mask's rows).
       name: optional op name.
 
     Returns:

@@ -69,8 +69,8 @@ import sys
 
 from tf_sparse_split.tools.models import DROPOUT_KINDS
 from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
-                                              validate_positive_float,
-                                              validate_threshold)
+                                              threshold_from_text,
+                                              validate_positive_float)
 
 __all__ = ["main", "build_parser", "parse_positive_int", "parse_int_list",
            "parse_positive_float", "parse_threshold", "parse_rate",
@@ -108,10 +108,9 @@ def parse_int_list(text):
 
 
 def parse_threshold(text):
-    """argparse type: a threshold in [0, 1] or ``auto`` (stored as -1.0);
-    negative numbers are refused (write ``auto``)."""
-    return _checked(lambda t: validate_threshold(t, "threshold",
-                                                 allow_negative=False), text)
+    """argparse type: a threshold in [0, 1], or ``auto`` (stored as -1.0)
+    or a negative number for automatic (``threshold_from_text``)."""
+    return _checked(threshold_from_text, text)
 
 
 def parse_rate(text):

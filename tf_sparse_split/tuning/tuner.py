@@ -47,6 +47,14 @@ Usage in a custom loop::
             strategy.run(train_step, args=(next(iterator),))
         record = tuner.end_epoch(epoch)   # thresholds set for next epoch
     tuner.close()
+
+Resuming. ``begin_training(resume=True)`` (what
+:class:`~tf_sparse_split.callbacks.SplitThresholdCallback` calls at every
+``fit`` after the first on the same model) keeps what was learned -- cost
+models, tuned thresholds, history, the epoch count, so no exploration --
+when the model's sparse-split layers are the objects, with the names and
+built shapes (batch dimension aside) and kernel shapes, that the tuner had at
+its last :meth:`~ThresholdTuner.end_epoch`; otherwise it starts over.
 """
 
 import math
@@ -60,8 +68,8 @@ from tf_sparse_split.tuning import stats as _stats
 from tf_sparse_split.tuning.cost_model import DENSE, SPARSE, CostModel
 from tf_sparse_split.utils.validation import validate_int
 
-__all__ = ["ThresholdTuner", "find_split_layers", "is_chief", "SCALAR_TAGS",
-           "HISTOGRAM_TAG"]
+__all__ = ["ThresholdTuner", "find_split_layers", "layer_key", "is_chief",
+           "SCALAR_TAGS", "HISTOGRAM_TAG"]
 
 #: Per-layer scalar summaries written each epoch (tag ``<layer>/<name>``):
 #: fraction of zeros of the layer's input, threshold for the next epoch,
@@ -95,6 +103,32 @@ def find_split_layers(model):
                 seen.add(id(layer))
                 found.append(layer)
     return found
+
+
+def _shape_key(layer):
+    """What of ``layer``'s shapes the cost model depends on: its built input
+    shape without the batch dimension and its kernel's shape (None before
+    ``build``)."""
+    if not getattr(layer, "built", False):
+        return None
+    config = layer.get_build_config() or {}
+    shape = config.get("input_shape")
+    if isinstance(shape, (list, tuple)) and all(
+            d is None or isinstance(d, int) for d in shape):
+        shape = tuple(shape[1:])
+    else:
+        shape = repr(config)
+    kernel = getattr(layer, "kernel", None)
+    return shape, None if kernel is None else tuple(kernel.shape)
+
+
+def layer_key(model):
+    """The identity of ``model``'s tuning problem: for each
+    :class:`~tf_sparse_split.layers.SparseSplitLayer` found in it (in
+    order), the layer object's ``id``, its name and :func:`_shape_key`. A
+    tuner resumes only while this key is unchanged."""
+    return tuple((id(layer), layer.name, _shape_key(layer))
+                 for layer in find_split_layers(model))
 
 
 def is_chief(strategy):
@@ -166,7 +200,12 @@ class ThresholdTuner:
         (s, summed), ``rows_dense``, ``rows_sparse`` (summed),
         ``zero_cols_skipped`` (mean per call), ``histogram`` (rows per
         density bin, summed) and ``calls``.
-      host_reads: number of statistics reads (device-to-host copies) so far.
+        The record also has ``explore_batches``: the epoch's batches spent
+        exploring (0 after the first epoch, and in a resumed training).
+      host_reads: number of statistics reads (device-to-host copies) so far
+        (kept by a resumed training).
+      resumed: whether the latest :meth:`begin_training` kept what was
+        learned (see "Resuming" in the module docstring).
 
     Raises:
       ValueError: on invalid arguments.
@@ -200,6 +239,8 @@ class ThresholdTuner:
         self._reset_epoch_state()
         self._exploring = False
         self._epochs_done = 0
+        self._learned_key = None
+        self.resumed = False
 
     # -- distribution -----------------------------------------------------
     def _resolve_strategy(self):
@@ -308,11 +349,33 @@ class ThresholdTuner:
         self._pending = False
         self._pending_sample = set()
         self._epoch_closed = False
+        self._explored = 0
 
-    def begin_training(self):
-        """Starts over: finds the layers, resets their statistics and the
-        cost models, clears :attr:`history`."""
+    def begin_training(self, resume=False):
+        """Starts a training run: finds the layers, resets their statistics
+        and, unless resuming, the cost models and :attr:`history`.
+
+        Args:
+          resume: if True, and the model's sparse-split layers are the ones
+            (same objects, names and shapes: :func:`layer_key`) of the last
+            :meth:`end_epoch`, keeps the cost models, the tuned thresholds
+            (a threshold set on a layer since then is taken as its own),
+            :attr:`history` and the epoch count, so that no batch explores
+            again; otherwise (or if False, the default) starts over.
+            :attr:`resumed` tells which happened.
+        """
         self._resolve_strategy()
+        self.resumed = bool(resume) and self._learned_key is not None and \
+            self._learned_key == layer_key(self.model)
+        if self.resumed:
+            self._reset_epoch_state()
+            self._exploring = False
+            for s in self._built():
+                s.threshold = s.layer.threshold  # once per run, not per batch
+                s.layer.reset_stats()
+            self._open_writer()
+            return
+        self._learned_key = None
         self.history = []
         self.states = []
         self.host_reads = 0
@@ -323,6 +386,9 @@ class ThresholdTuner:
         for s in self._discover():
             if s.layer.threshold_var is not None:
                 s.layer.reset_stats()
+        self._open_writer()
+
+    def _open_writer(self):
         if self.log_dir is not None and self.is_chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
@@ -381,6 +447,7 @@ class ThresholdTuner:
             for s in self._built():
                 s.layer.threshold_var.assign(value)
             self._exploring = True
+            self._explored += 1
         elif self._exploring:
             self._restore_thresholds()
         if explore or batch in self._sample_at:
@@ -443,10 +510,12 @@ class ThresholdTuner:
                 s.threshold = value
                 entry["threshold"] = value
         record = {"epoch": epoch,
-                  "layers": {s.layer.name: e for s, e in zip(built, entries)}}
+                  "layers": {s.layer.name: e for s, e in zip(built, entries)},
+                  "explore_batches": self._explored}
         self.history.append(record)
         self._write_summaries(record)
         self._epochs_done += 1
+        self._learned_key = layer_key(self.model)
         self._reset_epoch_state()
         return record
 

@@ -15,6 +15,7 @@ import numpy as np
 __all__ = [
     "AUTO_THRESHOLD",
     "validate_threshold",
+    "threshold_from_text",
     "validate_fraction",
     "validate_int",
     "validate_positive_float",
@@ -42,47 +43,64 @@ def _parse_float(value, msg):
         raise ValueError(msg) from None
 
 
-def validate_threshold(threshold, name="threshold", *, allow_negative=True,
-                       allow_str=True):
+def validate_threshold(threshold, name="threshold"):
     """Checks a dense/sparse split threshold and returns it as a float.
 
+    The one place where every threshold argument is parsed: the op wrappers
+    (``sparse_split_matmul``, ``sparse_split_conv2d``,
+    ``sparse_split_sddmm``), the layers' ``threshold=`` and
+    ``set_threshold``, ``sparse_split_model``, ``rewrite.enable`` and, through
+    :func:`threshold_from_text`, the command line.
+
     Args:
-      threshold: a real number in ``[0, 1]`` (rows or images whose density
-        is above it go dense, the others sparse), or ``'auto'`` (any case)
-        for automatic, stored as :data:`AUTO_THRESHOLD`. With
-        ``allow_negative`` a negative number also means automatic and is
-        returned unchanged. With ``allow_str`` a numeric string (``"0.5"``,
-        as the command line passes it) is parsed.
+      threshold: a real number in ``[0, 1]`` (rows or images whose density,
+        the fraction of nonzeros, is above it go dense, the others sparse);
+        or automatic (the op chooses the split per call from the rates it
+        measured on this machine): the string ``'auto'`` (any case),
+        returned as :data:`AUTO_THRESHOLD`, or any negative number, returned
+        unchanged.
       name: the argument's name, for the message.
-      allow_negative: accept negative numbers (automatic).
-      allow_str: accept strings (``'auto'`` and numeric strings); if False,
-        every ``str``/``bytes`` is refused.
 
     Returns:
-      the threshold as a Python float.
+      the threshold as a Python float (negative: automatic).
 
     Raises:
-      ValueError: a bool, ``None``, a non-numeric value, NaN, a value above
-        1, a negative value without ``allow_negative``, or a string without
-        ``allow_str``.
+      ValueError: a string other than ``'auto'`` (numeric strings too: use
+        :func:`threshold_from_text` for text), bytes, a bool, ``None``, a
+        non-numeric value, NaN, or a value above 1.
     """
-    expected = ("a number in [0, 1], or 'auto'" +
-                (" or a negative number" if allow_negative else "") +
-                " for automatic")
-    msg = f"`{name}` must be {expected}. {_received(name, threshold)}"
-    if threshold is None:
-        raise ValueError(msg)
-    if isinstance(threshold, (str, bytes)):
-        if not allow_str:
-            raise ValueError(f"`{name}` must be {expected}, not a string. "
-                             f"{_received(name, threshold)}")
-        text = threshold.decode() if isinstance(threshold, bytes) else threshold
-        if text.strip().lower() == "auto":
+    msg = (f"`{name}` must be a number in [0, 1], or 'auto' or a negative "
+           f"number for automatic. {_received(name, threshold)}")
+    if isinstance(threshold, str):
+        if threshold.strip().lower() == "auto":
             return AUTO_THRESHOLD
+        raise ValueError(msg)
+    if threshold is None or isinstance(threshold, bytes):
+        raise ValueError(msg)
     value = _parse_float(threshold, msg)  # also refuses bools
-    if math.isnan(value) or value > 1.0 or (value < 0.0 and not allow_negative):
+    if math.isnan(value) or value > 1.0:
         raise ValueError(msg)
     return value
+
+
+def threshold_from_text(text, name="threshold"):
+    """A threshold written as text (the command line's ``--threshold``):
+    ``'auto'`` or a number, checked as :func:`validate_threshold` does.
+
+    Returns:
+      the threshold as a Python float (negative: automatic).
+
+    Raises:
+      ValueError: as :func:`validate_threshold`, or for text that is
+        neither ``'auto'`` nor a number.
+    """
+    value = text
+    if isinstance(text, str) and text.strip().lower() != "auto":
+        try:
+            value = float(text)
+        except ValueError:
+            pass  # validate_threshold refuses the string with its message
+    return validate_threshold(value, name)
 
 
 def validate_fraction(value, name, *, low_inclusive=True,
