@@ -2,10 +2,11 @@
 
 :class:`SparseSplitConv2D` is a drop-in replacement for
 ``keras.layers.Conv2D`` (``data_format="channels_last"``; grouped
-convolution and LoRA included) whose convolution is ``SparseSplitConv2D``: images of the batch whose input
-density is above the layer's threshold go to TensorFlow's own convolution,
-the others to a sparse kernel whose cost is proportional to their nonzeros,
-and input channels that are zero across the batch are skipped (K.-Y. Peng,
+convolution and LoRA included) whose convolution is ``SparseSplitConv2D``:
+images of the batch whose input density is above the layer's threshold go
+to TensorFlow's own convolution, the others to a sparse kernel whose cost is
+proportional to their nonzeros, and input channels that are zero across the
+batch are skipped (K.-Y. Peng,
 "Adaptive runtime exploiting sparsity in tensor of deep learning on
 heterogeneous systems", NTU 2017). The result equals ``Conv2D``'s to float
 rounding at any threshold. Requires the TensorFlow backend of Keras 3.
