@@ -11,9 +11,10 @@ variants interleaved in the same run (alternating order per round):
   computed in full and pushed to ``A`` and ``B``) and
   ``keras.layers.Dense`` with LoRA.
 * **Grouped** ``SparseSplitConv2D``: one sparse-split convolution per group
-  (the layer) against ``keras.layers.Conv2D(groups=...)`` (TensorFlow's
-  grouped kernel, forward and gradients) and against one dense
-  ``tf.nn.conv2d`` per group (what the per-group split alone gains).
+  (the layer) against ``keras.layers.Conv2D(groups=...)`` (which Keras 3
+  compiles with XLA on CPUs), TensorFlow's own grouped kernel
+  (``tf.nn.conv2d`` with the grouped kernel, no XLA) and one dense
+  ``tf.nn.conv2d`` per group.
 
 A step is the forward call and the gradients of ``sum(y)`` for the trainable
 weights and the input (no optimizer), one ``tf.function``, on a fixed input
@@ -65,6 +66,17 @@ class _PerGroupDenseConv2D(keras.layers.Conv2D):
                           for xi, ki in zip(xs, ks)], axis=-1)
 
 
+class _TfGroupedConv2D(keras.layers.Conv2D):
+    """Grouped Conv2D as one ``tf.nn.conv2d`` with the ``[KH, KW, C_in /
+    groups, filters]`` kernel: TensorFlow's own grouped kernel (oneDNN),
+    without the XLA compilation Keras wraps grouped convolutions in on
+    CPUs."""
+
+    def convolution_op(self, inputs, kernel):
+        return tf.nn.conv2d(inputs, kernel, list(self.strides),
+                            self.padding.upper())
+
+
 def _sparse_input(rng, shape, sparsity):
     x = np.abs(rng.standard_normal(shape)).astype(np.float32)
     x[rng.random(shape) < sparsity] = 0.0
@@ -82,16 +94,18 @@ def _step_fn(layer, x):
     return step
 
 
-def _time_variants(variants, rounds, reps):
-    """{name: [round medians]} of interleaved rounds."""
-    for fn in variants.values():  # trace, calibrate, warm up
-        for _ in range(3):
+def _time_variants(variants, rounds, reps, slow=()):
+    """{name: [round medians]} of interleaved rounds; the variants named in
+    ``slow`` run one call per round."""
+    for name, fn in variants.items():  # trace, calibrate, warm up
+        for _ in range(1 if name in slow else 3):
             fn()
     times = {name: [] for name in variants}
     names = list(variants)
     for r in range(rounds):
         for name in rotated(names, r):
-            times[name].append(median_time(variants[name], reps))
+            times[name].append(median_time(
+                variants[name], 1 if name in slow else reps))
     return times
 
 
@@ -128,7 +142,7 @@ def lora_rows(rounds, reps, m=256, k=1024, n=1024, rank=8):
     return rows
 
 
-def grouped_rows(rounds, reps, batch=32, hw=16, c=64, f=64):
+def grouped_rows(rounds, reps, batch=16, hw=32, c=128, f=128):
     rows = []
     rng = np.random.default_rng(1)
     for groups in (2, 4):
@@ -136,6 +150,8 @@ def grouped_rows(rounds, reps, batch=32, hw=16, c=64, f=64):
             x = _sparse_input(rng, (batch, hw, hw, c), sparsity)
             kw = dict(padding="same", groups=groups, activation="relu")
             layers = {"keras Conv2D": keras.layers.Conv2D(f, 3, **kw),
+                      "tf.nn.conv2d grouped": _TfGroupedConv2D(
+                          f, 3, name="tf_grouped", **kw),
                       "per-group tf.nn.conv2d": _PerGroupDenseConv2D(
                           f, 3, name="per_group_dense", **kw),
                       "per-group (layer)": tfss.SparseSplitConv2D(f, 3, **kw)}
@@ -146,7 +162,8 @@ def grouped_rows(rounds, reps, batch=32, hw=16, c=64, f=64):
                     weights = layer.get_weights()
                 layer.set_weights(weights)
             fns = {name: _step_fn(layer, x) for name, layer in layers.items()}
-            times = _time_variants(fns, rounds, reps)
+            times = _time_variants(fns, rounds, reps,
+                                   slow=("keras Conv2D",))
             rows += _rows(
                 f"Conv2D {batch}x{hw}x{hw}x{c}->{f} 3x3 groups={groups}, "
                 f"{sparsity:.0%} zeros", times, "keras Conv2D")

@@ -358,3 +358,10 @@ def test_convert_and_strip_grouped_and_lora_models():
         assert back.get_layer(name).lora_alpha == alpha
     np.testing.assert_allclose(back.predict(x, verbose=0), expected,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_quantize_is_refused(kind):
+    layer = _pair(kind)[0]
+    with pytest.raises(NotImplementedError):
+        layer.quantize("int8")
