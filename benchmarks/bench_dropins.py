@@ -19,7 +19,8 @@ variants interleaved in the same run (alternating order per round):
 A step is the forward call and the gradients of ``sum(y)`` for the trainable
 weights and the input (no optimizer), one ``tf.function``, on a fixed input
 with the given fraction of zeros. Prints a markdown table (median ms over
-rounds, min, spread = max/min of the round medians, ratio = Keras / variant)
+rounds, min, spread = max/min of the round medians; Keras / variant of the
+medians and of the minima)
 and writes it to ``benchmarks/results/bench_dropins.md`` (``--out``).
 
 Usage::
@@ -112,11 +113,12 @@ def _time_variants(variants, rounds, reps, slow=()):
 def _rows(label, times, baseline):
     rows = []
     base = statistics.median(times[baseline])
+    base_min = min(times[baseline])
     for name, t in times.items():
         ratio = base / statistics.median(t)
         rows.append(f"| {label} | {name} | "
                     f"{format_median_min_spread(median_min_spread_ms(t))} | "
-                    f"{ratio:.2f} |")
+                    f"{ratio:.2f} | {base_min / min(t):.2f} |")
     return rows
 
 
@@ -184,11 +186,14 @@ def main(argv=None):
     if args.only in (None, "grouped"):
         rows += grouped_rows(args.rounds, args.reps)
     text = markdown_table(
-        "| problem | variant | step ms: median (min, spread) | Keras / variant |",
+        "| problem | variant | step ms: median (min, spread) | "
+        "Keras / variant (medians) | Keras / variant (mins) |",
         rows,
         title=(f"Training step (forward + gradients), {cpus_desc()}, "
                f"TensorFlow {tf.__version__}, {args.rounds} interleaved "
-               f"rounds of {args.reps} calls"))
+               f"rounds of {args.reps} calls (Keras' grouped Conv2D: 1 call "
+               f"per round); load average {os.getloadavg()[0]:.1f} at the "
+               "end (other jobs on the machine widen the spread)"))
     print(text)
     write_report(args.out, text)
 
