@@ -122,9 +122,9 @@ def sparse_split_model(model, layer_filter=None, threshold="auto"):
     ``SparseSplitConv2D`` with the same configuration (name, units/filters,
     ``groups``, activation, initializers, regularizers, constraints, dtype
     policy, LoRA rank and alpha) and weights (``lora_kernel_a``/``_b``
-    included, the kernel frozen as in the original); every other layer is copied unchanged with its weights. The
-    copy computes the same values as ``model`` to float rounding (the
-    threshold changes speed only).
+    included, the kernel frozen as in the original); every other layer is
+    copied unchanged with its weights. The copy computes the same values as
+    ``model`` to float rounding (the threshold changes speed only).
 
     Args:
       model: a built ``Sequential`` or functional ``keras.Model`` (nested
@@ -163,8 +163,8 @@ def strip_sparse_split(model):
     """A copy of ``model`` with every ``SparseSplitDense``/``SparseSplitConv2D``
     replaced by ``keras.layers.Dense``/``keras.layers.Conv2D`` with the same
     configuration and weights (``groups`` and LoRA included; the threshold is
-    dropped). Other layers, the
-    structured dropout layers included, are copied unchanged.
+    dropped). Other layers, the structured dropout layers included, are
+    copied unchanged.
 
     Args:
       model: a built ``Sequential`` or functional ``keras.Model``.

@@ -77,7 +77,10 @@ class SparseSplitLayer(keras.layers.Layer):
     matmul's. ``build`` (here) creates the threshold variable after the
     Keras layer's own weights; it is not a Keras weight, so
     ``get_weights()`` is ``[kernel, (bias,)]`` as for the Keras layer
-    replaced and ``set_weights`` takes that layer's list.
+    replaced and ``set_weights`` takes that layer's list. LoRA is the Keras
+    layer's own (``enable_lora``, ``lora_rank``): the list then ends with
+    ``lora_kernel_a``, ``lora_kernel_b`` as there, and ``.keras`` files hold
+    the merged kernel (:meth:`save_own_variables`).
 
     Args:
       *args: positional arguments of the Keras layer replaced.
@@ -397,7 +400,8 @@ class SparseSplitLayer(keras.layers.Layer):
                                                self.lora_kernel_b.dtype))
 
     def set_weights(self, weights):
-        """Sets ``[kernel, (bias,)]`` as ``keras.layers.Dense`` /
+        """Sets ``[kernel, (bias,)]`` (with LoRA enabled, then
+        ``lora_kernel_a``, ``lora_kernel_b``) as ``keras.layers.Dense`` /
         ``Conv2D`` do (e.g. ``layer.set_weights(dense.get_weights())``).
 
         Also accepts the 0.1 list with the threshold appended
