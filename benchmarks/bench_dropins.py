@@ -15,9 +15,13 @@ variants interleaved in the same run (alternating order per round):
   compiles with XLA on CPUs), TensorFlow's own grouped kernel
   (``tf.nn.conv2d`` with the grouped kernel, no XLA) and one dense
   ``tf.nn.conv2d`` per group.
+* **``tf.SparseTensor`` inputs** to ``SparseSplitDense``: the layer (kernel
+  rows of the live columns gathered, the op on the compacted dense input)
+  against ``keras.layers.Dense`` (``tf.nn.embedding_lookup_sparse``); the
+  step is the forward call and the weights' gradients.
 
-A step is the forward call and the gradients of ``sum(y)`` for the trainable
-weights and the input (no optimizer), one ``tf.function``, on a fixed input
+A step (LoRA, grouped) is the forward call and the gradients of ``sum(y)``
+for the trainable weights and the input (no optimizer), one ``tf.function``, on a fixed input
 with the given fraction of zeros. Prints a markdown table (median ms over
 rounds, min, spread = max/min of the round medians; Keras / variant of the
 medians and of the minima)
@@ -172,11 +176,41 @@ def grouped_rows(rounds, reps, batch=16, hw=32, c=128, f=128):
     return rows
 
 
+def sparse_tensor_rows(rounds, reps, m=256, k=4096, n=512):
+    rows = []
+    rng = np.random.default_rng(2)
+    for density in (0.01, 0.1, 0.3):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[rng.random(x.shape) >= density] = 0.0
+        x = tf.sparse.from_dense(x)
+        layers = {"keras Dense": keras.layers.Dense(n, activation="relu"),
+                  "live columns + op (layer)": tfss.SparseSplitDense(
+                      n, activation="relu")}
+        weights = None
+        for layer in layers.values():
+            layer.build((None, k))
+            if weights is None:
+                weights = layer.get_weights()
+            layer.set_weights(weights)
+        fns = {}
+        for name, layer in layers.items():
+            def step(layer=layer):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(layer(x, training=True))
+                return tape.gradient(loss, layer.trainable_weights)
+            fns[name] = tf.function(step)
+        times = _time_variants(fns, rounds, reps, slow=("keras Dense",))
+        rows += _rows(f"SparseTensor {m}x{k} ({density:.0%} stored) x {n}",
+                      times, "keras Dense")
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--only", choices=("lora", "grouped"), default=None)
+    p.add_argument("--only", choices=("lora", "grouped", "sparse"),
+                   default=None)
     p.add_argument("--out", default=os.path.join(HERE, "results",
                                                  "bench_dropins.md"))
     args = p.parse_args(argv)
@@ -185,6 +219,8 @@ def main(argv=None):
         rows += lora_rows(args.rounds, args.reps)
     if args.only in (None, "grouped"):
         rows += grouped_rows(args.rounds, args.reps)
+    if args.only in (None, "sparse"):
+        rows += sparse_tensor_rows(args.rounds, args.reps)
     text = markdown_table(
         "| problem | variant | step ms: median (min, spread) | "
         "Keras / variant (medians) | Keras / variant (mins) |",

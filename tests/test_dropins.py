@@ -310,6 +310,41 @@ def test_sparse_tensor_input_gradient_type_and_values_match_keras(lora):
         assert isinstance(g0[0], tf.IndexedSlices)  # the kernel's
 
 
+def test_sparse_tensor_input_few_live_columns_empty_and_tf_function():
+    ours = tfss.SparseSplitDense(5, activation="relu",
+                                 bias_initializer="random_normal")
+    ref = keras.layers.Dense(5, activation="relu")
+    ours.build((None, 64))
+    ref.build((None, 64))
+    ref.set_weights(ours.get_weights())
+    rng = np.random.default_rng(13)
+    dense_x = np.zeros((6, 64), np.float32)
+    dense_x[:, [3, 17, 40]] = _sparse(rng, (6, 3), 0.3)  # 3 live columns
+    f = tf.function(lambda t: _sparse_grads(ours, t))
+    for x in (dense_x, np.zeros_like(dense_x)):
+        st = tf.sparse.from_dense(x)
+        y0, g0 = f(st)
+        y1, g1 = _sparse_grads(ref, st)
+        _assert_close(y0, y1)
+        for a, b in zip(g0, g1):
+            _assert_close(a, b)
+    ours(tf.sparse.from_dense(dense_x))
+    # The op saw the live columns only, padded to a power of two.
+    assert ours.latest_stats()["k"] == 4
+    # Duplicate indices are summed (as tf.sparse.sparse_dense_matmul does).
+    dup = tf.SparseTensor([[0, 3], [0, 3], [2, 9]], [1.0, 2.0, -1.5], [3, 64])
+    _assert_close(ours(dup), ref(tf.sparse.to_dense(
+        tf.sparse.reorder(tf.SparseTensor([[0, 3], [2, 9]], [3.0, -1.5],
+                                          [3, 64])))))
+
+
+def _sparse_grads(layer, x):
+    with tf.GradientTape() as tape:
+        y = layer(x)
+        loss = tf.reduce_sum(0.5 * y * y + y)
+    return y, tape.gradient(loss, layer.trainable_weights)
+
+
 # -- conversion -----------------------------------------------------------
 def _plain_model():
     inp = keras.Input((8, 8, 4))

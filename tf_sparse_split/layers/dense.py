@@ -45,10 +45,11 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     ``Dense`` gets TF's fused MatMul + BiasAdd + Relu); other activations
     run after the op (the bias is still fused). Inputs of rank > 2 ``[batch, ..., input_dim]`` are reshaped
     to ``[-1, input_dim]`` for the op and the output back to
-    ``[batch, ..., units]``. A rank-2 ``tf.SparseTensor`` input runs
-    ``Dense``'s own sparse product (``tf.nn.embedding_lookup_sparse``, cost
-    ~ nnz * units; no split, no statistics), so the kernel's gradient is the
-    same ``tf.IndexedSlices``; a higher-rank one is made dense first.
+    ``[batch, ..., units]``. A rank-2 ``tf.SparseTensor`` input is
+    multiplied by the kernel rows of its live columns only, and the
+    kernel's gradient is a ``tf.IndexedSlices`` over those rows, as
+    ``Dense`` gives (:meth:`_sparse_tensor_call`); a higher-rank one is made
+    dense first.
 
     Args:
       units, activation, use_bias, kernel_initializer, bias_initializer,
@@ -185,7 +186,7 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     # -- forward ----------------------------------------------------------
     def call(self, inputs, training=None):
         if isinstance(inputs, tf.SparseTensor) and inputs.shape.rank == 2:
-            return self._sparse_tensor_call(inputs)
+            return self._sparse_tensor_call(inputs, training)
         x = inputs
         if isinstance(x, tf.SparseTensor):
             x = tf.sparse.to_dense(x)
@@ -245,29 +246,54 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
         scale = tf.constant(self.lora_alpha / self.lora_rank, x2d.dtype)
         return scale * tf.matmul(xa, b)
 
-    def _sparse_tensor_call(self, inputs):
-        """A rank-2 ``tf.SparseTensor`` input ``[batch, input_dim]``: the
-        product runs as ``keras.layers.Dense`` runs it
-        (``tf.nn.embedding_lookup_sparse`` with combiner ``"sum"`` on the
-        kernel, LoRA merged; cost ~ nnz * units), so the kernel's gradient
-        is the same ``tf.IndexedSlices`` (rows of the input's nonzero
-        columns only). The input is already sparse: no split, no
-        statistics recorded."""
+    def _sparse_tensor_call(self, inputs, training):
+        """A rank-2 ``tf.SparseTensor`` input ``[batch, input_dim]``.
+
+        Only the kernel rows of the input's live columns (those holding a
+        stored value) are used: the ``U`` live columns are gathered from the
+        kernel (``tf.gather``, so the kernel's gradient is a
+        ``tf.IndexedSlices`` over those rows, as ``keras.layers.Dense``
+        gives through ``tf.nn.embedding_lookup_sparse``), the input is
+        scattered into a dense ``[batch, U']`` matrix and multiplied by the
+        op like a dense input (bias and activation fused, statistics
+        recorded). ``U'`` is ``U`` rounded up to a power of two (at most
+        ``input_dim``; the padding columns are zero), so the op's cost model
+        sees few distinct problem sizes. Duplicate indices are summed. With
+        LoRA the merged kernel is gathered, as Keras multiplies by it.
+        Keras' own product was 6-58x slower in forward + backward
+        (``benchmarks/bench_dropins.py``): its gradient holds one kernel row
+        per stored value.
+        """
         kernel = tf.convert_to_tensor(self.kernel)
-        out_dtype = tf.as_dtype(self.compute_dtype)
-        kernel = tf.cast(kernel, out_dtype) if kernel.dtype != out_dtype \
-            else kernel
-        x = inputs
-        if x.dtype != out_dtype:
-            x = tf.SparseTensor(x.indices, tf.cast(x.values, out_dtype),
-                                x.dense_shape)
-        x, _ = tf.sparse.fill_empty_rows(x, tf.zeros([], out_dtype))
-        ids = tf.SparseTensor(x.indices, x.indices[:, 1], x.dense_shape)
-        y = tf.nn.embedding_lookup_sparse(kernel, ids, x, combiner="sum")
-        y.set_shape(inputs.shape[:-1].concatenate([self.units]))
+        dense_shape = tf.cast(inputs.dense_shape, tf.int64)
+        values, kernel, out_dtype = self._op_operands(inputs.values, kernel)
+        input_dim = kernel.shape[0]
+        live, pos = tf.unique(inputs.indices[:, 1], out_idx=tf.int64)
+        u = tf.size(live, out_type=tf.int64)
+        u_pad = tf.constant(1, tf.int64)
+        u_pad = tf.while_loop(lambda p: p < u, lambda p: [p * 2], [u_pad])[0]
+        u_pad = tf.minimum(u_pad, tf.cast(input_dim, tf.int64))
+        live = tf.pad(live, [[0, u_pad - u]])
+        kernel_live = tf.gather(kernel, live)
+        x_c = tf.scatter_nd(tf.stack([inputs.indices[:, 0], pos], axis=1),
+                            values, tf.stack([dense_shape[0], u_pad]))
+        fused = _fused_activation(self.activation)
+        bias = None
         if self.bias is not None:
-            y = y + tf.cast(self.bias, out_dtype)
-        return self.activation(y)
+            bias = tf.cast(self.bias, x_c.dtype)
+        y, stats_vec = sparse_split_matmul(
+            x_c, kernel_live,
+            threshold=tf.convert_to_tensor(self.threshold_var),
+            return_stats=True, heterogeneous=self.heterogeneous,
+            grad_a_live_only=self.skip_dead_input_grad, bias=bias,
+            activation=fused or "none")
+        self._record_stats(stats_vec, training)
+        y.set_shape(inputs.shape[:-1].concatenate([self.units]))
+        if y.dtype != out_dtype:
+            y = tf.cast(y, out_dtype)
+        if fused is None:
+            y = self.activation(y)
+        return y
 
     # -- serialization ----------------------------------------------------
     def get_config(self):
