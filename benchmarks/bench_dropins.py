@@ -1,6 +1,6 @@
 """Training-step time of the drop-in features against Keras' own layers.
 
-Two choices are measured, each against the Keras layer it replaces, all
+Three choices are measured, each against the Keras layer it replaces, all
 variants interleaved in the same run (alternating order per round):
 
 * **LoRA on** ``SparseSplitDense`` (ReLU, bias): ``branch`` (the layer: the
@@ -21,11 +21,11 @@ variants interleaved in the same run (alternating order per round):
   step is the forward call and the weights' gradients.
 
 A step (LoRA, grouped) is the forward call and the gradients of ``sum(y)``
-for the trainable weights and the input (no optimizer), one ``tf.function``, on a fixed input
-with the given fraction of zeros. Prints a markdown table (median ms over
-rounds, min, spread = max/min of the round medians; Keras / variant of the
-medians and of the minima)
-and writes it to ``benchmarks/results/bench_dropins.md`` (``--out``).
+for the trainable weights and the input (no optimizer), one
+``tf.function``, on a fixed input with the given fraction of zeros. Prints
+a markdown table (median ms over rounds, min, spread = max/min of the round
+medians; Keras / variant of the medians and of the minima) and writes it to
+``benchmarks/results/bench_dropins.md`` (``--out``).
 
 Usage::
 
@@ -132,8 +132,10 @@ def lora_rows(rounds, reps, m=256, k=1024, n=1024, rank=8):
     for sparsity in (0.5, 0.9):
         x = _sparse_input(rng, (m, k), sparsity)
         layers = {"keras Dense": keras.layers.Dense(n, activation="relu"),
-                  "branch (layer)": tfss.SparseSplitDense(n, activation="relu"),
-                  "merged": _MergedLoraDense(n, activation="relu", name="merged_lora")}
+                  "branch (layer)": tfss.SparseSplitDense(
+                      n, activation="relu"),
+                  "merged": _MergedLoraDense(n, activation="relu",
+                                             name="merged_lora")}
         weights = None
         for layer in layers.values():
             layer.build((None, k))

@@ -11,7 +11,6 @@ import tensorflow as tf
 
 import tf_sparse_split as tfss
 from tf_sparse_split import testing as T
-from tf_sparse_split.tuning import stats as S
 
 pytestmark = pytest.mark.usefixtures("op_library")
 
