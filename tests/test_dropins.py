@@ -226,6 +226,20 @@ def test_grouped_conv_matches_keras(groups, use_bias, strides, padding):
             _assert_close(a, b)
 
 
+def test_grouped_conv_dilated_matches_keras():
+    kw = dict(padding="same", groups=2, dilation_rate=2)
+    ours = tfss.SparseSplitConv2D(4, 3, **kw)
+    ref = keras.layers.Conv2D(4, 3, **kw)
+    for layer in (ours, ref):
+        layer.build((None, 8, 8, 6))
+    ref.set_weights(ours.get_weights())
+    x = _sparse(np.random.default_rng(14), (2, 8, 8, 6), 0.6)
+    y0, g0 = _grads(ours, x)
+    y1, g1 = _grads(ref, x)
+    for a, b in zip([y0] + g0, [y1] + g1):
+        _assert_close(a, b)
+
+
 @pytest.mark.parametrize("threshold", [0.0, 1.0])
 def test_grouped_conv_any_threshold_and_tf_function(threshold):
     ours, ref, shape = _grouped_pair(2, True, 1, "same", threshold)
