@@ -268,8 +268,9 @@ def test_sparse_split_model_filter_and_errors(op_library):
     with pytest.raises(ValueError, match="subclassed"):
         tfss.sparse_split_model(Sub())
     assert convert.eligible_reason(keras.layers.Conv2D(2, 1, groups=1)) is None
-    assert "groups" in convert.eligible_reason(
-        keras.layers.Conv2D(4, 1, groups=2))
+    assert convert.eligible_reason(keras.layers.Conv2D(4, 1, groups=2)) is None
+    assert "data_format" in convert.eligible_reason(
+        keras.layers.Conv2D(4, 1, data_format="channels_first"))
 
 
 # -- 3. damaged library -----------------------------------------------------

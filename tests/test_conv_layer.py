@@ -68,7 +68,7 @@ def test_layer_gradients_match_keras_conv2d():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(groups=2), "groups=1"),
+    (dict(groups=3), "divisible"),  # 4 filters
     (dict(data_format="channels_first"), "channels_last"),
 ])
 def test_layer_bad_arguments(kwargs, match):

@@ -107,10 +107,20 @@ def test_bad_threshold_raises_value_error(case, bad):
     assert layer.threshold == 0.5
 
 
-def test_lora_is_refused(case):
-    layer, _ = _built(case)
-    with pytest.raises(NotImplementedError, match="LoRA"):
-        layer.enable_lora(2)
+def test_lora_as_in_keras(case):
+    """enable_lora freezes the kernel and adds the two low-rank matrices
+    (float32, B zero so the output is unchanged); the config carries the
+    rank; the weight list grows as the Keras layer's does."""
+    layer, x = _built(case)
+    before = layer(x).numpy()
+    layer.enable_lora(2, lora_alpha=4)
+    assert layer.lora_enabled and layer.get_config()["lora_rank"] == 2
+    assert layer.get_config()["lora_alpha"] == 4
+    assert layer._kernel.trainable is False
+    assert len(layer.trainable_weights) == 3  # bias, lora_kernel_a, _b
+    assert [w.shape for w in layer.get_weights()][-1] == (
+        2, case[2][0][-1])
+    np.testing.assert_allclose(layer(x).numpy(), before, rtol=1e-6)
 
 
 def test_config_round_trip(case):

@@ -73,13 +73,9 @@ def test_rank1_input_is_rejected():
         layer(np.ones((5,), np.float32))
 
 
-def test_lora_and_quantization_are_refused():
-    with pytest.raises(NotImplementedError, match="LoRA"):
-        SparseSplitDense(4, lora_rank=2)
+def test_quantization_is_refused():
     layer = SparseSplitDense(4)
     layer.build((None, 3))
-    with pytest.raises(NotImplementedError, match="LoRA"):
-        layer.enable_lora(2)
     with pytest.raises(NotImplementedError, match="quantization"):
         layer.quantize("int8")
 

@@ -35,27 +35,21 @@ def eligible_reason(layer):
     """Why ``layer`` cannot be swapped for a sparse-split layer, or None if
     it can.
 
-    Eligible: exactly ``keras.layers.Dense`` (not a subclass; no LoRA, not
+    Eligible: exactly ``keras.layers.Dense`` (not a subclass; not
     quantized) or exactly ``keras.layers.Conv2D`` with
-    ``data_format="channels_last"`` and ``groups=1``.
+    ``data_format="channels_last"``, LoRA-enabled and grouped ones included.
 
     Returns:
-      None, or a string (e.g. ``"groups=2"``).
+      None, or a string (e.g. ``"data_format='channels_first'"``).
     """
     cls = type(layer)
     if cls is keras.layers.Dense:
-        if getattr(layer, "lora_enabled", False):
-            return "LoRA is enabled"
         if getattr(layer, "quantization_mode", None) is not None:
             return f"quantized ({layer.quantization_mode})"
         return None
     if cls is keras.layers.Conv2D:
         if layer.data_format != "channels_last":
             return f"data_format={layer.data_format!r}"
-        if layer.groups != 1:
-            return f"groups={layer.groups}"
-        if getattr(layer, "lora_enabled", False):
-            return "LoRA is enabled"
         return None
     return f"{cls.__name__} is not keras.layers.Dense or keras.layers.Conv2D"
 
@@ -111,6 +105,9 @@ def _clone(model, convert):
                 f"layer {old.name!r} was not built in the copy; give the "
                 "model an Input (or call it once) before converting it")
         new.set_weights(old.get_weights())
+        if getattr(old, "lora_enabled", False):
+            # keras.layers.Dense.build enables LoRA with alpha = rank.
+            new.lora_alpha = old.lora_alpha
         if isinstance(old, SparseSplitLayer) and isinstance(new, SparseSplitLayer):
             new.set_threshold(old.threshold)
     return clone
@@ -123,10 +120,11 @@ def sparse_split_model(model, layer_filter=None, threshold="auto"):
     Every layer for which :func:`eligible_reason` is None and
     ``layer_filter`` accepts is replaced by a ``SparseSplitDense`` /
     ``SparseSplitConv2D`` with the same configuration (name, units/filters,
-    activation, initializers, regularizers, constraints, dtype policy) and
-    weights; every other layer is copied unchanged with its weights. The
-    copy computes the same values as ``model`` to float rounding (the
-    threshold changes speed only).
+    ``groups``, activation, initializers, regularizers, constraints, dtype
+    policy, LoRA rank and alpha) and weights (``lora_kernel_a``/``_b``
+    included, the kernel frozen as in the original); every other layer is
+    copied unchanged with its weights. The copy computes the same values as
+    ``model`` to float rounding (the threshold changes speed only).
 
     Args:
       model: a built ``Sequential`` or functional ``keras.Model`` (nested
@@ -152,8 +150,7 @@ def sparse_split_model(model, layer_filter=None, threshold="auto"):
         if eligible_reason(layer) is not None or not accept(layer):
             return None
         config = layer.get_config()
-        for key in ("lora_rank", "lora_alpha", "quantization_config"):
-            config.pop(key, None)
+        config.pop("quantization_config", None)
         config["threshold"] = threshold
         cls = (SparseSplitDense if type(layer) is keras.layers.Dense
                else SparseSplitConv2D)
@@ -165,8 +162,9 @@ def sparse_split_model(model, layer_filter=None, threshold="auto"):
 def strip_sparse_split(model):
     """A copy of ``model`` with every ``SparseSplitDense``/``SparseSplitConv2D``
     replaced by ``keras.layers.Dense``/``keras.layers.Conv2D`` with the same
-    configuration and weights (the threshold is dropped). Other layers, the
-    structured dropout layers included, are copied unchanged.
+    configuration and weights (``groups`` and LoRA included; the threshold is
+    dropped). Other layers, the structured dropout layers included, are
+    copied unchanged.
 
     Args:
       model: a built ``Sequential`` or functional ``keras.Model``.

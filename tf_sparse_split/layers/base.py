@@ -77,7 +77,10 @@ class SparseSplitLayer(keras.layers.Layer):
     matmul's. ``build`` (here) creates the threshold variable after the
     Keras layer's own weights; it is not a Keras weight, so
     ``get_weights()`` is ``[kernel, (bias,)]`` as for the Keras layer
-    replaced and ``set_weights`` takes that layer's list.
+    replaced and ``set_weights`` takes that layer's list. LoRA is the Keras
+    layer's own (``enable_lora``, ``lora_rank``): the list then ends with
+    ``lora_kernel_a``, ``lora_kernel_b`` as there, and ``.keras`` files hold
+    the merged kernel (:meth:`save_own_variables`).
 
     Args:
       *args: positional arguments of the Keras layer replaced.
@@ -113,9 +116,6 @@ class SparseSplitLayer(keras.layers.Layer):
       ValueError: on a bad ``threshold``.
       RuntimeError: if the Keras backend is not TensorFlow.
     """
-
-    #: What to use instead for LoRA (named in the NotImplementedError).
-    _keras_equivalent = "keras.layers.Layer"
 
     def __init__(self, *args, threshold=-1.0, **kwargs):
         _check_backend()
@@ -352,19 +352,19 @@ class SparseSplitLayer(keras.layers.Layer):
     # -- serialization ----------------------------------------------------
     def get_config(self):
         config = super().get_config()
-        for key in ("lora_rank", "lora_alpha"):
-            config.pop(key, None)
         config["threshold"] = self.threshold
         return config
 
     def save_own_variables(self, store):
-        """Writes the Keras weights (``kernel``, ``[bias]``, as
-        ``keras.layers.Layer`` numbers them) and then the threshold, under
-        the next index: the layout of files written when the threshold was
-        a weight."""
+        """Writes what ``keras.layers.Dense``/``Conv2D`` write -- the kernel
+        (with LoRA enabled, merged: ``kernel + lora_alpha / lora_rank *
+        lora_kernel_a @ lora_kernel_b``) and the bias if any -- and then
+        the threshold, under the next index (the layout of files written
+        when the threshold was a weight)."""
         if not self.built:
             return
-        weights = self._tfss_keras_variables()
+        weights = [self.kernel] + ([self.bias] if self.bias is not None
+                                   else [])
         for i, v in enumerate(weights):
             store[str(i)] = v
         store[str(len(weights))] = self.threshold_var.numpy()
@@ -372,14 +372,17 @@ class SparseSplitLayer(keras.layers.Layer):
     def load_own_variables(self, store):
         """Reads what :meth:`save_own_variables` wrote; the threshold entry
         is optional (a store with only the Keras weights keeps the current
-        threshold).
+        threshold). As in Keras, a layer with LoRA enabled loads the
+        (merged) kernel into its frozen kernel and zeroes ``lora_kernel_a``
+        and ``lora_kernel_b``.
 
         Raises:
           ValueError: if the store holds a different number of entries.
         """
         if not self.built:
             return
-        weights = self._tfss_keras_variables()
+        weights = [self._kernel] + ([self.bias] if self.bias is not None
+                                    else [])
         n = len(store.keys())
         if n not in (len(weights), len(weights) + 1):
             raise ValueError(
@@ -391,14 +394,15 @@ class SparseSplitLayer(keras.layers.Layer):
         if n == len(weights) + 1:
             self.threshold_var.assign(
                 np.asarray(store[str(len(weights))], np.float32).reshape(()))
-
-    def _tfss_keras_variables(self):
-        # Keras' own order: trainable, then non-trainable.
-        return list(self._trainable_variables) + list(
-            self._non_trainable_variables)
+        if getattr(self, "lora_enabled", False):
+            self.lora_kernel_a.assign(tf.zeros(self.lora_kernel_a.shape,
+                                               self.lora_kernel_a.dtype))
+            self.lora_kernel_b.assign(tf.zeros(self.lora_kernel_b.shape,
+                                               self.lora_kernel_b.dtype))
 
     def set_weights(self, weights):
-        """Sets ``[kernel, (bias,)]`` as ``keras.layers.Dense`` /
+        """Sets ``[kernel, (bias,)]`` (with LoRA enabled, then
+        ``lora_kernel_a``, ``lora_kernel_b``) as ``keras.layers.Dense`` /
         ``Conv2D`` do (e.g. ``layer.set_weights(dense.get_weights())``).
 
         Also accepts the 0.1 list with the threshold appended
@@ -414,13 +418,6 @@ class SparseSplitLayer(keras.layers.Layer):
             self.set_threshold(float(np.asarray(weights[-1])))
             weights = weights[:-1]
         super().set_weights(weights)
-
-    # -- refused features -------------------------------------------------
-    def enable_lora(self, *args, **kwargs):
-        """Not supported: raises NotImplementedError."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not support LoRA; use "
-            f"{self._keras_equivalent}")
 
 
 class _StatsVariables(tf.Module):

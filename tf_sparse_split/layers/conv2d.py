@@ -1,11 +1,12 @@
 """Convolution layers backed by the sparse-split ops.
 
 :class:`SparseSplitConv2D` is a drop-in replacement for
-``keras.layers.Conv2D`` (``data_format="channels_last"``, ``groups=1``)
-whose convolution is ``SparseSplitConv2D``: images of the batch whose input
-density is above the layer's threshold go to TensorFlow's own convolution,
-the others to a sparse kernel whose cost is proportional to their nonzeros,
-and input channels that are zero across the batch are skipped (K.-Y. Peng,
+``keras.layers.Conv2D`` (``data_format="channels_last"``; grouped
+convolution and LoRA included) whose convolution is ``SparseSplitConv2D``:
+images of the batch whose input density is above the layer's threshold go
+to TensorFlow's own convolution, the others to a sparse kernel whose cost is
+proportional to their nonzeros, and input channels that are zero across the
+batch are skipped (K.-Y. Peng,
 "Adaptive runtime exploiting sparsity in tensor of deep learning on
 heterogeneous systems", NTU 2017). The result equals ``Conv2D``'s to float
 rounding at any threshold. Requires the TensorFlow backend of Keras 3.
@@ -48,7 +49,16 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
       ``keras.layers.Conv2D``.
       data_format: must be ``"channels_last"`` (or None with Keras' image
         data format ``"channels_last"``).
-      groups: must be 1 (grouped convolution is not supported).
+      groups: as in ``keras.layers.Conv2D``: input channels and filters
+        are split into ``groups`` groups, group ``i``'s filters see only
+        group ``i``'s channels, and the outputs are concatenated along the
+        channels. Each group runs its own sparse-split convolution (its
+        images split by density, its all-zero channels skipped); see
+        :meth:`_grouped_convolution`.
+      lora_rank, lora_alpha: as in ``keras.layers.Conv2D`` (LoRA: the
+        kernel is frozen and the convolution uses ``kernel + lora_alpha /
+        lora_rank * lora_kernel_a @ lora_kernel_b``); also
+        :meth:`enable_lora`.
       threshold: initial image-density split threshold in ``[0, 1]`` (images
         whose density nnz / (H*W*C_in) is above it go dense), or negative
         (default -1.0) or ``'auto'`` to let the op choose per call. Stored as the
@@ -72,12 +82,11 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
     XLA: ``supports_jit`` is False (the op has no XLA kernel).
 
     Raises:
-      ValueError: bad threshold, ``groups != 1``, ``channels_first``, or bad
-        ``Conv2D`` arguments.
+      ValueError: bad threshold, ``channels_first``, or bad ``Conv2D``
+        arguments (as ``Conv2D``: filters or input channels not divisible by
+        ``groups``).
       RuntimeError: if the Keras backend is not TensorFlow.
     """
-
-    _keras_equivalent = "keras.layers.Conv2D"
 
     def __init__(self, filters, kernel_size, strides=(1, 1), padding="valid",
                  data_format=None, dilation_rate=(1, 1), groups=1,
@@ -86,11 +95,7 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
                  bias_initializer="zeros", kernel_regularizer=None,
                  bias_regularizer=None, activity_regularizer=None,
                  kernel_constraint=None, bias_constraint=None,
-                 threshold=-1.0, **kwargs):
-        if groups != 1:
-            raise ValueError(
-                f"SparseSplitConv2D supports groups=1 only, got groups={groups!r}"
-                "; use keras.layers.Conv2D for grouped convolution")
+                 lora_rank=None, lora_alpha=None, threshold=-1.0, **kwargs):
         fmt = data_format or keras.config.image_data_format()
         if fmt != "channels_last":
             raise ValueError(
@@ -99,7 +104,8 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
         super().__init__(
             filters, kernel_size, threshold=threshold, strides=strides, padding=padding,
             data_format="channels_last", dilation_rate=dilation_rate,
-            groups=1, **self._keras_weight_args(locals()), **kwargs)
+            groups=groups, lora_rank=lora_rank, lora_alpha=lora_alpha,
+            **self._keras_weight_args(locals()), **kwargs)
         self._spatial = None
 
     def build(self, input_shape):
@@ -128,12 +134,53 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
         if self._spatial is None and x.shape[1] is not None and \
                 x.shape[2] is not None:
             self._spatial = (int(x.shape[1]), int(x.shape[2]))
+        if self.groups > 1:
+            return self._grouped_convolution(x, k, out_dtype)
         y, stats_vec = sparse_split_conv2d(
             x, k, strides=list(self.strides), padding=self.padding.upper(),
             dilations=list(self.dilation_rate),
             threshold=tf.convert_to_tensor(self.threshold_var),
             return_stats=True)
         self._record_stats(stats_vec)
+        if y.dtype != out_dtype:
+            y = tf.cast(y, out_dtype)
+        return y
+
+    # -- grouped convolution ----------------------------------------------
+    def _grouped_convolution(self, x, kernel, out_dtype):
+        """``groups > 1``: one ``SparseSplitConv2D`` per group.
+
+        ``x`` ``[batch, H, W, C_in]`` and ``kernel`` ``[KH, KW, C_in /
+        groups, filters]`` (already cast for the op) are split into the
+        groups' channels and filters; group ``i`` convolves its
+        ``C_in / groups`` channels with its ``filters / groups`` filters
+        and the outputs are concatenated along the channels, as
+        ``keras.layers.Conv2D(groups=...)``. Each group's op splits its
+        images by their density in that group's channels and skips the
+        group's all-zero channels, so a group whose channels are mostly
+        zero costs little. Gradients are the ops' own, per group.
+
+        Statistics: the groups' vectors are merged by
+        :func:`_merge_group_stats`: each (image, group) pair is a row of
+        ``K = H*W*C_in/groups`` values and ``N = KH*KW*filters/groups``.
+
+        Returns:
+          ``[batch, OH, OW, filters]`` of ``out_dtype``.
+        """
+        xs = tf.split(x, self.groups, axis=-1)
+        ks = tf.split(kernel, self.groups, axis=-1)
+        outs, stats = [], []
+        for xi, ki in zip(xs, ks):
+            yi, si = sparse_split_conv2d(
+                xi, ki, strides=list(self.strides),
+                padding=self.padding.upper(),
+                dilations=list(self.dilation_rate),
+                threshold=tf.convert_to_tensor(self.threshold_var),
+                return_stats=True)
+            outs.append(yi)
+            stats.append(si)
+        self._record_stats(_merge_group_stats(stats))
+        y = tf.concat(outs, axis=-1)
         if y.dtype != out_dtype:
             y = tf.cast(y, out_dtype)
         return y
@@ -157,3 +204,30 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
         else:
             ratio = 1.0 / (self.strides[0] * self.strides[1])
         return 2.0 * n * ratio, 2.0 * n
+
+
+def _merge_group_stats(vectors):
+    """One statistics vector for the per-group calls of a grouped
+    convolution: a grouped convolution is ``groups * batch`` independent
+    image-group products, each a row of ``K = H*W*C_in/groups`` values
+    times ``N = KH*KW*filters/groups``. Counts, times, ``M`` and the
+    histogram are summed; ``K``, ``N``, the threshold used and
+    ``ZERO_COLS_SKIPPED`` (per image, so averaged) are the groups' mean;
+    ``HETEROGENEOUS`` their maximum. ``sparsity`` (``1 - NNZ / (M*K)``)
+    is then the input's fraction of zeros.
+
+    Args:
+      vectors: list of float64 ``[stats.NUM_STATS]`` tensors, one per group.
+
+    Returns:
+      float64 ``[stats.NUM_STATS]`` tensor.
+    """
+    v = tf.stack(vectors)
+    mean_idx = np.zeros([_stats.NUM_STATS], bool)
+    mean_idx[[_stats.ZERO_COLS_SKIPPED, _stats.THRESHOLD, _stats.K,
+              _stats.N]] = True
+    merged = tf.where(tf.constant(mean_idx), tf.reduce_mean(v, axis=0),
+                      tf.reduce_sum(v, axis=0))
+    max_idx = np.zeros([_stats.NUM_STATS], bool)
+    max_idx[_stats.HETEROGENEOUS] = True
+    return tf.where(tf.constant(max_idx), tf.reduce_max(v, axis=0), merged)

@@ -45,7 +45,11 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     ``Dense`` gets TF's fused MatMul + BiasAdd + Relu); other activations
     run after the op (the bias is still fused). Inputs of rank > 2 ``[batch, ..., input_dim]`` are reshaped
     to ``[-1, input_dim]`` for the op and the output back to
-    ``[batch, ..., units]``.
+    ``[batch, ..., units]``. A rank-2 ``tf.SparseTensor`` input is
+    multiplied by the kernel rows of its live columns only, and the
+    kernel's gradient is a ``tf.IndexedSlices`` over those rows, as
+    ``Dense`` gives (:meth:`_sparse_tensor_call`); a higher-rank one is made
+    dense first.
 
     Args:
       units, activation, use_bias, kernel_initializer, bias_initializer,
@@ -79,10 +83,22 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
         max-pooling or a reshape -- the usual ``Dense(relu) -> [dropout] ->
         SparseSplitDense`` stack (:class:`SparsityTargetCallback` sets it on
         the layers it controls). Saved in ``get_config``.
-      lora_rank, lora_alpha, quantization_config: accepted for signature
-        compatibility with ``Dense`` but must be None: LoRA and quantization
-        would replace the kernel the op multiplies by, so they are refused
-        with ``NotImplementedError`` rather than silently ignored.
+      lora_rank, lora_alpha: LoRA as in ``keras.layers.Dense``
+        (also :meth:`enable_lora`): the kernel is frozen, trainable
+        float32 ``lora_kernel_a`` ``[input_dim, rank]`` (``he_uniform``)
+        and ``lora_kernel_b`` ``[rank, units]`` (zeros) are added, the
+        output is that of the merged kernel ``kernel + lora_alpha /
+        lora_rank * lora_kernel_a @ lora_kernel_b`` (what ``.kernel``
+        returns and ``.keras`` files store), and ``lora_rank``/
+        ``lora_alpha`` are saved in ``get_config``. The low-rank branch
+        ``(inputs @ a) @ b`` is computed beside the frozen product, by a
+        second ``SparseSplitMatMul`` on the same sparse input
+        (:meth:`_lora_product`), so no gradient work is spent on the
+        frozen kernel. Unlike Keras 3.15's ``Dense.build``, a
+        ``lora_alpha`` given with ``lora_rank`` is kept.
+      quantization_config: must be None: int8/int4/float8 quantization
+        would replace the float kernel the op multiplies by, so it is
+        refused with ``NotImplementedError`` (as is :meth:`quantize`).
       **kwargs: base ``Layer`` arguments (``name``, ``dtype``, ...).
 
     Dtypes: the op computes in float32 or float64. With another compute
@@ -106,11 +122,9 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
 
     Raises:
       ValueError: on a bad ``threshold`` (or bad ``Dense`` arguments).
-      NotImplementedError: if LoRA or quantization is requested.
+      NotImplementedError: if quantization is requested.
       RuntimeError: if the Keras backend is not TensorFlow.
     """
-
-    _keras_equivalent = "keras.layers.Dense"
 
     def __init__(
         self,
@@ -140,16 +154,13 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
             raise ValueError(
                 f"heterogeneous must be a bool, got {heterogeneous!r}")
         self.heterogeneous = bool(heterogeneous)
-        if lora_rank is not None or lora_alpha is not None:
-            raise NotImplementedError(
-                "SparseSplitDense does not support LoRA (lora_rank/lora_alpha)"
-                "; use keras.layers.Dense for LoRA fine-tuning")
         if quantization_config is not None:
             raise NotImplementedError(
                 "SparseSplitDense does not support quantization "
                 "(quantization_config); the sparse-split op multiplies "
                 "float32/float64 kernels only")
-        super().__init__(units, threshold=threshold,
+        super().__init__(units, threshold=threshold, lora_rank=lora_rank,
+                         lora_alpha=lora_alpha,
                          **self._keras_weight_args(locals()), **kwargs)
 
     # -- building ---------------------------------------------------------
@@ -158,7 +169,12 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
             raise NotImplementedError(
                 "SparseSplitDense does not support quantization (dtype "
                 f"policy {self.dtype_policy.name!r})")
+        # keras.layers.Dense.build enables LoRA with lora_alpha = lora_rank
+        # (it drops the configured alpha); keep it, as Conv2D does.
+        lora_alpha = self.lora_alpha
         super().build(input_shape)
+        if self.lora_enabled and lora_alpha is not None:
+            self.lora_alpha = lora_alpha
 
     # -- refused features -------------------------------------------------
     def quantize(self, *args, **kwargs):
@@ -169,17 +185,23 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
 
     # -- forward ----------------------------------------------------------
     def call(self, inputs, training=None):
+        if isinstance(inputs, tf.SparseTensor) and inputs.shape.rank == 2:
+            return self._sparse_tensor_call(inputs, training)
         x = inputs
         if isinstance(x, tf.SparseTensor):
             x = tf.sparse.to_dense(x)
-        x, kernel, out_dtype = self._op_operands(x, self.kernel)
+        # With LoRA the frozen kernel and the low-rank branch are separate
+        # products of the same sparse input (see _lora_product).
+        x, kernel, out_dtype = self._op_operands(
+            x, self._kernel if self.lora_enabled else self.kernel)
         input_dim = kernel.shape[0]
         rank = x.shape.rank
         if rank == 2:
             x2d = x
         else:
             x2d = tf.reshape(x, [-1, input_dim])
-        fused = _fused_activation(self.activation)
+        fused = None if self.lora_enabled else _fused_activation(
+            self.activation)
         bias = None
         if self.bias is not None:
             bias = tf.convert_to_tensor(self.bias)
@@ -191,10 +213,82 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
             grad_a_live_only=self.skip_dead_input_grad, bias=bias,
             activation=fused or "none")
         self._record_stats(stats_vec, training)
+        if self.lora_enabled:
+            y = y + self._lora_product(x2d)
         if rank != 2:
             out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], axis=0)
             y = tf.reshape(y, out_shape)
             y.set_shape(x.shape[:-1].concatenate([self.units]))
+        if y.dtype != out_dtype:
+            y = tf.cast(y, out_dtype)
+        if fused is None:
+            y = self.activation(y)
+        return y
+
+    def _lora_product(self, x2d):
+        """``(lora_alpha / lora_rank) * (x2d @ lora_kernel_a) @
+        lora_kernel_b`` ``[M, units]``, in ``x2d``'s dtype.
+
+        ``x2d @ lora_kernel_a`` ``[M, rank]`` is a ``SparseSplitMatMul``
+        with ``x2d`` as its sparse operand and the automatic threshold, so
+        its gradient for ``lora_kernel_a`` (``x2d^T @ dZ``) skips the zeros
+        of ``x2d``; the product by ``lora_kernel_b`` is a small dense GEMM.
+        Equal, to float rounding, to the merged kernel of
+        ``keras.layers.Dense`` (``kernel + alpha/rank * A @ B``); the frozen
+        kernel gets no gradient work (in a ``tf.function`` its unused
+        gradient is pruned).
+        """
+        a = tf.cast(self.lora_kernel_a, x2d.dtype)
+        b = tf.cast(self.lora_kernel_b, x2d.dtype)
+        xa = sparse_split_matmul(x2d, a, threshold=-1.0,
+                                 heterogeneous=self.heterogeneous,
+                                 grad_a_live_only=self.skip_dead_input_grad)
+        scale = tf.constant(self.lora_alpha / self.lora_rank, x2d.dtype)
+        return scale * tf.matmul(xa, b)
+
+    def _sparse_tensor_call(self, inputs, training):
+        """A rank-2 ``tf.SparseTensor`` input ``[batch, input_dim]``.
+
+        Only the kernel rows of the input's live columns (those holding a
+        stored value) are used: the ``U`` live columns are gathered from the
+        kernel (``tf.gather``, so the kernel's gradient is a
+        ``tf.IndexedSlices`` over those rows, as ``keras.layers.Dense``
+        gives through ``tf.nn.embedding_lookup_sparse``), the input is
+        scattered into a dense ``[batch, U']`` matrix and multiplied by the
+        op like a dense input (bias and activation fused, statistics
+        recorded). ``U'`` is ``U`` rounded up to a power of two (at most
+        ``input_dim``; the padding columns are zero), so the op's cost model
+        sees few distinct problem sizes. Duplicate indices are summed. With
+        LoRA the merged kernel is gathered, as Keras multiplies by it.
+        Keras' own product was 6-58x slower in forward + backward
+        (``benchmarks/bench_dropins.py``): its gradient holds one kernel row
+        per stored value.
+        """
+        kernel = tf.convert_to_tensor(self.kernel)
+        dense_shape = tf.cast(inputs.dense_shape, tf.int64)
+        values, kernel, out_dtype = self._op_operands(inputs.values, kernel)
+        input_dim = kernel.shape[0]
+        live, pos = tf.unique(inputs.indices[:, 1], out_idx=tf.int64)
+        u = tf.size(live, out_type=tf.int64)
+        u_pad = tf.constant(1, tf.int64)
+        u_pad = tf.while_loop(lambda p: p < u, lambda p: [p * 2], [u_pad])[0]
+        u_pad = tf.minimum(u_pad, tf.cast(input_dim, tf.int64))
+        live = tf.pad(live, [[0, u_pad - u]])
+        kernel_live = tf.gather(kernel, live)
+        x_c = tf.scatter_nd(tf.stack([inputs.indices[:, 0], pos], axis=1),
+                            values, tf.stack([dense_shape[0], u_pad]))
+        fused = _fused_activation(self.activation)
+        bias = None
+        if self.bias is not None:
+            bias = tf.cast(self.bias, x_c.dtype)
+        y, stats_vec = sparse_split_matmul(
+            x_c, kernel_live,
+            threshold=tf.convert_to_tensor(self.threshold_var),
+            return_stats=True, heterogeneous=self.heterogeneous,
+            grad_a_live_only=self.skip_dead_input_grad, bias=bias,
+            activation=fused or "none")
+        self._record_stats(stats_vec, training)
+        y.set_shape(inputs.shape[:-1].concatenate([self.units]))
         if y.dtype != out_dtype:
             y = tf.cast(y, out_dtype)
         if fused is None:

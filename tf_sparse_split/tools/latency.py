@@ -39,7 +39,8 @@ def convert_to_sparse_split(model, threshold=-1.0):
     """A copy of a Sequential or functional Keras ``model`` whose
     ``keras.layers.Dense`` layers are :class:`~tf_sparse_split.layers.
     SparseSplitDense` and whose ``keras.layers.Conv2D`` layers (NHWC,
-    ``groups=1``) are :class:`~tf_sparse_split.layers.SparseSplitConv2D`,
+    grouped ones included) are :class:`~tf_sparse_split.layers.
+    SparseSplitConv2D`,
     with the same weights; other layers are cloned unchanged.
 
     Args:
@@ -70,7 +71,7 @@ def convert_to_sparse_split(model, threshold=-1.0):
             try:
                 new = SparseSplitConv2D.from_config({**config,
                                                      "threshold": threshold})
-            except ValueError:  # channels_first, groups != 1
+            except ValueError:  # channels_first
                 new = None
         if new is None:
             return layer.__class__.from_config(config)
