@@ -101,13 +101,29 @@ class BiasActivationEpilogue {
     return has_bias_ ? ctx->input(kBiasInput).flat<T>().data() : nullptr;
   }
 
+  // relu / relu6 as oneDNN's eltwise post-ops compute them (max(x, 0):
+  // NaN -> 0, -0 -> +0) instead of tf.nn.relu's NaN-propagating form. Set
+  // where the op's dense part is oneDNN's fused kernel, so that the other
+  // part of a split gives the same values and the threshold never changes
+  // the answer.
+  void set_nan_to_zero(bool v) { nan_to_zero_ = v; }
+  bool nan_to_zero() const { return nan_to_zero_; }
+
   // c[r, :] = act(c[r, :] + bias) on the rows 0 .. rows-1 of the row-major
   // matrix c [rows, n] (the whole output of a matmul; the N*OH*OW pixels of
   // a convolution's NHWC output, n = C_out).
   template <typename T>
   void ApplyRows(::tensorflow::OpKernelContext* ctx, T* c, int64_t rows,
                  int64_t n, const ParallelFor& pfor) const {
-    if (!active()) return;
+    if (!active() || rows <= 0 || n <= 0) return;
+    if (nan_to_zero_ && act_ != Activation::kNone) {
+      const T* bias = BiasPtr<T>(ctx);
+      const Activation act = act_;
+      pfor(rows, 2 * n + 8, [&](int64_t b, int64_t e) {
+        ClampRows<T>(c + b * n, e - b, n, bias, act);
+      });
+      return;
+    }
     BiasActivationRows<T>(c, n, nullptr, rows, n, BiasPtr<T>(ctx), act_, pfor);
   }
 
@@ -123,17 +139,42 @@ class BiasActivationEpilogue {
     const T* bias = BiasPtr<T>(ctx);
     const Activation act = act_;
     const ParallelFor serial = SerialFor;
+    const bool clamp = nan_to_zero_ && act != Activation::kNone;
     pfor(n_images, 2 * rows_per_image * n + 8, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
-        BiasActivationRows<T>(c + images[i] * rows_per_image * n, n, nullptr,
-                              rows_per_image, n, bias, act, serial);
+        T* img = c + images[i] * rows_per_image * n;
+        if (clamp) {
+          ClampRows<T>(img, rows_per_image, n, bias, act);
+        } else {
+          BiasActivationRows<T>(img, n, nullptr, rows_per_image, n, bias, act,
+                                serial);
+        }
       }
     });
   }
 
  protected:
+  // rows x n contiguous values: v = c + bias; relu: v > 0 ? v : 0; relu6:
+  // v > 0 ? min(v, 6) : 0 (NaN -> 0, as oneDNN's post-ops).
+  template <typename T>
+  static void ClampRows(T* __restrict c, int64_t rows, int64_t n,
+                        const T* __restrict bias, Activation act) {
+    const T six = act == Activation::kRelu6 ? T(6) : T(0);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* __restrict row = c + r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        T v = row[j];
+        if (bias != nullptr) v += bias[j];
+        v = v > T(0) ? v : T(0);
+        if (act == Activation::kRelu6) v = v < six ? v : six;
+        row[j] = v;
+      }
+    }
+  }
+
   const char* op_;
   bool has_bias_ = false;
+  bool nan_to_zero_ = false;
   Activation act_ = Activation::kNone;
 };
 

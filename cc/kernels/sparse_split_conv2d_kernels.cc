@@ -194,8 +194,11 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
 // in float32 without oneDNN. In float64 TF's graph runs Conv2D, BiasAdd and
 // Relu unfused; there (and wherever the fused kernel cannot be created)
 // this returns an error and the op runs Conv2D followed by its epilogue.
+// *onednn tells whether the kernel is oneDNN's (its relu maps NaN to 0).
 absl::Status InitFusedKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
-                             const ConvAttrs& a, Activation act, TfKernel* k) {
+                             const ConvAttrs& a, Activation act, TfKernel* k,
+                             bool* onednn) {
+  *onednn = false;
   if (dt != tf::DT_FLOAT)
     return tf::errors::Unimplemented("no fused CPU convolution for ",
                                      tf::DataTypeString(dt));
@@ -218,6 +221,7 @@ absl::Status InitFusedKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
       k->Init(ctx, tf::DEVICE_CPU, "_MklNativeFusedConv2D", "MklNameChangeOp",
               3, attrs)
           .ok()) {
+    *onednn = true;
     return absl::OkStatus();
   }
   return k->Init(ctx, tf::DEVICE_CPU, "_FusedConv2D", "", 3, attrs);
@@ -495,9 +499,13 @@ class SparseSplitConv2DOp : public tf::OpKernel {
                                         "Conv2D", 2, attrs_, &conv_));
     // Without a fused kernel (float64) the dense part is Conv2D + epilogue.
     if (epilogue_.has_bias()) {
+      bool onednn = false;
       InitFusedKernel(ctx, tf::DataTypeToEnum<T>::value, attrs_,
-                      epilogue_.activation(), &fused_)
+                      epilogue_.activation(), &fused_, &onednn)
           .IgnoreError();
+      // oneDNN's relu/relu6 post-op maps NaN to 0: the sparse images' epilogue
+      // does the same, so the answer never depends on the threshold.
+      epilogue_.set_nan_to_zero(fused_.ok() && onednn);
     }
   }
 

@@ -595,8 +595,12 @@ void BindConvCost(py::module_& mod) {
           [geometry](int64_t op, int64_t dtype, int64_t n, int64_t h, int64_t w,
                      int64_t c_in, int64_t kh, int64_t kw, int64_t c_out,
                      int64_t out_h, int64_t out_w) {
-            return ConvFamilyKey(
-                op, dtype, geometry(n, h, w, c_in, kh, kw, c_out, out_h, out_w));
+            py::list key;
+            for (int64_t v : ConvFamilyKey(op, dtype,
+                                           geometry(n, h, w, c_in, kh, kw,
+                                                    c_out, out_h, out_w)))
+              key.append(v);
+            return key;
           },
           py::arg("op"), py::arg("dtype"), py::arg("n"), py::arg("h"),
           py::arg("w"), py::arg("c_in"), py::arg("kh"), py::arg("kw"),

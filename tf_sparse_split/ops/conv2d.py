@@ -200,8 +200,14 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         positive or not 1 on the batch/channel dimensions, a bad padding
         (unknown string, explicit list not 8 values / negative / nonzero on
         N or C), an input smaller than the dilated filter with VALID
-        padding, a threshold above 1, NaN or not scalar.
+        padding, a threshold above 1, NaN or not scalar, a ``bias`` that is
+        not a vector ``[C_out]`` of the input's dtype.
+      ValueError: an unknown ``activation``; shape errors detected while
+        tracing a ``tf.function`` (shape inference).
     """
+    activation = validate_choice(
+        "none" if activation is None else activation, "activation",
+        ACTIVATIONS)
     lib = load_library()
     with tf.name_scope(name or "SparseSplitConv2D"):
         x = float_operand(input, "sparse_split_conv2d", "input")
