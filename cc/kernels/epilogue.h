@@ -82,16 +82,18 @@ class BiasActivationEpilogue {
   Activation activation() const { return act_; }
 
   // Checks the bias input (when present) against the output's n channels
-  // (columns): a vector [n] of the output's dtype. `what` describes n.
+  // (columns): a vector [n] of the output's dtype. `symbol` names n in the
+  // message and `what` describes it.
   absl::Status Validate(::tensorflow::OpKernelContext* ctx, int64_t n,
-                        const char* what = "n = columns of the product") const {
+                        const char* symbol = "n",
+                        const char* what = "columns of the product") const {
     namespace tf = ::tensorflow;
     if (!has_bias_) return absl::OkStatus();
     const tf::Tensor& bias = ctx->input(kBiasInput);
     if (!tf::TensorShapeUtils::IsVector(bias.shape()) || bias.dim_size(0) != n)
       return tf::errors::InvalidArgument(
-          op_, ": bias must be a vector [", n, "] (", what, "), got shape ",
-          bias.shape().DebugString());
+          op_, ": bias must be a vector [", symbol, "] = [", n, "] (", symbol,
+          " = ", what, "), got shape ", bias.shape().DebugString());
     return absl::OkStatus();
   }
 

@@ -522,8 +522,8 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, CheckThreshold(ctx->input(2), kOp, &thr_in));
     Conv2DGeometry g;
     OP_REQUIRES_OK(ctx, attrs_.Geometry(x.shape(), f.shape(), &g, kOp));
-    OP_REQUIRES_OK(ctx, epilogue_.Validate(
-                            ctx, g.c_out, "C_out = output channels of the filter"));
+    OP_REQUIRES_OK(ctx, epilogue_.Validate(ctx, g.c_out, "C_out",
+                                           "output channels of the filter"));
     const tf::Tensor* bias =
         epilogue_.has_bias() ? &ctx->input(BiasActivationEpilogue::kBiasInput)
                              : nullptr;
