@@ -89,7 +89,7 @@ def test_batch_1_terms_used_at_batch_32_would_choose_the_slower_path(layer):
     r1, r32 = _record(layer, 1), _record(layer, 32)
     plan = _plan(r32, _terms(r1))
     assert plan["kind"] != "all_dense"
-    assert _chosen_seconds(r32, plan) > 1.5 * r32["all_dense_s"]
+    assert _chosen_seconds(r32, plan) > 1.2 * r32["all_dense_s"]
 
 
 @pytest.mark.parametrize("layer", LAYERS)

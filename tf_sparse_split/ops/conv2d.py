@@ -8,13 +8,13 @@ from tf_sparse_split._loader import load_library
 from tf_sparse_split.ops._common import (as_threshold, float_operand,
                                          invalid, operand_like)
 from tf_sparse_split.tuning import stats as _stats
+# The activations the op fuses after its bias (``None`` = ``"none"``), as
+# TensorFlow's ``_FusedConv2D`` (fused_ops BiasAdd[, Relu | Relu6]), and
+# the gradient mask: the same as SparseSplitMatMul's epilogue.
+from tf_sparse_split.ops.matmul import ACTIVATIONS, _activation_grad
 from tf_sparse_split.utils.validation import validate_choice
 
-__all__ = ["sparse_split_conv2d", "ACTIVATIONS"]
-
-#: The activations the op fuses after its bias (``None`` = ``"none"``), as
-#: TensorFlow's ``_FusedConv2D`` (fused_ops BiasAdd[, Relu | Relu6]).
-ACTIVATIONS = ("none", "relu", "relu6")
+__all__ = ["sparse_split_conv2d"]
 
 
 def _conv_list(value, name):
@@ -457,18 +457,6 @@ def _is_graph_input(t):
         return op.type in _SOURCE_OPS
     except AttributeError:  # an eager tensor has no op
         return False
-
-
-def _activation_grad(activation, out, grad):
-    """The incoming gradient masked by the activation's derivative, read
-    from the op's output: relu: ``out > 0``; relu6: ``0 < out < 6`` (as
-    TensorFlow's ``ReluGrad``/``Relu6Grad``); none: unchanged."""
-    if activation == "relu":
-        return tf.where(out > 0, grad, tf.zeros_like(grad))
-    if activation == "relu6":
-        return tf.where(tf.logical_and(out > 0, out < 6), grad,
-                        tf.zeros_like(grad))
-    return grad
 
 
 @tf.RegisterGradient("TfSparseSplit>SparseSplitConv2D")
