@@ -25,6 +25,7 @@ CASES = [
     ((2, 11, 10, 4), (3, 2, 4, 5), 2, "SAME", 2, None),        # stride + dilation
     ((2, 9, 8, 3), (3, 3, 3, 6), 1, "EXPLICIT", 1, [0, 0, 1, 2, 0, 1, 0, 0]),
     ((1, 7, 7, 1), (1, 1, 1, 1), 1, "VALID", 1, None),         # 1x1, 1 channel
+    ((2, 11, 10, 4), (3, 3, 4, 7), 1, "EXPLICIT", 2, [0, 0, 1, 2, 3, 0, 0, 0]),
 ]
 SPARSITIES = (0.0, 0.5, 0.9, 1.0)
 # 0.0: every image with a nonzero dense; 1.0: every image sparse; -1: auto.
