@@ -39,7 +39,12 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
     ``output = activation(conv2d(inputs, kernel) + bias)``, the same as
     ``Conv2D`` with ``data_format="channels_last"``: inputs
     ``[batch, H, W, C_in]``, kernel ``[KH, KW, C_in, filters]``, outputs
-    ``[batch, OH, OW, filters]``.
+    ``[batch, OH, OW, filters]``. With ``use_bias`` and a linear,
+    ``"relu"`` or ``"relu6"`` activation the bias and the activation run
+    inside the op (``sparse_split_conv2d(..., bias=, activation=)``): an
+    all-dense call is TensorFlow's fused convolution, which is what
+    ``Conv2D`` gets in inference graphs (Grappler's remapper); other
+    activations run after the op.
 
     Args:
       filters, kernel_size, strides, padding (``"valid"`` or ``"same"``),
