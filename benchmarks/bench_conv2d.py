@@ -13,7 +13,26 @@ The automatic choice should never be below 0.95x of TF's op.
 Writes ``<out>.md`` (markdown table) and ``<out>.png`` (ratio vs sparsity,
 matplotlib) with ``--out`` (default ``benchmarks/results/bench_conv2d``).
 
-Usage: ``python benchmarks/bench_conv2d.py [--rounds 7] [--all-shapes]``
+``--fused`` times the fused case instead: a layer ``act(conv2d(x, w) + b)``
+(32x28x28x32 -> 64, 3x3, SAME, relu) as TensorFlow runs it inside a
+``tf.function`` (``tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(...), b))``,
+which Grappler's remapper fuses into oneDNN's ``_MklNativeFusedConv2D``)
+against ``sparse_split_conv2d(..., bias=b, activation="relu")`` forced
+all-dense (threshold 0: the op then runs that same fused kernel) and
+automatic, and the unfused form of ours (the op, then TF's BiasAdd and
+Relu), interleaved; written to ``<out>_fused.md``.
+
+``--record-family PATH`` records, for the two conv layers of the CLI's CNN
+(28x28x1 -> 32 and 28x28x32 -> 64, 3x3 SAME, bias + relu) at batch 1 and
+32, what the op's calibration times (split_runtime.h ``Calibrate``: the
+dense and sparse paths on its sample of ``rows_full`` and ``rows_part``
+images and on a copy thinned to every 8th nonzero) and the full batch's
+all-dense and all-sparse times, as JSON: the recorded timings of
+``tests/test_conv2d_family.py``, which checks the decisions on them
+without timing anything.
+
+Usage: ``python benchmarks/bench_conv2d.py [--rounds 7] [--all-shapes]
+[--fused] [--record-family PATH]``
 """
 
 import argparse
@@ -108,6 +127,191 @@ def run_shape(shape, rounds, out=sys.stdout):
     return rows
 
 
+FUSED_SHAPE = ("32x28x28x32->64 3x3 relu", 32, 28, 28, 32, 64, 3)
+FUSED_SPARSITIES = [0.0, 0.5]
+FUSED_VARIANTS = ("tf_fused", "ours_dense", "ours_auto", "ours_unfused")
+
+
+def run_fused(rounds, shape=FUSED_SHAPE, out=sys.stdout):
+    """Interleaved timings of the fused layer: per sparsity, the median over
+    rounds of TF time / our time for each of our variants, and its
+    min-max spread."""
+    name, n, h, w, ci, co, k = shape
+    rng = np.random.default_rng(1)
+    f = tf.constant((rng.normal(size=(k, k, ci, co)) * 0.1).astype(np.float32))
+    b = tf.constant(rng.normal(size=co).astype(np.float32))
+    fns = {
+        "tf_fused": tf.function(lambda x: tf.nn.relu(
+            tf.nn.bias_add(tf.nn.conv2d(x, f, 1, "SAME"), b))),
+        "ours_dense": tf.function(lambda x: tfss.sparse_split_conv2d(
+            x, f, 1, "SAME", threshold=0.0, bias=b, activation="relu")),
+        "ours_auto": tf.function(lambda x: tfss.sparse_split_conv2d(
+            x, f, 1, "SAME", threshold=-1.0, bias=b, activation="relu")),
+        "ours_unfused": tf.function(lambda x: tf.nn.relu(tf.nn.bias_add(
+            tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=0.0), b))),
+    }
+    rows = []
+    for sp in FUSED_SPARSITIES:
+        x = tf.constant(T.random_sparse_images((n, h, w, ci), sp, rng))
+        ref = fns["tf_fused"](x).numpy()
+        for v in FUSED_VARIANTS[1:]:
+            err = T.relative_error(fns[v](x), ref)
+            assert err < 1e-4, (name, sp, v, err)
+        reps = {v: _calls_per_round(lambda v=v: fns[v](x).numpy())
+                for v in FUSED_VARIANTS}
+        # Wall-clock and process CPU seconds per call: under load (other
+        # tenants on the cores) the CPU time of this process is the steadier
+        # measure of the work each variant does.
+        times = {v: [] for v in FUSED_VARIANTS}
+        cpu = {v: [] for v in FUSED_VARIANTS}
+        for r in range(rounds):
+            order = FUSED_VARIANTS if r % 2 == 0 else FUSED_VARIANTS[::-1]
+            for v in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(reps[v]):
+                    y = fns[v](x)
+                y.numpy()
+                times[v].append((time.perf_counter() - t0) / reps[v])
+                cpu[v].append((time.process_time() - c0) / reps[v])
+        row = dict(shape=name, sparsity=sp,
+                   tf_ms=statistics.median(times["tf_fused"]) * 1e3,
+                   tf_cpu_ms=statistics.median(cpu["tf_fused"]) * 1e3)
+        for v in FUSED_VARIANTS[1:]:
+            for key, t in (("", times), ("cpu_", cpu)):
+                per_round = [a / c for a, c in zip(t["tf_fused"], t[v])]
+                row[key + v] = (statistics.median(per_round), min(per_round),
+                                max(per_round))
+            row[v + "_ms"] = statistics.median(times[v]) * 1e3
+        rows.append(row)
+        print(f"{name:<26} {sp:4.2f}  tf fused {row['tf_ms']:6.2f} ms "
+              f"(cpu {row['tf_cpu_ms']:6.2f} ms) | " +
+              " | ".join(f"{v} {row[v + '_ms']:6.2f} ms {row[v][0]:.3f}x "
+                         f"[{row[v][1]:.3f}-{row[v][2]:.3f}] cpu "
+                         f"{row['cpu_' + v][0]:.3f}x"
+                         for v in FUSED_VARIANTS[1:]), file=out, flush=True)
+    return rows
+
+
+def markdown_fused(rows, rounds, header):
+    lines = [
+        header, "",
+        "| layer | input sparsity | measure | TF fused conv (ms) | ours "
+        "all-dense | spread | ours auto | spread | ours unfused | spread |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        for key, label, ms in (("", "wall", r["tf_ms"]),
+                               ("cpu_", "process CPU", r["tf_cpu_ms"])):
+            d, a, u = (r[key + v] for v in FUSED_VARIANTS[1:])
+            lines.append(
+                f"| {r['shape']} | {r['sparsity']:.0%} | {label} | {ms:.2f} | "
+                f"{d[0]:.3f} | {d[1]:.3f}-{d[2]:.3f} | {a[0]:.3f} | "
+                f"{a[1]:.3f}-{a[2]:.3f} | {u[0]:.3f} | {u[1]:.3f}-{u[2]:.3f} |")
+    lines += ["", f"Ratios are TF time / our time (> 1: ours faster): median "
+              f"over {rounds} interleaved rounds (spread: min-max over "
+              "rounds) of wall-clock and of process CPU seconds per call, "
+              "float32, NHWC, SAME, stride 1. TF: "
+              "tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w), b)) in a "
+              "tf.function (Grappler fuses it into _MklNativeFusedConv2D); "
+              "ours all-dense: sparse_split_conv2d(bias=b, activation='relu', "
+              "threshold=0); auto: threshold=-1; unfused: the op without "
+              "bias/activation followed by TF's BiasAdd and Relu."]
+    return "\n".join(lines) + "\n"
+
+
+def _digit_like(n, side, rng):
+    """Images [n, side, side, 1] of a few thick random strokes on zeros
+    (about 20% nonzero, as hand-written digits)."""
+    x = np.zeros((n, side, side, 1), np.float32)
+    for i in range(n):
+        for _ in range(3):
+            (r0, c0), (r1, c1) = rng.integers(4, side - 4, size=(2, 2))
+            for t in np.linspace(0.0, 1.0, 2 * side):
+                r, c = int(r0 + t * (r1 - r0)), int(c0 + t * (c1 - c0))
+                x[i, r - 1:r + 2, c - 1:c + 2, 0] = rng.uniform(0.3, 1.0)
+    return x
+
+
+def _best_part_seconds(fn, x, part, reps):
+    """Best over reps of the stats' dense (part 'dense') or sparse part
+    seconds of fn(x) -> (y, stats)."""
+    from tf_sparse_split.tuning import stats as S
+
+    idx = S.TIME_DENSE if part == "dense" else S.TIME_SPARSE
+    return min(float(fn(x)[1][idx]) for _ in range(reps))
+
+
+def record_family(path, reps=7):
+    """Writes the recorded calibration and full-batch timings (see the
+    module docstring) of the CNN's two conv layers at batch 1 and 32."""
+    import json
+
+    rng = np.random.default_rng(2)
+    side, (c1, c2) = 28, (32, 64)
+    f1 = (rng.normal(size=(3, 3, 1, c1)) * 0.5).astype(np.float32)
+    b1 = (rng.normal(size=c1) * 0.1).astype(np.float32)
+    f2 = (rng.normal(size=(3, 3, c1, c2)) * 0.1).astype(np.float32)
+    b2 = (rng.normal(size=c2) * 0.1).astype(np.float32)
+    x1 = _digit_like(32, side, rng)
+    x2 = tf.nn.relu(tf.nn.conv2d(x1, f1, 1, "SAME") + b1).numpy()
+    out = dict(machine=f"tf {tf.__version__}, {os.cpu_count()} CPUs",
+               note="seconds; best of %d; the op's stats part times" % reps,
+               layers=[])
+    for name, x_all, f, b in (("conv_1", x1, f1, b1), ("conv_2", x2, f2, b2)):
+        fns = {thr_name: tf.function(
+            lambda x, t=thr, f=f, b=b: tfss.sparse_split_conv2d(
+                x, f, 1, "SAME", threshold=t, bias=b, activation="relu",
+                return_stats=True))
+            for thr_name, thr in (("dense", 0.0), ("sparse", 1.0))}
+        for n in (1, 32):
+            x = x_all[:n]
+            k = x[0].size
+            rows_full = max(1, min(n, -(-(1 << 20) // k)))
+            rows_part = max(1, rows_full // 4)
+            sample = x[:rows_full]
+            flat = sample.reshape(rows_full, -1)
+            thin = np.zeros_like(flat)
+            for r in range(rows_full):
+                nz = np.flatnonzero(flat[r])[::8]
+                thin[r, nz] = flat[r, nz]
+            thin = thin.reshape(sample.shape)
+            half = max(1, k // 2)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                np.ascontiguousarray(flat[:, ::2][:, :half])
+            copy_s = (time.perf_counter() - t0) / reps
+
+            def nnz(a):
+                return float(np.count_nonzero(a))
+
+            cal = dict(
+                rows_full=rows_full, rows_part=rows_part,
+                dense_full_s=_best_part_seconds(fns["dense"], sample, "dense", reps),
+                dense_part_s=_best_part_seconds(fns["dense"], sample[:rows_part],
+                                                "dense", reps),
+                nnz_full=nnz(sample), nnz_thin=nnz(thin),
+                nnz_part=nnz(sample[:rows_part]),
+                sparse_full_s=_best_part_seconds(fns["sparse"], sample, "sparse", reps),
+                sparse_thin_s=_best_part_seconds(fns["sparse"], thin, "sparse", reps),
+                sparse_part_s=_best_part_seconds(fns["sparse"], sample[:rows_part],
+                                                 "sparse", reps),
+                copy_elems=float(rows_full * half), copy_s=copy_s)
+            out["layers"].append(dict(
+                layer=name, n=n, h=side, w=side, c_in=int(x.shape[3]),
+                c_out=int(f.shape[3]), kh=3, kw=3, out_h=side, out_w=side,
+                c_live=int(np.count_nonzero(x.reshape(-1, x.shape[3]).any(0))),
+                image_nnz=[int(np.count_nonzero(im)) for im in x],
+                calibration=cal,
+                all_dense_s=_best_part_seconds(fns["dense"], x, "dense", reps),
+                all_sparse_s=_best_part_seconds(fns["sparse"], x, "sparse", reps)))
+            print(name, n, json.dumps(out["layers"][-1]["calibration"]),
+                  out["layers"][-1]["all_dense_s"],
+                  out["layers"][-1]["all_sparse_s"], flush=True)
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"wrote {path}")
+
+
 def markdown(rows, rounds, header):
     lines = [
         header, "",
@@ -166,6 +370,12 @@ def main(argv=None):
                    help="interleaved timing rounds (default 7)")
     p.add_argument("--all-shapes", action="store_true",
                    help="also time two smaller (MNIST-sized) layers")
+    p.add_argument("--record-family", metavar="PATH", default=None,
+                   help="record the CNN's calibration timings at batch 1 "
+                        "and 32 as JSON (tests/data/conv_family_timings.json)")
+    p.add_argument("--fused", action="store_true",
+                   help="time the fused bias + relu layer instead (writes "
+                        "<out>_fused.md)")
     here = os.path.dirname(os.path.abspath(__file__))
     p.add_argument("--out", default=os.path.join(here, "results", "bench_conv2d"),
                    help="output path; .md and .png are written (a trailing "
@@ -179,6 +389,18 @@ def main(argv=None):
     header = (f"tf {tf.__version__}, library built with {info['MARCH']} "
               f"({info['ISA']}), {os.cpu_count()} CPUs")
     print(header)
+    if args.record_family:
+        record_family(args.record_family)
+        return 0
+    if args.fused:
+        table = markdown_fused(run_fused(args.rounds), args.rounds, header)
+        print()
+        print(table)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + "_fused.md", "w") as fh:
+            fh.write(table)
+        print(f"wrote {args.out}_fused.md")
+        return 0
     rows = []
     for shape in [MAIN_SHAPE] + (MORE_SHAPES if args.all_shapes else []):
         rows += run_shape(shape, args.rounds)

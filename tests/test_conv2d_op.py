@@ -245,7 +245,7 @@ def test_raw_op_validation(attrs, inputs, match):
     """The C++ kernel checks on its own (raw op, eager)."""
     x, f = inputs or (X4, F4)
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=match):
-        LIB.tf_sparse_split_sparse_split_conv2d(x, f, -1.0, **attrs)
+        LIB.tf_sparse_split_sparse_split_conv2d(x, f, -1.0, [], **attrs)
 
 
 def test_raw_backprop_filter_validation():

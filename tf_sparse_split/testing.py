@@ -146,3 +146,67 @@ def random_sparse_images(shape, sparsity, rng, dtype=np.float32,
     dead = rng.permutation(c)[:int(round(zero_channels * c))]
     keep[..., dead] = False
     return (vals * keep).astype(dtype)
+
+
+def _apply_activation(y, activation):
+    if activation in (None, "none"):
+        return y
+    if activation == "relu":
+        return tf.nn.relu(y)
+    if activation == "relu6":
+        return tf.nn.relu6(y)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def reference_conv2d_bias_act(x, filters, bias=None, activation=None,
+                              strides=1, padding="VALID", dilations=1,
+                              explicit_paddings=None):
+    """``act(conv2d(x, filters) + bias)`` in float64 (what TensorFlow's
+    ``_FusedConv2D`` with fused_ops BiasAdd[, Relu | Relu6] computes):
+    :func:`reference_conv2d`, then ``tf.nn.bias_add`` and ``tf.nn.relu`` /
+    ``tf.nn.relu6``. ``bias`` None: no bias; ``activation`` None/"none",
+    "relu" or "relu6".
+
+    Returns:
+      float64 numpy array ``[N, OH, OW, C_out]``.
+    """
+    y = tf.constant(reference_conv2d(x, filters, strides, padding, dilations,
+                                     explicit_paddings))
+    if bias is not None:
+        y = tf.nn.bias_add(y, tf.cast(tf.convert_to_tensor(bias), tf.float64))
+    return _apply_activation(y, activation).numpy()
+
+
+def reference_conv2d_bias_act_grads(x, filters, bias, dy, activation=None,
+                                    strides=1, padding="VALID", dilations=1,
+                                    explicit_paddings=None):
+    """Gradients ``(dx, dfilters, dbias)`` of
+    :func:`reference_conv2d_bias_act` for the output gradient ``dy``, in
+    float64 by ``tf.GradientTape`` through the im2col formulation (every
+    dilation; the activation's derivative is TensorFlow's
+    ``ReluGrad``/``Relu6Grad``). ``bias`` None: ``dbias`` is None.
+
+    Returns:
+      float64 numpy arrays of the shapes of ``x``, ``filters`` and ``bias``.
+    """
+    x64 = tf.cast(tf.convert_to_tensor(x), tf.float64)
+    f64 = tf.cast(tf.convert_to_tensor(filters), tf.float64)
+    b64 = None if bias is None else tf.cast(tf.convert_to_tensor(bias),
+                                            tf.float64)
+    dy64 = tf.cast(tf.convert_to_tensor(dy), tf.float64)
+    kh, kw, ci, co = (int(d) for d in f64.shape)
+    with tf.GradientTape() as tape:
+        tape.watch(x64)
+        tape.watch(f64)
+        if b64 is not None:
+            tape.watch(b64)
+        p = _patches(x64, kh, kw, _pair(strides, "strides"), padding,
+                     _pair(dilations, "dilations"), explicit_paddings)
+        y = tf.einsum("nhwk,ko->nhwo", p, tf.reshape(f64, [kh * kw * ci, co]))
+        if b64 is not None:
+            y = tf.nn.bias_add(y, b64)
+        y = _apply_activation(y, activation)
+    srcs = [x64, f64] + ([b64] if b64 is not None else [])
+    grads = tape.gradient(y, srcs, output_gradients=dy64)
+    out = [g.numpy() for g in grads]
+    return out[0], out[1], (out[2] if b64 is not None else None)

@@ -1,9 +1,19 @@
-// The fused bias + activation epilogue of SparseSplitMatMul, TensorFlow
-// side: reads the op's `num_bias` / `activation` attrs and its optional
-// `bias` input, validates them, and applies product = act(product + bias)
-// in place to output 0 once the kernel has written every row of it (the
-// dense rows from TF's GEMM, the sparse rows from the CSR SpMM). The loops
-// are cc/core/epilogue.h (CPU) and cc/core/cuda/epilogue_cuda.h (GPU).
+// The fused bias + activation epilogue of SparseSplitMatMul and
+// SparseSplitConv2D, TensorFlow side: reads the op's `num_bias` /
+// `activation` attrs and its optional `bias` input, validates them, and
+// applies out = act(out + bias) in place once the kernel has written the
+// rows (matmul: every row of the product, the dense rows from TF's GEMM,
+// the sparse rows from the CSR SpMM; convolution: the images the sparse
+// kernel wrote, the dense images coming finished from TF's fused
+// convolution). The loops are cc/core/epilogue.h (CPU) and
+// cc/core/cuda/epilogue_cuda.h (GPU).
+//
+// SparseSplitConv2D (cc/kernels/sparse_split_conv2d_kernels.cc) does run
+// TF's fused kernel for its dense images (_MklNativeFusedConv2D in float32
+// with oneDNN): oneDNN applies bias and ReLU as post-ops while the output
+// block is still in registers, and an all-dense call must be exactly what
+// TF's graph runs for Conv2D + BiasAdd + Relu (Grappler's remapper fuses
+// them in inference graphs). For the matmul the reasoning below holds.
 //
 // Why one pass after the product rather than running TF's "_FusedMatMul"
 // for the dense rows (on the CPU, TF's graph for tf.nn.relu(tf.matmul(a, b)
@@ -36,10 +46,17 @@
 
 namespace tf_sparse_split {
 
-class MatMulEpilogue {
+// The attrs, the bias input and the CPU/GPU passes shared by the fused
+// epilogues of SparseSplitMatMul and SparseSplitConv2D (both ops declare
+// `bias: num_bias * T` after their threshold input, and the attrs
+// `num_bias: int >= 0 = 0`, `activation: {'none', 'relu', 'relu6'} = 'none'`).
+class BiasActivationEpilogue {
  public:
-  // Input index of `bias` (after a, b, threshold).
+  // Input index of `bias` (after the two operands and the threshold).
   static constexpr int kBiasInput = 3;
+
+  // `op` names the op in error messages.
+  explicit BiasActivationEpilogue(const char* op) : op_(op) {}
 
   // Reads the attrs: num_bias must be 0 or 1, activation one of
   // 'none'/'relu'/'relu6' (the op registration restricts it too).
@@ -48,33 +65,125 @@ class MatMulEpilogue {
     int num_bias = 0;
     TF_RETURN_IF_ERROR(ctx->GetAttr("num_bias", &num_bias));
     if (num_bias < 0 || num_bias > 1)
-      return tf::errors::InvalidArgument(
-          "SparseSplitMatMul: num_bias must be 0 or 1, got ", num_bias);
+      return tf::errors::InvalidArgument(op_, ": num_bias must be 0 or 1, got ",
+                                         num_bias);
     has_bias_ = num_bias == 1;
     std::string act;
     TF_RETURN_IF_ERROR(ctx->GetAttr("activation", &act));
     if (!ParseActivation(act, &act_))
       return tf::errors::InvalidArgument(
-          "SparseSplitMatMul: activation must be 'none', 'relu' or 'relu6', "
-          "got '", act, "'");
+          op_, ": activation must be 'none', 'relu' or 'relu6', got '", act,
+          "'");
     return absl::OkStatus();
   }
 
   bool active() const { return has_bias_ || act_ != Activation::kNone; }
+  bool has_bias() const { return has_bias_; }
+  Activation activation() const { return act_; }
 
-  // Checks the bias input (when present) against the product's n columns:
-  // a vector [n] of the product's dtype.
-  absl::Status Validate(::tensorflow::OpKernelContext* ctx, int64_t n) const {
+  // Checks the bias input (when present) against the output's n channels
+  // (columns): a vector [n] of the output's dtype. `symbol` names n in the
+  // message and `what` describes it.
+  absl::Status Validate(::tensorflow::OpKernelContext* ctx, int64_t n,
+                        const char* symbol = "n",
+                        const char* what = "columns of the product") const {
     namespace tf = ::tensorflow;
     if (!has_bias_) return absl::OkStatus();
     const tf::Tensor& bias = ctx->input(kBiasInput);
     if (!tf::TensorShapeUtils::IsVector(bias.shape()) || bias.dim_size(0) != n)
       return tf::errors::InvalidArgument(
-          "SparseSplitMatMul: bias must be a vector [n] = [", n,
-          "] (n = columns of the product), got shape ",
-          bias.shape().DebugString());
+          op_, ": bias must be a vector [", symbol, "] = [", n, "] (", symbol,
+          " = ", what, "), got shape ", bias.shape().DebugString());
     return absl::OkStatus();
   }
+
+  // The bias input (null without one).
+  template <typename T>
+  const T* BiasPtr(::tensorflow::OpKernelContext* ctx) const {
+    return has_bias_ ? ctx->input(kBiasInput).flat<T>().data() : nullptr;
+  }
+
+  // relu / relu6 as oneDNN's eltwise post-ops compute them (max(x, 0):
+  // NaN -> 0, -0 -> +0) instead of tf.nn.relu's NaN-propagating form. Set
+  // where the op's dense part is oneDNN's fused kernel, so that the other
+  // part of a split gives the same values and the threshold never changes
+  // the answer.
+  void set_nan_to_zero(bool v) { nan_to_zero_ = v; }
+  bool nan_to_zero() const { return nan_to_zero_; }
+
+  // c[r, :] = act(c[r, :] + bias) on the rows 0 .. rows-1 of the row-major
+  // matrix c [rows, n] (the whole output of a matmul; the N*OH*OW pixels of
+  // a convolution's NHWC output, n = C_out).
+  template <typename T>
+  void ApplyRows(::tensorflow::OpKernelContext* ctx, T* c, int64_t rows,
+                 int64_t n, const ParallelFor& pfor) const {
+    if (!active() || rows <= 0 || n <= 0) return;
+    if (nan_to_zero_ && act_ != Activation::kNone) {
+      const T* bias = BiasPtr<T>(ctx);
+      const Activation act = act_;
+      pfor(rows, 2 * n + 8, [&](int64_t b, int64_t e) {
+        ClampRows<T>(c + b * n, e - b, n, bias, act);
+      });
+      return;
+    }
+    BiasActivationRows<T>(c, n, nullptr, rows, n, BiasPtr<T>(ctx), act_, pfor);
+  }
+
+  // The same on the listed images only: image images[i] is the
+  // rows_per_image rows starting at row images[i] * rows_per_image of c
+  // [*, n]. Parallel over images, each image's rows in one pass.
+  template <typename T>
+  void ApplyImages(::tensorflow::OpKernelContext* ctx, T* c,
+                   const int64_t* images, int64_t n_images,
+                   int64_t rows_per_image, int64_t n,
+                   const ParallelFor& pfor) const {
+    if (!active() || n_images <= 0 || rows_per_image <= 0 || n <= 0) return;
+    const T* bias = BiasPtr<T>(ctx);
+    const Activation act = act_;
+    const ParallelFor serial = SerialFor;
+    const bool clamp = nan_to_zero_ && act != Activation::kNone;
+    pfor(n_images, 2 * rows_per_image * n + 8, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        T* img = c + images[i] * rows_per_image * n;
+        if (clamp) {
+          ClampRows<T>(img, rows_per_image, n, bias, act);
+        } else {
+          BiasActivationRows<T>(img, n, nullptr, rows_per_image, n, bias, act,
+                                serial);
+        }
+      }
+    });
+  }
+
+ protected:
+  // rows x n contiguous values: v = c + bias; relu: v > 0 ? v : 0; relu6:
+  // v > 0 ? min(v, 6) : 0 (NaN -> 0, as oneDNN's post-ops).
+  template <typename T>
+  static void ClampRows(T* __restrict c, int64_t rows, int64_t n,
+                        const T* __restrict bias, Activation act) {
+    const T six = act == Activation::kRelu6 ? T(6) : T(0);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* __restrict row = c + r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        T v = row[j];
+        if (bias != nullptr) v += bias[j];
+        v = v > T(0) ? v : T(0);
+        if (act == Activation::kRelu6) v = v < six ? v : six;
+        row[j] = v;
+      }
+    }
+  }
+
+  const char* op_;
+  bool has_bias_ = false;
+  bool nan_to_zero_ = false;
+  Activation act_ = Activation::kNone;
+};
+
+// The epilogue of SparseSplitMatMul: output 0 is the product [m, n].
+class MatMulEpilogue : public BiasActivationEpilogue {
+ public:
+  MatMulEpilogue() : BiasActivationEpilogue("SparseSplitMatMul") {}
 
   // product = act(product + bias), in place on output 0 (already set).
   template <typename T>
@@ -83,8 +192,7 @@ class MatMulEpilogue {
     ::tensorflow::Tensor* out = ctx->mutable_output(0);
     if (out == nullptr || out->NumElements() == 0) return absl::OkStatus();
     const int64_t m = out->dim_size(0), n = out->dim_size(1);
-    BiasActivationRows<T>(out->flat<T>().data(), n, nullptr, m, n, BiasPtr<T>(ctx),
-                          act_, TfParallelFor(ctx));
+    ApplyRows<T>(ctx, out->flat<T>().data(), m, n, TfParallelFor(ctx));
     return absl::OkStatus();
   }
 
@@ -108,15 +216,6 @@ class MatMulEpilogue {
     return absl::OkStatus();
   }
 #endif  // GOOGLE_CUDA
-
- private:
-  template <typename T>
-  const T* BiasPtr(::tensorflow::OpKernelContext* ctx) const {
-    return has_bias_ ? ctx->input(kBiasInput).flat<T>().data() : nullptr;
-  }
-
-  bool has_bias_ = false;
-  Activation act_ = Activation::kNone;
 };
 
 }  // namespace tf_sparse_split

@@ -16,6 +16,13 @@
 // cost is nnz(x) * KH*KW*C_out (pixel order with private per-block copies of
 // dF reduced in block order; channel-parallel when dF is too large to copy).
 //
+// With a bias and/or activation (attrs num_bias, activation) the output is
+// act(conv2d(input, filter) + bias): the dense images come finished from
+// TF's fused convolution (the kernel TF's own graph runs for Conv2D +
+// BiasAdd + Relu; see InitFusedKernel), the sparse images get the epilogue
+// of cc/kernels/epilogue.h right after the sparse kernel wrote them. An
+// all-dense call is exactly TF's fused kernel on the op's inputs.
+//
 // Statistics (float64 [kNumStats], StatIndex of sparse_matmul.h) with rows = images
 // and columns = the H*W*C_in values of an image (an all-zero input channel is
 // H*W all-zero columns): M = N, K = H*W*C_in, N = KH*KW*C_out (flops / 2 per
@@ -27,9 +34,11 @@
 #include <string>
 #include <vector>
 
+#include "cc/core/conv_cost.h"
 #include "cc/core/cost_model.h"
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
 #include "cc/kernels/tf_kernel.h"
@@ -176,36 +185,53 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
   return k->Init(ctx, tf::DEVICE_CPU, op, "", num_inputs, attrs);
 }
 
-// The family of a convolution: op, dtype and the whole geometry but N.
-std::vector<int64_t> FamilyKey(FamilyOp op, tf::DataType dt,
-                               const Conv2DGeometry& g) {
-  return {op,         static_cast<int64_t>(dt), g.h,        g.w,
-          g.c_in,     g.kh,     g.kw,       g.c_out,    g.stride_h,
-          g.stride_w, g.dil_h,  g.dil_w,    g.pad_top,  g.pad_left,
-          g.out_h,    g.out_w};
+// TF's fused convolution act(conv2d(x, f) + bias) for the dense part of a
+// SparseSplitConv2D with a bias: the kernel TF's graph runs for Conv2D +
+// BiasAdd [+ Relu | Relu6] once Grappler's remapper has fused them --
+// oneDNN's "_MklNativeFusedConv2D" in float32 when oneDNN is on (checked at
+// run time in TF 2.21: the partition graph of such a tf.function holds
+// _MklNativeFusedConv2D, _kernel MklNameChangeOp), Eigen's "_FusedConv2D"
+// in float32 without oneDNN. In float64 TF's graph runs Conv2D, BiasAdd and
+// Relu unfused; there (and wherever the fused kernel cannot be created)
+// this returns an error and the op runs Conv2D followed by its epilogue.
+// *onednn tells whether the kernel is oneDNN's (its relu maps NaN to 0).
+absl::Status InitFusedKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
+                             const ConvAttrs& a, Activation act, TfKernel* k,
+                             bool* onednn) {
+  *onednn = false;
+  if (dt != tf::DT_FLOAT)
+    return tf::errors::Unimplemented("no fused CPU convolution for ",
+                                     tf::DataTypeString(dt));
+  std::vector<std::string> fused_ops = {"BiasAdd"};
+  if (act == Activation::kRelu) fused_ops.push_back("Relu");
+  if (act == Activation::kRelu6) fused_ops.push_back("Relu6");
+  auto attrs = [&](tf::NodeDef* def) {
+    tf::AddNodeAttr("T", dt, def);
+    tf::AddNodeAttr("TArgs", tf::DataTypeVector{dt}, def);
+    tf::AddNodeAttr("num_args", 1, def);
+    tf::AddNodeAttr("strides", a.strides, def);
+    tf::AddNodeAttr("padding", a.padding, def);
+    tf::AddNodeAttr("explicit_paddings", a.explicit_paddings, def);
+    tf::AddNodeAttr("dilations", a.dilations, def);
+    tf::AddNodeAttr("data_format", "NHWC", def);
+    tf::AddNodeAttr("fused_ops", fused_ops, def);
+  };
+  // Inputs: input, filter, args (the bias); no host_args.
+  if (OneDnnEnabled() &&
+      k->Init(ctx, tf::DEVICE_CPU, "_MklNativeFusedConv2D", "MklNameChangeOp",
+              3, attrs)
+          .ok()) {
+    *onednn = true;
+    return absl::OkStatus();
+  }
+  return k->Init(ctx, tf::DEVICE_CPU, "_FusedConv2D", "", 3, attrs);
 }
 
-// The cost model's view of a convolution: rows are images of H*W*C_in
-// values (an all-zero channel is H*W all-zero columns); the dense path does
-// 2*OH*OW*KH*KW*C_out flop per input channel of an image, i.e.
-// 2*OH*OW*KH*KW*C_out / (H*W) per value; the sparse path 2*KH*KW*C_out per
-// nonzero; a split copies an image of OH*OW*C_out per dense image (output
-// scatter, or the filter gradient's dY gather); compaction copies
-// KH*KW*C_out filter values per live channel.
-SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
-                          bool dense_allowed) {
-  SplitShape s;
-  const double hw = static_cast<double>(std::max<int64_t>(1, g.h * g.w));
-  const double per_channel = 2.0 * g.out_h * g.out_w * g.kh * g.kw * g.c_out;
-  s.m = g.n;
-  s.k = g.h * g.w * g.c_in;
-  s.k_live = g.h * g.w * c_live;
-  s.dense_flops_per_elem = per_channel / hw;
-  s.sparse_flops_per_nnz = 2.0 * g.kh * g.kw * g.c_out;
-  s.row_copy_elems = static_cast<double>(g.out_h) * g.out_w * g.c_out;
-  s.weight_elems_per_col = static_cast<double>(g.kh) * g.kw * g.c_out / hw;
-  s.dense_allowed = dense_allowed;
-  return s;
+// The family of a convolution: op, dtype, batch bucket and the whole
+// geometry but N (cc/core/conv_cost.h).
+std::vector<int64_t> FamilyKey(FamilyOp op, tf::DataType dt,
+                               const Conv2DGeometry& g) {
+  return ConvFamilyKey(op, static_cast<int64_t>(dt), g);
 }
 
 absl::Status CheckThreshold(const tf::Tensor& t, const char* op, float* out) {
@@ -399,10 +425,30 @@ template <typename T>
 struct ConvForwardPaths : ConvSamples {
   const tf::Tensor& f;
   const TfKernel& conv;
+  // The op's bias + activation: the dense path is TF's fused kernel when
+  // there is a bias and it exists (`fused`), else `conv` then the epilogue;
+  // the sparse path is the sparse kernel then the epilogue.
+  const BiasActivationEpilogue& epilogue;
+  const TfKernel& fused;
+  const tf::Tensor* bias;  // null without one
+
+  bool use_fused() const { return bias != nullptr && fused.ok(); }
+
+  // act(conv2d(xin, fin) + bias) of TF's kernels into *result.
+  absl::Status Dense(const tf::Tensor& xin, const tf::Tensor& fin,
+                     tf::Tensor* result) const {
+    if (use_fused()) return fused.Run(ctx, {&xin, &fin, bias}, result);
+    TF_RETURN_IF_ERROR(conv.Run(ctx, {&xin, &fin}, result));
+    if (epilogue.active() && result->NumElements() > 0) {
+      epilogue.ApplyRows<T>(ctx, result->flat<T>().data(),
+                            result->NumElements() / g.c_out, g.c_out, pfor);
+    }
+    return absl::OkStatus();
+  }
 
   absl::Status RunDense(const tf::Tensor& sample) {
     tf::Tensor result;
-    return conv.Run(ctx, {&sample, &f}, &result);
+    return Dense(sample, f, &result);
   }
   absl::Status RunSparse(const tf::Tensor& sample, const int64_t* image_nnz) {
     std::vector<int64_t> imgs;
@@ -413,6 +459,8 @@ struct ConvForwardPaths : ConvSamples {
                      &csr, pfor);
     SparseConv2DForward<T>(csr, gs, imgs.data(), gs.n, f.flat<T>().data(),
                            y.data(), pfor);
+    epilogue.ApplyRows<T>(ctx, y.data(), gs.n * g.out_h * g.out_w, g.c_out,
+                          pfor);
     return absl::OkStatus();
   }
 };
@@ -443,10 +491,22 @@ struct ConvFilterGradPaths : ConvSamples {
 template <typename T>
 class SparseSplitConv2DOp : public tf::OpKernel {
  public:
-  explicit SparseSplitConv2DOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit SparseSplitConv2DOp(tf::OpKernelConstruction* ctx)
+      : OpKernel(ctx), epilogue_("SparseSplitConv2D") {
     OP_REQUIRES_OK(ctx, attrs_.Init(ctx, "SparseSplitConv2D"));
+    OP_REQUIRES_OK(ctx, epilogue_.Init(ctx));  // optional bias + activation
     OP_REQUIRES_OK(ctx, InitDenseKernel(ctx, tf::DataTypeToEnum<T>::value,
                                         "Conv2D", 2, attrs_, &conv_));
+    // Without a fused kernel (float64) the dense part is Conv2D + epilogue.
+    if (epilogue_.has_bias()) {
+      bool onednn = false;
+      InitFusedKernel(ctx, tf::DataTypeToEnum<T>::value, attrs_,
+                      epilogue_.activation(), &fused_, &onednn)
+          .IgnoreError();
+      // oneDNN's relu/relu6 post-op maps NaN to 0: the sparse images' epilogue
+      // does the same, so the answer never depends on the threshold.
+      epilogue_.set_nan_to_zero(fused_.ok() && onednn);
+    }
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -462,25 +522,40 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, CheckThreshold(ctx->input(2), kOp, &thr_in));
     Conv2DGeometry g;
     OP_REQUIRES_OK(ctx, attrs_.Geometry(x.shape(), f.shape(), &g, kOp));
+    OP_REQUIRES_OK(ctx, epilogue_.Validate(ctx, g.c_out, "C_out",
+                                           "output channels of the filter"));
+    const tf::Tensor* bias =
+        epilogue_.has_bias() ? &ctx->input(BiasActivationEpilogue::kBiasInput)
+                             : nullptr;
 
     const tf::TensorShape out_shape({g.n, g.out_h, g.out_w, g.c_out});
+    const int64_t pixels = g.out_h * g.out_w;  // output rows per image
     ConvSplit s(ctx, g, thr_in);
-    ConvForwardPaths<T> paths{{x, g, ctx, s.pfor}, f, conv_};
+    ConvForwardPaths<T> paths{{x, g, ctx, s.pfor}, f, conv_, epilogue_, fused_,
+                              bias};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
                                      true, paths, &plans_, &done));
-    if (done) return;
+    if (done) {
+      // No input values (C_in = 0) but output pixels: act(0 + bias).
+      tf::Tensor* out = ctx->mutable_output(0);
+      if (out != nullptr && out->NumElements() > 0)
+        epilogue_.ApplyRows<T>(ctx, out->flat<T>().data(), g.n * pixels,
+                               g.c_out, s.pfor);
+      return;
+    }
     const T* xp = x.flat<T>().data();
     const T* fp = f.flat<T>().data();
     const int64_t rd = s.rd, rs = s.rs, kc = s.kc;
 
-    // --- Dense part. --------------------------------------------------------
+    // --- Dense part: act(conv + bias) of TF's kernels, finished images. ----
     tf::Tensor* out = nullptr;
     if (rd < g.n) OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     if (rd > 0) {
       tf::Tensor result;
       if (rd == g.n && !s.compact) {
-        OP_REQUIRES_OK(ctx, conv_.Run(ctx, {&x, &f}, &result));
+        // All dense: exactly TF's (fused) convolution on the op's inputs.
+        OP_REQUIRES_OK(ctx, paths.Dense(x, f, &result));
       } else {
         tf::Tensor xd, fc;
         OP_REQUIRES_OK(ctx, s.GatherDense<T>(ctx, x, g, &xd));
@@ -493,7 +568,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
                                   fc.flat<T>().data());
           fin = &fc;
         }
-        OP_REQUIRES_OK(ctx, conv_.Run(ctx, {&xd, fin}, &result));
+        OP_REQUIRES_OK(ctx, paths.Dense(xd, *fin, &result));
       }
       if (rd == g.n) {
         ctx->set_output(0, result);
@@ -504,13 +579,15 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     }
     s.call.DenseDone();
 
-    // --- Sparse part. -------------------------------------------------------
+    // --- Sparse part, then the epilogue on its images. ----------------------
     if (rs > 0) {
       PixelCsr<T> csr;
       BuildPixelCsr<T>(xp, g, s.sparse().data(), rs, s.an.image_nnz.data(), &csr,
                        s.pfor);
       SparseConv2DForward<T>(csr, g, s.sparse().data(), rs, fp,
                              out->flat<T>().data(), s.pfor);
+      epilogue_.ApplyImages<T>(ctx, out->flat<T>().data(), s.sparse().data(),
+                               rs, pixels, g.c_out, s.pfor);
     }
     s.call.SparseDone();
     s.Finish(g);
@@ -518,7 +595,9 @@ class SparseSplitConv2DOp : public tf::OpKernel {
 
  private:
   ConvAttrs attrs_;
+  BiasActivationEpilogue epilogue_;
   TfKernel conv_;
+  TfKernel fused_;  // TF's fused conv + bias [+ relu]; !ok(): conv_ + epilogue
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 

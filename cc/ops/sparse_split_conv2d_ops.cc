@@ -15,6 +15,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitConv2D")
     .Input("input: T")
     .Input("filter: T")
     .Input("threshold: float")
+    .Input("bias: num_bias * T")
     .Output("output: T")
     .Output("stats: float64")
     .Attr("T: {float, double}")
@@ -22,6 +23,8 @@ REGISTER_OP("TfSparseSplit>SparseSplitConv2D")
     .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
     .Attr("explicit_paddings: list(int) = []")
     .Attr("dilations: list(int) = [1, 1, 1, 1]")
+    .Attr("num_bias: int >= 0 = 0")
+    .Attr("activation: {'none', 'relu', 'relu6'} = 'none'")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle thr;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &thr));
@@ -29,11 +32,29 @@ REGISTER_OP("TfSparseSplit>SparseSplitConv2D")
       // no data_format / filter_format attrs).
       TF_RETURN_IF_ERROR(
           tf::shape_inference::Conv2DShapeWithExplicitPadding(c));
+      int num_bias;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_bias", &num_bias));
+      if (num_bias > 1)
+        return tf::errors::InvalidArgument(
+            "SparseSplitConv2D: num_bias must be 0 or 1, got ", num_bias);
+      if (num_bias == 1) {
+        // bias [C_out]: merged with the output's channel dimension.
+        ShapeHandle bias, out = c->output(0);
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &bias));
+        if (c->RankKnown(out)) {
+          tf::shape_inference::DimensionHandle ch;
+          TF_RETURN_IF_ERROR(c->Merge(c->Dim(bias, 0), c->Dim(out, 3), &ch));
+          TF_RETURN_IF_ERROR(c->ReplaceDim(out, 3, ch, &out));
+          c->set_output(0, out);
+        }
+      }
       c->set_output(1, c->Vector(kNumStats));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-2-D convolution as tf.nn.conv2d (NHWC, HWIO) that exploits the input's zeros.
+2-D convolution as tf.nn.conv2d (NHWC, HWIO) that exploits the input's zeros,
+with an optional fused bias + activation: output = act(conv2d(input, filter)
++ bias), as TensorFlow's _FusedConv2D (fused_ops BiasAdd[, Relu | Relu6]).
 
 input: [N, H, W, C_in].
 filter: [KH, KW, C_in, C_out].
@@ -43,7 +64,16 @@ threshold: scalar float32 image-density threshold in [0, 1]; images with
   cc/core/cost_model.h (calibrated on the first such call for this layer
   geometry; the dense path unless the sparse one is predicted clearly
   faster). Never changes the answer.
-output: [N, OH, OW, C_out].
+bias: optional (num_bias = 1) vector [C_out] added to every output pixel.
+output: [N, OH, OW, C_out], act(conv2d(input, filter) + bias). A call whose
+  plan is all-dense runs TensorFlow's fused kernel (_MklNativeFusedConv2D with
+  oneDNN in float32, else _FusedConv2D; float64: Conv2D, then the epilogue of
+  cc/kernels/epilogue.h, as TF's graph runs Conv2D, BiasAdd and Relu there);
+  otherwise the dense images come from that kernel and the sparse images get
+  the epilogue after the sparse kernel.
+num_bias: 0 (no bias) or 1.
+activation: 'none', 'relu' (max(x, 0)) or 'relu6' (min(max(x, 0), 6)),
+  applied after the bias; NaN propagates.
 stats: float64 [kNumStats] per-call statistics, laid out as in
   cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");

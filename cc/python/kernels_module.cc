@@ -282,6 +282,7 @@ void Bind(py::module_& mod, const char* suffix) {
 // function called last) so that other additions to this module merge
 // cleanly.
 // ===========================================================================
+#include "cc/core/conv_cost.h"
 #include "cc/core/cost_model.h"
 
 namespace tf_sparse_split {
@@ -559,6 +560,56 @@ void BindCostModel(py::module_& mod) {
            py::arg("policy") = py::none());
 }
 
+// The convolution's view of the cost model (cc/core/conv_cost.h): its
+// SplitShape and its family key, for tests on recorded timings.
+void BindConvCost(py::module_& mod) {
+  auto geometry = [](int64_t n, int64_t h, int64_t w, int64_t c_in, int64_t kh,
+                     int64_t kw, int64_t c_out, int64_t out_h, int64_t out_w) {
+    for (int64_t v : {n, h, w, c_in, kh, kw, c_out, out_h, out_w})
+      if (v < 0) throw py::value_error("convolution sizes must be >= 0");
+    Conv2DGeometry g;
+    g.n = n, g.h = h, g.w = w, g.c_in = c_in, g.kh = kh, g.kw = kw;
+    g.c_out = c_out, g.out_h = out_h, g.out_w = out_w;
+    return g;
+  };
+  mod.def("conv_split_shape",
+          [geometry](int64_t n, int64_t h, int64_t w, int64_t c_in,
+                     int64_t c_live, int64_t kh, int64_t kw, int64_t c_out,
+                     int64_t out_h, int64_t out_w) {
+            if (c_live < 0 || c_live > c_in)
+              throw py::value_error("need 0 <= c_live <= c_in");
+            return DictOf(ConvSplitShape(
+                geometry(n, h, w, c_in, kh, kw, c_out, out_h, out_w), c_live,
+                true));
+          },
+          py::arg("n"), py::arg("h"), py::arg("w"), py::arg("c_in"),
+          py::arg("c_live"), py::arg("kh"), py::arg("kw"), py::arg("c_out"),
+          py::arg("out_h"), py::arg("out_w"),
+          "The cost model's shape dict of SparseSplitConv2D on input [n, h, w, "
+          "c_in] (c_live live channels), filter [kh, kw, c_in, c_out], output "
+          "[n, out_h, out_w, c_out]: rows = images.");
+  mod.def("conv_batch_bucket", &ConvBatchBucket, py::arg("n"),
+          "Batch bucket of a convolution family: the smallest power of two "
+          ">= n (families at different buckets never share terms).");
+  mod.def("conv_family_key",
+          [geometry](int64_t op, int64_t dtype, int64_t n, int64_t h, int64_t w,
+                     int64_t c_in, int64_t kh, int64_t kw, int64_t c_out,
+                     int64_t out_h, int64_t out_w) {
+            py::list key;
+            for (int64_t v : ConvFamilyKey(op, dtype,
+                                           geometry(n, h, w, c_in, kh, kw,
+                                                    c_out, out_h, out_w)))
+              key.append(v);
+            return key;
+          },
+          py::arg("op"), py::arg("dtype"), py::arg("n"), py::arg("h"),
+          py::arg("w"), py::arg("c_in"), py::arg("kh"), py::arg("kw"),
+          py::arg("c_out"), py::arg("out_h"), py::arg("out_w"),
+          "The family key (list of ints) the SparseSplitConv2D kernels use for "
+          "this call (strides, dilations 1, no padding): calls with equal keys "
+          "share cost terms.");
+}
+
 }  // namespace
 }  // namespace tf_sparse_split
 
@@ -606,4 +657,5 @@ PYBIND11_MODULE(_kernels, mod) {
       "the kHetero* values of the kStatHeterogeneous entry.");
 
   tf_sparse_split::BindCostModel(mod);  // cost model block above
+  tf_sparse_split::BindConvCost(mod);   // convolution's shape and family key
 }

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tf_sparse_split.layers.activations import FATReLU
 from tf_sparse_split.layers.base import (SparseSplitLayer, _is_training,
                                          _keras_call_training)
+from tf_sparse_split.layers.dense import _fused_activation
 from tf_sparse_split.ops.conv2d import sparse_split_conv2d
 from tf_sparse_split.tuning import stats as _stats
 
@@ -39,7 +40,12 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
     ``output = activation(conv2d(inputs, kernel) + bias)``, the same as
     ``Conv2D`` with ``data_format="channels_last"``: inputs
     ``[batch, H, W, C_in]``, kernel ``[KH, KW, C_in, filters]``, outputs
-    ``[batch, OH, OW, filters]``.
+    ``[batch, OH, OW, filters]``. With ``use_bias`` and a linear,
+    ``"relu"`` or ``"relu6"`` activation the bias and the activation run
+    inside the op (``sparse_split_conv2d(..., bias=, activation=)``): an
+    all-dense call is TensorFlow's fused convolution, which is what
+    ``Conv2D`` gets in inference graphs (Grappler's remapper); other
+    activations run after the op.
 
     Args:
       filters, kernel_size, strides, padding (``"valid"`` or ``"same"``),
@@ -114,33 +120,53 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
             self._spatial = (int(input_shape[1]), int(input_shape[2]))
 
     def call(self, inputs):
-        """As ``keras.layers.Conv2D.call``; with a bias and a
+        """As ``keras.layers.Conv2D.call``. With a bias and a linear,
+        ``"relu"`` or ``"relu6"`` activation, bias and activation are fused
+        into the op (``SparseSplitConv2D`` with ``bias``/``activation``:
+        TensorFlow's fused convolution for an all-dense call, as
+        ``Conv2D`` gets in inference graphs). With a bias and a
         :class:`~tf_sparse_split.layers.FATReLU` activation (what
         :class:`~tf_sparse_split.callbacks.SparsityTargetCallback` installs),
         the bias and the activation run fused in one pass
-        (:meth:`FATReLU.bias_call`), forward and backward."""
+        (:meth:`FATReLU.bias_call`), forward and backward. Other activations,
+        and every activation of a grouped convolution (``groups > 1``, one
+        op per group), run after the op."""
         act = self.activation
-        if not (self.use_bias and isinstance(act, FATReLU)):
+        if self.use_bias and isinstance(act, FATReLU):
+            y = self.convolution_op(inputs, self.kernel)
+            bias = tf.convert_to_tensor(self.bias)
+            if y.dtype.name not in ("float32", "float64"):
+                return act(y + tf.cast(bias, y.dtype))
+            training = _is_training(_keras_call_training())
+            return act.bias_call(y, tf.cast(bias, y.dtype), training=training)
+        fused = (_fused_activation(act)
+                 if self.use_bias and self.groups == 1 else None)
+        if fused is None:
             return super().call(inputs)
-        y = self.convolution_op(inputs, self.kernel)
-        bias = tf.convert_to_tensor(self.bias)
-        if y.dtype.name not in ("float32", "float64"):
-            return act(y + tf.cast(bias, y.dtype))
-        training = _is_training(_keras_call_training())
-        return act.bias_call(y, tf.cast(bias, y.dtype), training=training)
+        return self._split_conv(inputs, self.kernel, bias=self.bias,
+                                activation=fused)
 
     def convolution_op(self, inputs, kernel):
+        return self._split_conv(inputs, kernel)
+
+    def _split_conv(self, inputs, kernel, bias=None, activation="none"):
+        """``act(conv2d(inputs, kernel) + bias)`` by the op, in the op's
+        dtype (float32/float64), cast to the layer's compute dtype."""
         x, k, out_dtype = self._op_operands(inputs, kernel)
         if self._spatial is None and x.shape[1] is not None and \
                 x.shape[2] is not None:
             self._spatial = (int(x.shape[1]), int(x.shape[2]))
-        if self.groups > 1:
+        if self.groups > 1:  # call() fuses only at groups == 1
             return self._grouped_convolution(x, k, out_dtype)
+        if bias is not None:
+            bias = tf.convert_to_tensor(bias)
+            if bias.dtype != x.dtype:
+                bias = tf.cast(bias, x.dtype)
         y, stats_vec = sparse_split_conv2d(
             x, k, strides=list(self.strides), padding=self.padding.upper(),
             dilations=list(self.dilation_rate),
             threshold=tf.convert_to_tensor(self.threshold_var),
-            return_stats=True)
+            return_stats=True, bias=bias, activation=activation)
         self._record_stats(stats_vec)
         if y.dtype != out_dtype:
             y = tf.cast(y, out_dtype)

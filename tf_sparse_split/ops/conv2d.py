@@ -6,8 +6,13 @@ import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
 from tf_sparse_split.ops._common import (as_threshold, float_operand,
-                                         invalid)
+                                         invalid, operand_like)
 from tf_sparse_split.tuning import stats as _stats
+# The activations the op fuses after its bias (``None`` = ``"none"``), as
+# TensorFlow's ``_FusedConv2D`` (fused_ops BiasAdd[, Relu | Relu6]), and
+# the gradient mask: the same as SparseSplitMatMul's epilogue.
+from tf_sparse_split.ops.matmul import ACTIVATIONS, _activation_grad
+from tf_sparse_split.utils.validation import validate_choice
 
 __all__ = ["sparse_split_conv2d"]
 
@@ -98,8 +103,10 @@ def _check_conv_attrs(strides, dilations, padding, explicit):
 
 def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: A002
                         explicit_paddings=None, threshold=-1.0,
-                        return_stats=False, name=None):
-    """``tf.nn.conv2d`` (NHWC input, HWIO filter) that skips the input's zeros.
+                        return_stats=False, name=None, bias=None,
+                        activation=None):
+    """``act(tf.nn.conv2d(input, filters) + bias)`` (NHWC input, HWIO
+    filter) that skips the input's zeros.
 
     Split (K.-Y. Peng, *Adaptive runtime exploiting sparsity in tensor of
     deep learning on heterogeneous systems*, NTU 2017): each image of the
@@ -139,6 +146,20 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     the filter facing only zeros gives 0 on the sparse path and for
     compacted channels (as in ``tf.sparse``).
 
+    Fused bias and activation (``bias``, ``activation``), as TensorFlow's
+    ``_FusedConv2D`` (what Grappler's remapper makes of ``Conv2D + BiasAdd
+    + Relu`` in inference graphs): a call whose plan is all-dense runs
+    TensorFlow's fused kernel itself (oneDNN's ``_MklNativeFusedConv2D`` in
+    float32; in float64, where TensorFlow's graph does not fuse either,
+    ``Conv2D`` followed by one bias + activation pass); otherwise the dense
+    images come finished from that kernel and the sparse images get one
+    bias + activation pass after the sparse kernel. Gradients: the incoming
+    gradient is first masked by the activation's derivative, read from the
+    output (relu: ``out > 0``; relu6: ``0 < out < 6``, as TensorFlow's
+    ``ReluGrad``/``Relu6Grad``); the bias gradient is its sum over N, H, W;
+    the input and filter gradients are those above, of the masked gradient
+    (whose zeros the sparse paths then skip).
+
     Args:
       input: float32 or float64 tensor ``[N, H, W, C_in]``.
       filters: tensor of the same dtype ``[KH, KW, C_in, C_out]``.
@@ -159,9 +180,15 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         non-trainable variable).
       return_stats: also return the per-call statistics.
       name: optional op name.
+      bias: optional vector ``[C_out]`` of the input's dtype, added to every
+        output pixel (default None: no bias).
+      activation: ``None`` or ``"none"`` (default), ``"relu"`` (``max(x,
+        0)``) or ``"relu6"`` (``min(max(x, 0), 6)``), applied after the
+        bias. NaN stays NaN.
 
     Returns:
-      the output ``[N, OH, OW, C_out]`` of the input dtype; with
+      the output ``act(conv2d(input, filters) + bias)``
+      ``[N, OH, OW, C_out]`` of the input dtype; with
       ``return_stats``, ``(output, stats)``, ``stats`` a float64 vector laid
       out as in :mod:`tf_sparse_split.tuning.stats` with rows = images and columns =
       the ``H*W*C_in`` values of an image (see there).
@@ -173,8 +200,14 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         positive or not 1 on the batch/channel dimensions, a bad padding
         (unknown string, explicit list not 8 values / negative / nonzero on
         N or C), an input smaller than the dilated filter with VALID
-        padding, a threshold above 1, NaN or not scalar.
+        padding, a threshold above 1, NaN or not scalar, a ``bias`` that is
+        not a vector ``[C_out]`` of the input's dtype.
+      ValueError: an unknown ``activation``; shape errors detected while
+        tracing a ``tf.function`` (shape inference).
     """
+    activation = validate_choice(
+        "none" if activation is None else activation, "activation",
+        ACTIVATIONS)
     lib = load_library()
     with tf.name_scope(name or "SparseSplitConv2D"):
         x = float_operand(input, "sparse_split_conv2d", "input")
@@ -199,9 +232,23 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         dilations = _conv_list(dilations, "dilations")
         pad, explicit = _conv_padding(padding, explicit_paddings)
         _check_conv_attrs(strides, dilations, pad, explicit)
+        biases = []
+        if bias is not None:
+            op = "sparse_split_conv2d"
+            bias = operand_like(bias, x, op, "bias", "input")
+            cout = f.shape[3] if f.shape.rank else None
+            if bias.shape.rank is not None and (
+                    bias.shape.rank != 1 or (cout is not None and
+                                             bias.shape[0] is not None and
+                                             bias.shape[0] != cout)):
+                raise invalid(
+                    f"{op}: bias must be a vector [C_out] = [{cout}], got "
+                    f"shape {bias.shape}")
+            biases = [bias]
         out, stats = lib.tf_sparse_split_sparse_split_conv2d(
-            x, f, as_threshold(threshold), strides=strides, padding=pad,
-            explicit_paddings=explicit, dilations=dilations)
+            x, f, as_threshold(threshold), biases, strides=strides,
+            padding=pad, explicit_paddings=explicit, dilations=dilations,
+            activation=activation)
     return (out, stats) if return_stats else out
 
 
@@ -302,7 +349,7 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
         pads, pad = tc
         lib = load_library()
         dx, stats = lib.tf_sparse_split_sparse_split_conv2d(
-            grad, _rotated_filter(f), tf.constant(-1.0, tf.float32),
+            grad, _rotated_filter(f), tf.constant(-1.0, tf.float32), [],
             strides=[1, 1, 1, 1], padding=pad, explicit_paddings=pads,
             dilations=dilations)
         return (dx, stats) if return_stats else dx
@@ -414,11 +461,16 @@ def _is_graph_input(t):
 
 @tf.RegisterGradient("TfSparseSplit>SparseSplitConv2D")
 def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
-    """Input gradient: :func:`conv2d_input_grad` (a sparse-split forward
-    convolution of ``grad`` at stride 1); filter gradient:
+    """Gradients of ``act(conv2d(x, f) + bias)``: ``grad`` masked by the
+    activation's derivative (from the output), then the input gradient
+    :func:`conv2d_input_grad` (a sparse-split forward convolution of the
+    masked gradient at stride 1), the filter gradient
     :func:`conv2d_filter_grad` (over the zeros of ``x`` or, when sparser,
-    of ``grad``)."""
-    x, f, threshold = op.inputs
+    of the masked gradient) and the bias gradient (its sum over N, H, W)."""
+    x, f, threshold = op.inputs[:3]
+    has_bias = op.get_attr("num_bias") == 1
+    grad = _activation_grad(_attr_str(op, "activation"), op.outputs[0], grad)
+    grad_bias = [tf.reduce_sum(grad, axis=[0, 1, 2])] if has_bias else []
     strides = list(op.get_attr("strides"))
     dilations = list(op.get_attr("dilations"))
     padding = _attr_str(op, "padding")
@@ -437,4 +489,4 @@ def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
     grad_f = conv2d_filter_grad(x, f, grad, threshold, strides, padding,
                                 explicit, dilations,
                                 op.outputs[1][_stats.NNZ], nnz_grad)
-    return grad_x, grad_f, None
+    return [grad_x, grad_f, None] + grad_bias

@@ -1,0 +1,40 @@
+#include "cc/core/conv_cost.h"
+
+#include <algorithm>
+
+namespace tf_sparse_split {
+
+int64_t ConvBatchBucket(int64_t n) {
+  if (n <= 0) return 0;
+  int64_t b = 1;
+  while (b < n) b *= 2;
+  return b;
+}
+
+std::vector<int64_t> ConvFamilyKey(int64_t op, int64_t dtype,
+                                   const Conv2DGeometry& g) {
+  return {op,         dtype,      ConvBatchBucket(g.n),
+          g.h,        g.w,        g.c_in,
+          g.kh,       g.kw,       g.c_out,
+          g.stride_h, g.stride_w, g.dil_h,
+          g.dil_w,    g.pad_top,  g.pad_left,
+          g.out_h,    g.out_w};
+}
+
+SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
+                          bool dense_allowed) {
+  SplitShape s;
+  const double hw = static_cast<double>(std::max<int64_t>(1, g.h * g.w));
+  const double per_channel = 2.0 * g.out_h * g.out_w * g.kh * g.kw * g.c_out;
+  s.m = g.n;
+  s.k = g.h * g.w * g.c_in;
+  s.k_live = g.h * g.w * c_live;
+  s.dense_flops_per_elem = per_channel / hw;
+  s.sparse_flops_per_nnz = 2.0 * g.kh * g.kw * g.c_out;
+  s.row_copy_elems = static_cast<double>(g.out_h) * g.out_w * g.c_out;
+  s.weight_elems_per_col = static_cast<double>(g.kh) * g.kw * g.c_out / hw;
+  s.dense_allowed = dense_allowed;
+  return s;
+}
+
+}  // namespace tf_sparse_split

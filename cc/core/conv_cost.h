@@ -1,0 +1,45 @@
+// The cost model's view of a convolution (framework-free, layer 1): its
+// SplitShape and its problem family. Used by the SparseSplitConv2D kernels
+// (cc/kernels/sparse_split_conv2d_kernels.cc) and, for deterministic tests
+// on recorded timings, by the pybind11 module (conv_split_shape,
+// conv_batch_bucket, conv_family_key).
+#ifndef TF_SPARSE_SPLIT_CC_CORE_CONV_COST_H_
+#define TF_SPARSE_SPLIT_CC_CORE_CONV_COST_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "cc/core/cost_model.h"
+#include "cc/core/sparse_conv2d.h"
+
+namespace tf_sparse_split {
+
+// The batch bucket of a convolution family: the smallest power of two >= n
+// (1, 2, 4, ..., 64, 128, ...; n <= 0 -> 0). A family's terms are fitted at
+// one batch size and must predict the others of its bucket: oneDNN's dense
+// convolution runs far below its batched per-image rate at N = 1 or 2 (its
+// time is mostly fixed and per-call), so terms calibrated there would send
+// a batch of 32 to the sparse path where the dense one is 3x faster. Within
+// a bucket N varies by less than 2x, and the calibration's two sample sizes
+// (rows_full, rows_full / 4) separate the per-call from the per-image cost.
+int64_t ConvBatchBucket(int64_t n);
+
+// The family key of a convolution: op (a FamilyOp of split_runtime.h),
+// dtype, the batch bucket and the whole geometry but N.
+std::vector<int64_t> ConvFamilyKey(int64_t op, int64_t dtype,
+                                   const Conv2DGeometry& g);
+
+// The cost model's view of a convolution: rows are images of H*W*C_in
+// values (an all-zero channel is H*W all-zero columns); the dense path does
+// 2*OH*OW*KH*KW*C_out flop per input channel of an image, i.e.
+// 2*OH*OW*KH*KW*C_out / (H*W) per value; the sparse path 2*KH*KW*C_out per
+// nonzero; a split copies an image of OH*OW*C_out per dense image (output
+// scatter, or the filter gradient's dY gather); compaction copies
+// KH*KW*C_out filter values per live channel. c_live: input channels that
+// are not zero in every image.
+SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
+                          bool dense_allowed);
+
+}  // namespace tf_sparse_split
+
+#endif  // TF_SPARSE_SPLIT_CC_CORE_CONV_COST_H_
