@@ -162,8 +162,10 @@ def plot(rows, path):
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
     for k, v in enumerate(("converted", "rewrite")):
         ratios = [r[v]["ratio"] for r in rows]
-        lo = [r[v]["ratio"] - r[v]["lo"] for r in rows]
-        hi = [r[v]["hi"] - r[v]["ratio"] for r in rows]
+        # The p50 ratio (over all calls) can lie outside the range of the
+        # per-round ratios of medians: clip the bars at the bar's height.
+        lo = [max(0.0, r[v]["ratio"] - r[v]["lo"]) for r in rows]
+        hi = [max(0.0, r[v]["hi"] - r[v]["ratio"]) for r in rows]
         ax.bar(xs + (k - 0.5) * 0.38, ratios, 0.38, yerr=[lo, hi],
                capsize=3, label=v)
     ax.axhline(1.0, color="k", lw=0.8)
