@@ -124,7 +124,7 @@ def test_two_workers_on_loopback_agree(tmp_path):
     # Only the chief (worker 0) writes checkpoints and logs.
     assert (tmp_path / "ckpt0" / "model.keras").is_file()
     assert not (tmp_path / "ckpt1").exists()
-    assert "hidden_1/threshold" in _tags(tmp_path / "tb0")
+    assert "hidden_2/threshold" in _tags(tmp_path / "tb0")
     assert not (tmp_path / "tb1").exists()
 
 

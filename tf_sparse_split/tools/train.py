@@ -449,7 +449,7 @@ def _print_speedup(args, ours, reference, out):
     returns the summary or None."""
     from tf_sparse_split.tools.timing import format_speedup
 
-    rounds = getattr(args, "timing_rounds", 8)
+    rounds = getattr(args, "timing_rounds", 16)
     if not rounds:
         return None
     if getattr(args, "strategy", "none") == "multi-worker":
@@ -526,7 +526,7 @@ def train_command(args, out):
                           y_test, num_classes, out)]
         if not args.baseline and "model" in results[0]:
             results[0]["y_train"] = y_train
-            if getattr(args, "timing_rounds", 8) and strategy_name != \
+            if getattr(args, "timing_rounds", 16) and strategy_name != \
                     "multi-worker":
                 reference = _plain_reference(args, x_train, y_train, x_test,
                                              num_classes)
