@@ -265,6 +265,12 @@ def main(argv=None):
              f"{build_info()['MARCH']}; load average "
              f"{os.getloadavg()[0]:.1f} at the end (other jobs on the machine "
              "widen the spread).")
+    if any(not r["rewritten"] for r in rows):
+        lines += ["", "Where no node was rewritten (the pass takes MatMul/"
+                  "Conv2D fed by a ReLU-family op or dropout; these CNNs' "
+                  "second Conv2D is fed by MaxPool, the first by the model "
+                  "input) the rewrite variant runs the plain graph: its ratio "
+                  "and range show this run's noise."]
     md = markdown_table(
         "| model | batch | plain p50 ms | converted p50 ms | converted ratio "
         "| rewrite p50 ms | rewrite ratio | nodes rewritten | max abs diff |",

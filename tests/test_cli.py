@@ -44,7 +44,7 @@ def test_train_sparse_on_digits(run_cli):
                      r"epochs 2-2; epoch 1, with tracing: \d+\.\d\d s\)", out)
     speed = [l for l in out.splitlines() if "speed-up" in l]
     assert len(speed) == 1 and speed[0].startswith(
-        "speed-up vs plain Keras (same model and initial weights): "), out
+        "speed-up vs plain Keras (same layers and initial weights): "), out
     # stdout is not a terminal here: no progress bar control characters.
     assert "\r" not in out and "\x08" not in out and "\x1b" not in out
 

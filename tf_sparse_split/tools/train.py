@@ -452,10 +452,6 @@ def _print_speedup(args, ours, reference, out):
     rounds = getattr(args, "timing_rounds", 16)
     if not rounds:
         return None
-    if getattr(args, "strategy", "none") == "multi-worker":
-        print("speed-up: not measured under --strategy multi-worker (each "
-              "step is a collective across workers)", file=out, flush=True)
-        return None
     summary = step_speedup(ours["model"], reference["model"], ours["x_train"],
                            ours["y_train"], args.batch_size, rounds=rounds,
                            block=getattr(args, "timing_steps", None),
@@ -464,7 +460,7 @@ def _print_speedup(args, ours, reference, out):
     ours["speedup"] = summary
     if not args.compare:
         print(format_speedup(summary, block, against="plain Keras (same "
-                             "model and initial weights)"),
+                             "layers and initial weights)"),
               file=out, flush=True)
     return summary
 
@@ -524,17 +520,19 @@ def train_command(args, out):
     else:
         results = [runner(args, not args.baseline, x_train, y_train, x_test,
                           y_test, num_classes, out)]
-        if not args.baseline and "model" in results[0]:
+        if not args.baseline and "model" in results[0] and \
+                getattr(args, "timing_rounds", 16):
+            # The reference: plain Keras layers, same initial weights, not
+            # trained (a dense model's step time does not depend on its
+            # weights).
             results[0]["y_train"] = y_train
-            if getattr(args, "timing_rounds", 16) and strategy_name != \
-                    "multi-worker":
-                reference = _plain_reference(args, x_train, y_train, x_test,
-                                             num_classes)
-            else:
-                reference = None
-            if reference is not None or strategy_name == "multi-worker":
-                speedup = _print_speedup(args, results[0], reference or {},
-                                         out)
+            reference = _plain_reference(args, x_train, y_train, x_test,
+                                         num_classes)
+            speedup = _print_speedup(args, results[0], reference, out)
+    if strategy_name == "multi-worker" and not args.baseline and \
+            getattr(args, "timing_rounds", 16):
+        print("speed-up: not measured under --strategy multi-worker (each "
+              "step is a collective across workers)", file=out, flush=True)
     if getattr(args, "plot", None):
         from tf_sparse_split.tools.distribute import is_chief
         from tf_sparse_split.tools.plots import plot_training
