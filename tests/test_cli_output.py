@@ -256,3 +256,28 @@ def test_bench_inference_quick(tmp_path):
         diff = float(row.rstrip(" |").split("|")[-1])
         assert diff < 1e-4                   # the variants agree
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- the plot's legend and the text agree --------------------------------------
+def test_plot_legend_uses_the_steady_mean_the_text_prints(tmp_path,
+                                                          monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tf_sparse_split.tools import plots, train
+
+    times = [9.0, 1.0, 2.0]
+    assert plots.steady_mean(times) == train._steady(times) == 1.5
+    assert plots.steady_mean([4.0]) == 4.0
+    labels = []
+    monkeypatch.setattr(plt, "close", lambda fig: labels.extend(
+        t.get_text() for ax in fig.axes if ax.get_legend()
+        for t in ax.get_legend().get_texts()))
+    summary = {"median": 1.4, "min": 1.2, "max": 1.6}
+    plots.plot_training([{"kind": "sparse-split", "epoch_times": times,
+                          "tuning_history": []}], tmp_path / "p.png",
+                        speedup=summary)
+    assert "sparse-split (mean of epochs 2-3: 1.50 s)" in labels
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -328,8 +328,11 @@ def input_sparsity(model, x, batch_size=256):
 
 
 def _steady(times):
-    later = times[1:] or times
-    return sum(later) / max(len(later), 1)
+    """The steady-state epoch time the text prints and the plot's legend
+    shows (one definition: :func:`tf_sparse_split.tools.plots.steady_mean`)."""
+    from tf_sparse_split.tools.plots import steady_mean
+
+    return steady_mean(times)
 
 
 def _time_label(result):
