@@ -7,29 +7,12 @@ The scripts run as ``python benchmarks/bench_x.py``, so this directory is on
 import os
 import platform
 import statistics
-import time
 
-
-def call_times(call, reps):
-    """Seconds of each of ``reps`` calls of ``call()`` (a list)."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def median_time(call, reps):
-    """Median seconds of ``reps`` calls of ``call()``."""
-    return statistics.median(call_times(call, reps))
-
-
-def rotated(seq, r):
-    """``seq`` rotated left by ``r`` places (round ``r`` of an interleaved
-    run starts with a different item; for two items: alternating order)."""
-    s = r % len(seq)
-    return seq[s:] + seq[:s]
+# The interleaving and timing helpers live in the package (the CLI's
+# ``train --compare`` uses them too); re-exported for the scripts.
+from tf_sparse_split.tools.timing import (call_times, interleaved_blocks,  # noqa: F401
+                                          median_time, rotated,
+                                          speedup_summary)
 
 
 def median_min_spread_ms(times):
@@ -81,3 +64,49 @@ def write_report(path, text, also=None):
         f.write(text)
     other = also() if also is not None else None
     print(f"wrote {path}" + (f" and {other}" if other else ""))
+
+
+def mnist_dirs(explicit=None):
+    """Directories to look for MNIST IDX files in, in order: ``explicit``
+    alone if given; else ``$TFSS_MNIST_DIR``, ``../shared/data/mnist``
+    beside the repository, ``/work/shared/data/mnist``."""
+    from pathlib import Path
+
+    if explicit:
+        return [Path(explicit)]
+    dirs = []
+    if os.environ.get("TFSS_MNIST_DIR"):
+        dirs.append(Path(os.environ["TFSS_MNIST_DIR"]))
+    here = Path(__file__).resolve().parent
+    dirs += [here.parent.parent / "shared" / "data" / "mnist",
+             Path("/work/shared/data/mnist")]
+    return dirs
+
+
+def load_mnist_or_digits(explicit=None):
+    """``((x_train, y_train), (x_test, y_test), description)``: MNIST
+    (``x`` float32 ``[n, 784]`` in [0, 1], ``y`` int32) from the first of
+    :func:`mnist_dirs` that holds it, else scikit-learn's embedded 8x8
+    digits upsampled to 28x28 (3x3 pixel repetition, padded by 2: MNIST's
+    layout and its border of zeros)."""
+    import numpy as np
+
+    from tf_sparse_split.tools.datasets import load_digits, load_mnist
+
+    for d in mnist_dirs(explicit):
+        try:
+            train, test = load_mnist(d)
+        except FileNotFoundError:
+            continue
+        return train, test, (f"MNIST from {d} ({train[0].shape[0]} training "
+                             "images)")
+
+    def up(x):
+        img = np.kron(x.reshape(-1, 8, 8), np.ones((3, 3), np.float32))
+        return np.pad(img, ((0, 0), (2, 2), (2, 2))).reshape(-1, 784).astype(
+            np.float32)
+
+    (x, y), (xt, yt) = load_digits()
+    return (up(x), y), (up(xt), yt), (
+        "scikit-learn digits upsampled 8x8 -> 28x28 (no MNIST found in "
+        f"{', '.join(str(d) for d in mnist_dirs(explicit))})")

@@ -16,28 +16,48 @@ tfss.load_library()  # fail loudly if the op library is not built
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train", "--epochs", "1", "--hidden", "32,16", "--batch-size", "128"]
+#: Short timing of the speed-up line (the figure itself is not tested here).
+FAST = ["--timing-rounds", "2", "--timing-steps", "2"]
 
 
 def test_train_sparse_on_digits(run_cli):
-    rc, out, _ = run_cli(SMALL + ["--epochs", "2"])
+    rc, out, _ = run_cli(SMALL + ["--epochs", "2"] + FAST)
     assert rc == 0
     assert "data: scikit-learn digits" in out
     assert "1438 train / 359 test examples, 64 features" in out
-    assert "model: sparse-split MLP 64-32-16-10 (SparseSplitDense)" in out
+    assert ("model: sparse-split MLP 64-32-16-10 (SparseSplitDense; plain "
+            "Keras where a sparse-split layer cannot win: hidden_1 (on the "
+            "model input), output (10 units))") in out
     assert re.search(r"epoch 1/2: time \d+\.\d\d s, loss \d\.\d{4}, "
                      r"accuracy \d\.\d{4}", out)
     assert "epoch 2/2: time" in out
-    for name in ("hidden_1", "hidden_2", "output"):
-        m = re.search(rf"  {name}: input sparsity (\d\.\d{{3}}), threshold "
-                      r"for next epoch (\d\.\d{4})", out)
-        assert m, out
-        assert 0.0 < float(m.group(1)) < 1.0
+    # The one sparse-split layer's line, in words, with the FATReLU of the
+    # default target sparsity.
+    m = re.search(r"  hidden_2: (dense|split|sparse|auto): (\d+)% zeros[^\n]*"
+                  r"; FATReLU threshold \d+\.\d{4}, l1 ", out)
+    assert m, out
+    assert 0 < int(m.group(2)) < 100
+    assert "  hidden_1:" not in out and "  output:" not in out
     m = re.search(r"sparse-split: test accuracy (\d\.\d{4})", out)
     assert m and float(m.group(1)) > 0.2  # better than chance after 2 epochs
     assert re.search(r"time/epoch \d+\.\d\d s \(steady state: mean of "
                      r"epochs 2-2; epoch 1, with tracing: \d+\.\d\d s\)", out)
+    speed = [l for l in out.splitlines() if "speed-up" in l]
+    assert len(speed) == 1 and speed[0].startswith(
+        "speed-up vs plain Keras (same layers and initial weights): "), out
     # stdout is not a terminal here: no progress bar control characters.
     assert "\r" not in out and "\x08" not in out and "\x1b" not in out
+
+
+def test_split_all_layers(run_cli):
+    rc, out, _ = run_cli(SMALL + ["--split-all-layers", "--timing-rounds",
+                                  "0", "--target-sparsity", "none"])
+    assert rc == 0, out
+    assert "model: sparse-split MLP 64-32-16-10 (SparseSplitDense)\n" in out
+    for name in ("hidden_1", "hidden_2", "output"):
+        assert re.search(rf"  {name}: (dense|split|sparse|auto): \d+% zeros",
+                         out), name
+    assert "speed-up" not in out and "FATReLU" not in out
 
 
 def test_train_baseline(run_cli):
@@ -50,16 +70,21 @@ def test_train_baseline(run_cli):
 
 
 def test_train_compare(run_cli):
-    rc, out, _ = run_cli(SMALL + ["--compare", "--threshold", "0.5"])
+    rc, out, _ = run_cli(SMALL + ["--compare", "--threshold", "0.5",
+                                  "--target-sparsity", "none"] + FAST)
     assert rc == 0
     assert "model: sparse-split MLP" in out and "model: baseline MLP" in out
     assert re.search(r"\s+sparse-split\s+baseline", out)
-    for label in ("time/epoch, 1 epoch with tracing (s)", "final loss",
-                  "final accuracy", "test accuracy"):
+    for label in ("final loss", "final accuracy", "test accuracy",
+                  "hidden_2 in. sparsity"):
         assert re.search(rf"{re.escape(label)}\s+\d+\.\d+\s+\d+\.\d+", out), \
             label
-    assert re.search(r"speed-up \(baseline time / sparse-split time, 1 "
-                     r"epoch, includes tracing\): \d+\.\d\dx", out)
+    # One speed-up figure, from interleaved step blocks; no epoch ratio.
+    speed = [l for l in out.splitlines() if "speed-up" in l]
+    assert len(speed) == 1, out
+    assert re.match(r"speed-up vs plain Keras: \d+\.\d\dx \(median of 2 "
+                    r"interleaved blocks of 2 steps, range ", speed[0])
+    assert "time/epoch, " not in out.split("sparse-split      baseline")[1]
     # Same seed, same data, same results to float rounding: the final
     # training losses agree closely.
     loss = re.search(r"final loss\s+(\d+\.\d+)\s+(\d+\.\d+)", out)
@@ -80,6 +105,10 @@ def test_train_compare(run_cli):
     ["train", "--dropout", "row", "--tile-shape", "2,2"],
     ["profile", "m.keras", "--input", "x.npy", "--batch-size", "4"],
     ["profile", "m.keras", "--input", "x.npy", "--input-sparsity", "0.2"],
+    ["train", "--target-sparsity", "0.95x"],
+    ["train", "--timing-rounds", "-1"], ["train", "--timing-steps", "0"],
+    ["train", "--baseline", "--split-all-layers"],
+    ["train", "--baseline", "--timing-rounds", "3"],
 ])
 def test_bad_arguments_exit_2(run_cli, argv):
     rc, _, err = run_cli(argv)

@@ -118,14 +118,16 @@ def test_callback_tunes_conv_layers():
 
 def test_cli_cnn_on_digits(capsys):
     rc = cli.main(["train", "--model", "cnn", "--epochs", "1", "--filters",
-                   "4,8", "--batch-size", "128"])
+                   "4,8", "--batch-size", "128", "--split-all-layers",
+                   "--timing-rounds", "0"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "model: sparse-split CNN 8x8x1 conv3x3(4)-relu-conv3x3(8)-relu-" \
            "maxpool2-dense(10) (SparseSplitConv2D)" in out
     assert re.search(r"epoch 1/1: time \d+\.\d\d s", out)
     for name in ("conv_1", "conv_2", "output"):
-        assert re.search(rf"  {name}: input sparsity \d\.\d{{3}}, threshold", out)
+        assert re.search(rf"  {name}: (dense|split|sparse|auto): \d+% zeros",
+                         out)
     assert re.search(r"sparse-split: test accuracy \d\.\d{4}", out)
 
 

@@ -1,4 +1,4 @@
-"""Notebooks 02-04 are committed executed (outputs from a real run) and still
+"""The notebooks are committed executed (outputs from a real run) and still
 run without errors (nbclient, a fresh kernel each)."""
 
 import time
@@ -11,7 +11,7 @@ nbclient = pytest.importorskip(
     "nbclient", reason="nbclient/ipykernel are in requirements-test.txt")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-EXECUTED = ["02_rewrite_and_profile.ipynb", "03_cnn_sensitivity_dropout.ipynb",
+EXECUTED = ["01_quickstart.ipynb", "02_rewrite_and_profile.ipynb", "03_cnn_sensitivity_dropout.ipynb",
             "04_benchmarks.ipynb"]
 
 

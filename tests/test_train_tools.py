@@ -34,7 +34,8 @@ def _tags(log_dir):
 def test_train_compare_tensorboard_and_plot(tmp_path, capsys):
     png, tb = tmp_path / "train.png", tmp_path / "tb"
     assert main(["train", *SMALL, "--compare", "--quiet", "--plot", str(png),
-                 "--tensorboard", str(tb)]) == 0
+                 "--tensorboard", str(tb), "--split-all-layers",
+                 "--timing-rounds", "2", "--timing-steps", "2"]) == 0
     out = capsys.readouterr().out
     assert f"plot: {png}" in out and "speed-up" in out
     data = png.read_bytes()
@@ -62,7 +63,7 @@ def test_train_mirrored_strategy_with_checkpoints(tmp_path, capsys):
 
 def test_plot_rejects_non_png(tmp_path, capsys):
     assert main(["train", *SMALL, "--quiet", "--plot",
-                 str(tmp_path / "x.jpg")]) == 1
+                 str(tmp_path / "x.jpg")]) == 2   # before training
     assert "PNG" in capsys.readouterr().err
 
 
@@ -122,7 +123,7 @@ def test_two_workers_on_loopback_agree(tmp_path):
     # Only the chief (worker 0) writes checkpoints and logs.
     assert (tmp_path / "ckpt0" / "model.keras").is_file()
     assert not (tmp_path / "ckpt1").exists()
-    assert "hidden_1/threshold" in _tags(tmp_path / "tb0")
+    assert "hidden_2/threshold" in _tags(tmp_path / "tb0")
     assert not (tmp_path / "tb1").exists()
 
 

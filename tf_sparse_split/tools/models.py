@@ -3,15 +3,49 @@ benchmarks): :func:`build_mlp` (ReLU MLP, optional structured dropout),
 :func:`build_cnn` (small ReLU CNN) and :func:`build_lstm` (LSTM classifier),
 with sparse-split layers or their plain Keras counterparts."""
 
-__all__ = ["build_mlp", "build_cnn", "build_lstm", "DROPOUT_KINDS"]
+__all__ = ["build_mlp", "build_cnn", "build_lstm", "DROPOUT_KINDS",
+           "PLAIN_WHERE_NO_GAIN", "plain_layer_names"]
 
 #: Values of ``build_mlp(dropout=...)`` (and ``train --dropout``).
 DROPOUT_KINDS = ("none", "standard", "row", "tile")
 
+#: ``keep_plain`` of the ``train`` command: the layers that stay plain Keras
+#: layers in the sparse-split model because a sparse-split layer cannot win
+#: there. ``"first"``: the layer on the model input (raw pixels: their zeros
+#: are not a ReLU's, no input gradient is needed, and K is small: 64 for the
+#: digits, 1 channel x 9 taps for the CNN); ``"output"``: a softmax output
+#: layer with fewer than 64 units (each of its three products is a few
+#: MFLOP, below the op's fixed per-call cost of counting its input).
+PLAIN_WHERE_NO_GAIN = ("first", "output")
+
+
+def plain_layer_names(names, keep_plain):
+    """Which of the candidate layers ``names`` (ordered, first = the layer on
+    the model input, last = the output layer) stay plain for
+    ``keep_plain`` (a collection of ``"first"``/``"output"``). At least one
+    layer is always left sparse-split: with one hidden layer the output
+    layer (fed by a ReLU) stays sparse-split.
+
+    Raises:
+      ValueError: for an unknown entry of ``keep_plain``.
+    """
+    keep_plain = tuple(keep_plain or ())
+    bad = [k for k in keep_plain if k not in PLAIN_WHERE_NO_GAIN]
+    if bad:
+        raise ValueError(f"keep_plain entries must be in "
+                         f"{PLAIN_WHERE_NO_GAIN}, got {bad}")
+    names = list(names)
+    plain = set()
+    if "first" in keep_plain and len(names) > 1:
+        plain.add(names[0])
+    if "output" in keep_plain and len(names) - len(plain) > 1:
+        plain.add(names[-1])
+    return plain
+
 
 def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
               dropout="none", dropout_rate=0.5, seed=None, tile_shape=None,
-              pattern_groups=None):
+              pattern_groups=None, keep_plain=()):
     """An MLP ``input -> [hidden ReLU [dropout]]* -> softmax``.
 
     Args:
@@ -28,21 +62,29 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
       tile_shape: tile of the ``"tile"`` pattern (default ``(32, 32)``).
       pattern_groups: ``ApproximateRandomDropout``'s ``pattern_groups`` for
         ``dropout="row"`` (default None: the layer's default, 8).
+      keep_plain: with ``sparse``, layers that stay ``keras.layers.Dense``
+        (see :data:`PLAIN_WHERE_NO_GAIN` and :func:`plain_layer_names`;
+        ``"output"`` only when ``num_classes < 64``). Default: none.
 
     Returns:
       an uncompiled ``keras.Sequential``; layers are named ``hidden_1``, ...,
       ``output``.
 
     Raises:
-      ValueError: unknown ``dropout``, bad rate, or a tile not dividing a
-        hidden size.
+      ValueError: unknown ``dropout`` or ``keep_plain`` entry, bad rate, or a
+        tile not dividing a hidden size.
     """
     import keras
 
     from tf_sparse_split.layers import SparseSplitDense
 
+    names = [f"hidden_{i + 1}" for i in range(len(hidden))] + ["output"]
+    if num_classes >= 64:
+        keep_plain = tuple(k for k in (keep_plain or ()) if k != "output")
+    plain = plain_layer_names(names, keep_plain) if sparse else set(names)
+
     def dense(units, activation, name, after_relu=False):
-        if sparse:
+        if name not in plain:
             # After a ReLU (optionally through row/tile dropout) the input
             # gradient is needed only for units alive in the batch.
             return SparseSplitDense(units, activation=activation,
@@ -75,7 +117,8 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
     return keras.Sequential(layers, name="sparse_mlp" if sparse else "mlp")
 
 
-def build_cnn(side, filters, num_classes, sparse=True, threshold=-1.0):
+def build_cnn(side, filters, num_classes, sparse=True, threshold=-1.0,
+              keep_plain=()):
     """A small CNN ``[side, side, 1] -> conv 3x3 ReLU -> conv 3x3 ReLU ->
     2x2 max-pool -> flatten -> softmax``.
 
@@ -86,13 +129,18 @@ def build_cnn(side, filters, num_classes, sparse=True, threshold=-1.0):
       sparse: SparseSplitConv2D / SparseSplitDense (True) or keras Conv2D /
         Dense (False).
       threshold: initial threshold of the sparse-split layers.
+      keep_plain: with ``sparse``, layers that stay plain Keras layers (see
+        :data:`PLAIN_WHERE_NO_GAIN`: ``"first"`` = ``conv_1`` on the
+        1-channel image, ``"output"`` = the dense layer when
+        ``num_classes < 64``). Default: none.
 
     Returns:
       an uncompiled ``keras.Sequential``; layers named ``conv_1``,
       ``conv_2``, ``pool``, ``flatten``, ``output``.
 
     Raises:
-      ValueError: if ``filters`` does not have two entries.
+      ValueError: if ``filters`` does not have two entries, or an unknown
+        ``keep_plain`` entry.
     """
     import keras
 
@@ -102,15 +150,21 @@ def build_cnn(side, filters, num_classes, sparse=True, threshold=-1.0):
         raise ValueError(f"--filters needs two sizes for the two conv "
                          f"layers, got {filters}")
 
+    names = ["conv_1", "conv_2", "output"]
+    if num_classes >= 64:
+        keep_plain = tuple(k for k in (keep_plain or ()) if k != "output")
+    plain = plain_layer_names(names, keep_plain) if sparse else set(names)
+
     def conv(n, name):
-        if sparse:
+        if name not in plain:
             return SparseSplitConv2D(n, 3, padding="same", activation="relu",
                                      threshold=threshold, name=name)
         return keras.layers.Conv2D(n, 3, padding="same", activation="relu",
                                    name=name)
 
     out = (SparseSplitDense(num_classes, activation="softmax",
-                            threshold=threshold, name="output") if sparse
+                            threshold=threshold, name="output")
+           if "output" not in plain
            else keras.layers.Dense(num_classes, activation="softmax",
                                    name="output"))
     return keras.Sequential(

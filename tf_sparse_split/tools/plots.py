@@ -8,7 +8,7 @@ plain-Keras baseline from the same initial weights).
 
 import math
 
-__all__ = ["plot_training"]
+__all__ = ["plot_training", "steady_mean", "check_plot_path"]
 
 
 def _layer_series(history, key):
@@ -31,7 +31,40 @@ def _layer_series(history, key):
     return series
 
 
-def plot_training(results, path, title=None):
+def check_plot_path(path):
+    """Checks, before any training, that ``path`` can take the plot: a name
+    ending in ``.png`` whose directory exists and is writable, and not a
+    directory itself.
+
+    Raises:
+      ValueError: saying what is wrong with ``path``.
+    """
+    import os
+
+    path = str(path)
+    if not path.lower().endswith(".png"):
+        raise ValueError(f"--plot writes a PNG file; give a name ending in "
+                         f".png, got {path!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path!r} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"--plot {path!r}: directory {parent!r} does not "
+                         "exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+            os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--plot {path!r}: not writable")
+
+
+def steady_mean(times):
+    """Mean epoch time in seconds without the first epoch (which also traces
+    and calibrates), as ``train`` prints it; the only epoch's time when
+    there is one; NaN for none."""
+    later = list(times)[1:] or list(times)
+    return sum(later) / len(later) if later else math.nan
+
+
+def plot_training(results, path, title=None, speedup=None):
     """Writes the training plot of ``results`` to the PNG file ``path``.
 
     Args:
@@ -41,6 +74,9 @@ def plot_training(results, path, title=None):
         :class:`~tf_sparse_split.tuning.tuner.ThresholdTuner`).
       path: output file name (``.png``).
       title: optional figure title.
+      speedup: optional summary of
+        :func:`tf_sparse_split.tools.train.step_speedup` (interleaved
+        training-step blocks), shown in the epoch-time panel's title.
 
     Returns:
       ``path``.
@@ -51,9 +87,7 @@ def plot_training(results, path, title=None):
     """
     if not results:
         raise ValueError("plot_training needs at least one result")
-    if not str(path).lower().endswith(".png"):
-        raise ValueError(f"--plot writes a PNG file; give a name ending in "
-                         f".png, got {path!r}")
+    check_plot_path(path)
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -79,10 +113,17 @@ def plot_training(results, path, title=None):
               xlabel="epoch", ylabel="row-density threshold", ylim=(-0.05, 1.05))
     for r in results:
         times = r.get("epoch_times") or []
+        what = (f"mean of epochs 2-{len(times)}" if len(times) > 1
+                else "1 epoch, with tracing")
         ax_t.plot(range(1, len(times) + 1), times, marker="o",
                   label=f"{r.get('kind', '?')} "
-                        f"(mean {sum(times) / max(len(times), 1):.2f} s)")
-    ax_t.set(title="epoch time", xlabel="epoch", ylabel="seconds")
+                        f"({what}: {steady_mean(times):.2f} s)")
+    t_title = "epoch time (not a speed measure on a shared machine)"
+    if speedup is not None:
+        t_title = (f"epoch time; step speed-up {speedup['median']:.2f}x\n"
+                   f"(interleaved blocks, range {speedup['min']:.2f}-"
+                   f"{speedup['max']:.2f}x)")
+    ax_t.set(title=t_title, xlabel="epoch", ylabel="seconds")
     ax_t.set_ylim(bottom=0)
     from matplotlib.ticker import MaxNLocator
 

@@ -16,7 +16,36 @@ from tf_sparse_split.tools.distribute import (make_strategy,
 from tf_sparse_split.tools.models import build_cnn, build_mlp
 
 __all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printer",
-           "steady_epoch_time", "input_sparsity"]
+           "steady_epoch_time", "input_sparsity", "describe_split",
+           "step_speedup"]
+
+
+def describe_split(sparsity, threshold):
+    """One layer's epoch line in words: what its input looked like and which
+    path it takes next epoch (the threshold the callback chose).
+
+    Args:
+      sparsity: fraction of zeros of the layer's input over the epoch.
+      threshold: the split threshold for the next epoch: negative =
+        automatic (the op decides per call), 0 = every nonzero row on the
+        dense GEMM, 1 = every row on the CSR kernel, in between = rows
+        denser than it go dense.
+
+    Returns:
+      e.g. ``"dense: 31% zeros, below break-even"``, ``"sparse: 92% zeros,
+      every row on the CSR kernel"``, ``"split: 85% zeros, rows denser than
+      0.120 dense, the rest CSR"``, ``"auto: 60% zeros, the op decides per
+      call"``.
+    """
+    zeros = f"{100.0 * sparsity:.0f}% zeros"
+    if threshold < 0:
+        return f"auto: {zeros}, the op decides per call"
+    if threshold <= 0.0:
+        return f"dense: {zeros}, below break-even"
+    if threshold >= 1.0:
+        return f"sparse: {zeros}, every row on the CSR kernel"
+    return (f"split: {zeros}, rows denser than {threshold:.3f} dense, the "
+            "rest CSR")
 
 
 def epoch_printer(epochs, layer_names, out):
@@ -48,13 +77,12 @@ def epoch_printer(epochs, layer_names, out):
                 th = logs.get(f"{name}/threshold")
                 if sp is None or th is None:
                     continue
-                th_text = "auto" if th < 0 else f"{th:.4f}"
                 fat = logs.get(f"{name}/fat_threshold")
                 fat_text = ("" if fat is None else
-                            f", FATReLU threshold {fat:.4f}, l1 "
+                            f"; FATReLU threshold {fat:.4f}, l1 "
                             f"{logs.get(f'{name}/l1', 0.0):.3g}")
-                print(f"  {name}: input sparsity {sp:.3f}, threshold for "
-                      f"next epoch {th_text}{fat_text}", file=out, flush=True)
+                print(f"  {name}: {describe_split(sp, th)}{fat_text}",
+                      file=out, flush=True)
 
     return EpochPrinter()
 
@@ -63,6 +91,11 @@ def build_model(args, sparse, x_train, x_test, num_classes):
     """The model of ``train`` for parsed arguments (``--model``, ``--hidden``,
     ``--filters``, ``--threshold``, ``--dropout`` ...), uncompiled.
 
+    ``args.keep_plain`` (the CLI sets it to
+    :data:`~tf_sparse_split.tools.models.PLAIN_WHERE_NO_GAIN` unless
+    ``--split-all-layers``; default when absent: none) names the layers that
+    stay plain Keras layers in the sparse-split model.
+
     Returns:
       ``(model, x_train, x_test, description)``; images are reshaped to
       ``side x side x 1`` for ``--model cnn``.
@@ -70,6 +103,7 @@ def build_model(args, sparse, x_train, x_test, num_classes):
     Raises:
       ValueError: options that do not fit the model or data.
     """
+    keep_plain = tuple(getattr(args, "keep_plain", None) or ())
     if getattr(args, "model", "mlp") == "lstm":
         model, desc, x_train, x_test = _lstm_model(
             args, sparse, x_train, x_test, num_classes)
@@ -83,27 +117,58 @@ def build_model(args, sparse, x_train, x_test, num_classes):
         x_train = x_train.reshape(-1, side, side, 1)
         x_test = x_test.reshape(-1, side, side, 1)
         model = build_cnn(side, args.filters, num_classes, sparse=sparse,
-                          threshold=args.threshold)
+                          threshold=args.threshold, keep_plain=keep_plain)
         desc = (f"CNN {side}x{side}x1 conv3x3({args.filters[0]})-relu-"
                 f"conv3x3({args.filters[1]})-relu-maxpool2-dense"
                 f"({num_classes}) "
-                f"({'SparseSplitConv2D' if sparse else 'keras.layers.Conv2D'})")
+                f"({'SparseSplitConv2D' if sparse else 'keras.layers.Conv2D'}"
+                f"{_plain_note(model) if sparse else ''})")
     else:
         model = build_mlp(x_train.shape[1], args.hidden, num_classes,
                           sparse=sparse, threshold=args.threshold,
                           dropout=args.dropout,
                           dropout_rate=args.dropout_rate, seed=args.seed,
                           tile_shape=args.tile_shape,
-                          pattern_groups=getattr(args, "pattern_groups", None))
+                          pattern_groups=getattr(args, "pattern_groups", None),
+                          keep_plain=keep_plain)
         sizes = "-".join(str(s) for s in
                          [x_train.shape[1], *args.hidden, num_classes])
         desc = (f"MLP {sizes} "
-                f"({'SparseSplitDense' if sparse else 'keras.layers.Dense'})")
+                f"({'SparseSplitDense' if sparse else 'keras.layers.Dense'}"
+                f"{_plain_note(model) if sparse else ''})")
     return model, x_train, x_test, desc
 
 
+def _plain_note(model):
+    """``"; plain Keras: hidden_1 (on the model input), output (10 units)"``
+    for the plain Dense/Conv2D layers of a sparse-split model, else ``""``."""
+    import keras
+
+    from tf_sparse_split.layers import SparseSplitLayer
+
+    layers = [l for l in model.layers
+              if isinstance(l, (keras.layers.Dense, keras.layers.Conv2D,
+                                SparseSplitLayer))]
+    notes = []
+    for i, l in enumerate(layers):
+        if isinstance(l, SparseSplitLayer):
+            continue
+        if i == 0:
+            notes.append(f"{l.name} (on the model input)")
+        elif i == len(layers) - 1 and isinstance(l, keras.layers.Dense):
+            notes.append(f"{l.name} ({l.units} units)")
+        else:
+            notes.append(l.name)
+    if not notes:
+        return ""
+    return ("; plain Keras where a sparse-split layer cannot win: "
+            + ", ".join(notes))
+
+
 def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
-    """Trains one model; returns a dict of results."""
+    """Trains one model; returns a dict of results (``"model"``: the
+    trained, compiled Keras model, ``"x_train"``: its training inputs as it
+    takes them)."""
     import keras
 
     from tf_sparse_split.callbacks import SplitThresholdCallback
@@ -180,6 +245,8 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
         "tuning_history": list(split_cb.history) if split_cb else [],
         "steady_time_per_epoch": steady_epoch_time(printer.times),
         "input_sparsity": input_sparsity(model, x_test[:1000]),
+        "model": model,
+        "x_train": x_train,
     }
     if out is not None:
         print(f"{kind}: test accuracy {result['test_accuracy']:.4f}, test "
@@ -261,8 +328,11 @@ def input_sparsity(model, x, batch_size=256):
 
 
 def _steady(times):
-    later = times[1:] or times
-    return sum(later) / max(len(later), 1)
+    """The steady-state epoch time the text prints and the plot's legend
+    shows (one definition: :func:`tf_sparse_split.tools.plots.steady_mean`)."""
+    from tf_sparse_split.tools.plots import steady_mean
+
+    return steady_mean(times)
 
 
 def _time_label(result):
@@ -273,18 +343,96 @@ def _time_label(result):
     return "1 epoch, includes tracing; use --epochs 2+ for a steady-state time"
 
 
-def print_compare(sparse_res, base_res, out):
-    steady = sparse_res.get("steady_state") and base_res.get("steady_state")
+#: ``step_speedup(block=None)``: blocks last at least this long (seconds),
+#: so that a scheduler hiccup of a shared machine is a small part of one.
+MIN_BLOCK_SECONDS = 0.2
+#: ... with at least / at most this many steps per block.
+BLOCK_STEPS_RANGE = (8, 64)
+
+
+def auto_block(step_seconds, min_block_seconds=MIN_BLOCK_SECONDS,
+               steps_range=BLOCK_STEPS_RANGE):
+    """Steps per timed block for a step of ``step_seconds`` (the faster
+    model's): enough for ``min_block_seconds``, within ``steps_range``."""
+    import math
+
+    lo, hi = steps_range
+    if not step_seconds > 0:
+        return lo
+    return int(min(hi, max(lo, math.ceil(min_block_seconds / step_seconds))))
+
+
+def step_speedup(ours, reference, x, y, batch_size, rounds=8, block=None,
+                 seed=0, clock=None, distinct_batches=8):
+    """Steady-state training speed of two compiled Keras models, by
+    interleaved blocks of ``train_on_batch`` steps
+    (:func:`tf_sparse_split.tools.timing.interleaved_blocks`: round ``r``
+    runs a block of ``block`` steps of each model, the order alternating
+    every round, cycling through the same ``distinct_batches`` fixed batches
+    of ``batch_size`` examples drawn from ``x``/``y``). Both models keep
+    training (their weights change).
+
+    Args:
+      ours, reference: compiled Keras models taking ``x``.
+      x, y: training inputs and labels (numpy arrays, same first dimension).
+      batch_size: examples per step (at most ``len(x)``).
+      rounds: int >= 1.
+      block: steps per block (int >= 1), or None: :func:`auto_block` of the
+        faster model's warm-up step time.
+      seed: seed of the batch choice.
+      clock: function returning seconds (default ``time.perf_counter``).
+      distinct_batches: how many fixed batches the steps cycle through.
+
+    Returns:
+      :func:`tf_sparse_split.tools.timing.speedup_summary`'s dict
+      (``"median"`` = median over rounds of ``t_reference / t_ours``), plus
+      ``"block"``.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_sparse_split.tools import timing
+
+    clock = clock or time.perf_counter
+    rng = np.random.default_rng(seed)
+    n = min(int(batch_size), len(x))
+    batches = [rng.choice(len(x), n, replace=False)
+               for _ in range(distinct_batches)]
+    xs = [tf.constant(x[b]) for b in batches]
+    ys = [tf.constant(y[b]) for b in batches]
+    models = {"ours": ours, "reference": reference}
+    steps = {name: (lambda i, m=m: m.train_on_batch(
+        xs[i % len(xs)], ys[i % len(ys)])) for name, m in models.items()}
+    # Trace and warm up both step functions; the last calls give the step
+    # time that sizes the blocks.
+    warm = {}
+    for name, step in steps.items():
+        step(0)
+        warm[name] = timing.median_time(lambda: step(1), 3, clock)
+    if block is None:
+        block = auto_block(min(warm.values()))
+    times = timing.interleaved_blocks(steps, rounds, block, clock=clock)
+    summary = timing.speedup_summary(times, "ours", "reference")
+    summary["block"] = block
+    return summary
+
+
+def print_compare(sparse_res, base_res, out, speedup=None):
+    """The side-by-side summary of ``train --compare``: final loss and
+    accuracy, test accuracy and per-layer input sparsity of both models, then
+    the one speed-up line (``speedup``: :func:`step_speedup`'s dict, or
+    None)."""
+    from tf_sparse_split.tools.timing import format_speedup
+
     rows = [
-        ("time/epoch, steady state (s)" if steady else
-         "time/epoch, 1 epoch with tracing (s)", "time_per_epoch", "{:.2f}"),
-        ("steady epoch, median (s)", "steady_time_per_epoch", "{:.2f}"),
         ("final loss", "loss", "{:.4f}"),
         ("final accuracy", "accuracy", "{:.4f}"),
         ("test accuracy", "test_accuracy", "{:.4f}"),
     ]
     print("", file=out)
-    w = max(len(r[0]) for r in rows) + 2
+    w = max([len(r[0]) for r in rows] +
+            [len(f"{n} in. sparsity") for n in
+             sparse_res.get("input_sparsity", {})]) + 2
     print(f"{'':<{w}}{'sparse-split':>14}{'baseline':>14}", file=out)
     for label, key, fmt in rows:
         print(f"{label:<{w}}{fmt.format(sparse_res[key]):>14}"
@@ -295,16 +443,45 @@ def print_compare(sparse_res, base_res, out):
         print(f"{label:<{w}}{sp:>14.3f}"
               f"{(f'{bsp:.3f}' if bsp is not None else 'n/a'):>14}",
               file=out)
-    if sparse_res["time_per_epoch"] > 0:
-        ratio = base_res["time_per_epoch"] / sparse_res["time_per_epoch"]
-        what = "steady state" if steady else "1 epoch, includes tracing"
-        print(f"speed-up (baseline time / sparse-split time, {what}): "
-              f"{ratio:.2f}x", file=out, flush=True)
-    if sparse_res.get("steady_time_per_epoch", 0) > 0:
-        ratio = (base_res["steady_time_per_epoch"] /
-                 sparse_res["steady_time_per_epoch"])
-        print(f"steady-state speed-up (median of epochs 2..E): {ratio:.2f}x",
+    if speedup is not None:
+        print(format_speedup(speedup, speedup["block"]), file=out, flush=True)
+
+
+def _print_speedup(args, ours, reference, out):
+    """Measures and prints the one speed-up line (or why there is none);
+    returns the summary or None."""
+    from tf_sparse_split.tools.timing import format_speedup
+
+    rounds = getattr(args, "timing_rounds", 16)
+    if not rounds:
+        return None
+    summary = step_speedup(ours["model"], reference["model"], ours["x_train"],
+                           ours["y_train"], args.batch_size, rounds=rounds,
+                           block=getattr(args, "timing_steps", None),
+                           seed=args.seed)
+    block = summary["block"]
+    ours["speedup"] = summary
+    if not args.compare:
+        print(format_speedup(summary, block, against="plain Keras (same "
+                             "layers and initial weights)"),
               file=out, flush=True)
+    return summary
+
+
+def _plain_reference(args, x_train, y_train, x_test, num_classes):
+    """The plain Keras model of the same architecture and initial weights
+    (not trained: a dense model's step time does not depend on its weights),
+    compiled like :func:`run`'s."""
+    import keras
+
+    keras.utils.set_random_seed(args.seed)
+    with strategy_scope(getattr(args, "distribute_strategy", None)):
+        model, x_train, _, _ = build_model(args, False, x_train, x_test,
+                                           num_classes)
+        model.compile(optimizer=keras.optimizers.Adam(args.lr),
+                      loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], jit_compile=False)
+    return {"model": model, "x_train": x_train, "y_train": y_train}
 
 
 def train_command(args, out):
@@ -320,7 +497,7 @@ def train_command(args, out):
     else:
         runner = run
 
-    # Flag combinations and defaults were settled by tools.cli.
+    # Flag combinations, defaults and output paths were settled by tools.cli.
     if args.data is None:
         (x_train, y_train), (x_test, y_test) = datasets.load_digits()  # fixed split
         data_name = "scikit-learn digits (8x8, embedded)"
@@ -332,22 +509,40 @@ def train_command(args, out):
           f"test examples, {x_train.shape[1]} features, {num_classes} "
           f"classes, input sparsity {float((x_train == 0).mean()):.3f}",
           file=out, flush=True)
+    speedup = None
     if args.compare:
         sparse_res = runner(args, True, x_train, y_train, x_test, y_test,
                             num_classes, out)
         base_res = runner(args, False, x_train, y_train, x_test, y_test,
                           num_classes, out)
-        print_compare(sparse_res, base_res, out)
+        if "model" in sparse_res and "model" in base_res:
+            sparse_res["y_train"] = y_train
+            speedup = _print_speedup(args, sparse_res, base_res, out)
+        print_compare(sparse_res, base_res, out, speedup)
         results = [sparse_res, base_res]
     else:
         results = [runner(args, not args.baseline, x_train, y_train, x_test,
                           y_test, num_classes, out)]
+        if not args.baseline and "model" in results[0] and \
+                getattr(args, "timing_rounds", 16):
+            # The reference: plain Keras layers, same initial weights, not
+            # trained (a dense model's step time does not depend on its
+            # weights).
+            results[0]["y_train"] = y_train
+            reference = _plain_reference(args, x_train, y_train, x_test,
+                                         num_classes)
+            speedup = _print_speedup(args, results[0], reference, out)
+    if strategy_name == "multi-worker" and not args.baseline and \
+            getattr(args, "timing_rounds", 16):
+        print("speed-up: not measured under --strategy multi-worker (each "
+              "step is a collective across workers)", file=out, flush=True)
     if getattr(args, "plot", None):
         from tf_sparse_split.tools.distribute import is_chief
         from tf_sparse_split.tools.plots import plot_training
 
         if is_chief(args.distribute_strategy):
             plot_training(results, args.plot, title=f"tf-sparse-split train "
-                          f"({data_name}, {getattr(args, 'model', 'mlp')})")
+                          f"({data_name}, {getattr(args, 'model', 'mlp')})",
+                          speedup=speedup)
             print(f"plot: {args.plot}", file=out, flush=True)
     return 0
