@@ -267,16 +267,16 @@ def test_strided_counts_match_numpy(dtype, transpose, stride):
 # -- batch-aware families ------------------------------------------------------
 
 # Recorded on the development machine (tf.matmul and the op's all-sparse
-# path, threshold 1.0; 2048 x 2048 weights, float32, 50% of a's values
-# zero, medians of interleaved calls; see RECORDED_M below).
+# path, threshold 1.0; 2048 x 2048 weights, float32, 90% of a's values
+# zero; fastest of 40 interleaved calls each, the machine under load).
 RECORDED_M = {
     # m: (dense seconds, sparse seconds)
-    1: (7.1e-4, 1.6e-4),
-    32: (1.2e-3, 2.3e-3),
+    1: (1.12e-3, 1.37e-3),
+    32: (3.96e-3, 1.93e-3),
 }
 
 
-def _terms_from_recorded(m, k=2048, n=2048, density=0.5):
+def _terms_from_recorded(m, k=2048, n=2048, density=0.1):
     dense_s, sparse_s = RECORDED_M[m]
     nnz = density * m * k
     # Rates through the origin (the calibration of an M=1 family has one
@@ -300,11 +300,12 @@ def test_m_buckets_separate_batch_sizes():
 
 def test_terms_learned_at_m1_do_not_decide_at_m32():
     """At M = 1 the GEMM is a matrix-vector product bound by reading b
-    (recorded 0.71 ms for 8 MFLOP) and the SpMM, reading only the rows of b
-    that a's nonzeros select, wins; at M = 32 the GEMM runs near its peak
-    and the SpMM is recorded slower. With families per M bucket, the M = 32
-    call decides on terms of its own and picks the recorded faster path;
-    the M = 1 terms would have picked the recorded slower one."""
+    (recorded 1.12 ms for 8 MFLOP, 7.5 GFLOP/s) and the SpMM, which streams
+    b as well, is no faster; at M = 32 the GEMM reuses b over 32 rows, but
+    the SpMM's work shrinks with the zeros and wins 2x. With families per M
+    bucket, each batch size decides on terms of its own and picks the
+    recorded faster path; the M = 1 terms at M = 32 would have picked the
+    recorded slower one."""
     k = n = 2048
     rng = np.random.default_rng(1)
     families = {}
@@ -318,7 +319,7 @@ def test_terms_learned_at_m1_do_not_decide_at_m32():
     family(32).set_calibration(_terms_from_recorded(32))
 
     for m in (1, 32):
-        a_nnz = rng.binomial(k, 0.5, size=m).astype(np.int64)
+        a_nnz = rng.binomial(k, 0.1, size=m).astype(np.int64)
         p = K.profile_from_row_nnz(a_nnz, k)
         shape = K.matmul_split_shape(m, k, k, n)
         plan = K.decide_split(shape, p, family(m).terms())
@@ -327,8 +328,8 @@ def test_terms_learned_at_m1_do_not_decide_at_m32():
         got = "all_dense" if plan["kind"] == "all_dense" else "sparse"
         assert got == faster, (m, plan)
     # What a key without the M bucket would have done at M = 32.
-    a_nnz = rng.binomial(k, 0.5, size=32).astype(np.int64)
+    a_nnz = rng.binomial(k, 0.1, size=32).astype(np.int64)
     stale = K.decide_split(K.matmul_split_shape(32, k, k, n),
                            K.profile_from_row_nnz(a_nnz, k),
                            family(1).terms())
-    assert stale["kind"] != "all_dense"       # recorded 1.9x slower
+    assert stale["kind"] == "all_dense"       # recorded 2x slower

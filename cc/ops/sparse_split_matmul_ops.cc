@@ -68,8 +68,9 @@ threshold: scalar float32 row-density threshold in [0, 1]; rows of op(a)
   dense GEMM unless a split is predicted at least 10% faster). The answer
   does not depend on it.
 bias: optional (num_bias = 1) vector [n] added to every row of the product.
-product: [m, n], act(op(a) * op(b) + bias): by TF's fused MatMul kernel
-  when every row is dense and nothing is compacted (float32), else by the
+product: [m, n], act(op(a) * op(b) + bias): by TF's fused MatMul + BiasAdd
+  kernel when every row is dense, nothing is compacted and there is a bias
+  but no activation (float32), else by the
   epilogue (cc/kernels/epilogue.h) after both parts of the split have
   written their rows.
 num_bias: 0 (no bias) or 1.

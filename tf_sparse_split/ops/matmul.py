@@ -75,10 +75,13 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     Fused epilogue (``bias``, ``activation``): the op adds ``bias`` to every
     row of the product and applies the activation, as
     ``tf.nn.relu(tf.matmul(a, b) + bias)`` would. When every row goes dense
-    and nothing is compacted (float32, a bias given), the op runs TF's own
-    fused kernel (``_FusedMatMul``, oneDNN's ``_MklNativeFusedMatMul``: what
-    Grappler fuses that expression into); otherwise one pass over the output
-    rows after the dense and sparse parts have written them. The gradient masks the incoming
+    and nothing is compacted (float32, a bias and no activation), the op runs
+    TF's own fused kernel (``_FusedMatMul``, oneDNN's
+    ``_MklNativeFusedMatMul`` with its BiasAdd post-op: what Grappler fuses
+    ``tf.matmul(a, b) + bias`` into); otherwise one pass over the output rows
+    after the dense and sparse parts have written them (also for ReLU/ReLU6
+    on an all-dense call: oneDNN's fused ReLU maps NaN to 0, the other paths
+    keep NaN, and the answer must not depend on the plan). The gradient masks the incoming
     gradient with the output (relu: ``out > 0``; relu6: ``0 < out < 6``, as
     TF's ``ReluGrad``/``Relu6Grad``) and sums it over rows for ``bias``.
 
