@@ -173,9 +173,10 @@ def test_family_model_count_rate_is_a_median():
 # -- the sample ---------------------------------------------------------------
 
 def test_sample_stride_fits_the_budget():
-    # 4096 rows of 4096 values, 0.1 ns a value, dense call 10 ms: 2% of it
-    # is 0.2 ms = 488 rows -> stride ceil(4096 / 488) = 9.
-    assert K.sample_stride(4096, 4096, 1e-2, 1e-10) == 9
+    # 4096 rows of 4096 values, 0.1 ns a value, dense call 10 ms: 0.5% of
+    # it is 50 us = 122 rows -> stride ceil(4096 / 122) = 34.
+    assert DEFAULT["sample_budget"] == 0.005
+    assert K.sample_stride(4096, 4096, 1e-2, 1e-10) == 34
     # A cheap GEMM: the budget is under min_sample_rows; 4 rows are taken.
     assert K.sample_stride(4096, 4096, 1e-6, 1e-10) == 1024
     # Too few rows to sample, or a budget of half the rows or more: full.

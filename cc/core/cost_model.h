@@ -216,7 +216,7 @@ struct AnalysisPolicy {
   int max_period = 256;
   double full_budget = 0.01;
   // A sample costs at most this fraction of the predicted dense time ...
-  double sample_budget = 0.02;
+  double sample_budget = 0.005;
   // ... and holds at least this many physical rows (when there are twice
   // as many); a stride below 2 means the full count.
   int64_t min_sample_rows = 4;
