@@ -94,6 +94,27 @@ def test_tiny_product_stops_counting():
         assert relative_error(got, reference_matmul(a, b)) <= 1e-5
 
 
+def test_full_count_comes_back_periodically():
+    """Statistics and the model stay fresh: among the cheap calls a full
+    count recurs at least every AnalysisPolicy.max_period calls."""
+    from tf_sparse_split import _kernels as K
+
+    period = K.analysis_policy_defaults()["max_period"]
+    rng = np.random.default_rng(6)
+    a = random_sparse((16, 64), 0.5, rng, np.float32)
+    b = rng.standard_normal((64, 4)).astype(np.float32)
+
+    @tf.function
+    def cheap(x):
+        return tfss.sparse_split_matmul(x, b, -1.0, return_stats=True,
+                                        full_stats=False)[1]
+
+    modes = [cheap(a).numpy()[S.ANALYSIS] for _ in range(period + 2)]
+    full = [i for i, v in enumerate(modes) if v == S.ANALYSIS_FULL]
+    assert full[0] == 0 and len(full) >= 2
+    assert all(j - i <= period for i, j in zip(full, full[1:]))
+
+
 def test_return_stats_defaults_to_full_stats():
     rng = np.random.default_rng(5)
     a = random_sparse((16, 64), 0.5, rng, np.float32)
