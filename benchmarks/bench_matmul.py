@@ -6,15 +6,25 @@ round by round (so that machine noise hits every column alike):
 
 * ``tf.matmul``                       -- the dense GEMM (oneDNN), ratio 1 by definition;
 * ``tf.matmul(..., a_is_sparse=True)`` -- TF's SparseMatMul kernel;
-* ours with the automatic threshold (``-1``);
-* ours forced sparse (threshold ``1.0``: every row goes to the CSR SpMM).
+* ours with the automatic threshold (``-1``), as the gradients and
+  inference graphs call it (``full_stats=False``: a call that stays dense
+  counts a sample of ``a`` or nothing);
+* ours automatic with ``full_stats=True`` (every value counted on every
+  call: what a layer recording its statistics asks for);
+* ours forced sparse (threshold ``1.0``: every row goes to the CSR SpMM);
+* ``tf.nn.relu(tf.matmul(a, b) + bias)`` -- which Grappler fuses into
+  TF's ``_FusedMatMul`` (oneDNN) -- and ours with the same bias and ReLU
+  (automatic, ``full_stats=False``): the "all-dense fused" comparison,
+  ratio ``t(TF fused) / t(ours fused)``.
 
 Both directions are timed: the forward product ``a @ b`` (``b`` is
 ``[K, N]``) and the weight gradient ``a^T @ dY`` (``transpose_a=True``, ``dY``
-is ``[M, N]``; the product is ``[K, N]``). Ratios are
-``t(tf.matmul) / t(column)`` (> 1: faster than the dense GEMM); the median of
-the rounds is reported, with the spread (min..max of the per-round ratios of
-our forced-sparse column).
+is ``[M, N]``; the product is ``[K, N]``; no fused columns). Ratios are
+``t(tf.matmul) / t(column)`` (> 1: faster than the dense GEMM), the median of
+the per-round ratios, with the spread (min..max of the per-round ratios of
+our automatic column). The last columns give the op's own analysis time
+(statistics ``TIME_ANALYZE``, median over the timed calls) with
+``full_stats=True`` and ``False``: the analysis time saved per call.
 
 Writes a markdown table (``--out``, default
 ``benchmarks/results/bench_matmul.md``) and a PNG plot of speed-up against
@@ -37,71 +47,134 @@ from _common import call_times, markdown_table, tf_machine_desc, write_report
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.testing import random_sparse
 
-BIG_SHAPES = [(1024, 4096, 1024), (256, 1024, 1024)]
-SMALL_N_SHAPES = [(m, k, n) for (m, k) in [(256, 1024), (512, 2048)] for n in (1, 10, 64)]
-SPARSITIES = [0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99]
-COLUMNS = ["tf.matmul", "a_is_sparse", "ours auto", "ours sparse"]
+BIG_SHAPES = [(1024, 4096, 1024)]
+BIG_SPARSITIES = [0.0, 0.5, 0.9]
+# The output layer of an MLP (its forward and weight-gradient products) and
+# small N, where the counting pass is largest against the GEMM.
+SMALL_N_SHAPES = [(128, 2048, 10)] + [(512, 2048, n) for n in (1, 4, 16, 64)]
+SMALL_SPARSITIES = [0.0, 0.5]
+COLUMNS = ["tf.matmul", "a_is_sparse", "ours auto", "ours auto full stats",
+           "ours sparse", "tf fused", "ours fused"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _functions(direction):
-    """The four tf.functions of one direction, each (x, y) -> product."""
+    """The tf.functions of one direction, each (x, y, bias) -> product."""
     ta = direction == "grad"
 
     @tf.function
-    def dense(x, y):
+    def dense(x, y, bias):
         return tf.matmul(x, y, transpose_a=ta)
 
     @tf.function
-    def a_is_sparse(x, y):
+    def a_is_sparse(x, y, bias):
         return tf.matmul(x, y, transpose_a=ta, a_is_sparse=True)
 
     @tf.function
-    def ours_auto(x, y):
-        return tfss.sparse_split_matmul(x, y, -1.0, transpose_a=ta)
+    def ours_auto(x, y, bias):
+        return tfss.sparse_split_matmul(x, y, -1.0, transpose_a=ta,
+                                        full_stats=False)
 
     @tf.function
-    def ours_sparse(x, y):
+    def ours_auto_full(x, y, bias):
+        return tfss.sparse_split_matmul(x, y, -1.0, transpose_a=ta,
+                                        full_stats=True)
+
+    @tf.function
+    def ours_sparse(x, y, bias):
         return tfss.sparse_split_matmul(x, y, 1.0, transpose_a=ta)
 
-    return [dense, a_is_sparse, ours_auto, ours_sparse]
+    fns = [dense, a_is_sparse, ours_auto, ours_auto_full, ours_sparse]
+    if direction == "fwd":
+        @tf.function
+        def tf_fused(x, y, bias):
+            return tf.nn.relu(tf.matmul(x, y) + bias)
+
+        @tf.function
+        def ours_fused(x, y, bias):
+            return tfss.sparse_split_matmul(x, y, -1.0, bias=bias,
+                                            activation="relu",
+                                            full_stats=False)
+
+        fns += [tf_fused, ours_fused]
+    return fns
+
+
+def _analysis_seconds(a, y, ta, full_stats, reps):
+    """Median TIME_ANALYZE of the op (automatic threshold) over reps calls."""
+    from tf_sparse_split.tuning import stats as S
+
+    @tf.function
+    def f(x, w):
+        return tfss.sparse_split_matmul(x, w, -1.0, transpose_a=ta,
+                                        return_stats=True,
+                                        full_stats=full_stats)[1]
+
+    for _ in range(2):
+        f(a, y)
+    v = [f(a, y).numpy() for _ in range(max(reps, 5))]
+    return (statistics.median(s[S.TIME_ANALYZE] for s in v),
+            statistics.median(s[S.ANALYSIS] for s in v))
 
 
 def run_case(m, k, n, sparsity, direction, reps, rng):
-    """Median times (s) per column and per-round forced-sparse ratios."""
+    """Median times (s) per column, per-round auto ratios, analysis times."""
     a = tf.constant(random_sparse((m, k), sparsity, rng, np.float32))
     other = rng.standard_normal((m if direction == "grad" else k, n)).astype(np.float32)
     y = tf.constant(other)
+    bias = tf.constant(rng.standard_normal(n).astype(np.float32))
     fns = _functions(direction)
     for f in fns:  # trace, calibrate, warm up
-        for _ in range(2):
-            f(a, y).numpy()
+        for _ in range(3):
+            f(a, y, bias).numpy()
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for i, f in enumerate(fns):
+    for r in range(reps):
+        order = list(range(len(fns)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for i in order:
             # CPU execution is synchronous: the result is ready.
-            times[i] += call_times(lambda: f(a, y), 1)
+            times[i] += call_times(lambda: fns[i](a, y, bias), 1)
     med = [statistics.median(t) for t in times]
-    per_round = [d / s for d, s in zip(times[0], times[3])]
+    # Ratios are medians of the per-round ratios (each round times every
+    # column back to back, in a rotated order): robust to load bursts that
+    # hit a round, which a ratio of separate medians is not.
+    def round_ratio(base, col):
+        return statistics.median(b / c for b, c in zip(times[base], times[col]))
+
+    per_round = [d / s for d, s in zip(times[0], times[2])]
+    ta = direction == "grad"
+    full_an, _ = _analysis_seconds(a, y, ta, True, reps)
+    cheap_an, mode = _analysis_seconds(a, y, ta, False, reps)
+    ratio = [round_ratio(0, i) for i in range(5)]
+    if len(med) > 5:
+        ratio += [1.0, round_ratio(5, 6)]
     return {
         "shape": f"{m}x{k}x{n}", "m": m, "k": k, "n": n, "sparsity": sparsity,
         "direction": direction, "ms": [t * 1e3 for t in med],
-        "ratio": [med[0] / t for t in med],
-        "spread": (min(per_round), max(per_round)),
+        "ratio": ratio, "spread": (min(per_round), max(per_round)),
+        "analysis_us": (full_an * 1e6, cheap_an * 1e6), "mode": mode,
     }
 
 
 HEADER = ("| M x K x N | direction | sparsity | tf.matmul (ms) | a_is_sparse | "
-          "ours auto | ours forced sparse | forced sparse (spread) | "
-          "forced sparse vs a_is_sparse |")
+          "ours auto | ours auto (spread) | ours auto, full stats | "
+          "ours forced sparse | all-dense fused: TF fused (ms) | ours fused vs TF fused | "
+          "analysis us: full stats -> cheap (mode) |")
+
+_MODES = {0.0: "full", 1.0: "sampled", 2.0: "skipped"}
 
 
 def row_markdown(r):
     ms, ratio = r["ms"], r["ratio"]
     lo, hi = r["spread"]
+    fused = (f"{ms[5]:.3f} | **{ratio[6]:.2f}x**" if len(ratio) > 5
+             else "-- | --")
+    full_an, cheap_an = r["analysis_us"]
+    mode = _MODES.get(r["mode"], f"{r['mode']:.1f}")
     return (f"| {r['shape']} | {'a @ b' if r['direction'] == 'fwd' else 'a^T @ dY'} | "
-            f"{r['sparsity']:.2f} | {ms[0]:.3f} | {ratio[1]:.2f}x | {ratio[2]:.2f}x | "
-            f"**{ratio[3]:.2f}x** | {lo:.2f}..{hi:.2f} | {ratio[3] / ratio[1]:.2f}x |")
+            f"{r['sparsity']:.2f} | {ms[0]:.3f} | {ratio[1]:.2f}x | **{ratio[2]:.2f}x** | "
+            f"{lo:.2f}..{hi:.2f} | {ratio[3]:.2f}x | {ratio[4]:.2f}x | {fused} | "
+            f"{full_an:.0f} -> {cheap_an:.0f} ({mode}) |")
 
 
 def to_markdown(rows, title):
@@ -130,7 +203,7 @@ def plot(rows, path, title):
         ax.axhline(1.0, color="gray", lw=1, label="tf.matmul = 1")
         ax.plot(sp, [r["ratio"][1] for r in sel], "s--", label="tf.matmul(a_is_sparse=True)")
         ax.plot(sp, [r["ratio"][2] for r in sel], "^:", label="ours, automatic threshold")
-        ax.plot(sp, [r["ratio"][3] for r in sel], "o-", label="ours, forced sparse")
+        ax.plot(sp, [r["ratio"][4] for r in sel], "o-", label="ours, forced sparse")
         ax.set_yscale("log")
         ax.set_xlabel("sparsity of a (%)")
         ax.set_ylabel("speed-up vs tf.matmul")
@@ -151,7 +224,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=7, help="interleaved timed rounds (median)")
     p.add_argument("--quick", action="store_true",
-                   help="256x1024x1024 and 512x2048x10 only, 4 sparsities, 3 rounds")
+                   help="256x1024x1024 and 128x2048x10 only, 2 sparsities, 3 rounds")
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench_matmul.md"),
                    help="markdown table to write (the PNG plot goes beside it)")
     p.add_argument("--seed", type=int, default=0)
@@ -159,21 +232,26 @@ def main(argv=None):
     tfss.load_library()
     rng = np.random.default_rng(args.seed)
     if args.quick:
-        shapes, sparsities, reps = [(256, 1024, 1024), (512, 2048, 10)], [0.0, 0.5, 0.9, 0.99], min(args.reps, 3)
+        cases = [((256, 1024, 1024), [0.0, 0.9]), ((128, 2048, 10), [0.0, 0.5])]
+        reps = min(args.reps, 3)
     else:
-        shapes, sparsities, reps = BIG_SHAPES + SMALL_N_SHAPES, SPARSITIES, args.reps
+        cases = ([(sh, BIG_SPARSITIES) for sh in BIG_SHAPES] +
+                 [(sh, SMALL_SPARSITIES) for sh in SMALL_N_SHAPES])
+        reps = args.reps
     rows = []
     print(HEADER, flush=True)
-    for (m, k, n) in shapes:
+    for (m, k, n), sparsities in cases:
         for direction in ("fwd", "grad"):
             for sp in sparsities:
                 r = run_case(m, k, n, sp, direction, reps, rng)
                 rows.append(r)
                 print(row_markdown(r), flush=True)
     title = (f"Speed-up t(tf.matmul) / t(column), float32, median of {reps} interleaved "
-             f"rounds; {tf_machine_desc(build_info())}. "
-             f"'ours sparse' = threshold 1.0 (every row through the CSR SpMM); "
-             f"spread = min..max of its per-round ratios.")
+             f"rounds' ratios; {tf_machine_desc(build_info())}. "
+             f"'ours auto' = threshold -1, full_stats=False; 'ours forced sparse' = "
+             f"threshold 1.0 (every row through the CSR SpMM); spread = min..max of "
+             f"the per-round ratios of 'ours auto'; fused = relu(a @ b + bias), ours "
+             f"automatic vs TF's graph (Grappler's _FusedMatMul).")
     print()
     print(title)
     png = os.path.splitext(args.out)[0] + ".png"

@@ -316,6 +316,97 @@ CostTerms FitCalibration(const SplitShape& s, const CalibrationTimings& c) {
   return t;
 }
 
+double MaxSavingSeconds(const SplitShape& s, const CostTerms& t,
+                        double zero_row_frac, double dead_col_frac) {
+  if (!t.dense_known() || !t.sparse_known()) return kInf;
+  if (s.m <= 0 || s.k <= 0 || !s.dense_allowed) return 0.0;
+  const double m = static_cast<double>(s.m), k = static_cast<double>(s.k);
+  const double z = std::min(1.0, std::max(0.0, zero_row_frac));
+  const double d = std::min(1.0, std::max(0.0, dead_col_frac));
+  // Dense seconds per row (the fixed cost is paid by every plan that keeps
+  // a dense row, so it is no saving).
+  const double row_s = k * s.dense_flops_per_elem / t.dense_rate;
+  double save = z * m * row_s;
+  const double live =
+      (1.0 - z) * m * std::max(0.0, row_s - t.convert_s_per_elem * k);
+  save += std::max(0.0, live - t.sparse_fixed_s);
+  if (s.can_compact) save += d * m * row_s;
+  return std::min(PredictDenseSeconds(s, t, m, false), save);
+}
+
+int FullCountPeriod(double count_s, double dense_s, const AnalysisPolicy& ap) {
+  const int lo = std::max(1, ap.min_period);
+  const int hi = std::max(lo, ap.max_period);
+  if (!(count_s > 0.0) || !(dense_s > 0.0) || !(ap.full_budget > 0.0)) return lo;
+  const double want = std::ceil(count_s / (ap.full_budget * dense_s));
+  if (!(want < hi)) return hi;
+  return std::max(lo, static_cast<int>(want));
+}
+
+AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
+                            const DecisionPolicy& policy,
+                            const AnalysisPolicy& ap, const AnalysisHistory& h,
+                            const Plan* previous, double count_s_per_elem,
+                            bool full_stats) {
+  if (full_stats || !s.dense_allowed || !t.dense_known() ||
+      !t.sparse_known() || !h.seen_full || !(count_s_per_elem > 0.0))
+    return AnalysisMode::kFull;
+  // In a regime with sparse rows or compaction the exact counts decide.
+  if (previous == nullptr || previous->kind != PlanKind::kAllDense ||
+      previous->compact)
+    return AnalysisMode::kFull;
+  const double dense_s =
+      PredictDenseSeconds(s, t, static_cast<double>(s.m), false);
+  const double count_s = count_s_per_elem * static_cast<double>(s.m) *
+                         static_cast<double>(s.k);
+  if (h.calls_since_full + 1 >= FullCountPeriod(count_s, dense_s, ap))
+    return AnalysisMode::kFull;
+  if (MaxSavingSeconds(s, t, h.zero_row_frac, h.dead_col_frac) <
+      policy.min_gain_s)
+    return AnalysisMode::kSkip;
+  return AnalysisMode::kSample;
+}
+
+int64_t SampleStride(int64_t phys_rows, int64_t phys_cols, double dense_s,
+                     double count_s_per_elem, const AnalysisPolicy& ap) {
+  const int64_t min_rows = std::max<int64_t>(1, ap.min_sample_rows);
+  if (phys_rows < 2 * min_rows || phys_cols <= 0) return 1;
+  double rows = static_cast<double>(phys_rows) / 2.0;
+  if (count_s_per_elem > 0.0 && dense_s > 0.0) {
+    rows = std::floor(ap.sample_budget * dense_s /
+                      (count_s_per_elem * static_cast<double>(phys_cols)));
+  }
+  rows = std::max(static_cast<double>(min_rows), rows);
+  if (rows * 2.0 > static_cast<double>(phys_rows)) return 1;
+  const int64_t r = static_cast<int64_t>(rows);
+  const int64_t stride = (phys_rows + r - 1) / r;
+  return stride >= 2 ? stride : 1;
+}
+
+DensityProfile EstimateProfile(const int64_t* row_nnz, int64_t rows,
+                               int64_t k_counted, int64_t rows_total,
+                               int64_t k_total, int buckets) {
+  DensityProfile p = ProfileFromRowNnz(row_nnz, rows, k_counted, buckets);
+  if (rows <= 0 || k_counted <= 0) return p;
+  const double row_scale =
+      static_cast<double>(rows_total) / static_cast<double>(rows);
+  const double nnz_scale = row_scale * static_cast<double>(k_total) /
+                           static_cast<double>(k_counted);
+  for (double& v : p.rows) v *= row_scale;
+  for (double& v : p.nnz) v *= nnz_scale;
+  return p;
+}
+
+bool SampleSaysDense(const SplitShape& s_est, const DensityProfile& p_est,
+                     const CostTerms& t, const DecisionPolicy& policy,
+                     const AnalysisPolicy& ap) {
+  DecisionPolicy relaxed = policy;
+  relaxed.enter_margin = policy.enter_margin - ap.near_margin;
+  relaxed.min_gain_s = 0.5 * policy.min_gain_s;
+  const Plan plan = DecideSplit(s_est, p_est, t, relaxed, nullptr);
+  return plan.kind == PlanKind::kAllDense && !plan.compact;
+}
+
 void MedianWindow::Add(double v) {
   if (!(v > 0.0) || !std::isfinite(v)) return;
   if (static_cast<int>(values_.size()) < capacity_) {
@@ -387,6 +478,53 @@ void FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
   }
 }
 
+void FamilyModel::RecordCount(double elems, double seconds) {
+  if (!(elems > 0.0) || !(seconds > 0.0)) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  count_per_elem_.Add(seconds / elems);
+}
+
+double FamilyModel::CountSecondsPerElem() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return count_per_elem_.Median(0.0);
+}
+
+void PlanMemory::RememberAllDense() {
+  std::lock_guard<std::mutex> lock(mu_);
+  last_ = Plan();
+  has_last_ = true;
+}
+
+AnalysisMode PlanMemory::ChooseAnalysis(const SplitShape& s,
+                                        const CostTerms& t,
+                                        const DecisionPolicy& policy,
+                                        const AnalysisPolicy& ap,
+                                        double count_s_per_elem,
+                                        bool full_stats) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tf_sparse_split::ChooseAnalysis(s, t, policy, ap, history_,
+                                         has_last_ ? &last_ : nullptr,
+                                         count_s_per_elem, full_stats);
+}
+
+void PlanMemory::RecordAnalysis(bool full, double zero_row_frac,
+                                double dead_col_frac) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (full) {
+    history_.seen_full = true;
+    history_.calls_since_full = 0;
+    history_.zero_row_frac = zero_row_frac;
+    history_.dead_col_frac = dead_col_frac;
+  } else {
+    ++history_.calls_since_full;
+  }
+}
+
+AnalysisHistory PlanMemory::history() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return history_;
+}
+
 Plan PlanMemory::Decide(const SplitShape& s, const DensityProfile& p,
                         const CostTerms& t, const DecisionPolicy& policy) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -411,6 +549,19 @@ int64_t NBucket(int64_t n) {
   int64_t b = 64;
   while (b < n) b *= 2;
   return b;
+}
+
+int64_t MBucket(int64_t m) {
+  if (m >= 512) return 512;
+  int64_t b = 1;
+  while (b < m) b *= 2;
+  return b;
+}
+
+std::vector<int64_t> MatMulFamilyKey(int64_t family_op, int64_t dtype,
+                                     int64_t m, int64_t k, int64_t n,
+                                     bool transpose_b) {
+  return {family_op, dtype, k, NBucket(n), transpose_b ? 1 : 0, MBucket(m)};
 }
 
 }  // namespace tf_sparse_split

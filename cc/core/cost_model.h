@@ -188,6 +188,98 @@ struct CalibrationTimings {
 // the origin). Uses s.k, s.dense_flops_per_elem, s.sparse_flops_per_nnz.
 CostTerms FitCalibration(const SplitShape& s, const CalibrationTimings& c);
 
+// ---- How much of the analysis a call pays ---------------------------------
+//
+// Counting the nonzeros of every row and column of the activation is one
+// pass over it (M*K values), paid before the decision. On a layer that stays
+// dense that pass is pure overhead: at small N it is a large share of the
+// dense GEMM itself. An automatic call therefore picks first how much to
+// count (ChooseAnalysis), from its family's terms and what the op's last
+// full count saw:
+//   kSkip:   no plan other than the plain all-dense one can save
+//            min_gain_s (MaxSavingSeconds), whatever the zeros: count
+//            nothing, run TF's GEMM;
+//   kSample: count a strided sample of the physical rows (SampleStride), and
+//            count fully only when the estimate is near the break-even of
+//            the decision (SampleSaysDense is false);
+//   kFull:   count everything (the first calls, after a plan with sparse
+//            rows or compaction, every AnalysisPolicy period-th call so the
+//            statistics and the model stay fresh, explicit thresholds,
+//            callers that want exact statistics).
+enum class AnalysisMode : int { kFull = 0, kSample = 1, kSkip = 2 };
+
+struct AnalysisPolicy {
+  // A full count at least every `min_period` automatic calls; the period
+  // grows (up to max_period) while a full count would cost more than
+  // `full_budget` of the predicted dense time per call, amortised.
+  int min_period = 16;
+  int max_period = 256;
+  double full_budget = 0.01;
+  // A sample costs at most this fraction of the predicted dense time ...
+  double sample_budget = 0.005;
+  // ... and holds at least this many physical rows (when there are twice
+  // as many); a stride below 2 means the full count.
+  int64_t min_sample_rows = 4;
+  // The sampled estimate leads to a full count when a plan with sparse rows
+  // or compaction comes within this fraction of the entry test (the enter
+  // margin is lowered by it and min_gain_s halved).
+  double near_margin = 0.25;
+};
+
+// What an op instance's last full count saw, and calls since.
+struct AnalysisHistory {
+  bool seen_full = false;
+  int64_t calls_since_full = 0;
+  double zero_row_frac = 0.0;  // all-zero rows of op(a) / m
+  double dead_col_frac = 0.0;  // all-zero columns of op(a) / k
+};
+
+// Upper bound of the seconds any plan other than plain all-dense can save
+// on a call of shape `s` (k_live = k): all-zero rows (zero_row_frac of them)
+// save at most their dense GEMM rows, rows with nonzeros at most their dense
+// rows less their conversion (convert_s_per_elem * k) and the sparse fixed
+// cost, compaction at most dead_col_frac of the dense flops; never more than
+// the whole all-dense time. 0 when the terms are unknown.
+double MaxSavingSeconds(const SplitShape& s, const CostTerms& t,
+                        double zero_row_frac, double dead_col_frac);
+
+// Full-count period of an op instance whose full count costs `count_s` and
+// whose dense call is predicted `dense_s` (see AnalysisPolicy).
+int FullCountPeriod(double count_s, double dense_s, const AnalysisPolicy& ap);
+
+// The analysis of one automatic call. `previous` is the op's last plan
+// (null: none yet), `count_s_per_elem` the family's counting cost per value
+// (0: unknown), `full_stats` whether the caller wants exact statistics.
+AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
+                            const DecisionPolicy& policy,
+                            const AnalysisPolicy& ap, const AnalysisHistory& h,
+                            const Plan* previous, double count_s_per_elem,
+                            bool full_stats);
+
+// Stride over the `phys_rows` physical rows (each `phys_cols` values) of a
+// sample that costs at most ap.sample_budget * dense_s at count_s_per_elem
+// seconds per value, and holds at least ap.min_sample_rows rows; 1 (= count
+// everything) when no stride of 2 or more fits.
+int64_t SampleStride(int64_t phys_rows, int64_t phys_cols, double dense_s,
+                     double count_s_per_elem, const AnalysisPolicy& ap);
+
+// The estimated profile of rows_total rows of k_total values from counts
+// row_nnz[rows] of `rows` of them over `k_counted` of their values each:
+// densities row_nnz / k_counted, rows scaled by rows_total / rows, nonzeros
+// by (rows_total / rows) * (k_total / k_counted).
+DensityProfile EstimateProfile(const int64_t* row_nnz, int64_t rows,
+                               int64_t k_counted, int64_t rows_total,
+                               int64_t k_total, int buckets);
+
+// Whether a sampled estimate (profile `p_est`, s_est.k_live = the columns
+// live in the sample scaled to k: a lower bound, so that compaction is
+// judged optimistically) is clear enough to run the plain all-dense plan
+// with no full count: DecideSplit under `policy` relaxed by ap.near_margin
+// (no previous plan) returns all-dense without compaction.
+bool SampleSaysDense(const SplitShape& s_est, const DensityProfile& p_est,
+                     const CostTerms& t, const DecisionPolicy& policy,
+                     const AnalysisPolicy& ap);
+
 // The last `capacity` values, and their median.
 class MedianWindow {
  public:
@@ -218,12 +310,16 @@ class FamilyModel {
   void Record(const SplitShape& s, double rows_dense, bool compact,
               double dense_seconds, double rows_sparse, double nnz_sparse,
               double sparse_seconds);
+  // Records one full count of `elems` values that took `seconds`.
+  void RecordCount(double elems, double seconds);
+  // Median seconds per counted value of the last full counts (0: none).
+  double CountSecondsPerElem() const;
 
  private:
   mutable std::mutex mu_;
   bool calibrated_ = false;
   CostTerms base_;
-  MedianWindow dense_ratio_, sparse_ratio_;
+  MedianWindow dense_ratio_, sparse_ratio_, count_per_elem_;
 };
 
 // The last plan of one op instance (thread-safe): each layer keeps its own,
@@ -234,11 +330,24 @@ class PlanMemory {
   // DecideSplit against the remembered plan; remembers the result.
   Plan Decide(const SplitShape& s, const DensityProfile& p,
               const CostTerms& t, const DecisionPolicy& policy);
+  // Remembers an all-dense plan taken without a full count.
+  void RememberAllDense();
+
+  // ChooseAnalysis against this op's history and last plan.
+  AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
+                              const DecisionPolicy& policy,
+                              const AnalysisPolicy& ap,
+                              double count_s_per_elem, bool full_stats);
+  // Records the outcome of one automatic call's analysis: a full count
+  // (with its all-zero row and column fractions) or not.
+  void RecordAnalysis(bool full, double zero_row_frac, double dead_col_frac);
+  AnalysisHistory history();
 
  private:
   std::mutex mu_;
   bool has_last_ = false;
   Plan last_;
+  AnalysisHistory history_;
 };
 
 // Process-wide family models, keyed by whatever identifies a problem
@@ -248,6 +357,18 @@ FamilyModel& FamilyFor(const std::vector<int64_t>& key);
 // Bucket of n for family keys: n itself up to 64, then powers of two (so
 // small N, where the dense GEMM is least efficient, is calibrated exactly).
 int64_t NBucket(int64_t n);
+
+// Bucket of m (rows of the activation) for family keys: the next power of
+// two, 512 and above in one bucket. A GEMM's rate depends on M as much as on
+// N (at M = 1 it is a matrix-vector product bound by reading op(b)): terms
+// calibrated at one batch size must not decide for another.
+int64_t MBucket(int64_t m);
+
+// The family key of a SparseSplitMatMul / SparseSplitSddmm call on the CPU:
+// (family_op, dtype, k, NBucket(n), transpose_b, MBucket(m)).
+std::vector<int64_t> MatMulFamilyKey(int64_t family_op, int64_t dtype,
+                                     int64_t m, int64_t k, int64_t n,
+                                     bool transpose_b);
 
 }  // namespace tf_sparse_split
 

@@ -139,10 +139,15 @@ void SerialFor(int64_t total, int64_t /*cost_per_unit*/,
   if (total > 0) fn(0, total);
 }
 
+namespace {
+
+// CountNonzeros over phys_rows rows of phys_cols values, row r starting at
+// a + r * pitch (pitch = phys_cols: the whole matrix; stride * phys_cols:
+// every stride-th row).
 template <typename T>
-int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
-                      bool transpose_a, int64_t* row_nnz, int64_t* col_nnz,
-                      const ParallelFor& pfor) {
+int64_t CountNonzerosPitched(const T* a, int64_t phys_rows, int64_t phys_cols,
+                             int64_t pitch, bool transpose_a, int64_t* row_nnz,
+                             int64_t* col_nnz, const ParallelFor& pfor) {
   // Physical row / column counts of a; for transpose_a the roles swap.
   int64_t* prow = transpose_a ? col_nnz : row_nnz;
   int64_t* pcol = transpose_a ? row_nnz : col_nnz;
@@ -162,7 +167,7 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
            int32_t* pc = partial.data() + b * phys_cols;
            std::fill(pc, pc + phys_cols, 0);
            for (int64_t i = blocks.begin(b); i < blocks.end(b); ++i) {
-             const T* row = a + i * phys_cols;
+             const T* row = a + i * pitch;
              int32_t cnt = 0;
              for (int64_t j = 0; j < phys_cols; ++j) {
                const int32_t nz = row[j] != T(0);
@@ -183,6 +188,27 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
   int64_t total = 0;
   for (int64_t i = 0; i < phys_rows; ++i) total += prow[i];
   return total;
+}
+
+}  // namespace
+
+template <typename T>
+int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
+                      bool transpose_a, int64_t* row_nnz, int64_t* col_nnz,
+                      const ParallelFor& pfor) {
+  return CountNonzerosPitched<T>(a, phys_rows, phys_cols, phys_cols,
+                                 transpose_a, row_nnz, col_nnz, pfor);
+}
+
+template <typename T>
+int64_t CountNonzerosStrided(const T* a, int64_t phys_rows, int64_t phys_cols,
+                             int64_t stride, bool transpose_a,
+                             int64_t* row_nnz, int64_t* col_nnz,
+                             const ParallelFor& pfor) {
+  stride = std::max<int64_t>(1, stride);
+  const int64_t rows = (phys_rows + stride - 1) / stride;
+  return CountNonzerosPitched<T>(a, rows, phys_cols, stride * phys_cols,
+                                 transpose_a, row_nnz, col_nnz, pfor);
 }
 
 template <typename T>
@@ -882,6 +908,9 @@ void ZeroRows(const int64_t* out_rows, int64_t n_rows, int64_t n, T* c,
 #define TFSS_INSTANTIATE(T)                                                   \
   template int64_t CountNonzeros<T>(const T*, int64_t, int64_t, bool,         \
                                     int64_t*, int64_t*, const ParallelFor&);  \
+  template int64_t CountNonzerosStrided<T>(const T*, int64_t, int64_t,        \
+                                           int64_t, bool, int64_t*, int64_t*, \
+                                           const ParallelFor&);               \
   template void BuildCsr<T>(const T*, int64_t, int64_t, bool, const int64_t*, \
                             int64_t, const int64_t*, const int64_t*, Csr<T>*, \
                             const ParallelFor&);                              \

@@ -40,6 +40,19 @@ int64_t CountNonzeros(const T* a, int64_t phys_rows, int64_t phys_cols,
                       bool transpose_a, int64_t* row_nnz, int64_t* col_nnz,
                       const ParallelFor& pfor);
 
+// CountNonzeros of the physical rows 0, stride, 2*stride, ... of a (a
+// strided sample: rows_s = ceil(phys_rows / stride) of them), as if those
+// rows were the whole matrix: with !transpose_a, row_nnz[rows_s] are the
+// sampled rows' counts and col_nnz[phys_cols] the columns' counts over
+// them; with transpose_a, row_nnz[phys_cols] counts each row of op(a) over
+// the rows_s sampled columns and col_nnz[rows_s] the sampled columns'
+// counts. Returns the sample's nnz. stride <= 1 counts everything.
+template <typename T>
+int64_t CountNonzerosStrided(const T* a, int64_t phys_rows, int64_t phys_cols,
+                             int64_t stride, bool transpose_a,
+                             int64_t* row_nnz, int64_t* col_nnz,
+                             const ParallelFor& pfor);
+
 // std::allocator whose value-less construct() default-initialises: resize()
 // of a vector of ints or floats leaves the new elements unwritten instead of
 // zeroing them (the CSR build overwrites every entry anyway; zeroing was a

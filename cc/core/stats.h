@@ -35,7 +35,15 @@ enum StatIndex : int {
   // Heterogeneous split (attr heterogeneous): kHeteroOff, kHeteroRan or
   // kHeteroCpuFallback below.
   kStatHeterogeneous = 12 + kDensityBins,
-  kNumStats = 13 + kDensityBins,
+  // How the call analysed its activation: kAnalysisFull, kAnalysisSampled
+  // or kAnalysisSkipped below. Under kAnalysisSampled, kStatNnz and the
+  // histogram are estimates scaled up from the counted sample (fractional
+  // row counts); under kAnalysisSkipped, kStatNnz is NaN and the histogram
+  // is all zero (nothing was counted). The other fields are exact either
+  // way: such a call runs every row dense and compacts nothing, so
+  // kStatRowsSparse, kStatNnzSparse and kStatZeroColsSkipped are 0.
+  kStatAnalysis = 13 + kDensityBins,
+  kNumStats = 14 + kDensityBins,
 };
 
 // Values of stats[kStatHeterogeneous].
@@ -44,6 +52,14 @@ constexpr double kHeteroRan = 1.0;          // GPU kernel: dense rows on the
                                             // GPU, sparse rows on the CPU
 constexpr double kHeteroCpuFallback = 2.0;  // requested, but the CPU kernel
                                             // ran: the normal CPU split
+
+// Values of stats[kStatAnalysis].
+constexpr double kAnalysisFull = 0.0;     // every value counted: exact
+constexpr double kAnalysisSampled = 1.0;  // a strided sample of the rows
+                                          // counted; all-dense
+constexpr double kAnalysisSkipped = 2.0;  // nothing counted (the cost model
+                                          // showed no other plan can win);
+                                          // all-dense
 
 }  // namespace tf_sparse_split
 

@@ -8,9 +8,16 @@
 // part together with the matching rows of op(b). The call runs through the
 // split runtime (split_runtime.h): analyse -> decide -> dense -> sparse ->
 // record. A negative threshold lets the cost model of cc/core/cost_model.h
-// choose the split from terms measured on this machine.
+// choose the split from terms measured on this machine; such a call first
+// asks how much of the analysis it needs (SplitCall::ChooseAnalysis): on a
+// layer that stays dense it counts a strided sample of the activation, or
+// nothing at all, and runs TF's kernel at once. An all-dense call with a
+// bias and no activation (float32) runs TF's fused MatMul + BiasAdd kernel
+// (what Grappler fuses tf.matmul + bias into) instead of MatMul and the
+// epilogue pass.
 #include <algorithm>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "cc/core/cost_model.h"
@@ -110,6 +117,24 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     // CPU split (same result) and says so in the statistics.
     OP_REQUIRES_OK(ctx, mm_.Init(ctx, tf::DEVICE_CPU, tf::DataTypeToEnum<T>::value));
     OP_REQUIRES_OK(ctx, epilogue_.Init(ctx));  // optional bias + activation
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("full_stats", &full_stats_));
+    // TF's fused kernel for the all-dense calls with a bias and no
+    // activation: BiasAdd as its post-op. Not with Relu/Relu6 post-ops:
+    // oneDNN's eltwise ReLU maps NaN to 0 (as tf.function graphs that
+    // Grappler fused do), while the epilogue and the split paths keep NaN
+    // -- the answer would depend on the plan. Those run MatMul + the
+    // epilogue's one pass (no fused kernel: the same).
+    int num_bias = 0;
+    std::string act;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_bias", &num_bias));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &act));
+    if (num_bias == 1 && act == "none") {
+      if (!InitTfFusedMatMul(ctx, tf::DEVICE_CPU, tf::DataTypeToEnum<T>::value,
+                             mm_.ta, mm_.tb, {"BiasAdd"}, &fused_)
+               .ok()) {
+        fused_ = TfKernel();
+      }
+    }
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -127,12 +152,39 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
     ParallelFor pfor = TfParallelFor(ctx);
 
+    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
+    FamilyModel& family = FamilyFor(
+        MatMulFamilyKey(kFamilyMatMulCpu, dt, m, k, n, mm_.tb));
+
+    // --- How much to count: everything, a sample, or nothing. -------------
+    if (m > 0 && n > 0 && k > 0) {
+      const SplitShape dense_shape = MatMulSplitShape(m, k, k, n);
+      const AnalysisMode mode =
+          call.ChooseAnalysis(dense_shape, &family, &plans_, full_stats_);
+      if (mode == AnalysisMode::kSkip) {
+        call.SkipAnalysis(dense_shape, &family, &plans_);
+      } else if (mode == AnalysisMode::kSample) {
+        const int64_t stride =
+            call.SampleStrideFor(dense_shape, &family, a_rows, a_cols);
+        if (stride > 1) {
+          SampledCounts sc;
+          CountSample<T>(a_ptr, a_rows, a_cols, mm_.ta, stride, pfor, &sc);
+          call.AcceptSample(dense_shape, sc, &family, &plans_);
+        }
+      }
+      if (call.dense_without_count()) {
+        OP_REQUIRES_OK(ctx, RunAllDense(ctx, a, b, m, n, &call));
+        return;
+      }
+    }
+
     // --- Analysis: densities, live columns. --------------------------------
     std::vector<int64_t> row_nnz(m), col_nnz(k);
     const int64_t nnz =
         m > 0 && k > 0 ? CountNonzeros<T>(a_ptr, a_rows, a_cols, mm_.ta,
                                           row_nnz.data(), col_nnz.data(), pfor)
                        : 0;
+    if (call.automatic()) call.CountDone(&family, static_cast<double>(m) * k);
     if (m == 0 || n == 0 || k == 0) {
       tf::Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
@@ -146,9 +198,6 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const int64_t k_live = static_cast<int64_t>(live_cols.size());
 
     // --- Decision (cost model, calibrated on the first automatic call). ---
-    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
-    FamilyModel& family =
-        FamilyFor({kFamilyMatMulCpu, dt, k, NBucket(n), mm_.tb ? 1 : 0});
     MatMulPaths<T> paths{ctx, a, b, mm_.ta, mm_.tb, k, n, mm_.gathered, pfor};
     OP_REQUIRES_OK(ctx, call.Decide<T>(ctx, paths,
                                        MatMulSplitShape(m, k, k_live, n),
@@ -157,6 +206,15 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const std::vector<int64_t>& sparse_rows = call.split().sparse_rows;
     const int64_t rd = call.rows_dense(), rs = call.rows_sparse();
     const bool compact = call.compact();
+
+    if (rd == m && !compact && fused_.ok()) {
+      // All dense: TF's fused kernel does product, bias and activation.
+      OP_REQUIRES_OK(ctx, RunFused(ctx, a, b));
+      call.DenseDone();
+      call.SparseDone();
+      call.Finish(nnz, 0);
+      return;
+    }
 
     // --- Dense part. --------------------------------------------------------
     const int64_t kc = compact ? k_live : k;
@@ -196,8 +254,41 @@ class SparseSplitMatMulOp : public tf::OpKernel {
   }
 
  private:
+  // act(op(a) op(b) + bias) by TF's fused kernel (fused_.ok()), as output 0.
+  absl::Status RunFused(tf::OpKernelContext* ctx, const tf::Tensor& a,
+                        const tf::Tensor& b) {
+    tf::Tensor product;
+    TF_RETURN_IF_ERROR(fused_.Run(
+        ctx, {&a, &b, &ctx->input(MatMulEpilogue::kBiasInput)}, &product));
+    ctx->set_output(0, product);
+    return absl::OkStatus();
+  }
+
+  // A call that runs every row dense without a full count: TF's fused
+  // kernel, or its MatMul and the epilogue; then the statistics.
+  absl::Status RunAllDense(tf::OpKernelContext* ctx, const tf::Tensor& a,
+                           const tf::Tensor& b, int64_t m, int64_t n,
+                           SplitCall* call) {
+    if (fused_.ok()) {
+      TF_RETURN_IF_ERROR(RunFused(ctx, a, b));
+    } else {
+      ParallelFor pfor = TfParallelFor(ctx);
+      CpuDevice<T> dev{pfor};
+      TF_RETURN_IF_ERROR(RunMatMulDensePart(ctx, mm_, a, b, m, n, m, false,
+                                            0, nullptr, nullptr, dev,
+                                            nullptr));
+    }
+    call->DenseDone();
+    call->SparseDone();
+    call->Finish(0, 0);
+    if (!fused_.ok()) TF_RETURN_IF_ERROR(epilogue_.ApplyCpu<T>(ctx));
+    return absl::OkStatus();
+  }
+
   MatMulKernels mm_;  // attrs and TF's MatMul kernels
   MatMulEpilogue epilogue_;
+  TfKernel fused_;    // TF's _FusedMatMul (bias given, float32), else unset
+  bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 

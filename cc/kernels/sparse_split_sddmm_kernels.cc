@@ -10,7 +10,9 @@
 // the threshold go to TF's own MatMul (x rows * op(b)^T), whose output is
 // then masked; the others to the CSR SDDMM of cc/core (one dot of length n
 // per nonzero of the mask). The cost model (cc/core/cost_model.h,
-// SddmmSplitShape) chooses the split for a negative threshold.
+// SddmmSplitShape) chooses the split for a negative threshold, after
+// choosing how much of the mask to count (SplitCall::ChooseAnalysis: all of
+// it, a strided sample or nothing when the GEMM stays the choice).
 #include <algorithm>
 #include <numeric>
 #include <vector>
@@ -125,6 +127,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
  public:
   explicit SparseSplitSddmmOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("transpose_b", &tb_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("full_stats", &full_stats_));
     // x [m, n] * op(b)^T: b [k, n] read transposed, or b [n, k] as is.
     OP_REQUIRES_OK(ctx, InitTfMatMul(ctx, tf::DEVICE_CPU,
                                      tf::DataTypeToEnum<T>::value, false, !tb_,
@@ -144,12 +147,46 @@ class SparseSplitSddmmOp : public tf::OpKernel {
     const T* mask_ptr = mask.flat<T>().data();
     ParallelFor pfor = TfParallelFor(ctx);
 
+    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
+    FamilyModel& family =
+        FamilyFor(MatMulFamilyKey(kFamilySddmmCpu, dt, m, k, n, tb_));
+
+    // --- How much to count: everything, a sample, or nothing. -------------
+    if (m > 0 && n > 0 && k > 0) {
+      const SplitShape dense_shape = SddmmSplitShape(m, k, k, n);
+      const AnalysisMode mode =
+          call.ChooseAnalysis(dense_shape, &family, &plans_, full_stats_);
+      if (mode == AnalysisMode::kSkip) {
+        call.SkipAnalysis(dense_shape, &family, &plans_);
+      } else if (mode == AnalysisMode::kSample) {
+        const int64_t stride = call.SampleStrideFor(dense_shape, &family, m, k);
+        if (stride > 1) {
+          SampledCounts sc;
+          CountSample<T>(mask_ptr, m, k, false, stride, pfor, &sc);
+          call.AcceptSample(dense_shape, sc, &family, &plans_);
+        }
+      }
+      if (call.dense_without_count()) {
+        // TF's GEMM on every row, then masked (the mask is read anyway).
+        tf::Tensor product;
+        OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&x, &b}, &product));
+        T* c = product.flat<T>().data();
+        MaskedCopyRows<T>(mask_ptr, k, nullptr, m, c, c, k, pfor);
+        ctx->set_output(0, product);
+        call.DenseDone();
+        call.SparseDone();
+        call.Finish(0, 0);
+        return;
+      }
+    }
+
     // --- Analysis: densities of the mask's rows. ---------------------------
     std::vector<int64_t> row_nnz(m), col_nnz(k);
     const int64_t nnz =
         m > 0 && k > 0 ? CountNonzeros<T>(mask_ptr, m, k, false, row_nnz.data(),
                                           col_nnz.data(), pfor)
                        : 0;
+    if (call.automatic()) call.CountDone(&family, static_cast<double>(m) * k);
     if (m == 0 || k == 0 || n == 0 || nnz == 0) {
       // No dot to compute: every output is 0.
       tf::Tensor* out = nullptr;
@@ -163,9 +200,6 @@ class SparseSplitSddmmOp : public tf::OpKernel {
                       [](int64_t c) { return c != 0; }));
 
     // --- Decision (cost model, calibrated on the first automatic call). ---
-    const tf::DataType dt = tf::DataTypeToEnum<T>::value;
-    FamilyModel& family =
-        FamilyFor({kFamilySddmmCpu, dt, k, NBucket(n), tb_ ? 1 : 0});
     SddmmPaths<T> paths{ctx, mask, x, b, tb_, k, n, gemm_, pfor};
     OP_REQUIRES_OK(ctx, call.Decide<T>(ctx, paths,
                                        SddmmSplitShape(m, k, k_live, n),
@@ -219,6 +253,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
 
  private:
   bool tb_ = false;
+  bool full_stats_ = true;
   TfKernel gemm_;
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };

@@ -4,6 +4,11 @@
 // SparseSplitConv2DBackpropFilter) reads the same way:
 //
 //   SplitCall call(ctx, ...)        timer started, statistics allocated
+//   call.ChooseAnalysis(...)        automatic calls: count everything, a
+//                                   strided sample, or nothing (the cost
+//                                   model's AnalysisMode); a sample or no
+//                                   count that keeps every row dense ends
+//                                   in the all-dense path at once
 //   analyse: count nonzeros per row (and per column), live columns
 //   call.Decide(...)                threshold, row split, compaction: the
 //                                   cost model of cc/core/cost_model.h,
@@ -25,11 +30,13 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <random>
 #include <vector>
 
 #include "cc/core/cost_model.h"
 #include "cc/core/parallel_for.h"
+#include "cc/core/sparse_matmul.h"
 #include "cc/core/stats.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -114,6 +121,45 @@ int64_t CountRows(const T* x, int64_t rows, int64_t k, int64_t* row_nnz) {
 }
 
 }  // namespace split_runtime_internal
+
+// The counts of a strided sample of an activation's physical rows (see
+// CountNonzerosStrided): row_nnz[rows] counts `rows` rows of op(a) over
+// k_counted of their values each; k_live_est estimates op(a)'s live columns
+// (those live in the sample, scaled to k: a lower bound in expectation) and
+// nnz_est its nonzeros.
+struct SampledCounts {
+  std::vector<int64_t> row_nnz;
+  int64_t rows = 0, k_counted = 0, k_live_est = 0;
+  double nnz_est = 0.0;
+};
+
+// Counts every `stride`-th physical row of a (row-major phys_rows x
+// phys_cols; op(a) = a^T when transpose_a) into *out.
+template <typename T>
+void CountSample(const T* a, int64_t phys_rows, int64_t phys_cols,
+                 bool transpose_a, int64_t stride, const ParallelFor& pfor,
+                 SampledCounts* out) {
+  const int64_t sampled = (phys_rows + stride - 1) / stride;
+  const int64_t m = transpose_a ? phys_cols : phys_rows;
+  const int64_t k = transpose_a ? phys_rows : phys_cols;
+  out->rows = transpose_a ? m : sampled;
+  out->k_counted = transpose_a ? sampled : k;
+  out->row_nnz.assign(out->rows, 0);
+  std::vector<int64_t> cols(transpose_a ? sampled : k, 0);
+  const int64_t nnz = CountNonzerosStrided<T>(a, phys_rows, phys_cols, stride,
+                                              transpose_a, out->row_nnz.data(),
+                                              cols.data(), pfor);
+  const int64_t live = static_cast<int64_t>(
+      std::count_if(cols.begin(), cols.end(), [](int64_t c) { return c != 0; }));
+  out->k_live_est = transpose_a
+                        ? std::min<int64_t>(k, (live * k + sampled - 1) / sampled)
+                        : live;
+  const double counted =
+      static_cast<double>(out->rows) * static_cast<double>(out->k_counted);
+  out->nnz_est = counted > 0.0 ? static_cast<double>(nnz) *
+                                     (static_cast<double>(m) * k) / counted
+                               : 0.0;
+}
 
 // Calibrates a family from the call's own rows: returns the fitted terms.
 template <typename T, typename Functor>
@@ -236,6 +282,76 @@ class SplitCall {
   double* stats() { return stats_; }
   bool automatic() const { return threshold_in_ < 0; }
 
+  // How much of the analysis this call pays (cost_model.h, AnalysisMode):
+  // kFull for a given threshold or when the caller wants exact statistics
+  // (full_stats); else the op's PlanMemory chooses from the family's terms.
+  // `shape` is the call's SplitShape with k_live = k (nothing counted yet).
+  AnalysisMode ChooseAnalysis(const SplitShape& shape, FamilyModel* family,
+                              PlanMemory* memory, bool full_stats,
+                              const AnalysisPolicy& ap = AnalysisPolicy()) {
+    if (!automatic() || family == nullptr || memory == nullptr ||
+        !family->calibrated())
+      return AnalysisMode::kFull;
+    count_s_per_elem_ = family->CountSecondsPerElem();
+    return memory->ChooseAnalysis(shape, family->Terms(), DecisionPolicy(), ap,
+                                  count_s_per_elem_, full_stats);
+  }
+
+  // The stride of this call's sample over `phys_rows` physical rows of
+  // `phys_cols` values (1: count everything instead); call after
+  // ChooseAnalysis returned kSample.
+  int64_t SampleStrideFor(const SplitShape& shape, FamilyModel* family,
+                          int64_t phys_rows, int64_t phys_cols,
+                          const AnalysisPolicy& ap = AnalysisPolicy()) const {
+    const double dense_s = PredictDenseSeconds(
+        shape, family->Terms(), static_cast<double>(shape.m), false);
+    return SampleStride(phys_rows, phys_cols, dense_s, count_s_per_elem_, ap);
+  }
+
+  // A call that counts nothing (ChooseAnalysis returned kSkip): every row
+  // dense, nothing compacted; kStatNnz NaN, no histogram.
+  void SkipAnalysis(const SplitShape& shape, FamilyModel* family,
+                    PlanMemory* memory) {
+    SetAllDense(shape, family, memory, kAnalysisSkipped,
+                std::numeric_limits<double>::quiet_NaN());
+  }
+
+  // After a sampled count: when the estimate is clear of the break-even
+  // (SampleSaysDense), sets the call up as all-dense -- kStatNnz and the
+  // histogram estimated from the sample -- and returns true; else false
+  // (count everything and Decide).
+  bool AcceptSample(const SplitShape& shape, const SampledCounts& c,
+                    FamilyModel* family, PlanMemory* memory,
+                    const AnalysisPolicy& ap = AnalysisPolicy()) {
+    if (c.rows <= 0 || c.k_counted <= 0) return false;
+    SplitShape est = shape;
+    est.k_live = std::min(shape.k, std::max<int64_t>(0, c.k_live_est));
+    const DensityProfile p =
+        EstimateProfile(c.row_nnz.data(), c.rows, c.k_counted, shape.m,
+                        shape.k, kDecisionBuckets);
+    if (!SampleSaysDense(est, p, family->Terms(), DecisionPolicy(), ap))
+      return false;
+    const double scale =
+        static_cast<double>(shape.m) / static_cast<double>(c.rows);
+    for (int64_t i = 0; i < c.rows; ++i)
+      stats_[kStatHistogram +
+             DensityBin(static_cast<double>(c.row_nnz[i]) / c.k_counted)] +=
+          scale;
+    SetAllDense(shape, family, memory, kAnalysisSampled, c.nnz_est);
+    return true;
+  }
+
+  // Records a full count of `elems` values that took since the call's
+  // start (the family's counting cost, which ChooseAnalysis weighs).
+  void CountDone(FamilyModel* family, double elems) {
+    if (family != nullptr)
+      family->RecordCount(elems, Seconds(start_, Clock::now()));
+  }
+
+  // Whether the call runs all-dense without a full count (SkipAnalysis or
+  // AcceptSample).
+  bool dense_without_count() const { return stats_[kStatAnalysis] != kAnalysisFull; }
+
   // Statistics of a call with no work on m rows whose nonzeros are
   // row_nnz[m] (null: none counted, every row in the lowest bin).
   void FinishEmpty(int64_t m, int64_t k, const int64_t* row_nnz) {
@@ -277,6 +393,13 @@ class SplitCall {
           family->Terms(), DecisionPolicy());
       thr = plan.threshold;
       all_dense = plan.kind == PlanKind::kAllDense;
+      // What this full count saw, for the next calls' ChooseAnalysis.
+      int64_t zero_rows = 0;
+      for (int64_t i = 0; i < shape.m; ++i) zero_rows += row_nnz[i] == 0;
+      memory->RecordAnalysis(
+          true, shape.m > 0 ? static_cast<double>(zero_rows) / shape.m : 0.0,
+          shape.k > 0 ? static_cast<double>(shape.k - shape.k_live) / shape.k
+                      : 0.0);
     }
     return Apply(row_nnz, thr, all_dense);
   }
@@ -331,7 +454,7 @@ class SplitCall {
                        double sparse_s) {
     stats_[kStatRowsDense] = rows_dense();
     stats_[kStatRowsSparse] = rows_sparse();
-    stats_[kStatNnz] = nnz;
+    stats_[kStatNnz] = dense_without_count() ? nnz_estimate_ : nnz;
     stats_[kStatZeroColsSkipped] = skipped;
     stats_[kStatTimeDense] = dense_s;
     stats_[kStatTimeSparse] = sparse_s;
@@ -347,6 +470,20 @@ class SplitCall {
   const SplitShape& shape() const { return shape_; }
 
  private:
+  void SetAllDense(const SplitShape& shape, FamilyModel* family,
+                   PlanMemory* memory, double analysis, double nnz_estimate) {
+    shape_ = shape;
+    family_ = family;
+    AllRowsDense(shape.m, &split_);
+    threshold_ = 0.0;
+    compact_ = false;
+    nnz_estimate_ = nnz_estimate;
+    stats_[kStatAnalysis] = analysis;
+    memory->RememberAllDense();
+    memory->RecordAnalysis(false, 0.0, 0.0);
+    analyzed_ = Clock::now();
+  }
+
   Clock::time_point start_, analyzed_, dense_done_, sparse_done_;
   float threshold_in_;
   absl::Status status_;
@@ -356,6 +493,8 @@ class SplitCall {
   RowSplit split_;
   double threshold_ = 0.0;
   bool compact_ = false;
+  double count_s_per_elem_ = 0.0;
+  double nnz_estimate_ = 0.0;
 };
 
 }  // namespace tf_sparse_split

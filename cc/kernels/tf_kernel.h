@@ -117,6 +117,38 @@ inline absl::Status InitTfMatMul(::tensorflow::OpKernelConstruction* ctx,
   return kernel->Init(ctx, device_type, "MatMul", "", 2, attrs);
 }
 
+// TF's fused MatMul + BiasAdd (+ activation) kernel on the CPU: the kernel
+// tf.nn.relu(tf.matmul(a, b) + bias) runs in a graph once Grappler's
+// remapper has fused it into "_FusedMatMul" -- with oneDNN on, the layout
+// pass renames that to "_MklNativeFusedMatMul" (label "MklNameChangeOp"),
+// else the Eigen "_FusedMatMul". Both take (a, b, bias) and exist on the CPU
+// for float32, bfloat16 and half in TF 2.21 (not float64: there TF's graph
+// runs MatMul, BiasAdd and Relu). `fused_ops` is {"BiasAdd"} or {"BiasAdd",
+// "Relu"} / {"BiasAdd", "Relu6"}. An error (no such kernel) leaves *kernel
+// unusable (ok() false); callers fall back to MatMul plus their own
+// epilogue.
+inline absl::Status InitTfFusedMatMul(
+    ::tensorflow::OpKernelConstruction* ctx,
+    const ::tensorflow::DeviceType& device_type, ::tensorflow::DataType dtype,
+    bool ta, bool tb, const std::vector<std::string>& fused_ops,
+    TfKernel* kernel) {
+  namespace tf = ::tensorflow;
+  auto attrs = [&](tf::NodeDef* def) {
+    tf::AddNodeAttr("T", dtype, def);
+    tf::AddNodeAttr("transpose_a", ta, def);
+    tf::AddNodeAttr("transpose_b", tb, def);
+    tf::AddNodeAttr("num_args", 1, def);
+    tf::AddNodeAttr("fused_ops", fused_ops, def);
+  };
+  if (device_type == tf::DEVICE_CPU && OneDnnEnabled() &&
+      kernel->Init(ctx, device_type, "_MklNativeFusedMatMul",
+                   "MklNameChangeOp", 3, attrs)
+          .ok()) {
+    return absl::OkStatus();
+  }
+  return kernel->Init(ctx, device_type, "_FusedMatMul", "", 3, attrs);
+}
+
 }  // namespace tf_sparse_split
 
 #endif  // TF_SPARSE_SPLIT_CC_KERNELS_TF_KERNEL_H_

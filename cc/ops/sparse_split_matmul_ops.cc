@@ -26,6 +26,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitMatMul")
     .Attr("grad_a_live_only: bool = false")
     .Attr("num_bias: int >= 0 = 0")
     .Attr("activation: {'none', 'relu', 'relu6'} = 'none'")
+    .Attr("full_stats: bool = true")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle a, b, thr;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &a));
@@ -63,13 +64,15 @@ threshold: scalar float32 row-density threshold in [0, 1]; rows of op(a)
   with density above it go to a dense GEMM, the rest to a CSR SpMM. A
   negative value chooses it automatically with the cost model of
   cc/core/cost_model.h (calibrated on the first such call per dtype, k,
-  n bucket: fixed, conversion, flop-rate and copy terms; the dense GEMM
-  unless a split is predicted at least 10% faster). The answer does not
-  depend on it.
+  n bucket and m bucket: fixed, conversion, flop-rate and copy terms; the
+  dense GEMM unless a split is predicted at least 10% faster). The answer
+  does not depend on it.
 bias: optional (num_bias = 1) vector [n] added to every row of the product.
-product: [m, n], act(op(a) * op(b) + bias), computed by the fused epilogue
-  (cc/kernels/epilogue.h) after both parts of the split have written their
-  rows.
+product: [m, n], act(op(a) * op(b) + bias): by TF's fused MatMul + BiasAdd
+  kernel when every row is dense, nothing is compacted and there is a bias
+  but no activation (float32), else by the
+  epilogue (cc/kernels/epilogue.h) after both parts of the split have
+  written their rows.
 num_bias: 0 (no bias) or 1.
 activation: 'none', 'relu' (max(x, 0)) or 'relu6' (min(max(x, 0), 6)),
   applied after the bias; NaN propagates.
@@ -77,6 +80,11 @@ heterogeneous: on the GPU kernel, multiply the sparse rows on the CPU (copied
   to host memory) while the dense rows run on the GPU (Peng 2017). The CPU
   kernel ignores it (normal CPU split) and records kHeteroCpuFallback in the
   kStatHeterogeneous entry of stats.
+full_stats: with an automatic threshold, false lets a call that the cost
+  model keeps all-dense count only a strided sample of a's rows, or
+  nothing (cc/core/cost_model.h, ChooseAnalysis); its statistics then hold
+  estimates (kStatAnalysis says which). True (the default) counts every
+  value on every call: exact statistics.
 stats: float64 [kNumStats] per-call statistics, laid out as in
   cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");

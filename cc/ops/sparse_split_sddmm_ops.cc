@@ -20,6 +20,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitSddmm")
     .Output("stats: float64")
     .Attr("transpose_b: bool = false")
     .Attr("T: {float, double}")
+    .Attr("full_stats: bool = true")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle mask, x, b, thr;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &mask));
@@ -52,6 +53,10 @@ b: [k, n] (or [n, k] with transpose_b): op(b) is [k, n].
 threshold: scalar float32 row-density threshold in [0, 1] on the rows of
   mask, or negative: chosen by the cost model of cc/core/cost_model.h. The
   answer does not depend on it (to float rounding).
+full_stats: with an automatic threshold, false lets a call that the cost
+  model keeps all-dense count only a strided sample of the mask's rows, or
+  nothing; its statistics then hold estimates (kStatAnalysis). True (the
+  default): every value counted, exact statistics.
 product: [m, k].
 stats: float64 [kNumStats] per-call statistics (cc/core/stats.h) describing
   the split of the mask's rows.

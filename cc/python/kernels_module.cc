@@ -70,6 +70,26 @@ py::tuple RowColNnz(const Arr<T>& a, bool transpose, int threads) {
   return py::make_tuple(row, col, nnz);
 }
 
+// CountNonzerosStrided: counts of every stride-th physical row of a.
+template <typename T>
+py::tuple RowColNnzStrided(const Arr<T>& a, int64_t stride, bool transpose,
+                           int threads) {
+  Require2d(a, "a");
+  if (stride < 1) throw py::value_error("stride must be >= 1");
+  const int64_t pr = a.shape(0), pc = a.shape(1);
+  const int64_t sampled = (pr + stride - 1) / stride;
+  py::array_t<int64_t> row({transpose ? pc : sampled}),
+      col({transpose ? sampled : pc});
+  int64_t nnz;
+  {
+    py::gil_scoped_release release;
+    nnz = CountNonzerosStrided<T>(a.data(), pr, pc, stride, transpose,
+                                  row.mutable_data(), col.mutable_data(),
+                                  ThreadFor(threads));
+  }
+  return py::make_tuple(row, col, nnz);
+}
+
 template <typename T>
 py::tuple CsrOf(const Arr<T>& a, bool transpose, int threads) {
   Require2d(a, "a");
@@ -260,6 +280,13 @@ void Bind(py::module_& mod, const char* suffix) {
           py::arg("threads") = DefaultThreads(),
           "Per-row and per-column nonzero counts of op(a) and the total nnz.\n"
           "Returns (row_nnz int64[m], col_nnz int64[k], nnz).");
+  mod.def("row_col_nnz_strided", &RowColNnzStrided<T>, py::arg("a"),
+          py::arg("stride"), py::arg("transpose") = false,
+          py::arg("threads") = DefaultThreads(),
+          "Counts of the sample that a call of the ops takes when it samples:\n"
+          "the physical rows 0, stride, 2*stride, ... of a, as if they were the\n"
+          "whole matrix (op(a) = a.T if transpose). Returns (row_nnz, col_nnz,\n"
+          "nnz). Raises ValueError if a is not 2-D or stride < 1.");
   mod.def("csr_from_dense", &CsrOf<T>, py::arg("a"), py::arg("transpose") = false,
           py::arg("threads") = DefaultThreads(),
           "CSR of op(a): (indptr int64[m+1], indices int32[nnz], data[nnz], (m, k)).");
@@ -610,6 +637,188 @@ void BindConvCost(py::module_& mod) {
           "share cost terms.");
 }
 
+// ---- How much of the analysis a call pays (ChooseAnalysis & co.) ---------
+
+AnalysisPolicy AnalysisPolicyOf(const py::object& o) {
+  AnalysisPolicy p;
+  if (o.is_none()) return p;
+  const py::dict d = o.cast<py::dict>();
+  RequireKeys(d, {"min_period", "max_period", "full_budget", "sample_budget",
+                  "min_sample_rows", "near_margin"},
+              "analysis policy");
+  p.min_period = Get<int>(d, "min_period", p.min_period);
+  p.max_period = Get<int>(d, "max_period", p.max_period);
+  p.full_budget = Get<double>(d, "full_budget", p.full_budget);
+  p.sample_budget = Get<double>(d, "sample_budget", p.sample_budget);
+  p.min_sample_rows = Get<int64_t>(d, "min_sample_rows", p.min_sample_rows);
+  p.near_margin = Get<double>(d, "near_margin", p.near_margin);
+  return p;
+}
+
+AnalysisHistory HistoryOf(const py::dict& d) {
+  RequireKeys(d, {"seen_full", "calls_since_full", "zero_row_frac",
+                  "dead_col_frac"},
+              "history");
+  AnalysisHistory h;
+  h.seen_full = Get<bool>(d, "seen_full", false);
+  h.calls_since_full = Get<int64_t>(d, "calls_since_full", 0);
+  h.zero_row_frac = Get<double>(d, "zero_row_frac", 0.0);
+  h.dead_col_frac = Get<double>(d, "dead_col_frac", 0.0);
+  return h;
+}
+
+py::dict DictOf(const AnalysisHistory& h) {
+  py::dict d;
+  d["seen_full"] = h.seen_full;
+  d["calls_since_full"] = h.calls_since_full;
+  d["zero_row_frac"] = h.zero_row_frac;
+  d["dead_col_frac"] = h.dead_col_frac;
+  return d;
+}
+
+const char* ModeName(AnalysisMode m) {
+  switch (m) {
+    case AnalysisMode::kFull: return "full";
+    case AnalysisMode::kSample: return "sample";
+    case AnalysisMode::kSkip: return "skip";
+  }
+  return "?";
+}
+
+void BindAnalysis(py::module_& mod) {
+  mod.def("max_saving_seconds",
+          [](const py::dict& shape, const py::dict& terms, double zero_row_frac,
+             double dead_col_frac) {
+            return MaxSavingSeconds(ShapeOf(shape), TermsOf(terms),
+                                    zero_row_frac, dead_col_frac);
+          },
+          py::arg("shape"), py::arg("terms"), py::arg("zero_row_frac") = 0.0,
+          py::arg("dead_col_frac") = 0.0,
+          "Upper bound of the seconds any plan but plain all-dense can save "
+          "(inf when the terms are unknown).");
+  mod.def("full_count_period",
+          [](double count_s, double dense_s, const py::object& ap) {
+            return FullCountPeriod(count_s, dense_s, AnalysisPolicyOf(ap));
+          },
+          py::arg("count_s"), py::arg("dense_s"),
+          py::arg("analysis_policy") = py::none(),
+          "Calls between full counts for a full count of count_s seconds and a "
+          "predicted dense call of dense_s seconds.");
+  mod.def("choose_analysis",
+          [](const py::dict& shape, const py::dict& terms, const py::dict& history,
+             const py::object& previous, double count_s_per_elem, bool full_stats,
+             const py::object& policy, const py::object& ap) {
+            Plan prev;
+            const bool has_prev = !previous.is_none();
+            if (has_prev) prev = PlanOf(previous.cast<py::dict>());
+            return std::string(ModeName(ChooseAnalysis(
+                ShapeOf(shape), TermsOf(terms), PolicyOf(policy),
+                AnalysisPolicyOf(ap), HistoryOf(history),
+                has_prev ? &prev : nullptr, count_s_per_elem, full_stats)));
+          },
+          py::arg("shape"), py::arg("terms"), py::arg("history"),
+          py::arg("previous") = py::none(), py::arg("count_s_per_elem") = 0.0,
+          py::arg("full_stats") = false, py::arg("policy") = py::none(),
+          py::arg("analysis_policy") = py::none(),
+          "How much an automatic call counts: 'full', 'sample' or 'skip' "
+          "(cc/core/cost_model.h, ChooseAnalysis).");
+  mod.def("sample_stride",
+          [](int64_t phys_rows, int64_t phys_cols, double dense_s,
+             double count_s_per_elem, const py::object& ap) {
+            return SampleStride(phys_rows, phys_cols, dense_s, count_s_per_elem,
+                                AnalysisPolicyOf(ap));
+          },
+          py::arg("phys_rows"), py::arg("phys_cols"), py::arg("dense_s"),
+          py::arg("count_s_per_elem"), py::arg("analysis_policy") = py::none(),
+          "Stride over the physical rows of a sampled call (1: count all).");
+  mod.def("estimate_profile",
+          [](const Arr<int64_t>& row_nnz, int64_t k_counted, int64_t rows_total,
+             int64_t k_total, int buckets) {
+            if (buckets < 1) throw py::value_error("buckets must be >= 1");
+            if (k_counted < 1 || k_total < k_counted || rows_total < row_nnz.size())
+              throw py::value_error(
+                  "need 1 <= k_counted <= k_total and rows_total >= len(row_nnz)");
+            for (int64_t i = 0; i < row_nnz.size(); ++i)
+              if (row_nnz.data()[i] < 0 || row_nnz.data()[i] > k_counted)
+                throw py::value_error("row_nnz must be in [0, k_counted]");
+            return TupleOf(EstimateProfile(row_nnz.data(), row_nnz.size(),
+                                           k_counted, rows_total, k_total, buckets));
+          },
+          py::arg("row_nnz"), py::arg("k_counted"), py::arg("rows_total"),
+          py::arg("k_total"), py::arg("buckets") = 32,
+          "Profile of rows_total rows of k_total values estimated from a "
+          "sample's counts (row_nnz over k_counted values each).");
+  mod.def("sample_says_dense",
+          [](const py::dict& shape, const py::tuple& profile, const py::dict& terms,
+             const py::object& policy, const py::object& ap) {
+            return SampleSaysDense(ShapeOf(shape), ProfileOf(profile),
+                                   TermsOf(terms), PolicyOf(policy),
+                                   AnalysisPolicyOf(ap));
+          },
+          py::arg("shape"), py::arg("profile"), py::arg("terms"),
+          py::arg("policy") = py::none(), py::arg("analysis_policy") = py::none(),
+          "Whether a sampled estimate lets the call run all-dense with no full "
+          "count (False: near the break-even, count everything).");
+  mod.def("m_bucket", &MBucket, py::arg("m"),
+          "Bucket of m (rows of the activation) in the family keys.");
+  mod.def("n_bucket", &NBucket, py::arg("n"),
+          "Bucket of n (columns of op(b)) in the family keys.");
+  mod.def("matmul_family_key",
+          [](int64_t family_op, int64_t dtype, int64_t m, int64_t k, int64_t n,
+             bool transpose_b) {
+            py::list key;
+            for (int64_t v : MatMulFamilyKey(family_op, dtype, m, k, n, transpose_b))
+              key.append(v);
+            return key;
+          },
+          py::arg("family_op"), py::arg("dtype"), py::arg("m"), py::arg("k"),
+          py::arg("n"), py::arg("transpose_b") = false,
+          "Family key of a SparseSplitMatMul / SparseSplitSddmm CPU call.");
+  mod.def("analysis_policy_defaults", [] {
+    const AnalysisPolicy p;
+    py::dict d;
+    d["min_period"] = p.min_period;
+    d["max_period"] = p.max_period;
+    d["full_budget"] = p.full_budget;
+    d["sample_budget"] = p.sample_budget;
+    d["min_sample_rows"] = p.min_sample_rows;
+    d["near_margin"] = p.near_margin;
+    return d;
+  }, "The AnalysisPolicy the ops use.");
+  auto fam = py::reinterpret_borrow<py::object>(mod.attr("SplitFamilyModel"));
+  fam.attr("record_count") = py::cpp_function(
+      [](FamilyModel& f, double elems, double seconds) {
+        f.RecordCount(elems, seconds);
+      },
+      py::is_method(fam), py::arg("elems"), py::arg("seconds"),
+      "Records one full count of elems values that took seconds.");
+  fam.attr("count_seconds_per_elem") = py::cpp_function(
+      [](const FamilyModel& f) { return f.CountSecondsPerElem(); },
+      py::is_method(fam), "Median seconds per counted value (0: none).");
+  auto mem = py::reinterpret_borrow<py::object>(mod.attr("SplitPlanMemory"));
+  mem.attr("choose_analysis") = py::cpp_function(
+      [](PlanMemory& m, const py::dict& shape, const py::dict& terms,
+         double count_s_per_elem, bool full_stats, const py::object& policy,
+         const py::object& ap) {
+        return std::string(ModeName(m.ChooseAnalysis(
+            ShapeOf(shape), TermsOf(terms), PolicyOf(policy),
+            AnalysisPolicyOf(ap), count_s_per_elem, full_stats)));
+      },
+      py::is_method(mem), py::arg("shape"), py::arg("terms"),
+      py::arg("count_s_per_elem"), py::arg("full_stats") = false,
+      py::arg("policy") = py::none(), py::arg("analysis_policy") = py::none());
+  mem.attr("record_analysis") = py::cpp_function(
+      [](PlanMemory& m, bool full, double zero_row_frac, double dead_col_frac) {
+        m.RecordAnalysis(full, zero_row_frac, dead_col_frac);
+      },
+      py::is_method(mem), py::arg("full"), py::arg("zero_row_frac") = 0.0,
+      py::arg("dead_col_frac") = 0.0);
+  mem.attr("remember_all_dense") = py::cpp_function(
+      [](PlanMemory& m) { m.RememberAllDense(); }, py::is_method(mem));
+  mem.attr("history") = py::cpp_function(
+      [](PlanMemory& m) { return DictOf(m.history()); }, py::is_method(mem));
+}
+
 }  // namespace
 }  // namespace tf_sparse_split
 
@@ -649,6 +858,10 @@ PYBIND11_MODULE(_kernels, mod) {
         d["kHeteroOff"] = t::kHeteroOff;
         d["kHeteroRan"] = t::kHeteroRan;
         d["kHeteroCpuFallback"] = t::kHeteroCpuFallback;
+        d["kStatAnalysis"] = static_cast<int>(t::kStatAnalysis);
+        d["kAnalysisFull"] = t::kAnalysisFull;
+        d["kAnalysisSampled"] = t::kAnalysisSampled;
+        d["kAnalysisSkipped"] = t::kAnalysisSkipped;
         return d;
       },
       "Layout of the ops' statistics vector, from cc/core/stats.h: a dict of "
@@ -658,4 +871,5 @@ PYBIND11_MODULE(_kernels, mod) {
 
   tf_sparse_split::BindCostModel(mod);  // cost model block above
   tf_sparse_split::BindConvCost(mod);   // convolution's shape and family key
+  tf_sparse_split::BindAnalysis(mod);   // analysis choice, after it
 }

@@ -211,7 +211,8 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
             x2d, kernel, threshold=tf.convert_to_tensor(self.threshold_var),
             return_stats=True, heterogeneous=self.heterogeneous,
             grad_a_live_only=self.skip_dead_input_grad, bias=bias,
-            activation=fused or "none")
+            activation=fused or "none",
+            full_stats=self._records_stats(training))
         self._record_stats(stats_vec, training)
         if self.lora_enabled:
             y = y + self._lora_product(x2d)

@@ -47,7 +47,7 @@ def _warn_if_no_gpu():
 def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
                         transpose_b=False, return_stats=False, name=None,
                         heterogeneous=False, grad_a_live_only=False,
-                        bias=None, activation=None):
+                        bias=None, activation=None, full_stats=None):
     """Matrix product ``act(op(a) @ op(b) + bias)`` that skips the zeros of
     ``a``.
 
@@ -73,10 +73,15 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     The gradient's sparse product inherits the flag.
 
     Fused epilogue (``bias``, ``activation``): the op adds ``bias`` to every
-    row of the product and applies the activation in one pass over the output
-    rows after the dense and sparse parts have written them, as
-    ``tf.nn.relu(tf.matmul(a, b) + bias)`` would (TF fuses that into its
-    ``_FusedMatMul`` kernel on the CPU). The gradient masks the incoming
+    row of the product and applies the activation, as
+    ``tf.nn.relu(tf.matmul(a, b) + bias)`` would. When every row goes dense
+    and nothing is compacted (float32, a bias and no activation), the op runs
+    TF's own fused kernel (``_FusedMatMul``, oneDNN's
+    ``_MklNativeFusedMatMul`` with its BiasAdd post-op: what Grappler fuses
+    ``tf.matmul(a, b) + bias`` into); otherwise one pass over the output rows
+    after the dense and sparse parts have written them (also for ReLU/ReLU6
+    on an all-dense call: oneDNN's fused ReLU maps NaN to 0, the other paths
+    keep NaN, and the answer must not depend on the plan). The gradient masks the incoming
     gradient with the output (relu: ``out > 0``; relu6: ``0 < out < 6``, as
     TF's ``ReluGrad``/``Relu6Grad``) and sums it over rows for ``bias``.
 
@@ -90,6 +95,16 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     ``grad_a_live_only`` it is the SDDMM masked by ``a`` instead (below).
     Sparsity per component of training, gradients included: R. Sun and
     L. Zhang, *Dynamic Sparse Method for Deep Learning Execution*, 2019.
+
+    Cost of the analysis: with an automatic threshold and ``full_stats``
+    False, a call that the cost model keeps all-dense does not count every
+    value of ``a``: it counts a strided sample of its rows (a full count
+    follows when the estimate is near the break-even) or, where no plan but
+    the dense GEMM can save the policy's minimum gain whatever the zeros
+    (e.g. a small N), nothing; a full count still runs every 16-256 calls
+    (the fewer the cheaper the GEMM) to keep the cost model fresh. The
+    result is the same; the statistics then hold estimates, flagged in their
+    ``ANALYSIS`` entry.
 
     Non-finite values: NaN/Inf in ``a`` propagate as in ``tf.matmul``. Where
     ``a`` is exactly zero the product is skipped, so a NaN/Inf in ``b`` facing
@@ -133,6 +148,14 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       activation: ``None`` or ``"none"`` (default), ``"relu"`` (``max(x,
         0)``) or ``"relu6"`` (``min(max(x, 0), 6)``), applied after the bias.
         NaN stays NaN.
+      full_stats: bool or None. True: every call counts every value of
+        ``a`` (exact statistics: what the layers ask for while their
+        statistics are recorded, for ``SplitThresholdCallback``,
+        ``SparsityTargetCallback`` and ``ThresholdTuner``). False: an
+        automatic call may count a sample or nothing (above); its ``NNZ`` and
+        ``HISTOGRAM`` are then estimates (``stats.ANALYSIS_SAMPLED``) or
+        NaN / zeros (``stats.ANALYSIS_SKIPPED``). None (default): the value
+        of ``return_stats``.
 
     Returns:
       The product ``act(op(a) @ op(b) + bias)``, ``[M, N]``, of the inputs'
@@ -177,7 +200,8 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         product, stats = lib.tf_sparse_split_sparse_split_mat_mul(
             a, b, as_threshold(threshold), biases, transpose_a=transpose_a,
             transpose_b=transpose_b, heterogeneous=heterogeneous,
-            grad_a_live_only=bool(grad_a_live_only), activation=activation)
+            grad_a_live_only=bool(grad_a_live_only), activation=activation,
+            full_stats=bool(return_stats if full_stats is None else full_stats))
     return (product, stats) if return_stats else product
 
 
@@ -233,7 +257,7 @@ def _dy_product(grad, b, transpose_b, hetero, transpose_out=False):
         return tf.matmul(grad, b, transpose_b=transpose_b)
     out = load_library().tf_sparse_split_sparse_split_mat_mul(
         grad, b, as_threshold(-1.0), [], transpose_b=transpose_b,
-        heterogeneous=hetero)[0]
+        heterogeneous=hetero, full_stats=False)[0]
     return tf.transpose(out) if transpose_out else out
 
 
@@ -248,7 +272,8 @@ def _grad_a_masked(op, a, b, grad, tb):
         return tf.where(tf.not_equal(a, 0), full, tf.zeros_like(full))
     from tf_sparse_split.ops.sddmm import sparse_split_sddmm
 
-    return sparse_split_sddmm(a, grad, b, -1.0, transpose_b=tb)
+    return sparse_split_sddmm(a, grad, b, -1.0, transpose_b=tb,
+                              full_stats=False)
 
 
 def _activation_grad(activation, out, grad):
@@ -282,9 +307,11 @@ def _sparse_split_matmul_grad(op, grad, unused_grad_stats):
     lib = load_library()
 
     def sparse(x, y, transpose_a):
+        # Nothing reads the gradient products' statistics: an automatic
+        # call that stays dense may skip most of its counting pass.
         return lib.tf_sparse_split_sparse_split_mat_mul(
             x, y, threshold, [], transpose_a=transpose_a,
-            heterogeneous=hetero)[0]
+            heterogeneous=hetero, full_stats=False)[0]
 
     if not ta and op.get_attr("grad_a_live_only"):
         grad_a = _grad_a_masked(op, a, b, grad, tb)

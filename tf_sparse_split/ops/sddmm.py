@@ -19,7 +19,7 @@ __all__ = ["sparse_split_sddmm"]
 
 
 def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
-                       return_stats=False, name=None):
+                       return_stats=False, name=None, full_stats=None):
     """``(x @ op(b)^T)`` restricted to the nonzeros of ``mask`` (SDDMM).
 
     ``product[i, j] = dot(x[i, :], op(b)[j, :])`` where ``mask[i, j] != 0``,
@@ -46,6 +46,13 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
       return_stats: if True, also return the per-call statistics (layout of
         :mod:`tf_sparse_split.tuning.stats`; the split of the mask's rows).
       name: optional op name.
+      full_stats: bool or None. True: every call counts every value of
+        ``mask`` (exact statistics). False: an automatic call that the cost
+        model keeps on the GEMM may count a strided sample of the mask's
+        rows or nothing (see :func:`~tf_sparse_split.ops.sparse_split_matmul`);
+        its ``NNZ`` and ``HISTOGRAM`` are then estimates or NaN / zeros,
+        flagged in the ``ANALYSIS`` entry. None (default): the value of
+        ``return_stats``.
 
     Returns:
       ``[M, K]`` tensor of the inputs' dtype; with ``return_stats``, a tuple
@@ -66,7 +73,8 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
         x = operand_like(x, mask, op, "x", "mask")
         b = operand_like(b, mask, op, "b", "mask")
         product, stats = lib.tf_sparse_split_sparse_split_sddmm(
-            mask, x, b, as_threshold(threshold), transpose_b=bool(transpose_b))
+            mask, x, b, as_threshold(threshold), transpose_b=bool(transpose_b),
+            full_stats=bool(return_stats if full_stats is None else full_stats))
     return (product, stats) if return_stats else product
 
 

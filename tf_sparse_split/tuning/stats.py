@@ -25,6 +25,15 @@ HETEROGENEOUS       heterogeneous split: HETERO_OFF (not requested),
                     HETERO_RAN (GPU kernel: dense rows on the GPU, sparse
                     rows on the CPU) or HETERO_CPU_FALLBACK (requested, but
                     the CPU kernel ran the normal CPU split)
+ANALYSIS            how the call counted op(a): ANALYSIS_FULL (every value:
+                    exact), ANALYSIS_SAMPLED (a strided sample of its rows:
+                    NNZ and HISTOGRAM are estimates scaled from it, the
+                    histogram's row counts fractional) or ANALYSIS_SKIPPED
+                    (nothing: NNZ is NaN, HISTOGRAM zeros). The last two run
+                    every row dense, so ROWS_SPARSE, NNZ_SPARSE and
+                    ZERO_COLS_SKIPPED are exact (0) either way. Callers that
+                    want exact counts pass ``full_stats=True`` (the default
+                    when ``return_stats`` is True)
 ==================  =====================================================
 
 Density of a row is ``nnz(row) / K``; sparsity is ``1 - density``.
@@ -62,16 +71,22 @@ NNZ_SPARSE = 11
 DENSITY_BINS = 16
 HISTOGRAM = slice(12, 12 + DENSITY_BINS)
 HETEROGENEOUS = 12 + DENSITY_BINS
-NUM_STATS = 13 + DENSITY_BINS
+ANALYSIS = 13 + DENSITY_BINS
+NUM_STATS = 14 + DENSITY_BINS
 
 HETERO_OFF = 0.0
 HETERO_RAN = 1.0
 HETERO_CPU_FALLBACK = 2.0
 
+ANALYSIS_FULL = 0.0
+ANALYSIS_SAMPLED = 1.0
+ANALYSIS_SKIPPED = 2.0
+
 NAMES = (
     "rows_dense", "rows_sparse", "nnz", "zero_cols_skipped", "time_dense",
     "time_sparse", "time_analyze", "threshold", "m", "k", "n", "nnz_sparse",
-) + tuple(f"hist_{i}" for i in range(DENSITY_BINS)) + ("heterogeneous",)
+) + tuple(f"hist_{i}" for i in range(DENSITY_BINS)) + ("heterogeneous",
+                                                           "analysis")
 
 
 def as_dict(stats):
@@ -84,7 +99,7 @@ def as_dict(stats):
 
     Returns:
       dict from the names in :data:`NAMES` (without the histogram) to floats,
-      including ``"heterogeneous"``,
+      including ``"heterogeneous"`` and ``"analysis"``,
       plus ``"histogram"``: a list of ``DENSITY_BINS`` row counts and
       ``"sparsity"``: the fraction of zeros in op(a) (``nan`` if it is empty).
 
@@ -106,6 +121,7 @@ def as_dict(stats):
     out = {name: float(v[i]) for i, name in enumerate(NAMES[:12])}
     out["histogram"] = [float(x) for x in v[HISTOGRAM]]
     out["heterogeneous"] = float(v[HETEROGENEOUS])
+    out["analysis"] = float(v[ANALYSIS])
     elems = v[M] * v[K]
     out["sparsity"] = float(1.0 - v[NNZ] / elems) if elems > 0 else float("nan")
     return out
