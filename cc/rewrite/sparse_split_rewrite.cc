@@ -264,6 +264,18 @@ bool HasXlaOrTpuAttr(const tf::Node* n, std::string* which) {
   return false;
 }
 
+// Rewritten nodes' statistics output has no consumer, so they ask for the
+// cheap analysis (the op counts a sample, or nothing, on calls that stay
+// dense) where the target op has the `full_stats` attr.
+void AskCheapAnalysis(const tf::OpDef& target, tf::NodeDef* def) {
+  for (const auto& a : target.attr()) {
+    if (a.name() == "full_stats") {
+      tf::AddNodeAttr("full_stats", false, def);
+      return;
+    }
+  }
+}
+
 // Builds the NodeDef of the replacement: same name, device, attrs that the
 // target op declares (T, transpose_*, strides, ...), and private attrs other
 // than _output_shapes. With `num_bias` = 1 the replacement also takes the
@@ -294,6 +306,7 @@ absl::Status BuildTargetDef(const tf::Node* n, const RewriteEntry& e,
     tf::AddNodeAttr("num_bias", num_bias, def);
     tf::AddNodeAttr("activation", activation, def);
   }
+  AskCheapAnalysis(target, def);
   tf::AddDefaultsToNodeDef(target, def);
   return tf::ValidateNodeDef(*def, target);
 }
@@ -323,6 +336,7 @@ absl::Status BuildSddmmDef(const tf::Node* n, const tf::OpDef& target,
       (*def->mutable_attr())[kv.first] = kv.second;
     }
   }
+  AskCheapAnalysis(target, def);
   tf::AddDefaultsToNodeDef(target, def);
   return tf::ValidateNodeDef(*def, target);
 }
