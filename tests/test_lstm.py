@@ -79,6 +79,17 @@ def test_pattern_random_equals_keras_lstm_with_seed(rng, return_sequences):
     ("row", None, True, (0.5, 0.5), 4, 9,
      {"activation": "relu", "recurrent_activation": "hard_sigmoid"}),
     ("tile", (2, 4), False, (0.3, 0.5), 1, 6, {"activation": "softsign"}),
+    # random unit subsets per group: one group, divisible, padded, one rate
+    # only, rates whose count is not an integer, other activations
+    ("subset", None, False, (0.5, 0.5), 1, 5, {}),
+    ("subset", None, True, (0.5, 0.5), 4, 12, {}),
+    ("subset", None, False, (0.3, 0.45), 4, 13, {}),
+    ("subset", None, True, (0.0, 0.6), 3, 7, {}),
+    ("subset", None, False, (0.4, 0.0), 8, 5, {}),
+    ("subset", None, False, (0.5, 0.5), 4, 9,
+     {"return_sequences": False, "loss_on_c": False}),
+    ("subset", None, True, (0.5, 0.5), 4, 9,
+     {"activation": "relu", "recurrent_activation": "hard_sigmoid"}),
 ])
 def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
                                                  go_backwards, rates, groups,
@@ -96,6 +107,7 @@ def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
     ("tile", (2, 4), False, (0.5, 0.5), 1, 6, {}),
     ("row", None, False, (0.5, 0.5), 4, 9,
      {"return_sequences": False, "loss_on_c": False}),
+    ("subset", None, True, (0.5, 0.3), 4, 13, {}),
 ])
 def test_compacted_loop_equals_masked_keras_loop_in_graph(
         rng, pattern, tile_shape, go_backwards, rates, groups, batch,
@@ -214,6 +226,56 @@ def test_row_masks_rate_and_unbiased(groups, batch):
     assert rmask.shape == (1 if groups == 1 else batch, units)
     kept = rmask[0] > 0
     np.testing.assert_allclose(rmask[0, kept], units / kept.sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("groups,batch,rates", [(1, 4, (0.5, 0.3)),
+                                                (4, 10, (0.5, 0.3)),
+                                                (3, 9, (0.3, 0.45))])
+def test_subset_masks_rate_and_unbiased(groups, batch, rates):
+    """pattern="subset": every unit of every group is dropped with the
+    requested rate, E[mask] = 1 per unit and group (kept values scaled by
+    dim / kept), a mask is constant within a group, all groups of a batch
+    keep the same number of units (the compacted products stay
+    rectangular) and the groups draw different subsets."""
+    units, draws, dim = 24, 3000, 20
+    cell = SparseSplitLSTMCell(units, dropout=rates[0],
+                               recurrent_dropout=rates[1], seed=3,
+                               pattern="subset", pattern_groups=groups)
+    cell.build((None, dim))
+    assert cell.pattern_distribution("input") is None
+    rows = -(-batch // groups)
+    starts = list(range(0, batch, rows))
+    for which, rate, width in (("input", rates[0], dim),
+                               ("recurrent", rates[1], units)):
+        step = tf.ones((batch, width))
+
+        @tf.function
+        def draw_many():
+            ta = tf.TensorArray(tf.float32, size=draws)
+            for i in tf.range(draws):
+                ta = ta.write(i, cell._pattern_mask(which, step)[0])
+            return ta.stack()
+
+        masks = draw_many().numpy()            # [draws, batch or 1, width]
+        assert masks.shape[1:] == ((1 if groups == 1 else batch), width)
+        for b in range(masks.shape[1]):
+            np.testing.assert_array_equal(masks[:, b],
+                                          masks[:, b // rows * rows])
+        g_masks = masks[:, starts if groups > 1 else [0]]
+        np.testing.assert_allclose((g_masks == 0).mean(axis=0), rate,
+                                   atol=0.05)
+        np.testing.assert_allclose(g_masks.mean(axis=0), 1.0, atol=0.08)
+        kept = (g_masks > 0).sum(axis=2)                 # [draws, G']
+        assert (kept == kept[:, :1]).all()
+        lo = int(np.floor(rate * width))
+        assert set(np.unique(width - kept)) <= {lo, lo + 1}
+        scale = np.where(g_masks > 0, g_masks, np.nan) * \
+            (kept / width)[:, :, None]
+        np.testing.assert_allclose(scale[g_masks > 0], 1.0, rtol=1e-6)
+        if groups > 1:
+            differ = [len({m.tobytes() for m in g_masks[d]}) > 1
+                      for d in range(draws)]
+            assert np.mean(differ) > 0.9
 
 
 def test_training_fit_and_keras_round_trip(rng, tmp_path):

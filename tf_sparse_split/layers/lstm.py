@@ -73,8 +73,10 @@ import tensorflow as tf
 
 from tf_sparse_split.layers.dropout import (DEFAULT_MAX_PERIOD,  # noqa: F401
                                             DEFAULT_PATTERN_GROUPS,
+                                            GROUPED_PATTERNS,
                                             check_pattern_groups,
-                                            pattern_keep_mask)
+                                            pattern_keep_mask,
+                                            random_subset_keep_mask)
 from tf_sparse_split.ops.lstm_gates import lstm_gates, lstm_gates_grad
 from tf_sparse_split.tuning.pattern_search import (check_tile_fits,
                                                    check_tile_shape,
@@ -84,7 +86,7 @@ from tf_sparse_split.utils.validation import validate_int
 __all__ = ["SparseSplitLSTM", "SparseSplitLSTMCell", "LSTM_PATTERNS"]
 
 #: Values of ``pattern``.
-LSTM_PATTERNS = ("row", "tile", "random")
+LSTM_PATTERNS = ("subset", "row", "tile", "random")
 
 
 def _check_pattern(pattern):
@@ -399,7 +401,8 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
 
     def build(self, input_shape):
         super().build(input_shape)
-        if self.pattern == "random":
+        self._dims = {"input": int(input_shape[-1]), "recurrent": self.units}
+        if self.pattern in ("random", "subset"):
             return
         seed = 0 if self.seed is None else int(self.seed)
         for key, rate, dim in (("input", self.dropout, int(input_shape[-1])),
@@ -426,20 +429,27 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         return entry[0] if entry else None
 
     def _pattern_mask(self, which, step_input):
-        dist, dim = self._distributions[which]
         x = tf.convert_to_tensor(step_input)
         batch = tf.shape(x)[0]
-        groups = self.pattern_groups if self.pattern == "row" else 1
-        keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
-                                 self.seed_generator, pattern=self.pattern,
-                                 tile_shape=self.tile_shape,
-                                 batch_size=batch,
-                                 groups=groups if groups > 1 else None,
-                                 same_pattern=True)
-        # Row patterns are rescaled per group (E[mask] = 1 in every group),
-        # tile masks by the whole mask's realized rate.
+        grouped = self.pattern in GROUPED_PATTERNS
+        groups = self.pattern_groups if grouped else 1
+        if self.pattern == "subset":
+            rate = self.dropout if which == "input" else self.recurrent_dropout
+            keep = random_subset_keep_mask(self._dims[which], rate,
+                                           self.seed_generator, groups=groups)
+        else:
+            dist, dim = self._distributions[which]
+            keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
+                                     self.seed_generator,
+                                     pattern=self.pattern,
+                                     tile_shape=self.tile_shape,
+                                     batch_size=batch,
+                                     groups=groups if groups > 1 else None,
+                                     same_pattern=True)
+        # Row patterns and subsets are rescaled per group (E[mask] = 1 in
+        # every group), tile masks by the whole mask's realized rate.
         kept = (tf.reduce_mean(keep, axis=1, keepdims=True)
-                if self.pattern == "row" else tf.reduce_mean(keep))
+                if grouped else tf.reduce_mean(keep))
         mask = keep * tf.math.divide_no_nan(1.0, kept)
         if groups > 1:   # example b belongs to group b // ceil(batch / G)
             mask = tf.gather(mask, tf.range(batch) // _ceil_div(batch, groups))
@@ -593,7 +603,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
         rkernel = tf.cast(tf.convert_to_tensor(cell.recurrent_kernel), dtype)
         bias = (tf.cast(tf.convert_to_tensor(cell.bias), dtype)
                 if cell.use_bias else None)
-        row = cell.pattern == "row"
+        row = cell.pattern in GROUPED_PATTERNS   # whole units: compacted
         # The batch runs as G groups of ``rows`` examples ([G, rows, ...]),
         # each with its own row patterns (tile masks: one group); a batch
         # that G does not divide is padded with zero examples, whose
