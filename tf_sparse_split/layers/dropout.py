@@ -166,7 +166,8 @@ def pattern_keep_mask(patterns, probs, units, seed_generator, pattern="row",
     return tf.cast(tf.logical_not(dropped), tf.float32)
 
 
-def random_subset_keep_mask(units, rate, seed_generator, groups=1):
+def random_subset_keep_mask(units, rate, seed_generator, groups=1,
+                            balanced=False):
     """Draws ``groups`` keep masks that each drop a uniformly random subset
     of the same number of units (float32 ``[groups, units]``; 1 = kept, 0 =
     dropped, not rescaled).
@@ -200,6 +201,12 @@ def random_subset_keep_mask(units, rate, seed_generator, groups=1):
     frac = rate * units - base
     u = keras.random.uniform((), seed=seed_generator)
     n = tf.minimum(base + tf.cast(u < frac, tf.int32), units - 1)
+    if balanced:
+        noise = keras.random.uniform((1, units), seed=seed_generator)
+        rank = tf.argsort(tf.argsort(noise, axis=1), axis=1)
+        start = (tf.range(groups, dtype=tf.int32) * units // groups)[:, None]
+        return tf.cast(tf.math.floormod(rank - start, units) >= n,
+                       tf.float32)
     noise = keras.random.uniform((groups, units), seed=seed_generator)
     # rank of each unit in its group's random order: the n lowest drop.
     rank = tf.argsort(tf.argsort(noise, axis=1), axis=1)

@@ -88,6 +88,10 @@ __all__ = ["SparseSplitLSTM", "SparseSplitLSTMCell", "LSTM_PATTERNS"]
 #: Values of ``pattern``.
 LSTM_PATTERNS = ("subset", "row", "tile", "random")
 
+#: ``pattern="subset"``: the groups' recurrent subsets are drawn balanced
+#: (:func:`~tf_sparse_split.layers.dropout.random_subset_keep_mask`).
+SUBSET_BALANCED = True
+
 
 def _check_pattern(pattern):
     if pattern not in LSTM_PATTERNS:
@@ -381,7 +385,7 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
     which is what lets the layer compact it away (Song et al.).
     """
 
-    def __init__(self, units, pattern="row", tile_shape=None,
+    def __init__(self, units, pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
                  **kwargs):
         self.pattern = _check_pattern(pattern)
@@ -401,7 +405,6 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
 
     def build(self, input_shape):
         super().build(input_shape)
-        self._dims = {"input": int(input_shape[-1]), "recurrent": self.units}
         if self.pattern in ("random", "subset"):
             return
         seed = 0 if self.seed is None else int(self.seed)
@@ -433,10 +436,19 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         batch = tf.shape(x)[0]
         grouped = self.pattern in GROUPED_PATTERNS
         groups = self.pattern_groups if grouped else 1
+        count = getattr(self, "dropout_mask_count", None)
+        if self.pattern == "subset" and which == "input":
+            # Per example and unit, as Keras' (one mask for the 4 gates).
+            keep = keras.random.uniform(tf.shape(x)[:2],
+                                        seed=self.seed_generator) \
+                >= self.dropout
+            mask = tf.cast(keep, x.dtype) / (1.0 - self.dropout)
+            return mask if count is None else [mask] * count
         if self.pattern == "subset":
-            rate = self.dropout if which == "input" else self.recurrent_dropout
-            keep = random_subset_keep_mask(self._dims[which], rate,
-                                           self.seed_generator, groups=groups)
+            keep = random_subset_keep_mask(self.units,
+                                           self.recurrent_dropout,
+                                           self.seed_generator, groups=groups,
+                                           balanced=SUBSET_BALANCED)
         else:
             dist, dim = self._distributions[which]
             keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
@@ -454,7 +466,6 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         if groups > 1:   # example b belongs to group b // ceil(batch / G)
             mask = tf.gather(mask, tf.range(batch) // _ceil_div(batch, groups))
         mask = tf.cast(mask, x.dtype)
-        count = getattr(self, "dropout_mask_count", None)
         return mask if count is None else [mask] * count
 
     def get_dropout_mask(self, step_input):
@@ -538,7 +549,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
                  dropout=0.0, recurrent_dropout=0.0, seed=None,
                  return_sequences=False, return_state=False,
                  go_backwards=False, stateful=False, unroll=False,
-                 use_cudnn="auto", pattern="row", tile_shape=None,
+                 use_cudnn="auto", pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
                  **kwargs):
         cell = SparseSplitLSTMCell(
@@ -649,7 +660,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
         if self.go_backwards:
             x = tf.reverse(x, [1])
         kernel = kernel[None]                                 # [1, F, 4U]
-        if dp is not None and row:
+        if dp is not None and cell.pattern == "row":
             in_perm, n_in, in_scale = _kept_first(
                 _group_masks(dp, groups, rows))
             kept_in = in_perm[:, :n_in]
@@ -657,7 +668,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
                       * in_scale[:, :, None])
             x = tf.gather(grouped(x), kept_in, axis=3, batch_dims=1)
         else:
-            if dp is not None:   # tile masks, one group
+            if dp is not None:   # per-example masks (subset, tile)
                 x = x * dp[:, None, :]
             x = grouped(x)
         kernel = _gather_cols(kernel, cols)                   # [G', F', 4U]
