@@ -665,3 +665,45 @@ def test_random_subset_mask_keeps_one_unit_and_checks_arguments():
         with pytest.raises(ValueError, match=match):
             random_subset_keep_mask(args["units"], args["rate"], gen,
                                     groups=args["groups"])
+
+
+@pytest.mark.parametrize("rate,units,groups", [(0.5, 16, 4), (0.5, 24, 8),
+                                               (0.3, 25, 3)])
+def test_balanced_random_subsets(rate, units, groups):
+    """balanced=True: each group's subset is still uniform (every unit
+    dropped with probability ``rate``, unbiased after the rescale, no pair
+    of units always dropped together over draws), every group drops the
+    same count n, and within a draw every unit is dropped by n * groups /
+    units groups (+-1; exactly when that is an integer and groups divides
+    units), e.g. complementary subsets for two groups at rate 0.5."""
+    from tf_sparse_split.layers.dropout import random_subset_keep_mask
+    gen = keras.random.SeedGenerator(11)
+    draws = 4000
+
+    @tf.function
+    def draw_many():
+        ta = tf.TensorArray(tf.float32, size=draws)
+        for i in tf.range(draws):
+            ta = ta.write(i, random_subset_keep_mask(
+                units, rate, gen, groups=groups, balanced=True))
+        return ta.stack()
+
+    keep = draw_many().numpy()                       # [draws, G, units]
+    dropped = 1.0 - keep
+    n = dropped.sum(axis=2)
+    np.testing.assert_array_equal(n, n[:, :1].repeat(groups, 1))
+    np.testing.assert_allclose(dropped.mean(axis=0), rate, atol=0.04)
+    scaled = keep * (units / (units - n))[:, :, None]
+    np.testing.assert_allclose(scaled.mean(axis=0), 1.0, atol=0.08)
+    by = dropped.sum(axis=1)                         # [draws, units]
+    share = n[:, :1] * groups / units
+    assert (np.abs(by - share) <= 1.0 + 1e-9).all()
+    if (rate * units).is_integer() and units % groups == 0 and \
+            (rate * groups).is_integer():
+        np.testing.assert_array_equal(by, rate * groups)
+    d = dropped[:, 0]
+    off = ((d.T @ d) / draws)[~np.eye(units, dtype=bool)]
+    assert off.max() < 0.8 * rate
+    two = random_subset_keep_mask(10, 0.5, gen, groups=2,
+                                  balanced=True).numpy()
+    np.testing.assert_array_equal(two[0] + two[1], 1.0)

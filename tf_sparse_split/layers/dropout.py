@@ -185,11 +185,25 @@ def random_subset_keep_mask(units, rate, seed_generator, groups=1,
     which keeps a compacted product (one ``[k, N]`` slice per group)
     rectangular. Advances ``seed_generator``.
 
+    With ``balanced=True`` the groups' subsets are drawn jointly: one
+    uniformly random order of the units per call, and group ``g`` drops
+    the ``n`` units whose ranks lie in ``[s_g, s_g + n)`` (cyclically, ``s_g
+    = floor(g * units / groups)``). Each group's subset is still uniform
+    (so the per-unit rate and unbiasedness above hold), but within a call
+    every unit is dropped by ``n * groups / units`` groups (+-1; two groups
+    at rate 0.5 get complementary subsets), where independent subsets
+    leave some units in few groups and others in many. For a batch whose
+    groups share these masks, every unit (row of the following weight
+    matrix) then gets gradient from the same share of the batch, and the
+    part of the mask noise that is linear in the mask cancels over the
+    groups (antithetic sampling).
+
     Args:
       units: the width (int >= 1).
       rate: drop rate in ``[0, 1)``.
       seed_generator: a ``keras.random.SeedGenerator``.
       groups: number of masks (int >= 1).
+      balanced: draw the groups' subsets jointly (above).
 
     Raises:
       ValueError: bad ``units``, ``rate`` or ``groups``.
