@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 
 import tf_sparse_split as tfss  # noqa: E402
 from tf_sparse_split.tools import datasets  # noqa: E402
-from _common import call_times, markdown_table, rotated, write_report  # noqa: E402,E501
+from _common import (call_times, markdown_table, rotated,  # noqa: E402
+                     write_report)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -103,8 +104,9 @@ def run_seed(seed, args, data):
             times[name].append(call_times(lambda: block(m), 1)[0]
                                / len(batches))
     ratios = [k / o for k, o in zip(times["keras"], times["ours"])]
-    print(f"seed {seed}: step ours {1e3 * statistics.median(times['ours']):.1f}"
-          f" ms, keras {1e3 * statistics.median(times['keras']):.1f} ms, "
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    print(f"seed {seed}: step ours {med['ours']:.1f} ms, keras "
+          f"{med['keras']:.1f} ms, "
           f"speed-up median {statistics.median(ratios):.2f}x "
           f"({min(ratios):.2f}-{max(ratios):.2f})", flush=True)
     layer = ours.get_layer("lstm")

@@ -324,9 +324,10 @@ def test_training_fit_and_keras_round_trip(rng, tmp_path):
 
 
 def test_saved_row_pattern_configs_load_with_their_values(rng, tmp_path):
-    """A layer saved before ``pattern="subset"`` became the default stores
-    ``pattern="row"`` (and its groups and period) in its config: it loads
-    with those values and draws periodic row patterns, as it did."""
+    """A config that stores ``pattern="row"`` (and its groups and period),
+    as every saved ``SparseSplitLSTM`` config stores its pattern, loads
+    with those values and draws periodic row patterns, not the default
+    subsets."""
     old = {**keras.layers.LSTM(8, dropout=0.5, recurrent_dropout=0.5,
                                seed=2).get_config(),
            "pattern": "row", "tile_shape": None, "max_period": 4,

@@ -76,8 +76,8 @@ Which units (``pattern``):
   most batches every group drops either the even or the odd units: few
   distinct sub-networks per batch, units always dropped in fixed pairs of
   classes. On MNIST rows this trailed ``keras.layers.LSTM`` by about 3
-  points after 3-5 epochs; ``"subset"`` closed most of that at the same
-  step speed (README, LSTM section). ``max_period`` (default 4, 8 in
+  points after 3-5 epochs; ``"subset"`` by about 1.5 after 5 and 8
+  epochs, at the same step speed (README, LSTM section). ``max_period`` (default 4, 8 in
   :class:`~tf_sparse_split.layers.ApproximateRandomDropout`) bounds the
   realized rate of a batch to 1/4-3/4 at rate 0.5.
 
@@ -452,7 +452,7 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
     def pattern_distribution(self, which="recurrent"):
         """The :class:`~tf_sparse_split.PatternDistribution` of the
         ``"input"`` or ``"recurrent"`` dropout (None if that rate is 0 or
-        ``pattern="random"``)."""
+        ``pattern`` is ``"random"`` or ``"subset"``, which search none)."""
         entry = self._distributions.get(which)
         return entry[0] if entry else None
 
@@ -532,9 +532,9 @@ class SparseSplitLSTM(keras.layers.LSTM):
       pattern: ``"subset"`` (default: random unit subsets per group of
         examples for the recurrent state, compacted out of the per-step
         products; per-example input masks: module docstring, "Which
-        units"), ``"row"`` (periodic row patterns for both, both compacted;
-        the default of layers saved before ``"subset"`` existed, which
-        store it in their config), ``"tile"`` (tile masks, no compaction)
+        units"), ``"row"`` (periodic row patterns for both, both
+        compacted; stored in the config of layers saved with it, which load
+        unchanged), ``"tile"`` (tile masks, no compaction)
         or ``"random"`` (Keras' element-wise masks; equals
         ``keras.layers.LSTM`` with the same seed).
       tile_shape: ``(batch_rows, units)`` tile for ``pattern="tile"``
