@@ -1,4 +1,4 @@
-"""SparseSplitLSTM (issue 10): equality with keras.layers.LSTM, the compacted
+"""SparseSplitLSTM: equality with keras.layers.LSTM, the compacted
 row-pattern loop, the pattern masks' rates, serialization, arguments."""
 
 import numpy as np

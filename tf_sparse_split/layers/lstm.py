@@ -60,9 +60,10 @@ Which units (``pattern``):
   random order of the units per batch, group ``g`` drops a window of ``n``
   ranks starting at ``g * units / G``, so each unit is dropped in
   ``rate * G`` groups (+-1) and gets gradient from the same share of the
-  batch (antithetic sampling: the mask noise linear in the mask cancels
-  over the groups). Every unit of every group is dropped with probability
-  exactly ``rate``; ``E[mask] = 1``. Input dropout: per example and
+  batch (antithetic sampling: summed over the groups, the masks'
+  deviations from 1 cancel per unit; exactly when ``G`` divides ``units``
+  and ``rate * units`` and ``rate * G`` are whole). Every unit of every
+  group is dropped with probability exactly ``rate``; ``E[mask] = 1``. Input dropout: per example and
   feature, as Keras draws it (one mask for the four gates), applied to
   ``x`` before the input GEMM, which is then not compacted: it runs once
   for all steps, while the recurrent products run step by step.
@@ -73,11 +74,11 @@ Which units (``pattern``):
   counts differ by +-1 when the period does not divide the width; the few
   extra rows of the smaller groups are zeroed). The input product is
   compacted too. At rate 0.5 the search puts 74% on "drop 1 of 2", so in
-  most batches every group drops either the even or the odd units: few
-  distinct sub-networks per batch, units always dropped in fixed pairs of
-  classes. On MNIST rows this trailed ``keras.layers.LSTM`` by about 3
-  points after 3-5 epochs; ``"subset"`` by about 1.5 after 5 and 8
-  epochs, at the same step speed (README, LSTM section). ``max_period`` (default 4, 8 in
+  most batches every group drops either the even or the odd units: two
+  distinct sub-networks per batch. On MNIST rows this trailed
+  ``keras.layers.LSTM`` by about 3 points after 3-5 epochs; ``"subset"``
+  by about 1.5 after 5 and 8 epochs, at the same step speed (README, LSTM
+  section). ``max_period`` (default 4, 8 in
   :class:`~tf_sparse_split.layers.ApproximateRandomDropout`) bounds the
   realized rate of a batch to 1/4-3/4 at rate 0.5.
 
