@@ -63,10 +63,11 @@ Which units (``pattern``):
   batch (antithetic sampling: summed over the groups, the masks'
   deviations from 1 cancel per unit; exactly when ``G`` divides ``units``
   and ``rate * units`` and ``rate * G`` are whole). Every unit of every
-  group is dropped with probability exactly ``rate``; ``E[mask] = 1``. Input dropout: per example and
-  feature, as Keras draws it (one mask for the four gates), applied to
-  ``x`` before the input GEMM, which is then not compacted: it runs once
-  for all steps, while the recurrent products run step by step.
+  group is dropped with probability exactly ``rate``; ``E[mask] = 1``.
+  Input dropout: per example and feature, as Keras draws it (one mask for
+  the four gates), applied to ``x`` before the input GEMM, which is then
+  not compacted: it runs once for all steps, while the recurrent products
+  run step by step.
 * ``"row"``: periodic row patterns (:mod:`tf_sparse_split.layers.dropout`,
   "Pattern definitions") for both masks, with the distribution searched by
   :func:`~tf_sparse_split.search_pattern_distribution` (Song et al.): each
