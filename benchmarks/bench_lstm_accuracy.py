@@ -169,6 +169,15 @@ def report(args, results, config):
              f"median **{statistics.median(ratios):.2f}x** (range "
              f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} "
              f"blocks).\n")
+    rows = []
+    for seed, _, times, ratios in results:
+        rows.append(f"| {seed} | {1e3 * statistics.median(times['ours']):.1f}"
+                    f" | {1e3 * statistics.median(times['keras']):.1f} | "
+                    f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-"
+                    f"{max(ratios):.2f}x) |")
+    text += "\n" + markdown_table(
+        "| seed | step ms ours | step ms Keras | speed-up median (range) |",
+        rows)
     return text
 
 
