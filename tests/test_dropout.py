@@ -603,3 +603,107 @@ def test_sensitivity_dropout_channels_skipped_by_sparse_split_conv2d():
     assert st["zero_cols_skipped"] == dropped * 6 * 6
     ref = tf.nn.conv2d(y, conv.kernel, 1, "SAME") + conv.bias
     np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# random unit subsets per group (SparseSplitLSTM's pattern="subset")
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("rate,units,groups", [(0.5, 16, 4), (0.3, 25, 3),
+                                               (0.8, 7, 2)])
+def test_random_subset_masks_rate_count_and_pairs(rate, units, groups):
+    """Every unit of every group is dropped with probability ``rate``
+    (E[n] = rate * units when that is not an integer), all groups of a draw
+    drop the same number of units, subsets are uniform (every pair of units
+    is dropped together about as often as independent sampling of n of
+    ``units`` predicts: no pair is always dropped together, unlike the
+    periodic row patterns) and groups differ."""
+    from tf_sparse_split.layers.dropout import random_subset_keep_mask
+    gen = keras.random.SeedGenerator(5)
+    draws = 4000
+
+    @tf.function
+    def draw_many():
+        ta = tf.TensorArray(tf.float32, size=draws)
+        for i in tf.range(draws):
+            ta = ta.write(i, random_subset_keep_mask(units, rate, gen,
+                                                     groups=groups))
+        return ta.stack()
+
+    keep = draw_many().numpy()                       # [draws, G, units]
+    assert keep.shape == (draws, groups, units)
+    assert set(np.unique(keep)) <= {0.0, 1.0}
+    dropped = 1.0 - keep
+    n = dropped.sum(axis=2)                          # [draws, G]
+    np.testing.assert_array_equal(n, n[:, :1].repeat(groups, 1))
+    lo = math.floor(rate * units)
+    assert set(np.unique(n)) <= {lo, lo + 1}
+    np.testing.assert_allclose(n.mean(), rate * units, atol=0.05 * units)
+    np.testing.assert_allclose(dropped.mean(axis=0), rate, atol=0.04)
+    # Unbiased after the per-group rescale units / (units - n).
+    scaled = keep * (units / (units - n))[:, :, None]
+    np.testing.assert_allclose(scaled.mean(axis=0), 1.0, atol=0.08)
+    d = dropped[:, 0]                                # one group
+    together = (d.T @ d) / draws                     # [units, units]
+    nn = n[:, 0]
+    expect = np.mean(nn * (nn - 1)) / (units * (units - 1))
+    off = together[~np.eye(units, dtype=bool)]
+    np.testing.assert_allclose(off, expect, atol=0.05)
+    differ = (keep != keep[:, :1]).any(axis=(1, 2))
+    assert differ.mean() > 0.75
+
+
+def test_random_subset_mask_keeps_one_unit_and_checks_arguments():
+    from tf_sparse_split.layers.dropout import random_subset_keep_mask
+    gen = keras.random.SeedGenerator(0)
+    keep = random_subset_keep_mask(3, 0.99, gen, groups=5).numpy()
+    np.testing.assert_array_equal(keep.sum(axis=1), 1.0)
+    np.testing.assert_array_equal(
+        random_subset_keep_mask(4, 0.0, gen).numpy(), np.ones((1, 4)))
+    for kwargs, match in (({"units": 0}, "units"), ({"rate": 1.0}, "rate"),
+                          ({"groups": 0}, "groups")):
+        args = {"units": 4, "rate": 0.5, "groups": 1, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            random_subset_keep_mask(args["units"], args["rate"], gen,
+                                    groups=args["groups"])
+
+
+@pytest.mark.parametrize("rate,units,groups", [(0.5, 16, 4), (0.5, 24, 8),
+                                               (0.3, 25, 3)])
+def test_balanced_random_subsets(rate, units, groups):
+    """balanced=True: each group's subset is still uniform (every unit
+    dropped with probability ``rate``, unbiased after the rescale, no pair
+    of units always dropped together over draws), every group drops the
+    same count n, and within a draw every unit is dropped by n * groups /
+    units groups (+-1; exactly when that is an integer and groups divides
+    units), e.g. complementary subsets for two groups at rate 0.5."""
+    from tf_sparse_split.layers.dropout import random_subset_keep_mask
+    gen = keras.random.SeedGenerator(11)
+    draws = 4000
+
+    @tf.function
+    def draw_many():
+        ta = tf.TensorArray(tf.float32, size=draws)
+        for i in tf.range(draws):
+            ta = ta.write(i, random_subset_keep_mask(
+                units, rate, gen, groups=groups, balanced=True))
+        return ta.stack()
+
+    keep = draw_many().numpy()                       # [draws, G, units]
+    dropped = 1.0 - keep
+    n = dropped.sum(axis=2)
+    np.testing.assert_array_equal(n, n[:, :1].repeat(groups, 1))
+    np.testing.assert_allclose(dropped.mean(axis=0), rate, atol=0.04)
+    scaled = keep * (units / (units - n))[:, :, None]
+    np.testing.assert_allclose(scaled.mean(axis=0), 1.0, atol=0.08)
+    by = dropped.sum(axis=1)                         # [draws, units]
+    share = n[:, :1] * groups / units
+    assert (np.abs(by - share) <= 1.0 + 1e-9).all()
+    if (rate * units).is_integer() and units % groups == 0 and \
+            (rate * groups).is_integer():
+        np.testing.assert_array_equal(by, rate * groups)
+    d = dropped[:, 0]
+    off = ((d.T @ d) / draws)[~np.eye(units, dtype=bool)]
+    assert off.max() < 0.8 * rate
+    two = random_subset_keep_mask(10, 0.5, gen, groups=2,
+                                  balanced=True).numpy()
+    np.testing.assert_array_equal(two[0] + two[1], 1.0)

@@ -79,6 +79,17 @@ def test_pattern_random_equals_keras_lstm_with_seed(rng, return_sequences):
     ("row", None, True, (0.5, 0.5), 4, 9,
      {"activation": "relu", "recurrent_activation": "hard_sigmoid"}),
     ("tile", (2, 4), False, (0.3, 0.5), 1, 6, {"activation": "softsign"}),
+    # random unit subsets per group: one group, divisible, padded, one rate
+    # only, rates whose count is not an integer, other activations
+    ("subset", None, False, (0.5, 0.5), 1, 5, {}),
+    ("subset", None, True, (0.5, 0.5), 4, 12, {}),
+    ("subset", None, False, (0.3, 0.45), 4, 13, {}),
+    ("subset", None, True, (0.0, 0.6), 3, 7, {}),
+    ("subset", None, False, (0.4, 0.0), 8, 5, {}),
+    ("subset", None, False, (0.5, 0.5), 4, 9,
+     {"return_sequences": False, "loss_on_c": False}),
+    ("subset", None, True, (0.5, 0.5), 4, 9,
+     {"activation": "relu", "recurrent_activation": "hard_sigmoid"}),
 ])
 def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
                                                  go_backwards, rates, groups,
@@ -96,6 +107,7 @@ def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
     ("tile", (2, 4), False, (0.5, 0.5), 1, 6, {}),
     ("row", None, False, (0.5, 0.5), 4, 9,
      {"return_sequences": False, "loss_on_c": False}),
+    ("subset", None, True, (0.5, 0.3), 4, 13, {}),
 ])
 def test_compacted_loop_equals_masked_keras_loop_in_graph(
         rng, pattern, tile_shape, go_backwards, rates, groups, batch,
@@ -175,7 +187,7 @@ def test_row_masks_rate_and_unbiased(groups, batch):
     pattern per batch, so they keep the same number of units (+-1)."""
     rate, units, draws, dim = 0.5, 24, 3000, 20
     cell = SparseSplitLSTMCell(units, dropout=rate, recurrent_dropout=0.3,
-                               seed=3, pattern_groups=groups)
+                               seed=3, pattern="row", pattern_groups=groups)
     cell.build((None, dim))
     dist = cell.pattern_distribution("input")
     np.testing.assert_allclose(dist.per_unit_drop_probability(), rate,
@@ -216,6 +228,69 @@ def test_row_masks_rate_and_unbiased(groups, batch):
     np.testing.assert_allclose(rmask[0, kept], units / kept.sum(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("groups,batch,rates", [(1, 4, (0.5, 0.3)),
+                                                (4, 10, (0.5, 0.5)),
+                                                (3, 9, (0.3, 0.45))])
+def test_subset_masks_rate_and_unbiased(groups, batch, rates):
+    """pattern="subset" (the default): the recurrent mask drops every unit
+    of every group with the requested rate, E[mask] = 1 per unit and group
+    (kept values scaled by units / kept), is constant within a group, all
+    groups of a batch keep the same number of units (the compacted products
+    stay rectangular), the groups' subsets differ and are balanced (each
+    unit dropped by rate * groups of them, +-1); the input mask is drawn per
+    example and unit (values 0 or 1 / (1 - rate)), as Keras' is."""
+    units, draws, dim = 24, 3000, 20
+    cell = SparseSplitLSTMCell(units, dropout=rates[0],
+                               recurrent_dropout=rates[1], seed=3,
+                               pattern_groups=groups)
+    assert cell.pattern == "subset"
+    cell.build((None, dim))
+    assert cell.pattern_distribution("input") is None
+    rows = -(-batch // groups)
+    starts = list(range(0, batch, rows))
+    masks = {}
+    for which, width in (("input", dim), ("recurrent", units)):
+        step = tf.ones((batch, width))
+
+        @tf.function
+        def draw_many():
+            ta = tf.TensorArray(tf.float32, size=draws)
+            for i in tf.range(draws):
+                ta = ta.write(i, cell._pattern_mask(which, step)[0])
+            return ta.stack()
+
+        masks[which] = draw_many().numpy()   # [draws, batch or 1, width]
+
+    m = masks["input"]
+    assert m.shape == (draws, batch, dim)
+    np.testing.assert_allclose(np.unique(m), [0.0, 1.0 / (1 - rates[0])],
+                               rtol=1e-6)
+    np.testing.assert_allclose((m == 0).mean(axis=0), rates[0], atol=0.05)
+    np.testing.assert_allclose(m.mean(axis=0), 1.0, atol=0.1)
+    assert (m[:, 0] != m[:, 1]).any(axis=1).mean() > 0.9   # per example
+
+    m, rate = masks["recurrent"], rates[1]
+    assert m.shape == (draws, 1 if groups == 1 else batch, units)
+    for b in range(m.shape[1]):                 # constant within a group
+        np.testing.assert_array_equal(m[:, b], m[:, b // rows * rows])
+    g_masks = m[:, starts if groups > 1 else [0]]        # [draws, G', U]
+    np.testing.assert_allclose((g_masks == 0).mean(axis=0), rate, atol=0.05)
+    np.testing.assert_allclose(g_masks.mean(axis=0), 1.0, atol=0.08)
+    kept = (g_masks > 0).sum(axis=2)                     # [draws, G']
+    assert (kept == kept[:, :1]).all()
+    lo = int(np.floor(rate * units))
+    assert set(np.unique(units - kept)) <= {lo, lo + 1}
+    np.testing.assert_allclose(
+        (g_masks * (kept / units)[:, :, None])[g_masks > 0], 1.0, rtol=1e-6)
+    if groups > 1:
+        dropped_by = (g_masks == 0).sum(axis=1)          # [draws, U]
+        n = units - kept[:, :1]
+        assert (np.abs(dropped_by - n * groups / units) <= 1.0 + 1e-9).all()
+        differ = [len({x.tobytes() for x in g_masks[d]}) > 1
+                  for d in range(draws)]
+        assert np.mean(differ) > 0.9
+
+
 def test_training_fit_and_keras_round_trip(rng, tmp_path):
     x = rng.standard_normal((16, 6, 8)).astype("float32")
     y = rng.integers(0, 3, 16)
@@ -234,7 +309,7 @@ def test_training_fit_and_keras_round_trip(rng, tmp_path):
     layer = loaded.get_layer("lstm")
     assert isinstance(layer, tfss.SparseSplitLSTM)
     assert layer.get_config() == model.get_layer("lstm").get_config()
-    assert layer.pattern == "row" and layer.dropout == 0.5
+    assert layer.pattern == "subset" and layer.dropout == 0.5
     assert layer.get_config()["pattern_groups"] == 3
     assert tfss.SparseSplitLSTM(8).get_config()["pattern_groups"] == \
         DEFAULT_PATTERN_GROUPS
@@ -246,6 +321,34 @@ def test_training_fit_and_keras_round_trip(rng, tmp_path):
     assert cfg["pattern_groups"] == 1
     keras_cfg = keras.layers.LSTM(8).get_config()
     assert set(keras_cfg) <= set(cfg)   # same arguments, plus the pattern
+
+
+def test_saved_row_pattern_configs_load_with_their_values(rng, tmp_path):
+    """A config that stores ``pattern="row"`` (and its groups and period),
+    as every saved ``SparseSplitLSTM`` config stores its pattern, loads
+    with those values and draws periodic row patterns, not the default
+    subsets."""
+    old = {**keras.layers.LSTM(8, dropout=0.5, recurrent_dropout=0.5,
+                               seed=2).get_config(),
+           "pattern": "row", "tile_shape": None, "max_period": 4,
+           "pattern_groups": 8}
+    layer = tfss.SparseSplitLSTM.from_config(old)
+    assert layer.pattern == "row" and layer.cell.pattern_groups == 8
+    assert layer.get_config() == {**old, "name": layer.name}
+    model = keras.Sequential([keras.Input((5, 6)), layer])
+    path = tmp_path / "row.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path).layers[0]
+    assert loaded.get_config() == layer.get_config()
+    dist = loaded.cell.pattern_distribution("recurrent")
+    assert dist is not None and ("drop", 2) in dist.patterns
+    x = tf.constant(rng.standard_normal((4, 5, 6)).astype("float32"))
+    np.testing.assert_array_equal(model(x).numpy(), loaded(x).numpy())
+    mask = loaded.cell._pattern_mask("recurrent", tf.ones((16, 8)))[0]
+    kept = mask.numpy()[::2] > 0           # groups of 2 examples
+    for g in kept:   # periodic: the dropped or the kept units equidistant
+        assert any(len(set(np.diff(np.flatnonzero(v)))) <= 1
+                   for v in (g, ~g))
 
 
 @pytest.mark.parametrize("kwargs,match", [

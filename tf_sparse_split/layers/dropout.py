@@ -93,6 +93,7 @@ __all__ = [
     "SensitivityAwareDropout",
     "draw_pattern",
     "pattern_keep_mask",
+    "random_subset_keep_mask",
 ]
 
 # ---------------------------------------------------------------------------
@@ -165,6 +166,67 @@ def pattern_keep_mask(patterns, probs, units, seed_generator, pattern="row",
     return tf.cast(tf.logical_not(dropped), tf.float32)
 
 
+def random_subset_keep_mask(units, rate, seed_generator, groups=1,
+                            balanced=False):
+    """Draws ``groups`` keep masks that each drop a uniformly random subset
+    of the same number of units (float32 ``[groups, units]``; 1 = kept, 0 =
+    dropped, not rescaled).
+
+    The number dropped, ``n``, is drawn once per call (shared by the
+    groups): ``floor(rate * units)``, plus one with probability
+    ``frac(rate * units)``, so ``E[n] = rate * units`` and every unit of
+    every group is dropped with probability exactly ``rate`` (``n`` is
+    capped at ``units - 1``: one unit is always kept, which lowers the rate
+    only where ``rate > 1 - 1/units``). Each group's subset is uniform
+    among the subsets of size ``n`` and independent of the other groups'.
+    Rescaled by ``units / (units - n)``, every unit's expected mask value is
+    1. Unlike the periodic row patterns (:func:`pattern_keep_mask`), no two
+    units are always dropped together, and all groups keep the same count,
+    which keeps a compacted product (one ``[k, N]`` slice per group)
+    rectangular. Advances ``seed_generator``.
+
+    With ``balanced=True`` the groups' subsets are drawn jointly: one
+    uniformly random order of the units per call, and group ``g`` drops
+    the ``n`` units whose ranks lie in ``[s_g, s_g + n)`` (cyclically, ``s_g
+    = floor(g * units / groups)``). Each group's subset is still uniform
+    (so the per-unit rate and unbiasedness above hold), but within a call
+    every unit is dropped by ``n * groups / units`` groups (+-1; two groups
+    at rate 0.5 get complementary subsets), where independent subsets
+    leave some units in few groups and others in many. For a batch whose
+    groups share these masks, every unit (row of the following weight
+    matrix) then gets gradient from the same share of the batch, and the
+    part of the mask noise that is linear in the mask cancels over the
+    groups (antithetic sampling).
+
+    Args:
+      units: the width (int >= 1).
+      rate: drop rate in ``[0, 1)``.
+      seed_generator: a ``keras.random.SeedGenerator``.
+      groups: number of masks (int >= 1).
+      balanced: draw the groups' subsets jointly (above).
+
+    Raises:
+      ValueError: bad ``units``, ``rate`` or ``groups``.
+    """
+    units = validate_int(units, "units")
+    rate = validate_fraction(rate, "rate")
+    groups = validate_int(groups, "groups")
+    base = int(np.floor(rate * units))
+    frac = rate * units - base
+    u = keras.random.uniform((), seed=seed_generator)
+    n = tf.minimum(base + tf.cast(u < frac, tf.int32), units - 1)
+    if balanced:
+        noise = keras.random.uniform((1, units), seed=seed_generator)
+        rank = tf.argsort(tf.argsort(noise, axis=1), axis=1)
+        start = (tf.range(groups, dtype=tf.int32) * units // groups)[:, None]
+        return tf.cast(tf.math.floormod(rank - start, units) >= n,
+                       tf.float32)
+    noise = keras.random.uniform((groups, units), seed=seed_generator)
+    # rank of each unit in its group's random order: the n lowest drop.
+    rank = tf.argsort(tf.argsort(noise, axis=1), axis=1)
+    return tf.cast(rank >= n, tf.float32)
+
+
 # ---------------------------------------------------------------------------
 # layers
 # ---------------------------------------------------------------------------
@@ -173,6 +235,10 @@ def pattern_keep_mask(patterns, probs, units, seed_generator, pattern="row",
 #: "Structured dropout" and the LSTM section).
 DEFAULT_PATTERN_GROUPS = 8
 DEFAULT_MAX_PERIOD = 4
+#: Patterns drawn per group of consecutive examples (``pattern_groups``):
+#: periodic row patterns and :func:`random_subset_keep_mask`'s subsets
+#: (``SparseSplitLSTM``).
+GROUPED_PATTERNS = ("row", "subset")
 
 
 def check_pattern_groups(pattern_groups, pattern):
@@ -181,15 +247,16 @@ def check_pattern_groups(pattern_groups, pattern):
 
     Raises:
       ValueError: not an integer >= 1, or more than one group with a
-        pattern other than ``"row"``.
+        pattern not in :data:`GROUPED_PATTERNS`.
     """
     if pattern_groups is None:
-        return DEFAULT_PATTERN_GROUPS if pattern == "row" else 1
+        return DEFAULT_PATTERN_GROUPS if pattern in GROUPED_PATTERNS else 1
     groups = validate_int(pattern_groups, "pattern_groups")
-    if groups > 1 and pattern != "row":
+    if groups > 1 and pattern not in GROUPED_PATTERNS:
         raise ValueError(
-            "`pattern_groups` > 1 needs pattern='row' (the masks of the other "
-            "patterns differ between examples already). Received: "
+            "`pattern_groups` > 1 needs pattern='row' or 'subset' (the masks "
+            "of the other patterns differ between examples already). "
+            "Received: "
             f"pattern_groups={groups}, pattern={pattern!r}")
     return groups
 

@@ -8,19 +8,20 @@ report 1.24-1.85x faster LSTM training at dropout rates 0.3-0.7.
 
 How the compaction works. Keras draws one dropout mask per batch for the
 inputs and one for the recurrent state and holds both over all time steps.
-Here a *row* pattern (:mod:`tf_sparse_split.layers.dropout`, "Pattern
-definitions") drops the same units for every example of a *group* and every
-step, so a dropped unit is zero in every per-step product of that group.
-The batch is split into ``pattern_groups`` groups ``G`` of consecutive
-examples (example ``b`` in group ``b // ceil(batch / G)``; a batch that
-``G`` does not divide is padded with zero examples inside the layer). Once
-per batch each group's kept rows of ``kernel`` and ``recurrent_kernel`` are
+Here the recurrent mask drops the same units for every example of a
+*group* and every step, so a dropped unit is zero in every per-step
+product of that group. The batch is split into ``pattern_groups`` groups
+``G`` of consecutive examples (example ``b`` in group ``b // ceil(batch /
+G)``; a batch that ``G`` does not divide is padded with zero examples
+inside the layer). Once per batch each group's kept rows of
+``recurrent_kernel`` (and, with ``pattern="row"``, of ``kernel``) are
 gathered (scaled by the group's ``1 / (1 - realized rate)``), and the layer
 runs
 
-* the input product for all steps as one batched GEMM
-  ``x_g[:, :, kept_in_g] @ (s_in_g * kernel[kept_in_g])`` (the input mask is
-  fixed over the steps, so nothing depends on the recurrence), and
+* the input product for all steps as one GEMM (``pattern="row"``: one
+  batched GEMM ``x_g[:, :, kept_in_g] @ (s_in_g * kernel[kept_in_g])``;
+  the input mask is fixed over the steps, so nothing depends on the
+  recurrence), and
 * per step one batched GEMM ``h_g[:, kept_g] @ (s_g *
   recurrent_kernel[kept_g])`` over the groups (``[G, batch/G, k] @ [G, k,
   4*units]``; the state of each group is kept in its own unit order, kept
@@ -44,19 +45,43 @@ example drops the same units, so each step trains one sub-network and the
 dropped half of the recurrent kernel rows gets no gradient at all; on MNIST
 rows (LSTM(256), dropout = recurrent_dropout = 0.5) that cost 12.6 points
 of test accuracy after 4 epochs against Keras' per-example masks, almost all
-of it from the recurrent mask (README, LSTM section). With groups, each
-batch draws one ``(kind, period)`` from the searched distribution and every
-group its own offset: the groups drop different units (all units get
-gradient from part of the batch) but keep the same number of them (+-1 when
-the period does not divide the width; the few extra rows of the smaller
-groups are zeroed), so the batched GEMM stays compact. Each group's
-per-unit drop probability is exactly the rate and ``E[mask] = 1`` per unit
-and group. Independent patterns per group would pad every group to the
-largest kept count (most batches: 3/4 of the units or more), losing the
-compaction. The default ``max_period`` is 4 (8 in
-:class:`~tf_sparse_split.layers.ApproximateRandomDropout`): at rate 0.5 a
-batch then drops between 1/4 and 3/4 of the units, not up to 7/8 with the
-rest scaled by 8 (measurements: README).
+of it from the recurrent mask (README, LSTM section). All groups keep the
+same number of units, so the batched GEMM stays rectangular; more groups
+are closer to Keras' per-example masks but read ``G`` compacted copies of
+the recurrent kernel per step (8 is the default; 16 costs about 20% of the
+layer's step).
+
+Which units (``pattern``):
+
+* ``"subset"`` (default). Recurrent dropout: each group drops a uniformly
+  random subset of ``n = rate * units`` units (rounded at random so that
+  ``E[n] = rate * units``), and the groups' subsets are drawn *balanced*
+  (:func:`~tf_sparse_split.layers.dropout.random_subset_keep_mask`): one
+  random order of the units per batch, group ``g`` drops a window of ``n``
+  ranks starting at ``g * units / G``, so each unit is dropped in
+  ``rate * G`` groups (+-1) and gets gradient from the same share of the
+  batch (antithetic sampling: summed over the groups, the masks'
+  deviations from 1 cancel per unit; exactly when ``G`` divides ``units``
+  and ``rate * units`` and ``rate * G`` are whole). Every unit of every
+  group is dropped with probability exactly ``rate``; ``E[mask] = 1``.
+  Input dropout: per example and feature, as Keras draws it (one mask for
+  the four gates), applied to ``x`` before the input GEMM, which is then
+  not compacted: it runs once for all steps, while the recurrent products
+  run step by step.
+* ``"row"``: periodic row patterns (:mod:`tf_sparse_split.layers.dropout`,
+  "Pattern definitions") for both masks, with the distribution searched by
+  :func:`~tf_sparse_split.search_pattern_distribution` (Song et al.): each
+  batch draws one ``(kind, period)`` and every group its own offset (kept
+  counts differ by +-1 when the period does not divide the width; the few
+  extra rows of the smaller groups are zeroed). The input product is
+  compacted too. At rate 0.5 the search puts 74% on "drop 1 of 2", so in
+  most batches every group drops either the even or the odd units: two
+  distinct sub-networks per batch. On MNIST rows this trailed
+  ``keras.layers.LSTM`` by about 3 points after 3-5 epochs; ``"subset"``
+  by about 1.5 after 5 and 8 epochs, at the same step speed (README, LSTM
+  section). ``max_period`` (default 4, 8 in
+  :class:`~tf_sparse_split.layers.ApproximateRandomDropout`) bounds the
+  realized rate of a batch to 1/4-3/4 at rate 0.5.
 
 ``pattern="tile"`` uses tile masks (blocks of ``[batch, units]``): exact
 semantics, no compaction (no unit is zero for the whole batch), so no
@@ -73,8 +98,10 @@ import tensorflow as tf
 
 from tf_sparse_split.layers.dropout import (DEFAULT_MAX_PERIOD,  # noqa: F401
                                             DEFAULT_PATTERN_GROUPS,
+                                            GROUPED_PATTERNS,
                                             check_pattern_groups,
-                                            pattern_keep_mask)
+                                            pattern_keep_mask,
+                                            random_subset_keep_mask)
 from tf_sparse_split.ops.lstm_gates import lstm_gates, lstm_gates_grad
 from tf_sparse_split.tuning.pattern_search import (check_tile_fits,
                                                    check_tile_shape,
@@ -84,7 +111,11 @@ from tf_sparse_split.utils.validation import validate_int
 __all__ = ["SparseSplitLSTM", "SparseSplitLSTMCell", "LSTM_PATTERNS"]
 
 #: Values of ``pattern``.
-LSTM_PATTERNS = ("row", "tile", "random")
+LSTM_PATTERNS = ("subset", "row", "tile", "random")
+
+#: ``pattern="subset"``: the groups' recurrent subsets are drawn balanced
+#: (:func:`~tf_sparse_split.layers.dropout.random_subset_keep_mask`).
+SUBSET_BALANCED = True
 
 
 def _check_pattern(pattern):
@@ -360,26 +391,28 @@ def _gather_cols(w, cols):
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
 class SparseSplitLSTMCell(keras.layers.LSTMCell):
-    """``keras.layers.LSTMCell`` with row/tile-pattern dropout masks.
+    """``keras.layers.LSTMCell`` with subset/row/tile-pattern dropout masks.
 
     Same arguments as ``keras.layers.LSTMCell`` plus ``pattern``,
     ``tile_shape``, ``max_period`` and ``pattern_groups`` (see
     :class:`SparseSplitLSTM`). The masks are drawn once per batch (Keras
-    caches them over the steps) from a distribution found by
-    :func:`~tf_sparse_split.search_pattern_distribution`, so every unit is
+    caches them over the steps): ``pattern="subset"``: the recurrent mask
+    from :func:`~tf_sparse_split.layers.dropout.random_subset_keep_mask`
+    (balanced over the groups), the input mask per example (values 0 and
+    ``1 / (1 - dropout)``); ``"row"``/``"tile"``: from a distribution found
+    by :func:`~tf_sparse_split.search_pattern_distribution`. Every unit is
     dropped with probability ``dropout`` (``recurrent_dropout``); kept
-    values are scaled by ``1 / (1 - realized rate)`` (per group for row
-    patterns), so ``E[mask] = 1`` per unit. Row masks are ``[1, dim]`` with
-    one group, ``[batch, dim]`` (constant within each group: one pattern
-    per batch, one offset per group) with several; tile masks
-    ``[batch, dim]``.
+    values are scaled by ``1 / (1 - realized rate)`` (per group for subsets
+    and row patterns), so ``E[mask] = 1`` per unit. Masks are float
+    ``[1, dim]`` with one group, ``[batch, dim]`` (constant within each
+    group) with several; tile masks and subset input masks ``[batch, dim]``.
     Unlike Keras' random masks (one per gate when ``implementation=1``,
     which Keras forces for ``recurrent_dropout > 0``), the four gates share
     one pattern: a dropped unit is then absent from all four gate products,
     which is what lets the layer compact it away (Song et al.).
     """
 
-    def __init__(self, units, pattern="row", tile_shape=None,
+    def __init__(self, units, pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
                  **kwargs):
         self.pattern = _check_pattern(pattern)
@@ -399,7 +432,7 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
 
     def build(self, input_shape):
         super().build(input_shape)
-        if self.pattern == "random":
+        if self.pattern in ("random", "subset"):
             return
         seed = 0 if self.seed is None else int(self.seed)
         for key, rate, dim in (("input", self.dropout, int(input_shape[-1])),
@@ -421,30 +454,45 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
     def pattern_distribution(self, which="recurrent"):
         """The :class:`~tf_sparse_split.PatternDistribution` of the
         ``"input"`` or ``"recurrent"`` dropout (None if that rate is 0 or
-        ``pattern="random"``)."""
+        ``pattern`` is ``"random"`` or ``"subset"``, which search none)."""
         entry = self._distributions.get(which)
         return entry[0] if entry else None
 
     def _pattern_mask(self, which, step_input):
-        dist, dim = self._distributions[which]
         x = tf.convert_to_tensor(step_input)
         batch = tf.shape(x)[0]
-        groups = self.pattern_groups if self.pattern == "row" else 1
-        keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
-                                 self.seed_generator, pattern=self.pattern,
-                                 tile_shape=self.tile_shape,
-                                 batch_size=batch,
-                                 groups=groups if groups > 1 else None,
-                                 same_pattern=True)
-        # Row patterns are rescaled per group (E[mask] = 1 in every group),
-        # tile masks by the whole mask's realized rate.
+        grouped = self.pattern in GROUPED_PATTERNS
+        groups = self.pattern_groups if grouped else 1
+        count = getattr(self, "dropout_mask_count", None)
+        if self.pattern == "subset" and which == "input":
+            # Per example and unit, as Keras' (one mask for the 4 gates).
+            keep = keras.random.uniform(tf.shape(x)[:2],
+                                        seed=self.seed_generator) \
+                >= self.dropout
+            mask = tf.cast(keep, x.dtype) / (1.0 - self.dropout)
+            return mask if count is None else [mask] * count
+        if self.pattern == "subset":
+            keep = random_subset_keep_mask(self.units,
+                                           self.recurrent_dropout,
+                                           self.seed_generator, groups=groups,
+                                           balanced=SUBSET_BALANCED)
+        else:
+            dist, dim = self._distributions[which]
+            keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
+                                     self.seed_generator,
+                                     pattern=self.pattern,
+                                     tile_shape=self.tile_shape,
+                                     batch_size=batch,
+                                     groups=groups if groups > 1 else None,
+                                     same_pattern=True)
+        # Row patterns and subsets are rescaled per group (E[mask] = 1 in
+        # every group), tile masks by the whole mask's realized rate.
         kept = (tf.reduce_mean(keep, axis=1, keepdims=True)
-                if self.pattern == "row" else tf.reduce_mean(keep))
+                if grouped else tf.reduce_mean(keep))
         mask = keep * tf.math.divide_no_nan(1.0, kept)
         if groups > 1:   # example b belongs to group b // ceil(batch / G)
             mask = tf.gather(mask, tf.range(batch) // _ceil_div(batch, groups))
         mask = tf.cast(mask, x.dtype)
-        count = getattr(self, "dropout_mask_count", None)
         return mask if count is None else [mask] * count
 
     def get_dropout_mask(self, step_input):
@@ -483,27 +531,33 @@ class SparseSplitLSTM(keras.layers.LSTM):
     ``keras.layers.LSTM``, plus:
 
     Args:
-      pattern: ``"row"`` (default; whole units dropped for the batch and
-        every step, compacted out of the products: module docstring),
-        ``"tile"`` (tile masks, no compaction) or ``"random"`` (Keras'
-        element-wise masks; equals ``keras.layers.LSTM`` with the same seed).
+      pattern: ``"subset"`` (default: random unit subsets per group of
+        examples for the recurrent state, compacted out of the per-step
+        products; per-example input masks: module docstring, "Which
+        units"), ``"row"`` (periodic row patterns for both, both
+        compacted; stored in the config of layers saved with it, which load
+        unchanged), ``"tile"`` (tile masks, no compaction)
+        or ``"random"`` (Keras' element-wise masks; equals
+        ``keras.layers.LSTM`` with the same seed).
       tile_shape: ``(batch_rows, units)`` tile for ``pattern="tile"``
         (default ``(32, 32)``); its units must divide both the input
         features (if ``dropout > 0``) and ``units`` (if
         ``recurrent_dropout > 0``).
-      max_period: largest pattern period the search considers (>= 2,
-        default ``DEFAULT_MAX_PERIOD`` = 4: shorter periods keep each
-        batch's realized rate nearer the target, e.g. at most 3 of 4 units
-        dropped at rate 0.5 instead of 7 of 8).
+      max_period: largest pattern period the search considers
+        (``pattern="row"``/``"tile"``; >= 2, default
+        ``DEFAULT_MAX_PERIOD`` = 4: shorter periods keep each batch's
+        realized rate nearer the target, e.g. at most 3 of 4 units dropped
+        at rate 0.5 instead of 7 of 8).
       pattern_groups: number ``G >= 1`` of example groups with their own
-        row-pattern offsets (module docstring, "Why groups"); default
-        ``DEFAULT_PATTERN_GROUPS`` (8) for ``pattern="row"``, 1 otherwise
-        (more than 1 needs ``pattern="row"``). ``G = 1`` is one pattern for
-        the whole batch (Song et al.), fastest but markedly less accurate.
+        subsets / row-pattern offsets (module docstring, "Why groups");
+        default ``DEFAULT_PATTERN_GROUPS`` (8) for ``pattern="subset"`` and
+        ``"row"``, 1 otherwise (more than 1 needs one of those two). ``G =
+        1`` is one mask for the whole batch (Song et al.), fastest but
+        markedly less accurate.
 
-    The compacted loop runs in training with ``pattern="row"`` or
-    ``"tile"`` and a nonzero dropout rate, without a time mask and without
-    ``unroll``; every other case (inference, masks,
+    The compacted loop runs in training with ``pattern="subset"``,
+    ``"row"`` or ``"tile"`` and a nonzero dropout rate, without a time
+    mask and without ``unroll``; every other case (inference, masks,
     ``unroll=True``, ``pattern="random"``) runs Keras' own loop with this
     layer's masks. ``go_backwards``, ``return_sequences``, ``return_state``,
     ``stateful`` and initial states work in both.
@@ -512,8 +566,8 @@ class SparseSplitLSTM(keras.layers.LSTM):
 
     Raises:
       ValueError: bad ``pattern``, ``tile_shape``, ``max_period`` or
-        ``pattern_groups`` (not an int >= 1, or > 1 without
-        ``pattern="row"``), a tile not dividing the dimension it drops, or
+        ``pattern_groups`` (not an int >= 1, or > 1 with ``pattern="tile"``
+        or ``"random"``), a tile not dividing the dimension it drops, or
         bad ``LSTM`` arguments.
     """
 
@@ -528,7 +582,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
                  dropout=0.0, recurrent_dropout=0.0, seed=None,
                  return_sequences=False, return_state=False,
                  go_backwards=False, stateful=False, unroll=False,
-                 use_cudnn="auto", pattern="row", tile_shape=None,
+                 use_cudnn="auto", pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
                  **kwargs):
         cell = SparseSplitLSTMCell(
@@ -593,7 +647,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
         rkernel = tf.cast(tf.convert_to_tensor(cell.recurrent_kernel), dtype)
         bias = (tf.cast(tf.convert_to_tensor(cell.bias), dtype)
                 if cell.use_bias else None)
-        row = cell.pattern == "row"
+        row = cell.pattern in GROUPED_PATTERNS   # whole units: compacted
         # The batch runs as G groups of ``rows`` examples ([G, rows, ...]),
         # each with its own row patterns (tile masks: one group); a batch
         # that G does not divide is padded with zero examples, whose
@@ -639,7 +693,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
         if self.go_backwards:
             x = tf.reverse(x, [1])
         kernel = kernel[None]                                 # [1, F, 4U]
-        if dp is not None and row:
+        if dp is not None and cell.pattern == "row":
             in_perm, n_in, in_scale = _kept_first(
                 _group_masks(dp, groups, rows))
             kept_in = in_perm[:, :n_in]
@@ -647,7 +701,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
                       * in_scale[:, :, None])
             x = tf.gather(grouped(x), kept_in, axis=3, batch_dims=1)
         else:
-            if dp is not None:   # tile masks, one group
+            if dp is not None:   # per-example masks (subset, tile)
                 x = x * dp[:, None, :]
             x = grouped(x)
         kernel = _gather_cols(kernel, cols)                   # [G', F', 4U]
