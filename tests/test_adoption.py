@@ -242,6 +242,26 @@ def test_sparse_split_model_round_trip(make, op_library):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("make", [_sequential, _functional],
+                         ids=["sequential", "functional"])
+def test_sparse_split_model_copies_the_compile_configuration(make, op_library):
+    """A compiled model's copy is compiled the same way, with a new
+    optimizer (same class and hyper-parameters, no state); an uncompiled
+    model's copy is uncompiled."""
+    model = make()
+    assert not tfss.sparse_split_model(model).compiled
+    model.compile(optimizer=keras.optimizers.Adam(0.0125), loss="mse",
+                  metrics=["mae"])
+    for copy in (tfss.sparse_split_model(model),
+                 tfss.strip_sparse_split(tfss.sparse_split_model(model))):
+        assert copy.compiled
+        assert type(copy.optimizer) is keras.optimizers.Adam
+        assert copy.optimizer is not model.optimizer
+        assert float(copy.optimizer.learning_rate) == pytest.approx(0.0125)
+        assert copy.loss == "mse"
+        assert int(copy.optimizer.iterations) == 0
+
+
 def test_sparse_split_model_filter_and_errors(op_library):
     model = _sequential()
     split = tfss.sparse_split_model(model, layer_filter=["d1"])

@@ -426,7 +426,7 @@ def test_device_check_script_is_valid_bash():
 
 # -- the GPU kernel (skipped without a GPU) ------------------------------------
 #
-# The GPU contract (README, "GPU and the heterogeneous split"): float32 dense
+# The GPU contract (docs/guide/gpu.md): float32 dense
 # rows run through TF's MatMul and so use TF32 on Ampere+ while
 # tf.config.experimental.enable_tensor_float_32_execution is on (TF's
 # default), exactly like tf.matmul; sparse rows are full FP32. A fixed

@@ -12,8 +12,11 @@ the same weights, e.g. to export a model for an environment without
 Both work on ``Sequential`` and functional models, including models nested in
 them (cloned recursively with ``keras.models.clone_model``); shared layers
 stay shared. Subclassed models (a custom ``call``) cannot be rebuilt layer
-by layer and raise ``ValueError``. The copy is not compiled and has no
-optimizer state: compile it before training.
+by layer and raise ``ValueError``. A copy of a compiled model is compiled
+the same way (Keras' ``clone_model`` applies the source's compile
+configuration): loss, metrics and a new optimizer of the same class and
+hyper-parameters, with no optimizer state (slots, iteration count); a copy
+of an uncompiled model is uncompiled.
 
 Requires the TensorFlow backend of Keras 3.
 """
@@ -136,7 +139,8 @@ def sparse_split_model(model, layer_filter=None, threshold="auto"):
         (default; the op chooses per call) or a number in ``[0, 1]``.
 
     Returns:
-      A new, uncompiled ``keras.Model`` of the same class.
+      A new ``keras.Model`` of the same class, compiled like ``model`` (a
+      new optimizer, no optimizer state) when ``model`` is compiled.
 
     Raises:
       ValueError: a subclassed model, an unbuilt model, a bad threshold or
@@ -170,7 +174,8 @@ def strip_sparse_split(model):
       model: a built ``Sequential`` or functional ``keras.Model``.
 
     Returns:
-      A new, uncompiled ``keras.Model``.
+      A new ``keras.Model``, compiled like ``model`` (a new optimizer, no
+      optimizer state) when ``model`` is compiled.
 
     Raises:
       ValueError: a subclassed or unbuilt model.

@@ -162,7 +162,7 @@ def parse_tile_shape(text):
 
 #: ``train --hidden`` default (mlp) and ``--target-sparsity`` defaults per
 #: model: chosen by measurement so that the plain command trains a model the
-#: sparse-split layers make faster (README, "main job").
+#: sparse-split layers make faster (docs/guide/cli.md).
 DEFAULT_HIDDEN = (2048, 2048)
 DEFAULT_FILTERS = (32, 64)
 #: ``train --batch-size`` defaults per model: the MLP's GEMMs are a larger
