@@ -179,6 +179,10 @@ TFSS_INLINE void FwdColumnS1(const T* px, int64_t ci, const T* wk,
       m &= m - 1;
       const Vt xv = Bcast<T>(px[c]);
       const T* wr = wk + c * RW;
+      // Keeps wr in a register: the loads below then use base + offset
+      // addressing, which stays one fused uop with the FMA (an indexed
+      // address would split it in two).
+      asm("" : "+r"(wr));
 #pragma GCC unroll 8
       for (int kw = 0; kw < KW; ++kw) {
         const int b = J - kw;
@@ -227,6 +231,7 @@ struct FwdColumnsGeneric {
           m &= m - 1;
           const Vt xv = Bcast<T>(px[c]);
           const T* wr = wk + c * rw;
+          asm("" : "+r"(wr));  // base + offset addressing (see above)
 #pragma GCC unroll 4
           for (int v = 0; v < V; ++v)
             acc[Bi][v] += xv * LoadV<Vt>(wr + v * L);

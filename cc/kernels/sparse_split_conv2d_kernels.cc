@@ -418,7 +418,20 @@ void SparseForwardBy(bool direct, const T* x, const Conv2DGeometry& g,
                      const int64_t* image_nnz, const T* f, T* y,
                      const ParallelFor& pfor) {
   if (direct) {
-    DirectConv2DForward<T>(x, g, f, images, n_images, y, pfor);
+    // All-zero images: zero output, no scan.
+    std::vector<int64_t> live;
+    live.reserve(n_images);
+    const int64_t out_img = g.out_h * g.out_w * g.c_out;
+    for (int64_t i = 0; i < n_images; ++i) {
+      if (image_nnz[images[i]] > 0) {
+        live.push_back(images[i]);
+      } else {
+        std::fill_n(y + images[i] * out_img, out_img, T(0));
+      }
+    }
+    if (live.empty()) return;
+    DirectConv2DForward<T>(x, g, f, live.data(),
+                           static_cast<int64_t>(live.size()), y, pfor);
     return;
   }
   PixelCsr<T> csr;
@@ -434,7 +447,13 @@ void SparseFilterGradBy(bool direct, const T* x, const Conv2DGeometry& g,
                         const int64_t* image_nnz, const T* dy, T* df,
                         const ParallelFor& pfor) {
   if (direct) {
-    DirectConv2DBackpropFilter<T>(x, g, dy, images, n_images, df, pfor);
+    std::vector<int64_t> live;  // all-zero images add nothing
+    live.reserve(n_images);
+    for (int64_t i = 0; i < n_images; ++i)
+      if (image_nnz[images[i]] > 0) live.push_back(images[i]);
+    if (live.empty()) return;
+    DirectConv2DBackpropFilter<T>(x, g, dy, live.data(),
+                                  static_cast<int64_t>(live.size()), df, pfor);
     return;
   }
   SparseFilterGrad<T>(x, g, images, n_images, image_nnz, dy, df, pfor);
@@ -575,6 +594,9 @@ struct ConvForwardPaths : ConvSamples {
   const tf::Tensor& f;
   const TfKernel& conv;
   const SparseKernelChoice* choice;  // null: the pixel-CSR kernel
+  // The kernel of the first sample, kept for the whole calibration (one
+  // kernel's timings per fit).
+  int kernel = -1;
 
   absl::Status RunDense(const tf::Tensor& sample) {
     tf::Tensor result;
@@ -585,9 +607,10 @@ struct ConvForwardPaths : ConvSamples {
     const Conv2DGeometry gs = Of(sample, &imgs);
     std::vector<T> y(gs.n * g.out_h * g.out_w * g.c_out);
     const double nnz = std::accumulate(image_nnz, image_nnz + gs.n, 0.0);
-    const bool direct =
-        choice && UseDirectKernel(*choice, static_cast<double>(gs.n) * g.h * g.w *
-                                        g.c_in, nnz);
+    if (kernel < 0)
+      kernel = choice && UseDirectKernel(*choice, static_cast<double>(gs.n) *
+                                                      g.h * g.w * g.c_in, nnz);
+    const bool direct = kernel == 1;
     SparseForwardBy<T>(direct, sample.flat<T>().data(), gs, imgs.data(), gs.n,
                        image_nnz, f.flat<T>().data(), y.data(), pfor);
     return absl::OkStatus();
@@ -599,6 +622,9 @@ struct ConvFilterGradPaths : ConvSamples {
   const tf::Tensor& dy;
   const TfKernel& backprop_filter;
   const SparseKernelChoice* choice;  // null: the pixel-CSR kernels
+  // The kernel of the first sample, kept for the whole calibration (one
+  // kernel's timings per fit).
+  int kernel = -1;
 
   absl::Status RunDense(const tf::Tensor& sample) {
     const tf::Tensor dys = dy.Slice(0, sample.dim_size(0));
@@ -611,9 +637,10 @@ struct ConvFilterGradPaths : ConvSamples {
     const Conv2DGeometry gs = Of(sample, &imgs);
     std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out, T(0));
     const double nnz = std::accumulate(image_nnz, image_nnz + gs.n, 0.0);
-    const bool direct =
-        choice && UseDirectKernel(*choice, static_cast<double>(gs.n) * g.h * g.w *
-                                        g.c_in, nnz);
+    if (kernel < 0)
+      kernel = choice && UseDirectKernel(*choice, static_cast<double>(gs.n) *
+                                                      g.h * g.w * g.c_in, nnz);
+    const bool direct = kernel == 1;
     SparseFilterGradBy<T>(direct, sample.flat<T>().data(), gs, imgs.data(),
                           gs.n, image_nnz, dy.flat<T>().data(), df.data(),
                           pfor);

@@ -566,11 +566,25 @@ void BindCostModel(py::module_& mod) {
 // NHWC input x [N, H, W, C_in], HWIO filter [KH, KW, C_in, C_out]; padding
 // "SAME", "VALID" or explicit (top, bottom, left, right).
 
+// A sequence of ints as a vector (ValueError naming `what` otherwise).
+std::vector<int64_t> IntsOf(const py::object& o, const char* what) {
+  std::vector<int64_t> v;
+  try {
+    for (const py::handle& e : py::reinterpret_borrow<py::sequence>(o))
+      v.push_back(e.cast<int64_t>());
+  } catch (const py::cast_error&) {
+    throw py::value_error(std::string(what) + " must be a sequence of ints");
+  }
+  return v;
+}
+
 Conv2DGeometry ConvGeometryOf(const std::vector<int64_t>& xs, int64_t kh,
                               int64_t kw, int64_t c_out,
-                              const std::vector<int64_t>& strides,
-                              const std::vector<int64_t>& dilations,
+                              const py::object& strides_o,
+                              const py::object& dilations_o,
                               const py::object& padding) {
+  const std::vector<int64_t> strides = IntsOf(strides_o, "strides");
+  const std::vector<int64_t> dilations = IntsOf(dilations_o, "dilations");
   if (xs.size() != 4)
     throw py::value_error("x must be 4-D [N, H, W, C_in] (NHWC), got " +
                           std::to_string(xs.size()) + "-D");
@@ -599,7 +613,7 @@ Conv2DGeometry ConvGeometryOf(const std::vector<int64_t>& xs, int64_t kh,
     else if (p == "VALID") code = 0;
     else throw py::value_error("padding must be 'SAME', 'VALID' or 4 ints");
   } else {
-    pads = padding.cast<std::vector<int64_t>>();
+    pads = IntsOf(padding, "padding");
     if (pads.size() != 4 ||
         *std::min_element(pads.begin(), pads.end()) < 0)
       throw py::value_error("explicit padding must be 4 ints >= 0 "
@@ -622,8 +636,8 @@ std::vector<int64_t> ShapeOf(const Arr<T>& a) {
 
 template <typename T>
 Conv2DGeometry ForwardGeometry(const Arr<T>& x, const Arr<T>& f,
-                               const std::vector<int64_t>& strides,
-                               const std::vector<int64_t>& dilations,
+                               const py::object& strides,
+                               const py::object& dilations,
                                const py::object& padding) {
   if (f.ndim() != 4)
     throw py::value_error("filter must be 4-D [KH, KW, C_in, C_out] (HWIO)");
@@ -638,8 +652,8 @@ Conv2DGeometry ForwardGeometry(const Arr<T>& x, const Arr<T>& f,
 
 template <typename T>
 py::array_t<T> DirectConvPy(const Arr<T>& x, const Arr<T>& f,
-                            std::vector<int64_t> strides,
-                            std::vector<int64_t> dilations,
+                            const py::object& strides,
+                            const py::object& dilations,
                             const py::object& padding, bool pixel_csr,
                             int threads) {
   const Conv2DGeometry g = ForwardGeometry(x, f, strides, dilations, padding);
@@ -668,8 +682,8 @@ py::array_t<T> DirectConvPy(const Arr<T>& x, const Arr<T>& f,
 template <typename T>
 py::array_t<T> DirectFilterGradPy(const Arr<T>& x, const Arr<T>& dy,
                                   int64_t kh, int64_t kw,
-                                  std::vector<int64_t> strides,
-                                  std::vector<int64_t> dilations,
+                                  const py::object& strides,
+                                  const py::object& dilations,
                                   const py::object& padding, bool pixel_csr,
                                   int threads) {
   if (dy.ndim() != 4) throw py::value_error("dy must be 4-D [N, OH, OW, C_out]");
@@ -711,8 +725,8 @@ py::array_t<T> DirectFilterGradPy(const Arr<T>& x, const Arr<T>& dy,
 template <typename T>
 void BindConv(py::module_& mod) {
   mod.def("direct_conv2d", &DirectConvPy<T>, py::arg("x"), py::arg("filter"),
-          py::arg("strides") = std::vector<int64_t>{1, 1},
-          py::arg("dilations") = std::vector<int64_t>{1, 1},
+          py::arg("strides") = py::make_tuple(1, 1),
+          py::arg("dilations") = py::make_tuple(1, 1),
           py::arg("padding") = py::str("SAME"), py::arg("pixel_csr") = false,
           py::arg("threads") = DefaultThreads(),
           "conv2d(x, filter) (NHWC x [N, H, W, C_in], HWIO filter [KH, KW, C_in,\n"
@@ -723,8 +737,8 @@ void BindConv(py::module_& mod) {
           "(top, bottom, left, right). Raises ValueError on bad shapes.");
   mod.def("direct_conv2d_backprop_filter", &DirectFilterGradPy<T>, py::arg("x"),
           py::arg("dy"), py::arg("kh"), py::arg("kw"),
-          py::arg("strides") = std::vector<int64_t>{1, 1},
-          py::arg("dilations") = std::vector<int64_t>{1, 1},
+          py::arg("strides") = py::make_tuple(1, 1),
+          py::arg("dilations") = py::make_tuple(1, 1),
           py::arg("padding") = py::str("SAME"), py::arg("pixel_csr") = false,
           py::arg("threads") = DefaultThreads(),
           "Filter gradient [KH, KW, C_in, C_out] of conv2d for input x [N, H,\n"
