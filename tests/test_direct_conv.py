@@ -220,3 +220,34 @@ def test_inf_filter_times_zero_input_is_skipped():
 def test_bad_arguments_raise_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_sparse_kernel_choice_from_recorded_timings():
+    # Recorded timings on 1M values: the direct kernel scans every value
+    # (2 ns each) and spends 1 ns per nonzero; the pixel CSR builds at 1 ns
+    # per value and spends 4 ns per nonzero. Break-even at nnz/values = 1/3.
+    v = 1e6
+    direct = (5e5, 2e-3 + 5e5 * 1e-9, 6.25e4, 2e-3 + 6.25e4 * 1e-9)
+    csr = (5e5, 1e-3 + 5e5 * 4e-9, 6.25e4, 1e-3 + 6.25e4 * 4e-9)
+    c = K.conv_sparse_kernel_choice(2e6, 1e6, direct, csr, v)  # 50% dense
+    assert c["direct"]
+    assert c["direct_per_value"] == pytest.approx(2e-9)
+    assert c["direct_per_nnz"] == pytest.approx(1e-9)
+    assert c["csr_per_value"] == pytest.approx(1e-9)
+    assert c["csr_per_nnz"] == pytest.approx(4e-9)
+    assert c["direct_s"] == pytest.approx(2e6 * 2e-9 + 1e6 * 1e-9)
+    assert not K.conv_sparse_kernel_choice(2e6, 2e5, direct, csr, v)["direct"]
+    assert K.conv_sparse_kernel_choice(3e6, 1.01e6, direct, csr, v)["direct"]
+    assert not K.conv_sparse_kernel_choice(3e6, 0.99e6, direct, csr, v)["direct"]
+    # Noise that makes the thinned run slower gives a per-value-only fit.
+    noisy = K.conv_sparse_kernel_choice(1e6, 1e5, (5e5, 1e-3, 6e4, 2e-3),
+                                        csr, v)
+    assert noisy["direct_per_nnz"] == 0.0
+    assert noisy["direct_per_value"] == pytest.approx(1e-9)
+    # A fit whose per-value term would be negative keeps the per-nnz one.
+    steep = K.conv_sparse_kernel_choice(1e6, 1e5, (5e5, 1e-3, 6e4, 1e-6),
+                                        csr, v)
+    assert steep["direct_per_value"] == 0.0
+    assert steep["direct_per_nnz"] == pytest.approx(1e-3 / 5e5)
+    with pytest.raises(ValueError, match="timings"):
+        K.conv_sparse_kernel_choice(1e6, 1e5, (1.0, 2.0), csr, v)

@@ -532,6 +532,25 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
 
 }  // namespace
 
+SparseKernelRate FitSparseKernel(double values, double nnz_full, double t_full,
+                                 double nnz_thin, double t_thin) {
+  SparseKernelRate r;
+  const double dn = nnz_full - nnz_thin;
+  r.per_nnz = dn > 0 ? std::max(0.0, (t_full - t_thin) / dn) : 0.0;
+  r.per_value = (t_full - r.per_nnz * nnz_full) / std::max(1.0, values);
+  if (r.per_value < 0) {
+    r.per_value = 0;
+    r.per_nnz = t_full / std::max(1.0, nnz_full);
+  }
+  return r;
+}
+
+bool DirectPredictedFaster(const SparseKernelRate& direct,
+                           const SparseKernelRate& csr, double values,
+                           double nnz) {
+  return direct.Seconds(values, nnz) <= csr.Seconds(values, nnz);
+}
+
 bool DirectConv2DUsesAvx512() {
 #ifdef TFSS_DIRECT_AVX512
   return true;

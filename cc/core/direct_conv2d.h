@@ -67,6 +67,31 @@ void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
                                 int64_t n_images, T* df,
                                 const ParallelFor& pfor);
 
+// Seconds of one sparse convolution kernel on a call: per value scanned
+// (the direct kernel's zero tests; the pixel CSR's build) and per nonzero
+// (the multiply-adds). The convolution ops time both kernels once per
+// problem family and take, per call, the one predicted faster.
+struct SparseKernelRate {
+  double per_value = 0.0;  // seconds per input value of the sparse images
+  double per_nnz = 0.0;    // seconds per nonzero of the sparse images
+  double Seconds(double values, double nnz) const {
+    return per_value * values + per_nnz * nnz;
+  }
+};
+
+// Two-point fit of t = per_value * values + per_nnz * nnz (both >= 0) from
+// the timings (seconds) of one kernel on the same `values` input values
+// holding nnz_full and nnz_thin nonzeros. Noise that makes a term negative
+// falls back to the other term alone.
+SparseKernelRate FitSparseKernel(double values, double nnz_full, double t_full,
+                                 double nnz_thin, double t_thin);
+
+// Whether the direct kernel is predicted at least as fast as the pixel CSR
+// on `values` input values holding `nnz` nonzeros.
+bool DirectPredictedFaster(const SparseKernelRate& direct,
+                           const SparseKernelRate& csr, double values,
+                           double nnz);
+
 // Whether the kernels above use their AVX-512 code (the build's ISA).
 bool DirectConv2DUsesAvx512();
 

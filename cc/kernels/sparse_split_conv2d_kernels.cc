@@ -284,29 +284,6 @@ void SparseFilterGrad(const T* x, const Conv2DGeometry& g,
 // nonzeros. The family's cost terms (cost_model.h) are calibrated on the
 // kernel this choice takes for the calibration sample.
 
-// Seconds per value scanned and per nonzero of one sparse kernel.
-struct SparseKernelRate {
-  double per_value = 0.0, per_nnz = 0.0;
-  double Seconds(double values, double nnz) const {
-    return per_value * values + per_nnz * nnz;
-  }
-};
-
-// Two-point fit of t = a * values + b * nnz (both >= 0) from the timings of
-// the same `values` with nnz_full and nnz_thin nonzeros.
-SparseKernelRate FitSparseKernel(double values, double nnz_full, double t_full,
-                                 double nnz_thin, double t_thin) {
-  SparseKernelRate r;
-  const double dn = nnz_full - nnz_thin;
-  r.per_nnz = dn > 0 ? std::max(0.0, (t_full - t_thin) / dn) : 0.0;
-  r.per_value = (t_full - r.per_nnz * nnz_full) / std::max(1.0, values);
-  if (r.per_value < 0) {
-    r.per_value = 0;
-    r.per_nnz = t_full / std::max(1.0, nnz_full);
-  }
-  return r;
-}
-
 class SparseKernelChoice {
  public:
   bool calibrated() const {
@@ -323,8 +300,7 @@ class SparseKernelChoice {
   // The direct kernel unless calibrated timings predict the CSR faster.
   bool UseDirect(double values, double nnz) const {
     std::lock_guard<std::mutex> l(mu_);
-    return !calibrated_ ||
-           direct_.Seconds(values, nnz) <= csr_.Seconds(values, nnz);
+    return !calibrated_ || DirectPredictedFaster(direct_, csr_, values, nnz);
   }
 
  private:

@@ -759,6 +759,38 @@ PYBIND11_MODULE(_kernels, mod) {
   tf_sparse_split::BindConv<float>(mod);
   mod.def("direct_conv2d_uses_avx512", &tf_sparse_split::DirectConv2DUsesAvx512,
           "Whether the direct convolution kernels were built with AVX-512.");
+  mod.def(
+      "conv_sparse_kernel_choice",
+      [](double values, double nnz, py::tuple direct_timings,
+         py::tuple csr_timings, double calib_values) {
+        // timings: (nnz_full, t_full, nnz_thin, t_thin) on calib_values values
+        auto fit = [&](py::tuple t) {
+          if (t.size() != 4)
+            throw py::value_error("timings must be (nnz_full, t_full, "
+                                  "nnz_thin, t_thin)");
+          return tf_sparse_split::FitSparseKernel(
+              calib_values, t[0].cast<double>(), t[1].cast<double>(),
+              t[2].cast<double>(), t[3].cast<double>());
+        };
+        const auto d = fit(direct_timings), c = fit(csr_timings);
+        py::dict out;
+        out["direct"] = tf_sparse_split::DirectPredictedFaster(d, c, values, nnz);
+        out["direct_s"] = d.Seconds(values, nnz);
+        out["csr_s"] = c.Seconds(values, nnz);
+        out["direct_per_value"] = d.per_value;
+        out["direct_per_nnz"] = d.per_nnz;
+        out["csr_per_value"] = c.per_value;
+        out["csr_per_nnz"] = c.per_nnz;
+        return out;
+      },
+      py::arg("values"), py::arg("nnz"), py::arg("direct_timings"),
+      py::arg("csr_timings"), py::arg("calib_values"),
+      "The convolution ops' choice of sparse kernel from recorded timings:\n"
+      "each kernel's (nnz_full, t_full seconds, nnz_thin, t_thin seconds) on\n"
+      "calib_values input values, fitted as seconds = a*values + b*nnz, then\n"
+      "evaluated for a call of `values` values with `nnz` nonzeros. Returns\n"
+      "a dict: direct (bool: the direct kernel is taken), direct_s, csr_s\n"
+      "(predicted seconds) and the fitted per_value/per_nnz terms.");
   mod.attr("DENSITY_BINS") = tf_sparse_split::kDensityBins;
 
   // ---- Statistics layout ------------------------------------------------
