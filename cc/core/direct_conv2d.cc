@@ -167,13 +167,13 @@ struct TileWidth {
 // Column j of a stride-1, dilation-1 tile: the nonzeros of input pixel px
 // (C_in values) feed outputs b = j - kw of the tile for kw in [0, KW).
 template <typename T, int V, int B, int KW, int J>
-TFSS_INLINE void FwdColumnS1(const T* px, int64_t ci, const T* wk,
+TFSS_INLINE void FwdColumnS1(const T* px, int64_t cb, int64_t ce, const T* wk,
                              typename DVec<T>::V (&acc)[B][V]) {
   using Vt = typename DVec<T>::V;
   constexpr int L = DVec<T>::kLanes;
   constexpr int RW = KW * V * L;  // packed values per (kh, c)
-  for (int64_t c0 = 0; c0 < ci; c0 += 64) {
-    uint64_t m = NonzeroMask<T>(px + c0, std::min<int64_t>(64, ci - c0));
+  for (int64_t c0 = cb; c0 < ce; c0 += 64) {
+    uint64_t m = NonzeroMask<T>(px + c0, std::min<int64_t>(64, ce - c0));
     while (m) {
       const int64_t c = c0 + __builtin_ctzll(m);
       m &= m - 1;
@@ -198,18 +198,19 @@ TFSS_INLINE void FwdColumnS1(const T* px, int64_t ci, const T* wk,
 template <typename T, int V, int B, int KW, int J, int JEnd>
 struct FwdColumnsS1 {
   static TFSS_INLINE void Run(const T* xrow, int64_t wbase, int64_t w_in,
-                              int64_t ci, const T* wk,
+                              int64_t ci, int64_t cb, int64_t ce, const T* wk,
                               typename DVec<T>::V (&acc)[B][V]) {
     const int64_t w = wbase + J;
     if (w >= 0 && w < w_in)
-      FwdColumnS1<T, V, B, KW, J>(xrow + w * ci, ci, wk, acc);
-    FwdColumnsS1<T, V, B, KW, J + 1, JEnd>::Run(xrow, wbase, w_in, ci, wk, acc);
+      FwdColumnS1<T, V, B, KW, J>(xrow + w * ci, cb, ce, wk, acc);
+    FwdColumnsS1<T, V, B, KW, J + 1, JEnd>::Run(xrow, wbase, w_in, ci, cb, ce,
+                                                wk, acc);
   }
 };
 template <typename T, int V, int B, int KW, int JEnd>
 struct FwdColumnsS1<T, V, B, KW, JEnd, JEnd> {
-  static TFSS_INLINE void Run(const T*, int64_t, int64_t, int64_t, const T*,
-                              typename DVec<T>::V (&)[B][V]) {}
+  static TFSS_INLINE void Run(const T*, int64_t, int64_t, int64_t, int64_t,
+                              int64_t, const T*, typename DVec<T>::V (&)[B][V]) {}
 };
 
 // Generic column b of a tile (any stride, dilation, KW): one tap (kh, kw)
@@ -217,15 +218,16 @@ struct FwdColumnsS1<T, V, B, KW, JEnd, JEnd> {
 template <typename T, int V, int B, int Bi, int BEnd>
 struct FwdColumnsGeneric {
   static TFSS_INLINE void Run(const T* xrow, int64_t w_first, int64_t sw,
-                              int64_t w_in, int nb, int64_t ci, int64_t rw,
-                              const T* wk, typename DVec<T>::V (&acc)[B][V]) {
+                              int64_t w_in, int nb, int64_t ci, int64_t cb,
+                              int64_t ce, int64_t rw, const T* wk,
+                              typename DVec<T>::V (&acc)[B][V]) {
     using Vt = typename DVec<T>::V;
     constexpr int L = DVec<T>::kLanes;
     const int64_t w = w_first + Bi * sw;
     if (Bi < nb && w >= 0 && w < w_in) {
       const T* px = xrow + w * ci;
-      for (int64_t c0 = 0; c0 < ci; c0 += 64) {
-        uint64_t m = NonzeroMask<T>(px + c0, std::min<int64_t>(64, ci - c0));
+      for (int64_t c0 = cb; c0 < ce; c0 += 64) {
+        uint64_t m = NonzeroMask<T>(px + c0, std::min<int64_t>(64, ce - c0));
         while (m) {
           const int64_t c = c0 + __builtin_ctzll(m);
           m &= m - 1;
@@ -239,50 +241,85 @@ struct FwdColumnsGeneric {
       }
     }
     FwdColumnsGeneric<T, V, B, Bi + 1, BEnd>::Run(xrow, w_first, sw, w_in, nb,
-                                                  ci, rw, wk, acc);
+                                                  ci, cb, ce, rw, wk, acc);
   }
 };
 template <typename T, int V, int B, int BEnd>
 struct FwdColumnsGeneric<T, V, B, BEnd, BEnd> {
   static TFSS_INLINE void Run(const T*, int64_t, int64_t, int64_t, int, int64_t,
-                              int64_t, const T*, typename DVec<T>::V (&)[B][V]) {}
+                              int64_t, int64_t, int64_t, const T*,
+                              typename DVec<T>::V (&)[B][V]) {}
 };
 
-// One output row of one channel block: y row [OW, kn] at yrow (stride
-// C_out per pixel), tiles of B columns.
+// Output rows [r0, r1) (row r = image r / OH of the list, output row
+// r % OH) of one channel block [k0, k0 + kn): tiles of B columns, their
+// B x V accumulators in registers. When the packed filter slice of all
+// input channels of a filter row (C_in * KW * V vectors) exceeds 48 KB, the
+// work runs in passes over (filter row kh, input-channel chunk) so that a
+// pass's slice stays in L1 while every tile of the rows uses it; between
+// passes the accumulators wait in acc_buf [rows][tiles*B][V*L].
 template <typename T, int V>
-void FwdRow(const T* ximg, const Conv2DGeometry& g, int64_t oh, const T* wp,
-            T* yrow, int64_t kn) {
+void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
+             int64_t r0, int64_t r1, const T* wp, T* y, int64_t k0,
+             int64_t kn, int64_t chunk, std::vector<T>* acc_buf) {
   using Vt = typename DVec<T>::V;
   constexpr int L = DVec<T>::kLanes;
   constexpr int B = TileWidth<V>::value;
   const int64_t ci = g.c_in;
   const bool s1 = g.kw == 3 && g.stride_w == 1 && g.dil_w == 1;
   const int64_t rw = g.kw * V * L;
-  for (int64_t ow0 = 0; ow0 < g.out_w; ow0 += B) {
-    const int nb = static_cast<int>(std::min<int64_t>(B, g.out_w - ow0));
-    Vt acc[B][V];
-    for (int b = 0; b < B; ++b)
-      for (int v = 0; v < V; ++v) acc[b][v] = Vt{};
-    for (int64_t kh = 0; kh < g.kh; ++kh) {
-      const int64_t h = oh * g.stride_h - g.pad_top + kh * g.dil_h;
-      if (h < 0 || h >= g.h) continue;
-      const T* xrow = ximg + h * g.w * ci;
-      const T* wk = wp + kh * ci * rw;
-      if (s1) {
-        FwdColumnsS1<T, V, B, 3, 0, B + 2>::Run(xrow, ow0 - g.pad_left, g.w,
-                                                ci, wk, acc);
-      } else {
-        for (int64_t kw = 0; kw < g.kw; ++kw)
-          FwdColumnsGeneric<T, V, B, 0, B>::Run(
-              xrow, ow0 * g.stride_w - g.pad_left + kw * g.dil_w, g.stride_w,
-              g.w, nb, ci, rw, wk + kw * V * L, acc);
+  const int64_t tiles = (g.out_w + B - 1) / B;
+  const int64_t row_vals = tiles * B * V * L;
+  acc_buf->assign((r1 - r0) * row_vals, T(0));
+  // All filter rows in one pass (accumulators in registers throughout) when
+  // one chunk holds every channel, else one filter row per pass.
+  const int64_t khg = chunk >= ci ? g.kh : 1;
+  for (int64_t kh0 = 0; kh0 < g.kh; kh0 += khg) {
+    for (int64_t cb = 0; cb < ci; cb += chunk) {
+      const int64_t ce = std::min(ci, cb + chunk);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r / g.out_h, oh = r % g.out_h;
+        const int64_t img = images ? images[i] : i;
+        T* rb = acc_buf->data() + (r - r0) * row_vals;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t ow0 = t * B;
+          const int nb = static_cast<int>(std::min<int64_t>(B, g.out_w - ow0));
+          T* ab = rb + t * B * V * L;
+          Vt acc[B][V];
+          for (int b = 0; b < B; ++b)
+            for (int v = 0; v < V; ++v)
+              acc[b][v] = LoadV<Vt>(ab + (b * V + v) * L);
+          for (int64_t kh = kh0; kh < std::min(g.kh, kh0 + khg); ++kh) {
+            const int64_t h = oh * g.stride_h - g.pad_top + kh * g.dil_h;
+            if (h < 0 || h >= g.h) continue;
+            const T* xrow = x + (img * g.h + h) * g.w * ci;
+            const T* wk = wp + kh * ci * rw;
+            if (s1) {
+              FwdColumnsS1<T, V, B, 3, 0, B + 2>::Run(
+                  xrow, ow0 - g.pad_left, g.w, ci, cb, ce, wk, acc);
+            } else {
+              for (int64_t kw = 0; kw < g.kw; ++kw)
+                FwdColumnsGeneric<T, V, B, 0, B>::Run(
+                    xrow, ow0 * g.stride_w - g.pad_left + kw * g.dil_w,
+                    g.stride_w, g.w, nb, ci, cb, ce, rw, wk + kw * V * L, acc);
+            }
+          }
+          for (int b = 0; b < B; ++b)
+            for (int v = 0; v < V; ++v)
+              StoreV(ab + (b * V + v) * L, acc[b][v]);
+        }
       }
     }
-    for (int b = 0; b < nb; ++b) {
-      T* o = yrow + (ow0 + b) * g.c_out;
-      for (int v = 0; v < V; ++v) StorePart<T>(o + v * L, acc[b][v], kn - v * L);
-    }
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t i = r / g.out_h, oh = r % g.out_h;
+    const int64_t img = images ? images[i] : i;
+    const T* rb = acc_buf->data() + (r - r0) * row_vals;
+    T* yrow = y + ((img * g.out_h + oh) * g.out_w) * g.c_out + k0;
+    for (int64_t ow = 0; ow < g.out_w; ++ow)
+      for (int v = 0; v < V; ++v)
+        StorePart<T>(yrow + ow * g.c_out + v * L,
+                     LoadV<Vt>(rb + (ow * V + v) * L), kn - v * L);
   }
 }
 
@@ -577,23 +614,32 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
   blocks.Build(f, g);
   constexpr int L = DVec<T>::kLanes;
   const int64_t rows = n_images * g.out_h;
+  // Input-channel chunk of a pass: the whole C_in when its filter slice
+  // (C_in * KW * V vectors) fits in 48 KB, else multiples of 16 channels
+  // within 32 KB.
+  const int64_t per_chan = g.kw * blocks.vecs * L * sizeof(T);
+  int64_t chunk = g.c_in;
+  if (g.c_in * per_chan > 48 * 1024)
+    chunk = std::max<int64_t>(16, (32 * 1024 / per_chan) / 16 * 16);
+  // Rows per task: enough tiles (about 8) to reuse each pass's filter slice.
+  const int64_t tiles = (g.out_w + 6) / 7;
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(8, (8 + tiles - 1) / tiles));
+  const int64_t groups = (rows + group - 1) / group;
   const int64_t cost =
-      1 + g.out_w * g.kh * g.kw * (g.c_in / 2 + 1) * blocks.vecs * 2;
-  pfor(blocks.count * rows, cost, [&](int64_t tb, int64_t te) {
+      1 + group * g.out_w * g.kh * g.kw * (g.c_in / 2 + 1) * blocks.vecs * 2;
+  pfor(blocks.count * groups, cost, [&](int64_t tb, int64_t te) {
+    std::vector<T> acc_buf;
     for (int64_t t = tb; t < te; ++t) {
-      const int64_t b = t / rows, r = t % rows;
-      const int64_t i = r / g.out_h, oh = r % g.out_h;
-      const int64_t img = images ? images[i] : i;
-      const T* ximg = x + img * g.h * g.w * g.c_in;
+      const int64_t b = t / groups, q = t % groups;
+      const int64_t r0 = q * group, r1 = std::min(rows, r0 + group);
       const int64_t k0 = b * blocks.vecs * L;
       const int64_t kn = std::min<int64_t>(g.c_out - k0, blocks.vecs * L);
-      T* yrow = y + img * out_img + oh * g.out_w * g.c_out + k0;
       const T* wp = blocks.packed.data() + blocks.offset[b];
       switch (blocks.Vecs(b, g)) {
-        case 4: FwdRow<T, 4>(ximg, g, oh, wp, yrow, kn); break;
-        case 3: FwdRow<T, 3>(ximg, g, oh, wp, yrow, kn); break;
-        case 2: FwdRow<T, 2>(ximg, g, oh, wp, yrow, kn); break;
-        default: FwdRow<T, 1>(ximg, g, oh, wp, yrow, kn); break;
+        case 4: FwdRows<T, 4>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf); break;
+        case 3: FwdRows<T, 3>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf); break;
+        case 2: FwdRows<T, 2>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf); break;
+        default: FwdRows<T, 1>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf); break;
       }
     }
   });
