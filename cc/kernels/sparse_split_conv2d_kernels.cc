@@ -30,12 +30,17 @@
 // channels skipped), NNZ / NNZ_SPARSE = nonzero input values.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "cc/core/conv_cost.h"
 #include "cc/core/cost_model.h"
+#include "cc/core/direct_conv2d.h"
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/kernels/epilogue.h"
@@ -292,6 +297,171 @@ void SparseFilterGrad(const T* x, const Conv2DGeometry& g,
   }
 }
 
+// ---- Sparse-kernel choice: direct (zero-skipping) or pixel CSR -----------
+// The sparse part of both ops runs one of two kernels: the direct kernel of
+// cc/core/direct_conv2d.h (SparseTrain, Gong et al. 2019: zeros tested in
+// the dense layout, nothing converted; cost ~ a scan per value + work per
+// nonzero) or the pixel-CSR kernels of cc/core/sparse_conv2d.h (a CSR build
+// per value + work per nonzero). Each family times both once, on the first
+// call that may run sparse rows -- the call's first images (about 2^20
+// values) and a copy thinned to every 8th nonzero, interleaved, best of up
+// to three -- fits seconds = a * values + b * nnz per kernel and then takes,
+// per call, the kernel predicted faster for the sparse rows' values and
+// nonzeros. The family's cost terms (cost_model.h) are calibrated on the
+// kernel this choice takes for the calibration sample.
+
+class SparseKernelChoice {
+ public:
+  bool calibrated() const {
+    std::lock_guard<std::mutex> l(mu_);
+    return calibrated_;
+  }
+  void Set(const SparseKernelRate& direct, const SparseKernelRate& csr) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (calibrated_) return;
+    direct_ = direct;
+    csr_ = csr;
+    calibrated_ = true;
+  }
+  // The direct kernel unless calibrated timings predict the CSR faster.
+  bool UseDirect(double values, double nnz) const {
+    std::lock_guard<std::mutex> l(mu_);
+    return !calibrated_ || DirectPredictedFaster(direct_, csr_, values, nnz);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  bool calibrated_ = false;
+  SparseKernelRate direct_, csr_;
+};
+
+// TFSS_CONV_SPARSE_KERNEL=direct|csr forces one sparse kernel (tests and
+// benchmarks); unset or anything else: the calibrated choice.
+int SparseKernelOverride() {
+  const char* v = std::getenv("TFSS_CONV_SPARSE_KERNEL");
+  if (v == nullptr) return 0;
+  const std::string s(v);
+  return s == "direct" ? 1 : s == "csr" ? 2 : 0;
+}
+
+// Whether the sparse part of `values` values holding `nnz` nonzeros runs
+// the direct kernel.
+bool UseDirectKernel(const SparseKernelChoice& choice, double values,
+                     double nnz) {
+  const int o = SparseKernelOverride();
+  return o == 1 || (o == 0 && choice.UseDirect(values, nnz));
+}
+
+// Process-wide choices, one per family key.
+SparseKernelChoice& ChoiceFor(const std::vector<int64_t>& key) {
+  static std::mutex* mu = new std::mutex;
+  static auto* m =
+      new std::map<std::vector<int64_t>, std::unique_ptr<SparseKernelChoice>>;
+  std::lock_guard<std::mutex> l(*mu);
+  auto& c = (*m)[key];
+  if (!c) c.reset(new SparseKernelChoice);
+  return *c;
+}
+
+// Calibrates `choice` on the first images of x: run(direct, sample,
+// image_nnz) runs one kernel on the images of `sample` (a dim-0 slice of x
+// or a thinned copy of it).
+template <typename T, typename Run>
+absl::Status CalibrateSparseChoice(tf::OpKernelContext* ctx,
+                                   const tf::Tensor& x, const Conv2DGeometry& g,
+                                   Run run, SparseKernelChoice* choice) {
+  const int64_t k = std::max<int64_t>(1, g.h * g.w * g.c_in);
+  const int64_t rows = std::max<int64_t>(
+      1, std::min<int64_t>(g.n, ((int64_t{1} << 20) + k - 1) / k));
+  const tf::Tensor sample = x.Slice(0, rows);
+  tf::Tensor thin;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(x.dtype(), sample.shape(), &thin));
+  std::vector<int64_t> nnz_full(rows), nnz_thin(rows);
+  const T* xs = sample.flat<T>().data();
+  T* xt = thin.flat<T>().data();
+  double full = 0, thinned = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t seen = 0, kept = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const T v = xs[r * k + j];
+      const bool nz = v != T(0);
+      const bool keep = nz && (seen++ % 8) == 0;
+      xt[r * k + j] = keep ? v : T(0);
+      kept += keep;
+    }
+    nnz_full[r] = seen;
+    nnz_thin[r] = kept;
+    full += seen;
+    thinned += kept;
+  }
+  std::vector<std::function<absl::Status()>> fns = {
+      [&] { return run(true, sample, nnz_full.data()); },
+      [&] { return run(true, thin, nnz_thin.data()); },
+      [&] { return run(false, sample, nnz_full.data()); },
+      [&] { return run(false, thin, nnz_thin.data()); }};
+  std::vector<double> best;
+  TF_RETURN_IF_ERROR(split_runtime_internal::BestSecondsInterleaved(fns, &best));
+  const double values = static_cast<double>(rows) * k;
+  choice->Set(FitSparseKernel(values, full, best[0], thinned, best[1]),
+              FitSparseKernel(values, full, best[2], thinned, best[3]));
+  return absl::OkStatus();
+}
+
+// Whether a call of geometry g has work (no empty dimension).
+bool HasWork(const Conv2DGeometry& g) {
+  return g.n > 0 && g.out_h > 0 && g.out_w > 0 && g.c_out > 0 &&
+         g.h * g.w * g.c_in > 0;
+}
+
+// Sparse forward of the listed images by the chosen kernel.
+template <typename T>
+void SparseForwardBy(bool direct, const T* x, const Conv2DGeometry& g,
+                     const int64_t* images, int64_t n_images,
+                     const int64_t* image_nnz, const T* f, T* y,
+                     const ParallelFor& pfor) {
+  if (direct) {
+    // All-zero images: zero output, no scan.
+    std::vector<int64_t> live;
+    live.reserve(n_images);
+    const int64_t out_img = g.out_h * g.out_w * g.c_out;
+    for (int64_t i = 0; i < n_images; ++i) {
+      if (image_nnz[images[i]] > 0) {
+        live.push_back(images[i]);
+      } else {
+        std::fill_n(y + images[i] * out_img, out_img, T(0));
+      }
+    }
+    if (live.empty()) return;
+    DirectConv2DForward<T>(x, g, f, live.data(),
+                           static_cast<int64_t>(live.size()), y, pfor);
+    return;
+  }
+  PixelCsr<T> csr;
+  BuildPixelCsr<T>(x, g, images, n_images, image_nnz, &csr, pfor);
+  SparseConv2DForward<T>(csr, g, images, n_images, f, y, pfor);
+}
+
+// Sparse filter gradient of the listed images by the chosen kernel
+// (accumulated into df).
+template <typename T>
+void SparseFilterGradBy(bool direct, const T* x, const Conv2DGeometry& g,
+                        const int64_t* images, int64_t n_images,
+                        const int64_t* image_nnz, const T* dy, T* df,
+                        const ParallelFor& pfor) {
+  if (direct) {
+    std::vector<int64_t> live;  // all-zero images add nothing
+    live.reserve(n_images);
+    for (int64_t i = 0; i < n_images; ++i)
+      if (image_nnz[images[i]] > 0) live.push_back(images[i]);
+    if (live.empty()) return;
+    DirectConv2DBackpropFilter<T>(x, g, dy, live.data(),
+                                  static_cast<int64_t>(live.size()), df, pfor);
+    return;
+  }
+  SparseFilterGrad<T>(x, g, images, n_images, image_nnz, dy, df, pfor);
+}
+// ---- end of the sparse-kernel choice --------------------------------------
+
 // The filter_sizes tensor [KH, KW, c, C_out] of TF's Conv2DBackpropFilter.
 tf::Tensor FilterSizes(const Conv2DGeometry& g, int64_t c) {
   tf::Tensor t(tf::DT_INT32, tf::TensorShape({4}));
@@ -446,6 +616,11 @@ struct ConvForwardPaths : ConvSamples {
     return absl::OkStatus();
   }
 
+  const SparseKernelChoice* choice;  // null: the pixel-CSR kernel
+  // The kernel of the first sample, kept for the whole calibration (one
+  // kernel's timings per fit).
+  int kernel = -1;
+
   absl::Status RunDense(const tf::Tensor& sample) {
     tf::Tensor result;
     return Dense(sample, f, &result);
@@ -454,11 +629,13 @@ struct ConvForwardPaths : ConvSamples {
     std::vector<int64_t> imgs;
     const Conv2DGeometry gs = Of(sample, &imgs);
     std::vector<T> y(gs.n * g.out_h * g.out_w * g.c_out);
-    PixelCsr<T> csr;
-    BuildPixelCsr<T>(sample.flat<T>().data(), gs, imgs.data(), gs.n, image_nnz,
-                     &csr, pfor);
-    SparseConv2DForward<T>(csr, gs, imgs.data(), gs.n, f.flat<T>().data(),
-                           y.data(), pfor);
+    const double nnz = std::accumulate(image_nnz, image_nnz + gs.n, 0.0);
+    if (kernel < 0)
+      kernel = choice && UseDirectKernel(*choice, static_cast<double>(gs.n) *
+                                                      g.h * g.w * g.c_in, nnz);
+    const bool direct = kernel == 1;
+    SparseForwardBy<T>(direct, sample.flat<T>().data(), gs, imgs.data(), gs.n,
+                       image_nnz, f.flat<T>().data(), y.data(), pfor);
     epilogue.ApplyRows<T>(ctx, y.data(), gs.n * g.out_h * g.out_w, g.c_out,
                           pfor);
     return absl::OkStatus();
@@ -469,6 +646,10 @@ template <typename T>
 struct ConvFilterGradPaths : ConvSamples {
   const tf::Tensor& dy;
   const TfKernel& backprop_filter;
+  const SparseKernelChoice* choice;  // null: the pixel-CSR kernels
+  // The kernel of the first sample, kept for the whole calibration (one
+  // kernel's timings per fit).
+  int kernel = -1;
 
   absl::Status RunDense(const tf::Tensor& sample) {
     const tf::Tensor dys = dy.Slice(0, sample.dim_size(0));
@@ -480,8 +661,14 @@ struct ConvFilterGradPaths : ConvSamples {
     std::vector<int64_t> imgs;
     const Conv2DGeometry gs = Of(sample, &imgs);
     std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out, T(0));
-    SparseFilterGrad<T>(sample.flat<T>().data(), gs, imgs.data(), gs.n,
-                        image_nnz, dy.flat<T>().data(), df.data(), pfor);
+    const double nnz = std::accumulate(image_nnz, image_nnz + gs.n, 0.0);
+    if (kernel < 0)
+      kernel = choice && UseDirectKernel(*choice, static_cast<double>(gs.n) *
+                                                      g.h * g.w * g.c_in, nnz);
+    const bool direct = kernel == 1;
+    SparseFilterGradBy<T>(direct, sample.flat<T>().data(), gs, imgs.data(),
+                          gs.n, image_nnz, dy.flat<T>().data(), df.data(),
+                          pfor);
     return absl::OkStatus();
   }
 };
@@ -531,8 +718,26 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     const tf::TensorShape out_shape({g.n, g.out_h, g.out_w, g.c_out});
     const int64_t pixels = g.out_h * g.out_w;  // output rows per image
     ConvSplit s(ctx, g, thr_in);
+    // Sparse-kernel choice of this family (calibrated before the family's
+    // cost terms, which time the kernel it picks).
+    SparseKernelChoice& choice =
+        ChoiceFor(FamilyKey(kFamilyConv2DForward, tf::DataTypeToEnum<T>::value, g));
+    if (HasWork(g) && thr_in != 0.0f && SparseKernelOverride() == 0 &&
+        !choice.calibrated() && s.call.status().ok()) {
+      OP_REQUIRES_OK(ctx, CalibrateSparseChoice<T>(
+          ctx, x, g,
+          [&](bool direct, const tf::Tensor& xs, const int64_t* nnz) {
+            std::vector<int64_t> imgs;
+            const Conv2DGeometry gs = ConvSamples{xs, g, ctx, s.pfor}.Of(xs, &imgs);
+            std::vector<T> y(gs.n * g.out_h * g.out_w * g.c_out);
+            SparseForwardBy<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
+                               gs.n, nnz, f.flat<T>().data(), y.data(), s.pfor);
+            return absl::OkStatus();
+          },
+          &choice));
+    }
     ConvForwardPaths<T> paths{{x, g, ctx, s.pfor}, f, conv_, epilogue_, fused_,
-                              bias};
+                              bias, &choice};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
                                      true, paths, &plans_, &done));
@@ -581,11 +786,11 @@ class SparseSplitConv2DOp : public tf::OpKernel {
 
     // --- Sparse part, then the epilogue on its images. ----------------------
     if (rs > 0) {
-      PixelCsr<T> csr;
-      BuildPixelCsr<T>(xp, g, s.sparse().data(), rs, s.an.image_nnz.data(), &csr,
-                       s.pfor);
-      SparseConv2DForward<T>(csr, g, s.sparse().data(), rs, fp,
-                             out->flat<T>().data(), s.pfor);
+      const bool direct = UseDirectKernel(choice,
+          static_cast<double>(rs) * g.h * g.w * g.c_in, s.call.split().nnz_sparse);
+      SparseForwardBy<T>(direct, xp, g, s.sparse().data(), rs,
+                         s.an.image_nnz.data(), fp, out->flat<T>().data(),
+                         s.pfor);
       epilogue_.ApplyImages<T>(ctx, out->flat<T>().data(), s.sparse().data(),
                                rs, pixels, g.c_out, s.pfor);
     }
@@ -651,7 +856,25 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                     dy_expected.DebugString()));
 
     ConvSplit s(ctx, g, thr_in);
-    ConvFilterGradPaths<T> paths{{x, g, ctx, s.pfor}, dy, bf_};
+    // Sparse-kernel choice of this family (see the forward op).
+    SparseKernelChoice& choice = ChoiceFor(
+        FamilyKey(kFamilyConv2DFilterGrad, tf::DataTypeToEnum<T>::value, g));
+    if (HasWork(g) && thr_in != 0.0f && SparseKernelOverride() == 0 &&
+        !choice.calibrated() && s.call.status().ok()) {
+      OP_REQUIRES_OK(ctx, CalibrateSparseChoice<T>(
+          ctx, x, g,
+          [&](bool direct, const tf::Tensor& xs, const int64_t* nnz) {
+            std::vector<int64_t> imgs;
+            const Conv2DGeometry gs = ConvSamples{xs, g, ctx, s.pfor}.Of(xs, &imgs);
+            std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out, T(0));
+            SparseFilterGradBy<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
+                                  gs.n, nnz, dy.flat<T>().data(), df.data(),
+                                  s.pfor);
+            return absl::OkStatus();
+          },
+          &choice));
+    }
+    ConvFilterGradPaths<T> paths{{x, g, ctx, s.pfor}, dy, bf_, &choice};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, fshape, kFamilyConv2DFilterGrad,
                                      dense_ok_, paths, &plans_, &done));
@@ -707,8 +930,11 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
 
     // --- Sparse part: adds the sparse images' contribution. -----------------
     if (rs > 0 && s.call.split().nnz_sparse > 0) {
-      SparseFilterGrad<T>(xp, g, s.sparse().data(), rs, s.an.image_nnz.data(),
-                          dy.flat<T>().data(), out->flat<T>().data(), s.pfor);
+      const bool direct = UseDirectKernel(choice, 
+          static_cast<double>(rs) * g.h * g.w * g.c_in, s.call.split().nnz_sparse);
+      SparseFilterGradBy<T>(direct, xp, g, s.sparse().data(), rs,
+                            s.an.image_nnz.data(), dy.flat<T>().data(),
+                            out->flat<T>().data(), s.pfor);
     }
     s.call.SparseDone();
     s.Finish(g);

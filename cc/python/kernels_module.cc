@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include "cc/core/direct_conv2d.h"
+#include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/core/stats.h"
 
@@ -819,6 +821,191 @@ void BindAnalysis(py::module_& mod) {
       [](PlanMemory& m) { return DictOf(m.history()); }, py::is_method(mem));
 }
 
+
+// ---- Convolution kernels (cc/core/direct_conv2d.h, sparse_conv2d.h) -------
+// NHWC input x [N, H, W, C_in], HWIO filter [KH, KW, C_in, C_out]; padding
+// "SAME", "VALID" or explicit (top, bottom, left, right).
+
+// A sequence of ints as a vector (ValueError naming `what` otherwise).
+std::vector<int64_t> IntsOf(const py::object& o, const char* what) {
+  std::vector<int64_t> v;
+  try {
+    for (const py::handle& e : py::reinterpret_borrow<py::sequence>(o))
+      v.push_back(e.cast<int64_t>());
+  } catch (const py::cast_error&) {
+    throw py::value_error(std::string(what) + " must be a sequence of ints");
+  }
+  return v;
+}
+
+Conv2DGeometry ConvGeometryOf(const std::vector<int64_t>& xs, int64_t kh,
+                              int64_t kw, int64_t c_out,
+                              const py::object& strides_o,
+                              const py::object& dilations_o,
+                              const py::object& padding) {
+  const std::vector<int64_t> strides = IntsOf(strides_o, "strides");
+  const std::vector<int64_t> dilations = IntsOf(dilations_o, "dilations");
+  if (xs.size() != 4)
+    throw py::value_error("x must be 4-D [N, H, W, C_in] (NHWC), got " +
+                          std::to_string(xs.size()) + "-D");
+  if (strides.size() != 2 || dilations.size() != 2 || strides[0] < 1 ||
+      strides[1] < 1 || dilations[0] < 1 || dilations[1] < 1)
+    throw py::value_error("strides and dilations must be two ints >= 1 (H, W)");
+  if (kh < 1 || kw < 1 || c_out < 0)
+    throw py::value_error("filter sizes must be positive");
+  Conv2DGeometry g;
+  g.n = xs[0];
+  g.h = xs[1];
+  g.w = xs[2];
+  g.c_in = xs[3];
+  g.kh = kh;
+  g.kw = kw;
+  g.c_out = c_out;
+  g.stride_h = strides[0];
+  g.stride_w = strides[1];
+  g.dil_h = dilations[0];
+  g.dil_w = dilations[1];
+  int code = 0;
+  std::vector<int64_t> pads(4, 0);
+  if (py::isinstance<py::str>(padding)) {
+    const std::string p = padding.cast<std::string>();
+    if (p == "SAME") code = 1;
+    else if (p == "VALID") code = 0;
+    else throw py::value_error("padding must be 'SAME', 'VALID' or 4 ints");
+  } else {
+    pads = IntsOf(padding, "padding");
+    if (pads.size() != 4 ||
+        *std::min_element(pads.begin(), pads.end()) < 0)
+      throw py::value_error("explicit padding must be 4 ints >= 0 "
+                            "(top, bottom, left, right)");
+    code = 2;
+  }
+  const char* err = nullptr;
+  if (!ConvOutputSize(g.h, g.kh, g.stride_h, g.dil_h, code, pads[0], pads[1],
+                      &g.out_h, &g.pad_top, &err) ||
+      !ConvOutputSize(g.w, g.kw, g.stride_w, g.dil_w, code, pads[2], pads[3],
+                      &g.out_w, &g.pad_left, &err))
+    throw py::value_error(err);
+  return g;
+}
+
+template <typename T>
+std::vector<int64_t> ShapeOf(const Arr<T>& a) {
+  return std::vector<int64_t>(a.shape(), a.shape() + a.ndim());
+}
+
+template <typename T>
+Conv2DGeometry ForwardGeometry(const Arr<T>& x, const Arr<T>& f,
+                               const py::object& strides,
+                               const py::object& dilations,
+                               const py::object& padding) {
+  if (f.ndim() != 4)
+    throw py::value_error("filter must be 4-D [KH, KW, C_in, C_out] (HWIO)");
+  const Conv2DGeometry g = ConvGeometryOf(ShapeOf(x), f.shape(0), f.shape(1),
+                                          f.shape(3), strides, dilations,
+                                          padding);
+  if (f.shape(2) != g.c_in)
+    throw py::value_error("filter C_in " + std::to_string(f.shape(2)) +
+                          " != input C_in " + std::to_string(g.c_in));
+  return g;
+}
+
+template <typename T>
+py::array_t<T> DirectConvPy(const Arr<T>& x, const Arr<T>& f,
+                            const py::object& strides,
+                            const py::object& dilations,
+                            const py::object& padding, bool pixel_csr,
+                            int threads) {
+  const Conv2DGeometry g = ForwardGeometry(x, f, strides, dilations, padding);
+  py::array_t<T> y({g.n, g.out_h, g.out_w, g.c_out});
+  {
+    py::gil_scoped_release release;
+    auto pfor = ThreadFor(threads);
+    std::vector<int64_t> imgs(g.n);
+    for (int64_t i = 0; i < g.n; ++i) imgs[i] = i;
+    if (!pixel_csr) {
+      DirectConv2DForward<T>(x.data(), g, f.data(), nullptr, g.n,
+                             y.mutable_data(), pfor);
+    } else {
+      std::vector<int64_t> image_nnz(g.n), chan_nnz(g.c_in);
+      CountConvNonzeros<T>(x.data(), g, image_nnz.data(), chan_nnz.data(), pfor);
+      PixelCsr<T> csr;
+      BuildPixelCsr<T>(x.data(), g, imgs.data(), g.n, image_nnz.data(), &csr,
+                       pfor);
+      SparseConv2DForward<T>(csr, g, imgs.data(), g.n, f.data(),
+                             y.mutable_data(), pfor);
+    }
+  }
+  return y;
+}
+
+template <typename T>
+py::array_t<T> DirectFilterGradPy(const Arr<T>& x, const Arr<T>& dy,
+                                  int64_t kh, int64_t kw,
+                                  const py::object& strides,
+                                  const py::object& dilations,
+                                  const py::object& padding, bool pixel_csr,
+                                  int threads) {
+  if (dy.ndim() != 4) throw py::value_error("dy must be 4-D [N, OH, OW, C_out]");
+  const Conv2DGeometry g = ConvGeometryOf(ShapeOf(x), kh, kw, dy.shape(3),
+                                          strides, dilations, padding);
+  if (dy.shape(0) != g.n || dy.shape(1) != g.out_h || dy.shape(2) != g.out_w)
+    throw py::value_error("dy shape does not match the convolution's output [" +
+                          std::to_string(g.n) + ", " + std::to_string(g.out_h) +
+                          ", " + std::to_string(g.out_w) + ", C_out]");
+  py::array_t<T> df({g.kh, g.kw, g.c_in, g.c_out});
+  std::fill(df.mutable_data(), df.mutable_data() + df.size(), T(0));
+  {
+    py::gil_scoped_release release;
+    auto pfor = ThreadFor(threads);
+    if (!pixel_csr) {
+      DirectConv2DBackpropFilter<T>(x.data(), g, dy.data(), nullptr, g.n,
+                                    df.mutable_data(), pfor);
+    } else {
+      std::vector<int64_t> imgs(g.n), image_nnz(g.n), chan_nnz(g.c_in);
+      for (int64_t i = 0; i < g.n; ++i) imgs[i] = i;
+      CountConvNonzeros<T>(x.data(), g, image_nnz.data(), chan_nnz.data(), pfor);
+      if (FilterGradBlocks(g, g.n) >= 2) {
+        PixelCsr<T> csr;
+        BuildPixelCsr<T>(x.data(), g, imgs.data(), g.n, image_nnz.data(), &csr,
+                         pfor);
+        SparseConv2DBackpropFilterPixels<T>(csr, g, imgs.data(), g.n, dy.data(),
+                                            df.mutable_data(), pfor);
+      } else {
+        ChannelCsr<T> csc;
+        BuildChannelCsr<T>(x.data(), g, imgs.data(), g.n, &csc, pfor);
+        SparseConv2DBackpropFilter<T>(csc, g, imgs.data(), dy.data(),
+                                      df.mutable_data(), pfor);
+      }
+    }
+  }
+  return df;
+}
+
+template <typename T>
+void BindConv(py::module_& mod) {
+  mod.def("direct_conv2d", &DirectConvPy<T>, py::arg("x"), py::arg("filter"),
+          py::arg("strides") = py::make_tuple(1, 1),
+          py::arg("dilations") = py::make_tuple(1, 1),
+          py::arg("padding") = py::str("SAME"), py::arg("pixel_csr") = false,
+          py::arg("threads") = DefaultThreads(),
+          "conv2d(x, filter) (NHWC x [N, H, W, C_in], HWIO filter [KH, KW, C_in,\n"
+          "C_out] -> [N, OH, OW, C_out]) by the zero-skipping direct kernel\n"
+          "(SparseTrain, Gong et al. 2019, arXiv 1911.10175), or with\n"
+          "pixel_csr=True by the pixel-CSR kernel (count + CSR build + gather\n"
+          "conv). strides/dilations: (H, W); padding 'SAME', 'VALID' or\n"
+          "(top, bottom, left, right). Raises ValueError on bad shapes.");
+  mod.def("direct_conv2d_backprop_filter", &DirectFilterGradPy<T>, py::arg("x"),
+          py::arg("dy"), py::arg("kh"), py::arg("kw"),
+          py::arg("strides") = py::make_tuple(1, 1),
+          py::arg("dilations") = py::make_tuple(1, 1),
+          py::arg("padding") = py::str("SAME"), py::arg("pixel_csr") = false,
+          py::arg("threads") = DefaultThreads(),
+          "Filter gradient [KH, KW, C_in, C_out] of conv2d for input x [N, H,\n"
+          "W, C_in] and output gradient dy [N, OH, OW, C_out], skipping zeros\n"
+          "of x: the direct kernel, or the pixel-CSR one with pixel_csr=True.\n"
+          "Raises ValueError on bad shapes.");
+}
 }  // namespace
 }  // namespace tf_sparse_split
 
@@ -828,6 +1015,42 @@ PYBIND11_MODULE(_kernels, mod) {
       "(float64 overloads first, then float32).";
   tf_sparse_split::Bind<double>(mod, "F64");
   tf_sparse_split::Bind<float>(mod, "F32");
+  tf_sparse_split::BindConv<double>(mod);
+  tf_sparse_split::BindConv<float>(mod);
+  mod.def("direct_conv2d_uses_avx512", &tf_sparse_split::DirectConv2DUsesAvx512,
+          "Whether the direct convolution kernels were built with AVX-512.");
+  mod.def(
+      "conv_sparse_kernel_choice",
+      [](double values, double nnz, py::tuple direct_timings,
+         py::tuple csr_timings, double calib_values) {
+        // timings: (nnz_full, t_full, nnz_thin, t_thin) on calib_values values
+        auto fit = [&](py::tuple t) {
+          if (t.size() != 4)
+            throw py::value_error("timings must be (nnz_full, t_full, "
+                                  "nnz_thin, t_thin)");
+          return tf_sparse_split::FitSparseKernel(
+              calib_values, t[0].cast<double>(), t[1].cast<double>(),
+              t[2].cast<double>(), t[3].cast<double>());
+        };
+        const auto d = fit(direct_timings), c = fit(csr_timings);
+        py::dict out;
+        out["direct"] = tf_sparse_split::DirectPredictedFaster(d, c, values, nnz);
+        out["direct_s"] = d.Seconds(values, nnz);
+        out["csr_s"] = c.Seconds(values, nnz);
+        out["direct_per_value"] = d.per_value;
+        out["direct_per_nnz"] = d.per_nnz;
+        out["csr_per_value"] = c.per_value;
+        out["csr_per_nnz"] = c.per_nnz;
+        return out;
+      },
+      py::arg("values"), py::arg("nnz"), py::arg("direct_timings"),
+      py::arg("csr_timings"), py::arg("calib_values"),
+      "The convolution ops' choice of sparse kernel from recorded timings:\n"
+      "each kernel's (nnz_full, t_full seconds, nnz_thin, t_thin seconds) on\n"
+      "calib_values input values, fitted as seconds = a*values + b*nnz, then\n"
+      "evaluated for a call of `values` values with `nnz` nonzeros. Returns\n"
+      "a dict: direct (bool: the direct kernel is taken), direct_s, csr_s\n"
+      "(predicted seconds) and the fitted per_value/per_nnz terms.");
   mod.attr("DENSITY_BINS") = tf_sparse_split::kDensityBins;
 
   // ---- Statistics layout ------------------------------------------------

@@ -1,0 +1,739 @@
+// CPU implementations of the kernels declared in direct_conv2d.h.
+#include "cc/core/direct_conv2d.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TFSS_DIRECT_AVX512 1
+#endif
+
+#define TFSS_INLINE inline __attribute__((always_inline))
+
+namespace tf_sparse_split {
+
+namespace {
+
+// 64-byte vectors (GCC/Clang vector extensions; the compiler maps them to
+// the ISA of the build: one zmm with AVX-512).
+template <typename T>
+struct DVec;
+template <>
+struct DVec<float> {
+  typedef float V __attribute__((vector_size(64)));
+  static constexpr int kLanes = 16;
+};
+template <>
+struct DVec<double> {
+  typedef double V __attribute__((vector_size(64)));
+  static constexpr int kLanes = 8;
+};
+
+template <typename V>
+TFSS_INLINE V LoadV(const void* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <typename V>
+TFSS_INLINE void StoreV(void* p, const V& v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+template <typename T>
+TFSS_INLINE typename DVec<T>::V Bcast(T x) {
+  typename DVec<T>::V v = {};
+  return v + x;
+}
+#ifdef TFSS_DIRECT_AVX512
+template <>
+TFSS_INLINE DVec<float>::V Bcast<float>(float x) {
+  return reinterpret_cast<DVec<float>::V>(_mm512_set1_ps(x));
+}
+template <>
+TFSS_INLINE DVec<double>::V Bcast<double>(double x) {
+  return reinterpret_cast<DVec<double>::V>(_mm512_set1_pd(x));
+}
+#endif
+
+// Bit c of the result: p[c] != 0 (NaN counts as nonzero), c < n <= 64.
+template <typename T>
+TFSS_INLINE uint64_t NonzeroMask(const T* p, int64_t n) {
+  uint64_t m = 0;
+  for (int64_t c = 0; c < n; ++c)
+    m |= static_cast<uint64_t>(p[c] != T(0)) << c;
+  return m;
+}
+
+#ifdef TFSS_DIRECT_AVX512
+template <>
+TFSS_INLINE uint64_t NonzeroMask<float>(const float* p, int64_t n) {
+  const __m512 z = _mm512_setzero_ps();
+  uint64_t m = 0;
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16)
+    m |= static_cast<uint64_t>(_mm512_cmp_ps_mask(_mm512_loadu_ps(p + c), z,
+                                                  _CMP_NEQ_UQ))
+         << c;
+  if (c < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - c)) - 1u);
+    m |= static_cast<uint64_t>(_mm512_mask_cmp_ps_mask(
+             k, _mm512_maskz_loadu_ps(k, p + c), z, _CMP_NEQ_UQ))
+         << c;
+  }
+  return m;
+}
+template <>
+TFSS_INLINE uint64_t NonzeroMask<double>(const double* p, int64_t n) {
+  const __m512d z = _mm512_setzero_pd();
+  uint64_t m = 0;
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    m |= static_cast<uint64_t>(_mm512_cmp_pd_mask(_mm512_loadu_pd(p + c), z,
+                                                  _CMP_NEQ_UQ))
+         << c;
+  if (c < n) {
+    const __mmask8 k = static_cast<__mmask8>((1u << (n - c)) - 1u);
+    m |= static_cast<uint64_t>(_mm512_mask_cmp_pd_mask(
+             k, _mm512_maskz_loadu_pd(k, p + c), z, _CMP_NEQ_UQ))
+         << c;
+  }
+  return m;
+}
+#endif
+
+// Stores the first n lanes of v to p.
+template <typename T>
+TFSS_INLINE void StorePart(T* p, const typename DVec<T>::V& v, int64_t n) {
+  if (n >= DVec<T>::kLanes) {
+    StoreV(p, v);
+  } else if (n > 0) {
+    T tmp[DVec<T>::kLanes];
+    StoreV(tmp, v);
+    std::memcpy(p, tmp, sizeof(T) * n);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+
+// Output-channel blocking of the forward kernel: blocks of kVecs vectors
+// (the last one may hold fewer), each with its packed filter
+// [KH][C_in][KW][V*lanes].
+template <typename T>
+struct FwdBlocks {
+  static constexpr int L = DVec<T>::kLanes;
+  int64_t vecs = 1;   // vectors per full block
+  int64_t count = 0;  // number of blocks
+  std::vector<int64_t> offset;  // packed offset of each block
+  std::vector<T> packed;
+
+  void Build(const T* f, const Conv2DGeometry& g) {
+    const int64_t co = g.c_out;
+    const int64_t total_vecs = (co + L - 1) / L;
+    vecs = std::min<int64_t>(4, std::max<int64_t>(1, total_vecs));
+    count = (total_vecs + vecs - 1) / vecs;
+    offset.assign(count + 1, 0);
+    const int64_t taps_c = g.kh * g.c_in * g.kw;
+    for (int64_t b = 0; b < count; ++b)
+      offset[b + 1] = offset[b] + taps_c * Vecs(b, g) * L;
+    packed.assign(offset[count], T(0));
+    for (int64_t b = 0; b < count; ++b) {
+      const int64_t k0 = b * vecs * L, vl = Vecs(b, g) * L;
+      const int64_t kn = std::min<int64_t>(co - k0, vl);
+      T* dst = packed.data() + offset[b];
+      for (int64_t kh = 0; kh < g.kh; ++kh)
+        for (int64_t c = 0; c < g.c_in; ++c)
+          for (int64_t kw = 0; kw < g.kw; ++kw)
+            std::memcpy(dst + ((kh * g.c_in + c) * g.kw + kw) * vl,
+                        f + ((kh * g.kw + kw) * g.c_in + c) * co + k0,
+                        sizeof(T) * kn);
+    }
+  }
+  int64_t Vecs(int64_t b, const Conv2DGeometry& g) const {
+    const int64_t total_vecs = (g.c_out + L - 1) / L;
+    return std::min<int64_t>(vecs, total_vecs - b * vecs);
+  }
+};
+
+// Output columns per tile for V vectors: B*V accumulators <= 28 of 32 zmm.
+template <int V>
+struct TileWidth {
+  static constexpr int value = V >= 4 ? 7 : V == 3 ? 9 : V == 2 ? 12 : 16;
+};
+
+// Column j of a stride-1, dilation-1 tile: the nonzeros of input pixel px
+// (C_in values) feed outputs b = j - kw of the tile for kw in [0, KW).
+template <typename T, int V, int B, int KW, int J>
+TFSS_INLINE void FwdColumnS1(const T* px, int64_t cb, int64_t ce, const T* wk,
+                             typename DVec<T>::V (&acc)[B][V]) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  constexpr int RW = KW * V * L;  // packed values per (kh, c)
+  for (int64_t c0 = cb; c0 < ce; c0 += 64) {
+    uint64_t m = NonzeroMask<T>(px + c0, std::min<int64_t>(64, ce - c0));
+    while (m) {
+      const int64_t c = c0 + __builtin_ctzll(m);
+      m &= m - 1;
+      const Vt xv = Bcast<T>(px[c]);
+      const T* wr = wk + c * RW;
+      // Keeps wr in a register: the loads below then use base + offset
+      // addressing, which stays one fused uop with the FMA (an indexed
+      // address would split it in two).
+      asm("" : "+r"(wr));
+#pragma GCC unroll 8
+      for (int kw = 0; kw < KW; ++kw) {
+        const int b = J - kw;
+        if (b < 0 || b >= B) continue;
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v)
+          acc[b][v] += xv * LoadV<Vt>(wr + (kw * V + v) * L);
+      }
+    }
+  }
+}
+
+template <typename T, int V, int B, int KW, int J, int JEnd>
+struct FwdColumnsS1 {
+  static TFSS_INLINE void Run(const T* xrow, int64_t wbase, int64_t w_in,
+                              int64_t ci, int64_t cb, int64_t ce, const T* wk,
+                              typename DVec<T>::V (&acc)[B][V]) {
+    const int64_t w = wbase + J;
+    if (w >= 0 && w < w_in)
+      FwdColumnS1<T, V, B, KW, J>(xrow + w * ci, cb, ce, wk, acc);
+    FwdColumnsS1<T, V, B, KW, J + 1, JEnd>::Run(xrow, wbase, w_in, ci, cb, ce,
+                                                wk, acc);
+  }
+};
+template <typename T, int V, int B, int KW, int JEnd>
+struct FwdColumnsS1<T, V, B, KW, JEnd, JEnd> {
+  static TFSS_INLINE void Run(const T*, int64_t, int64_t, int64_t, int64_t,
+                              int64_t, const T*, typename DVec<T>::V (&)[B][V]) {}
+};
+
+// Generic column b of a tile (any stride, dilation, KW): one tap (kh, kw)
+// of output ow0 + b.
+template <typename T, int V, int B, int Bi, int BEnd>
+struct FwdColumnsGeneric {
+  static TFSS_INLINE void Run(const T* xrow, int64_t w_first, int64_t sw,
+                              int64_t w_in, int nb, int64_t ci, int64_t cb,
+                              int64_t ce, int64_t rw, const T* wk,
+                              typename DVec<T>::V (&acc)[B][V]) {
+    using Vt = typename DVec<T>::V;
+    constexpr int L = DVec<T>::kLanes;
+    const int64_t w = w_first + Bi * sw;
+    if (Bi < nb && w >= 0 && w < w_in) {
+      const T* px = xrow + w * ci;
+      for (int64_t c0 = cb; c0 < ce; c0 += 64) {
+        uint64_t m = NonzeroMask<T>(px + c0, std::min<int64_t>(64, ce - c0));
+        while (m) {
+          const int64_t c = c0 + __builtin_ctzll(m);
+          m &= m - 1;
+          const Vt xv = Bcast<T>(px[c]);
+          const T* wr = wk + c * rw;
+          asm("" : "+r"(wr));  // base + offset addressing (see above)
+#pragma GCC unroll 4
+          for (int v = 0; v < V; ++v)
+            acc[Bi][v] += xv * LoadV<Vt>(wr + v * L);
+        }
+      }
+    }
+    FwdColumnsGeneric<T, V, B, Bi + 1, BEnd>::Run(xrow, w_first, sw, w_in, nb,
+                                                  ci, cb, ce, rw, wk, acc);
+  }
+};
+template <typename T, int V, int B, int BEnd>
+struct FwdColumnsGeneric<T, V, B, BEnd, BEnd> {
+  static TFSS_INLINE void Run(const T*, int64_t, int64_t, int64_t, int, int64_t,
+                              int64_t, int64_t, int64_t, const T*,
+                              typename DVec<T>::V (&)[B][V]) {}
+};
+
+// Output rows [r0, r1) (row r = image r / OH of the list, output row
+// r % OH) of one channel block [k0, k0 + kn): tiles of B columns, their
+// B x V accumulators in registers. When the packed filter slice of all
+// input channels of a filter row (C_in * KW * V vectors) exceeds 48 KB, the
+// work runs in passes over (filter row kh, input-channel chunk) so that a
+// pass's slice stays in L1 while every tile of the rows uses it; between
+// passes the accumulators wait in acc_buf [rows][tiles*B][V*L].
+template <typename T, int V>
+void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
+             int64_t r0, int64_t r1, const T* wp, T* y, int64_t k0,
+             int64_t kn, int64_t chunk, std::vector<T>* acc_buf) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  constexpr int B = TileWidth<V>::value;
+  const int64_t ci = g.c_in;
+  const bool s1 = g.kw == 3 && g.stride_w == 1 && g.dil_w == 1;
+  const int64_t rw = g.kw * V * L;
+  const int64_t tiles = (g.out_w + B - 1) / B;
+  const int64_t row_vals = tiles * B * V * L;
+  acc_buf->assign((r1 - r0) * row_vals, T(0));
+  // All filter rows in one pass (accumulators in registers throughout) when
+  // one chunk holds every channel, else one filter row per pass.
+  const int64_t khg = chunk >= ci ? g.kh : 1;
+  for (int64_t kh0 = 0; kh0 < g.kh; kh0 += khg) {
+    for (int64_t cb = 0; cb < ci; cb += chunk) {
+      const int64_t ce = std::min(ci, cb + chunk);
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r / g.out_h, oh = r % g.out_h;
+        const int64_t img = images ? images[i] : i;
+        T* rb = acc_buf->data() + (r - r0) * row_vals;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t ow0 = t * B;
+          const int nb = static_cast<int>(std::min<int64_t>(B, g.out_w - ow0));
+          T* ab = rb + t * B * V * L;
+          Vt acc[B][V];
+          for (int b = 0; b < B; ++b)
+            for (int v = 0; v < V; ++v)
+              acc[b][v] = LoadV<Vt>(ab + (b * V + v) * L);
+          for (int64_t kh = kh0; kh < std::min(g.kh, kh0 + khg); ++kh) {
+            const int64_t h = oh * g.stride_h - g.pad_top + kh * g.dil_h;
+            if (h < 0 || h >= g.h) continue;
+            const T* xrow = x + (img * g.h + h) * g.w * ci;
+            const T* wk = wp + kh * ci * rw;
+            if (s1) {
+              FwdColumnsS1<T, V, B, 3, 0, B + 2>::Run(
+                  xrow, ow0 - g.pad_left, g.w, ci, cb, ce, wk, acc);
+            } else {
+              for (int64_t kw = 0; kw < g.kw; ++kw)
+                FwdColumnsGeneric<T, V, B, 0, B>::Run(
+                    xrow, ow0 * g.stride_w - g.pad_left + kw * g.dil_w,
+                    g.stride_w, g.w, nb, ci, cb, ce, rw, wk + kw * V * L, acc);
+            }
+          }
+          for (int b = 0; b < B; ++b)
+            for (int v = 0; v < V; ++v)
+              StoreV(ab + (b * V + v) * L, acc[b][v]);
+        }
+      }
+    }
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t i = r / g.out_h, oh = r % g.out_h;
+    const int64_t img = images ? images[i] : i;
+    const T* rb = acc_buf->data() + (r - r0) * row_vals;
+    T* yrow = y + ((img * g.out_h + oh) * g.out_w) * g.c_out + k0;
+    for (int64_t ow = 0; ow < g.out_w; ++ow)
+      for (int v = 0; v < V; ++v)
+        StorePart<T>(yrow + ow * g.c_out + v * L,
+                     LoadV<Vt>(rb + (ow * V + v) * L), kn - v * L);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Filter gradient.
+
+// One pass over channels [c0, c1) of one input row segment: NR rows of
+// taps (filter rows kh), each of NK consecutive filter columns, and V
+// output-channel vectors: NR*NK*V df accumulators in registers per input
+// channel. For input position r of the segment, tap (row a, column k) reads
+// dy at rowp[a] + ptab[r] - k * kstep. Positions of pm[c] in `interior`
+// feed every tap; those in `any` but not `interior` only the taps whose
+// column's bit of vm[k] is set.
+template <typename T, int NR, int NK, int V>
+void FgradPass(const T* xseg, int64_t ci, const uint64_t* pm, int64_t c0,
+               int64_t c1, const int64_t* ptab, const T* const* rowp_in,
+               int64_t kstep, const uint64_t* vm, uint64_t interior,
+               uint64_t any, T* const* dfp_in, int64_t dfk, int64_t cop) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  const T* rowp[NR];
+  T* dfp[NR];
+  uint64_t tvm[NK];
+  for (int a = 0; a < NR; ++a) {
+    rowp[a] = rowp_in[a];
+    dfp[a] = dfp_in[a];
+  }
+  for (int k = 0; k < NK; ++k) tvm[k] = vm[k];
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint64_t m = pm[c - c0];
+    uint64_t mi = m & interior, me = m & any & ~interior;
+    if ((mi | me) == 0) continue;
+    Vt acc[NR][NK][V];
+    for (int a = 0; a < NR; ++a)
+      for (int k = 0; k < NK; ++k)
+        for (int v = 0; v < V; ++v) acc[a][k][v] = Vt{};
+    const T* xc = xseg + c;
+    while (mi) {
+      const int r = __builtin_ctzll(mi);
+      mi &= mi - 1;
+      const Vt xv = Bcast<T>(xc[r * ci]);
+      const int64_t q = ptab[r];
+#pragma GCC unroll 3
+      for (int a = 0; a < NR; ++a) {
+        const T* p = rowp[a] + q;
+#pragma GCC unroll 3
+        for (int k = 0; k < NK; ++k) {
+#pragma GCC unroll 2
+          for (int v = 0; v < V; ++v)
+            acc[a][k][v] += xv * LoadV<Vt>(p + v * L);
+          p -= kstep;
+        }
+      }
+    }
+    while (me) {
+      const int r = __builtin_ctzll(me);
+      me &= me - 1;
+      const Vt xv = Bcast<T>(xc[r * ci]);
+      const int64_t q = ptab[r];
+#pragma GCC unroll 3
+      for (int a = 0; a < NR; ++a) {
+        const T* p = rowp[a] + q;
+#pragma GCC unroll 3
+        for (int k = 0; k < NK; ++k) {
+          if ((tvm[k] >> r) & 1) {
+#pragma GCC unroll 2
+            for (int v = 0; v < V; ++v)
+              acc[a][k][v] += xv * LoadV<Vt>(p + v * L);
+          }
+          p -= kstep;
+        }
+      }
+    }
+    for (int a = 0; a < NR; ++a)
+      for (int k = 0; k < NK; ++k) {
+        T* o = dfp[a] + k * dfk + c * cop;
+        for (int v = 0; v < V; ++v)
+          StoreV(o + v * L, LoadV<Vt>(o + v * L) + acc[a][k][v]);
+      }
+  }
+}
+
+template <typename T, int V>
+void FgradPassDispatch(int nr, int nk, const T* xseg, int64_t ci,
+                       const uint64_t* pm, int64_t c0, int64_t c1,
+                       const int64_t* ptab, const T* const* rowp,
+                       int64_t kstep, const uint64_t* vm, uint64_t interior,
+                       uint64_t any, T* const* dfp, int64_t dfk, int64_t cop) {
+  switch (nr * 4 + nk) {
+#define TFSS_CASE(R, K)                                                     \
+  case R * 4 + K:                                                          \
+    FgradPass<T, R, K, V>(xseg, ci, pm, c0, c1, ptab, rowp, kstep, vm,     \
+                          interior, any, dfp, dfk, cop);                   \
+    break;
+    TFSS_CASE(1, 1) TFSS_CASE(1, 2) TFSS_CASE(1, 3)
+    TFSS_CASE(2, 1) TFSS_CASE(2, 2) TFSS_CASE(2, 3)
+    TFSS_CASE(3, 1) TFSS_CASE(3, 2) TFSS_CASE(3, 3)
+#undef TFSS_CASE
+    default: break;
+  }
+}
+
+// pm[c - c0] = bitmask over r in [0, nw) of xseg[r * ci + c] != 0.
+template <typename T>
+void PositionMasks(const T* xseg, int64_t ci, int64_t nw, int64_t c0,
+                   int64_t c1, uint64_t* pm, uint8_t* scratch) {
+  (void)scratch;
+  for (int64_t c = c0; c < c1; ++c) pm[c - c0] = 0;
+  for (int64_t r = 0; r < nw; ++r) {
+    const T* px = xseg + r * ci;
+    for (int64_t c = c0; c < c1; ++c)
+      pm[c - c0] |= static_cast<uint64_t>(px[c] != T(0)) << r;
+  }
+}
+
+#ifdef TFSS_DIRECT_AVX512
+// AVX-512: a 16-bit compare mask per pixel and 16 channels, its two bytes
+// stored position-major (scratch[(byte group) * 64 + r]), then one byte
+// test per channel over the 64 positions.
+template <>
+void PositionMasks<float>(const float* xseg, int64_t ci, int64_t nw,
+                          int64_t c0, int64_t c1, uint64_t* pm,
+                          uint8_t* scratch) {
+  const int64_t nc = c1 - c0;
+  const int64_t groups = (nc + 7) / 8;
+  std::memset(scratch, 0, groups * 64);
+  for (int64_t r = 0; r < nw; ++r) {
+    const float* px = xseg + r * ci + c0;
+    for (int64_t c = 0; c < nc; c += 16) {
+      const uint64_t m = NonzeroMask<float>(px + c, std::min<int64_t>(16, nc - c));
+      scratch[(c / 8) * 64 + r] = static_cast<uint8_t>(m);
+      if (c + 8 < nc) scratch[(c / 8 + 1) * 64 + r] = static_cast<uint8_t>(m >> 8);
+    }
+  }
+  for (int64_t gq = 0; gq < groups; ++gq) {
+    const __m512i bytes = _mm512_loadu_si512(scratch + gq * 64);
+    const int64_t nb = std::min<int64_t>(8, nc - gq * 8);
+    for (int64_t bit = 0; bit < nb; ++bit)
+      pm[gq * 8 + bit] = _mm512_test_epi8_mask(
+          bytes, _mm512_set1_epi8(static_cast<char>(1 << bit)));
+  }
+}
+#endif
+
+// Most tap rows and columns per pass (3 x 3 taps x 2 vectors = 18
+// accumulators).
+constexpr int kMaxTapRows = 3;
+constexpr int kMaxTapCols = 3;
+
+// The filter gradient of images [i0, i1) of the list (image numbers from
+// `images`, null = identity), input channels [c0, c1), output-channel
+// blocks [kb0, kb1), summed into buf [KH*KW][C_in][cop].
+template <typename T>
+void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
+               bool dy_by_list, const int64_t* images, int64_t i0, int64_t i1,
+               int64_t c0, int64_t c1, int64_t kb0, int64_t kb1, int64_t cop,
+               int64_t vecs, T* buf) {
+  constexpr int L = DVec<T>::kLanes;
+  const int64_t ci = g.c_in, nc = c1 - c0;
+  std::vector<uint64_t> pm(nc), colmask(g.kw);
+  std::vector<uint8_t> scratch(((nc + 7) / 8) * 64 + 64);
+  std::vector<int64_t> ptab(64), khs, ohs;
+  khs.reserve(g.kh);
+  ohs.reserve(g.kh);
+  const int64_t out_img = g.out_h * g.out_w * cop;
+  const int64_t dfk = ci * cop;  // df stride of one filter column
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t img = images ? images[i] : i;
+    const T* ximg = x + img * g.h * g.w * ci;
+    const T* dyimg = dyp + (dy_by_list ? i : img) * out_img;
+    for (int64_t h = 0; h < g.h; ++h) {
+      // Filter rows kh whose output row exists for input row h.
+      khs.clear();
+      ohs.clear();
+      for (int64_t kh = 0; kh < g.kh; ++kh) {
+        const int64_t num = h + g.pad_top - kh * g.dil_h;
+        if (num < 0 || num % g.stride_h) continue;
+        if (num / g.stride_h >= g.out_h) continue;
+        khs.push_back(kh);
+        ohs.push_back(num / g.stride_h);
+      }
+      if (khs.empty()) continue;
+      for (int64_t w0 = 0; w0 < g.w; w0 += 64) {
+        const int64_t nw = std::min<int64_t>(64, g.w - w0);
+        const T* xseg = ximg + (h * g.w + w0) * ci;
+        PositionMasks<T>(xseg, ci, nw, c0, c1, pm.data(), scratch.data());
+        uint64_t anynz = 0;
+        for (int64_t c = 0; c < nc; ++c) anynz |= pm[c];
+        if (anynz == 0) continue;
+        // colmask[kw]: positions whose output column exists for filter
+        // column kw.
+        for (int64_t kw = 0; kw < g.kw; ++kw) {
+          uint64_t m = 0;
+          for (int64_t r = 0; r < nw; ++r) {
+            const int64_t num = w0 + r + g.pad_left - kw * g.dil_w;
+            if (num >= 0 && num % g.stride_w == 0 && num / g.stride_w < g.out_w)
+              m |= uint64_t{1} << r;
+          }
+          colmask[kw] = m;
+        }
+        // Passes: at stride 1 (width) up to 3 consecutive filter columns
+        // (dy of column kw+1 is one pixel left of column kw's); otherwise
+        // one column. Up to 3 filter rows each.
+        const int64_t kcols = g.stride_w == 1 ? kMaxTapCols : 1;
+        for (int64_t kw0 = 0; kw0 < g.kw; kw0 += kcols) {
+          const int nk = static_cast<int>(std::min<int64_t>(kcols, g.kw - kw0));
+          uint64_t interior = ~uint64_t{0}, any = 0;
+          for (int k = 0; k < nk; ++k) {
+            interior &= colmask[kw0 + k];
+            any |= colmask[kw0 + k];
+          }
+          if (any == 0) continue;
+          for (int64_t r = 0; r < nw; ++r) {
+            const int64_t num = w0 + r + g.pad_left - kw0 * g.dil_w;
+            ptab[r] = (g.stride_w == 1 ? num : (num >= 0 ? num / g.stride_w : 0)) * cop;
+          }
+          const int64_t kstep = g.dil_w * cop;
+          for (size_t a0 = 0; a0 < khs.size(); a0 += kMaxTapRows) {
+            const int nr = static_cast<int>(
+                std::min<size_t>(kMaxTapRows, khs.size() - a0));
+            for (int64_t kb = kb0; kb < kb1; ++kb) {
+              const int64_t k0 = kb * vecs * L;
+              const T* rowp[kMaxTapRows];
+              T* dfp[kMaxTapRows];
+              for (int a = 0; a < nr; ++a) {
+                rowp[a] = dyimg + ohs[a0 + a] * g.out_w * cop + k0;
+                dfp[a] = buf + (khs[a0 + a] * g.kw + kw0) * dfk + k0;
+              }
+              const int64_t v = std::min<int64_t>(vecs, (cop - k0) / L);
+              if (v == 2)
+                FgradPassDispatch<T, 2>(nr, nk, xseg, ci, pm.data(), c0, c1,
+                                        ptab.data(), rowp, kstep,
+                                        colmask.data() + kw0, interior, any,
+                                        dfp, dfk, cop);
+              else
+                FgradPassDispatch<T, 1>(nr, nk, xseg, ci, pm.data(), c0, c1,
+                                        ptab.data(), rowp, kstep,
+                                        colmask.data() + kw0, interior, any,
+                                        dfp, dfk, cop);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+SparseKernelRate FitSparseKernel(double values, double nnz_full, double t_full,
+                                 double nnz_thin, double t_thin) {
+  SparseKernelRate r;
+  const double dn = nnz_full - nnz_thin;
+  r.per_nnz = dn > 0 ? std::max(0.0, (t_full - t_thin) / dn) : 0.0;
+  r.per_value = (t_full - r.per_nnz * nnz_full) / std::max(1.0, values);
+  if (r.per_value < 0) {
+    r.per_value = 0;
+    r.per_nnz = t_full / std::max(1.0, nnz_full);
+  }
+  return r;
+}
+
+bool DirectPredictedFaster(const SparseKernelRate& direct,
+                           const SparseKernelRate& csr, double values,
+                           double nnz) {
+  return direct.Seconds(values, nnz) <= csr.Seconds(values, nnz);
+}
+
+bool DirectConv2DUsesAvx512() {
+#ifdef TFSS_DIRECT_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
+                         const int64_t* images, int64_t n_images, T* y,
+                         const ParallelFor& pfor) {
+  if (!images) n_images = g.n;
+  if (n_images <= 0 || g.out_h <= 0 || g.out_w <= 0 || g.c_out <= 0) return;
+  const int64_t out_img = g.out_h * g.out_w * g.c_out;
+  if (g.c_in == 0 || g.h == 0 || g.w == 0) {
+    for (int64_t i = 0; i < n_images; ++i) {
+      T* yi = y + (images ? images[i] : i) * out_img;
+      std::fill(yi, yi + out_img, T(0));
+    }
+    return;
+  }
+  FwdBlocks<T> blocks;
+  blocks.Build(f, g);
+  constexpr int L = DVec<T>::kLanes;
+  const int64_t rows = n_images * g.out_h;
+  // Input-channel chunk of a pass: the whole C_in when its filter slice
+  // (C_in * KW * V vectors) fits in 48 KB, else multiples of 16 channels
+  // within 32 KB.
+  const int64_t per_chan = g.kw * blocks.vecs * L * sizeof(T);
+  int64_t chunk = g.c_in;
+  if (g.c_in * per_chan > 48 * 1024)
+    chunk = std::max<int64_t>(16, (32 * 1024 / per_chan) / 16 * 16);
+  // Rows per task: enough tiles (about 8) to reuse each pass's filter slice.
+  const int64_t tiles = (g.out_w + 6) / 7;
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(8, (8 + tiles - 1) / tiles));
+  const int64_t groups = (rows + group - 1) / group;
+  const int64_t cost =
+      1 + group * g.out_w * g.kh * g.kw * (g.c_in / 2 + 1) * blocks.vecs * 2;
+  pfor(blocks.count * groups, cost, [&](int64_t tb, int64_t te) {
+    std::vector<T> acc_buf;
+    for (int64_t t = tb; t < te; ++t) {
+      const int64_t b = t / groups, q = t % groups;
+      const int64_t r0 = q * group, r1 = std::min(rows, r0 + group);
+      const int64_t k0 = b * blocks.vecs * L;
+      const int64_t kn = std::min<int64_t>(g.c_out - k0, blocks.vecs * L);
+      const T* wp = blocks.packed.data() + blocks.offset[b];
+      switch (blocks.Vecs(b, g)) {
+        case 4: FwdRows<T, 4>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf); break;
+        case 3: FwdRows<T, 3>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf); break;
+        case 2: FwdRows<T, 2>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf); break;
+        default: FwdRows<T, 1>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf); break;
+      }
+    }
+  });
+}
+
+template <typename T>
+void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
+                                const T* dy, const int64_t* images,
+                                int64_t n_images, T* df,
+                                const ParallelFor& pfor) {
+  constexpr int L = DVec<T>::kLanes;
+  if (!images) n_images = g.n;
+  const int64_t ci = g.c_in, co = g.c_out;
+  if (n_images <= 0 || ci == 0 || co == 0 || g.out_h <= 0 || g.out_w <= 0 ||
+      g.h == 0 || g.w == 0)
+    return;
+  const int64_t cop = (co + L - 1) / L * L;
+  const int64_t vecs = cop > L ? 2 : 1;
+  const int64_t nkb = (cop / L + vecs - 1) / vecs;
+  // dy rows must hold whole vectors: pad a copy when C_out is not a multiple
+  // of the vector length (the listed images only).
+  std::vector<T> dy_pad;
+  const T* dyp = dy;
+  bool dy_by_list = false;
+  const int64_t opix = g.out_h * g.out_w;
+  if (cop != co) {
+    dy_pad.assign(n_images * opix * cop, T(0));
+    pfor(n_images, opix * cop, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const T* src = dy + (images ? images[i] : i) * opix * co;
+        T* dst = dy_pad.data() + i * opix * cop;
+        for (int64_t p = 0; p < opix; ++p)
+          std::memcpy(dst + p * cop, src + p * co, sizeof(T) * co);
+      }
+    });
+    dyp = dy_pad.data();
+    dy_by_list = true;
+  }
+  const int64_t fsize = g.kh * g.kw * ci * cop;
+  const int64_t blocks = FilterGradBlocks(g, n_images);
+  const int64_t work = 1 + g.h * g.w * ci * g.kh * g.kw * cop / 8;
+  std::vector<T> buf;
+  int64_t nbuf = 1;
+  if (blocks >= 2) {
+    // Fixed blocks of images, each with a private padded df.
+    nbuf = blocks;
+    buf.assign(blocks * fsize, T(0));
+    const int64_t per = (n_images + blocks - 1) / blocks;
+    pfor(blocks, work * per, [&](int64_t bb, int64_t be) {
+      for (int64_t blk = bb; blk < be; ++blk) {
+        const int64_t i0 = std::min(n_images, blk * per);
+        const int64_t i1 = std::min(n_images, i0 + per);
+        FgradRows<T>(x, g, dyp, dy_by_list, images, i0, i1, 0, ci, 0, nkb, cop,
+                     vecs, buf.data() + blk * fsize);
+      }
+    });
+  } else {
+    // (input-channel group, output-channel block) tasks owning their slice.
+    buf.assign(fsize, T(0));
+    const int64_t cg = 64, ngroups = (ci + cg - 1) / cg;
+    pfor(ngroups * nkb, work * n_images / (ngroups * nkb) + 1,
+         [&](int64_t tb, int64_t te) {
+           for (int64_t t = tb; t < te; ++t) {
+             const int64_t gq = t / nkb, kb = t % nkb;
+             FgradRows<T>(x, g, dyp, dy_by_list, images, 0, n_images, gq * cg,
+                          std::min(ci, (gq + 1) * cg), kb, kb + 1, cop, vecs,
+                          buf.data());
+           }
+         });
+  }
+  // df += sum of the buffers in block order (padding lanes dropped).
+  const int64_t rows = g.kh * g.kw * ci;
+  pfor(rows, co * nbuf + 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      T* d = df + r * co;
+      for (int64_t k = 0; k < co; ++k) {
+        T s = d[k];
+        for (int64_t blk = 0; blk < nbuf; ++blk)
+          s += buf[blk * fsize + r * cop + k];
+        d[k] = s;
+      }
+    }
+  });
+}
+
+#define TFSS_INSTANTIATE(T)                                                  \
+  template void DirectConv2DForward<T>(const T*, const Conv2DGeometry&,      \
+                                       const T*, const int64_t*, int64_t, T*, \
+                                       const ParallelFor&);                  \
+  template void DirectConv2DBackpropFilter<T>(                               \
+      const T*, const Conv2DGeometry&, const T*, const int64_t*, int64_t, T*, \
+      const ParallelFor&);
+TFSS_INSTANTIATE(float)
+TFSS_INSTANTIATE(double)
+#undef TFSS_INSTANTIATE
+
+}  // namespace tf_sparse_split

@@ -1,0 +1,100 @@
+// Zero-skipping direct convolution kernels in the dense NHWC layout
+// (framework-free, layer 1 of docs/ARCHITECTURE.md).
+//
+// Method (SparseTrain: Z. Gong, H. Ji, C. W. Fletcher, C. J. Hughes and
+// J. Torrellas, "SparseTrain: Leveraging Dynamic Sparsity in Training DNNs on
+// General-Purpose SIMD Processors", 2019, arXiv 1911.10175): the input is
+// tested for zeros inside a direct convolution, in its own dense layout --
+// no CSR, no index arrays, nothing converted. A vector compare gives a
+// bitmask of the nonzero input channels of a pixel (AVX-512; a scalar loop
+// in other builds), and a bit-scan loop visits only the nonzeros; each one is
+// broadcast and multiplied into output-channel vectors kept in registers.
+// Work ~ nnz * KH*KW*C_out / (sh*sw) multiply-adds plus a compare per input
+// value and tile it feeds.
+//
+// Layouts as sparse_conv2d.h (tf.nn.conv2d, data_format NHWC):
+//   x [N, H, W, C_in], f [KH, KW, C_in, C_out] (HWIO), y [N, OH, OW, C_out],
+//   any strides, dilations and leading paddings of Conv2DGeometry.
+//
+// Non-finite values: NaN/Inf in x are nonzeros and propagate as in the dense
+// convolution; products with exact zeros of x are skipped, so a NaN/Inf in
+// the filter (forward) or in dy (filter gradient) that only meets zeros of x
+// gives 0, not NaN (as tf.sparse and the CSR kernels of sparse_conv2d.h).
+//
+// Determinism: every output value is summed by exactly one task in an order
+// fixed by the sizes (never by the thread count), so the bits do not depend
+// on how ParallelFor shards the work.
+#ifndef TF_SPARSE_SPLIT_CC_CORE_DIRECT_CONV2D_H_
+#define TF_SPARSE_SPLIT_CC_CORE_DIRECT_CONV2D_H_
+
+#include <cstdint>
+
+#include "cc/core/parallel_for.h"
+#include "cc/core/sparse_conv2d.h"
+
+namespace tf_sparse_split {
+
+// Forward: for i in [0, n_images), y[images[i]] = conv(x[images[i]], f)
+// (overwritten; other images of y untouched; images == null: all g.n).
+// Parallel over (output-channel block, image, output row) tasks: an output
+// row of 16*V channels is tiled by B output columns, the B x V accumulator
+// vectors stay in registers (V <= 4, B = 7 at V = 4). At stride 1 and
+// dilation 1 in width with a 3-wide filter, each nonzero input is
+// multiplied into all the outputs of the tile it feeds (up to 3 x V
+// vectors per nonzero); otherwise output by output (V vectors per nonzero
+// and tap). The filter is repacked per call ([block][KH][C_in][KW][16V],
+// zero-padded lanes).
+template <typename T>
+void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
+                         const int64_t* images, int64_t n_images, T* y,
+                         const ParallelFor& pfor);
+
+// Filter gradient: for every nonzero x[images[i], h, w, c] and every tap
+// (kh, kw) whose output (oh, ow) exists,
+//   df[kh, kw, c, :] += x[images[i], h, w, c] * dy[images[i], oh, ow, :]
+// (accumulated into df: the caller zeroes it or puts the dense part there).
+// Per input row, a bitmask over positions is built for every input channel
+// from vector compares; for each channel the set bits are visited with the
+// df rows of up to 9 taps x 2 output-channel vectors in registers (dy rows
+// are read in place). Parallel either over fixed blocks of images, each
+// summing into a private copy of df that is added in block order, or --
+// when df is too large to copy or there are few images -- over (input
+// channel group, output-channel block) tasks that own their slice of df.
+// The choice depends on the sizes only (FilterGradBlocks).
+template <typename T>
+void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
+                                const T* dy, const int64_t* images,
+                                int64_t n_images, T* df,
+                                const ParallelFor& pfor);
+
+// Seconds of one sparse convolution kernel on a call: per value scanned
+// (the direct kernel's zero tests; the pixel CSR's build) and per nonzero
+// (the multiply-adds). The convolution ops time both kernels once per
+// problem family and take, per call, the one predicted faster.
+struct SparseKernelRate {
+  double per_value = 0.0;  // seconds per input value of the sparse images
+  double per_nnz = 0.0;    // seconds per nonzero of the sparse images
+  double Seconds(double values, double nnz) const {
+    return per_value * values + per_nnz * nnz;
+  }
+};
+
+// Two-point fit of t = per_value * values + per_nnz * nnz (both >= 0) from
+// the timings (seconds) of one kernel on the same `values` input values
+// holding nnz_full and nnz_thin nonzeros. Noise that makes a term negative
+// falls back to the other term alone.
+SparseKernelRate FitSparseKernel(double values, double nnz_full, double t_full,
+                                 double nnz_thin, double t_thin);
+
+// Whether the direct kernel is predicted at least as fast as the pixel CSR
+// on `values` input values holding `nnz` nonzeros.
+bool DirectPredictedFaster(const SparseKernelRate& direct,
+                           const SparseKernelRate& csr, double values,
+                           double nnz);
+
+// Whether the kernels above use their AVX-512 code (the build's ISA).
+bool DirectConv2DUsesAvx512();
+
+}  // namespace tf_sparse_split
+
+#endif  // TF_SPARSE_SPLIT_CC_CORE_DIRECT_CONV2D_H_
