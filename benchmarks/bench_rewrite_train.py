@@ -14,7 +14,7 @@ cross-entropy, ``model.train_on_batch`` (Keras' own train function,
   ("Input",)``, so the first layer's input (MNIST pixels, ~80% zeros) counts
   as sparse as well -- what the converted model's first layer exploits;
 * ``converted``: ``SparseSplitDense`` layers (automatic threshold,
-  ``skip_dead_input_grad`` after a ReLU).
+  ``masked_input_grad`` after a ReLU).
 
 All three train ``--warmup`` steps on the same batches first (so the
 activations look like training's and the ops' cost models are calibrated),

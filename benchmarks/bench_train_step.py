@@ -4,7 +4,7 @@ Batch 128, Adam, sparse categorical cross-entropy; the model of
 ``tf-sparse-split train`` (:func:`tf_sparse_split.tools.models.build_mlp`:
 ReLU hidden layers, softmax output) built twice with the same initial
 weights: plain ``keras.layers.Dense`` and ``SparseSplitDense`` (automatic
-threshold, ``skip_dead_input_grad`` after a ReLU). Both models first train
+threshold, ``masked_input_grad`` after a ReLU). Both models first train
 ``--warmup`` steps on the same batches (so the activations look like
 training's), then every part below is timed for both, interleaved
 (alternating order per round), each part its own ``tf.function`` called on
@@ -138,7 +138,7 @@ class Variant:
         (TF's MatMul gradient for Dense; ``_sparse_split_matmul_grad`` for
         ours: dW through the sparse op with the input as its sparse operand,
         dX through the sparse op with dp as its sparse operand, or the SDDMM
-        masked by the input with ``skip_dead_input_grad``), applied to the
+        masked by the input with ``masked_input_grad``), applied to the
         gradient at the layer's pre-activation, so that no part recomputes
         the forward pass.
         """
@@ -166,7 +166,7 @@ class Variant:
 
             if sparse:
                 thr = layer.threshold_var
-                live_only = layer.skip_dead_input_grad
+                live_only = layer.masked_input_grad
 
                 def d_w(h, dp, thr=thr):
                     return (tfss.sparse_split_matmul(h, dp, tf.convert_to_tensor(thr),

@@ -34,7 +34,7 @@ def test_train_sparse_on_digits(run_cli):
     # The one sparse-split layer's line, in words, with the FATReLU of the
     # default target sparsity.
     m = re.search(r"  hidden_2: (dense|split|sparse|auto): (\d+)% zeros[^\n]*"
-                  r"; FATReLU threshold \d+\.\d{4}, l1 ", out)
+                  r"; FATReLU cutoff \d+\.\d{4}, l1 ", out)
     assert m, out
     assert 0 < int(m.group(2)) < 100
     assert "  hidden_1:" not in out and "  output:" not in out

@@ -94,7 +94,7 @@ def test_other_activations_keep_the_separate_path(activation, use_bias):
 
 
 def test_fatrelu_layer_keeps_bias_fat_relu():
-    ours, _, x = _pair(tfss.FATReLU(threshold=0.05), seed=6)
+    ours, _, x = _pair(tfss.FATReLU(cutoff=0.05), seed=6)
     k, b = ours.get_weights()[:2]
     y = ours(x).numpy()
     pre = T.reference_conv2d(x, k, padding="SAME") + b

@@ -176,9 +176,9 @@ def test_lora_dense_rank3_input_and_live_only_gradient():
     assert y0.shape == (3, 4, 7)
     for a, b in zip([y0] + g0, [y1] + g1):
         _assert_close(a, b)
-    # skip_dead_input_grad: the input gradient is the true one masked by
+    # masked_input_grad: the input gradient is the true one masked by
     # x != 0 (for an input behind a ReLU), on both products.
-    live = tfss.SparseSplitDense(7, skip_dead_input_grad=True)
+    live = tfss.SparseSplitDense(7, masked_input_grad=True)
     live.build((None, 13))
     live.set_weights(ref.get_weights()[:2])
     live.enable_lora(2)

@@ -377,7 +377,7 @@ def test_pattern_groups_config_and_gradient_exact(tmp_path):
         keras.Input((16,)),
         tfss.ApproximateRandomDropout(0.5, seed=2, pattern_groups=3,
                                       name="ard"),
-        tfss.SparseSplitDense(4, skip_dead_input_grad=True)])
+        tfss.SparseSplitDense(4, masked_input_grad=True)])
     path = tmp_path / "g.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
@@ -567,9 +567,9 @@ def test_cli_dropout_bad_arguments(capsys, argv, rc, msg):
     assert msg in capsys.readouterr().err
 
 
-def test_skip_dead_input_grad_is_exact_after_relu_and_row_dropout():
+def test_masked_input_grad_is_exact_after_relu_and_row_dropout():
     """Dense(relu) -> ApproximateRandomDropout(row) -> SparseSplitDense with
-    skip_dead_input_grad=True gives the same gradients for every weight."""
+    masked_input_grad=True gives the same gradients for every weight."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((32, 24)).astype(np.float32)
     grads = []
@@ -578,14 +578,14 @@ def test_skip_dead_input_grad_is_exact_after_relu_and_row_dropout():
         model = keras.Sequential([
             keras.Input((24,)), keras.layers.Dense(48, activation="relu"),
             tfss.ApproximateRandomDropout(0.5, pattern="row", seed=7),
-            tfss.SparseSplitDense(10, skip_dead_input_grad=skip, threshold=0.0)])
+            tfss.SparseSplitDense(10, masked_input_grad=skip, threshold=0.0)])
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(model(x, training=True)))
         grads.append(tape.gradient(loss, model.trainable_variables))
     for g0, g1 in zip(*grads):
         np.testing.assert_allclose(g1.numpy(), g0.numpy(), rtol=1e-5, atol=1e-6)
-    layer = tfss.SparseSplitDense(4, skip_dead_input_grad=True)
-    assert tfss.SparseSplitDense.from_config(layer.get_config()).skip_dead_input_grad
+    layer = tfss.SparseSplitDense(4, masked_input_grad=True)
+    assert tfss.SparseSplitDense.from_config(layer.get_config()).masked_input_grad
 
 
 def test_sensitivity_dropout_channels_skipped_by_sparse_split_conv2d():

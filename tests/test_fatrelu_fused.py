@@ -46,13 +46,13 @@ def test_penalty_unused_gives_masked_gradient():
                                   [[0.0, 0.0, 1.0, 1.0]])
 
 
-def test_layer_training_call_adds_penalty_and_clamps_threshold():
-    layer = A.FATReLU(threshold=0.5, l1=2.0)
+def test_layer_training_call_adds_penalty_and_clamps_cutoff():
+    layer = A.FATReLU(cutoff=0.5, l1=2.0)
     x = tf.constant([[-1.0, 0.2, 0.7, 2.0]])
     y = layer(x, training=True)
     np.testing.assert_array_equal(y.numpy(), np.float32([[0.0, 0.0, 0.7, 2.0]]))
     assert float(layer.losses[-1]) == pytest.approx(2.0 * 2.7 / 4)
-    layer.threshold_var.assign(-3.0)  # bypassing set_controls' validation
+    layer.cutoff_var.assign(-3.0)  # bypassing set_controls' validation
     relu = np.float32([[0.0, 0.2, 0.7, 2.0]])
     np.testing.assert_array_equal(layer(x, training=True).numpy(), relu)
     np.testing.assert_array_equal(layer(x).numpy(), relu)
@@ -147,9 +147,9 @@ def test_conv_layer_with_fatrelu_fuses_bias_and_matches_unfused(training):
     x = tf.constant(np.maximum(rng.normal(size=(3, 9, 9, 4)), 0)
                     .astype(np.float32))
     ours = tfss.SparseSplitConv2D(6, 3, padding="same",
-                                  activation=A.FATReLU(threshold=0.2, l1=1.5),
+                                  activation=A.FATReLU(cutoff=0.2, l1=1.5),
                                   bias_initializer="random_normal")
-    ref_act = A.FATReLU(threshold=0.2, l1=1.5)
+    ref_act = A.FATReLU(cutoff=0.2, l1=1.5)
     ref = keras.layers.Conv2D(6, 3, padding="same")
     ours.build(x.shape)
     ref.build(x.shape)

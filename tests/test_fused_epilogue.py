@@ -207,7 +207,7 @@ def test_gradients_under_tf_function_and_without_bias(op_library):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_grad_a_live_only_with_epilogue(op_library):
+def test_masked_input_grad_with_epilogue(op_library):
     # a with dead columns (all zero): the a-gradient is the exact one where
     # a is nonzero and 0 elsewhere (dead columns included); b and bias
     # gradients are exact.
@@ -221,7 +221,7 @@ def test_grad_a_live_only_with_epilogue(op_library):
         with tf.GradientTape() as tape:
             y = sparse_split_matmul(av, bv, threshold=0.5, transpose_b=tb,
                                     bias=cv, activation="relu",
-                                    grad_a_live_only=True)
+                                    masked_input_grad=True)
             loss = tf.reduce_sum(y * up)
         got = tape.gradient(loss, [av, bv, cv])
         with tf.GradientTape() as tape:

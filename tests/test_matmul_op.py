@@ -289,7 +289,7 @@ def test_stats_of_empty_product_describe_a(device):
 
 
 @pytest.mark.parametrize("tb", [False, True])
-def test_grad_a_live_only_exact_behind_relu(tb, device):
+def test_masked_input_grad_exact_behind_relu(tb, device):
     """With a = relu(z), the live-column input gradient gives the same dz."""
     with tf.device(device):
         rng = np.random.default_rng([21, int(tb)])
@@ -302,7 +302,7 @@ def test_grad_a_live_only_exact_behind_relu(tb, device):
             with tf.GradientTape() as tape:
                 tape.watch([z, b])
                 y = tfss.sparse_split_matmul(tf.nn.relu(z), b, 0.5, transpose_b=tb,
-                                             grad_a_live_only=live_only)
+                                             masked_input_grad=live_only)
                 loss = tf.reduce_sum(tf.sin(y))
             grads.append(tape.gradient(loss, [z, b]))
         for g0, g1 in zip(*grads):
@@ -312,7 +312,7 @@ def test_grad_a_live_only_exact_behind_relu(tb, device):
         a = tf.nn.relu(z)
         with tf.GradientTape() as tape:
             tape.watch(a)
-            y = tfss.sparse_split_matmul(a, b, 0.5, transpose_b=tb, grad_a_live_only=True)
+            y = tfss.sparse_split_matmul(a, b, 0.5, transpose_b=tb, masked_input_grad=True)
         ga = tape.gradient(y, a).numpy()
         live = a.numpy() != 0
         dead = ~live.any(axis=0)
@@ -321,7 +321,7 @@ def test_grad_a_live_only_exact_behind_relu(tb, device):
         np.testing.assert_allclose(ga[live], full[live], rtol=1e-12)
 
 
-def test_grad_a_live_only_bad_type():
-    with pytest.raises(TypeError, match="grad_a_live_only"):
+def test_masked_input_grad_bad_type():
+    with pytest.raises(TypeError, match="masked_input_grad"):
         tfss.sparse_split_matmul(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
-                                 grad_a_live_only="yes")
+                                 masked_input_grad="yes")

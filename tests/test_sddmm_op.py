@@ -201,7 +201,7 @@ def _relu_input(rng, m, k, sparsity, dtype):
 @pytest.mark.parametrize("m,k,n,sparsity", [(9, 20, 7, 0.5), (64, 300, 70, 0.9),
                                             (128, 512, 96, 0.99)])
 def test_masked_grad_a_equals_tf_behind_relu(tb, fused, m, k, n, sparsity):
-    """grad_a_live_only (the SDDMM): d loss / d z equals TF's for relu(z)."""
+    """masked_input_grad (the SDDMM): d loss / d z equals TF's for relu(z)."""
     rng = np.random.default_rng([m, k, n, int(tb), int(fused)])
     z = tf.constant(_relu_input(rng, m, k, sparsity, np.float32))
     b = tf.constant(rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32))
@@ -209,7 +209,7 @@ def test_masked_grad_a_equals_tf_behind_relu(tb, fused, m, k, n, sparsity):
     with tf.GradientTape(persistent=True) as tape:
         tape.watch([z, b])
         ours = tfss.sparse_split_matmul(tf.nn.relu(z), b, -1.0, transpose_b=tb,
-                                        grad_a_live_only=True, activation=act)
+                                        masked_input_grad=True, activation=act)
         ref = tf.matmul(tf.nn.relu(z), b, transpose_b=tb)
         if fused:
             ref = tf.nn.relu(ref)
@@ -228,7 +228,7 @@ def test_masked_grad_a_runs_through_the_sddmm_op():
     def grads():
         with tf.GradientTape() as tape:
             tape.watch(a)
-            y = tf.reduce_sum(tfss.sparse_split_matmul(a, b, grad_a_live_only=True))
+            y = tf.reduce_sum(tfss.sparse_split_matmul(a, b, masked_input_grad=True))
         return tape.gradient(y, a)
 
     graph = grads.get_concrete_function().graph
@@ -274,7 +274,7 @@ def test_dy_sparse_grad_a_equals_tf(ta, tb, n, sparsity):
     assert types.count("TfSparseSplit>SparseSplitMatMul") == (3 if n >= 64 else 2)
 
 
-def test_sparsity_target_callback_sets_skip_dead_input_grad():
+def test_sparsity_target_callback_sets_masked_input_grad():
     x = np.random.default_rng(0).standard_normal((64, 8)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
     model = keras.Sequential([
@@ -283,8 +283,8 @@ def test_sparsity_target_callback_sets_skip_dead_input_grad():
         tfss.SparseSplitDense(2, activation="softmax", name="out")])
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
                   jit_compile=False)
-    assert not model.get_layer("out").skip_dead_input_grad
+    assert not model.get_layer("out").masked_input_grad
     model.fit(x, y, epochs=1, batch_size=16, verbose=0,
               callbacks=[tfss.SparsityTargetCallback(0.5)])
-    assert model.get_layer("out").skip_dead_input_grad
-    assert not model.get_layer("h").skip_dead_input_grad  # fed by the input
+    assert model.get_layer("out").masked_input_grad
+    assert not model.get_layer("h").masked_input_grad  # fed by the input

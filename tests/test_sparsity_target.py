@@ -16,7 +16,7 @@ from tf_sparse_split.tools.train import input_sparsity
 # -- FATReLU -----------------------------------------------------------------
 def test_fatrelu_forward_and_gradient(rng):
     x = tf.constant(rng.standard_normal((7, 13)).astype("float32"))
-    layer = tfss.FATReLU(threshold=0.3)
+    layer = tfss.FATReLU(cutoff=0.3)
     with tf.GradientTape() as tape:
         tape.watch(x)
         y = layer(x)
@@ -25,17 +25,17 @@ def test_fatrelu_forward_and_gradient(rng):
     xn = x.numpy()
     np.testing.assert_array_equal(y.numpy(), np.where(xn > 0.3, xn, 0.0))
     np.testing.assert_array_equal(g.numpy(), np.where(xn > 0.3, 2.0, 0.0))
-    # Threshold 0 is ReLU.
+    # Cutoff 0 is ReLU.
     np.testing.assert_array_equal(tfss.FATReLU()(x).numpy(),
                                   np.maximum(xn, 0.0))
 
 
-def test_fatrelu_threshold_is_a_variable_seen_by_compiled_functions(rng):
+def test_fatrelu_cutoff_is_a_variable_seen_by_compiled_functions(rng):
     layer = tfss.FATReLU()
     f = tf.function(lambda v: layer(v))
     x = tf.constant(rng.uniform(0, 1, (64, 32)).astype("float32"))
     np.testing.assert_array_equal(f(x).numpy(), x.numpy())
-    layer.set_controls(threshold=0.5)
+    layer.set_controls(cutoff=0.5)
     np.testing.assert_array_equal(f(x).numpy(),
                                   np.where(x.numpy() > 0.5, x.numpy(), 0))
 
@@ -47,46 +47,46 @@ def test_fatrelu_l1_loss_and_quantile_tracking(rng):
     assert len(layer.losses) == 1
     np.testing.assert_allclose(float(layer.losses[0]),
                                0.5 * np.abs(y.numpy()).mean(), rtol=1e-5)
-    # momentum 0: the threshold is the batch's 0.9-quantile estimate, so a
+    # momentum 0: the cutoff is the batch's 0.9-quantile estimate, so a
     # second call on the same data leaves ~90% zeros.
     z = layer(x, training=True).numpy()
     assert 0.88 <= (z == 0).mean() <= 0.92
-    assert layer.threshold > 0.9   # N(0, 1): 0.9-quantile ~ 1.28
+    assert layer.cutoff > 0.9   # N(0, 1): 0.9-quantile ~ 1.28
     # Inference: no loss, no update.
-    before = layer.threshold
+    before = layer.cutoff
     layer(x * 10.0, training=False)
-    assert layer.threshold == before
+    assert layer.cutoff == before
 
 
 def test_fatrelu_serialization_round_trip(tmp_path):
-    layer = tfss.FATReLU(threshold=0.25, l1=0.1, target=0.5, momentum=0.8,
+    layer = tfss.FATReLU(cutoff=0.25, l1=0.1, target=0.5, momentum=0.8,
                          sample_size=256, name="fat")
     cfg = layer.get_config()
     clone = tfss.FATReLU.from_config(cfg)
     assert clone.get_config() == cfg
     model = keras.Sequential([
         keras.Input((8,)),
-        tfss.SparseSplitDense(16, activation=tfss.FATReLU(threshold=0.1),
+        tfss.SparseSplitDense(16, activation=tfss.FATReLU(cutoff=0.1),
                               name="h"),
-        tfss.FATReLU(threshold=0.05, name="fat2"),
+        tfss.FATReLU(cutoff=0.05, name="fat2"),
         tfss.SparseSplitDense(3, name="out")])
-    model.get_layer("h").activation.set_controls(threshold=0.2, l1=0.3)
+    model.get_layer("h").activation.set_controls(cutoff=0.2, l1=0.3)
     path = tmp_path / "m.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
     act = loaded.get_layer("h").activation
     assert isinstance(act, tfss.FATReLU)
-    assert act.threshold == pytest.approx(0.2) and act.l1 == pytest.approx(0.3)
-    assert loaded.get_layer("fat2").threshold == pytest.approx(0.05)
+    assert act.cutoff == pytest.approx(0.2) and act.l1 == pytest.approx(0.3)
+    assert loaded.get_layer("fat2").cutoff == pytest.approx(0.05)
     x = np.random.default_rng(0).standard_normal((5, 8)).astype("float32")
     np.testing.assert_array_equal(model.predict(x, verbose=0),
                                   loaded.predict(x, verbose=0))
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"threshold": -0.1}, {"threshold": float("nan")}, {"l1": -1},
+    {"cutoff": -0.1}, {"cutoff": float("nan")}, {"l1": -1},
     {"target": 1.0}, {"momentum": 1.0}, {"sample_size": 8},
-    {"threshold": "x"}, {"l1": True},
+    {"cutoff": "x"}, {"l1": True},
 ])
 def test_fatrelu_bad_arguments(kwargs):
     with pytest.raises(ValueError, match="Received"):
@@ -181,7 +181,9 @@ def test_callback_reaches_target_on_digits(tmp_path):
         assert sp[name] >= TARGET - 0.02, (name, sp)
         hist = history.history[f"{name}/sparsity"]
         assert hist[-1] >= TARGET - 0.02, hist
-        assert history.history[f"{name}/fat_threshold"][-1] >= 0.0
+        assert history.history[f"{name}/fat_cutoff"][-1] >= 0.0
+        assert (history.history[f"{name}/fat_threshold"]
+                == history.history[f"{name}/fat_cutoff"])  # deprecated key
         assert 0.5 - 1e-6 <= history.history[f"{name}/l1"][-1] <= 5.0
         assert f"{name}/threshold" in history.history  # SplitThresholdCallback
     assert sp["hidden_1"] == pytest.approx(plain_sp["hidden_1"])
@@ -192,8 +194,8 @@ def test_callback_reaches_target_on_digits(tmp_path):
     path = tmp_path / "induced.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert loaded.get_layer("hidden_1").activation.threshold == \
-        pytest.approx(act.threshold)
+    assert loaded.get_layer("hidden_1").activation.cutoff == \
+        pytest.approx(act.cutoff)
     (_, _), (xt, _) = datasets.load_digits()
     np.testing.assert_allclose(model.predict(xt, verbose=0),
                                loaded.predict(xt, verbose=0), atol=1e-6)

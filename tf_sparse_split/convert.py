@@ -31,7 +31,8 @@ from tf_sparse_split.utils.validation import validate_threshold
 __all__ = ["sparse_split_model", "strip_sparse_split", "eligible_reason"]
 
 # Config keys of the sparse-split layers that plain Keras layers lack.
-_SPLIT_ONLY_KEYS = ("threshold", "heterogeneous", "skip_dead_input_grad")
+_SPLIT_ONLY_KEYS = ("threshold", "heterogeneous", "masked_input_grad",
+                    "skip_dead_input_grad")
 
 
 def eligible_reason(layer):

@@ -60,7 +60,7 @@ What the pass does:
   ``SparseSplitSddmm(mask=F, dY, W)``, which computes it only where
   ``F != 0``: ``ReluGrad`` keeps the gradient only where ``F > 0``, so the
   values are the same (``kind="sddmm"``, ``mask`` in :func:`log`; what
-  ``SparseSplitDense(skip_dead_input_grad=True)`` gets from its registered
+  ``SparseSplitDense(masked_input_grad=True)`` gets from its registered
   gradient). Every replacement computes the same values, so gradients stay
   correct. A ``Conv2DBackpropFilter`` (the filter gradient of a
   ``Conv2D``) whose input ``x`` is a sparse activation becomes

@@ -1,5 +1,6 @@
 // Pieces shared by the CPU and GPU kernels of SparseSplitMatMul: input
-// validation and the row split (histogram, dense/sparse rows, live columns).
+// validation, the dense part, live columns, op(b) in row-major form and the
+// calibration sample's CSR. (The row split is in row_split.h.)
 #ifndef TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_SPLIT_MATMUL_COMMON_H_
 #define TF_SPARSE_SPLIT_CC_KERNELS_SPARSE_SPLIT_MATMUL_COMMON_H_
 
@@ -145,49 +146,6 @@ inline std::vector<int64_t> LiveColumns(const int64_t* col_nnz, int64_t k) {
   for (int64_t j = 0; j < k; ++j)
     if (col_nnz[j] != 0) live.push_back(j);
   return live;
-}
-
-// The rows of op(a) [m, k] split at density threshold `thr`: density above
-// it dense, at or below it sparse -- except that, with
-// dense_zero_rows_rule (a threshold given by the caller; the cost model
-// weighs this itself), when the only sparse rows are all-zero and fewer than
-// 1/8 of the rows, every row goes dense (cheaper than gathering the others
-// around them; same zero rows). Adds the row-density histogram to
-// stats[kStatHistogram...].
-struct RowSplit {
-  std::vector<int64_t> dense_rows, sparse_rows;
-  int64_t nnz_sparse = 0;
-};
-
-// Sends every row to the dense part.
-inline void AllRowsDense(int64_t m, RowSplit* s) {
-  s->dense_rows.resize(m);
-  for (int64_t i = 0; i < m; ++i) s->dense_rows[i] = i;
-  s->sparse_rows.clear();
-  s->nnz_sparse = 0;
-}
-
-inline RowSplit SplitRows(const int64_t* row_nnz, int64_t m, int64_t k,
-                          double thr, double* stats,
-                          bool dense_zero_rows_rule = true) {
-  RowSplit s;
-  s.dense_rows.reserve(m);
-  s.sparse_rows.reserve(m);
-  for (int64_t i = 0; i < m; ++i) {
-    const double density = static_cast<double>(row_nnz[i]) / k;
-    stats[kStatHistogram + DensityBin(density)] += 1;
-    if (density > thr) {
-      s.dense_rows.push_back(i);
-    } else {
-      s.sparse_rows.push_back(i);
-      s.nnz_sparse += row_nnz[i];
-    }
-  }
-  if (dense_zero_rows_rule && !s.dense_rows.empty() && s.nnz_sparse == 0 &&
-      static_cast<int64_t>(s.sparse_rows.size()) * 8 < m) {
-    AllRowsDense(m, &s);
-  }
-  return s;
 }
 
 // op(b) as a row-major [k, n] matrix for the CPU kernels: b itself, or b^T

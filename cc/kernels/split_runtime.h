@@ -38,6 +38,7 @@
 #include "cc/core/parallel_for.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/core/stats.h"
+#include "cc/kernels/row_split.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"

@@ -5,9 +5,10 @@ Natural ReLU sparsity is often too low for the sparse paths to pay (an MNIST
 MLP's hidden activations are 36-72% zeros; the split op wins from ~90%).
 Published work reaches ~90% zeros at near-equal accuracy by
 
-* a forced activation threshold (FATReLU) plus an L1 activity penalty
-  (M. Kurtz et al., "Inducing and Exploiting Activation Sparsity for Fast
-  Inference on Deep Neural Networks", ICML 2020);
+* a forced activation threshold (FATReLU, whose cutoff is the threshold)
+  plus an L1 activity penalty (M. Kurtz et al., "Inducing and Exploiting
+  Activation Sparsity for Fast Inference on Deep Neural Networks", ICML
+  2020);
 * ReLU with an L1 penalty ramped up progressively, then a threshold shift
   (C. Song et al., "ProSparse: Introducing and Enhancing Intrinsic Activation
   Sparsity within Large Language Models", 2024);
@@ -15,26 +16,27 @@ Published work reaches ~90% zeros at near-equal accuracy by
   Strikes Back", 2023).
 
 :class:`SparsityTargetCallback` combines them (see its docstring for the
-schedule). Wiring: a sparse-split layer measures the sparsity of its *input*
-(its statistics), but the activation that produces the zeros belongs to the
-layer before. For each sparse-split layer the callback walks back through
-the model graph -- across zero-preserving layers (dropout, max-pooling,
-flatten, reshape, ...) -- to the activation that feeds it: a
-:class:`~tf_sparse_split.layers.FATReLU` layer, a layer whose ``activation``
-is a ``FATReLU``, or a layer whose ``activation`` is ``"relu"``; the latter
-is converted in place to a ``FATReLU`` (threshold 0 = the same ReLU) and the
-model's compiled functions are rebuilt. The converted activation is part of
-the layer's config from then on, so the model saves and reloads with it.
-A controlled ``SparseSplitDense`` gets ``skip_dead_input_grad=True`` (its
-input gradient is then computed only at the input's nonzeros, by the SDDMM
-op): the FATReLU's gradient is 0 wherever its output is, so this is exact.
+schedule). Wiring (:mod:`tf_sparse_split.callbacks._discovery`): for each
+sparse-split layer the callback finds the ReLU-family activation that feeds
+it (:func:`find_activation_producer`), across zero-preserving layers
+(dropout, max-pooling, flatten, reshape, ...); a ``"relu"`` activation is
+converted in place to a :class:`~tf_sparse_split.layers.FATReLU` (cutoff 0 =
+the same ReLU) and the model's compiled functions are rebuilt. The converted
+activation is part of the layer's config from then on, so the model saves
+and reloads with it. A controlled ``SparseSplitDense`` gets
+``masked_input_grad=True`` (its input gradient is then computed only at the
+input's nonzeros, by the SDDMM op): the FATReLU's gradient is 0 wherever its
+output is, so this is exact.
 """
 
 import keras
 import numpy as np
 
+from tf_sparse_split.callbacks._discovery import (fatrelu_for,
+                                                  find_activation_producer,
+                                                  mask_input_grad,
+                                                  reset_compiled_functions)
 from tf_sparse_split.callbacks.split_threshold import find_split_layers
-from tf_sparse_split.layers.activations import FATReLU, is_relu_activation
 from tf_sparse_split.layers.base import SparseSplitLayer
 from tf_sparse_split.tuning import stats as _stats
 from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
@@ -43,81 +45,8 @@ from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
 
 __all__ = ["SparsityTargetCallback", "find_activation_producer"]
 
-# Layers between an activation and the sparse-split layer that keep every
-# zero a zero (so the consumer's sparsity is driven by the activation's).
-_PASSTHROUGH = (
-    keras.layers.Dropout, keras.layers.SpatialDropout1D,
-    keras.layers.SpatialDropout2D, keras.layers.SpatialDropout3D,
-    keras.layers.MaxPooling1D, keras.layers.MaxPooling2D,
-    keras.layers.MaxPooling3D, keras.layers.Flatten, keras.layers.Reshape,
-    keras.layers.Permute, keras.layers.Identity, keras.layers.ZeroPadding1D,
-    keras.layers.ZeroPadding2D, keras.layers.ZeroPadding3D,
-    keras.layers.Cropping1D, keras.layers.Cropping2D, keras.layers.Cropping3D,
-    keras.layers.ActivityRegularization,
-)
 
-
-def _is_passthrough(layer):
-    from tf_sparse_split.layers.dropout import (ApproximateRandomDropout,
-                                                SensitivityAwareDropout)
-
-    return isinstance(layer, _PASSTHROUGH + (ApproximateRandomDropout,
-                                             SensitivityAwareDropout))
-
-
-def _parent(layer):
-    """The layer whose output is ``layer``'s (single) input, or None."""
-    nodes = getattr(layer, "_inbound_nodes", None) or []
-    if not nodes:
-        return None
-    tensors = nodes[0].input_tensors
-    if len(tensors) != 1:
-        return None
-    history = getattr(tensors[0], "_keras_history", None)
-    return history[0] if history else None
-
-
-def find_activation_producer(layer):
-    """The ReLU-family activation that produces a layer's input.
-
-    Walks back from ``layer`` through the model graph, across zero-preserving
-    layers (dropout, max-pooling, flatten, reshape, padding, cropping, ...).
-
-    Args:
-      layer: a layer that has been called in a Functional or Sequential model.
-
-    Returns:
-      ``(owner, kind)``: ``owner`` is the :class:`FATReLU` layer (``kind
-      "layer"``) or the layer whose ``activation`` produces the input
-      (``kind "fatrelu"`` if that activation is a :class:`FATReLU`,
-      ``"relu"`` if it is ``keras.activations.relu``); ``(None, reason)``
-      when there is none (``reason`` says why: a model input, another
-      activation, a layer that does not preserve zeros, ...).
-    """
-    node = _parent(layer)
-    while node is not None:
-        if isinstance(node, keras.layers.InputLayer):
-            return None, "its input is a model input"
-        if isinstance(node, FATReLU):
-            return node, "layer"
-        act = getattr(node, "activation", None)
-        if isinstance(act, FATReLU):
-            return node, "fatrelu"
-        if act is not None and is_relu_activation(act):
-            return node, "relu"
-        if act is not None and not _is_passthrough(node):
-            name = getattr(act, "__name__", type(act).__name__)
-            return None, (f"it is fed by layer {node.name!r} with activation "
-                          f"{name!r}, not a ReLU or FATReLU")
-        if not _is_passthrough(node):
-            return None, (f"it is fed by layer {node.name!r} "
-                          f"({type(node).__name__}), which is neither a "
-                          "ReLU-family activation nor a zero-preserving layer")
-        node = _parent(node)
-    return None, "no inbound node (call the layer in a model first)"
-
-
-#: Sparsity above the goal by more than this (with the threshold at 0)
+#: Sparsity above the goal by more than this (with the cutoff at 0)
 #: lowers the L1 coefficient; never below this fraction of ``l1``.
 _L1_BAND = 0.02
 _L1_MIN_SCALE = 0.1
@@ -170,12 +99,12 @@ class SparsityTargetCallback(keras.callbacks.Callback):
     :class:`~tf_sparse_split.layers.FATReLU`), with ``t`` the training step
     counted from ``on_train_begin``:
 
-    1. Warm-up, ``t < warmup_steps``: plain ReLU (threshold 0, no penalty).
+    1. Warm-up, ``t < warmup_steps``: plain ReLU (cutoff 0, no penalty).
     2. Progressive ramp (ProSparse): over the next ``ramp_steps`` the
        schedule ``r`` rises linearly from 0 to 1; the activation's L1
        coefficient is ``r * l1`` and its quantile target is
        ``r * target_sparsity + offset``. The FATReLU follows the quantile
-       target in-graph at every step (FATReLU docstring), so the threshold
+       target in-graph at every step (FATReLU docstring), so the cutoff
        rises only once the target exceeds the natural ReLU sparsity.
     3. Feedback: every ``update_every`` steps the callback reads the zeros
        ``L`` actually saw (its op statistics) and moves ``offset`` by
@@ -183,7 +112,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
        target stays in ``[0, 0.999]``. This corrects for layers between the
        activation and ``L`` that change the sparsity (max-pooling keeps a
        zero only where its whole window is zero). The penalty alone can
-       push the natural ReLU sparsity past the goal, which no threshold
+       push the natural ReLU sparsity past the goal, which no cutoff
        undoes: while the measured sparsity is more than 0.02 above the goal
        the L1 coefficient is lowered by 10% per update (to no less than
        ``0.1 * l1``), and it is raised back the same way while below.
@@ -192,15 +121,17 @@ class SparsityTargetCallback(keras.callbacks.Callback):
     ``fit`` of the same model with the same callback continues it (as the
     optimizer's step count does); another model starts it afresh.
 
-    The threshold stays in force at inference (the point of FATReLU:
+    The cutoff stays in force at inference (the point of FATReLU:
     Kurtz et al.), and the model saves and reloads with it.
 
     Logs (``on_epoch_end``, so ``History``, the progress bar and TensorBoard
     see them), per controlled layer ``name``: ``name/sparsity`` (fraction of
-    zeros of its input over the epoch), ``name/fat_threshold``,
-    ``name/l1`` (the coefficient in force) and ``name/sparsity_target``
-    (the quantile target in force). Only training batches count
-    (validation calls are left out).
+    zeros of its input over the epoch), ``name/fat_cutoff`` (the FATReLU's
+    cutoff), ``name/l1`` (the coefficient in force) and
+    ``name/sparsity_target`` (the quantile target in force); also
+    ``name/fat_threshold``, the same value under its deprecated name, until
+    the next release. Only training batches count (validation calls are
+    left out).
 
     Works together with
     :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` (which sets
@@ -219,7 +150,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
         loss gains ``l1 * mean(|activation|)`` per controlled activation.
       gain: feedback gain (>= 0; default 0.5; 0 = no feedback).
       update_every: steps between feedback updates (int >= 1; default 10).
-      momentum: threshold EMA momentum of the FATReLUs (in ``[0, 1)``,
+      momentum: cutoff EMA momentum of the FATReLUs (in ``[0, 1)``,
         default 0.9).
       verbose: 0 or 1 (one line per controlled layer per epoch).
 
@@ -227,7 +158,8 @@ class SparsityTargetCallback(keras.callbacks.Callback):
       controls: list of dicts ``{"layer", "activation_owner", "fatrelu"}``
         after ``on_train_begin``.
       history: one dict per epoch ``{layer name: {"sparsity",
-        "fat_threshold", "l1", "sparsity_target"}}``.
+        "fat_cutoff", "l1", "sparsity_target"}}`` (and the deprecated
+        ``"fat_threshold"``, equal to ``"fat_cutoff"``).
 
     Raises:
       ValueError: bad arguments (here), or at ``on_train_begin`` a named
@@ -302,29 +234,10 @@ class SparsityTargetCallback(keras.callbacks.Callback):
             if id(owner) in seen:
                 continue  # one activation feeding two layers: control once
             seen.add(id(owner))
-            if kind == "layer":
-                fat = owner
-            elif kind == "fatrelu":
-                fat = owner.activation
-            else:
-                fat = FATReLU(name=f"{owner.name}_fatrelu")
-                # The layer is built (state locked): track the new sublayer
-                # the way Keras itself does for late changes.
-                locked = owner._tracker.locked
-                owner._tracker.unlock()
-                try:
-                    owner.activation = fat
-                finally:
-                    if locked:
-                        owner._tracker.lock()
-                converted = True
+            fat, changed = fatrelu_for(owner, kind)
             fat.momentum = self.momentum
-            if getattr(layer, "skip_dead_input_grad", None) is False:
-                # Its input now comes through a FATReLU (across zero-
-                # preserving layers), whose gradient is 0 wherever the input
-                # is: the input gradient is needed only at its nonzeros.
-                layer.skip_dead_input_grad = True
-                converted = True
+            changed = mask_input_grad(layer) or changed
+            converted = converted or changed
             controls.append(_Control(layer, owner, fat))
         if not controls:
             raise ValueError(
@@ -332,11 +245,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
                 "is fed by a ReLU-family activation (relu or FATReLU)")
         if converted:
             # Rebuild the compiled functions so they trace the new activation.
-            for attr in ("train_function", "test_function",
-                         "predict_function"):
-                if hasattr(self.model, attr):
-                    setattr(self.model, attr, None)
-            self.model.make_train_function(force=True)
+            reset_compiled_functions(self.model)
         return controls
 
     # -- schedule ----------------------------------------------------------
@@ -400,7 +309,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
                 c.offset += self.gain * (goal - measured)
                 c.offset = float(np.clip(c.offset, -goal, 0.999 - goal))
                 # The penalty alone can push the ReLU's natural sparsity past
-                # the goal, which no threshold can undo: ease it off then,
+                # the goal, which no cutoff can undo: ease it off then,
                 # and restore it when the sparsity falls below the goal.
                 if measured > goal + _L1_BAND:
                     c.l1_scale = max(c.l1_scale * 0.9, _L1_MIN_SCALE)
@@ -425,8 +334,10 @@ class SparsityTargetCallback(keras.callbacks.Callback):
             c.window_zero = c.window_elems = 0.0
             sp = (c.epoch_zero / c.epoch_elems if c.epoch_elems > 0
                   else float("nan"))
-            entry = {"sparsity": float(sp), "fat_threshold": c.fat.threshold,
+            entry = {"sparsity": float(sp), "fat_cutoff": c.fat.cutoff,
                      "l1": c.fat.l1, "sparsity_target": c.fat.target}
+            # The old key, for one release (same value).
+            entry["fat_threshold"] = entry["fat_cutoff"]
             record[c.consumer.name] = entry
             if logs is not None:
                 for key, value in entry.items():
@@ -434,7 +345,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
             if self.verbose:
                 print(f"SparsityTargetCallback: {c.consumer.name}: sparsity "
                       f"{sp:.3f} (target {self.target_sparsity:.3f}), "
-                      f"threshold {entry['fat_threshold']:.4g}, l1 "
+                      f"cutoff {entry['fat_cutoff']:.4g}, l1 "
                       f"{entry['l1']:.3g}", flush=True)
         self.history.append(record)
 

@@ -3,25 +3,27 @@ that :class:`~tf_sparse_split.callbacks.SparsityTargetCallback` drives.
 
 ``FATReLU(x) = x if x > T else 0`` (M. Kurtz et al., "Inducing and
 Exploiting Activation Sparsity for Fast Inference on Deep Neural Networks",
-ICML 2020): a ReLU whose threshold ``T >= 0`` zeroes the small positive
+ICML 2020): a ReLU whose cutoff ``T >= 0`` (the paper's "forced activation
+threshold"; called ``cutoff`` here so that it is not confused with the
+sparse-split layers' density ``threshold``) zeroes the small positive
 activations too, so the layer that consumes its output sees more zeros. The
 gradient is 1 where ``x > T`` and 0 elsewhere (the same mask as the output),
 so a sparse-split layer after it may skip the input gradient of its zeros
-exactly (``SparseSplitDense(skip_dead_input_grad=True)``).
+exactly (``SparseSplitDense(masked_input_grad=True)``).
 
 Two optional training-time mechanisms, both off by default and both driven
 through non-trainable variables (a compiled ``tf.function`` reads their
 current values; a callback changes them with ``.assign()``):
 
 * L1 activity penalty ``l1 * mean(|FATReLU(x)|)`` added to the model's loss
-  (``add_loss``) in training: pushes pre-activations below the threshold so
+  (``add_loss``) in training: pushes pre-activations below the cutoff so
   that cutting them costs less accuracy (Kurtz et al.; C. Song et al.,
   "ProSparse", 2024, ramp the coefficient up progressively).
 * Quantile tracking: with ``target > 0`` each training call estimates the
   ``target``-quantile ``q`` of its input ``x`` on ``sample_size`` values at
-  uniformly random positions and moves the threshold toward it,
+  uniformly random positions and moves the cutoff toward it,
   ``T <- max(0, momentum * T + (1 - momentum) * q)``. Below the natural
-  sparsity of the ReLU (``q <= 0``) the threshold stays 0. The output then
+  sparsity of the ReLU (``q <= 0``) the cutoff stays 0. The output then
   has about a fraction ``target`` of zeros whatever the scale of ``x``.
 
 Requires the TensorFlow backend of Keras 3.
@@ -30,6 +32,9 @@ Requires the TensorFlow backend of Keras 3.
 import keras
 import tensorflow as tf
 
+from tf_sparse_split.utils.deprecation import (RenamedAttributes,
+                                               rename_config_key,
+                                               renamed_kwarg)
 from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
                                               validate_nonnegative_float)
 
@@ -72,49 +77,63 @@ def _fat_relu_l1(x, t, l1):
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
-class FATReLU(keras.layers.Layer):
+class FATReLU(RenamedAttributes, keras.layers.Layer):
     """Forced-activation-threshold ReLU (Kurtz et al., ICML 2020).
 
-    ``output = where(x > threshold, x, 0)``; same shape and dtype as ``x``.
+    ``output = where(x > cutoff, x, 0)``; same shape and dtype as ``x``.
     Usable as a layer (``keras.Sequential([..., FATReLU(), ...])``) or as
     the ``activation`` of a layer
     (``SparseSplitDense(512, activation=FATReLU())``).
 
     Args:
-      threshold: initial threshold ``T >= 0`` (default 0: a plain ReLU).
+      cutoff: initial cutoff ``T >= 0`` (default 0: a plain ReLU); the
+        paper's forced activation threshold.
       l1: initial L1 activity-penalty coefficient ``>= 0`` (default 0); in
         training the layer adds ``l1 * mean(|output|)`` to the model's loss.
       target: initial quantile target in ``[0, 1)`` (default 0: off). When
-        positive, training calls move the threshold toward the
+        positive, training calls move the cutoff toward the
         ``target``-quantile of the input (module docstring).
-      momentum: in ``[0, 1)`` (default 0.9), the threshold's exponential
+      momentum: in ``[0, 1)`` (default 0.9), the cutoff's exponential
         moving-average momentum under quantile tracking.
       sample_size: int >= 16 (default 4096), values of the input sampled
         (uniformly at random, with replacement) per call for the quantile
         estimate.
+      threshold: deprecated alias of ``cutoff`` (same meaning; a
+        ``DeprecationWarning``, as for the attributes ``threshold`` and
+        ``threshold_var`` and ``set_controls(threshold=...)``), removed in
+        the next release. Configurations saved with the key ``threshold``
+        (``.keras`` files) load without a warning; ``get_config`` writes
+        ``cutoff``.
       **kwargs: base ``Layer`` arguments.
 
     Attributes (non-trainable float32 scalar weights, saved with the model;
     ``get_config`` also stores their current values):
-      threshold_var, l1_var, target_var.
+      cutoff_var, l1_var, target_var.
 
     Raises:
-      ValueError: on a negative/NaN threshold or l1, a target or momentum
+      ValueError: on a negative/NaN cutoff or l1, a target or momentum
         outside ``[0, 1)``, or a sample_size below 16.
+      TypeError: both ``cutoff`` and ``threshold`` given.
     """
 
-    def __init__(self, threshold=0.0, l1=0.0, target=0.0, momentum=0.9,
-                 sample_size=4096, **kwargs):
+    #: Deprecated attribute aliases (utils.deprecation.RenamedAttributes).
+    _RENAMED_ATTRIBUTES = {"threshold": "cutoff",
+                           "threshold_var": "cutoff_var"}
+
+    def __init__(self, cutoff=0.0, l1=0.0, target=0.0, momentum=0.9,
+                 sample_size=4096, threshold=None, **kwargs):
+        cutoff = renamed_kwarg("FATReLU", "threshold", "cutoff", threshold,
+                               cutoff, 0.0)
         super().__init__(**kwargs)
         self._init_values = {
-            "threshold": validate_nonnegative_float(threshold, "threshold"),
+            "cutoff": validate_nonnegative_float(cutoff, "cutoff"),
             "l1": validate_nonnegative_float(l1, "l1"),
             "target": validate_fraction(target, "target"),
         }
         self.momentum = validate_fraction(momentum, "momentum")
         self.sample_size = validate_int(sample_size, "sample_size", 16)
         self.supports_masking = True
-        self.threshold_var = None
+        self.cutoff_var = None
         self.l1_var = None
         self.target_var = None
         # Scalar state, independent of the input shape: created now so the
@@ -122,9 +141,9 @@ class FATReLU(keras.layers.Layer):
         self.build(None)
 
     def build(self, input_shape=None):
-        if self.threshold_var is not None:
+        if self.cutoff_var is not None:
             return
-        for key in ("threshold", "l1", "target"):
+        for key in ("cutoff", "l1", "target"):
             var = self.add_weight(
                 name=key, shape=(), dtype="float32", trainable=False,
                 autocast=False,
@@ -141,9 +160,9 @@ class FATReLU(keras.layers.Layer):
         return float(var.numpy()) if var is not None else self._init_values[key]
 
     @property
-    def threshold(self):
-        """Current threshold (Python float)."""
-        return self._value("threshold")
+    def cutoff(self):
+        """Current cutoff (Python float)."""
+        return self._value("cutoff")
 
     @property
     def l1(self):
@@ -155,15 +174,20 @@ class FATReLU(keras.layers.Layer):
         """Current quantile target (Python float; 0 = off)."""
         return self._value("target")
 
-    def set_controls(self, threshold=None, l1=None, target=None):
-        """Assigns any of the control values (validated as in ``__init__``).
+    def set_controls(self, cutoff=None, l1=None, target=None,
+                     threshold=None):
+        """Assigns any of the control values (validated as in ``__init__``;
+        ``threshold`` is the deprecated alias of ``cutoff``).
 
         Raises:
           ValueError: on an invalid value.
+          TypeError: both ``cutoff`` and ``threshold`` given.
         """
-        if threshold is not None:
-            self.threshold_var.assign(
-                validate_nonnegative_float(threshold, "threshold"))
+        cutoff = renamed_kwarg("FATReLU.set_controls", "threshold", "cutoff",
+                               threshold, cutoff, None)
+        if cutoff is not None:
+            self.cutoff_var.assign(
+                validate_nonnegative_float(cutoff, "cutoff"))
         if l1 is not None:
             self.l1_var.assign(validate_nonnegative_float(l1, "l1"))
         if target is not None:
@@ -174,7 +198,7 @@ class FATReLU(keras.layers.Layer):
         x = tf.convert_to_tensor(inputs)
         # The variable is validated >= 0 wherever this class assigns it; the
         # clamp keeps y >= 0 (so |y| = y below) even after a direct assign.
-        t = tf.maximum(tf.cast(tf.convert_to_tensor(self.threshold_var),
+        t = tf.maximum(tf.cast(tf.convert_to_tensor(self.cutoff_var),
                                x.dtype), tf.zeros([], x.dtype))
         if not training:
             # x > T with T >= 0: also zeroes negatives, i.e. ReLU at T = 0.
@@ -189,7 +213,7 @@ class FATReLU(keras.layers.Layer):
         """``FATReLU(x + bias)`` with the bias broadcast over the last
         dimension, in one pass (:func:`~tf_sparse_split.ops.bias_fat_relu`;
         its gradient is one pass too, with the L1 penalty's and the bias
-        gradient folded in). Same value, penalty and threshold tracking as
+        gradient folded in). Same value, penalty and cutoff tracking as
         ``self(x + bias, training=training)``; what
         :class:`~tf_sparse_split.layers.SparseSplitConv2D` runs when this
         is its activation.
@@ -205,7 +229,7 @@ class FATReLU(keras.layers.Layer):
         from tf_sparse_split.ops.fat_relu import bias_fat_relu
 
         x = tf.convert_to_tensor(x)
-        t = tf.maximum(tf.cast(tf.convert_to_tensor(self.threshold_var),
+        t = tf.maximum(tf.cast(tf.convert_to_tensor(self.cutoff_var),
                                x.dtype), tf.zeros([], x.dtype))
         y, total = bias_fat_relu(x, bias, t)
         if training:
@@ -235,16 +259,22 @@ class FATReLU(keras.layers.Layer):
                           tf.int32)
             q = tf.maximum(sample[idx], 0.0)
             mom = self.momentum
-            old = tf.convert_to_tensor(self.threshold_var)
+            old = tf.convert_to_tensor(self.cutoff_var)
             new = tf.maximum(mom * old + (1.0 - mom) * q, 0.0)
-            self.threshold_var.assign(tf.reshape(new, []))
+            self.cutoff_var.assign(tf.reshape(new, []))
             return tf.constant(True)
 
         tf.cond(target > 0.0, update, lambda: tf.constant(False))
 
     def get_config(self):
         config = super().get_config()
-        config.update({"threshold": self.threshold, "l1": self.l1,
+        config.update({"cutoff": self.cutoff, "l1": self.l1,
                        "target": self.target, "momentum": self.momentum,
                        "sample_size": self.sample_size})
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        # Configurations saved before the rename hold "threshold".
+        return super().from_config(rename_config_key(config, "threshold",
+                                                     "cutoff"))

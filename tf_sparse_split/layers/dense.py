@@ -18,6 +18,9 @@ import tensorflow as tf
 
 from tf_sparse_split.layers.base import SparseSplitLayer
 from tf_sparse_split.ops.matmul import sparse_split_matmul
+from tf_sparse_split.utils.deprecation import (RenamedAttributes,
+                                               rename_config_key,
+                                               renamed_kwarg)
 
 __all__ = ["SparseSplitDense"]
 
@@ -35,7 +38,8 @@ def _fused_activation(activation):
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
-class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
+class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
+                       keras.layers.Dense):
     """``keras.layers.Dense`` computed by ``SparseSplitMatMul``.
 
     ``output = activation(inputs @ kernel + bias)``, the same as ``Dense``;
@@ -73,16 +77,20 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
         GPU the op runs the normal CPU split (same results), records
         ``stats.HETERO_CPU_FALLBACK`` and warns once per process
         (``RuntimeWarning``). Saved in ``get_config``.
-      skip_dead_input_grad: bool (default False). If True, the gradient for
+      masked_input_grad: bool (default False). If True, the gradient for
         the layer's input is computed only where the input is nonzero (0
         elsewhere), by an SDDMM whose cost is proportional to the input's
-        nonzeros (``grad_a_live_only`` of
+        nonzeros (``masked_input_grad`` of
         :func:`~tf_sparse_split.sparse_split_matmul`). Exact only when the
         layer before has zero gradient wherever its output is zero: its
         input is a ReLU or FATReLU output, possibly through dropout,
         max-pooling or a reshape -- the usual ``Dense(relu) -> [dropout] ->
         SparseSplitDense`` stack (:class:`SparsityTargetCallback` sets it on
         the layers it controls). Saved in ``get_config``.
+      skip_dead_input_grad: deprecated alias of ``masked_input_grad`` (same
+        meaning; a ``DeprecationWarning``, as for the attribute of that
+        name), removed in the next release. Configurations saved with it
+        (``.keras`` files) load without a warning.
       lora_rank, lora_alpha: LoRA as in ``keras.layers.Dense``
         (also :meth:`enable_lora`): the kernel is frozen, trainable
         float32 ``lora_kernel_a`` ``[input_dim, rank]`` (``he_uniform``)
@@ -121,7 +129,10 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     XLA").
 
     Raises:
-      ValueError: on a bad ``threshold`` (or bad ``Dense`` arguments).
+      ValueError: on a bad ``threshold``, a non-bool ``heterogeneous`` or
+        ``masked_input_grad`` (or bad ``Dense`` arguments).
+      TypeError: both ``masked_input_grad`` and ``skip_dead_input_grad``
+        given.
       NotImplementedError: if quantization is requested.
       RuntimeError: if the Keras backend is not TensorFlow.
     """
@@ -143,13 +154,17 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
         quantization_config=None,
         threshold=-1.0,
         heterogeneous=False,
-        skip_dead_input_grad=False,
+        masked_input_grad=False,
+        skip_dead_input_grad=None,
         **kwargs,
     ):
-        if not isinstance(skip_dead_input_grad, (bool, np.bool_)):
-            raise ValueError(f"skip_dead_input_grad must be a bool, got "
-                             f"{skip_dead_input_grad!r}")
-        self.skip_dead_input_grad = bool(skip_dead_input_grad)
+        masked_input_grad = renamed_kwarg(
+            "SparseSplitDense", "skip_dead_input_grad", "masked_input_grad",
+            skip_dead_input_grad, masked_input_grad, False)
+        if not isinstance(masked_input_grad, (bool, np.bool_)):
+            raise ValueError(f"masked_input_grad must be a bool, got "
+                             f"{masked_input_grad!r}")
+        self.masked_input_grad = bool(masked_input_grad)
         if not isinstance(heterogeneous, (bool, np.bool_)):
             raise ValueError(
                 f"heterogeneous must be a bool, got {heterogeneous!r}")
@@ -210,7 +225,7 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
         y, stats_vec = sparse_split_matmul(
             x2d, kernel, threshold=tf.convert_to_tensor(self.threshold_var),
             return_stats=True, heterogeneous=self.heterogeneous,
-            grad_a_live_only=self.skip_dead_input_grad, bias=bias,
+            masked_input_grad=self.masked_input_grad, bias=bias,
             activation=fused or "none",
             full_stats=self._records_stats(training))
         self._record_stats(stats_vec, training)
@@ -243,7 +258,7 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
         b = tf.cast(self.lora_kernel_b, x2d.dtype)
         xa = sparse_split_matmul(x2d, a, threshold=-1.0,
                                  heterogeneous=self.heterogeneous,
-                                 grad_a_live_only=self.skip_dead_input_grad)
+                                 masked_input_grad=self.masked_input_grad)
         scale = tf.constant(self.lora_alpha / self.lora_rank, x2d.dtype)
         return scale * tf.matmul(xa, b)
 
@@ -286,7 +301,7 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
             x_c, kernel_live,
             threshold=tf.convert_to_tensor(self.threshold_var),
             return_stats=True, heterogeneous=self.heterogeneous,
-            grad_a_live_only=self.skip_dead_input_grad, bias=bias,
+            masked_input_grad=self.masked_input_grad, bias=bias,
             activation=fused or "none")
         self._record_stats(stats_vec, training)
         y.set_shape(inputs.shape[:-1].concatenate([self.units]))
@@ -300,5 +315,14 @@ class SparseSplitDense(SparseSplitLayer, keras.layers.Dense):
     def get_config(self):
         config = super().get_config()
         config["heterogeneous"] = self.heterogeneous
-        config["skip_dead_input_grad"] = self.skip_dead_input_grad
+        config["masked_input_grad"] = self.masked_input_grad
         return config
+
+    #: Deprecated attribute aliases (utils.deprecation.RenamedAttributes).
+    _RENAMED_ATTRIBUTES = {"skip_dead_input_grad": "masked_input_grad"}
+
+    @classmethod
+    def from_config(cls, config):
+        # Configurations saved before the rename hold skip_dead_input_grad.
+        return super().from_config(rename_config_key(
+            config, "skip_dead_input_grad", "masked_input_grad"))

@@ -10,6 +10,7 @@ import tensorflow as tf
 from tf_sparse_split._loader import load_library
 from tf_sparse_split.ops._common import (as_threshold, float_operand,
                                          invalid, operand_like)
+from tf_sparse_split.utils.deprecation import renamed_kwarg
 from tf_sparse_split.utils.validation import validate_choice
 
 __all__ = ["sparse_split_matmul", "ACTIVATIONS"]
@@ -46,8 +47,9 @@ def _warn_if_no_gpu():
 
 def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
                         transpose_b=False, return_stats=False, name=None,
-                        heterogeneous=False, grad_a_live_only=False,
-                        bias=None, activation=None, full_stats=None):
+                        heterogeneous=False, masked_input_grad=False,
+                        bias=None, activation=None, full_stats=None,
+                        grad_a_live_only=None):
     """Matrix product ``act(op(a) @ op(b) + bias)`` that skips the zeros of
     ``a``.
 
@@ -92,7 +94,7 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     activation's derivative masks it: ReLU, FATReLU, dropout downstream):
     ``dY @ op(b)^T`` runs through this op with ``dY`` as its sparse operand
     and an automatic threshold (TF's GEMM when ``N < 64``); with
-    ``grad_a_live_only`` it is the SDDMM masked by ``a`` instead (below).
+    ``masked_input_grad`` it is the SDDMM masked by ``a`` instead (below).
     Sparsity per component of training, gradients included: R. Sun and
     L. Zhang, *Dynamic Sparse Method for Deep Learning Execution*, 2019.
 
@@ -132,9 +134,9 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       name: optional op name.
       heterogeneous: bool; if True, dense rows on the GPU and sparse rows on
         the CPU, overlapped (see above). Default False.
-      grad_a_live_only: bool; if True (and ``transpose_a`` is False), the
-        gradient for ``a`` is computed only where ``a`` is nonzero and is 0
-        elsewhere: ``(a != 0) * (dY @ op(b)^T)``, by the SDDMM op
+      masked_input_grad: bool; if True (and ``transpose_a`` is False), the
+        gradient for the input ``a`` is computed only where ``a`` is
+        nonzero and is 0 elsewhere: ``(a != 0) * (dY @ op(b)^T)``, by the SDDMM op
         (:func:`~tf_sparse_split.ops.sparse_split_sddmm`, cost ``nnz(a) *
         N`` instead of ``M * K * N``; CPU only: under an explicit GPU
         device, a GEMM over the live columns, then masked). This is the
@@ -156,6 +158,9 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         ``HISTOGRAM`` are then estimates (``stats.ANALYSIS_SAMPLED``) or
         NaN / zeros (``stats.ANALYSIS_SKIPPED``). None (default): the value
         of ``return_stats``.
+      grad_a_live_only: deprecated alias of ``masked_input_grad`` (same
+        meaning; a ``DeprecationWarning``), removed in the next release. It
+        stays the name of the op's attr, which saved graphs use.
 
     Returns:
       The product ``act(op(a) @ op(b) + bias)``, ``[M, N]``, of the inputs'
@@ -171,13 +176,18 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         or NaN, a ``bias`` that is not a vector ``[N]``.
       ValueError: an unknown ``activation``; rank/shape errors detected
         while tracing a ``tf.function`` (shape inference).
+      TypeError: a non-bool ``heterogeneous`` or ``masked_input_grad``, or
+        both ``masked_input_grad`` and ``grad_a_live_only`` given.
     """
     if not isinstance(heterogeneous, (bool, np.bool_)):
         raise TypeError(
             f"heterogeneous must be a bool, got {heterogeneous!r}")
-    if not isinstance(grad_a_live_only, (bool, np.bool_)):
+    masked_input_grad = renamed_kwarg(
+        "sparse_split_matmul", "grad_a_live_only", "masked_input_grad",
+        grad_a_live_only, masked_input_grad, False)
+    if not isinstance(masked_input_grad, (bool, np.bool_)):
         raise TypeError(
-            f"grad_a_live_only must be a bool, got {grad_a_live_only!r}")
+            f"masked_input_grad must be a bool, got {masked_input_grad!r}")
     heterogeneous = bool(heterogeneous)
     activation = validate_choice(
         "none" if activation is None else activation, "activation",
@@ -200,14 +210,14 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         product, stats = lib.tf_sparse_split_sparse_split_mat_mul(
             a, b, as_threshold(threshold), biases, transpose_a=transpose_a,
             transpose_b=transpose_b, heterogeneous=heterogeneous,
-            grad_a_live_only=bool(grad_a_live_only), activation=activation,
+            grad_a_live_only=bool(masked_input_grad), activation=activation,
             full_stats=bool(return_stats if full_stats is None else full_stats))
     return (product, stats) if return_stats else product
 
 
 def _grad_a_live_columns(a, b, grad, tb):
     """dA = dY @ op(b)^T computed for the live (not all-zero) columns of
-    ``a`` [M, K] only; 0 in its all-zero columns (see ``grad_a_live_only``).
+    ``a`` [M, K] only; 0 in its all-zero columns (see ``masked_input_grad``).
 
     The gather of op(b)'s live rows and the scatter of the result cost
     memory passes, so the smaller GEMM is used only when at least a quarter
@@ -262,7 +272,7 @@ def _dy_product(grad, b, transpose_b, hetero, transpose_out=False):
 
 
 def _grad_a_masked(op, a, b, grad, tb):
-    """dA = (a != 0) * (dY @ op(b)^T) (``grad_a_live_only``): the SDDMM op
+    """dA = (a != 0) * (dY @ op(b)^T) (``masked_input_grad``): the SDDMM op
     computes only the entries where ``a`` is nonzero, cost ``nnz(a) * N``.
     The SDDMM has no GPU kernel: an op placed on a GPU keeps the
     live-column GEMM there."""

@@ -2,7 +2,7 @@
 dense-dense product) and its registered gradient.
 
 It computes the input gradient of a ``SparseSplitMatMul`` whose activation
-came through a ReLU-family activation (``grad_a_live_only=True``): ``dA =
+came through a ReLU-family activation (``masked_input_grad=True``): ``dA =
 (a != 0) * (dY @ op(b)^T)``, with cost proportional to ``nnz(a) * N`` instead
 of ``M * K * N`` -- sparsity exploited in the gradients as well as in the
 forward pass (R. Sun and L. Zhang, *Dynamic Sparse Method for Deep Learning

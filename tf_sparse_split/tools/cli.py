@@ -59,7 +59,7 @@ layers (or ``keras.layers.Conv2D`` with ``--baseline``).
 ``--target-sparsity S`` (mlp, cnn) adds the
 :class:`~tf_sparse_split.callbacks.SparsityTargetCallback`: the inputs of
 the sparse-split layers fed by a ReLU are driven toward a fraction S of
-zeros (FATReLU thresholds + progressive L1; Kurtz et al., ICML 2020;
+zeros (FATReLU cutoffs + progressive L1; Kurtz et al., ICML 2020;
 ProSparse, 2024; default 0.9 for mlp, 0.8 for cnn, ``none`` to switch it
 off); ``--compare`` then also prints each layer's input sparsity in both
 models. ``--model lstm`` trains image rows
@@ -255,7 +255,7 @@ def build_parser():
         metavar="S|none",
         help="induce activation sparsity: drive the input of every "
              "sparse-split layer fed by a ReLU toward a fraction S of zeros "
-             "in [0, 1) (SparsityTargetCallback: FATReLU thresholds + a "
+             "in [0, 1) (SparsityTargetCallback: FATReLU cutoffs + a "
              "progressive L1 penalty; --model mlp and cnn); default "
              f"{DEFAULT_TARGET['mlp']} for mlp, {DEFAULT_TARGET['cnn']} for "
              "cnn; 'none': plain ReLU sparsity")

@@ -89,7 +89,7 @@ def build_mlp(input_dim, hidden, num_classes, sparse=True, threshold=-1.0,
             # gradient is needed only for units alive in the batch.
             return SparseSplitDense(units, activation=activation,
                                     threshold=threshold, name=name,
-                                    skip_dead_input_grad=after_relu)
+                                    masked_input_grad=after_relu)
         return keras.layers.Dense(units, activation=activation, name=name)
 
     if dropout not in DROPOUT_KINDS:

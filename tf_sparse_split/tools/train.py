@@ -77,9 +77,9 @@ def epoch_printer(epochs, layer_names, out):
                 th = logs.get(f"{name}/threshold")
                 if sp is None or th is None:
                     continue
-                fat = logs.get(f"{name}/fat_threshold")
+                fat = logs.get(f"{name}/fat_cutoff")
                 fat_text = ("" if fat is None else
-                            f"; FATReLU threshold {fat:.4f}, l1 "
+                            f"; FATReLU cutoff {fat:.4f}, l1 "
                             f"{logs.get(f'{name}/l1', 0.0):.3g}")
                 print(f"  {name}: {describe_split(sp, th)}{fat_text}",
                       file=out, flush=True)

@@ -1,0 +1,171 @@
+// CPU implementation of the kernels declared in csr.h.
+#include "cc/core/csr.h"
+#include "cc/core/compress.h"
+#include "cc/core/simd_transpose.h"
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace tf_sparse_split {
+
+namespace {
+
+// Appends the nonzeros of an h x w tile (h, w <= kSize) of a row-major
+// matrix with leading dimension ld, read transposed: for each tile column j
+// with slot[j] >= 0, entries (q0 + t, src[t * ld + j]) in ascending t go to
+// ci/vals at cursor[j], which advances.
+template <typename T>
+struct TransposeCompressTile {
+  static constexpr int64_t kSize = 16;
+  static void Run(const T* src, int64_t ld, int64_t h, int64_t w, int64_t q0,
+                  const int64_t* slot, int64_t* cursor, int32_t* ci,
+                  T* vals) {
+    for (int64_t t = 0; t < h; ++t) {
+      const T* row = src + t * ld;
+      for (int64_t j = 0; j < w; ++j) {
+        const T v = row[j];
+        if (v != T(0) && slot[j] >= 0) {
+          ci[cursor[j]] = static_cast<int32_t>(q0 + t);
+          vals[cursor[j]++] = v;
+        }
+      }
+    }
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+template <>
+struct TransposeCompressTile<float> {
+  static constexpr int64_t kSize = 16;
+  static void Run(const float* src, int64_t ld, int64_t h, int64_t w,
+                  int64_t q0, const int64_t* slot, int64_t* cursor,
+                  int32_t* ci, float* vals) {
+    __mmask16 sel = 0;
+    for (int64_t j = 0; j < w; ++j)
+      sel |= static_cast<__mmask16>((slot[j] >= 0 ? 1u : 0u) << j);
+    __m512 r[16];
+    __mmask16 nz[16];
+    int total = 0;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      r[i] = i < h ? _mm512_maskz_loadu_ps(sel, src + i * ld) : zero;
+      nz[i] = _mm512_cmp_ps_mask(r[i], zero, _CMP_NEQ_UQ);
+      total += __builtin_popcount(nz[i]);
+    }
+    if (total == 0) return;
+    if (total <= 24) {
+      // Few nonzeros: append them one by one (rows ascending).
+      for (int i = 0; i < 16; ++i) {
+        alignas(64) float row[16];
+        if (nz[i] == 0) continue;
+        _mm512_store_ps(row, r[i]);
+        for (unsigned m = nz[i]; m != 0; m &= m - 1) {
+          const int j = __builtin_ctz(m);
+          ci[cursor[j]] = static_cast<int32_t>(q0 + i);
+          vals[cursor[j]++] = row[j];
+        }
+      }
+      return;
+    }
+    // Transpose in registers, then compress each column as a row segment.
+    Transpose16x16(r);
+    const __m256i base_lo = _mm256_set1_epi32(static_cast<int32_t>(q0));
+    const __m256i base_hi = _mm256_set1_epi32(static_cast<int32_t>(q0) + 8);
+    for (unsigned m = sel; m != 0; m &= m - 1) {
+      const int j = __builtin_ctz(m);
+      const unsigned mk = _mm512_cmp_ps_mask(r[j], zero, _CMP_NEQ_UQ);
+      int64_t& cur = cursor[j];
+      cur += compress_internal::Pack8(_mm512_castps512_ps256(r[j]), mk & 0xff,
+                                      base_lo, ci + cur, vals + cur);
+      cur += compress_internal::Pack8(_mm512_extractf32x8_ps(r[j], 1), mk >> 8,
+                                      base_hi, ci + cur, vals + cur);
+    }
+  }
+};
+#endif
+
+}  // namespace
+
+template <typename T>
+void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
+              bool transpose_a, const int64_t* rows, int64_t n_rows,
+              const int64_t* row_nnz, const int64_t* col_nnz, Csr<T>* csr,
+              const ParallelFor& pfor) {
+  csr->row_ptr.assign(n_rows + 1, 0);
+  for (int64_t r = 0; r < n_rows; ++r)
+    csr->row_ptr[r + 1] = csr->row_ptr[r] + row_nnz[rows[r]];
+  const int64_t nnz = csr->row_ptr[n_rows];
+  csr->col_idx.resize(nnz);
+  csr->values.resize(nnz);
+  if (nnz == 0) return;
+  int32_t* ci = csr->col_idx.data();
+  T* vals = csr->values.data();
+  const int64_t* rp = csr->row_ptr.data();
+  if (!transpose_a) {
+    // Row i of op(a) is physical row i: scan it contiguously.
+    pfor(n_rows, phys_cols * 2, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* row = a + rows[r] * phys_cols;
+        CompressRow<T>(row, phys_cols, ci + rp[r], vals + rp[r]);
+      }
+    });
+    return;
+  }
+  // Row i of op(a) is physical column i; its column index is the physical
+  // row. Tiles of kTile physical rows x kTile physical columns are
+  // transposed in registers (or through a small buffer) and each transposed
+  // column -- kTile consecutive entries of one row of op(a) -- is compressed
+  // like a row segment, straight to its place in the CSR. A shard owns a
+  // range of physical column blocks, i.e. of op rows, and walks the physical
+  // rows in ascending order, so indices come out sorted and no two threads
+  // write the same row.
+  constexpr int64_t kT = TransposeCompressTile<T>::kSize;
+  constexpr int64_t kW = 4 * kT;  // physical columns per block: 4 tiles wide
+  // pos[c]: index in `rows` of physical column c, or -1 if not selected.
+  std::vector<int64_t> pos(phys_cols, -1);
+  for (int64_t r = 0; r < n_rows; ++r) pos[rows[r]] = r;
+  const int64_t col_blocks = (phys_cols + kW - 1) / kW;
+  pfor(col_blocks, phys_rows * kW * 2, [&](int64_t cb0, int64_t cb1) {
+    // This shard's physical columns, walked row block by row block:
+    // contiguous row segments (prefetcher-friendly), every selected column
+    // appending to its own CSR row at cursor[].
+    // At most kSuper columns at a time: each is an output stream, and
+    // thousands of them thrash the cache and TLB (one thread, a 1024 x 4096
+    // float32 matrix at 50%: 19 ms with all 4096 columns at once, 13 ms
+    // with 256; loaded machine).
+    constexpr int64_t kSuper = 256;
+    int64_t cursor[kSuper], slot[kSuper];
+    for (int64_t s_lo = cb0 * kW; s_lo < std::min(phys_cols, cb1 * kW);
+         s_lo += kSuper) {
+      const int64_t s_hi = std::min({phys_cols, cb1 * kW, s_lo + kSuper});
+      for (int64_t c = s_lo; c < s_hi; ++c) {
+        slot[c - s_lo] = pos[c];
+        if (pos[c] >= 0) cursor[c - s_lo] = rp[pos[c]];
+      }
+      for (int64_t q0 = 0; q0 < phys_rows; q0 += kT) {
+        const int64_t h = std::min<int64_t>(kT, phys_rows - q0);
+        for (int64_t s0 = s_lo; s0 < s_hi; s0 += kT) {
+          const int64_t sw = std::min<int64_t>(kT, s_hi - s0);
+          TransposeCompressTile<T>::Run(a + q0 * phys_cols + s0, phys_cols,
+                                        h, sw, q0, slot + (s0 - s_lo),
+                                        cursor + (s0 - s_lo), ci, vals);
+        }
+      }
+    }
+  });
+}
+
+#define TFSS_INSTANTIATE(T)                                                   \
+  template void BuildCsr<T>(const T*, int64_t, int64_t, bool, const int64_t*, \
+                            int64_t, const int64_t*, const int64_t*, Csr<T>*, \
+                            const ParallelFor&);
+
+TFSS_INSTANTIATE(float)
+TFSS_INSTANTIATE(double)
+#undef TFSS_INSTANTIATE
+
+}  // namespace tf_sparse_split

@@ -1,0 +1,44 @@
+// A std::vector whose resize() leaves new elements unwritten, for index and
+// value arrays that the kernels overwrite in full anyway (CSR arrays,
+// partial counts).
+#ifndef TF_SPARSE_SPLIT_CC_CORE_UNINIT_VECTOR_H_
+#define TF_SPARSE_SPLIT_CC_CORE_UNINIT_VECTOR_H_
+
+#include <memory>
+#include <new>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace tf_sparse_split {
+
+// std::allocator whose value-less construct() default-initialises: resize()
+// of a vector of ints or floats leaves the new elements unwritten instead of
+// zeroing them (the CSR build overwrites every entry anyway; zeroing was a
+// whole extra write pass over the arrays).
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  DefaultInitAllocator() = default;
+  template <typename U>
+  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible<U>::value) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+// A vector whose resize() does not zero new elements (see above).
+template <typename T>
+using UninitVector = std::vector<T, DefaultInitAllocator<T>>;
+
+}  // namespace tf_sparse_split
+
+#endif  // TF_SPARSE_SPLIT_CC_CORE_UNINIT_VECTOR_H_
