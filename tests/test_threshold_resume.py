@@ -116,7 +116,9 @@ def test_a_replaced_layer_with_other_shapes_starts_over(op_library):
     list of layers that a custom loop changes."""
     keras.utils.set_random_seed(2)
     x, _ = _data(seed=2)
-    wide = SparseSplitDense(16, activation="relu", name="wide")
+    # A fixed threshold: the tuner tunes (and explores) it; an automatic
+    # layer would stay with the op's per-call decision.
+    wide = SparseSplitDense(16, activation="relu", threshold=0.0, name="wide")
     wide.build((None, 32))
     layers = [wide]
     tuner = ThresholdTuner(layers, explore_batches=2, samples_per_epoch=0,
@@ -140,7 +142,8 @@ def test_a_replaced_layer_with_other_shapes_starts_over(op_library):
     tuner.begin_training(resume=True)
     assert tuner.resumed
     # Same name, other units: the problem changed, the tuner starts over.
-    layers[0] = SparseSplitDense(24, activation="relu", name="wide")
+    layers[0] = SparseSplitDense(24, activation="relu", threshold=0.0,
+                                 name="wide")
     layers[0].build((None, 32))
     assert layer_key(layers) != key
     tuner.begin_training(resume=True)
