@@ -190,7 +190,10 @@ class SparseSplitLayer(keras.layers.Layer):
 
     # -- cost model -------------------------------------------------------
     def split_work_coefficients(self, stats_vector):
-        """Flops per unit of work of the two paths, for the cost model.
+        """Flops per unit of work of the two paths, for
+        :class:`~tf_sparse_split.tuning.CostModel` (offline fits; the op
+        itself writes the same numbers into its statistics' cost entries,
+        which the tuner uses).
 
         The dense path's work is ``ROWS_DENSE * (K - ZERO_COLS_SKIPPED) *
         dense_coef`` and the sparse path's ``NNZ_SPARSE * sparse_coef``

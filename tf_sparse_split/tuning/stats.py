@@ -78,7 +78,10 @@ HISTOGRAM           images per density bin, density = nnz / (H*W*C_in)
 so ``sparsity`` is the input's fraction of zeros and ``K - ZERO_COLS_SKIPPED``
 the live values per image. The flop counts differ from a matmul's (dense:
 ``2*N_dense*OH*OW*KH*KW*C_in_live*C_out``; sparse: ``2*NNZ_SPARSE*N``):
-layers give them to the cost model through ``split_work_coefficients``.
+the op writes its own per-unit flop into the cost entries
+(``DENSE_FLOPS_PER_ELEM``, ``SPARSE_FLOPS_PER_NNZ``), and layers give the same
+to :class:`~tf_sparse_split.tuning.CostModel` through
+``split_work_coefficients``.
 """
 
 ROWS_DENSE = 0
