@@ -6,7 +6,7 @@ import pytest
 
 import tf_sparse_split as tfss
 from tf_sparse_split.callbacks import SplitThresholdCallback, find_split_layers
-from tf_sparse_split.tuning.cost_model import DENSE, SPARSE
+from tf_sparse_split.tuning.op_model import DENSE, SPARSE
 from tf_sparse_split.layers import SparseSplitDense
 
 tfss.load_library()  # fail loudly if the op library is not built
@@ -64,8 +64,8 @@ def test_callback_tunes_a_very_sparse_layer():
     assert cb.layers == [wide, model.get_layer("head")]
     # Both paths were timed during exploration.
     state = cb._states[0]
-    assert state.cost_model.num_samples(DENSE) >= 2
-    assert state.cost_model.num_samples(SPARSE) >= 2
+    assert state.num_samples(DENSE) >= 2
+    assert state.num_samples(SPARSE) >= 2
     # The threshold moved: rows of density ~1% now go sparse.
     assert wide.threshold > 0.0
     assert wide.threshold >= 1 / 16

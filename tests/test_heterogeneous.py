@@ -297,15 +297,21 @@ def test_layer_fallback_matches_and_warns_once(fresh_warning_state):
     assert plain.latest_stats()["heterogeneous"] == S.HETERO_OFF
 
 
-def test_callback_passes_the_layer_flag(monkeypatch, fresh_warning_state):
+def test_callback_decides_with_the_split_that_ran(monkeypatch,
+                                                 fresh_warning_state):
+    # The tuner's decision is heterogeneous (max of the parts) exactly when
+    # the op's statistics say the heterogeneous split ran (HETERO_RAN, GPU
+    # kernel); the CPU fallback runs the parts one after the other.
+    from tf_sparse_split.tuning import op_model
+
     seen = []
-    original = CostModel.best_threshold
+    original = op_model.decide
 
-    def spy(self, *args, **kwargs):
-        seen.append(kwargs.get("heterogeneous"))
-        return original(self, *args, **kwargs)
+    def spy(vector, *args, **kwargs):
+        seen.append(op_model.cost_problem(vector).terms["heterogeneous"])
+        return original(vector, *args, **kwargs)
 
-    monkeypatch.setattr(CostModel, "best_threshold", spy)
+    monkeypatch.setattr(op_model, "decide", spy)
     keras.utils.set_random_seed(0)
     x = _sparse_input(64, 16, 0.7, seed=7)
     y = np.random.default_rng(8).integers(0, 2, 64)
@@ -316,11 +322,12 @@ def test_callback_passes_the_layer_flag(monkeypatch, fresh_warning_state):
     ])
     model.compile("sgd", "sparse_categorical_crossentropy", jit_compile=False)
     cb = SplitThresholdCallback(explore_batches=4, min_samples=1,
-                                warmup_samples=0)
+                                warmup_samples=0,
+                                policy="fixed")  # both explored
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         model.fit(x, y, batch_size=8, epochs=1, callbacks=[cb], verbose=0)
-    assert sorted(seen) == [False, True]
+    assert sorted(seen) == sorted([HAS_GPU, False])
 
 
 # -- the build switch ----------------------------------------------------------

@@ -14,7 +14,7 @@ from tf_sparse_split.callbacks import SplitThresholdCallback
 from tf_sparse_split.layers import SparseSplitDense, SparseSplitLayer
 from tf_sparse_split.tuning import stats as _stats
 from tf_sparse_split.tuning import tuner as tuner_mod
-from tf_sparse_split.tuning.cost_model import DENSE, SPARSE
+from tf_sparse_split.tuning.op_model import DENSE, SPARSE
 from tf_sparse_split.tuning.tuner import (HISTOGRAM_TAG, SCALAR_TAGS,
                                           ThresholdTuner)
 
@@ -94,8 +94,9 @@ def test_callback_reads_statistics_only_on_sampled_batches():
     assert "on_train_batch_end" not in SplitThresholdCallback.__dict__
     # And the tuning still works: both paths fitted, records complete.
     state = cb._states[0]
-    assert state.cost_model.num_samples(DENSE) >= 1
-    assert state.cost_model.num_samples(SPARSE) >= 1
+    assert state.tuned                            # "wide" has a fixed threshold
+    assert state.num_samples(DENSE) >= 1
+    assert state.num_samples(SPARSE) >= 1
     rec = cb.history[1]["layers"]["wide"]
     assert rec["calls"] == steps                  # validation calls excluded
     assert rec["rows_dense"] + rec["rows_sparse"] == steps * 16
@@ -209,7 +210,8 @@ y = rng.integers(0, 4, 512)
 keras.utils.set_random_seed(0)
 with strategy.scope():
     model = keras.Sequential([
-        keras.Input((64,)), SparseSplitDense(32, activation="relu", name="wide"),
+        keras.Input((64,)),
+        SparseSplitDense(32, activation="relu", threshold=0.0, name="wide"),
         SparseSplitDense(4, activation="softmax", name="head")])
     model.compile("sgd", "sparse_categorical_crossentropy", jit_compile=False)
 cb = tfss.SplitThresholdCallback(explore_batches=4, min_samples=1)
@@ -218,10 +220,13 @@ out = {"replicas": cb.tuner.num_replicas, "history": [
     {k: [v["calls"], v["rows_dense"] + v["rows_sparse"], v["threshold"],
          v["dense_rate"] is not None and v["sparse_rate"] is not None]
      for k, v in r["layers"].items()} for r in cb.history]}
-var = model.get_layer("wide").threshold_var
-var = var.value if isinstance(var, keras.Variable) else var
-out["components"] = [float(c.numpy())
-                     for c in strategy.experimental_local_results(var)]
+def components(name):
+    var = model.get_layer(name).threshold_var
+    var = var.value if isinstance(var, keras.Variable) else var
+    return [float(c.numpy()) for c in strategy.experimental_local_results(var)]
+out["components"] = components("wide")
+out["head_components"] = components("head")
+out["modes"] = {k: v["mode"] for k, v in cb.history[-1]["layers"].items()}
 out["zeros"] = float((x == 0).mean())
 out["sparsity"] = cb.history[-1]["layers"]["wide"]["sparsity"]
 print("RESULT " + json.dumps(out))
@@ -250,6 +255,9 @@ def test_mirrored_strategy_two_replicas_all_reduce(tmp_path):
             assert calls == 2 * 8          # 8 steps, both replicas counted
             assert rows == 512             # every example of the epoch
             assert fitted
-    # Both replicas run with the threshold the tuner chose.
+    # Both replicas run with the threshold the tuner chose for the tuned
+    # layer; the automatic one stays automatic on both.
+    assert res["modes"] == {"wide": "tuned", "head": "auto"}
     assert res["components"] == [res["history"][-1]["wide"][2]] * 2
+    assert res["head_components"] == [-1.0, -1.0]
     assert res["sparsity"] == pytest.approx(res["zeros"], abs=0.01)

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 
+#include "cc/core/stats.h"
+
 namespace tf_sparse_split {
 
 namespace {
@@ -562,6 +564,57 @@ std::vector<int64_t> MatMulFamilyKey(int64_t family_op, int64_t dtype,
                                      int64_t m, int64_t k, int64_t n,
                                      bool transpose_b) {
   return {family_op, dtype, k, NBucket(n), transpose_b ? 1 : 0, MBucket(m)};
+}
+
+void WriteCostStats(const SplitShape& s, const CostTerms& t, bool calibrated,
+                    double* stats) {
+  stats[kStatKLive] = static_cast<double>(s.k_live);
+  stats[kStatDenseFlopsPerElem] = s.dense_flops_per_elem;
+  stats[kStatSparseFlopsPerNnz] = s.sparse_flops_per_nnz;
+  stats[kStatRowCopyElems] = s.row_copy_elems;
+  stats[kStatWeightElemsPerCol] = s.weight_elems_per_col;
+  stats[kStatCanCompact] = s.can_compact ? 1.0 : 0.0;
+  stats[kStatDenseAllowed] = s.dense_allowed ? 1.0 : 0.0;
+  stats[kStatTermDenseFixed] = t.dense_fixed_s;
+  stats[kStatTermDenseRate] = t.dense_rate;
+  stats[kStatTermSparseFixed] = t.sparse_fixed_s;
+  stats[kStatTermConvert] = t.convert_s_per_elem;
+  stats[kStatTermSparseRate] = t.sparse_rate;
+  stats[kStatTermCopy] = t.copy_s_per_elem;
+  stats[kStatCalibrated] = calibrated ? 1.0 : 0.0;
+}
+
+namespace {
+
+// A finite value >= 0 (NaN, negative and infinite values read as 0).
+double NonNegative(double v) { return std::isfinite(v) && v > 0.0 ? v : 0.0; }
+
+int64_t RoundCount(double v) {
+  return static_cast<int64_t>(std::llround(NonNegative(v)));
+}
+
+}  // namespace
+
+bool ReadCostStats(const double* stats, SplitShape* s, CostTerms* t) {
+  *s = SplitShape();
+  s->m = RoundCount(stats[kStatM]);
+  s->k = RoundCount(stats[kStatK]);
+  s->k_live = std::min(s->k, RoundCount(stats[kStatKLive]));
+  s->dense_flops_per_elem = NonNegative(stats[kStatDenseFlopsPerElem]);
+  s->sparse_flops_per_nnz = NonNegative(stats[kStatSparseFlopsPerNnz]);
+  s->row_copy_elems = NonNegative(stats[kStatRowCopyElems]);
+  s->weight_elems_per_col = NonNegative(stats[kStatWeightElemsPerCol]);
+  s->can_compact = stats[kStatCanCompact] >= 0.5;
+  s->dense_allowed = stats[kStatDenseAllowed] >= 0.5;
+  *t = CostTerms();
+  t->dense_fixed_s = NonNegative(stats[kStatTermDenseFixed]);
+  t->dense_rate = NonNegative(stats[kStatTermDenseRate]);
+  t->sparse_fixed_s = NonNegative(stats[kStatTermSparseFixed]);
+  t->convert_s_per_elem = NonNegative(stats[kStatTermConvert]);
+  t->sparse_rate = NonNegative(stats[kStatTermSparseRate]);
+  t->copy_s_per_elem = NonNegative(stats[kStatTermCopy]);
+  t->heterogeneous = stats[kStatHeterogeneous] == kHeteroRan;
+  return stats[kStatCalibrated] >= 0.5;
 }
 
 }  // namespace tf_sparse_split

@@ -370,6 +370,27 @@ std::vector<int64_t> MatMulFamilyKey(int64_t family_op, int64_t dtype,
                                      int64_t m, int64_t k, int64_t n,
                                      bool transpose_b);
 
+// ---- The cost problem in the statistics vector -----------------------------
+//
+// Every call writes its SplitShape and its family's current CostTerms into
+// the statistics vector (entries kStatKLive .. kStatCalibrated of
+// cc/core/stats.h). That is how the terms of the one estimator, the family
+// models of the op library, reach the Python tuner: the pybind11 module is
+// a separate shared object with its own FamilyFor registry, which the ops
+// never fill.
+
+// Writes s.k_live, the per-unit fields of `s`, `t` and `calibrated` into
+// stats[kNumStats] (m and k are kStatM / kStatK, written by the call).
+void WriteCostStats(const SplitShape& s, const CostTerms& t, bool calibrated,
+                    double* stats);
+
+// The inverse of WriteCostStats on one statistics vector (or a mean of
+// several): m, k, k_live rounded to integers and clamped (0 <= k_live <=
+// k), every term clamped to >= 0 (NaN read as 0: unknown), heterogeneous
+// when stats[kStatHeterogeneous] is kHeteroRan; returns whether the family
+// was calibrated (stats[kStatCalibrated] >= 0.5).
+bool ReadCostStats(const double* stats, SplitShape* s, CostTerms* t);
+
 }  // namespace tf_sparse_split
 
 #endif  // TF_SPARSE_SPLIT_CC_CORE_COST_MODEL_H_

@@ -43,8 +43,41 @@ enum StatIndex : int {
   // way: such a call runs every row dense and compacts nothing, so
   // kStatRowsSparse, kStatNnzSparse and kStatZeroColsSkipped are 0.
   kStatAnalysis = 13 + kDensityBins,
-  kNumStats = 14 + kDensityBins,
+  // The call's cost problem, as the op's cost model (cost_model.h) saw it:
+  // the SplitShape of the call and its problem family's CostTerms after the
+  // call was recorded (WriteCostStats / ReadCostStats). Every call with a
+  // problem family writes them (automatic or not); a call without one (an
+  // empty problem) leaves them 0, which reads as unknown terms. This is how
+  // the terms leave the op library: the pybind11 module is a separate
+  // shared object with its own (empty) FamilyFor registry, and the vector
+  // reaches Python in graphs, under tf.distribute and across workers.
+  kStatKLive = 14 + kDensityBins,  // values per row outside all-zero
+                                   // columns (k when not counted)
+  kStatDenseFlopsPerElem,   // SplitShape::dense_flops_per_elem (flop)
+  kStatSparseFlopsPerNnz,   // SplitShape::sparse_flops_per_nnz (flop)
+  kStatRowCopyElems,        // SplitShape::row_copy_elems (values)
+  kStatWeightElemsPerCol,   // SplitShape::weight_elems_per_col (values)
+  kStatCanCompact,          // SplitShape::can_compact (1 or 0)
+  kStatDenseAllowed,        // SplitShape::dense_allowed (1 or 0)
+  kStatTermDenseFixed,      // CostTerms::dense_fixed_s (seconds)
+  kStatTermDenseRate,       // CostTerms::dense_rate (flop/s; 0: unknown)
+  kStatTermSparseFixed,     // CostTerms::sparse_fixed_s (seconds)
+  kStatTermConvert,         // CostTerms::convert_s_per_elem (seconds)
+  kStatTermSparseRate,      // CostTerms::sparse_rate (flop/s; 0: unknown)
+  kStatTermCopy,            // CostTerms::copy_s_per_elem (seconds)
+  kStatCalibrated,          // 1: the family was calibrated (its first
+                            // automatic call); 0: terms learnt from the
+                            // calls' observations only, or no family
+  kNumStats = 28 + kDensityBins,
 };
+
+// The entries kStatKLive .. kStatCalibrated: per-call values that are the
+// same for every call of a family at one moment (a sum over calls divided
+// by the calls is their mean).
+constexpr int kStatCostFirst = kStatKLive;
+constexpr int kStatCostLast = kStatCalibrated;
+static_assert(kStatCostLast + 1 == kNumStats,
+              "the cost entries end the statistics vector");
 
 // Values of stats[kStatHeterogeneous].
 constexpr double kHeteroOff = 0.0;          // not requested

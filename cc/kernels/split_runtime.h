@@ -15,7 +15,9 @@
 //                                   calibrated on the first automatic call
 //   dense part  -> call.DenseDone()
 //   sparse part -> call.SparseDone()
-//   call.Finish(...)                statistics tail, the family's rates
+//   call.Finish(...)                statistics tail, the family's rates,
+//                                   the call's shape and the family's
+//                                   terms (for the Python tuner)
 //
 // The op-specific work lives in a small functor per op (the contract below,
 // after tensorflow/addons' functor headers): how to take a sample of its
@@ -466,6 +468,11 @@ class SplitCall {
       family_->Record(shape_, rows_dense(), compact_, dense_s, rows_sparse(),
                       split_.nnz_sparse, sparse_s);
     }
+    // The call's cost problem and its family's terms as they stand after
+    // this record (stats.h, kStatKLive .. kStatCalibrated): what the Python
+    // tuner decides and reports with.
+    if (family_ != nullptr)
+      WriteCostStats(shape_, family_->Terms(), family_->calibrated(), stats_);
   }
 
   const SplitShape& shape() const { return shape_; }

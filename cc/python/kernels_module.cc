@@ -556,6 +556,28 @@ void BindCostModel(py::module_& mod) {
           py::arg("shape"), py::arg("timings"),
           "Cost terms fitted to one calibration's timings (what an op does on its "
           "first automatic call).");
+  mod.def("cost_problem_from_stats",
+          [](const Arr<double>& stats) {
+            if (stats.ndim() != 1 || stats.size() != kNumStats)
+              throw py::value_error("expected a statistics vector of " +
+                                    std::to_string(kNumStats) + " values, got " +
+                                    std::to_string(stats.size()));
+            SplitShape s;
+            CostTerms t;
+            const bool calibrated = ReadCostStats(stats.data(), &s, &t);
+            py::dict d;
+            d["shape"] = DictOf(s);
+            d["terms"] = DictOf(t);
+            d["calibrated"] = calibrated;
+            return d;
+          },
+          py::arg("stats"),
+          "The cost problem one statistics vector (or a mean of several) "
+          "describes, as the op's cost model saw it (cc/core/cost_model.h "
+          "ReadCostStats): {'shape': shape dict, 'terms': its problem "
+          "family's terms after the call (rates 0: unknown), 'calibrated': "
+          "bool}. The terms are the op library's; this module's own "
+          "SplitFamilyModel objects are separate.");
   mod.attr("DECISION_BUCKETS") = 32;
   py::class_<FamilyModel>(mod, "SplitFamilyModel",
                           "Measured terms of one problem family: calibrated base "
@@ -1085,6 +1107,22 @@ PYBIND11_MODULE(_kernels, mod) {
         d["kAnalysisFull"] = t::kAnalysisFull;
         d["kAnalysisSampled"] = t::kAnalysisSampled;
         d["kAnalysisSkipped"] = t::kAnalysisSkipped;
+        d["kStatKLive"] = static_cast<int>(t::kStatKLive);
+        d["kStatDenseFlopsPerElem"] = static_cast<int>(t::kStatDenseFlopsPerElem);
+        d["kStatSparseFlopsPerNnz"] = static_cast<int>(t::kStatSparseFlopsPerNnz);
+        d["kStatRowCopyElems"] = static_cast<int>(t::kStatRowCopyElems);
+        d["kStatWeightElemsPerCol"] = static_cast<int>(t::kStatWeightElemsPerCol);
+        d["kStatCanCompact"] = static_cast<int>(t::kStatCanCompact);
+        d["kStatDenseAllowed"] = static_cast<int>(t::kStatDenseAllowed);
+        d["kStatTermDenseFixed"] = static_cast<int>(t::kStatTermDenseFixed);
+        d["kStatTermDenseRate"] = static_cast<int>(t::kStatTermDenseRate);
+        d["kStatTermSparseFixed"] = static_cast<int>(t::kStatTermSparseFixed);
+        d["kStatTermConvert"] = static_cast<int>(t::kStatTermConvert);
+        d["kStatTermSparseRate"] = static_cast<int>(t::kStatTermSparseRate);
+        d["kStatTermCopy"] = static_cast<int>(t::kStatTermCopy);
+        d["kStatCalibrated"] = static_cast<int>(t::kStatCalibrated);
+        d["kStatCostFirst"] = t::kStatCostFirst;
+        d["kStatCostLast"] = t::kStatCostLast;
         return d;
       },
       "Layout of the ops' statistics vector, from cc/core/stats.h: a dict of "

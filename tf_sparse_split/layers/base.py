@@ -190,7 +190,10 @@ class SparseSplitLayer(keras.layers.Layer):
 
     # -- cost model -------------------------------------------------------
     def split_work_coefficients(self, stats_vector):
-        """Flops per unit of work of the two paths, for the cost model.
+        """Flops per unit of work of the two paths, for
+        :class:`~tf_sparse_split.tuning.CostModel` (offline fits; the op
+        itself writes the same numbers into its statistics' cost entries,
+        which the tuner uses).
 
         The dense path's work is ``ROWS_DENSE * (K - ZERO_COLS_SKIPPED) *
         dense_coef`` and the sparse path's ``NNZ_SPARSE * sparse_coef``
@@ -266,7 +269,12 @@ class SparseSplitLayer(keras.layers.Layer):
         """Sets the split threshold (validated as in the constructor).
 
         Works before and after the layer is built; after, it assigns the
-        weight, which a compiled training step reads at its next call.
+        variable, which a compiled training step reads at its next call.
+        This is the one way thresholds are written, by users and by
+        :class:`~tf_sparse_split.tuning.ThresholdTuner` alike. A number in
+        [0, 1] fixes the split (the op's automatic mode is off until a
+        negative value or ``'auto'`` is set again); the tuner writes one
+        only into layers it tunes (see its "Who decides when").
 
         Raises:
           ValueError: unless the threshold is in [0, 1], negative or
@@ -279,6 +287,21 @@ class SparseSplitLayer(keras.layers.Layer):
             self.threshold_var.assign(value)
 
     # -- statistics -------------------------------------------------------
+    def statistics_variables(self):
+        """The variables the layer records its op's statistics into, for
+        readers that run on the device (a tuner inside ``strategy.run``, an
+        exported function), or None before the layer is built.
+
+        Returns:
+          None, or an object with the attributes ``latest`` (float64
+          ``tf.Variable`` ``[stats.NUM_STATS]``: the latest recorded call's
+          vector), ``total`` (float64 ``[stats.NUM_STATS]``: the sum over
+          the calls since the last :meth:`reset_stats`) and ``calls``
+          (int64 scalar ``tf.Variable``: their number). Read them, do not
+          assign them (:meth:`reset_stats` zeroes the sum).
+        """
+        return self._stats_vars
+
     def _require_stats(self):
         if self._stats_vars is None:
             raise RuntimeError(
@@ -321,7 +344,9 @@ class SparseSplitLayer(keras.layers.Layer):
           dict with the keys of ``stats.as_dict``: counts (rows, nnz, skipped
           columns, ``m``) and times (seconds) are sums over calls and
           ``"histogram"`` sums the row counts; ``"threshold"``, ``"k"``,
-          ``"n"`` and ``"heterogeneous"`` are averages over calls; ``"sparsity"`` is the fraction of
+          ``"n"``, ``"heterogeneous"`` and the cost entries (``"k_live"`` ...
+          ``"calibrated"``, see :mod:`~tf_sparse_split.tuning.stats`) are
+          averages over calls; ``"sparsity"`` is the fraction of
           zeros over all rows seen (``nan`` without calls); plus
           ``"calls"``, the number of calls.
 
@@ -334,6 +359,8 @@ class SparseSplitLayer(keras.layers.Layer):
             for i in (_stats.THRESHOLD, _stats.K, _stats.N,
                       _stats.HETEROGENEOUS):
                 v[i] = total[i] / calls
+            cost = slice(_stats.COST_FIRST, _stats.COST_LAST + 1)
+            v[cost] = total[cost] / calls
         out = _stats.as_dict(v)
         out["calls"] = calls
         return out

@@ -237,8 +237,10 @@ def _merge_group_stats(vectors):
     convolution: a grouped convolution is ``groups * batch`` independent
     image-group products, each a row of ``K = H*W*C_in/groups`` values
     times ``N = KH*KW*filters/groups``. Counts, times, ``M`` and the
-    histogram are summed; ``K``, ``N``, the threshold used and
-    ``ZERO_COLS_SKIPPED`` (per image, so averaged) are the groups' mean;
+    histogram are summed; ``K``, ``N``, the threshold used,
+    ``ZERO_COLS_SKIPPED`` (per image, so averaged) and the cost entries
+    (``COST_FIRST`` .. ``COST_LAST``: one group's shape and terms) are the
+    groups' mean;
     ``HETEROGENEOUS`` their maximum. ``sparsity`` (``1 - NNZ / (M*K)``)
     is then the input's fraction of zeros.
 
@@ -252,6 +254,7 @@ def _merge_group_stats(vectors):
     mean_idx = np.zeros([_stats.NUM_STATS], bool)
     mean_idx[[_stats.ZERO_COLS_SKIPPED, _stats.THRESHOLD, _stats.K,
               _stats.N]] = True
+    mean_idx[_stats.COST_FIRST:_stats.COST_LAST + 1] = True  # per group
     merged = tf.where(tf.constant(mean_idx), tf.reduce_mean(v, axis=0),
                       tf.reduce_sum(v, axis=0))
     max_idx = np.zeros([_stats.NUM_STATS], bool)

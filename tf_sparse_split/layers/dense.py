@@ -71,9 +71,9 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
       heterogeneous: bool (default False), passed to the op: on a GPU the
         dense rows run on the GPU while the sparse rows run on the CPU
         (overlapped, K.-Y. Peng, NTU 2017), and the
-        :class:`~tf_sparse_split.callbacks.SplitThresholdCallback` picks
-        the threshold that balances the two devices' finishing times
-        (``CostModel.best_threshold(..., heterogeneous=True)``). Without a
+        op's cost model picks the split that balances the two devices'
+        finishing times (its prediction is ``max`` of the two parts, see
+        docs/ARCHITECTURE.md, "The cost model"). Without a
         GPU the op runs the normal CPU split (same results), records
         ``stats.HETERO_CPU_FALLBACK`` and warns once per process
         (``RuntimeWarning``). Saved in ``get_config``.

@@ -93,6 +93,15 @@ def worker_label(strategy):
     return f"{resolver.task_type} {resolver.task_id} of {n} tasks"
 
 
+def _threshold_words(entry):
+    """One tuner history entry's threshold for the per-epoch line: an
+    automatic layer (the op decides per call) shows the op model's pick."""
+    th = entry["threshold"]
+    if entry.get("mode") == "auto":
+        return "auto" if th < 0 else f"auto (op's model picks {th:.4f})"
+    return "auto" if th < 0 else f"{th:.4f}"
+
+
 def weights_fingerprint(model):
     """SHA-256 (hex, first 16 digits) of every weight of ``model`` in order
     (bytes and shapes): equal fingerprints mean bit-identical models."""
@@ -213,20 +222,17 @@ def run_multi_worker(args, sparse, x_train, y_train, x_test, y_test,
                   f"loss {losses[-1]:.4f}, accuracy {accs[-1]:.4f}",
                   file=out, flush=True)
             for name, e in (record or {"layers": {}})["layers"].items():
-                th = e["threshold"]
                 print(f"  {name}: input sparsity {e['sparsity']:.3f}, "
-                      f"threshold {'auto' if th < 0 else f'{th:.4f}'}",
-                      file=out, flush=True)
+                      f"threshold {_threshold_words(e)}", file=out, flush=True)
         if checkpoint_dir and chief:
             os.makedirs(checkpoint_dir, exist_ok=True)
             model.save(os.path.join(checkpoint_dir, "model.keras"))
     if tuner is not None:
         tuner.close()
     test_loss, test_acc = _evaluate(model, x_test, y_test, global_batch)
-    from tf_sparse_split.layers import SparseSplitLayer
+    from tf_sparse_split.tuning.tuner import find_split_layers
 
-    split_layers = [l for l in model._flatten_layers(include_self=False)
-                    if isinstance(l, SparseSplitLayer)]
+    split_layers = find_split_layers(model)
     result = {
         "kind": kind,
         "dropout": args.dropout,
@@ -248,7 +254,8 @@ def run_multi_worker(args, sparse, x_train, y_train, x_test, y_test,
               f"{result['time_per_epoch']:.2f} s", file=out, flush=True)
         if result["thresholds"]:
             print("thresholds: " + ", ".join(
-                f"{k}={v:.4f}" for k, v in result["thresholds"].items()),
+                f"{k}={'auto' if v < 0 else f'{v:.4f}'}"
+                for k, v in result["thresholds"].items()),
                 file=out, flush=True)
         print(f"weights sha256: {result['fingerprint']}", file=out, flush=True)
     return result

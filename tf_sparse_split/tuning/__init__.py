@@ -1,15 +1,24 @@
 """Tuning: what picks the dense/sparse split and the dropout patterns.
 
 * :mod:`tf_sparse_split.tuning.stats` -- layout of the per-call statistics
-  vector the ops emit (mirrors ``cc/core/stats.h``).
-* :mod:`tf_sparse_split.tuning.cost_model` -- :class:`CostModel`, the run-time
-  cost model that picks the split threshold.
+  vector the ops emit (mirrors ``cc/core/stats.h``), including the cost tail
+  that carries each call's shape and its family's cost terms.
+* :mod:`tf_sparse_split.tuning.op_model` -- the ops' own cost model read
+  from those statistics (the one estimator: ``cc/core/cost_model.h``).
 * :mod:`tf_sparse_split.tuning.tuner` -- :class:`ThresholdTuner`, the
-  per-layer threshold tuning driven by the Keras callback or a custom
-  (distributed) training loop.
+  per-layer threshold policy and reporting driven by the Keras callback or a
+  custom (distributed) training loop.
+* :mod:`tf_sparse_split.tuning.cost_model` -- :class:`CostModel`, a
+  least-squares fit of the two paths' lines to recorded statistics, for
+  offline analysis (the tuner and the ops do not use it).
 * :mod:`tf_sparse_split.tuning.pattern_search` --
   :func:`search_pattern_distribution` and :class:`PatternDistribution`, the
   pattern search of :class:`~tf_sparse_split.layers.ApproximateRandomDropout`.
+
+This package imports no layer module (layers import
+:mod:`~tf_sparse_split.tuning.stats`; the tuner drives any object with the
+methods :func:`~tf_sparse_split.tuning.tuner.is_split_layer` names), and
+importing it does not import TensorFlow.
 """
 
 from tf_sparse_split.tuning import stats
@@ -23,7 +32,8 @@ __all__ = ["stats", "CostModel", "PatternDistribution", "pattern_list",
 
 
 def __getattr__(name):
-    # Lazy: tuner imports the layers, which import tuning.stats.
+    # Lazy: the tuner imports TensorFlow, which this package otherwise does
+    # not (the CLI and ``import tf_sparse_split`` stay free of it).
     if name == "ThresholdTuner":
         from tf_sparse_split.tuning.tuner import ThresholdTuner
 

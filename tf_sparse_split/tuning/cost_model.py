@@ -1,4 +1,11 @@
-"""Run-time cost model that picks the dense/sparse split threshold.
+"""A least-squares cost model of the split, fitted to recorded statistics.
+
+Not the estimator the ops and the tuner use: that is the ops' own family
+model (``cc/core/cost_model.h``), whose terms every call writes into its
+statistics and which :class:`~tf_sparse_split.tuning.ThresholdTuner` reads
+(:mod:`tf_sparse_split.tuning.op_model`). :class:`CostModel` stays for
+offline analysis of recorded statistics (and the tests and notebooks that
+fit lines to them): it fits two lines and hands them to the ops' decision.
 
 ``SparseSplitMatMul`` sends rows of its activation operand whose density
 (nonzeros / K) is above a threshold to a dense GEMM and the rest to a CSR

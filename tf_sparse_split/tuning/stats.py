@@ -34,7 +34,32 @@ ANALYSIS            how the call counted op(a): ANALYSIS_FULL (every value:
                     ZERO_COLS_SKIPPED are exact (0) either way. Callers that
                     want exact counts pass ``full_stats=True`` (the default
                     when ``return_stats`` is True)
+K_LIVE              values per row of op(a) outside its all-zero columns
+                    (K when the call did not count them)
+DENSE_FLOPS_PER_    the call's cost problem as the op's cost model
+ELEM ...            (``cc/core/cost_model.h``) saw it: ``SplitShape``'s
+DENSE_ALLOWED       per-unit fields ``dense_flops_per_elem``,
+                    ``sparse_flops_per_nnz``, ``row_copy_elems``,
+                    ``weight_elems_per_col``, ``can_compact``,
+                    ``dense_allowed`` (flags 1 or 0)
+TERM_DENSE_FIXED    the op's problem family's ``CostTerms`` after the call:
+... TERM_COPY       ``dense_fixed_s``, ``dense_rate`` (flop/s, 0 =
+                    unknown), ``sparse_fixed_s``, ``convert_s_per_elem``,
+                    ``sparse_rate`` (flop/s, 0 = unknown),
+                    ``copy_s_per_elem`` (seconds)
+CALIBRATED          1 when the family was calibrated (its first automatic
+                    call timed both paths), 0 when its terms come from the
+                    calls' observations only (or the call had no family)
 ==================  =====================================================
+
+The entries ``COST_FIRST`` .. ``COST_LAST`` (``K_LIVE`` to ``CALIBRATED``)
+are how the op library's cost model reaches Python: the pybind11 module
+``tf_sparse_split._kernels`` is a separate shared object whose own
+``FamilyFor`` registry the ops never fill, while this vector reaches the
+:class:`~tf_sparse_split.tuning.ThresholdTuner` from graphs, under
+``tf.distribute`` and across workers (``_kernels.cost_problem_from_stats``
+reads them back). They are the same for every call of a family at one
+moment, so a sum over calls divided by the calls is their mean.
 
 Density of a row is ``nnz(row) / K``; sparsity is ``1 - density``.
 
@@ -53,7 +78,10 @@ HISTOGRAM           images per density bin, density = nnz / (H*W*C_in)
 so ``sparsity`` is the input's fraction of zeros and ``K - ZERO_COLS_SKIPPED``
 the live values per image. The flop counts differ from a matmul's (dense:
 ``2*N_dense*OH*OW*KH*KW*C_in_live*C_out``; sparse: ``2*NNZ_SPARSE*N``):
-layers give them to the cost model through ``split_work_coefficients``.
+the op writes its own per-unit flop into the cost entries
+(``DENSE_FLOPS_PER_ELEM``, ``SPARSE_FLOPS_PER_NNZ``), and layers give the same
+to :class:`~tf_sparse_split.tuning.CostModel` through
+``split_work_coefficients``.
 """
 
 ROWS_DENSE = 0
@@ -72,7 +100,23 @@ DENSITY_BINS = 16
 HISTOGRAM = slice(12, 12 + DENSITY_BINS)
 HETEROGENEOUS = 12 + DENSITY_BINS
 ANALYSIS = 13 + DENSITY_BINS
-NUM_STATS = 14 + DENSITY_BINS
+K_LIVE = 14 + DENSITY_BINS
+DENSE_FLOPS_PER_ELEM = 15 + DENSITY_BINS
+SPARSE_FLOPS_PER_NNZ = 16 + DENSITY_BINS
+ROW_COPY_ELEMS = 17 + DENSITY_BINS
+WEIGHT_ELEMS_PER_COL = 18 + DENSITY_BINS
+CAN_COMPACT = 19 + DENSITY_BINS
+DENSE_ALLOWED = 20 + DENSITY_BINS
+TERM_DENSE_FIXED = 21 + DENSITY_BINS
+TERM_DENSE_RATE = 22 + DENSITY_BINS
+TERM_SPARSE_FIXED = 23 + DENSITY_BINS
+TERM_CONVERT = 24 + DENSITY_BINS
+TERM_SPARSE_RATE = 25 + DENSITY_BINS
+TERM_COPY = 26 + DENSITY_BINS
+CALIBRATED = 27 + DENSITY_BINS
+COST_FIRST = K_LIVE
+COST_LAST = CALIBRATED
+NUM_STATS = 28 + DENSITY_BINS
 
 HETERO_OFF = 0.0
 HETERO_RAN = 1.0
@@ -85,8 +129,13 @@ ANALYSIS_SKIPPED = 2.0
 NAMES = (
     "rows_dense", "rows_sparse", "nnz", "zero_cols_skipped", "time_dense",
     "time_sparse", "time_analyze", "threshold", "m", "k", "n", "nnz_sparse",
-) + tuple(f"hist_{i}" for i in range(DENSITY_BINS)) + ("heterogeneous",
-                                                           "analysis")
+) + tuple(f"hist_{i}" for i in range(DENSITY_BINS)) + (
+    "heterogeneous", "analysis",
+    # The cost entries COST_FIRST .. COST_LAST:
+    "k_live", "dense_flops_per_elem", "sparse_flops_per_nnz",
+    "row_copy_elems", "weight_elems_per_col", "can_compact", "dense_allowed",
+    "term_dense_fixed", "term_dense_rate", "term_sparse_fixed",
+    "term_convert", "term_sparse_rate", "term_copy", "calibrated")
 
 
 def as_dict(stats):
@@ -99,7 +148,8 @@ def as_dict(stats):
 
     Returns:
       dict from the names in :data:`NAMES` (without the histogram) to floats,
-      including ``"heterogeneous"`` and ``"analysis"``,
+      including ``"heterogeneous"``, ``"analysis"`` and the cost entries
+      (``NAMES[COST_FIRST:]``: ``"k_live"`` ... ``"calibrated"``),
       plus ``"histogram"``: a list of ``DENSITY_BINS`` row counts and
       ``"sparsity"``: the fraction of zeros in op(a) (``nan`` if it is empty).
 
@@ -122,6 +172,8 @@ def as_dict(stats):
     out["histogram"] = [float(x) for x in v[HISTOGRAM]]
     out["heterogeneous"] = float(v[HETEROGENEOUS])
     out["analysis"] = float(v[ANALYSIS])
+    for i in range(COST_FIRST, COST_LAST + 1):
+        out[NAMES[i]] = float(v[i])
     elems = v[M] * v[K]
     out["sparsity"] = float(1.0 - v[NNZ] / elems) if elems > 0 else float("nan")
     return out
