@@ -117,6 +117,40 @@ LSTM_PATTERNS = ("subset", "row", "tile", "random")
 #: (:func:`~tf_sparse_split.layers.dropout.random_subset_keep_mask`).
 SUBSET_BALANCED = True
 
+#: Default ``recurrent_group_share`` of new layers (``pattern="subset"``).
+DEFAULT_RECURRENT_GROUP_SHARE = 0.5
+
+#: ``recurrent_group_share`` of a saved config without the key: all of the
+#: recurrent dropout by group subsets, as such layers were saved.
+LEGACY_RECURRENT_GROUP_SHARE = 1.0
+
+
+def split_recurrent_rate(rate, share):
+    """``(group_rate, example_rate)`` of a recurrent dropout ``rate`` of
+    which the fraction ``share`` (of ``log(1 - rate)``) is drawn per group
+    of examples as a unit subset and the rest per example and unit:
+    ``1 - group_rate = (1 - rate) ** share`` and ``(1 - group_rate) * (1 -
+    example_rate) = 1 - rate``. ``share = 1``: ``(rate, 0)``; ``share =
+    0``: ``(0, rate)``."""
+    keep = (1.0 - rate) ** share
+    group_rate = 1.0 - keep
+    example_rate = 1.0 - (1.0 - rate) / keep if keep > 0 else 0.0
+    return group_rate, max(example_rate, 0.0)
+
+
+def _check_group_share(share, pattern):
+    if share is None:
+        return DEFAULT_RECURRENT_GROUP_SHARE if pattern == "subset" else 1.0
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or \
+            not 0.0 <= float(share) <= 1.0:
+        raise ValueError("`recurrent_group_share` must be a number in [0, 1]"
+                         f". Received: recurrent_group_share={share!r}")
+    if pattern != "subset" and float(share) != 1.0:
+        raise ValueError("`recurrent_group_share` < 1 needs pattern='subset'"
+                         f". Received: recurrent_group_share={share!r}, "
+                         f"pattern={pattern!r}")
+    return float(share)
+
 
 def _check_pattern(pattern):
     if pattern not in LSTM_PATTERNS:
@@ -172,8 +206,11 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
         (the layout of the batched input GEMM).
       h0, c0: ``[G, R, U]`` initial state.
       r: ``[G or 1, k, 4U]`` compacted recurrent kernel.
-      k: number of leading state units multiplied (int or int32 scalar).
-      hmask: None or a ``[1, R, U]`` mask applied to h (tile masks; k = U).
+      k: number of leading state units multiplied (int or int32 scalar;
+        None: all, with tile masks).
+      hmask: None, a ``[G, R, k]`` per-example mask of the kept units
+        (subsets with ``recurrent_group_share < 1``) or a ``[1, R, U]``
+        tile mask applied to h (``k`` None).
       act, rec_act: the cell's activations.
       keep_all: also return the states of all steps.
       units: U.
@@ -212,8 +249,12 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
 
 def _step_input(h, k, hmask):
     """The part of the state that enters the recurrent product:
-    ``h[..., :k]`` (row patterns) or ``h * hmask`` (tile masks)."""
-    return h[..., :k] if hmask is None else h * hmask
+    ``h[..., :k]`` (subsets, row patterns), ``h[..., :k] * hmask``
+    (subsets with per-example masks on the kept units, ``hmask`` ``[G, R,
+    k]``) or ``h * hmask`` (tile masks, ``k`` = None)."""
+    if k is None:
+        return h * hmask
+    return h[..., :k] if hmask is None else h[..., :k] * hmask
 
 
 def _gates_ops():
@@ -338,7 +379,7 @@ def _lstm_backward(upstream, zx, h0, hs, r, k, hmask, saved_ta, keep_all):
                           d_h.shape[:-1].concatenate([None]),
                           d_c.shape, tf.TensorShape(None)),
         maximum_iterations=steps)
-    if hmask is None:   # d h0 from the last GEMM is k wide
+    if k is not None:   # d h0 from the last GEMM is k wide
         dh0 = tf.pad(dh0, [[0, 0], [0, 0], [0, tf.shape(d_h)[-1]
                                               - tf.shape(dh0)[-1]]])
         dh0.set_shape(d_h.shape)
@@ -414,9 +455,11 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
 
     def __init__(self, units, pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
-                 **kwargs):
+                 recurrent_group_share=None, **kwargs):
         self.pattern = _check_pattern(pattern)
         self.pattern_groups = check_pattern_groups(pattern_groups, pattern)
+        self.recurrent_group_share = _check_group_share(
+            recurrent_group_share, pattern)
         if pattern == "tile":
             self.tile_shape = check_tile_shape(
                 (32, 32) if tile_shape is None else tile_shape)
@@ -471,11 +514,18 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
                 >= self.dropout
             mask = tf.cast(keep, x.dtype) / (1.0 - self.dropout)
             return mask if count is None else [mask] * count
+        example = None
         if self.pattern == "subset":
-            keep = random_subset_keep_mask(self.units,
-                                           self.recurrent_dropout,
+            group_rate, example_rate = split_recurrent_rate(
+                self.recurrent_dropout, self.recurrent_group_share)
+            keep = random_subset_keep_mask(self.units, group_rate,
                                            self.seed_generator, groups=groups,
                                            balanced=SUBSET_BALANCED)
+            if example_rate > 0:   # per example and unit, on top
+                example = tf.cast(
+                    keras.random.uniform(tf.stack([batch, self.units]),
+                                         seed=self.seed_generator)
+                    >= example_rate, x.dtype) / (1.0 - example_rate)
         else:
             dist, dim = self._distributions[which]
             keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
@@ -493,6 +543,10 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         if groups > 1:   # example b belongs to group b // ceil(batch / G)
             mask = tf.gather(mask, tf.range(batch) // _ceil_div(batch, groups))
         mask = tf.cast(mask, x.dtype)
+        if example is not None:
+            # The compacted loop reads the two factors (group, example).
+            self._recurrent_parts = (mask, example)
+            mask = mask * example
         return mask if count is None else [mask] * count
 
     def get_dropout_mask(self, step_input):
@@ -502,11 +556,16 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
             self._dropout_mask = self._pattern_mask("input", step_input)
         return getattr(self, "_dropout_mask", None)
 
+    def reset_recurrent_dropout_mask(self):
+        super().reset_recurrent_dropout_mask()
+        self._recurrent_parts = None
+
     def get_recurrent_dropout_mask(self, step_input):
         if self.pattern == "random":
             return super().get_recurrent_dropout_mask(step_input)
         if getattr(self, "_recurrent_dropout_mask", None) is None and \
                 self.recurrent_dropout > 0:
+            self._recurrent_parts = None
             self._recurrent_dropout_mask = self._pattern_mask("recurrent",
                                                               step_input)
         return getattr(self, "_recurrent_dropout_mask", None)
@@ -517,8 +576,16 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
                        "tile_shape": (list(self.tile_shape) if self.tile_shape
                                       else None),
                        "max_period": self.max_period,
-                       "pattern_groups": self.pattern_groups})
+                       "pattern_groups": self.pattern_groups,
+                       "recurrent_group_share": self.recurrent_group_share})
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config.setdefault("recurrent_group_share",
+                          LEGACY_RECURRENT_GROUP_SHARE)
+        return super().from_config(config)
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
@@ -584,10 +651,11 @@ class SparseSplitLSTM(keras.layers.LSTM):
                  go_backwards=False, stateful=False, unroll=False,
                  use_cudnn="auto", pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
-                 **kwargs):
+                 recurrent_group_share=None, **kwargs):
         cell = SparseSplitLSTMCell(
             units, pattern=pattern, tile_shape=tile_shape,
             max_period=max_period, pattern_groups=pattern_groups,
+            recurrent_group_share=recurrent_group_share,
             activation=activation,
             recurrent_activation=recurrent_activation, use_bias=use_bias,
             kernel_initializer=kernel_initializer,
@@ -675,9 +743,14 @@ class SparseSplitLSTM(keras.layers.LSTM):
         # are reordered to (i, f, o, c) so one sigmoid covers the three
         # sigmoid gates.
         perm = None
+        # Subsets with recurrent_group_share < 1: the group factor of the
+        # recurrent mask (compacted) and the per-example factor on top.
+        parts = (getattr(cell, "_recurrent_parts", None)
+                 if rdp is not None and cell.pattern == "subset" else None)
         if rdp is not None and row:
             perm, n_kept, r_scale = _kept_first(
-                _group_masks(rdp, groups, rows))
+                _group_masks(rdp if parts is None else parts[0], groups,
+                             rows))
             order = perm
         else:
             order = tf.range(units)[None, :]
@@ -723,9 +796,12 @@ class SparseSplitLSTM(keras.layers.LSTM):
             r = _gather_cols(tf.gather(rkernel, perm[:, :n_kept])
                              * r_scale[:, :, None], cols)     # [G, k, 4U]
             hmask = None
+            if parts is not None:   # per-example mask of the kept units
+                hmask = tf.gather(grouped(parts[1]), perm[:, :n_kept],
+                                  axis=2, batch_dims=1)       # [G, R, k]
         else:
             r = _gather_cols(rkernel[None], cols)             # [1, U, 4U]
-            n_kept = units
+            n_kept = units if rdp is None else None
             hmask = grouped(rdp) if rdp is not None else None  # tile masks
         h, c, hs = _recurrence(zx, h0, c0, r, n_kept, hmask,
                                cell.activation, cell.recurrent_activation,
@@ -752,5 +828,15 @@ class SparseSplitLSTM(keras.layers.LSTM):
                        "tile_shape": (list(self.cell.tile_shape)
                                       if self.cell.tile_shape else None),
                        "max_period": self.cell.max_period,
-                       "pattern_groups": self.cell.pattern_groups})
+                       "pattern_groups": self.cell.pattern_groups,
+                       "recurrent_group_share":
+                           self.cell.recurrent_group_share})
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        # Saved before the knob existed: all recurrent dropout by groups.
+        config.setdefault("recurrent_group_share",
+                          LEGACY_RECURRENT_GROUP_SHARE)
+        return super().from_config(config)
