@@ -9,6 +9,7 @@ import keras
 import tf_sparse_split as tfss
 from tf_sparse_split.layers.lstm import (DEFAULT_PATTERN_GROUPS,
                                          DEFAULT_RECURRENT_GROUP_SHARE,
+                                         DEFAULT_SUBSET_GROUPS,
                                          SparseSplitLSTMCell,
                                          split_recurrent_rate)
 
@@ -377,8 +378,12 @@ def test_training_fit_and_keras_round_trip(rng, tmp_path):
     assert layer.get_config() == model.get_layer("lstm").get_config()
     assert layer.pattern == "subset" and layer.dropout == 0.5
     assert layer.get_config()["pattern_groups"] == 3
+    assert layer.get_config()["recurrent_group_share"] == \
+        DEFAULT_RECURRENT_GROUP_SHARE
     assert tfss.SparseSplitLSTM(8).get_config()["pattern_groups"] == \
-        DEFAULT_PATTERN_GROUPS
+        DEFAULT_SUBSET_GROUPS
+    assert tfss.SparseSplitLSTM(8, pattern="row").get_config()[
+        "pattern_groups"] == DEFAULT_PATTERN_GROUPS
     np.testing.assert_array_equal(model.predict(x, verbose=0),
                                   loaded.predict(x, verbose=0))
     cfg = tfss.SparseSplitLSTM(8, pattern="tile", tile_shape=(4, 4),
