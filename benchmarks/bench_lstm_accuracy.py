@@ -48,6 +48,8 @@ def build(sparse, args, seed, timesteps, features):
             extra["pattern"] = args.pattern
         if args.groups is not None:
             extra["pattern_groups"] = args.groups
+        if args.group_share is not None:
+            extra["recurrent_group_share"] = args.group_share
         rnn = tfss.SparseSplitLSTM(args.units, **kw, **extra)
     else:
         rnn = keras.layers.LSTM(args.units, **kw)
@@ -133,7 +135,8 @@ def report(args, results, config):
              f"{', '.join(map(str, seeds))}; same initial weights and batch "
              f"order per seed. SparseSplitLSTM pattern="
              f"{config['pattern']!r}, pattern_groups="
-             f"{config['pattern_groups']}. Measured on a shared 2-core "
+             f"{config['pattern_groups']}, recurrent_group_share="
+             f"{config.get('recurrent_group_share', 1.0)}. Measured on a shared 2-core "
              f"machine under load (`benchmarks/bench_lstm_accuracy.py`).")
     rows = []
     for i, seed in enumerate(seeds):
@@ -198,6 +201,9 @@ def main():
     p.add_argument("--groups", type=int, default=None,
                    help="SparseSplitLSTM pattern_groups (default: the "
                         "layer's)")
+    p.add_argument("--group-share", type=float, default=None,
+                   help="SparseSplitLSTM recurrent_group_share (default: "
+                        "the layer's)")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--skip-keras", action="store_true",
                    help="train only SparseSplitLSTM (short exploratory runs;"

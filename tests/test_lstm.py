@@ -8,7 +8,10 @@ import keras
 
 import tf_sparse_split as tfss
 from tf_sparse_split.layers.lstm import (DEFAULT_PATTERN_GROUPS,
-                                         SparseSplitLSTMCell)
+                                         DEFAULT_RECURRENT_GROUP_SHARE,
+                                         DEFAULT_SUBSET_GROUPS,
+                                         SparseSplitLSTMCell,
+                                         split_recurrent_rate)
 
 
 def _pair(x_shape, units=16, **kwargs):
@@ -90,6 +93,17 @@ def test_pattern_random_equals_keras_lstm_with_seed(rng, return_sequences):
      {"return_sequences": False, "loss_on_c": False}),
     ("subset", None, True, (0.5, 0.5), 4, 9,
      {"activation": "relu", "recurrent_activation": "hard_sigmoid"}),
+    # recurrent_group_share: all by groups (no per-example factor), all
+    # per example (nothing compacted), in between
+    ("subset", None, False, (0.5, 0.5), 4, 13,
+     {"recurrent_group_share": 1.0}),
+    ("subset", None, True, (0.3, 0.5), 4, 9,
+     {"recurrent_group_share": 0.0}),
+    ("subset", None, True, (0.3, 0.6), 3, 7,
+     {"recurrent_group_share": 0.3}),
+    ("subset", None, False, (0.5, 0.5), 4, 9,
+     {"recurrent_group_share": 0.5,
+      "recurrent_activation": "hard_sigmoid"}),
 ])
 def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
                                                  go_backwards, rates, groups,
@@ -108,6 +122,8 @@ def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
     ("row", None, False, (0.5, 0.5), 4, 9,
      {"return_sequences": False, "loss_on_c": False}),
     ("subset", None, True, (0.5, 0.3), 4, 13, {}),
+    ("subset", None, False, (0.5, 0.5), 4, 13,
+     {"recurrent_group_share": 1.0}),
 ])
 def test_compacted_loop_equals_masked_keras_loop_in_graph(
         rng, pattern, tile_shape, go_backwards, rates, groups, batch,
@@ -242,7 +258,8 @@ def test_subset_masks_rate_and_unbiased(groups, batch, rates):
     units, draws, dim = 24, 3000, 20
     cell = SparseSplitLSTMCell(units, dropout=rates[0],
                                recurrent_dropout=rates[1], seed=3,
-                               pattern_groups=groups)
+                               pattern_groups=groups,
+                               recurrent_group_share=1.0)
     assert cell.pattern == "subset"
     cell.build((None, dim))
     assert cell.pattern_distribution("input") is None
@@ -291,6 +308,56 @@ def test_subset_masks_rate_and_unbiased(groups, batch, rates):
         assert np.mean(differ) > 0.9
 
 
+@pytest.mark.parametrize("share,groups,batch", [(0.5, 4, 12), (0.3, 3, 9),
+                                                (0.0, 2, 6)])
+def test_subset_group_share_masks_rate_and_unbiased(share, groups, batch):
+    """recurrent_group_share < 1: the recurrent mask is a group subset mask
+    at rate r_g (1 - r_g = (1 - rate) ** share; constant within a group,
+    same kept count in every group) times a per-example mask at rate r_e
+    ((1 - r_g)(1 - r_e) = 1 - rate): every unit of every example is dropped
+    with the requested rate, E[mask] = 1, kept values are units / kept
+    times 1 / (1 - r_e), and examples of a group differ."""
+    rate, units, draws = 0.5, 24, 3000
+    g_rate, e_rate = split_recurrent_rate(rate, share)
+    np.testing.assert_allclose((1 - g_rate) * (1 - e_rate), 1 - rate)
+    np.testing.assert_allclose(1 - g_rate, (1 - rate) ** share)
+    cell = SparseSplitLSTMCell(units, recurrent_dropout=rate, seed=5,
+                               pattern_groups=groups,
+                               recurrent_group_share=share)
+    cell.build((None, 8))
+    step = tf.ones((batch, units))
+
+    @tf.function
+    def draw_many():
+        ta, tg = (tf.TensorArray(tf.float32, size=draws) for _ in range(2))
+        for i in tf.range(draws):
+            cell.reset_recurrent_dropout_mask()
+            ta = ta.write(i, cell.get_recurrent_dropout_mask(step)[0])
+            parts = cell._recurrent_parts
+            tg = tg.write(i, step if parts is None else parts[0])
+        return ta.stack(), tg.stack()
+
+    m, g = (t.numpy() for t in draw_many())     # [draws, batch, U]
+    assert m.shape == (draws, batch, units)
+    np.testing.assert_allclose((m == 0).mean(axis=0), rate, atol=0.05)
+    np.testing.assert_allclose(m.mean(axis=0), 1.0, atol=0.1)
+    rows = -(-batch // groups)
+    if share > 0:
+        for b in range(batch):                  # group factor per group
+            np.testing.assert_array_equal(g[:, b], g[:, b // rows * rows])
+        np.testing.assert_allclose((g == 0).mean(axis=(0, 1)), g_rate,
+                                   atol=0.05)
+        kept = (g[:, ::rows] > 0).sum(axis=2)   # same count in every group
+        assert (kept == kept[:, :1]).all()
+        # the per-example factor only drops among the group's kept units
+        assert (m[g == 0] == 0).all()
+        np.testing.assert_allclose(
+            m[m > 0] / g[m > 0], 1.0 / (1.0 - e_rate), rtol=1e-6)
+    else:
+        np.testing.assert_allclose(np.unique(m), [0.0, 2.0], rtol=1e-6)
+    assert (m[:, 0] != m[:, 1]).any(axis=1).mean() > 0.9   # per example
+
+
 def test_training_fit_and_keras_round_trip(rng, tmp_path):
     x = rng.standard_normal((16, 6, 8)).astype("float32")
     y = rng.integers(0, 3, 16)
@@ -311,8 +378,12 @@ def test_training_fit_and_keras_round_trip(rng, tmp_path):
     assert layer.get_config() == model.get_layer("lstm").get_config()
     assert layer.pattern == "subset" and layer.dropout == 0.5
     assert layer.get_config()["pattern_groups"] == 3
+    assert layer.get_config()["recurrent_group_share"] == \
+        DEFAULT_RECURRENT_GROUP_SHARE
     assert tfss.SparseSplitLSTM(8).get_config()["pattern_groups"] == \
-        DEFAULT_PATTERN_GROUPS
+        DEFAULT_SUBSET_GROUPS
+    assert tfss.SparseSplitLSTM(8, pattern="row").get_config()[
+        "pattern_groups"] == DEFAULT_PATTERN_GROUPS
     np.testing.assert_array_equal(model.predict(x, verbose=0),
                                   loaded.predict(x, verbose=0))
     cfg = tfss.SparseSplitLSTM(8, pattern="tile", tile_shape=(4, 4),
@@ -334,7 +405,8 @@ def test_saved_row_pattern_configs_load_with_their_values(rng, tmp_path):
            "pattern_groups": 8}
     layer = tfss.SparseSplitLSTM.from_config(old)
     assert layer.pattern == "row" and layer.cell.pattern_groups == 8
-    assert layer.get_config() == {**old, "name": layer.name}
+    assert layer.get_config() == {**old, "name": layer.name,
+                                  "recurrent_group_share": 1.0}
     model = keras.Sequential([keras.Input((5, 6)), layer])
     path = tmp_path / "row.keras"
     model.save(path)
@@ -351,8 +423,38 @@ def test_saved_row_pattern_configs_load_with_their_values(rng, tmp_path):
                    for v in (g, ~g))
 
 
+def test_saved_subset_configs_without_group_share_load_as_saved(rng):
+    """A saved subset config without ``recurrent_group_share`` (all of the
+    recurrent dropout by group subsets) loads with share 1.0, i.e. masks
+    constant within each group; new layers default to
+    DEFAULT_RECURRENT_GROUP_SHARE."""
+    new = tfss.SparseSplitLSTM(8, dropout=0.5, recurrent_dropout=0.5,
+                               seed=2, pattern_groups=4)
+    assert new.cell.recurrent_group_share == DEFAULT_RECURRENT_GROUP_SHARE
+    cfg = new.get_config()
+    assert cfg["recurrent_group_share"] == DEFAULT_RECURRENT_GROUP_SHARE
+    assert tfss.SparseSplitLSTM.from_config(cfg).get_config() == cfg
+    old = {k: v for k, v in cfg.items() if k != "recurrent_group_share"}
+    layer = tfss.SparseSplitLSTM.from_config(old)
+    assert layer.cell.recurrent_group_share == 1.0
+    layer.build((None, 5, 6))
+    mask = layer.cell.get_recurrent_dropout_mask(tf.ones((8, 8)))[0]
+    mask = mask.numpy()
+    for b in range(8):                          # groups of 2 examples
+        np.testing.assert_array_equal(mask[b], mask[b // 2 * 2])
+    cell_cfg = {k: v for k, v in layer.cell.get_config().items()
+                if k != "recurrent_group_share"}
+    assert SparseSplitLSTMCell.from_config(
+        cell_cfg).recurrent_group_share == 1.0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"pattern": "block"}, "pattern"),
+    ({"recurrent_group_share": 1.5}, "recurrent_group_share"),
+    ({"recurrent_group_share": -0.1}, "recurrent_group_share"),
+    ({"recurrent_group_share": "half"}, "recurrent_group_share"),
+    ({"pattern": "row", "recurrent_group_share": 0.5},
+     "recurrent_group_share"),
     ({"tile_shape": (4, 4)}, "tile_shape"),
     ({"pattern": "tile", "tile_shape": (0, 4)}, "tile_shape"),
     ({"max_period": 1}, "max_period"),

@@ -38,8 +38,7 @@ a dropped unit is a zero column of its group's rows, and the op skips those
 zeros through its sparse rows, its weight gradient over ``X``'s nonzeros
 and its SDDMM input gradient. One pattern for the whole batch trains every
 example of a step on the same sub-network and cost 1.2-2.4 points of MNIST
-accuracy against ``keras.layers.Dropout`` at rate 0.5 (README, "Structured
-dropout"); per-group patterns cost 0-0.7.
+accuracy against ``keras.layers.Dropout`` at rate 0.5 (docs/guide/structured-dropout.md); per-group patterns cost 0-0.7.
 
 Tile patterns: ``X`` is cut into tiles of ``tile_shape = (tb, tu)`` (``tb``
 batch rows by ``tu`` units; ``tu`` must divide ``units``; the batch axis may
@@ -55,7 +54,7 @@ are blocks inside the rows of ``X``: rows get sparser but no column of
 ``X`` becomes all-zero (unless ``tb >= batch``, where a tile pattern is a
 row pattern with ``tu``-wide groups). ``SparseSplitMatMul`` only skips them
 for rows it sends to its CSR path (row density below its threshold); see
-the README/benchmark notes.
+docs/guide/structured-dropout.md and benchmarks/README.md.
 
 With the offset uniform, every unit (tile) is dropped with probability
 exactly ``1/p`` under ``("drop", p)`` and ``1 - 1/p`` under ``("keep", p)``,
@@ -231,8 +230,8 @@ def random_subset_keep_mask(units, rate, seed_generator, groups=1,
 # layers
 # ---------------------------------------------------------------------------
 #: Default ``pattern_groups`` of row patterns and default ``max_period`` of
-#: ``ApproximateRandomDropout`` and ``SparseSplitLSTM`` (measured: README,
-#: "Structured dropout" and the LSTM section).
+#: ``ApproximateRandomDropout`` and ``SparseSplitLSTM`` (measured: docs/guide/
+#: structured-dropout.md and lstm.md).
 DEFAULT_PATTERN_GROUPS = 8
 DEFAULT_MAX_PERIOD = 4
 #: Patterns drawn per group of consecutive examples (``pattern_groups``):

@@ -45,11 +45,12 @@ example drops the same units, so each step trains one sub-network and the
 dropped half of the recurrent kernel rows gets no gradient at all; on MNIST
 rows (LSTM(256), dropout = recurrent_dropout = 0.5) that cost 12.6 points
 of test accuracy after 4 epochs against Keras' per-example masks, almost all
-of it from the recurrent mask (README, LSTM section). All groups keep the
+of it from the recurrent mask (docs/guide/lstm.md). All groups keep the
 same number of units, so the batched GEMM stays rectangular; more groups
 are closer to Keras' per-example masks but read ``G`` compacted copies of
-the recurrent kernel per step (8 is the default; 16 costs about 20% of the
-layer's step).
+the recurrent kernel per step (16 cost about 20% of the layer's step
+against 8; with ``pattern="subset"`` the default is 4 groups plus a
+per-example part of the recurrent mask, below).
 
 Which units (``pattern``):
 
@@ -64,6 +65,20 @@ Which units (``pattern``):
   deviations from 1 cancel per unit; exactly when ``G`` divides ``units``
   and ``rate * units`` and ``rate * G`` are whole). Every unit of every
   group is dropped with probability exactly ``rate``; ``E[mask] = 1``.
+  With ``recurrent_group_share = s < 1`` (default 0.25) the groups drop
+  subsets at the lower rate ``r_g`` with ``1 - r_g = (1 - rate) ** s``
+  (compacted as above), and on the kept units a per-example, per-unit
+  mask at rate ``r_e`` (``(1 - r_g)(1 - r_e) = 1 - rate``, values 0 and
+  ``1 / (1 - r_e)``) multiplies the compacted state ``h[:, kept_g]``
+  before each step's GEMM: every unit of every example is dropped with
+  probability ``rate``, ``E[mask] = 1``, and the recurrent GEMM shrinks by
+  ``r_g`` instead of ``rate`` (rate 0.5: s = 0.25 gives r_g = 0.159, r_e =
+  0.405). On MNIST rows (LSTM(256), both rates 0.5, 8 epochs) a mask
+  shared by the 16 examples of each of 8 groups (s = 1, the layer's
+  earlier default) trailed Keras by 1.6 points; s = 0.25 with 4 groups
+  (the defaults) recovers the gap at the same step speed: fewer groups
+  read fewer compacted copies of the recurrent kernel per step, which
+  pays for the larger kept width (docs/guide/lstm.md).
   Input dropout: per example and feature, as Keras draws it (one mask for
   the four gates), applied to ``x`` before the input GEMM, which is then
   not compacted: it runs once for all steps, while the recurrent products
@@ -78,8 +93,8 @@ Which units (``pattern``):
   most batches every group drops either the even or the odd units: two
   distinct sub-networks per batch. On MNIST rows this trailed
   ``keras.layers.LSTM`` by about 3 points after 3-5 epochs; ``"subset"``
-  by about 1.5 after 5 and 8 epochs, at the same step speed (README, LSTM
-  section). ``max_period`` (default 4, 8 in
+  with all of the recurrent rate by 8 groups by about 1.5 after 5 and 8
+  epochs, with its defaults by +0.05 +- 0.8 after 8 (docs/guide/lstm.md). ``max_period`` (default 4, 8 in
   :class:`~tf_sparse_split.layers.ApproximateRandomDropout`) bounds the
   realized rate of a batch to 1/4-3/4 at rate 0.5.
 
@@ -116,6 +131,45 @@ LSTM_PATTERNS = ("subset", "row", "tile", "random")
 #: ``pattern="subset"``: the groups' recurrent subsets are drawn balanced
 #: (:func:`~tf_sparse_split.layers.dropout.random_subset_keep_mask`).
 SUBSET_BALANCED = True
+
+#: Default ``recurrent_group_share`` of new layers (``pattern="subset"``).
+DEFAULT_RECURRENT_GROUP_SHARE = 0.25
+
+#: Default ``pattern_groups`` of new layers with ``pattern="subset"`` (the
+#: per-example part of the recurrent mask makes fewer, larger groups as
+#: accurate; each group reads its own compacted recurrent kernel per step).
+DEFAULT_SUBSET_GROUPS = 4
+
+#: ``recurrent_group_share`` of a saved config without the key: all of the
+#: recurrent dropout by group subsets, as such layers were saved.
+LEGACY_RECURRENT_GROUP_SHARE = 1.0
+
+
+def split_recurrent_rate(rate, share):
+    """``(group_rate, example_rate)`` of a recurrent dropout ``rate`` of
+    which the fraction ``share`` (of ``log(1 - rate)``) is drawn per group
+    of examples as a unit subset and the rest per example and unit:
+    ``1 - group_rate = (1 - rate) ** share`` and ``(1 - group_rate) * (1 -
+    example_rate) = 1 - rate``. ``share = 1``: ``(rate, 0)``; ``share =
+    0``: ``(0, rate)``."""
+    keep = (1.0 - rate) ** share
+    group_rate = 1.0 - keep
+    example_rate = 1.0 - (1.0 - rate) / keep if keep > 0 else 0.0
+    return group_rate, max(example_rate, 0.0)
+
+
+def _check_group_share(share, pattern):
+    if share is None:
+        return DEFAULT_RECURRENT_GROUP_SHARE if pattern == "subset" else 1.0
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or \
+            not 0.0 <= float(share) <= 1.0:
+        raise ValueError("`recurrent_group_share` must be a number in [0, 1]"
+                         f". Received: recurrent_group_share={share!r}")
+    if pattern != "subset" and float(share) != 1.0:
+        raise ValueError("`recurrent_group_share` < 1 needs pattern='subset'"
+                         f". Received: recurrent_group_share={share!r}, "
+                         f"pattern={pattern!r}")
+    return float(share)
 
 
 def _check_pattern(pattern):
@@ -172,8 +226,11 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
         (the layout of the batched input GEMM).
       h0, c0: ``[G, R, U]`` initial state.
       r: ``[G or 1, k, 4U]`` compacted recurrent kernel.
-      k: number of leading state units multiplied (int or int32 scalar).
-      hmask: None or a ``[1, R, U]`` mask applied to h (tile masks; k = U).
+      k: number of leading state units multiplied (int or int32 scalar;
+        None: all, with tile masks).
+      hmask: None, a ``[G, R, k]`` per-example mask of the kept units
+        (subsets with ``recurrent_group_share < 1``) or a ``[1, R, U]``
+        tile mask applied to h (``k`` None).
       act, rec_act: the cell's activations.
       keep_all: also return the states of all steps.
       units: U.
@@ -212,8 +269,12 @@ def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
 
 def _step_input(h, k, hmask):
     """The part of the state that enters the recurrent product:
-    ``h[..., :k]`` (row patterns) or ``h * hmask`` (tile masks)."""
-    return h[..., :k] if hmask is None else h * hmask
+    ``h[..., :k]`` (subsets, row patterns), ``h[..., :k] * hmask``
+    (subsets with per-example masks on the kept units, ``hmask`` ``[G, R,
+    k]``) or ``h * hmask`` (tile masks, ``k`` = None)."""
+    if k is None:
+        return h * hmask
+    return h[..., :k] if hmask is None else h[..., :k] * hmask
 
 
 def _gates_ops():
@@ -338,7 +399,7 @@ def _lstm_backward(upstream, zx, h0, hs, r, k, hmask, saved_ta, keep_all):
                           d_h.shape[:-1].concatenate([None]),
                           d_c.shape, tf.TensorShape(None)),
         maximum_iterations=steps)
-    if hmask is None:   # d h0 from the last GEMM is k wide
+    if k is not None:   # d h0 from the last GEMM is k wide
         dh0 = tf.pad(dh0, [[0, 0], [0, 0], [0, tf.shape(d_h)[-1]
                                               - tf.shape(dh0)[-1]]])
         dh0.set_shape(d_h.shape)
@@ -394,12 +455,14 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
     """``keras.layers.LSTMCell`` with subset/row/tile-pattern dropout masks.
 
     Same arguments as ``keras.layers.LSTMCell`` plus ``pattern``,
-    ``tile_shape``, ``max_period`` and ``pattern_groups`` (see
-    :class:`SparseSplitLSTM`). The masks are drawn once per batch (Keras
+    ``tile_shape``, ``max_period``, ``pattern_groups`` and
+    ``recurrent_group_share`` (see :class:`SparseSplitLSTM`). The masks are drawn once per batch (Keras
     caches them over the steps): ``pattern="subset"``: the recurrent mask
     from :func:`~tf_sparse_split.layers.dropout.random_subset_keep_mask`
-    (balanced over the groups), the input mask per example (values 0 and
-    ``1 / (1 - dropout)``); ``"row"``/``"tile"``: from a distribution found
+    (balanced over the groups; with ``recurrent_group_share < 1`` at the
+    group rate, times a per-example mask, the two factors kept in
+    ``_recurrent_parts`` for the compacted loop), the input mask per
+    example (values 0 and ``1 / (1 - dropout)``); ``"row"``/``"tile"``: from a distribution found
     by :func:`~tf_sparse_split.search_pattern_distribution`. Every unit is
     dropped with probability ``dropout`` (``recurrent_dropout``); kept
     values are scaled by ``1 / (1 - realized rate)`` (per group for subsets
@@ -414,9 +477,13 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
 
     def __init__(self, units, pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
-                 **kwargs):
+                 recurrent_group_share=None, **kwargs):
         self.pattern = _check_pattern(pattern)
+        if pattern == "subset" and pattern_groups is None:
+            pattern_groups = DEFAULT_SUBSET_GROUPS
         self.pattern_groups = check_pattern_groups(pattern_groups, pattern)
+        self.recurrent_group_share = _check_group_share(
+            recurrent_group_share, pattern)
         if pattern == "tile":
             self.tile_shape = check_tile_shape(
                 (32, 32) if tile_shape is None else tile_shape)
@@ -471,11 +538,18 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
                 >= self.dropout
             mask = tf.cast(keep, x.dtype) / (1.0 - self.dropout)
             return mask if count is None else [mask] * count
+        example = None
         if self.pattern == "subset":
-            keep = random_subset_keep_mask(self.units,
-                                           self.recurrent_dropout,
+            group_rate, example_rate = split_recurrent_rate(
+                self.recurrent_dropout, self.recurrent_group_share)
+            keep = random_subset_keep_mask(self.units, group_rate,
                                            self.seed_generator, groups=groups,
                                            balanced=SUBSET_BALANCED)
+            if example_rate > 0:   # per example and unit, on top
+                example = tf.cast(
+                    keras.random.uniform(tf.stack([batch, self.units]),
+                                         seed=self.seed_generator)
+                    >= example_rate, x.dtype) / (1.0 - example_rate)
         else:
             dist, dim = self._distributions[which]
             keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
@@ -493,6 +567,10 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         if groups > 1:   # example b belongs to group b // ceil(batch / G)
             mask = tf.gather(mask, tf.range(batch) // _ceil_div(batch, groups))
         mask = tf.cast(mask, x.dtype)
+        if example is not None:
+            # The compacted loop reads the two factors (group, example).
+            self._recurrent_parts = (mask, example)
+            mask = mask * example
         return mask if count is None else [mask] * count
 
     def get_dropout_mask(self, step_input):
@@ -502,11 +580,16 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
             self._dropout_mask = self._pattern_mask("input", step_input)
         return getattr(self, "_dropout_mask", None)
 
+    def reset_recurrent_dropout_mask(self):
+        super().reset_recurrent_dropout_mask()
+        self._recurrent_parts = None
+
     def get_recurrent_dropout_mask(self, step_input):
         if self.pattern == "random":
             return super().get_recurrent_dropout_mask(step_input)
         if getattr(self, "_recurrent_dropout_mask", None) is None and \
                 self.recurrent_dropout > 0:
+            self._recurrent_parts = None
             self._recurrent_dropout_mask = self._pattern_mask("recurrent",
                                                               step_input)
         return getattr(self, "_recurrent_dropout_mask", None)
@@ -517,8 +600,16 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
                        "tile_shape": (list(self.tile_shape) if self.tile_shape
                                       else None),
                        "max_period": self.max_period,
-                       "pattern_groups": self.pattern_groups})
+                       "pattern_groups": self.pattern_groups,
+                       "recurrent_group_share": self.recurrent_group_share})
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config.setdefault("recurrent_group_share",
+                          LEGACY_RECURRENT_GROUP_SHARE)
+        return super().from_config(config)
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
@@ -550,10 +641,19 @@ class SparseSplitLSTM(keras.layers.LSTM):
         at rate 0.5 instead of 7 of 8).
       pattern_groups: number ``G >= 1`` of example groups with their own
         subsets / row-pattern offsets (module docstring, "Why groups");
-        default ``DEFAULT_PATTERN_GROUPS`` (8) for ``pattern="subset"`` and
-        ``"row"``, 1 otherwise (more than 1 needs one of those two). ``G =
+        default ``DEFAULT_SUBSET_GROUPS`` (4) for ``pattern="subset"``,
+        ``DEFAULT_PATTERN_GROUPS`` (8) for ``"row"``, 1 otherwise (more than 1 needs one of those two). ``G =
         1`` is one mask for the whole batch (Song et al.), fastest but
         markedly less accurate.
+      recurrent_group_share: ``pattern="subset"`` only: the share ``s`` in
+        ``[0, 1]`` of the recurrent dropout drawn per group (compacted);
+        the rest is drawn per example and unit on the kept units (module
+        docstring, "Which units"): group rate ``1 - (1 - rate) ** s``,
+        per-example rate ``1 - (1 - rate) ** (1 - s)``. Default
+        ``DEFAULT_RECURRENT_GROUP_SHARE`` (0.25); 1 = all by groups (the
+        value of saved configs without this key, which load unchanged),
+        0 = all per example (Keras' masks, nothing compacted). Other
+        patterns: 1 only.
 
     The compacted loop runs in training with ``pattern="subset"``,
     ``"row"`` or ``"tile"`` and a nonzero dropout rate, without a time
@@ -565,9 +665,10 @@ class SparseSplitLSTM(keras.layers.LSTM):
     ``supports_jit`` is False (the kept-unit count is data dependent).
 
     Raises:
-      ValueError: bad ``pattern``, ``tile_shape``, ``max_period`` or
+      ValueError: bad ``pattern``, ``tile_shape``, ``max_period``,
         ``pattern_groups`` (not an int >= 1, or > 1 with ``pattern="tile"``
-        or ``"random"``), a tile not dividing the dimension it drops, or
+        or ``"random"``) or ``recurrent_group_share`` (not in [0, 1], or
+        < 1 without ``pattern="subset"``), a tile not dividing the dimension it drops, or
         bad ``LSTM`` arguments.
     """
 
@@ -584,10 +685,11 @@ class SparseSplitLSTM(keras.layers.LSTM):
                  go_backwards=False, stateful=False, unroll=False,
                  use_cudnn="auto", pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
-                 **kwargs):
+                 recurrent_group_share=None, **kwargs):
         cell = SparseSplitLSTMCell(
             units, pattern=pattern, tile_shape=tile_shape,
             max_period=max_period, pattern_groups=pattern_groups,
+            recurrent_group_share=recurrent_group_share,
             activation=activation,
             recurrent_activation=recurrent_activation, use_bias=use_bias,
             kernel_initializer=kernel_initializer,
@@ -675,9 +777,14 @@ class SparseSplitLSTM(keras.layers.LSTM):
         # are reordered to (i, f, o, c) so one sigmoid covers the three
         # sigmoid gates.
         perm = None
+        # Subsets with recurrent_group_share < 1: the group factor of the
+        # recurrent mask (compacted) and the per-example factor on top.
+        parts = (getattr(cell, "_recurrent_parts", None)
+                 if rdp is not None and cell.pattern == "subset" else None)
         if rdp is not None and row:
             perm, n_kept, r_scale = _kept_first(
-                _group_masks(rdp, groups, rows))
+                _group_masks(rdp if parts is None else parts[0], groups,
+                             rows))
             order = perm
         else:
             order = tf.range(units)[None, :]
@@ -723,9 +830,12 @@ class SparseSplitLSTM(keras.layers.LSTM):
             r = _gather_cols(tf.gather(rkernel, perm[:, :n_kept])
                              * r_scale[:, :, None], cols)     # [G, k, 4U]
             hmask = None
+            if parts is not None:   # per-example mask of the kept units
+                hmask = tf.gather(grouped(parts[1]), perm[:, :n_kept],
+                                  axis=2, batch_dims=1)       # [G, R, k]
         else:
             r = _gather_cols(rkernel[None], cols)             # [1, U, 4U]
-            n_kept = units
+            n_kept = units if rdp is None else None
             hmask = grouped(rdp) if rdp is not None else None  # tile masks
         h, c, hs = _recurrence(zx, h0, c0, r, n_kept, hmask,
                                cell.activation, cell.recurrent_activation,
@@ -752,5 +862,15 @@ class SparseSplitLSTM(keras.layers.LSTM):
                        "tile_shape": (list(self.cell.tile_shape)
                                       if self.cell.tile_shape else None),
                        "max_period": self.cell.max_period,
-                       "pattern_groups": self.cell.pattern_groups})
+                       "pattern_groups": self.cell.pattern_groups,
+                       "recurrent_group_share":
+                           self.cell.recurrent_group_share})
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        # Saved before the knob existed: all recurrent dropout by groups.
+        config.setdefault("recurrent_group_share",
+                          LEGACY_RECURRENT_GROUP_SHARE)
+        return super().from_config(config)
