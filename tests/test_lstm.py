@@ -136,9 +136,9 @@ def test_compacted_loop_equals_masked_keras_loop_in_graph(
 def test_compacted_loop_tf_gates_path(rng, monkeypatch):
     """The step math in TensorFlow ops (what runs when a GPU is visible)
     gives the same values and gradients as Keras' masked loop."""
-    from tf_sparse_split.layers import lstm
-    monkeypatch.setattr(lstm, "_gates_ops",
-                        lambda: (lstm._tf_gates, lstm._tf_gates_grad))
+    from tf_sparse_split.layers import _lstm_recurrence as rec
+    monkeypatch.setattr(rec, "_gates_ops",
+                        lambda: (rec._tf_gates, rec._tf_gates_grad))
     _compare_compacted_loop(rng, "row", None, True, (0.5, 0.5), 4, 13, {},
                             graph=True)
     _compare_compacted_loop(rng, "tile", (2, 4), False, (0.5, 0.5), 1, 6,
