@@ -1,5 +1,6 @@
 // CPU implementations of the kernels declared in direct_conv2d.h.
 #include "cc/core/direct_conv2d.h"
+#include "cc/core/simd_vec.h"
 
 #include <algorithm>
 #include <cstring>
@@ -17,35 +18,13 @@ namespace tf_sparse_split {
 
 namespace {
 
-// 64-byte vectors (GCC/Clang vector extensions; the compiler maps them to
-// the ISA of the build: one zmm with AVX-512).
 template <typename T>
-struct DVec;
-template <>
-struct DVec<float> {
-  typedef float V __attribute__((vector_size(64)));
-  static constexpr int kLanes = 16;
-};
-template <>
-struct DVec<double> {
-  typedef double V __attribute__((vector_size(64)));
-  static constexpr int kLanes = 8;
-};
-
-template <typename V>
-TFSS_INLINE V LoadV(const void* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
-}
-template <typename V>
-TFSS_INLINE void StoreV(void* p, const V& v) {
-  std::memcpy(p, &v, sizeof(V));
-}
+using DVec = simd::Vec<T>;
+using simd::LoadV;
+using simd::StoreV;
 template <typename T>
 TFSS_INLINE typename DVec<T>::V Bcast(T x) {
-  typename DVec<T>::V v = {};
-  return v + x;
+  return simd::Broadcast<T>(x);
 }
 #ifdef TFSS_DIRECT_AVX512
 template <>

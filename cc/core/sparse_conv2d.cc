@@ -1,6 +1,7 @@
 // CPU implementations of the kernels declared in sparse_conv2d.h.
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/compress.h"
+#include "cc/core/simd_vec.h"
 
 #include <algorithm>
 #include <cstring>
@@ -13,37 +14,11 @@ namespace tf_sparse_split {
 
 namespace {
 
-// 64-byte vectors (GCC/Clang vector extensions): one zmm with AVX-512, two
-// ymm with AVX2, four xmm with SSE2 -- the compiler maps them to the ISA the
-// library is built for.
+using simd::Broadcast;
+using simd::LoadV;
+using simd::StoreV;
 template <typename T>
-struct Vec;
-template <>
-struct Vec<float> {
-  typedef float V __attribute__((vector_size(64)));
-  static constexpr int kLanes = 16;
-};
-template <>
-struct Vec<double> {
-  typedef double V __attribute__((vector_size(64)));
-  static constexpr int kLanes = 8;
-};
-
-template <typename V>
-inline V LoadV(const void* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
-}
-template <typename V>
-inline void StoreV(void* p, const V& v) {
-  std::memcpy(p, &v, sizeof(V));
-}
-template <typename T>
-inline typename Vec<T>::V Broadcast(T x) {
-  typename Vec<T>::V v = {};
-  return v + x;
-}
+using Vec = simd::Vec<T>;
 
 // Nonzeros of px[0..n); sets live[c] = 1 for each nonzero channel c. NaN
 // counts as nonzero.

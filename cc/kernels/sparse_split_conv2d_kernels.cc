@@ -591,6 +591,34 @@ struct ConvSamples {
   }
 };
 
+// The family's sparse-kernel choice, calibrated (before the family's cost
+// terms, which then time the kernel it picks) on the family's first call
+// that may run sparse images. run(direct, xs, gs, imgs, nnz) runs one sparse
+// kernel on the images `imgs` of the sample `xs` (geometry `gs`).
+template <typename T, typename RunKernel>
+absl::Status FamilySparseKernelChoice(tf::OpKernelContext* ctx, FamilyOp op,
+                                      const tf::Tensor& x,
+                                      const Conv2DGeometry& g, float thr_in,
+                                      ConvSplit& s, RunKernel run,
+                                      SparseKernelChoice** out) {
+  SparseKernelChoice& choice =
+      ChoiceFor(FamilyKey(op, tf::DataTypeToEnum<T>::value, g));
+  *out = &choice;
+  if (!HasWork(g) || thr_in == 0.0f || SparseKernelOverride() != 0 ||
+      choice.calibrated() || !s.call.status().ok()) {
+    return absl::OkStatus();
+  }
+  return CalibrateSparseChoice<T>(
+      ctx, x, g,
+      [&](bool direct, const tf::Tensor& xs, const int64_t* nnz) {
+        std::vector<int64_t> imgs;
+        const Conv2DGeometry gs = ConvSamples{xs, g, ctx, s.pfor}.Of(xs, &imgs);
+        run(direct, xs, gs, imgs, nnz);
+        return absl::OkStatus();
+      },
+      &choice);
+}
+
 template <typename T>
 struct ConvForwardPaths : ConvSamples {
   const tf::Tensor& f;
@@ -718,26 +746,18 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     const tf::TensorShape out_shape({g.n, g.out_h, g.out_w, g.c_out});
     const int64_t pixels = g.out_h * g.out_w;  // output rows per image
     ConvSplit s(ctx, g, thr_in);
-    // Sparse-kernel choice of this family (calibrated before the family's
-    // cost terms, which time the kernel it picks).
-    SparseKernelChoice& choice =
-        ChoiceFor(FamilyKey(kFamilyConv2DForward, tf::DataTypeToEnum<T>::value, g));
-    if (HasWork(g) && thr_in != 0.0f && SparseKernelOverride() == 0 &&
-        !choice.calibrated() && s.call.status().ok()) {
-      OP_REQUIRES_OK(ctx, CalibrateSparseChoice<T>(
-          ctx, x, g,
-          [&](bool direct, const tf::Tensor& xs, const int64_t* nnz) {
-            std::vector<int64_t> imgs;
-            const Conv2DGeometry gs = ConvSamples{xs, g, ctx, s.pfor}.Of(xs, &imgs);
-            std::vector<T> y(gs.n * g.out_h * g.out_w * g.c_out);
-            SparseForwardBy<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
-                               gs.n, nnz, f.flat<T>().data(), y.data(), s.pfor);
-            return absl::OkStatus();
-          },
-          &choice));
-    }
+    SparseKernelChoice* choice = nullptr;
+    OP_REQUIRES_OK(ctx, FamilySparseKernelChoice<T>(
+        ctx, kFamilyConv2DForward, x, g, thr_in, s,
+        [&](bool direct, const tf::Tensor& xs, const Conv2DGeometry& gs,
+            const std::vector<int64_t>& imgs, const int64_t* nnz) {
+          std::vector<T> y(gs.n * g.out_h * g.out_w * g.c_out);
+          SparseForwardBy<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
+                             gs.n, nnz, f.flat<T>().data(), y.data(), s.pfor);
+        },
+        &choice));
     ConvForwardPaths<T> paths{{x, g, ctx, s.pfor}, f, conv_, epilogue_, fused_,
-                              bias, &choice};
+                              bias, choice};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
                                      true, paths, &plans_, &done));
@@ -786,7 +806,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
 
     // --- Sparse part, then the epilogue on its images. ----------------------
     if (rs > 0) {
-      const bool direct = UseDirectKernel(choice,
+      const bool direct = UseDirectKernel(*choice,
           static_cast<double>(rs) * g.h * g.w * g.c_in, s.call.split().nnz_sparse);
       SparseForwardBy<T>(direct, xp, g, s.sparse().data(), rs,
                          s.an.image_nnz.data(), fp, out->flat<T>().data(),
@@ -856,25 +876,18 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                     dy_expected.DebugString()));
 
     ConvSplit s(ctx, g, thr_in);
-    // Sparse-kernel choice of this family (see the forward op).
-    SparseKernelChoice& choice = ChoiceFor(
-        FamilyKey(kFamilyConv2DFilterGrad, tf::DataTypeToEnum<T>::value, g));
-    if (HasWork(g) && thr_in != 0.0f && SparseKernelOverride() == 0 &&
-        !choice.calibrated() && s.call.status().ok()) {
-      OP_REQUIRES_OK(ctx, CalibrateSparseChoice<T>(
-          ctx, x, g,
-          [&](bool direct, const tf::Tensor& xs, const int64_t* nnz) {
-            std::vector<int64_t> imgs;
-            const Conv2DGeometry gs = ConvSamples{xs, g, ctx, s.pfor}.Of(xs, &imgs);
-            std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out, T(0));
-            SparseFilterGradBy<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
-                                  gs.n, nnz, dy.flat<T>().data(), df.data(),
-                                  s.pfor);
-            return absl::OkStatus();
-          },
-          &choice));
-    }
-    ConvFilterGradPaths<T> paths{{x, g, ctx, s.pfor}, dy, bf_, &choice};
+    SparseKernelChoice* choice = nullptr;
+    OP_REQUIRES_OK(ctx, FamilySparseKernelChoice<T>(
+        ctx, kFamilyConv2DFilterGrad, x, g, thr_in, s,
+        [&](bool direct, const tf::Tensor& xs, const Conv2DGeometry& gs,
+            const std::vector<int64_t>& imgs, const int64_t* nnz) {
+          std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out, T(0));
+          SparseFilterGradBy<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
+                                gs.n, nnz, dy.flat<T>().data(), df.data(),
+                                s.pfor);
+        },
+        &choice));
+    ConvFilterGradPaths<T> paths{{x, g, ctx, s.pfor}, dy, bf_, choice};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, fshape, kFamilyConv2DFilterGrad,
                                      dense_ok_, paths, &plans_, &done));
@@ -930,7 +943,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
 
     // --- Sparse part: adds the sparse images' contribution. -----------------
     if (rs > 0 && s.call.split().nnz_sparse > 0) {
-      const bool direct = UseDirectKernel(choice, 
+      const bool direct = UseDirectKernel(*choice,
           static_cast<double>(rs) * g.h * g.w * g.c_in, s.call.split().nnz_sparse);
       SparseFilterGradBy<T>(direct, xp, g, s.sparse().data(), rs,
                             s.an.image_nnz.data(), dy.flat<T>().data(),

@@ -96,6 +96,14 @@ inline bool OneDnnEnabled() {
   return !(v == "0" || v == "false" || v == "False" || v == "FALSE");
 }
 
+// The attrs of TF's MatMul-family kernels: T, transpose_a, transpose_b.
+inline void AddMatMulAttrs(::tensorflow::DataType dtype, bool ta, bool tb,
+                           ::tensorflow::NodeDef* def) {
+  ::tensorflow::AddNodeAttr("T", dtype, def);
+  ::tensorflow::AddNodeAttr("transpose_a", ta, def);
+  ::tensorflow::AddNodeAttr("transpose_b", tb, def);
+}
+
 // TF's MatMul kernel for op(a) * op(b) on `device_type`: on the CPU with
 // oneDNN on, the oneDNN kernel "_MklMatMul" that tf.matmul runs in graphs
 // where it exists for the dtype, else the plain "MatMul".
@@ -104,11 +112,7 @@ inline absl::Status InitTfMatMul(::tensorflow::OpKernelConstruction* ctx,
                                  ::tensorflow::DataType dtype, bool ta, bool tb,
                                  TfKernel* kernel) {
   namespace tf = ::tensorflow;
-  auto attrs = [&](tf::NodeDef* def) {
-    tf::AddNodeAttr("T", dtype, def);
-    tf::AddNodeAttr("transpose_a", ta, def);
-    tf::AddNodeAttr("transpose_b", tb, def);
-  };
+  auto attrs = [&](tf::NodeDef* def) { AddMatMulAttrs(dtype, ta, tb, def); };
   if (device_type == tf::DEVICE_CPU && OneDnnEnabled() &&
       kernel->Init(ctx, device_type, "_MklMatMul", "MklNameChangeOp", 2, attrs)
           .ok()) {
@@ -134,9 +138,7 @@ inline absl::Status InitTfFusedMatMul(
     TfKernel* kernel) {
   namespace tf = ::tensorflow;
   auto attrs = [&](tf::NodeDef* def) {
-    tf::AddNodeAttr("T", dtype, def);
-    tf::AddNodeAttr("transpose_a", ta, def);
-    tf::AddNodeAttr("transpose_b", tb, def);
+    AddMatMulAttrs(dtype, ta, tb, def);
     tf::AddNodeAttr("num_args", 1, def);
     tf::AddNodeAttr("fused_ops", fused_ops, def);
   };
