@@ -10,6 +10,8 @@ import tf_sparse_split as tfss
 from tf_sparse_split.layers.lstm import (DEFAULT_PATTERN_GROUPS,
                                          SparseSplitLSTMCell)
 
+pytestmark = pytest.mark.usefixtures("op_library")
+
 
 def _pair(x_shape, units=16, **kwargs):
     ref = keras.layers.LSTM(units, **{k: v for k, v in kwargs.items()

@@ -1,33 +1,14 @@
-"""Compatibility of saved files and layouts: a ``.keras`` file saved by
-version 0.1 still loads with identical predictions, and the Python
-statistics layout agrees with cc/core/stats.h."""
+"""The statistics layout: the Python indices (tf_sparse_split.tuning.stats)
+agree with cc/core/stats.h, and ``stats.as_dict`` accepts a layer's
+latest statistics (dict or vector)."""
 
 import re
 
-import keras
 import numpy as np
 import pytest
 
 import tf_sparse_split as tfss
 from tf_sparse_split.tuning import stats as S
-
-
-def test_legacy_keras_file_loads_with_identical_predictions(data_dir,
-                                                            op_library):
-    """tests/data/legacy_v0_1.keras was saved by the pre-reorganisation code
-    (tests/data/make_legacy_v0_1.py, run in the old layout) with its
-    predictions in legacy_v0_1_expected.npz."""
-    model = keras.saving.load_model(data_dir / "legacy_v0_1.keras")
-    expected = np.load(data_dir / "legacy_v0_1_expected.npz")
-    kinds = {type(layer) for layer in model.layers}
-    assert {tfss.SparseSplitDense, tfss.SparseSplitConv2D,
-            tfss.ApproximateRandomDropout,
-            tfss.SensitivityAwareDropout} <= kinds
-    assert model.get_layer("conv").threshold == pytest.approx(0.3)
-    assert model.get_layer("dense_1").threshold == pytest.approx(0.6)
-    assert model.get_layer("dense_2").skip_dead_input_grad is True
-    np.testing.assert_array_equal(model.predict(expected["x"], verbose=0),
-                                  expected["y"])
 
 
 def _python_name(cc_name):
@@ -36,7 +17,7 @@ def _python_name(cc_name):
     return re.sub(r"(?<!^)(?=[A-Z])", "_", base).upper()
 
 
-def test_stats_layout_matches_cc_core_stats_h():
+def test_stats_layout_matches_cc_core_stats_h(op_library):
     from tf_sparse_split._loader import kernels
 
     layout = kernels().stats_layout()
@@ -55,3 +36,13 @@ def test_stats_layout_matches_cc_core_stats_h():
     indices = {n for n in dir(S) if n.isupper() and n not in ("NAMES",)}
     assert indices == seen
     assert len(S.NAMES) == S.NUM_STATS
+
+
+def test_as_dict_accepts_latest_stats(op_library):
+    layer = tfss.SparseSplitDense(3)
+    layer(np.eye(4, dtype=np.float32))
+    d = layer.latest_stats()
+    assert tfss.tuning.stats.as_dict(d) == d
+    assert tfss.tuning.stats.as_dict(layer.latest_stats_vector()) == d
+    with pytest.raises(ValueError, match="lacks"):
+        tfss.tuning.stats.as_dict({"m": 1.0})

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_sparse_split as tfss
 from tf_sparse_split.tools.cli import main
 from tf_sparse_split.tools.latency import (convert_to_sparse_split,
                                           end_to_end_latency)
 from tf_sparse_split.tuning.tuner import HISTOGRAM_TAG, SCALAR_TAGS
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 
 SMALL = ["--epochs", "2", "--hidden", "32,32", "--batch-size", "64"]
 
