@@ -44,7 +44,8 @@ def op_library():
     try:
         return tfss.load_library()
     except tfss.LibraryLoadError as e:
-        pytest.fail(f"op library not loaded: {e}", pytrace=False)
+        error = str(e)
+    pytest.fail(f"op library not loaded: {error}", pytrace=False)
 
 
 @pytest.fixture
