@@ -22,6 +22,9 @@ import tensorflow as tf
 
 import tf_sparse_split as tfss
 
+#: Each order runs fresh interpreters (about a minute in all).
+pytestmark = pytest.mark.slow
+
 ORDERS = list(itertools.permutations(("tf_sparse_split", "tensorflow",
                                       "keras")))
 REPO = Path(__file__).resolve().parents[1]

@@ -36,7 +36,8 @@ def _package_copy(tmp_path, damage):
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "wrong_hash",
                                     "missing"])
-def test_damaged_library_gives_library_load_error(tmp_path, damage):
+def test_damaged_library_gives_library_load_error(tmp_path, damage,
+                                                 op_library):
     site = _package_copy(tmp_path, damage)
     r = run_python("""
         import tf_sparse_split as tfss          # must not fail

@@ -44,6 +44,7 @@ def saved(tmp_path_factory, op_library):
     return d
 
 
+@pytest.mark.slow
 def test_import_registers_ops_and_layers_for_a_fresh_process(saved):
     r = run_python(f"""
         import numpy as np
@@ -67,6 +68,7 @@ def test_import_registers_ops_and_layers_for_a_fresh_process(saved):
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_import_after_tensorflow_registers_too(saved):
     r = run_python(f"""
         import tensorflow as tf
@@ -78,6 +80,7 @@ def test_import_after_tensorflow_registers_too(saved):
     assert "[[1.0, 1.0, 1.0]]" in r.stdout
 
 
+@pytest.mark.slow
 def test_without_the_import_tensorflow_says_op_not_registered(saved):
     """What the README says to expect without ``import tf_sparse_split``."""
     r = run_python(f"""

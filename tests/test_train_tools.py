@@ -50,6 +50,7 @@ def test_train_compare_tensorboard_and_plot(tmp_path, capsys):
             assert f"{layer}/{tag}" in tags
 
 
+@pytest.mark.slow
 def test_train_mirrored_strategy_with_checkpoints(tmp_path, capsys):
     assert main(["train", *SMALL, "--strategy", "mirrored", "--quiet",
                  "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
@@ -82,6 +83,7 @@ def _free_ports(n):
     return ports
 
 
+@pytest.mark.slow
 def test_two_workers_on_loopback_agree(tmp_path):
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
