@@ -76,3 +76,19 @@ def run_python(code, cwd=None, env=None, timeout=240):
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
                           cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def conv_dense_model():
+    """The small model the reload tests save: input ``[None, 6, 6, 2]``
+    float32, SparseSplitConv2D(3 filters, 3x3, relu, threshold 0.25),
+    Flatten, SparseSplitDense(5, threshold 0.5). Weights come from Keras'
+    seed (``keras.utils.set_random_seed`` before the call)."""
+    import keras
+
+    import tf_sparse_split as tfss
+
+    return keras.Sequential([
+        keras.Input((6, 6, 2)),
+        tfss.SparseSplitConv2D(3, 3, activation="relu", threshold=0.25),
+        keras.layers.Flatten(),
+        tfss.SparseSplitDense(5, threshold=0.5)])

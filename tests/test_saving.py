@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _helpers import run_python
+from _helpers import conv_dense_model, run_python
 
 import tf_sparse_split as tfss
 
@@ -19,11 +19,7 @@ def saved(tmp_path_factory, op_library):
     SavedModel that use the ops, and the expected outputs."""
     d = tmp_path_factory.mktemp("saved")
     keras.utils.set_random_seed(3)
-    model = keras.Sequential([
-        keras.Input((6, 6, 2)),
-        tfss.SparseSplitConv2D(3, 3, activation="relu", threshold=0.25),
-        keras.layers.Flatten(),
-        tfss.SparseSplitDense(5, threshold=0.5)])
+    model = conv_dense_model()
     x = np.maximum(np.random.default_rng(0).standard_normal((4, 6, 6, 2)),
                    0).astype(np.float32)
     np.save(d / "x.npy", x)
