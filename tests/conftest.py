@@ -34,10 +34,18 @@ def data_dir():
 
 @pytest.fixture(scope="session")
 def op_library():
-    """The loaded op library (fails loudly if it is not built)."""
+    """The loaded op library. Tests that need it ask for this fixture (or
+    a module's ``pytestmark = pytest.mark.usefixtures("op_library")``), so a
+    checkout without the built library still collects; their setup then
+    fails with the :class:`~tf_sparse_split.LibraryLoadError` message (the
+    rebuild command)."""
     import tf_sparse_split as tfss
 
-    return tfss.load_library()
+    try:
+        return tfss.load_library()
+    except tfss.LibraryLoadError as e:
+        error = str(e)
+    pytest.fail(f"op library not loaded: {error}", pytrace=False)
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import math
 
 import numpy as np
 import pytest
+from _helpers import kernels_or_skip
 
-from tf_sparse_split import _kernels as K
 
+K = kernels_or_skip()
 DEFAULT = K.analysis_policy_defaults()
 
 

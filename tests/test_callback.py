@@ -1,24 +1,14 @@
 """Tests of tf_sparse_split.callbacks.SplitThresholdCallback (needs the op)."""
 
 import keras
-import numpy as np
 import pytest
+from _helpers import sparse_dataset as _data
 
-import tf_sparse_split as tfss
 from tf_sparse_split.callbacks import SplitThresholdCallback, find_split_layers
 from tf_sparse_split.tuning.op_model import DENSE, SPARSE
 from tf_sparse_split.layers import SparseSplitDense
 
-tfss.load_library()  # fail loudly if the op library is not built
-
-
-def _data(n, k, zero_fraction, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    x[rng.random((n, k)) < zero_fraction] = 0.0
-    assert np.count_nonzero(x) > 0
-    y = rng.integers(0, 4, n)
-    return x, y
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -14,7 +14,7 @@ from tf_sparse_split.ops.sddmm import sparse_split_sddmm
 from tf_sparse_split.tuning import stats as S
 from tf_sparse_split.testing import random_sparse, reference_matmul, relative_error
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 def _check_stats(st, m, k, a_opnnz):

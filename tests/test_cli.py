@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import tf_sparse_split as tfss
 from tf_sparse_split.tools import cli
 
-tfss.load_library()  # fail loudly if the op library is not built
+pytestmark = pytest.mark.usefixtures("op_library")
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["train", "--epochs", "1", "--hidden", "32,16", "--batch-size", "128"]

@@ -5,9 +5,8 @@ import re
 
 import pytest
 
-import tf_sparse_split as tfss
 
-tfss.load_library()  # fail loudly if the op library is not built
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 def test_target_sparsity_mlp_compare(run_cli):

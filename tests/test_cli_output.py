@@ -238,6 +238,7 @@ def test_end_to_end_profile_of_plain_model_does_not_warn(tmp_path, run_cli):
 
 
 # -- the inference benchmark's smoke mode -------------------------------------
+@pytest.mark.slow
 def test_bench_inference_quick(tmp_path):
     out = tmp_path / "inf.md"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")

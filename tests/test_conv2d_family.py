@@ -22,9 +22,10 @@ import pathlib
 
 import numpy as np
 import pytest
+from _helpers import kernels_or_skip
 
-from tf_sparse_split import _kernels as K
 
+K = kernels_or_skip()
 DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
 
 RECORDED = json.loads((DATA_DIR / "conv_family_timings.json").read_text())

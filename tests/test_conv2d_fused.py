@@ -14,7 +14,13 @@ import tf_sparse_split as tfss
 from tf_sparse_split import testing as T
 from tf_sparse_split.tuning import stats as S
 
-LIB = tfss.load_library()
+LIB = None  # the op library; set by the fixture below
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _library(op_library):
+    global LIB
+    LIB = op_library
 OP = "TfSparseSplit>SparseSplitConv2D"
 
 # (x shape, filter shape, strides, padding, dilations, explicit paddings)

@@ -10,6 +10,8 @@ import tf_sparse_split as tfss
 from tf_sparse_split import testing as T
 from tf_sparse_split.ops import conv2d as conv_ops
 
+pytestmark = pytest.mark.usefixtures("op_library")
+
 # (x shape, filter shape, strides, padding, dilations)
 CASES = [
     ((3, 9, 11, 4), (3, 3, 4, 6), 1, "SAME", 1),

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_sparse_split as tfss
 from tf_sparse_split import testing as T
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 OP = "TfSparseSplit>SparseSplitConv2D"
 
 ACTS = [None, "linear", "relu", keras.activations.relu, "relu6"]

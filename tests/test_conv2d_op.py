@@ -10,7 +10,13 @@ import tf_sparse_split as tfss
 from tf_sparse_split.tuning import stats as S
 from tf_sparse_split import testing as T
 
-LIB = tfss.load_library()
+LIB = None  # the op library; set by the fixture below
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _library(op_library):
+    global LIB
+    LIB = op_library
 
 # (n, h, w, c_in, c_out, kh, kw, strides, dilations, padding, explicit)
 SHAPES = [
@@ -216,7 +222,7 @@ F4 = np.ones((3, 3, 3, 4), np.float32)
     (dict(padding=[[0, 0], [1, 1], [1, 1]]), "4 pairs"),
     (dict(padding="SAME", explicit_paddings=[0] * 8), "empty unless"),
     # A filter one larger than the input gives an empty output (as
-    # tf.nn.conv2d, test_adoption.py); two larger is an error.
+    # tf.nn.conv2d, test_conv2d_empty_output.py); two larger is an error.
     (dict(padding="VALID", filters=np.ones((8, 8, 3, 4), np.float32)), "smaller"),
     (dict(padding="VALID", dilations=4), "smaller"),
     (dict(threshold=1.5), "threshold"),

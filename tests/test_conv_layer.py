@@ -16,7 +16,7 @@ from tf_sparse_split import testing as T
 from tf_sparse_split.callbacks import SplitThresholdCallback, find_split_layers
 from tf_sparse_split.tuning.cost_model import CostModel
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 def _pair(layer_kwargs, input_shape, threshold, seed=0):

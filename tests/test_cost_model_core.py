@@ -11,8 +11,9 @@ import itertools
 
 import numpy as np
 import pytest
+from _helpers import kernels_or_skip
 
-from tf_sparse_split import _kernels as K
+K = kernels_or_skip()
 
 M, KDIM = 512, 2048
 

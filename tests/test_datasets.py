@@ -1,21 +1,14 @@
 """Tests of tf_sparse_split.tools.datasets (no op library, no network)."""
 
 import gzip
-import os
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import mnist_dir
 
 from tf_sparse_split.tools import datasets
-
-
-def _mnist_dir():
-    env = os.environ.get("TFSS_MNIST_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
 
 
 def _write_idx(path, array, type_code=0x08):
@@ -126,7 +119,7 @@ def test_corrupt_files_raise_value_error(tmp_path):
 
 
 def test_real_mnist_test_set():
-    directory = _mnist_dir()
+    directory = mnist_dir()
     if not (directory / "t10k-images-idx3-ubyte.gz").exists() and \
             not (directory / "t10k-images-idx3-ubyte").exists():
         pytest.skip(f"no MNIST IDX files in {directory}")

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import sparse_normal as _sparse
 
 import tf_sparse_split as tfss
 from tf_sparse_split import testing as T
@@ -15,13 +16,6 @@ from tf_sparse_split import testing as T
 pytestmark = pytest.mark.usefixtures("op_library")
 
 TOL = 1e-5
-
-
-def _sparse(rng, shape, sparsity):
-    """float32 normal values with a fraction ``sparsity`` of real zeros."""
-    x = rng.standard_normal(shape).astype(np.float32)
-    x[rng.random(shape) < sparsity] = 0.0
-    return x
 
 
 def _randomize_lora(layers, rng):

@@ -12,7 +12,7 @@ import tf_sparse_split as tfss
 from tf_sparse_split.tuning import stats
 from tf_sparse_split.tuning.pattern_search import pattern_list
 
-tfss.load_library()  # fail loudly if the op library is not built
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 def _positive(shape, seed=0):

@@ -9,6 +9,8 @@ import tensorflow as tf
 import tf_sparse_split as tfss
 from tf_sparse_split.layers import activations as A
 
+pytestmark = pytest.mark.usefixtures("op_library")
+
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
 @pytest.mark.parametrize("threshold, l1", [(0.0, 0.0), (0.3, 2.0), (0.0, 0.5)])

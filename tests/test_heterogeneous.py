@@ -23,7 +23,7 @@ from tf_sparse_split.tuning.cost_model import (
     ARGMIN_POLICY, DENSE, SPARSE, CostModel, candidate_thresholds)
 from tf_sparse_split.layers import SparseSplitDense
 
-tfss.load_library()  # fail loudly if the op library is not built
+pytestmark = pytest.mark.usefixtures("op_library")
 
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

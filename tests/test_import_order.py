@@ -18,9 +18,13 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
+from _helpers import conv_dense_model
 import tensorflow as tf
 
 import tf_sparse_split as tfss
+
+#: Each order runs fresh interpreters (about a minute in all).
+pytestmark = pytest.mark.slow
 
 ORDERS = list(itertools.permutations(("tf_sparse_split", "tensorflow",
                                       "keras")))
@@ -76,11 +80,7 @@ def runs(tmp_path_factory, op_library):
     ``{key: CompletedProcess}``."""
     d = tmp_path_factory.mktemp("import_order")
     keras.utils.set_random_seed(5)
-    model = keras.Sequential([
-        keras.Input((6, 6, 2)),
-        tfss.SparseSplitConv2D(3, 3, activation="relu", threshold=0.25),
-        keras.layers.Flatten(),
-        tfss.SparseSplitDense(5, threshold=0.5)])
+    model = conv_dense_model()
     rng = np.random.default_rng(4)
     x = np.maximum(rng.standard_normal((4, 6, 6, 2)), 0).astype(np.float32)
     assert 0 < np.count_nonzero(x) < x.size

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+from _helpers import kernels_or_skip
 
-from tf_sparse_split._loader import kernels
 from tf_sparse_split.testing import random_sparse, relative_error
 
-K = kernels()
+K = kernels_or_skip()
 SHAPES = [(1, 1, 1), (7, 13, 5), (1000, 3, 17), (65, 300, 130), (128, 1024, 256)]
 
 

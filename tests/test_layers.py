@@ -7,19 +7,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import sparse_normal
 
-import tf_sparse_split as tfss
 from tf_sparse_split.layers import SparseSplitDense
 
-tfss.load_library()  # fail loudly if the op library is not built
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 def _sparse_input(shape, zero_fraction, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape).astype(np.float32)
-    x[rng.random(shape) < zero_fraction] = 0.0
-    assert np.count_nonzero(x) > 0
-    return x
+    return sparse_normal(np.random.default_rng(seed), shape, zero_fraction)
 
 
 def _twin_dense(layer, input_dim):

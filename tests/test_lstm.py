@@ -13,6 +13,8 @@ from tf_sparse_split.layers.lstm import (DEFAULT_PATTERN_GROUPS,
                                          SparseSplitLSTMCell,
                                          split_recurrent_rate)
 
+pytestmark = pytest.mark.usefixtures("op_library")
+
 
 def _pair(x_shape, units=16, **kwargs):
     ref = keras.layers.LSTM(units, **{k: v for k, v in kwargs.items()

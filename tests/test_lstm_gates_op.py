@@ -13,6 +13,8 @@ import tensorflow as tf
 
 from tf_sparse_split.ops import lstm_gates, lstm_gates_grad
 
+pytestmark = pytest.mark.usefixtures("op_library")
+
 TOL = {tf.float32: dict(rtol=1e-5, atol=1e-5),
        tf.float64: dict(rtol=1e-12, atol=1e-13)}
 

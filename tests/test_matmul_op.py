@@ -10,7 +10,7 @@ import tf_sparse_split as tfss
 from tf_sparse_split.tuning import stats as S
 from tf_sparse_split.testing import random_sparse, reference_matmul, relative_error
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 
 SHAPES = [(1, 1, 1), (7, 13, 5), (1000, 3, 17), (33, 70, 129), (64, 300, 70)]
 SPARSITIES = [0.0, 0.5, 0.9, 0.99, 1.0]

@@ -3,9 +3,10 @@
 import json
 from pathlib import Path
 
-import tf_sparse_split as tfss
+import pytest
 
-tfss.load_library()  # the notebook needs the op library
+
+pytestmark = pytest.mark.usefixtures("op_library")
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / \
     "01_quickstart.ipynb"

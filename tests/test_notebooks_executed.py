@@ -7,6 +7,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+pytestmark = [pytest.mark.usefixtures("op_library"), pytest.mark.slow]
+
 nbclient = pytest.importorskip(
     "nbclient", reason="nbclient/ipykernel are in requirements-test.txt")
 

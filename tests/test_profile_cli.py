@@ -9,7 +9,7 @@ import tensorflow as tf
 import tf_sparse_split as tfss
 from tf_sparse_split.tools import cli, profile
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 def _rows(out):

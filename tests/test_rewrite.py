@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_sparse_split as tfss
 from tf_sparse_split import rewrite
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -12,10 +12,9 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
-import tf_sparse_split as tfss
 from tf_sparse_split import rewrite
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 @pytest.fixture

@@ -8,15 +8,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import kernels_or_skip
 
 import tf_sparse_split as tfss
-from tf_sparse_split._loader import kernels
 from tf_sparse_split.ops import sparse_split_sddmm
 from tf_sparse_split.testing import random_sparse, relative_error
 from tf_sparse_split.tuning import stats as S
 
-tfss.load_library()
-K = kernels()
+pytestmark = pytest.mark.usefixtures("op_library")
+K = kernels_or_skip()
 
 
 def _mask(rng, m, k, sparsity, dtype=np.float32):

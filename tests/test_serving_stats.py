@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import sparse_dataset
 
 import tf_sparse_split as tfss
 
@@ -25,11 +26,8 @@ def _model(record_stats="auto"):
     return model
 
 
-def _data(n=32):
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((n, 12)).astype(np.float32)
-    x[rng.random(x.shape) < 0.6] = 0.0
-    return x, rng.integers(0, 3, n)
+def _data():
+    return sparse_dataset(32, 12, 0.6, seed=1, classes=3)
 
 
 def _write_ops(graph_def):

@@ -12,6 +12,8 @@ from tf_sparse_split.tools import datasets
 from tf_sparse_split.tools.models import build_cnn, build_mlp
 from tf_sparse_split.tools.train import input_sparsity
 
+pytestmark = pytest.mark.usefixtures("op_library")
+
 
 # -- FATReLU -----------------------------------------------------------------
 def test_fatrelu_forward_and_gradient(rng):

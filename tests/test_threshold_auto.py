@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import sparse_normal
 
 import tf_sparse_split as tfss
 from tf_sparse_split import rewrite
@@ -24,11 +25,8 @@ BAD = ["fast", "", "0.5", math.nan, 1.5, math.inf]
 ALLOWED = r"'auto' or a negative number for automatic"
 
 
-def _sparse(rng, shape, zero_fraction=0.6):
-    x = rng.standard_normal(shape)
-    x[rng.random(shape) < zero_fraction] = 0.0
-    assert 0 < np.count_nonzero(x) < x.size
-    return x
+def _sparse(rng, shape):
+    return sparse_normal(rng, shape, 0.6, np.float64)
 
 
 # -- op wrappers --------------------------------------------------------------

@@ -3,9 +3,9 @@
 no more; another model, a replaced layer, or ``resume=False`` start over."""
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import sparse_dataset
 
 from tf_sparse_split.callbacks import SplitThresholdCallback
 from tf_sparse_split.layers import SparseSplitDense
@@ -13,12 +13,8 @@ from tf_sparse_split.tuning.op_model import DENSE, SPARSE
 from tf_sparse_split.tuning.tuner import ThresholdTuner, layer_key
 
 
-def _data(n=256, k=32, zero_fraction=0.7, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    x[rng.random((n, k)) < zero_fraction] = 0.0
-    assert 0 < np.count_nonzero(x) < x.size
-    return x, rng.integers(0, 4, n)
+def _data(seed=0):
+    return sparse_dataset(256, 32, 0.7, seed)
 
 
 def _model(k=32, units=16):

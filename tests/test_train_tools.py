@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_sparse_split as tfss
 from tf_sparse_split.tools.cli import main
 from tf_sparse_split.tools.latency import (convert_to_sparse_split,
                                           end_to_end_latency)
 from tf_sparse_split.tuning.tuner import HISTOGRAM_TAG, SCALAR_TAGS
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 
 SMALL = ["--epochs", "2", "--hidden", "32,32", "--batch-size", "64"]
 
@@ -51,6 +50,7 @@ def test_train_compare_tensorboard_and_plot(tmp_path, capsys):
             assert f"{layer}/{tag}" in tags
 
 
+@pytest.mark.slow
 def test_train_mirrored_strategy_with_checkpoints(tmp_path, capsys):
     assert main(["train", *SMALL, "--strategy", "mirrored", "--quiet",
                  "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
@@ -83,6 +83,7 @@ def _free_ports(n):
     return ports
 
 
+@pytest.mark.slow
 def test_two_workers_on_loopback_agree(tmp_path):
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}

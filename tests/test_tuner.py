@@ -8,8 +8,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import sparse_dataset as _data
 
-import tf_sparse_split as tfss
 from tf_sparse_split.callbacks import SplitThresholdCallback
 from tf_sparse_split.layers import SparseSplitDense, SparseSplitLayer
 from tf_sparse_split.tuning import stats as _stats
@@ -18,14 +18,7 @@ from tf_sparse_split.tuning.op_model import DENSE, SPARSE
 from tf_sparse_split.tuning.tuner import (HISTOGRAM_TAG, SCALAR_TAGS,
                                           ThresholdTuner)
 
-tfss.load_library()
-
-
-def _data(n, k, zero_fraction, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    x[rng.random((n, k)) < zero_fraction] = 0.0
-    return x, rng.integers(0, 4, n)
+pytestmark = pytest.mark.usefixtures("op_library")
 
 
 def _model(k=64, threshold=0.0):
