@@ -10,7 +10,13 @@ import tensorflow as tf
 import tf_sparse_split as tfss
 from tf_sparse_split import testing as T
 
-LIB = tfss.load_library()
+LIB = None  # the op library; set by the fixture below
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _library(op_library):
+    global LIB
+    LIB = op_library
 
 # (n, h, w, c_in, c_out, kh, kw, strides, dilations, padding, explicit)
 SHAPES = [

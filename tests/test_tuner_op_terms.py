@@ -24,7 +24,7 @@ from tf_sparse_split.tuning import stats as S
 from tf_sparse_split.tuning.tuner import (ThresholdTuner, find_split_layers,
                                           is_split_layer)
 
-tfss.load_library()
+pytestmark = pytest.mark.usefixtures("op_library")
 
 REPO = Path(__file__).resolve().parents[1]
 
