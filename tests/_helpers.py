@@ -92,3 +92,13 @@ def conv_dense_model():
         tfss.SparseSplitConv2D(3, 3, activation="relu", threshold=0.25),
         keras.layers.Flatten(),
         tfss.SparseSplitDense(5, threshold=0.5)])
+
+
+def cost_terms(**kw):
+    """A family's cost terms (the dict the pybind cost model takes) of a
+    plausible 2-core CPU, with ``kw`` overriding entries."""
+    t = dict(dense_fixed_s=2e-5, dense_rate=2.0e11, sparse_fixed_s=2e-5,
+             convert_s_per_elem=2.5e-10, sparse_rate=8.0e10,
+             copy_s_per_elem=5e-10)
+    t.update(kw)
+    return t

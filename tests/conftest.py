@@ -60,3 +60,20 @@ def run_cli(capsys):
         return rc, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture
+def rw():
+    """The rewrite switch (``tf_sparse_split.rewrite``) with the pass off and
+    its counters, log and missed-function records cleared before and after
+    the test."""
+    from tf_sparse_split import rewrite
+    rewrite.disable()
+    rewrite.reset_counters()
+    rewrite.log(clear=True)
+    rewrite._take_missed()
+    yield rewrite
+    rewrite.disable()
+    rewrite.reset_counters()
+    rewrite.log(clear=True)
+    rewrite._take_missed()

@@ -13,18 +13,13 @@ import math
 import numpy as np
 import pytest
 from _helpers import kernels_or_skip
+from _helpers import cost_terms as _terms
 
 
 K = kernels_or_skip()
 DEFAULT = K.analysis_policy_defaults()
 
 
-def _terms(**kw):
-    t = dict(dense_fixed_s=2e-5, dense_rate=2.0e11, sparse_fixed_s=2e-5,
-             convert_s_per_elem=2.5e-10, sparse_rate=8.0e10,
-             copy_s_per_elem=5e-10)
-    t.update(kw)
-    return t
 
 
 def _history(**kw):

@@ -12,18 +12,13 @@ import itertools
 import numpy as np
 import pytest
 from _helpers import kernels_or_skip
+from _helpers import cost_terms as _terms
 
 K = kernels_or_skip()
 
 M, KDIM = 512, 2048
 
 
-def _terms(**kw):
-    t = dict(dense_fixed_s=2e-5, dense_rate=2.0e11, sparse_fixed_s=2e-5,
-             convert_s_per_elem=2.5e-10, sparse_rate=8.0e10,
-             copy_s_per_elem=5e-10)
-    t.update(kw)
-    return t
 
 
 def _uniform_rows(m, k, density, seed=0):

@@ -10,13 +10,7 @@ import tensorflow as tf
 import tf_sparse_split as tfss
 from tf_sparse_split import testing as T
 
-LIB = None  # the op library; set by the fixture below
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _library(op_library):
-    global LIB
-    LIB = op_library
+pytestmark = pytest.mark.usefixtures("op_library")
 
 # (n, h, w, c_in, c_out, kh, kw, strides, dilations, padding, explicit)
 SHAPES = [
@@ -73,7 +67,7 @@ def test_forward(shape, sparsity, kernel):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
 @pytest.mark.parametrize("sparsity", [0.5, "mixed"])
-def test_filter_gradient(shape, sparsity, kernel):
+def test_filter_gradient(shape, sparsity, kernel, op_library):
     rng = np.random.default_rng(abs(hash((_ids(shape), str(sparsity), 1))) % 2**32)
     xs, fs, kw = _args(shape)
     x = (_mixed_images(xs, rng) if sparsity == "mixed" else
@@ -85,7 +79,7 @@ def test_filter_gradient(shape, sparsity, kernel):
     d = [1, d, d, 1]
     for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
         for thr in (1.0, 0.5):
-            g, _ = LIB.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+            g, _ = op_library.tf_sparse_split_sparse_split_conv2d_backprop_filter(
                 x.astype(dtype), fs, dy.astype(dtype), thr, strides=s,
                 padding=kw["padding"], dilations=d,
                 explicit_paddings=kw["explicit_paddings"] or [])

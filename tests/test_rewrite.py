@@ -21,18 +21,6 @@ pytestmark = pytest.mark.usefixtures("op_library")
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def rw():
-    """Pass off, counters and log cleared before and after the test."""
-    rewrite.disable()
-    rewrite.reset_counters()
-    rewrite.log(clear=True)
-    rewrite._take_missed()
-    yield rewrite
-    rewrite.disable()
-    rewrite.reset_counters()
-    rewrite.log(clear=True)
-    rewrite._take_missed()
 
 
 def _records(action=None, name_part=None):

@@ -17,18 +17,6 @@ from tf_sparse_split import rewrite
 pytestmark = pytest.mark.usefixtures("op_library")
 
 
-@pytest.fixture
-def rw():
-    """Pass off, counters and log cleared before and after the test."""
-    rewrite.disable()
-    rewrite.reset_counters()
-    rewrite.log(clear=True)
-    rewrite._take_missed()
-    yield rewrite
-    rewrite.disable()
-    rewrite.reset_counters()
-    rewrite.log(clear=True)
-    rewrite._take_missed()
 
 
 def _records(action="rewritten"):

@@ -145,6 +145,15 @@ DEFAULT_SUBSET_GROUPS = 4
 LEGACY_RECURRENT_GROUP_SHARE = 1.0
 
 
+def _with_group_share(config):
+    """A copy of a saved config; one saved before ``recurrent_group_share``
+    existed gets :data:`LEGACY_RECURRENT_GROUP_SHARE` (all recurrent dropout
+    by groups, as it was saved)."""
+    config = dict(config)
+    config.setdefault("recurrent_group_share", LEGACY_RECURRENT_GROUP_SHARE)
+    return config
+
+
 def split_recurrent_rate(rate, share):
     """``(group_rate, example_rate)`` of a recurrent dropout ``rate`` of
     which the fraction ``share`` (of ``log(1 - rate)``) is drawn per group
@@ -370,10 +379,7 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        config.setdefault("recurrent_group_share",
-                          LEGACY_RECURRENT_GROUP_SHARE)
-        return super().from_config(config)
+        return super().from_config(_with_group_share(config))
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
@@ -633,8 +639,4 @@ class SparseSplitLSTM(keras.layers.LSTM):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        # Saved before the knob existed: all recurrent dropout by groups.
-        config.setdefault("recurrent_group_share",
-                          LEGACY_RECURRENT_GROUP_SHARE)
-        return super().from_config(config)
+        return super().from_config(_with_group_share(config))
