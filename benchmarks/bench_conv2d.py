@@ -53,7 +53,7 @@ MORE_SHAPES = [
     ("64x14x14x32->64 3x3", 64, 14, 14, 32, 64, 3),
     ("64x28x28x1->32 3x3", 64, 28, 28, 1, 32, 3),
 ]
-SPARSITIES = [0.0, 0.5, 0.8, 0.9, 0.95, 0.99]
+SPARSITIES = [0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99]
 VARIANTS = ("tf_fwd", "auto_fwd", "sparse_fwd", "tf_dF", "auto_dF", "sparse_dF")
 
 

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import tf_sparse_split as tfss  # noqa: E402
 from tf_sparse_split.tools import datasets, models  # noqa: E402
 from tf_sparse_split.tools.train import input_sparsity  # noqa: E402
-from _common import call_times  # noqa: E402
+from _common import train_step_blocks  # noqa: E402
 
 
 def _compile(model):
@@ -122,19 +122,9 @@ def main():
     # Steady state: alternate blocks of training steps (the induction keeps
     # running: the FATReLUs track their targets in-graph).
     rng = np.random.default_rng(args.seed)
-    bs = args.batch_size
-    batches = [rng.choice(len(x), bs, replace=False)
-               for _ in range(args.block)]
-    for m in (ours, ref):  # warm both step functions
-        m.train_on_batch(x[batches[0]], y[batches[0]])
-    def block(m):
-        for b in batches:
-            m.train_on_batch(x[b], y[b])
-
-    t_o, t_r = [], []
-    for _ in range(args.rounds):
-        for m, store in ((ours, t_o), (ref, t_r)):
-            store.append(call_times(lambda: block(m), 1)[0] / len(batches))
+    times = train_step_blocks({"ours": ours, "plain": ref}, x, y,
+                              args.batch_size, args.block, args.rounds, rng)
+    t_o, t_r = times["ours"], times["plain"]
     t_o, t_r = np.array(t_o), np.array(t_r)
     ratio = t_r / t_o
     if args.case == "lstm":

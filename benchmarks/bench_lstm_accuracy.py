@@ -33,8 +33,8 @@ import numpy as np  # noqa: E402
 
 import tf_sparse_split as tfss  # noqa: E402
 from tf_sparse_split.tools import datasets  # noqa: E402
-from _common import (call_times, markdown_table, rotated,  # noqa: E402
-                     write_report)
+from _common import (markdown_table, rotated,  # noqa: E402
+                     train_step_blocks, write_report)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,21 +90,8 @@ def run_seed(seed, args, data):
         return acc, {"ours": [1.0], "keras": [1.0]}, [1.0], \
             ours.get_layer("lstm").get_config()
     # Step time: interleaved blocks of train_on_batch steps.
-    bs = args.batch_size
-    batches = [rng.choice(len(x), bs, replace=False)
-               for _ in range(args.block)]
-    for m in (ours, ref):   # warm both step functions
-        m.train_on_batch(x[batches[0]], y[batches[0]])
-
-    def block(m):
-        for b in batches:
-            m.train_on_batch(x[b], y[b])
-
-    times = {"ours": [], "keras": []}
-    for r in range(args.rounds):
-        for name, m in rotated([("ours", ours), ("keras", ref)], r):
-            times[name].append(call_times(lambda: block(m), 1)[0]
-                               / len(batches))
+    times = train_step_blocks({"ours": ours, "keras": ref}, x, y,
+                              args.batch_size, args.block, args.rounds, rng)
     ratios = [k / o for k, o in zip(times["keras"], times["ours"])]
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     print(f"seed {seed}: step ours {med['ours']:.1f} ms, keras "
