@@ -82,6 +82,16 @@ class _TfGroupedConv2D(keras.layers.Conv2D):
                             self.padding.upper())
 
 
+def _build_alike(layers, k):
+    """Builds each layer for ``[None, k]`` inputs with the first one's
+    weights."""
+    weights = None
+    for layer in layers:
+        layer.build((None, k))
+        if weights is None:
+            weights = layer.get_weights()
+        layer.set_weights(weights)
+
 def _sparse_input(rng, shape, sparsity):
     x = np.abs(rng.standard_normal(shape)).astype(np.float32)
     x[rng.random(shape) < sparsity] = 0.0
@@ -136,12 +146,8 @@ def lora_rows(rounds, reps, m=256, k=1024, n=1024, rank=8):
                       n, activation="relu"),
                   "merged": _MergedLoraDense(n, activation="relu",
                                              name="merged_lora")}
-        weights = None
+        _build_alike(layers.values(), k)
         for layer in layers.values():
-            layer.build((None, k))
-            if weights is None:
-                weights = layer.get_weights()
-            layer.set_weights(weights)
             layer.enable_lora(rank)
         fns = {name: _step_fn(layer, x) for name, layer in layers.items()}
         times = _time_variants(fns, rounds, reps)
@@ -188,12 +194,7 @@ def sparse_tensor_rows(rounds, reps, m=256, k=4096, n=512):
         layers = {"keras Dense": keras.layers.Dense(n, activation="relu"),
                   "live columns + op (layer)": tfss.SparseSplitDense(
                       n, activation="relu")}
-        weights = None
-        for layer in layers.values():
-            layer.build((None, k))
-            if weights is None:
-                weights = layer.get_weights()
-            layer.set_weights(weights)
+        _build_alike(layers.values(), k)
         fns = {}
         for name, layer in layers.items():
             def step(layer=layer):

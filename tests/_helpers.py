@@ -102,3 +102,18 @@ def cost_terms(**kw):
              copy_s_per_elem=5e-10)
     t.update(kw)
     return t
+
+
+def conv_shape_id(shape):
+    """Test id of a convolution case ``(n, h, w, c_in, c_out, kh, kw,
+    strides, dilations, padding, explicit_paddings)``."""
+    n, h, w, ci, co, kh, kw, s, d, pad, _ = shape
+    return f"{n}x{h}x{w}x{ci}-{kh}x{kw}x{co}-s{s}-d{d}-{pad}"
+
+
+def conv_shape_args(shape):
+    """``(input shape, filter shape, conv2d keyword arguments)`` of a
+    convolution case (see :func:`conv_shape_id`)."""
+    n, h, w, ci, co, kh, kw, s, d, pad, ep = shape
+    return (n, h, w, ci), (kh, kw, ci, co), dict(
+        strides=s, padding=pad, dilations=d, explicit_paddings=ep)

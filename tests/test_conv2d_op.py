@@ -9,6 +9,7 @@ import tensorflow as tf
 import tf_sparse_split as tfss
 from tf_sparse_split.tuning import stats as S
 from tf_sparse_split import testing as T
+from _helpers import conv_shape_args as _args, conv_shape_id as _ids
 
 LIB = None  # the op library; set by the fixture below
 
@@ -31,15 +32,6 @@ SHAPES = [
 ]
 
 
-def _ids(shape):
-    n, h, w, ci, co, kh, kw, s, d, pad, _ = shape
-    return f"{n}x{h}x{w}x{ci}-{kh}x{kw}x{co}-s{s}-d{d}-{pad}"
-
-
-def _args(shape):
-    n, h, w, ci, co, kh, kw, s, d, pad, ep = shape
-    return (n, h, w, ci), (kh, kw, ci, co), dict(
-        strides=s, padding=pad, dilations=d, explicit_paddings=ep)
 
 
 def _tol(dtype):
