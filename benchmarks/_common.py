@@ -110,22 +110,3 @@ def load_mnist_or_digits(explicit=None):
     return (up(x), y), (up(xt), yt), (
         "scikit-learn digits upsampled 8x8 -> 28x28 (no MNIST found in "
         f"{', '.join(str(d) for d in mnist_dirs(explicit))})")
-
-
-def train_step_blocks(models, x, y, batch_size, block, rounds, rng):
-    """Seconds per training step of each Keras model, from interleaved
-    blocks of ``train_on_batch`` steps on the same ``block`` fixed batches
-    (drawn from ``x``/``y`` with ``rng``; each model's step function warmed
-    first). ``models`` is a dict ``{name: model}``; returns ``{name:
-    [seconds per step in each round]}`` (``interleaved_blocks``: round ``r``
-    runs the models in their order rotated by ``r``)."""
-    batches = [rng.choice(len(x), batch_size, replace=False)
-               for _ in range(block)]
-    for m in models.values():
-        m.train_on_batch(x[batches[0]], y[batches[0]])
-
-    def step(m):
-        return lambda i: m.train_on_batch(x[batches[i]], y[batches[i]])
-
-    return interleaved_blocks({n: step(m) for n, m in models.items()},
-                              rounds, block)

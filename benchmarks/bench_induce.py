@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 
 import tf_sparse_split as tfss  # noqa: E402
 from tf_sparse_split.tools import datasets, models  # noqa: E402
-from tf_sparse_split.tools.train import input_sparsity  # noqa: E402
-from _common import train_step_blocks  # noqa: E402
+from tf_sparse_split.tools.train import (input_sparsity,  # noqa: E402
+                                          train_step_times)
 
 
 def _compile(model):
@@ -122,10 +122,11 @@ def main():
     # Steady state: alternate blocks of training steps (the induction keeps
     # running: the FATReLUs track their targets in-graph).
     rng = np.random.default_rng(args.seed)
-    times = train_step_blocks({"ours": ours, "plain": ref}, x, y,
-                              args.batch_size, args.block, args.rounds, rng)
-    t_o, t_r = times["ours"], times["plain"]
-    t_o, t_r = np.array(t_o), np.array(t_r)
+    times, _ = train_step_times({"ours": ours, "plain": ref}, x, y,
+                                args.batch_size, rounds=args.rounds,
+                                block=args.block, rng=rng,
+                                distinct_batches=args.block)
+    t_o, t_r = np.array(times["ours"]), np.array(times["plain"])
     ratio = t_r / t_o
     if args.case == "lstm":
         print(f"\nSparseSplitLSTM pattern={args.pattern} pattern_groups="

@@ -33,8 +33,8 @@ import numpy as np  # noqa: E402
 
 import tf_sparse_split as tfss  # noqa: E402
 from tf_sparse_split.tools import datasets  # noqa: E402
-from _common import (markdown_table, rotated,  # noqa: E402
-                     train_step_blocks, write_report)
+from _common import markdown_table, rotated, write_report  # noqa: E402
+from tf_sparse_split.tools.train import train_step_times  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,8 +90,10 @@ def run_seed(seed, args, data):
         return acc, {"ours": [1.0], "keras": [1.0]}, [1.0], \
             ours.get_layer("lstm").get_config()
     # Step time: interleaved blocks of train_on_batch steps.
-    times = train_step_blocks({"ours": ours, "keras": ref}, x, y,
-                              args.batch_size, args.block, args.rounds, rng)
+    times, _ = train_step_times({"ours": ours, "keras": ref}, x, y,
+                                args.batch_size, rounds=args.rounds,
+                                block=args.block, rng=rng,
+                                distinct_batches=args.block)
     ratios = [k / o for k, o in zip(times["keras"], times["ours"])]
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     print(f"seed {seed}: step ours {med['ours']:.1f} ms, keras "

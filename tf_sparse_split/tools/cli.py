@@ -100,22 +100,23 @@ def _checked(check, text, *args):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def parse_positive_int(text):
-    """argparse type: an integer > 0."""
+def _parse_int(text, minimum):
+    """An integer >= ``minimum`` from command-line text (argparse errors)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    return _checked(validate_int, value, "value", 1)
+    return _checked(validate_int, value, "value", minimum)
+
+
+def parse_positive_int(text):
+    """argparse type: an integer > 0."""
+    return _parse_int(text, 1)
 
 
 def parse_nonnegative_int(text):
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    return _checked(validate_int, value, "value", 0)
+    return _parse_int(text, 0)
 
 
 def parse_positive_float(text):

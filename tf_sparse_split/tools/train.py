@@ -17,7 +17,7 @@ from tf_sparse_split.tools.models import build_cnn, build_mlp
 
 __all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printer",
            "steady_epoch_time", "input_sparsity", "describe_split",
-           "step_speedup"]
+           "step_speedup", "train_step_times"]
 
 
 def describe_split(sparsity, threshold):
@@ -362,31 +362,31 @@ def auto_block(step_seconds, min_block_seconds=MIN_BLOCK_SECONDS,
     return int(min(hi, max(lo, math.ceil(min_block_seconds / step_seconds))))
 
 
-def step_speedup(ours, reference, x, y, batch_size, rounds=8, block=None,
-                 seed=0, clock=None, distinct_batches=8):
-    """Steady-state training speed of two compiled Keras models, by
-    interleaved blocks of ``train_on_batch`` steps
+def train_step_times(models, x, y, batch_size, rounds=8, block=None, seed=0,
+                     clock=None, distinct_batches=8, rng=None):
+    """Seconds per training step of compiled Keras models, by interleaved
+    blocks of ``train_on_batch`` steps
     (:func:`tf_sparse_split.tools.timing.interleaved_blocks`: round ``r``
-    runs a block of ``block`` steps of each model, the order alternating
-    every round, cycling through the same ``distinct_batches`` fixed batches
-    of ``batch_size`` examples drawn from ``x``/``y``). Both models keep
+    runs a block of ``block`` steps of each model, the order rotating every
+    round, cycling through the same ``distinct_batches`` fixed batches of
+    ``batch_size`` examples drawn from ``x``/``y``). The models keep
     training (their weights change).
 
     Args:
-      ours, reference: compiled Keras models taking ``x``.
+      models: dict ``{name: compiled Keras model taking x}``.
       x, y: training inputs and labels (numpy arrays, same first dimension).
       batch_size: examples per step (at most ``len(x)``).
       rounds: int >= 1.
       block: steps per block (int >= 1), or None: :func:`auto_block` of the
-        faster model's warm-up step time.
-      seed: seed of the batch choice.
+        fastest model's warm-up step time.
+      seed: seed of the batch choice (when ``rng`` is None).
       clock: function returning seconds (default ``time.perf_counter``).
       distinct_batches: how many fixed batches the steps cycle through.
+      rng: a ``numpy.random.Generator`` for the batch choice, or None.
 
     Returns:
-      :func:`tf_sparse_split.tools.timing.speedup_summary`'s dict
-      (``"median"`` = median over rounds of ``t_reference / t_ours``), plus
-      ``"block"``.
+      ``(times, block)``: ``{name: [seconds per step in each round]}`` and
+      the steps per block used.
     """
     import numpy as np
     import tensorflow as tf
@@ -394,16 +394,15 @@ def step_speedup(ours, reference, x, y, batch_size, rounds=8, block=None,
     from tf_sparse_split.tools import timing
 
     clock = clock or time.perf_counter
-    rng = np.random.default_rng(seed)
+    rng = rng if rng is not None else np.random.default_rng(seed)
     n = min(int(batch_size), len(x))
     batches = [rng.choice(len(x), n, replace=False)
                for _ in range(distinct_batches)]
     xs = [tf.constant(x[b]) for b in batches]
     ys = [tf.constant(y[b]) for b in batches]
-    models = {"ours": ours, "reference": reference}
     steps = {name: (lambda i, m=m: m.train_on_batch(
         xs[i % len(xs)], ys[i % len(ys)])) for name, m in models.items()}
-    # Trace and warm up both step functions; the last calls give the step
+    # Trace and warm up every step function; the last calls give the step
     # time that sizes the blocks.
     warm = {}
     for name, step in steps.items():
@@ -411,7 +410,25 @@ def step_speedup(ours, reference, x, y, batch_size, rounds=8, block=None,
         warm[name] = timing.median_time(lambda: step(1), 3, clock)
     if block is None:
         block = auto_block(min(warm.values()))
-    times = timing.interleaved_blocks(steps, rounds, block, clock=clock)
+    return timing.interleaved_blocks(steps, rounds, block, clock=clock), block
+
+
+def step_speedup(ours, reference, x, y, batch_size, rounds=8, block=None,
+                 seed=0, clock=None, distinct_batches=8):
+    """Steady-state training speed of two compiled Keras models:
+    :func:`train_step_times` of both (same arguments).
+
+    Returns:
+      :func:`tf_sparse_split.tools.timing.speedup_summary`'s dict
+      (``"median"`` = median over rounds of ``t_reference / t_ours``), plus
+      ``"block"``.
+    """
+    from tf_sparse_split.tools import timing
+
+    times, block = train_step_times(
+        {"ours": ours, "reference": reference}, x, y, batch_size,
+        rounds=rounds, block=block, seed=seed, clock=clock,
+        distinct_batches=distinct_batches)
     summary = timing.speedup_summary(times, "ours", "reference")
     summary["block"] = block
     return summary
