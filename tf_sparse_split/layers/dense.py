@@ -217,6 +217,25 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
             x2d = tf.reshape(x, [-1, input_dim])
         fused = None if self.lora_enabled else _fused_activation(
             self.activation)
+        y = self._split_product(x2d, kernel, fused, training)
+        if self.lora_enabled:
+            y = y + self._lora_product(x2d)
+        if rank != 2:
+            out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], axis=0)
+            y = tf.reshape(y, out_shape)
+            y.set_shape(x.shape[:-1].concatenate([self.units]))
+        if y.dtype != out_dtype:
+            y = tf.cast(y, out_dtype)
+        if fused is None:
+            y = self.activation(y)
+        return y
+
+    def _split_product(self, x2d, kernel, fused, training):
+        """``fused(x2d @ kernel + bias)`` ``[M, units]`` by the op, with the
+        layer's threshold, ``heterogeneous`` and ``masked_input_grad``; the
+        call's statistics are recorded (exact where the layer records
+        them, :meth:`_records_stats`). ``fused`` is the op's activation
+        (``"relu"``, ``"relu6"``) or None (none fused)."""
         bias = None
         if self.bias is not None:
             bias = tf.convert_to_tensor(self.bias)
@@ -229,16 +248,6 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
             activation=fused or "none",
             full_stats=self._records_stats(training))
         self._record_stats(stats_vec, training)
-        if self.lora_enabled:
-            y = y + self._lora_product(x2d)
-        if rank != 2:
-            out_shape = tf.concat([tf.shape(x)[:-1], [self.units]], axis=0)
-            y = tf.reshape(y, out_shape)
-            y.set_shape(x.shape[:-1].concatenate([self.units]))
-        if y.dtype != out_dtype:
-            y = tf.cast(y, out_dtype)
-        if fused is None:
-            y = self.activation(y)
         return y
 
     def _lora_product(self, x2d):
@@ -294,16 +303,7 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
         x_c = tf.scatter_nd(tf.stack([inputs.indices[:, 0], pos], axis=1),
                             values, tf.stack([dense_shape[0], u_pad]))
         fused = _fused_activation(self.activation)
-        bias = None
-        if self.bias is not None:
-            bias = tf.cast(self.bias, x_c.dtype)
-        y, stats_vec = sparse_split_matmul(
-            x_c, kernel_live,
-            threshold=tf.convert_to_tensor(self.threshold_var),
-            return_stats=True, heterogeneous=self.heterogeneous,
-            masked_input_grad=self.masked_input_grad, bias=bias,
-            activation=fused or "none")
-        self._record_stats(stats_vec, training)
+        y = self._split_product(x_c, kernel_live, fused, training)
         y.set_shape(inputs.shape[:-1].concatenate([self.units]))
         if y.dtype != out_dtype:
             y = tf.cast(y, out_dtype)
