@@ -276,6 +276,32 @@ void AskCheapAnalysis(const tf::OpDef& target, tf::NodeDef* def) {
   }
 }
 
+// The start of a replacement's NodeDef: `name`, `op`, and the replaced
+// node's requested device and debug info.
+void StartReplacementDef(const tf::Node* n, const std::string& name,
+                         const std::string& op, tf::NodeDef* def) {
+  def->Clear();
+  def->set_name(name);
+  def->set_op(op);
+  def->set_device(n->requested_device());
+  *def->mutable_experimental_debug_info() = n->def().experimental_debug_info();
+}
+
+// Whether a private attr (leading '_') of the replaced node is carried over:
+// all but the inferred _output_shapes, which the replacement's own shape
+// function gives.
+bool CarriesPrivateAttr(const std::string& attr) {
+  return absl::StartsWith(attr, "_") && attr != "_output_shapes";
+}
+
+// The end of a replacement's NodeDef: the cheap analysis, the target's
+// defaults, validation against its OpDef.
+absl::Status FinishReplacementDef(const tf::OpDef& target, tf::NodeDef* def) {
+  AskCheapAnalysis(target, def);
+  tf::AddDefaultsToNodeDef(target, def);
+  return tf::ValidateNodeDef(*def, target);
+}
+
 // Builds the NodeDef of the replacement: same name, device, attrs that the
 // target op declares (T, transpose_*, strides, ...), and private attrs other
 // than _output_shapes. With `num_bias` = 1 the replacement also takes the
@@ -286,19 +312,14 @@ absl::Status BuildTargetDef(const tf::Node* n, const RewriteEntry& e,
                             int num_bias = 0,
                             const std::string& activation = "",
                             const std::string& name = "") {
-  def->Clear();
-  def->set_name(name.empty() ? n->name() : name);
-  def->set_op(e.target_op);
-  def->set_device(n->requested_device());
-  *def->mutable_experimental_debug_info() = n->def().experimental_debug_info();
+  StartReplacementDef(n, name.empty() ? n->name() : name, e.target_op, def);
   for (int i = 0; i < e.num_data_inputs; ++i) def->add_input(absl::StrCat("in", i));
   def->add_input("threshold");
   for (int i = 0; i < num_bias; ++i) def->add_input("bias");
   std::set<std::string> declared;
   for (const auto& a : target.attr()) declared.insert(a.name());
   for (const auto& kv : n->attrs()) {
-    if (declared.count(kv.first) ||
-        (absl::StartsWith(kv.first, "_") && kv.first != "_output_shapes")) {
+    if (declared.count(kv.first) || CarriesPrivateAttr(kv.first)) {
       (*def->mutable_attr())[kv.first] = kv.second;
     }
   }
@@ -306,9 +327,7 @@ absl::Status BuildTargetDef(const tf::Node* n, const RewriteEntry& e,
     tf::AddNodeAttr("num_bias", num_bias, def);
     tf::AddNodeAttr("activation", activation, def);
   }
-  AskCheapAnalysis(target, def);
-  tf::AddDefaultsToNodeDef(target, def);
-  return tf::ValidateNodeDef(*def, target);
+  return FinishReplacementDef(target, def);
 }
 
 constexpr char kSddmmOp[] = "TfSparseSplit>SparseSplitSddmm";
@@ -319,11 +338,7 @@ constexpr char kSddmmOp[] = "TfSparseSplit>SparseSplitSddmm";
 // its transpose_b is !tb.
 absl::Status BuildSddmmDef(const tf::Node* n, const tf::OpDef& target,
                            tf::NodeDef* def) {
-  def->Clear();
-  def->set_name(n->name());
-  def->set_op(kSddmmOp);
-  def->set_device(n->requested_device());
-  *def->mutable_experimental_debug_info() = n->def().experimental_debug_info();
+  StartReplacementDef(n, n->name(), kSddmmOp, def);
   for (const char* in : {"mask", "x", "b", "threshold"}) def->add_input(in);
   bool tb = false;
   tf::TryGetNodeAttr(n->attrs(), "transpose_b", &tb);
@@ -332,13 +347,9 @@ absl::Status BuildSddmmDef(const tf::Node* n, const tf::OpDef& target,
   tf::AddNodeAttr("T", dtype, def);
   tf::AddNodeAttr("transpose_b", !tb, def);
   for (const auto& kv : n->attrs()) {
-    if (absl::StartsWith(kv.first, "_") && kv.first != "_output_shapes") {
-      (*def->mutable_attr())[kv.first] = kv.second;
-    }
+    if (CarriesPrivateAttr(kv.first)) (*def->mutable_attr())[kv.first] = kv.second;
   }
-  AskCheapAnalysis(target, def);
-  tf::AddDefaultsToNodeDef(target, def);
-  return tf::ValidateNodeDef(*def, target);
+  return FinishReplacementDef(target, def);
 }
 
 // How a candidate is replaced.
