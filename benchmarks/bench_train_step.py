@@ -34,9 +34,25 @@ Prints a markdown table (medians over rounds in ms, min, spread = max/min of
 the round medians) and the whole-step ratio, and writes it to
 ``benchmarks/results/bench_train_step.md`` (``--out``).
 
+Dtype policies (``--what policies``, or ``all``): the same MLP's whole
+``train_on_batch`` step under each Keras dtype policy of ``--policies``
+(``float32``, ``mixed_bfloat16``, ``mixed_float16``: float32 variables,
+compute in bfloat16/float16, Keras' ``LossScaleOptimizer`` under
+``mixed_float16``), ours against plain ``keras.layers.Dense`` under the same
+policy with the same initial weights, timed by interleaved blocks of steps
+(:func:`tf_sparse_split.tools.train.train_step_times`; median and range of
+the per-round ratios), in two states: *natural* sparsity (after
+``--warmup`` steps of plain training) and after ``--induce-epochs`` epochs
+of ``SparsityTargetCallback(--target)`` on ``--induce-examples`` examples
+(the plain model trains the same epochs without it). Each row also gives
+where our step's time goes: per layer the dtype its op ran in and the op's
+own seconds per path (analysis, dense, sparse) in the last recorded call,
+from its statistics.
+
 Usage::
 
     python benchmarks/bench_train_step.py [--rounds 7] [--reps 5] [--warmup 20]
+    python benchmarks/bench_train_step.py --what policies [--rounds 8]
 """
 
 import argparse
@@ -50,7 +66,8 @@ import keras
 
 import tf_sparse_split as tfss
 from _common import (cpus_desc, format_median_min_spread, markdown_table,
-                     median_min_spread_ms, median_time, rotated, write_report)
+                     median_min_spread_ms, median_time, rotated,
+                     speedup_summary, write_report)
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.tools.datasets import load_digits, load_mnist
 from tf_sparse_split.ops.matmul import _dy_product
@@ -207,6 +224,85 @@ class Variant:
         self.parts = parts
 
 
+def _compiled_pair(seed):
+    """``(plain, ours)``: the MLP under the current global dtype policy,
+    plain Dense and SparseSplitDense with the same initial weights,
+    compiled alike (Adam; Keras adds its LossScaleOptimizer under
+    mixed_float16)."""
+    keras.utils.set_random_seed(seed)
+    plain = build_mlp(784, HIDDEN, 10, sparse=False)
+    ours = build_mlp(784, HIDDEN, 10, sparse=True)
+    ours.set_weights(plain.get_weights())
+    for m in (plain, ours):
+        m.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss="sparse_categorical_crossentropy", jit_compile=False)
+    return plain, ours
+
+
+def _op_breakdown(model):
+    """Per SparseSplitDense layer of ``model``: ``name: dtype, input
+    sparsity, analysis/dense/sparse ms`` of its last recorded call (the
+    op's statistics), and the layer's op dtype."""
+    from tf_sparse_split.layers.base import op_dtype_for
+
+    out = []
+    for layer in model.layers:
+        if not isinstance(layer, tfss.SparseSplitDense):
+            continue
+        st = layer.latest_stats()
+        out.append(
+            f"{layer.name} {op_dtype_for('SparseSplitMatMul', layer.compute_dtype)}"
+            f" sp {st['sparsity']:.2f}: {1e3 * st['time_analyze']:.2f}/"
+            f"{1e3 * st['time_dense']:.2f}/{1e3 * st['time_sparse']:.2f} ms "
+            f"({int(st['rows_sparse'])}/{int(st['m'])} rows sparse, "
+            f"{int(st['zero_cols_skipped'])} cols skipped)")
+    return "; ".join(out)
+
+
+def policy_rows(policies, x_all, y_all, args):
+    """The rows of the dtype-policy table (see the module docstring)."""
+    from tf_sparse_split.tools.train import train_step_times
+
+    rows = []
+    old = keras.mixed_precision.global_policy()
+    try:
+        for policy in policies:
+            keras.mixed_precision.set_global_policy(policy)
+            for state in ("natural", f"target {args.target:g}"):
+                plain, ours = _compiled_pair(args.seed)
+                rng = np.random.default_rng(args.seed)
+                if state == "natural":
+                    for _ in range(args.warmup):
+                        idx = rng.integers(0, len(x_all), BATCH)
+                        for m in (plain, ours):
+                            m.train_on_batch(x_all[idx], y_all[idx])
+                else:
+                    n = min(args.induce_examples, len(x_all))
+                    xs, ys = x_all[:n], y_all[:n]
+                    cb = tfss.SparsityTargetCallback(
+                        args.target, warmup_epochs=0.0,
+                        ramp_epochs=max(args.induce_epochs - 1, 1) / 2)
+                    ours.fit(xs, ys, epochs=args.induce_epochs,
+                             batch_size=BATCH, callbacks=[cb], verbose=0)
+                    plain.fit(xs, ys, epochs=args.induce_epochs,
+                              batch_size=BATCH, verbose=0)
+                times, block = train_step_times(
+                    {"plain": plain, "ours": ours}, x_all, y_all, BATCH,
+                    rounds=args.policy_rounds, rng=rng)
+                summ = speedup_summary(times, "ours", "plain")
+                rows.append(
+                    f"| {policy} | {state} | "
+                    f"{1e3 * summ['reference_s']:.1f} | "
+                    f"{1e3 * summ['ours_s']:.1f} | "
+                    f"**{summ['median']:.2f}x** ({summ['min']:.2f}-"
+                    f"{summ['max']:.2f}, {summ['rounds']} x {block}) | "
+                    f"{_op_breakdown(ours)} |")
+                print(rows[-1], flush=True)
+    finally:
+        keras.mixed_precision.set_global_policy(old)
+    return rows
+
+
 def _time(fn, args, reps):
     """Median seconds of ``fn(*args)`` with its outputs copied to the host."""
     return median_time(lambda: tf.nest.map_structure(
@@ -221,11 +317,44 @@ def main(argv=None):
     p.add_argument("--data", default=None, help="MNIST IDX directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results" / "bench_train_step.md"))
+    p.add_argument("--what", choices=("breakdown", "policies", "all"),
+                   default="all", help="the float32 part breakdown, the "
+                   "dtype-policy table, or both")
+    p.add_argument("--policies", default="float32,mixed_bfloat16,mixed_float16",
+                   help="comma-separated Keras dtype policies")
+    p.add_argument("--policy-rounds", type=int, default=8,
+                   help="interleaved rounds per policy table row")
+    p.add_argument("--target", type=float, default=0.9,
+                   help="SparsityTargetCallback target of the induced rows")
+    p.add_argument("--induce-epochs", type=int, default=3)
+    p.add_argument("--induce-examples", type=int, default=6400)
     args = p.parse_args(argv)
     tfss.load_library()
     tf.get_logger().setLevel("ERROR")  # one tf.function per part: no retracing notes
     keras.utils.set_random_seed(args.seed)
     x_all, y_all, data_desc = load_data(args.data)
+    reports = []
+    if args.what in ("policies", "all"):
+        policies = [q.strip() for q in args.policies.split(",") if q.strip()]
+        rows = policy_rows(policies, x_all, y_all, args)
+        reports.append(markdown_table(
+            "| policy | sparsity | keras Dense step (ms) | SparseSplitDense "
+            "step (ms) | ratio keras/ours (range, rounds x steps) | our ops: "
+            "layer dtype, input sparsity: analysis/dense/sparse ms of the last "
+            "call |", rows,
+            f"Training step (train_on_batch) by dtype policy, MLP 784-2048-"
+            f"2048-10, batch {BATCH}, Adam, {data_desc}; natural sparsity "
+            f"after {args.warmup} steps, and after {args.induce_epochs} "
+            f"epochs of SparsityTargetCallback({args.target:g}) on "
+            f"{args.induce_examples} examples; interleaved blocks "
+            f"(tools.train.train_step_times), medians; TensorFlow "
+            f"{tf.__version__}, {cpus_desc()}, library built with "
+            f"{build_info()['MARCH']}; load average {os.getloadavg()[0]:.1f} "
+            "at the end (other jobs on the machine widen the range)."))
+    if args.what == "policies":
+        print(reports[0])
+        write_report(args.out, reports[0])
+        return 0
     rng = np.random.default_rng(args.seed)
 
     ref = Variant("keras Dense", sparse=False)
@@ -298,6 +427,7 @@ def main(argv=None):
     md = markdown_table(
         "| part | keras Dense (ms) | SparseSplitDense (ms) | ratio keras/ours |",
         lines, title)
+    md = "\n".join([md] + reports)
     print(md)
     write_report(args.out, md)
     return 0

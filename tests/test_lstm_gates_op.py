@@ -1,5 +1,6 @@
 """LstmGates / LstmGatesGrad (tf_sparse_split.ops.lstm_gates): forward and
-gradient against TensorFlow's elementwise ops, float32/float64, partial
+gradient against TensorFlow's elementwise ops, float32/float64, bfloat16 and
+float16 against a float64 reference on the same (rounded) inputs, partial
 recurrent gradients, thread-count independence and bad inputs."""
 
 import os
@@ -148,13 +149,120 @@ def test_lstm_gates_grad_bad_shapes(args, match):
             *[tf.TensorSpec(s) for s in args])
 
 
+#: Unit roundoff of the 16-bit dtypes (half an ulp, relative).
+UNIT_ROUNDOFF = {tf.bfloat16: 2.0 ** -8, tf.float16: 2.0 ** -11}
+
+
+def _f64(t):
+    return tf.cast(t, tf.float64)
+
+
+def _assert_rounded_once(ours, exact, dtype):
+    """``ours`` (dtype) is ``exact`` (float64) rounded once to ``dtype``:
+    within half an ulp, plus float32 arithmetic error."""
+    assert ours.dtype == dtype
+    np.testing.assert_allclose(_f64(ours).numpy(), exact.numpy(),
+                               rtol=UNIT_ROUNDOFF[dtype], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
+@pytest.mark.parametrize("prefix,units", [((5,), 3), ((2, 3), 8),
+                                          ((64,), 37), ((300,), 64),
+                                          ((0,), 4), ((3,), 0)])
+def test_low_precision_computes_in_float32_rounds_once(rng, dtype, prefix,
+                                                       units):
+    """bfloat16/float16: every output equals the float64 math on the same
+    16-bit inputs rounded once to the dtype (half an ulp), forward and
+    backward; c_prev is saved exactly."""
+    zx, zh, c_prev = _inputs(rng, prefix, units, dtype)
+    k = units // 2
+    dh_rec = tf.constant(rng.standard_normal(prefix + (k,)), dtype)
+    dh_out = tf.constant(rng.standard_normal(prefix + (units,)), dtype)
+    dc = tf.constant(rng.standard_normal(prefix + (units,)), dtype)
+    h, c, saved = lstm_gates(zx, zh, c_prev)
+    assert saved.dtype == dtype and saved.shape == prefix + (6 * units,)
+    h_ref, c_ref = _reference(_f64(zx), _f64(zh), _f64(c_prev))
+    _assert_rounded_once(h, h_ref, dtype)
+    _assert_rounded_once(c, c_ref, dtype)
+    u = units
+    np.testing.assert_array_equal(saved[..., 5 * u:].numpy(), c_prev.numpy())
+    z = _f64(zx) + _f64(zh)
+    exact_saved = tf.concat([tf.sigmoid(z[..., :3 * u]),
+                             tf.tanh(z[..., 3 * u:]), tf.tanh(c_ref),
+                             _f64(c_prev)], -1)
+    _assert_rounded_once(saved, exact_saved, dtype)
+    # Backward from the 16-bit saved activations, against the float64 math
+    # of those same values.
+    dz, dc_prev = lstm_gates_grad(saved, dh_rec, dh_out, dc)
+    i, f, o, a, tc, cp = tf.split(_f64(saved), 6, axis=-1)
+    pad = [[0, 0]] * len(prefix) + [[0, u - k]]
+    dh = _f64(dh_out) + tf.pad(_f64(dh_rec), pad)
+    dct = _f64(dc) + dh * o * (1 - tc * tc)
+    dz_ref = tf.concat([dct * a * i * (1 - i), dct * cp * f * (1 - f),
+                        dh * tc * o * (1 - o), dct * i * (1 - a * a)], -1)
+    _assert_rounded_once(dz, dz_ref, dtype)
+    _assert_rounded_once(dc_prev, dct * f, dtype)
+
+
+@pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
+def test_low_precision_gradient_and_graph(rng, dtype):
+    """The registered gradient in bfloat16/float16 matches the float64
+    gradient of the TF reference to the dtype's precision, eagerly and in a
+    tf.function (same bits), and NaN/Inf propagate."""
+    prefix, units = (6, 4), 9
+    zx, zh, c_prev = _inputs(rng, prefix, units, dtype)
+    wh = tf.constant(rng.standard_normal(prefix + (units,)), dtype)
+
+    def run(zx, zh, c_prev):
+        with tf.GradientTape() as tape:
+            tape.watch([zx, zh, c_prev])
+            h, c, _ = lstm_gates(zx, zh, c_prev)
+            loss = tf.reduce_sum(tf.cast(h * wh, tf.float32)) + \
+                tf.reduce_sum(tf.cast(c, tf.float32))
+        return [h, c] + tape.gradient(loss, [zx, zh, c_prev])
+
+    eager = run(zx, zh, c_prev)
+    graph = tf.function(run)(zx, zh, c_prev)
+    for a, b in zip(eager, graph):
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    x64 = [_f64(t) for t in (zx, zh, c_prev)]
+    with tf.GradientTape() as tape:
+        tape.watch(x64)
+        h_ref, c_ref = _reference(*x64)
+        loss = tf.reduce_sum(h_ref * _f64(wh)) + tf.reduce_sum(c_ref)
+    refs = [h_ref, c_ref] + tape.gradient(loss, x64)
+    eps = UNIT_ROUNDOFF[dtype]
+    for a, b in zip(eager, refs):
+        # a few roundings of the saved activations, relative to the scale
+        scale = float(tf.reduce_max(tf.abs(b)))
+        np.testing.assert_allclose(_f64(a).numpy(), b.numpy(),
+                                   rtol=4 * eps, atol=8 * eps * scale)
+    bad = tf.tensor_scatter_nd_update(
+        zx, [[0, 0, 0], [1, 0, 3 * units]],
+        tf.constant([np.nan, np.inf], dtype))
+    h, c, _ = lstm_gates(bad, zh, c_prev)
+    assert np.isnan(_f64(h)[0, 0, 0].numpy())       # i gate NaN -> c, h NaN
+    assert np.isnan(_f64(c)[0, 0, 0].numpy())
+    assert np.isfinite(_f64(h)[1, 0, 0].numpy())    # tanh(inf) = 1: finite
+
+
 def test_bad_dtypes():
-    with pytest.raises(tf.errors.InvalidArgumentError, match="float32 or"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="float32, float64, bfloat16 or float16"):
         lstm_gates(tf.zeros([2, 4], tf.int32), tf.zeros([2, 4], tf.int32),
                    tf.zeros([2, 1], tf.int32))
     with pytest.raises(tf.errors.InvalidArgumentError, match="one dtype"):
         lstm_gates(tf.zeros([2, 4]), tf.zeros([2, 4], tf.float64),
                    tf.zeros([2, 1]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one dtype"):
+        lstm_gates(tf.zeros([2, 4], tf.bfloat16), tf.zeros([2, 4]),
+                   tf.zeros([2, 1], tf.bfloat16))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one dtype"):
+        lstm_gates_grad(tf.zeros([2, 6], tf.float16), tf.zeros([2, 1],
+                                                                 tf.float16),
+                        tf.zeros([2, 1], tf.bfloat16),
+                        tf.zeros([2, 1], tf.float16))
     with pytest.raises(tf.errors.InvalidArgumentError, match="one dtype"):
         lstm_gates_grad(tf.zeros([2, 6]), tf.zeros([2, 1]),
                         tf.zeros([2, 1], tf.float64), tf.zeros([2, 1]))

@@ -18,8 +18,16 @@ configuration): loss, metrics and a new optimizer of the same class and
 hyper-parameters, with no optimizer state (slots, iteration count); a copy
 of an uncompiled model is uncompiled.
 
+Dtype policies are kept: every layer of the copy has the policy of the
+layer it copies (e.g. ``mixed_bfloat16`` with float32 variables, or a
+float32 output layer in a mixed model), and the copy has the model's own,
+whatever the global policy is when converting (a ``mixed_float16`` copy is
+compiled with Keras' ``LossScaleOptimizer`` as the source is).
+
 Requires the TensorFlow backend of Keras 3.
 """
+
+import contextlib
 
 import keras
 
@@ -87,6 +95,23 @@ def _filter(layer_filter):
     return lambda layer: layer.name in names
 
 
+@contextlib.contextmanager
+def _global_policy(policy):
+    """Keras' global dtype policy set to ``policy`` inside the block (and
+    restored after); a policy that cannot be global (quantized) leaves it
+    unchanged."""
+    old = keras.mixed_precision.global_policy()
+    try:
+        keras.mixed_precision.set_global_policy(policy)
+    except (ValueError, TypeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(old)
+
+
 def _clone(model, convert):
     """clone_model with ``convert(layer)`` (None: plain copy) for every
     layer, recursively; then copies every layer's weights."""
@@ -99,8 +124,15 @@ def _clone(model, convert):
         pairs.append((layer, new))
         return new
 
-    clone = keras.models.clone_model(model, clone_function=clone_function,
-                                     recursive=True)
+    # Cloned under the source's dtype policy: the copied layers keep their
+    # own (it is in their configs), and the new model objects -- the copy
+    # itself, its InputLayers -- get the source's rather than whatever the
+    # global policy is now, so ``compile`` (run by clone_model for a
+    # compiled source) wraps the optimizer in a LossScaleOptimizer exactly
+    # when the source's is (``mixed_float16``).
+    with _global_policy(model.dtype_policy):
+        clone = keras.models.clone_model(model, clone_function=clone_function,
+                                         recursive=True)
     for old, new in pairs:
         if not old.built:
             continue

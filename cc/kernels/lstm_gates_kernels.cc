@@ -8,14 +8,23 @@
 // bits do not depend on the thread count. The row loops are Eigen array
 // expressions (vectorized logistic/tanh, AVX-512 with -march=native): the
 // same functors as tf.sigmoid and tf.tanh.
+//
+// Dtypes: float32 and float64 compute in their own type. bfloat16 and half
+// are storage only (cc/core/low_precision.h): each row's inputs are widened
+// to float32 (WidenToFloat, CPUID-dispatched), the whole step is computed in
+// float32 as for float32 inputs, and every output is rounded once to T
+// (NarrowFromFloat, round-to-nearest-even) -- where Keras' LSTM cell under a
+// mixed policy rounds after each of its elementwise ops.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "Eigen/Core"
+#include "cc/core/low_precision.h"
 #include "cc/kernels/tf_parallel_for.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
 
 namespace tf_sparse_split {
 
@@ -27,6 +36,70 @@ template <typename T>
 using Vec = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 template <typename T>
 using ConstVec = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+// The core storage type of a TF element type (bf16/f16 are layout-compatible
+// with Eigen::bfloat16/Eigen::half) and the type the math runs in.
+template <typename T>
+struct Storage {
+  typedef T type;
+};
+template <>
+struct Storage<Eigen::bfloat16> {
+  typedef bf16 type;
+};
+template <>
+struct Storage<Eigen::half> {
+  typedef f16 type;
+};
+template <typename T>
+using MathT = typename Accum<typename Storage<T>::type>::type;
+
+// One row's view of a tensor in the math type: float32/float64 data is used
+// in place; bfloat16/half data is widened into (inputs) or narrowed from
+// (outputs) a per-thread buffer.
+template <typename T>
+class RowIn {
+ public:
+  typedef typename Storage<T>::type S;
+  typedef MathT<T> A;
+  explicit RowIn(int64_t n) : buf_(IsLowPrecision<S>::value ? n : 0) {}
+  // The n values at `p`, in the math type.
+  const A* Read(const T* p, int64_t n) {
+    if constexpr (IsLowPrecision<S>::value) {
+      WidenToFloat(reinterpret_cast<const S*>(p), buf_.data(), n);
+      return buf_.data();
+    } else {
+      return p;
+    }
+  }
+
+ private:
+  std::vector<A> buf_;
+};
+
+template <typename T>
+class RowOut {
+ public:
+  typedef typename Storage<T>::type S;
+  typedef MathT<T> A;
+  explicit RowOut(int64_t n) : buf_(IsLowPrecision<S>::value ? n : 0) {}
+  // Where to write the n values destined for `p` (then call Flush).
+  A* Target(T* p) {
+    if constexpr (IsLowPrecision<S>::value) {
+      return buf_.data();
+    } else {
+      return p;
+    }
+  }
+  // Rounds what was written to Target(p) into `p` (no-op in place).
+  void Flush(T* p, int64_t n) {
+    if constexpr (IsLowPrecision<S>::value)
+      NarrowFromFloat(buf_.data(), reinterpret_cast<S*>(p), n);
+  }
+
+ private:
+  std::vector<A> buf_;
+};
 
 // Rough cycles per row of `units` for ParallelFor's sharding (about 25 per
 // transcendental).
@@ -100,20 +173,31 @@ class LstmGatesOp : public tf::OpKernel {
     T* c_p = c->flat<T>().data();
     T* s_p = saved->flat<T>().data();
     const int64_t u = units;
+    typedef MathT<T> A;
     TfParallelFor(ctx)(rows, RowCost(u), [&](int64_t begin, int64_t end) {
+      RowIn<T> in_a(4 * u), in_b(4 * u), in_c(u);
+      RowOut<T> out_s(6 * u), out_c(u), out_h(u);
       for (int64_t r = begin; r < end; ++r) {
-        const T* a = zx_p + r * 4 * u;
-        const T* b = zh_p + r * 4 * u;
-        T* s = s_p + r * 6 * u;
-        Vec<T> sig(s, 3 * u), cand(s + 3 * u, u), tc(s + 4 * u, u),
-            cp_saved(s + 5 * u, u), c_new(c_p + r * u, u), h_new(h_p + r * u, u);
-        const ConstVec<T> cp(cp_p + r * u, u);
-        sig = (ConstVec<T>(a, 3 * u) + ConstVec<T>(b, 3 * u)).logistic();
-        cand = (ConstVec<T>(a + 3 * u, u) + ConstVec<T>(b + 3 * u, u)).tanh();
+        const A* a = in_a.Read(zx_p + r * 4 * u, 4 * u);
+        const A* b = in_b.Read(zh_p + r * 4 * u, 4 * u);
+        const A* cp_r = in_c.Read(cp_p + r * u, u);
+        T* const s_t = s_p + r * 6 * u;
+        T* const c_t = c_p + r * u;
+        T* const h_t = h_p + r * u;
+        A* s = out_s.Target(s_t);
+        Vec<A> sig(s, 3 * u), cand(s + 3 * u, u), tc(s + 4 * u, u),
+            cp_saved(s + 5 * u, u), c_new(out_c.Target(c_t), u),
+            h_new(out_h.Target(h_t), u);
+        const ConstVec<A> cp(cp_r, u);
+        sig = (ConstVec<A>(a, 3 * u) + ConstVec<A>(b, 3 * u)).logistic();
+        cand = (ConstVec<A>(a + 3 * u, u) + ConstVec<A>(b + 3 * u, u)).tanh();
         c_new = sig.segment(u, u) * cp + sig.segment(0, u) * cand;
         tc = c_new.tanh();
         h_new = sig.segment(2 * u, u) * tc;
         cp_saved = cp;
+        out_s.Flush(s_t, 6 * u);
+        out_c.Flush(c_t, u);
+        out_h.Flush(h_t, u);
       }
     });
   }
@@ -161,22 +245,30 @@ class LstmGatesGradOp : public tf::OpKernel {
     T* dz_p = dz->flat<T>().data();
     T* dcp_p = dc_prev->flat<T>().data();
     const int64_t u = units;
+    typedef MathT<T> A;
     TfParallelFor(ctx)(rows, RowCost(u), [&](int64_t begin, int64_t end) {
-      std::vector<T> dh_buf(u), dct_buf(u);
-      Vec<T> dh(dh_buf.data(), u), dct(dct_buf.data(), u);
+      std::vector<A> dh_buf(u), dct_buf(u);
+      Vec<A> dh(dh_buf.data(), u), dct(dct_buf.data(), u);
+      RowIn<T> in_s(6 * u), in_r(k), in_o(u), in_c(u);
+      RowOut<T> out_z(4 * u), out_c(u);
       for (int64_t r = begin; r < end; ++r) {
-        const T* s = s_p + r * 6 * u;
-        const ConstVec<T> si(s, u), sf(s + u, u), so(s + 2 * u, u),
+        const A* s = in_s.Read(s_p + r * 6 * u, 6 * u);
+        const ConstVec<A> si(s, u), sf(s + u, u), so(s + 2 * u, u),
             a(s + 3 * u, u), tc(s + 4 * u, u), cp(s + 5 * u, u);
-        dh = ConstVec<T>(do_p + r * u, u);
-        if (k > 0) dh.head(k) += ConstVec<T>(dr_p + r * k, k);
-        dct = ConstVec<T>(dc_p + r * u, u) + dh * so * (T(1) - tc * tc);
-        T* z = dz_p + r * 4 * u;
-        Vec<T>(z, u) = dct * a * si * (T(1) - si);
-        Vec<T>(z + u, u) = dct * cp * sf * (T(1) - sf);
-        Vec<T>(z + 2 * u, u) = dh * tc * so * (T(1) - so);
-        Vec<T>(z + 3 * u, u) = dct * si * (T(1) - a * a);
-        Vec<T>(dcp_p + r * u, u) = dct * sf;
+        dh = ConstVec<A>(in_o.Read(do_p + r * u, u), u);
+        if (k > 0) dh.head(k) += ConstVec<A>(in_r.Read(dr_p + r * k, k), k);
+        dct = ConstVec<A>(in_c.Read(dc_p + r * u, u), u) +
+              dh * so * (A(1) - tc * tc);
+        T* const z_t = dz_p + r * 4 * u;
+        T* const dcp_t = dcp_p + r * u;
+        A* z = out_z.Target(z_t);
+        Vec<A>(z, u) = dct * a * si * (A(1) - si);
+        Vec<A>(z + u, u) = dct * cp * sf * (A(1) - sf);
+        Vec<A>(z + 2 * u, u) = dh * tc * so * (A(1) - so);
+        Vec<A>(z + 3 * u, u) = dct * si * (A(1) - a * a);
+        Vec<A>(out_c.Target(dcp_t), u) = dct * sf;
+        out_z.Flush(z_t, 4 * u);
+        out_c.Flush(dcp_t, u);
       }
     });
   }
@@ -193,6 +285,8 @@ class LstmGatesGradOp : public tf::OpKernel {
                           LstmGatesGradOp<T>);
 TFSS_REGISTER_LSTM_GATES(float)
 TFSS_REGISTER_LSTM_GATES(double)
+TFSS_REGISTER_LSTM_GATES(Eigen::bfloat16)
+TFSS_REGISTER_LSTM_GATES(Eigen::half)
 #undef TFSS_REGISTER_LSTM_GATES
 
 }  // namespace tf_sparse_split

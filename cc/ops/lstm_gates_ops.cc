@@ -40,7 +40,7 @@ REGISTER_OP("TfSparseSplit>LstmGates")
     .Output("h: T")
     .Output("c: T")
     .Output("saved: T")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16, half}")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle z, c_prev, prefix;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &z));
@@ -84,8 +84,11 @@ c_prev: [..., units] previous cell state.
 h: [..., units] new hidden state.
 c: [..., units] new cell state.
 saved: [..., 6 * units] = (s_i, s_f, s_o, a, tanh(c), c_prev) along the last
-  axis: what LstmGatesGrad needs (h = s_o * tanh(c) can be recomputed from it
-  bit for bit).
+  axis: what LstmGatesGrad needs (in float32/float64, h = s_o * tanh(c) can be
+  recomputed from it bit for bit).
+T: float32 and float64 compute in T; bfloat16 and half are widened to
+  float32, the step is computed in float32 and each output is rounded once
+  to T (round-to-nearest-even).
 )doc");
 
 REGISTER_OP("TfSparseSplit>LstmGatesGrad")
@@ -95,7 +98,7 @@ REGISTER_OP("TfSparseSplit>LstmGatesGrad")
     .Input("dc: T")
     .Output("dz: T")
     .Output("dc_prev: T")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16, half}")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle saved, dh_rec, dh_out, dc, prefix;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &saved));
@@ -149,6 +152,7 @@ dh_out: [..., units] further gradient of h (e.g. from the layer's outputs).
 dc: [..., units] gradient of c.
 dz: [..., 4 * units] gradient of the pre-activations (gate order i, f, o, g).
 dc_prev: [..., units] gradient of c_prev.
+T: as in LstmGates (bfloat16/half: float32 arithmetic, outputs rounded once).
 )doc");
 
 }  // namespace tf_sparse_split

@@ -109,7 +109,8 @@ def fatrelu_for(owner, kind):
     Returns:
       ``(fat, converted)``: the ``FATReLU`` (``owner`` itself, its
       ``activation``, or a new one with cutoff 0, named
-      ``"<owner>_fatrelu"``, installed as ``owner.activation``), and whether
+      ``"<owner>_fatrelu"``, with ``owner``'s dtype policy (e.g.
+      ``mixed_bfloat16``), installed as ``owner.activation``), and whether
       the model changed (the compiled functions must then be rebuilt:
       :func:`reset_compiled_functions`).
     """
@@ -117,7 +118,7 @@ def fatrelu_for(owner, kind):
         return owner, False
     if kind == "fatrelu":
         return owner.activation, False
-    fat = FATReLU(name=f"{owner.name}_fatrelu")
+    fat = FATReLU(name=f"{owner.name}_fatrelu", dtype=owner.dtype_policy)
     # The layer is built (state locked): track the new sublayer the way
     # Keras itself does for late changes.
     locked = owner._tracker.locked

@@ -47,11 +47,20 @@ def is_relu_activation(fn):
     return fn is keras.activations.relu
 
 
+def _penalty_dtype(dtype):
+    """The dtype the L1 penalty is summed in: float64 for float64
+    activations, else float32 (a float16 activation's sum, and even its
+    size, can exceed float16's range; bfloat16 keeps 8 bits of a sum)."""
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
 @tf.custom_gradient
 def _fat_relu_l1(x, t, l1):
     """``(y, l1 * mean(y))`` with ``y = where(x > t, x, 0)``, ``t >= 0``
     (so ``y >= 0`` and ``|y| = y``), with one fused gradient.
 
+    ``x`` and ``t`` have one dtype; ``l1`` and the penalty are float32
+    (float64 for float64 ``x``), the sum accumulated in that dtype.
     TensorFlow's own gradient of ``where`` plus ``l1 * mean(abs(y))`` runs
     about eight element-wise passes over the activation (Abs, Sign, two
     Muls, Tile, AddN and the two Selects); here the backward pass is one
@@ -59,18 +68,20 @@ def _fat_relu_l1(x, t, l1):
     -- the mask ``x > t`` is ``y > 0`` since ``t >= 0`` -- with the
     semantics of ``tf.nn.relu``'s gradient (a NaN/Inf gradient at a masked
     position gives NaN; ``SelectV2`` is 2-3x slower than ``ReluGrad`` on a
-    128x28x28x32 activation). ``t`` and ``l1`` get no gradient (they are
-    controls, not weights).
+    128x28x28x32 activation). The coefficient ``dpenalty * l1 / size`` is
+    formed in the penalty's dtype and rounded once to ``x``'s. ``t`` and
+    ``l1`` get no gradient (they are controls, not weights).
     """
     mask = x > t
     zero = tf.zeros([], x.dtype)
     y = tf.where(mask, x, zero)
-    size = tf.cast(tf.size(x), x.dtype)
-    penalty = l1 * tf.reduce_sum(y) / size
+    acc = l1.dtype
+    size = tf.cast(tf.size(x), acc)
+    penalty = l1 * tf.reduce_sum(tf.cast(y, acc)) / size
 
     def grad(dy, dpenalty):
         if dpenalty is not None:  # None: the penalty does not reach the loss
-            dy = dy + tf.cast(dpenalty, x.dtype) * l1 / size
+            dy = dy + tf.cast(tf.cast(dpenalty, acc) * l1 / size, x.dtype)
         return tf.raw_ops.ReluGrad(gradients=dy, features=y), None, None
 
     return (y, penalty), grad
@@ -109,6 +120,12 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
     Attributes (non-trainable float32 scalar weights, saved with the model;
     ``get_config`` also stores their current values):
       cutoff_var, l1_var, target_var.
+
+    Dtypes: the output has the input's dtype (the compute dtype under a
+    mixed policy, e.g. ``mixed_bfloat16``: the cutoff is compared in it);
+    the control variables are float32 and never autocast, and the L1
+    penalty and the quantile estimate are computed in float32 (float64 for
+    float64 inputs).
 
     Raises:
       ValueError: on a negative/NaN cutoff or l1, a target or momentum
@@ -204,7 +221,8 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
             # x > T with T >= 0: also zeroes negatives, i.e. ReLU at T = 0.
             return tf.where(x > t, x, tf.zeros_like(x))
         l1 = tf.convert_to_tensor(self.l1_var)
-        y, penalty = _fat_relu_l1(x, t, tf.cast(l1, x.dtype))
+        y, penalty = _fat_relu_l1(x, t,
+                                  tf.cast(l1, _penalty_dtype(x.dtype)))
         self.add_loss(tf.cast(penalty, tf.float32))
         self._track_quantile(x)
         return y
@@ -219,7 +237,10 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
         is its activation.
 
         Args:
-          x: float32 or float64 tensor ``[..., C]``.
+          x: tensor ``[..., C]`` of a dtype
+            :func:`~tf_sparse_split.ops.bias_fat_relu` takes (float32,
+            float64; bfloat16/float16 where its kernel is registered for
+            them).
           bias: ``[C]`` of x's dtype.
           training: as in ``call``.
 
@@ -233,9 +254,11 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
                                x.dtype), tf.zeros([], x.dtype))
         y, total = bias_fat_relu(x, bias, t)
         if training:
-            l1 = tf.cast(tf.convert_to_tensor(self.l1_var), x.dtype)
-            size = tf.cast(tf.size(x), x.dtype)
-            self.add_loss(tf.cast(l1 * total / size, tf.float32))
+            acc = _penalty_dtype(x.dtype)
+            l1 = tf.cast(tf.convert_to_tensor(self.l1_var), acc)
+            size = tf.cast(tf.size(x), acc)
+            self.add_loss(tf.cast(l1 * tf.cast(total, acc) / size,
+                                  tf.float32))
             self._track_quantile(x, bias)
         return y
 

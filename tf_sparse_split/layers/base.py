@@ -14,6 +14,8 @@ cost-model hook :meth:`~SparseSplitLayer.split_work_coefficients`.
 Requires the TensorFlow backend of Keras 3.
 """
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -26,9 +28,50 @@ except ImportError:  # a Keras without it: only an explicit `training` counts
 from tf_sparse_split.tuning import stats as _stats
 from tf_sparse_split.utils.validation import validate_threshold
 
-__all__ = ["SparseSplitLayer", "RECORD_STATS_MODES"]
+__all__ = ["SparseSplitLayer", "RECORD_STATS_MODES", "op_dtype_for"]
 
+#: The dtypes every sparse-split op computes in.
 _OP_DTYPES = ("float32", "float64")
+
+
+@functools.lru_cache(maxsize=None)
+def _registered_dtypes(op):
+    """The names of the dtypes in the ``T`` attr of the registered op
+    ``TfSparseSplit>{op}`` (its kernels' dtypes), loading the library."""
+    from tensorflow.python.framework import op_def_registry
+
+    from tf_sparse_split._loader import load_library
+
+    load_library()
+    op_def = op_def_registry.get(f"TfSparseSplit>{op}")
+    if op_def is None:
+        return _OP_DTYPES
+    for attr in op_def.attr:
+        if attr.name == "T":
+            return tuple(tf.as_dtype(t).name
+                         for t in attr.allowed_values.list.type)
+    return _OP_DTYPES
+
+
+def op_dtype_for(op, compute_dtype):
+    """The dtype the op ``op`` (e.g. ``"SparseSplitMatMul"``,
+    ``"SparseSplitConv2D"``, ``"BiasFatRelu"``) runs in for a layer whose
+    compute dtype is ``compute_dtype``: the compute dtype itself when the
+    op has a kernel for it (float32, float64, and bfloat16/float16 for the
+    ops registered with them: their kernels keep 16-bit storage and
+    accumulate in float32), else float32 (operands cast to float32 and the
+    result back, as TensorFlow ops without a 16-bit kernel are used under a
+    mixed policy).
+
+    Args:
+      op: the op's name without the ``TfSparseSplit>`` prefix.
+      compute_dtype: a dtype or its name.
+
+    Returns:
+      the dtype's name (str).
+    """
+    name = tf.as_dtype(compute_dtype).name
+    return name if name in _registered_dtypes(op) else "float32"
 
 #: Values of :attr:`SparseSplitLayer.record_stats`.
 RECORD_STATS_MODES = ("auto", True, False)
@@ -144,17 +187,23 @@ class SparseSplitLayer(keras.layers.Layer):
         super().build(input_shape)
         self._build_split_state()
 
+    #: The op the layer runs (its dtypes decide :meth:`_op_operands`'s).
+    _SPLIT_OP = "SparseSplitMatMul"
+
     def _op_operands(self, x, kernel):
         """Casts (inputs, kernel) for the op; returns them and the dtype of
         the layer's output.
 
         Like ``keras.layers.Dense``, the output has the layer's compute dtype
-        (integer or other-float inputs are cast to it first). The op computes
-        in float32 or float64; other compute dtypes (``mixed_float16``, ...)
-        run it in float32 and cast the result back.
+        (integer or other-float inputs are cast to it first), and under a
+        mixed policy (``mixed_bfloat16``, ``mixed_float16``) the float32
+        variables arrive autocast to it (Keras casts them inside ``call``).
+        The op runs in the compute dtype when it has a kernel for it
+        (:func:`op_dtype_for`; bfloat16/float16 storage, float32
+        accumulation), else in float32 with the result cast back.
         """
         out_dtype = tf.as_dtype(self.compute_dtype)
-        op_dtype = out_dtype if out_dtype.name in _OP_DTYPES else tf.float32
+        op_dtype = tf.as_dtype(op_dtype_for(self._SPLIT_OP, out_dtype))
         x = tf.convert_to_tensor(x)
         if x.dtype != op_dtype:
             x = tf.cast(x, op_dtype)

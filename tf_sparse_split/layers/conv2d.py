@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tf_sparse_split.layers.activations import FATReLU
 from tf_sparse_split.layers.base import (SparseSplitLayer, _is_training,
-                                         _keras_call_training)
+                                         _keras_call_training, op_dtype_for)
 from tf_sparse_split.layers.dense import _fused_activation
 from tf_sparse_split.ops.conv2d import sparse_split_conv2d
 from tf_sparse_split.tuning import stats as _stats
@@ -74,8 +74,13 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
         ``Conv2D``'s ``[kernel, bias]``).
       **kwargs: base ``Layer`` arguments.
 
-    Dtypes: the op computes in float32 or float64; other compute dtypes are
-    cast to float32 and back.
+    Dtypes: float32 variables under a mixed policy (``mixed_bfloat16``,
+    ``mixed_float16``), as ``Conv2D``: Keras autocasts them to the compute
+    dtype inside ``call`` and the op runs in the compute dtype when it has a
+    kernel for it (16-bit storage, float32 accumulation, the result rounded
+    once), else in float32 with the result cast back; the output has the
+    compute dtype. A :class:`~tf_sparse_split.layers.FATReLU` activation's
+    fused bias pass likewise.
 
     Statistics and threshold API (``latest_stats``, ``accumulated_stats``,
     ``reset_stats``, ``threshold``, ``set_threshold``) as in
@@ -114,6 +119,8 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
             **self._keras_weight_args(locals()), **kwargs)
         self._spatial = None
 
+    _SPLIT_OP = "SparseSplitConv2D"
+
     def build(self, input_shape):
         super().build(input_shape)
         if input_shape[1] is not None and input_shape[2] is not None:
@@ -135,7 +142,7 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
         if self.use_bias and isinstance(act, FATReLU):
             y = self.convolution_op(inputs, self.kernel)
             bias = tf.convert_to_tensor(self.bias)
-            if y.dtype.name not in ("float32", "float64"):
+            if op_dtype_for("BiasFatRelu", y.dtype) != y.dtype.name:
                 return act(y + tf.cast(bias, y.dtype))
             training = _is_training(_keras_call_training())
             return act.bias_call(y, tf.cast(bias, y.dtype), training=training)
@@ -151,7 +158,9 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
 
     def _split_conv(self, inputs, kernel, bias=None, activation="none"):
         """``act(conv2d(inputs, kernel) + bias)`` by the op, in the op's
-        dtype (float32/float64), cast to the layer's compute dtype."""
+        dtype (the compute dtype where the op has a kernel for it, else
+        float32: :meth:`_op_operands`), cast to the layer's compute
+        dtype."""
         x, k, out_dtype = self._op_operands(inputs, kernel)
         if self._spatial is None and x.shape[1] is not None and \
                 x.shape[2] is not None:

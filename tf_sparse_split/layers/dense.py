@@ -109,9 +109,15 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
         refused with ``NotImplementedError`` (as is :meth:`quantize`).
       **kwargs: base ``Layer`` arguments (``name``, ``dtype``, ...).
 
-    Dtypes: the op computes in float32 or float64. With another compute
-    dtype (``mixed_float16``, ``mixed_bfloat16``) the matmul runs in float32
-    and the result is cast back to the compute dtype.
+    Dtypes: as ``Dense``, under a mixed policy (``mixed_bfloat16``,
+    ``mixed_float16``) the variables are float32 and Keras autocasts them
+    to the compute dtype inside ``call``; the op then runs in the compute
+    dtype when it has a kernel for it (bfloat16/float16 storage, float32
+    accumulation, bias and activation applied before the one rounding;
+    its gradients likewise), else in float32 with the result cast back.
+    The output has the compute dtype; the statistics stay float64. Under
+    ``mixed_float16`` Keras' ``LossScaleOptimizer`` (what ``compile``
+    installs) scales the loss as for ``Dense``.
 
     Statistics: training calls (and eager calls) record the op's statistics
     vector (``tf_sparse_split.tuning.stats``) into two ``tf.Variable`` objects that

@@ -568,9 +568,10 @@ class SensitivityAwareDropout(keras.layers.Layer):
             return inputs
         x = tf.convert_to_tensor(inputs)
         keep = self.keep_mask()
-        batch_score = tf.cast(
-            tf.reduce_mean(tf.abs(tf.stop_gradient(x)), axis=[0, 1, 2]),
-            tf.float32)
+        # In float32: a float16/bfloat16 mean over N*H*W values loses the
+        # small differences between channels (or overflows the sum).
+        batch_score = tf.reduce_mean(
+            tf.abs(tf.cast(tf.stop_gradient(x), tf.float32)), axis=[0, 1, 2])
         m = self.momentum
         new = tf.where(self.score_updates > 0,
                        m * self.sensitivity + (1.0 - m) * batch_score,

@@ -434,6 +434,14 @@ class SparseSplitLSTM(keras.layers.LSTM):
 
     ``supports_jit`` is False (the kept-unit count is data dependent).
 
+    Dtypes: as ``keras.layers.LSTM``; under a mixed policy
+    (``mixed_bfloat16``, ``mixed_float16``) the weights are float32 and the
+    compacted loop runs in the compute dtype: its GEMMs are TensorFlow's in
+    that dtype, and the fused gate ops keep bfloat16/float16 storage but
+    compute each step's gate math in float32, rounding each output once
+    (Keras' cell rounds after every elementwise op), so both agree within
+    the dtype's precision.
+
     Raises:
       ValueError: bad ``pattern``, ``tile_shape``, ``max_period``,
         ``pattern_groups`` (not an int >= 1, or > 1 with ``pattern="tile"``

@@ -6,21 +6,32 @@ instead of about ten small TensorFlow ops per step forward and twenty
 backward, whose executor overhead outweighs their arithmetic at LSTM sizes.
 Gate order along the last axis: input, forget, output, candidate (i, f, o,
 g); sigmoid gates and tanh activations (Keras' defaults).
+
+Dtypes: float32, float64, bfloat16 and float16 (one dtype for all inputs
+and outputs). bfloat16/float16 are storage only: the kernels widen each row
+to float32, compute the whole step in float32 and round every output once
+to the input dtype (round-to-nearest-even), where Keras' LSTM cell under a
+``mixed_bfloat16``/``mixed_float16`` policy rounds after each elementwise
+op; the two agree within the dtype's precision (relative error about
+``2**-8`` for bfloat16, ``2**-11`` for float16, per op).
 """
 
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
-from tf_sparse_split.ops._common import FLOAT_DTYPES, invalid
+from tf_sparse_split.ops._common import invalid
 
-__all__ = ["lstm_gates", "lstm_gates_grad"]
+__all__ = ["lstm_gates", "lstm_gates_grad", "LSTM_GATES_DTYPES"]
+
+#: The dtypes the gate ops take (the kernels' ``T``).
+LSTM_GATES_DTYPES = (tf.float32, tf.float64, tf.bfloat16, tf.float16)
 
 
 def _same_dtype(what, tensors):
     dtype = tensors[0].dtype
-    if dtype not in FLOAT_DTYPES:
-        raise invalid(f"{what}: inputs must be float32 or float64, got "
-                      f"{dtype.name}")
+    if dtype not in LSTM_GATES_DTYPES:
+        raise invalid(f"{what}: inputs must be float32, float64, bfloat16 "
+                      f"or float16, got {dtype.name}")
     for t in tensors[1:]:
         if t.dtype != dtype:
             raise invalid(f"{what}: all inputs must have one dtype, got "
@@ -36,8 +47,9 @@ def lstm_gates(zx, zh, c_prev, name=None):
     independent; the bits do not depend on the thread count.
 
     Args:
-      zx, zh: float32/float64 tensors ``[..., 4 * units]`` (e.g. the input
-        and the recurrent product plus bias), same shape and dtype.
+      zx, zh: float32/float64/bfloat16/float16 tensors ``[..., 4 * units]``
+        (e.g. the input and the recurrent product plus bias), same shape
+        and dtype.
       c_prev: ``[..., units]`` previous cell state.
       name: optional op name.
 
@@ -45,13 +57,16 @@ def lstm_gates(zx, zh, c_prev, name=None):
       ``h`` and ``c`` ``[..., units]``, and ``saved`` ``[..., 6 * units]`` =
       ``(sigmoid(z_i), sigmoid(z_f), sigmoid(z_o), tanh(z_g), tanh(c),
       c_prev)`` along the last axis, the input of :func:`lstm_gates_grad`
-      (``h`` equals ``saved[..., 2u:3u] * saved[..., 4u:5u]`` bit for bit).
+      (in float32/float64 ``h`` equals ``saved[..., 2u:3u] * saved[...,
+      4u:5u]`` bit for bit; in bfloat16/float16 ``h`` is rounded once from
+      the float32 product, the saved factors are rounded separately).
+      All outputs have the inputs' dtype.
       The registered gradient propagates the gradients of ``h`` and ``c``;
       ``saved`` is treated as having none.
 
     Raises:
-      tf.errors.InvalidArgumentError: a dtype other than float32/float64 or
-        differing between the inputs, ``zh`` not shaped like ``zx``, a last
+      tf.errors.InvalidArgumentError: a dtype other than float32, float64,
+        bfloat16 or float16, or differing between the inputs, ``zh`` not shaped like ``zx``, a last
         dimension of ``zx`` not a multiple of 4, ``c_prev`` not
         ``[..., units]`` with ``zx``'s leading dimensions.
       ValueError: shape errors detected while tracing (shape inference).
