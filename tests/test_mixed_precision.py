@@ -82,6 +82,9 @@ def _check_pair(ours, ref, x, dtype, factor=4.0):
         ours.compute_output_shape(x.shape)).astype(np.float32))
     y, g = _grads(ours, x, up)
     y_ref, g_ref = _grads(ref, x, up)
+    if getattr(ours, "masked_input_grad", False):
+        # the input gradient is computed where the input is nonzero only
+        g_ref[-1] = tf.where(x != 0, g_ref[-1], tf.zeros_like(g_ref[-1]))
     assert y.dtype == y_ref.dtype == dtype
     for v in ours.weights:
         assert v.dtype == "float32"
@@ -172,7 +175,7 @@ def test_fatrelu_activation_matches_keras(policy, rng):
     ref = keras.layers.Conv2D(6, 3)
     ours.build(x.shape)
     ref.build(x.shape)
-    ref.set_weights(ours.get_weights())
+    ref.set_weights([ours.kernel.numpy(), ours.bias.numpy()])
     with tf.GradientTape(persistent=True) as tape:
         tape.watch(x)
         y = ours(x, training=True)
@@ -192,7 +195,8 @@ def test_fatrelu_activation_matches_keras(policy, rng):
     g_ref = tape.gradient(loss_ref, ref.trainable_variables)
     for a, b in zip(g, g_ref):
         assert a.dtype == "float32"
-        assert np.all(np.isfinite(a.numpy()))
+        # a few outputs near the cutoff may pass it on one side only
+        _assert_close(a, b, dtype.name, 16.0)
     # The layer form: same values as the TF expression in the dtype.
     layer = tfss.FATReLU(cutoff=0.2)
     z = tf.constant(rng.standard_normal((5, 7)), dtype)
