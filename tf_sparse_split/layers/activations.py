@@ -255,6 +255,11 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
         y, total = bias_fat_relu(x, bias, t)
         if training:
             acc = _penalty_dtype(x.dtype)
+            if x.dtype == tf.float16:
+                # The op's sum is rounded to float16, whose range (65504)
+                # a large activation's sum exceeds: sum y in float32 (its
+                # gradient reaches x through y's, the same mask).
+                total = tf.reduce_sum(tf.cast(y, acc))
             l1 = tf.cast(tf.convert_to_tensor(self.l1_var), acc)
             size = tf.cast(tf.size(x), acc)
             self.add_loss(tf.cast(l1 * tf.cast(total, acc) / size,
