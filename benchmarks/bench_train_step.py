@@ -164,10 +164,15 @@ class Variant:
         sparse = isinstance(layers[0], tfss.SparseSplitDense)
         # Layer inputs and the gradient at each pre-activation (same math
         # for both models: TF ops on each model's own weights).
+        # In the layers' compute dtype (bfloat16/float16 under a mixed
+        # policy: the kernels autocast as inside a Keras call).
+        dt = layers[0].compute_dtype
+        kernels = {layer.name: tf.cast(layer.kernel, dt) for layer in layers}
         with tf.GradientTape() as tape:
-            hs, pres = [x], []
+            hs, pres = [tf.cast(x, dt)], []
             for i, layer in enumerate(layers):
-                pre = tf.matmul(hs[-1], layer.kernel) + layer.bias
+                pre = (tf.matmul(hs[-1], kernels[layer.name])
+                       + tf.cast(layer.bias, dt))
                 pres.append(pre)
                 hs.append(tf.nn.softmax(pre) if i == len(layers) - 1
                           else tf.nn.relu(pre))
@@ -191,7 +196,7 @@ class Variant:
                             tf.reduce_sum(dp, axis=0))
 
                 def d_x(h, dp, layer=layer, live_only=live_only):
-                    w = tf.convert_to_tensor(layer.kernel)
+                    w = tf.cast(layer.kernel, dt)
                     if live_only:  # SDDMM: (h != 0) * (dp @ w^T)
                         return sparse_split_sddmm(h, dp, w, -1.0)
                     return _dy_product(dp, w, True, False)
@@ -201,7 +206,8 @@ class Variant:
                             tf.reduce_sum(dp, axis=0))
 
                 def d_x(h, dp, layer=layer):
-                    return tf.matmul(dp, layer.kernel, transpose_b=True)
+                    return tf.matmul(dp, tf.cast(layer.kernel, dt),
+                                     transpose_b=True)
 
             parts[f"fwd {short}"] = (tf.function(fwd), (h,))
             parts[f"dW {short}"] = (tf.function(d_w), (h, dp))
@@ -317,6 +323,8 @@ def main(argv=None):
     p.add_argument("--data", default=None, help="MNIST IDX directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results" / "bench_train_step.md"))
+    p.add_argument("--breakdown-policy", default="float32",
+                   help="Keras dtype policy of the part breakdown")
     p.add_argument("--what", choices=("breakdown", "policies", "all"),
                    default="all", help="the float32 part breakdown, the "
                    "dtype-policy table, or both")
@@ -356,6 +364,7 @@ def main(argv=None):
         write_report(args.out, reports[0])
         return 0
     rng = np.random.default_rng(args.seed)
+    keras.mixed_precision.set_global_policy(args.breakdown_policy)
 
     ref = Variant("keras Dense", sparse=False)
     ours = Variant("SparseSplitDense", sparse=True, weights=ref.dense_weights())
@@ -387,7 +396,8 @@ def main(argv=None):
         return statistics.median(res[v][n]) * 1e3
 
     lines = []
-    title = (f"Training-step breakdown, MLP 784-2048-2048-10, batch {BATCH}, "
+    title = (f"Training-step breakdown ({args.breakdown_policy}), MLP "
+             f"784-2048-2048-10, batch {BATCH}, "
              f"Adam, {data_desc}, after {args.warmup} warm-up steps; medians "
              f"over {args.rounds} interleaved rounds of {args.reps} calls (ms; "
              f"min; spread = max/min of round medians); TensorFlow "
