@@ -77,8 +77,7 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
     Dtypes: float32 variables under a mixed policy (``mixed_bfloat16``,
     ``mixed_float16``), as ``Conv2D``: Keras autocasts them to the compute
     dtype inside ``call`` and the op runs in the compute dtype when it has a
-    kernel for it (16-bit storage, float32 accumulation, the result rounded
-    once), else in float32 with the result cast back; the output has the
+    kernel for it (16-bit storage, float32 accumulation), else in float32 with the result cast back; the output has the
     compute dtype. A :class:`~tf_sparse_split.layers.FATReLU` activation's
     fused bias pass likewise.
 

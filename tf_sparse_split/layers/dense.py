@@ -113,8 +113,8 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
     ``mixed_float16``) the variables are float32 and Keras autocasts them
     to the compute dtype inside ``call``; the op then runs in the compute
     dtype when it has a kernel for it (bfloat16/float16 storage, float32
-    accumulation, bias and activation applied before the one rounding;
-    its gradients likewise), else in float32 with the result cast back.
+    accumulation; its gradients likewise), else in float32 with the result
+    cast back.
     The output has the compute dtype; the statistics stay float64. Under
     ``mixed_float16`` Keras' ``LossScaleOptimizer`` (what ``compile``
     installs) scales the loss as for ``Dense``.
