@@ -423,3 +423,41 @@ def test_fit_with_callbacks_under_mixed_bfloat16(rng):
                     assert np.isfinite(act.cutoff)
     finally:
         keras.mixed_precision.set_global_policy(old)
+
+
+@pytest.mark.parametrize("make,shape", [
+    (lambda: tfss.ApproximateRandomDropout(0.5, seed=2), (16, 32)),
+    (lambda: tfss.ApproximateRandomDropout(0.5, pattern="tile",
+                                           tile_shape=(4, 8), seed=2),
+     (16, 32)),
+    (lambda: tfss.SensitivityAwareDropout(0.25, seed=2), (4, 5, 5, 8)),
+])
+def test_dropout_layers_under_policy(policy, rng, make, shape):
+    """Output in the compute dtype; each value is either dropped (0) or the
+    input times its example's rescale factor rounded in the dtype; the
+    sensitivity scores stay float32 (the channel means of the input)."""
+    dtype = tf.as_dtype(_compute(policy))
+    layer = make()
+    x = tf.constant(rng.uniform(1.0, 2.0, shape), dtype)
+    y = layer(x, training=True)
+    assert y.dtype == dtype
+    assert layer(x, training=False) is x or np.array_equal(
+        layer(x, training=False).numpy(), x.numpy())
+    ratio = np.asarray(tf.cast(y, tf.float64)) / np.asarray(
+        tf.cast(x, tf.float64))
+    assert 0 < np.count_nonzero(ratio) < ratio.size
+    # one rescale factor per example (per group of examples for grouped
+    # row patterns), rounded in the dtype, then the product rounded
+    for row in ratio.reshape(shape[0], -1):
+        kept = row[row != 0]
+        if kept.size:
+            np.testing.assert_allclose(kept, np.median(kept),
+                                       rtol=4 * EPS[dtype.name])
+    for v in layer.weights:
+        assert v.dtype in ("float32", "int64")
+    if isinstance(layer, tfss.SensitivityAwareDropout):
+        assert np.all(np.isfinite(layer.sensitivity.numpy()))
+        np.testing.assert_allclose(
+            layer.sensitivity.numpy(),
+            np.mean(np.asarray(tf.cast(x, tf.float64)), axis=(0, 1, 2)),
+            rtol=1e-5)
