@@ -280,10 +280,29 @@ def test_lstm_compacted_loop_matches_masked_keras_loop(policy, rng, pattern,
     ours, refs, g, g_ref = run()
     for a, b in zip(ours, refs):
         assert a.dtype == b.dtype == dtype
-        _assert_close(a, b, dtype, 16.0)    # 5 recurrent steps of roundings
+        _assert_close(a, b, dtype, 8.0)    # 5 recurrent steps of roundings
     for a, b in zip(g, g_ref):
         assert a.dtype == b.dtype
-        _assert_close(a, b, dtype, 32.0)
+        _assert_close(a, b, dtype, 16.0)
+
+
+def test_lstm_gate_ops_run_in_compute_dtype(policy, rng):
+    """The compacted loop's fused gate ops, forward and backward, take the
+    compute dtype (no float32 round trip per step)."""
+    dtype = _compute(policy)
+    x, layer, _ = _lstm_pair(policy, rng, dropout=0.3, recurrent_dropout=0.4,
+                             seed=3)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32))
+        return tape.gradient(loss, layer.trainable_weights)
+
+    dtypes = _sparse_op_dtypes(step.get_concrete_function(x).graph)
+    assert dtypes["LstmGates"] == {dtype}
+    assert dtypes["LstmGatesGrad"] == {dtype}
 
 
 def test_lstm_fit_under_policy(policy, rng):
