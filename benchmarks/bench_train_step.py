@@ -41,7 +41,8 @@ compute in bfloat16/float16, Keras' ``LossScaleOptimizer`` under
 ``mixed_float16``), ours against plain ``keras.layers.Dense`` under the same
 policy with the same initial weights, timed by interleaved blocks of steps
 (:func:`tf_sparse_split.tools.train.train_step_times`; median and range of
-the per-round ratios), in two states: *natural* sparsity (after
+the per-round ratios; written to
+``benchmarks/results/bench_train_step_policies.md``), in two states: *natural* sparsity (after
 ``--warmup`` steps of plain training) and after ``--induce-epochs`` epochs
 of ``SparsityTargetCallback(--target)`` on ``--induce-examples`` examples
 (the plain model trains the same epochs without it). Each row also gives
@@ -322,7 +323,10 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=20, help="training steps first")
     p.add_argument("--data", default=None, help="MNIST IDX directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(HERE / "results" / "bench_train_step.md"))
+    p.add_argument("--out", default=None,
+                   help="report file (default: benchmarks/results/"
+                   "bench_train_step.md, bench_train_step_policies.md for "
+                   "--what policies; '' writes none)")
     p.add_argument("--breakdown-policy", default="float32",
                    help="Keras dtype policy of the part breakdown")
     p.add_argument("--what", choices=("breakdown", "policies", "all"),
@@ -337,6 +341,10 @@ def main(argv=None):
     p.add_argument("--induce-epochs", type=int, default=3)
     p.add_argument("--induce-examples", type=int, default=6400)
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(HERE / "results" / (
+            "bench_train_step_policies.md" if args.what == "policies"
+            else "bench_train_step.md"))
     tfss.load_library()
     tf.get_logger().setLevel("ERROR")  # one tf.function per part: no retracing notes
     keras.utils.set_random_seed(args.seed)
