@@ -17,6 +17,14 @@ round by round (so that machine noise hits every column alike):
   (automatic, ``full_stats=False``): the "all-dense fused" comparison,
   ratio ``t(TF fused) / t(ours fused)``.
 
+Each case runs in one dtype (``--dtypes``, default float32, bfloat16 and
+float16): every column computes in that dtype, the ratios are against
+``tf.matmul`` in the same dtype (in bfloat16 oneDNN runs it on AMX-BF16 or
+AVX512_BF16 where the CPU has them), and ``a_is_sparse`` is TF's
+SparseMatMul in that dtype (float32 and bfloat16 only: it has no float16
+kernel, shown as ``--``). The title names the instruction-set path the
+16-bit sparse kernels took (``_kernels.low_precision_isa()``).
+
 Both directions are timed: the forward product ``a @ b`` (``b`` is
 ``[K, N]``) and the weight gradient ``a^T @ dY`` (``transpose_a=True``, ``dY``
 is ``[M, N]``; the product is ``[K, N]``; no fused columns). Ratios are
@@ -33,6 +41,7 @@ sparsity beside it (same name, ``.png``).
 Usage::
 
     python benchmarks/bench_matmul.py [--quick] [--reps 7] [--out FILE]
+        [--dtypes float32,bfloat16,float16]
 """
 
 import argparse
@@ -53,13 +62,17 @@ BIG_SPARSITIES = [0.0, 0.5, 0.9]
 # small N, where the counting pass is largest against the GEMM.
 SMALL_N_SHAPES = [(128, 2048, 10)] + [(512, 2048, n) for n in (1, 4, 16, 64)]
 SMALL_SPARSITIES = [0.0, 0.5]
+# The 16-bit dtypes: the big shape at more sparsities (the small-N shapes
+# run in float32 only).
+LOW_PRECISION_SPARSITIES = [0.0, 0.5, 0.7, 0.9, 0.99]
 COLUMNS = ["tf.matmul", "a_is_sparse", "ours auto", "ours auto full stats",
            "ours sparse", "tf fused", "ours fused"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _functions(direction):
-    """The tf.functions of one direction, each (x, y, bias) -> product."""
+def _functions(direction, dtype=tf.float32):
+    """The tf.functions of one direction, each (x, y, bias) -> product; the
+    a_is_sparse entry is None where TF's SparseMatMul lacks the dtype."""
     ta = direction == "grad"
 
     @tf.function
@@ -84,7 +97,8 @@ def _functions(direction):
     def ours_sparse(x, y, bias):
         return tfss.sparse_split_matmul(x, y, 1.0, transpose_a=ta)
 
-    fns = [dense, a_is_sparse, ours_auto, ours_auto_full, ours_sparse]
+    fns = [dense, a_is_sparse if dtype in (tf.float32, tf.bfloat16) else None,
+           ours_auto, ours_auto_full, ours_sparse]
     if direction == "fwd":
         @tf.function
         def tf_fused(x, y, bias):
@@ -117,28 +131,31 @@ def _analysis_seconds(a, y, ta, full_stats, reps):
             statistics.median(s[S.ANALYSIS] for s in v))
 
 
-def run_case(m, k, n, sparsity, direction, reps, rng):
+def run_case(m, k, n, sparsity, direction, reps, rng, dtype=tf.float32):
     """Median times (s) per column, per-round auto ratios, analysis times."""
-    a = tf.constant(random_sparse((m, k), sparsity, rng, np.float32))
+    a = tf.cast(tf.constant(random_sparse((m, k), sparsity, rng, np.float32)),
+                dtype)
     other = rng.standard_normal((m if direction == "grad" else k, n)).astype(np.float32)
-    y = tf.constant(other)
-    bias = tf.constant(rng.standard_normal(n).astype(np.float32))
-    fns = _functions(direction)
-    for f in fns:  # trace, calibrate, warm up
+    y = tf.cast(tf.constant(other), dtype)
+    bias = tf.cast(tf.constant(rng.standard_normal(n).astype(np.float32)), dtype)
+    fns = _functions(direction, dtype)
+    live = [i for i, f in enumerate(fns) if f is not None]
+    for i in live:  # trace, calibrate, warm up
         for _ in range(3):
-            f(a, y, bias).numpy()
+            fns[i](a, y, bias).numpy()
     times = [[] for _ in fns]
     for r in range(reps):
-        order = list(range(len(fns)))
-        order = order[r % len(order):] + order[:r % len(order)]
+        order = live[r % len(live):] + live[:r % len(live)]
         for i in order:
             # CPU execution is synchronous: the result is ready.
             times[i] += call_times(lambda: fns[i](a, y, bias), 1)
-    med = [statistics.median(t) for t in times]
+    med = [statistics.median(t) if t else float("nan") for t in times]
     # Ratios are medians of the per-round ratios (each round times every
     # column back to back, in a rotated order): robust to load bursts that
     # hit a round, which a ratio of separate medians is not.
     def round_ratio(base, col):
+        if not times[col]:
+            return float("nan")
         return statistics.median(b / c for b, c in zip(times[base], times[col]))
 
     per_round = [d / s for d, s in zip(times[0], times[2])]
@@ -150,14 +167,17 @@ def run_case(m, k, n, sparsity, direction, reps, rng):
         ratio += [1.0, round_ratio(5, 6)]
     return {
         "shape": f"{m}x{k}x{n}", "m": m, "k": k, "n": n, "sparsity": sparsity,
+        "dtype": dtype.name,
+        # ours auto vs TF's SparseMatMul in the same dtype (per round)
+        "vs_a_is_sparse": round_ratio(1, 2) if times[1] else float("nan"),
         "direction": direction, "ms": [t * 1e3 for t in med],
         "ratio": ratio, "spread": (min(per_round), max(per_round)),
         "analysis_us": (full_an * 1e6, cheap_an * 1e6), "mode": mode,
     }
 
 
-HEADER = ("| M x K x N | direction | sparsity | tf.matmul (ms) | a_is_sparse | "
-          "ours auto | ours auto (spread) | ours auto, full stats | "
+HEADER = ("| M x K x N | dtype | direction | sparsity | tf.matmul (ms) | a_is_sparse | "
+          "ours auto | ours auto (spread) | ours auto vs a_is_sparse | ours auto, full stats | "
           "ours forced sparse | all-dense fused: TF fused (ms) | ours fused vs TF fused | "
           "analysis us: full stats -> cheap (mode) |")
 
@@ -171,9 +191,14 @@ def row_markdown(r):
              else "-- | --")
     full_an, cheap_an = r["analysis_us"]
     mode = _MODES.get(r["mode"], f"{r['mode']:.1f}")
-    return (f"| {r['shape']} | {'a @ b' if r['direction'] == 'fwd' else 'a^T @ dY'} | "
-            f"{r['sparsity']:.2f} | {ms[0]:.3f} | {ratio[1]:.2f}x | **{ratio[2]:.2f}x** | "
-            f"{lo:.2f}..{hi:.2f} | {ratio[3]:.2f}x | {ratio[4]:.2f}x | {fused} | "
+    def x(v):
+        return "--" if v != v else f"{v:.2f}x"  # NaN: column not run
+
+    return (f"| {r['shape']} | {r.get('dtype', 'float32')} | "
+            f"{'a @ b' if r['direction'] == 'fwd' else 'a^T @ dY'} | "
+            f"{r['sparsity']:.2f} | {ms[0]:.3f} | {x(ratio[1])} | **{ratio[2]:.2f}x** | "
+            f"{lo:.2f}..{hi:.2f} | {x(r.get('vs_a_is_sparse', float('nan')))} | "
+            f"{ratio[3]:.2f}x | {ratio[4]:.2f}x | {fused} | "
             f"{full_an:.0f} -> {cheap_an:.0f} ({mode}) |")
 
 
@@ -189,7 +214,7 @@ def plot(rows, path, title):
 
     keys = []
     for r in rows:
-        key = (r["shape"], r["direction"])
+        key = (r["shape"], r["direction"], r.get("dtype", "float32"))
         if r["n"] >= 256 and key not in keys:
             keys.append(key)
     if not keys:
@@ -197,8 +222,9 @@ def plot(rows, path, title):
     cols = min(2, len(keys))
     nrows = (len(keys) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
-    for ax, (shape, direction) in zip(axes.flat, keys):
-        sel = [r for r in rows if (r["shape"], r["direction"]) == (shape, direction)]
+    for ax, (shape, direction, dtype) in zip(axes.flat, keys):
+        sel = [r for r in rows if (r["shape"], r["direction"],
+                                   r.get("dtype", "float32")) == (shape, direction, dtype)]
         sp = [r["sparsity"] * 100 for r in sel]
         ax.axhline(1.0, color="gray", lw=1, label="tf.matmul = 1")
         ax.plot(sp, [r["ratio"][1] for r in sel], "s--", label="tf.matmul(a_is_sparse=True)")
@@ -207,7 +233,7 @@ def plot(rows, path, title):
         ax.set_yscale("log")
         ax.set_xlabel("sparsity of a (%)")
         ax.set_ylabel("speed-up vs tf.matmul")
-        ax.set_title(f"{shape}, {'a @ b' if direction == 'fwd' else 'a^T @ dY'}")
+        ax.set_title(f"{shape} {dtype}, {'a @ b' if direction == 'fwd' else 'a^T @ dY'}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(keys):]:
@@ -228,26 +254,50 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench_matmul.md"),
                    help="markdown table to write (the PNG plot goes beside it)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtypes", default="float32,bfloat16,float16",
+                   help="comma-separated dtypes of the cases (float32, "
+                        "bfloat16, float16); each against tf.matmul in it")
+    p.add_argument("--directions", default="fwd,grad",
+                   help="fwd (a @ b), grad (a^T @ dY) or both")
     args = p.parse_args(argv)
     tfss.load_library()
+    from tf_sparse_split import _kernels
+
+    dtypes = [tf.as_dtype(d.strip()) for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in (tf.float32, tf.bfloat16, tf.float16):
+            p.error(f"--dtypes: {d.name} is not float32, bfloat16 or float16")
+    directions = [d.strip() for d in args.directions.split(",") if d.strip()]
+    if not set(directions) <= {"fwd", "grad"}:
+        p.error("--directions: fwd and/or grad")
     rng = np.random.default_rng(args.seed)
-    if args.quick:
-        cases = [((256, 1024, 1024), [0.0, 0.9]), ((128, 2048, 10), [0.0, 0.5])]
-        reps = min(args.reps, 3)
-    else:
-        cases = ([(sh, BIG_SPARSITIES) for sh in BIG_SHAPES] +
-                 [(sh, SMALL_SPARSITIES) for sh in SMALL_N_SHAPES])
-        reps = args.reps
+    cases = []
+    for dt in dtypes:
+        if args.quick:
+            cases += [((256, 1024, 1024), [0.0, 0.9], dt)]
+            if dt == tf.float32:
+                cases += [((128, 2048, 10), [0.0, 0.5], dt)]
+        elif dt == tf.float32:
+            cases += ([(sh, BIG_SPARSITIES, dt) for sh in BIG_SHAPES] +
+                      [(sh, SMALL_SPARSITIES, dt) for sh in SMALL_N_SHAPES])
+        else:
+            cases += [(sh, LOW_PRECISION_SPARSITIES, dt) for sh in BIG_SHAPES]
+    reps = min(args.reps, 3) if args.quick else args.reps
     rows = []
     print(HEADER, flush=True)
-    for (m, k, n), sparsities in cases:
-        for direction in ("fwd", "grad"):
+    for (m, k, n), sparsities, dt in cases:
+        for direction in directions:
             for sp in sparsities:
-                r = run_case(m, k, n, sp, direction, reps, rng)
+                r = run_case(m, k, n, sp, direction, reps, rng, dt)
                 rows.append(r)
                 print(row_markdown(r), flush=True)
-    title = (f"Speed-up t(tf.matmul) / t(column), float32, median of {reps} interleaved "
-             f"rounds' ratios; {tf_machine_desc(build_info())}. "
+    isa = _kernels.low_precision_isa()
+    title = (f"Speed-up t(tf.matmul) / t(column), each row in its dtype (tf.matmul and "
+             f"a_is_sparse in that dtype), median of {reps} interleaved "
+             f"rounds' ratios; {tf_machine_desc(build_info())}; 16-bit sparse "
+             f"kernels: {isa['active']} (bf16 conversions {isa['bf16_conversion']}, "
+             f"f16 {isa['f16_conversion']}; CPU avx512bf16={isa['avx512bf16']}, "
+             f"amx_bf16={isa['amx_bf16']}). "
              f"'ours auto' = threshold -1, full_stats=False; 'ours forced sparse' = "
              f"threshold 1.0 (every row through the CSR SpMM); spread = min..max of "
              f"the per-round ratios of 'ours auto'; fused = relu(a @ b + bias), ours "

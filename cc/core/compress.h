@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "cc/core/low_precision.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -29,7 +31,7 @@ inline int64_t CompressRowScalar(const T* row, int64_t j0, int64_t n,
   int64_t p = 0;
   for (int64_t j = j0; j < n; ++j) {
     const T v = row[j];
-    if (v != T(0)) {
+    if (!IsZero(v)) {
       ci[p] = static_cast<int32_t>(j) + index_base;
       vals[p] = v;
       ++p;
@@ -45,6 +47,25 @@ template <typename T>
 inline int64_t CompressRow(const T* row, int64_t n, int32_t* ci, T* vals,
                            int32_t index_base = 0) {
   return CompressRowScalar<T>(row, 0, n, ci, vals, index_base);
+}
+
+// The 16-bit storage types (bf16, f16): one implementation on the bits
+// (zero is +-0: (bits & 0x7fff) == 0), with an AVX-512BW path chosen from
+// CPUID at run time (cc/core/csr.cc). Same contract as CompressRow.
+int64_t CompressRow16(const uint16_t* row, int64_t n, int32_t* ci,
+                      uint16_t* vals, int32_t index_base);
+
+template <>
+inline int64_t CompressRow<bf16>(const bf16* row, int64_t n, int32_t* ci,
+                                 bf16* vals, int32_t index_base) {
+  return CompressRow16(reinterpret_cast<const uint16_t*>(row), n, ci,
+                       reinterpret_cast<uint16_t*>(vals), index_base);
+}
+template <>
+inline int64_t CompressRow<f16>(const f16* row, int64_t n, int32_t* ci,
+                                f16* vals, int32_t index_base) {
+  return CompressRow16(reinterpret_cast<const uint16_t*>(row), n, ci,
+                       reinterpret_cast<uint16_t*>(vals), index_base);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)

@@ -1,5 +1,6 @@
 // CPU implementation of the kernels declared in count.h.
 #include "cc/core/count.h"
+#include "cc/core/low_precision.h"
 #include "cc/core/uninit_vector.h"
 
 #include <algorithm>
@@ -53,7 +54,7 @@ int64_t CountNonzerosPitched(const T* a, int64_t phys_rows, int64_t phys_cols,
              const T* row = a + i * pitch;
              int32_t cnt = 0;
              for (int64_t j = 0; j < phys_cols; ++j) {
-               const int32_t nz = row[j] != T(0);
+               const int32_t nz = !IsZero(row[j]);
                cnt += nz;
                pc[j] += nz;
              }
@@ -103,6 +104,8 @@ int64_t CountNonzerosStrided(const T* a, int64_t phys_rows, int64_t phys_cols,
 
 TFSS_INSTANTIATE(float)
 TFSS_INSTANTIATE(double)
+TFSS_INSTANTIATE(bf16)
+TFSS_INSTANTIATE(f16)
 #undef TFSS_INSTANTIATE
 
 }  // namespace tf_sparse_split

@@ -1,12 +1,13 @@
 // CPU implementation of the kernels declared in csr.h.
 #include "cc/core/csr.h"
 #include "cc/core/compress.h"
+#include "cc/core/low_precision.h"
 #include "cc/core/simd_transpose.h"
 
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -28,7 +29,7 @@ struct TransposeCompressTile {
       const T* row = src + t * ld;
       for (int64_t j = 0; j < w; ++j) {
         const T v = row[j];
-        if (v != T(0) && slot[j] >= 0) {
+        if (!IsZero(v) && slot[j] >= 0) {
           ci[cursor[j]] = static_cast<int32_t>(q0 + t);
           vals[cursor[j]++] = v;
         }
@@ -88,7 +89,128 @@ struct TransposeCompressTile<float> {
 };
 #endif
 
+// ---- 16-bit values: the nonzero test on the bits, lanes from a mask. ----
+
+// Appends the set lanes of `mask` (lane l: value src[l], index base + l),
+// ascending.
+inline int64_t AppendMasked16(uint64_t mask, const uint16_t* src,
+                              int32_t base, int32_t* ci, uint16_t* vals) {
+  int64_t p = 0;
+  for (; mask != 0; mask &= mask - 1) {
+    const int l = __builtin_ctzll(mask);
+    ci[p] = base + l;
+    vals[p] = src[l];
+    ++p;
+  }
+  return p;
+}
+
+int64_t CompressRow16Scalar(const uint16_t* row, int64_t n, int32_t* ci,
+                            uint16_t* vals, int32_t index_base) {
+  int64_t p = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if ((row[j] & 0x7fffu) != 0) {
+      ci[p] = static_cast<int32_t>(j) + index_base;
+      vals[p++] = row[j];
+    }
+  }
+  return p;
+}
+
+// For each tile row t < h: lanes j < w with slot[j] >= 0 and a nonzero at
+// src[t * ld + j] append (q0 + t, value) to column j's cursor.
+void TransposeCompress16Scalar(const uint16_t* src, int64_t ld, int64_t h,
+                               int64_t w, int64_t q0, const int64_t* slot,
+                               int64_t* cursor, int32_t* ci, uint16_t* vals) {
+  for (int64_t t = 0; t < h; ++t) {
+    const uint16_t* row = src + t * ld;
+    for (int64_t j = 0; j < w; ++j) {
+      if ((row[j] & 0x7fffu) != 0 && slot[j] >= 0) {
+        ci[cursor[j]] = static_cast<int32_t>(q0 + t);
+        vals[cursor[j]++] = row[j];
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx512f,avx512bw"))) int64_t CompressRow16Avx512(
+    const uint16_t* row, int64_t n, int32_t* ci, uint16_t* vals,
+    int32_t index_base) {
+  const __m512i abs = _mm512_set1_epi16(0x7fff);
+  int64_t p = 0, j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512i v = _mm512_loadu_si512(row + j);
+    const uint64_t mk = _mm512_test_epi16_mask(v, abs);
+    if (mk) p += AppendMasked16(mk, row + j, static_cast<int32_t>(j) + index_base,
+                                ci + p, vals + p);
+  }
+  if (j < n) {
+    const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (n - j)) - 1u);
+    const __m512i v = _mm512_maskz_loadu_epi16(tail, row + j);
+    const uint64_t mk = _mm512_mask_test_epi16_mask(tail, v, abs);
+    if (mk) p += AppendMasked16(mk, row + j, static_cast<int32_t>(j) + index_base,
+                                ci + p, vals + p);
+  }
+  return p;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void
+TransposeCompress16Avx512(const uint16_t* src, int64_t ld, int64_t h, int64_t w,
+                          int64_t q0, const int64_t* slot, int64_t* cursor,
+                          int32_t* ci, uint16_t* vals) {
+  uint32_t sel = 0;
+  for (int64_t j = 0; j < w; ++j) sel |= (slot[j] >= 0 ? 1u : 0u) << j;
+  const __m256i abs = _mm256_set1_epi16(0x7fff);
+  for (int64_t t = 0; t < h; ++t) {
+    const uint16_t* row = src + t * ld;
+    const __m256i v = _mm256_maskz_loadu_epi16(static_cast<__mmask16>(sel), row);
+    for (uint32_t mk = _mm256_mask_test_epi16_mask(static_cast<__mmask16>(sel), v, abs);
+         mk != 0; mk &= mk - 1) {
+      const int j = __builtin_ctz(mk);
+      ci[cursor[j]] = static_cast<int32_t>(q0 + t);
+      vals[cursor[j]++] = row[j];
+    }
+  }
+}
+#endif
+
+bool Has16BitCompressAvx512() {
+  static const bool has = Cpu().avx512f && Cpu().avx512bw;
+  return has;
+}
+
+template <typename T>
+struct TransposeCompressTile16 {
+  static constexpr int64_t kSize = 16;
+  static void Run(const T* src, int64_t ld, int64_t h, int64_t w, int64_t q0,
+                  const int64_t* slot, int64_t* cursor, int32_t* ci, T* vals) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    uint16_t* v = reinterpret_cast<uint16_t*>(vals);
+#if defined(__x86_64__) || defined(__i386__)
+    if (Has16BitCompressAvx512()) {
+      TransposeCompress16Avx512(s, ld, h, w, q0, slot, cursor, ci, v);
+      return;
+    }
+#endif
+    TransposeCompress16Scalar(s, ld, h, w, q0, slot, cursor, ci, v);
+  }
+};
+template <>
+struct TransposeCompressTile<bf16> : TransposeCompressTile16<bf16> {};
+template <>
+struct TransposeCompressTile<f16> : TransposeCompressTile16<f16> {};
+
 }  // namespace
+
+int64_t CompressRow16(const uint16_t* row, int64_t n, int32_t* ci,
+                      uint16_t* vals, int32_t index_base) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (Has16BitCompressAvx512())
+    return CompressRow16Avx512(row, n, ci, vals, index_base);
+#endif
+  return CompressRow16Scalar(row, n, ci, vals, index_base);
+}
 
 template <typename T>
 void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
@@ -166,6 +288,8 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
 
 TFSS_INSTANTIATE(float)
 TFSS_INSTANTIATE(double)
+TFSS_INSTANTIATE(bf16)
+TFSS_INSTANTIATE(f16)
 #undef TFSS_INSTANTIATE
 
 }  // namespace tf_sparse_split

@@ -1,5 +1,6 @@
 // CPU implementation of the kernels declared in gather.h.
 #include "cc/core/gather.h"
+#include "cc/core/low_precision.h"
 #include "cc/core/simd_transpose.h"
 
 #include <algorithm>
@@ -116,7 +117,7 @@ void ZeroRows(const int64_t* out_rows, int64_t n_rows, int64_t n, T* c,
   pfor(n_rows, n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* row = c + out_rows[r] * ldc;
-      std::fill(row, row + n, T(0));
+      std::fill(row, row + n, T{});
     }
   });
 }
@@ -132,6 +133,8 @@ void ZeroRows(const int64_t* out_rows, int64_t n_rows, int64_t n, T* c,
 
 TFSS_INSTANTIATE(float)
 TFSS_INSTANTIATE(double)
+TFSS_INSTANTIATE(bf16)
+TFSS_INSTANTIATE(f16)
 #undef TFSS_INSTANTIATE
 
 }  // namespace tf_sparse_split

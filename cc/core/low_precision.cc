@@ -2,6 +2,8 @@
 // path chosen from CPUID at run time (see low_precision.h).
 #include "cc/core/low_precision.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -169,6 +171,40 @@ const char* ConversionPath(bool bfloat16) {
   (void)bfloat16;
   return "scalar";
 #endif
+}
+
+KernelIsa BestKernelIsa() {
+#if TFSS_X86
+  const CpuFeatures& c = Cpu();
+  if (c.avx512f && c.avx512bw && c.fma && c.f16c) return KernelIsa::kAvx512;
+  if (c.avx2 && c.fma && c.f16c) return KernelIsa::kAvx2;
+#endif
+  return KernelIsa::kScalar;
+}
+
+namespace {
+std::atomic<int> forced_isa{-1};
+}  // namespace
+
+KernelIsa LowPrecisionIsa() {
+  const int best = static_cast<int>(BestKernelIsa());
+  const int forced = forced_isa.load(std::memory_order_relaxed);
+  return static_cast<KernelIsa>(forced < 0 ? best : std::min(forced, best));
+}
+
+void ForceLowPrecisionIsa(int isa) {
+  forced_isa.store(isa < 0 ? -1 : std::min(isa, 2), std::memory_order_relaxed);
+}
+
+const char* KernelIsaName(KernelIsa isa) {
+  switch (isa) {
+    case KernelIsa::kAvx512:
+      return "avx512f+fma";
+    case KernelIsa::kAvx2:
+      return "avx2+fma";
+    default:
+      return "scalar";
+  }
 }
 
 // ------------------------------------------------------------------ bulk --

@@ -126,6 +126,19 @@ struct CpuFeatures {
 };
 const CpuFeatures& Cpu();
 
+// The instruction set the low-precision sparse kernels (SpMM, SDDMM dots)
+// run with: the best this CPU has (CPUID), unless a test or benchmark forced
+// one. Every path gives the same bits (fused multiply-adds in the same
+// order); only the speed differs.
+enum class KernelIsa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+KernelIsa BestKernelIsa();
+KernelIsa LowPrecisionIsa();
+// Forces the path (clamped to BestKernelIsa(): a path the CPU lacks is never
+// taken); a negative value restores the CPUID choice. Not thread-safe with
+// running kernels: for tests and benchmarks.
+void ForceLowPrecisionIsa(int isa);
+const char* KernelIsaName(KernelIsa isa);
+
 // The instruction-set path the bulk conversions of T take on this CPU, e.g.
 // "avx512bf16" or "scalar" (reported in the build info and benchmarks).
 const char* ConversionPath(bool bfloat16);

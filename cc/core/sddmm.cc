@@ -2,9 +2,18 @@
 #include "cc/core/sddmm.h"
 #include "cc/core/count.h"
 #include "cc/core/gather.h"
+#include "cc/core/low_precision.h"
+#include "cc/core/uninit_vector.h"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define TFSS_SDDMM_X86 1
+#else
+#define TFSS_SDDMM_X86 0
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -99,6 +108,106 @@ struct SddmmDots<double> {
 };
 #endif  // __AVX512F__
 
+
+// The low-precision dots, one copy per instruction set (sddmm_lp_dots.inc),
+// chosen at run time from CPUID (LowPrecisionIsa); identical bits on all.
+namespace lp_scalar {
+constexpr int kVecBytes = 4;
+constexpr bool kExactFma = true;
+#include "cc/core/sddmm_lp_dots.inc"
+}  // namespace lp_scalar
+#if TFSS_SDDMM_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace lp_avx2 {
+constexpr int kVecBytes = 32;
+constexpr bool kExactFma = false;
+#include "cc/core/sddmm_lp_dots.inc"
+}  // namespace lp_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+namespace lp_avx512 {
+constexpr int kVecBytes = 64;
+constexpr bool kExactFma = false;
+#include "cc/core/sddmm_lp_dots.inc"
+}  // namespace lp_avx512
+#pragma GCC pop_options
+#endif
+
+typedef void (*DotsFn)(const float* const*, const float*, int64_t, float*);
+
+// CsrSddmm for bfloat16 / half: the rows of x are widened to float32 once
+// (zero-padded to a multiple of 32 values), each row of y when its column
+// is first visited; the dots accumulate in float32 and each output is
+// rounded once to T.
+template <typename T>
+void CsrSddmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
+                          int64_t n_rows, const T* x, int64_t ldx, const T* y,
+                          int64_t ldy, int64_t k, int64_t n, T* out,
+                          int64_t ldo, const ParallelFor& pfor) {
+  const int64_t nnz = csr.row_ptr[n_rows];
+  const int64_t n_pad = (n + 31) / 32 * 32;
+  UninitVector<float> xf(static_cast<size_t>(n_rows) * n_pad);
+  pfor(n_rows, 2 * n_pad, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* d = xf.data() + r * n_pad;
+      WidenToFloat(x + out_rows[r] * ldx, d, n);
+      std::fill(d + n, d + n_pad, 0.0f);
+    }
+  });
+  std::vector<int64_t> col_ptr(k + 1, 0);
+  for (int64_t p = 0; p < nnz; ++p) ++col_ptr[csr.col_idx[p] + 1];
+  for (int64_t j = 0; j < k; ++j) col_ptr[j + 1] += col_ptr[j];
+  UninitVector<int64_t> col_rows(nnz);  // positions r, ascending per column
+  {
+    std::vector<int64_t> cursor(col_ptr.begin(), col_ptr.end() - 1);
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t p = csr.row_ptr[r]; p < csr.row_ptr[r + 1]; ++p)
+        col_rows[cursor[csr.col_idx[p]]++] = r;
+  }
+  DotsFn dots4 = lp_scalar::Dots4, dots1 = lp_scalar::Dots1;
+#if TFSS_SDDMM_X86
+  switch (LowPrecisionIsa()) {
+    case KernelIsa::kAvx512:
+      dots4 = lp_avx512::Dots4;
+      dots1 = lp_avx512::Dots1;
+      break;
+    case KernelIsa::kAvx2:
+      dots4 = lp_avx2::Dots4;
+      dots1 = lp_avx2::Dots1;
+      break;
+    default:
+      break;
+  }
+#endif
+  constexpr int kGroup = 4;
+  const int64_t cost = std::max<int64_t>(1, (nnz / k + 1) * n);
+  pfor(k, cost, [&](int64_t j0, int64_t j1) {
+    UninitVector<float> yf(n_pad);
+    std::fill(yf.data() + n, yf.data() + n_pad, 0.0f);
+    const float* xr[kGroup];
+    float res[kGroup];
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t p0 = col_ptr[j], p1 = col_ptr[j + 1];
+      if (p0 == p1) continue;
+      WidenToFloat(y + j * ldy, yf.data(), n);
+      int64_t p = p0;
+      for (; p + kGroup <= p1; p += kGroup) {
+        for (int r = 0; r < kGroup; ++r) xr[r] = xf.data() + col_rows[p + r] * n_pad;
+        dots4(xr, yf.data(), n_pad, res);
+        for (int r = 0; r < kGroup; ++r)
+          out[out_rows[col_rows[p + r]] * ldo + j] = FromFloat<T>(res[r]);
+      }
+      for (; p < p1; ++p) {
+        xr[0] = xf.data() + col_rows[p] * n_pad;
+        dots1(xr, yf.data(), n_pad, res);
+        out[out_rows[col_rows[p]] * ldo + j] = FromFloat<T>(res[0]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 template <typename T>
@@ -109,6 +218,11 @@ void CsrSddmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
   ZeroRows<T>(out_rows, n_rows, k, out, ldo, pfor);
   const int64_t nnz = csr.row_ptr[n_rows];
   if (nnz == 0 || n == 0) return;  // empty dots are 0
+  if constexpr (IsLowPrecision<T>::value) {
+    CsrSddmmLowPrecision<T>(csr, out_rows, n_rows, x, ldx, y, ldy, k, n, out,
+                            ldo, pfor);
+    return;
+  } else {
   // The pattern transposed (CSC): col_ptr[k + 1], and per column the
   // positions r (ascending) of the rows holding it.
   std::vector<int64_t> col_ptr(k + 1, 0);
@@ -145,6 +259,7 @@ void CsrSddmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
       }
     }
   });
+  }
 }
 
 template <typename T>
@@ -172,7 +287,7 @@ void MaskedCopyRows(const T* mask, int64_t k, const int64_t* rows,
       const T* srow = src + r * k;
       T* orow = out + i * ldo;
       for (int64_t j = 0; j < k; ++j)
-        orow[j] = mrow[j] != T(0) ? srow[j] : T(0);
+        orow[j] = !IsZero(mrow[j]) ? srow[j] : T{};
     }
   });
 }
@@ -188,6 +303,8 @@ void MaskedCopyRows(const T* mask, int64_t k, const int64_t* rows,
 
 TFSS_INSTANTIATE(float)
 TFSS_INSTANTIATE(double)
+TFSS_INSTANTIATE(bf16)
+TFSS_INSTANTIATE(f16)
 #undef TFSS_INSTANTIATE
 
 }  // namespace tf_sparse_split

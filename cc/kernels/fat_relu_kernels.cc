@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "cc/core/fat_relu.h"
+#include "cc/kernels/core_types.h"
 #include "cc/kernels/tf_parallel_for.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -45,9 +46,9 @@ class BiasFatReluOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &sum));
     const int64_t rows = c == 0 ? 0 : x.NumElements() / c;
-    sum->scalar<T>()() = static_cast<T>(BiasFatReluForward<T>(
-        x.flat<T>().data(), bias.flat<T>().data(), rows, c, t,
-        y->flat<T>().data(), TfParallelFor(ctx)));
+    sum->scalar<T>()() = static_cast<T>(BiasFatReluForward<CoreT<T>>(
+        Core(x.flat<T>().data()), Core(bias.flat<T>().data()), rows, c,
+        *Core(&t), Core(y->flat<T>().data()), TfParallelFor(ctx)));
   }
 };
 
@@ -76,9 +77,11 @@ class BiasFatReluGradOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, y.shape(), &dx));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({c}), &dbias));
     const int64_t rows = c == 0 ? 0 : y.NumElements() / c;
-    BiasFatReluBackward<T>(dy.flat<T>().data(), y.flat<T>().data(), rows, c,
-                           off.scalar<T>()(), dx->flat<T>().data(),
-                           dbias->flat<T>().data(), TfParallelFor(ctx));
+    const T offset = off.scalar<T>()();
+    BiasFatReluBackward<CoreT<T>>(
+        Core(dy.flat<T>().data()), Core(y.flat<T>().data()), rows, c,
+        *Core(&offset), Core(dx->flat<T>().data()),
+        Core(dbias->flat<T>().data()), TfParallelFor(ctx));
   }
 };
 
@@ -93,6 +96,8 @@ class BiasFatReluGradOp : public tf::OpKernel {
                           BiasFatReluGradOp<T>);
 TFSS_REGISTER_CPU(float)
 TFSS_REGISTER_CPU(double)
+TFSS_REGISTER_CPU(Eigen::bfloat16)
+TFSS_REGISTER_CPU(Eigen::half)
 #undef TFSS_REGISTER_CPU
 
 }  // namespace tf_sparse_split

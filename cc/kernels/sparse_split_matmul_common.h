@@ -12,6 +12,7 @@
 
 #include "cc/core/cost_model.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/core_types.h"
 #include "cc/kernels/tf_kernel.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -159,8 +160,9 @@ absl::Status RowMajorOpB(::tensorflow::OpKernelContext* ctx,
   if (!transpose_b) return absl::OkStatus();
   TF_RETURN_IF_ERROR(
       ctx->allocate_temp(b.dtype(), ::tensorflow::TensorShape({k, n}), tmp));
-  GatherSubmatrix<T>(*out, b.dim_size(0), b.dim_size(1), true, nullptr, k,
-                     nullptr, n, tmp->flat<T>().data(), pfor);
+  GatherSubmatrix<CoreT<T>>(Core(*out), b.dim_size(0), b.dim_size(1), true,
+                            nullptr, k, nullptr, n, Core(tmp->flat<T>().data()),
+                            pfor);
   *out = tmp->flat<T>().data();
   return absl::OkStatus();
 }
@@ -170,12 +172,12 @@ absl::Status RowMajorOpB(::tensorflow::OpKernelContext* ctx,
 template <typename T>
 void SampleCsr(const ::tensorflow::Tensor& sample, int64_t k,
                const int64_t* row_nnz, const ParallelFor& pfor,
-               std::vector<int64_t>* rows_out, Csr<T>* csr) {
+               std::vector<int64_t>* rows_out, Csr<CoreT<T>>* csr) {
   const int64_t rows = sample.dim_size(0);
   rows_out->resize(rows);
   std::iota(rows_out->begin(), rows_out->end(), int64_t{0});
-  BuildCsr<T>(sample.flat<T>().data(), rows, k, false, rows_out->data(), rows,
-              row_nnz, nullptr, csr, pfor);
+  BuildCsr<CoreT<T>>(Core(sample.flat<T>().data()), rows, k, false,
+                     rows_out->data(), rows, row_nnz, nullptr, csr, pfor);
 }
 
 }  // namespace tf_sparse_split

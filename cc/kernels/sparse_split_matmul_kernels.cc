@@ -22,6 +22,7 @@
 
 #include "cc/core/cost_model.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/core_types.h"
 #include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
@@ -57,9 +58,9 @@ struct MatMulPaths {
     }
     TF_RETURN_IF_ERROR(ctx->allocate_temp(a.dtype(), tf::TensorShape({rows, k}),
                                           sample));
-    GatherSubmatrix<T>(a.flat<T>().data(), a.dim_size(0), a.dim_size(1), true,
-                       nullptr, rows, nullptr, k, sample->flat<T>().data(),
-                       pfor);
+    GatherSubmatrix<CoreT<T>>(Core(a.flat<T>().data()), a.dim_size(0),
+                              a.dim_size(1), true, nullptr, rows, nullptr, k,
+                              Core(sample->flat<T>().data()), pfor);
     return absl::OkStatus();
   }
 
@@ -70,14 +71,15 @@ struct MatMulPaths {
 
   absl::Status RunSparse(const tf::Tensor& sample, const int64_t* row_nnz) {
     std::vector<int64_t> idx;
-    Csr<T> csr;
+    Csr<CoreT<T>> csr;
     SampleCsr<T>(sample, k, row_nnz, pfor, &idx, &csr);
     const int64_t rows = sample.dim_size(0);
     tf::Tensor bt_t;
     const T* bd = nullptr;
     TF_RETURN_IF_ERROR(OperandB(&bt_t, &bd));
-    std::vector<T> c(rows * n);
-    CsrSpmm<T>(csr, idx.data(), rows, bd, k, n, n, c.data(), n, pfor);
+    std::vector<CoreT<T>> c(rows * n);
+    CsrSpmm<CoreT<T>>(csr, idx.data(), rows, Core(bd), k, n, n, c.data(), n,
+                      pfor);
     return absl::OkStatus();
   }
 
@@ -94,15 +96,15 @@ struct CpuDevice {
   absl::Status Gather(const tf::Tensor& src, bool transpose,
                       const int64_t* rows, int64_t n_rows, const int64_t* cols,
                       int64_t n_cols, tf::Tensor* out) {
-    GatherSubmatrix<T>(src.flat<T>().data(), src.dim_size(0), src.dim_size(1),
-                       transpose, rows, n_rows, cols, n_cols,
-                       out->flat<T>().data(), pfor);
+    GatherSubmatrix<CoreT<T>>(Core(src.flat<T>().data()), src.dim_size(0),
+                              src.dim_size(1), transpose, rows, n_rows, cols,
+                              n_cols, Core(out->flat<T>().data()), pfor);
     return absl::OkStatus();
   }
   absl::Status Scatter(const tf::Tensor& src, const int64_t* rows,
                        int64_t n_rows, int64_t n, tf::Tensor* out) {
-    ScatterRows<T>(src.flat<T>().data(), rows, n_rows, n, out->flat<T>().data(),
-                   n, pfor);
+    ScatterRows<CoreT<T>>(Core(src.flat<T>().data()), rows, n_rows, n,
+                          Core(out->flat<T>().data()), n, pfor);
     return absl::OkStatus();
   }
 };
@@ -148,7 +150,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, call.status());
     call.stats()[kStatHeterogeneous] = mm_.hetero ? kHeteroCpuFallback : kHeteroOff;
     const tf::TensorShape out_shape({m, n});
-    const T* a_ptr = a.flat<T>().data();
+    const CoreT<T>* a_ptr = Core(a.flat<T>().data());
     const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
     ParallelFor pfor = TfParallelFor(ctx);
 
@@ -168,7 +170,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
             call.SampleStrideFor(dense_shape, &family, a_rows, a_cols);
         if (stride > 1) {
           SampledCounts sc;
-          CountSample<T>(a_ptr, a_rows, a_cols, mm_.ta, stride, pfor, &sc);
+          CountSample<CoreT<T>>(a_ptr, a_rows, a_cols, mm_.ta, stride, pfor, &sc);
           call.AcceptSample(dense_shape, sc, &family, &plans_);
         }
       }
@@ -181,7 +183,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     // --- Analysis: densities, live columns. --------------------------------
     std::vector<int64_t> row_nnz(m), col_nnz(k);
     const int64_t nnz =
-        m > 0 && k > 0 ? CountNonzeros<T>(a_ptr, a_rows, a_cols, mm_.ta,
+        m > 0 && k > 0 ? CountNonzeros<CoreT<T>>(a_ptr, a_rows, a_cols, mm_.ta,
                                           row_nnz.data(), col_nnz.data(), pfor)
                        : 0;
     if (call.automatic()) call.CountDone(&family, static_cast<double>(m) * k);
@@ -232,17 +234,18 @@ class SparseSplitMatMulOp : public tf::OpKernel {
 
     // --- Sparse part. -------------------------------------------------------
     if (rs > 0) {
-      T* c = out->flat<T>().data();
+      CoreT<T>* c = Core(out->flat<T>().data());
       if (call.split().nnz_sparse == 0) {
-        ZeroRows<T>(sparse_rows.data(), rs, n, c, n, pfor);
+        ZeroRows<CoreT<T>>(sparse_rows.data(), rs, n, c, n, pfor);
       } else {
-        Csr<T> csr;
-        BuildCsr<T>(a_ptr, a_rows, a_cols, mm_.ta, sparse_rows.data(), rs,
+        Csr<CoreT<T>> csr;
+        BuildCsr<CoreT<T>>(a_ptr, a_rows, a_cols, mm_.ta, sparse_rows.data(), rs,
                     row_nnz.data(), col_nnz.data(), &csr, pfor);
         tf::Tensor bt_t;
         const T* bd = nullptr;
         OP_REQUIRES_OK(ctx, paths.OperandB(&bt_t, &bd));
-        CsrSpmm<T>(csr, sparse_rows.data(), rs, bd, k, n, n, c, n, pfor);
+        CsrSpmm<CoreT<T>>(csr, sparse_rows.data(), rs, Core(bd), k, n, n, c, n,
+                          pfor);
       }
     }
     call.SparseDone();
@@ -301,6 +304,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
                           SparseSplitMatMulOp<T>);
 TFSS_REGISTER_CPU(float)
 TFSS_REGISTER_CPU(double)
+TFSS_REGISTER_CPU(Eigen::bfloat16)
+TFSS_REGISTER_CPU(Eigen::half)
 #undef TFSS_REGISTER_CPU
 
 }  // namespace tf_sparse_split

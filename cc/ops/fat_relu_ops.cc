@@ -17,7 +17,7 @@ REGISTER_OP("TfSparseSplit>BiasFatRelu")
     .Input("threshold: T")
     .Output("y: T")
     .Output("sum: T")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16, half}")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle x, bias, thr;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &x));
@@ -40,6 +40,9 @@ bias: [C].
 threshold: scalar >= 0 (not NaN).
 y: the shape of x.
 sum: scalar, the sum of y (for an L1 penalty).
+T: float32, float64, bfloat16 or float16. In bfloat16 and float16, v is
+  rounded once to T (as BiasAdd in T) before the comparison, and the sum is
+  accumulated in float32 (blocks in float64) and rounded once to T.
 )doc");
 
 REGISTER_OP("TfSparseSplit>BiasFatReluGrad")
@@ -48,7 +51,7 @@ REGISTER_OP("TfSparseSplit>BiasFatReluGrad")
     .Input("offset: T")
     .Output("dx: T")
     .Output("dbias: T")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16, half}")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle dy, y, off;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &dy));
@@ -69,6 +72,9 @@ offset: scalar added to the gradient of every kept element (the gradient
   of the sum output).
 dx: gradient of x, same shape.
 dbias: [C].
+T: float32, float64, bfloat16 or float16. In bfloat16 and float16, dx is
+  T(dy + offset), rounded once; dbias is accumulated in float32 and rounded
+  once to T.
 )doc");
 
 }  // namespace tf_sparse_split

@@ -21,7 +21,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitMatMul")
     .Output("stats: float64")
     .Attr("transpose_a: bool = false")
     .Attr("transpose_b: bool = false")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16, half}")
     .Attr("heterogeneous: bool = false")
     .Attr("grad_a_live_only: bool = false")
     .Attr("num_bias: int >= 0 = 0")
@@ -87,6 +87,14 @@ full_stats: with an automatic threshold, false lets a call that the cost
   value on every call: exact statistics.
 stats: float64 [kNumStats] per-call statistics, laid out as in
   cc/core/stats.h (tf_sparse_split/tuning/stats.py).
+T: float32, float64, bfloat16 or float16. In bfloat16 and float16, a, b,
+  bias and the product are stored in T; the product is accumulated in
+  float32 and rounded once to T (round-to-nearest-even) on every path: TF's
+  CPU MatMul (oneDNN, AMX/AVX512_BF16 where the CPU has them) for the dense
+  rows, the CSR SpMM (values kept in T, widened to float32, fused
+  multiply-adds in ascending k) for the sparse ones. The bias and
+  activation then round once more, as TF's BiasAdd in T does (the fused
+  all-dense kernel adds the bias before its rounding).
 )doc");
 
 }  // namespace tf_sparse_split

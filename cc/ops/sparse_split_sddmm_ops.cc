@@ -19,7 +19,7 @@ REGISTER_OP("TfSparseSplit>SparseSplitSddmm")
     .Output("product: T")
     .Output("stats: float64")
     .Attr("transpose_b: bool = false")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16, half}")
     .Attr("full_stats: bool = true")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle mask, x, b, thr;
@@ -60,6 +60,10 @@ full_stats: with an automatic threshold, false lets a call that the cost
 product: [m, k].
 stats: float64 [kNumStats] per-call statistics (cc/core/stats.h) describing
   the split of the mask's rows.
+T: float32, float64, bfloat16 or float16. In bfloat16 and float16 the
+  values are stored in T and every dot is accumulated in float32 and rounded
+  once to T (round-to-nearest-even), on both paths (TF's CPU MatMul for the
+  dense rows does the same).
 )doc");
 
 }  // namespace tf_sparse_split

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cc/core/direct_conv2d.h"
+#include "cc/core/low_precision.h"
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/core/stats.h"
@@ -1029,6 +1030,148 @@ void BindConv(py::module_& mod) {
           "Raises ValueError on bad shapes.");
 }
 }  // namespace
+
+// ------------------------------------------- bfloat16 / float16 kernels --
+// The 16-bit kernels on uint16 bit patterns (numpy has no bfloat16): the
+// same CSR build, SpMM and SDDMM the ops run, with the instruction-set path
+// chosen from CPUID or forced (isa: -1 auto, 0 scalar, 1 AVX2, 2 AVX-512),
+// so tests can compare the paths' bits.
+namespace lowp_py {
+
+using U16 = py::array_t<uint16_t, py::array::c_style | py::array::forcecast>;
+
+struct IsaScope {
+  explicit IsaScope(int isa) { ForceLowPrecisionIsa(isa); }
+  ~IsaScope() { ForceLowPrecisionIsa(-1); }
+};
+
+template <typename S>
+py::array_t<uint16_t> SpmmT(const U16& a, const U16& b, bool ta, int isa,
+                            int threads) {
+  if (a.ndim() != 2 || b.ndim() != 2)
+    throw py::value_error("a and b must be 2-D");
+  const int64_t pr = a.shape(0), pc = a.shape(1);
+  const int64_t m = ta ? pc : pr, k = ta ? pr : pc, n = b.shape(1);
+  if (b.shape(0) != k) throw py::value_error("inner dimensions differ");
+  py::array_t<uint16_t> out({m, n});
+  {
+    py::gil_scoped_release release;
+    IsaScope scope(isa);
+    const ParallelFor pfor = ThreadFor(threads);
+    const S* ap = reinterpret_cast<const S*>(a.data());
+    std::vector<int64_t> rn(m), cn(k), rows(m);
+    for (int64_t i = 0; i < m; ++i) rows[i] = i;
+    CountNonzeros<S>(ap, pr, pc, ta, rn.data(), cn.data(), pfor);
+    Csr<S> csr;
+    BuildCsr<S>(ap, pr, pc, ta, rows.data(), m, rn.data(), cn.data(), &csr,
+                pfor);
+    S* c = reinterpret_cast<S*>(out.mutable_data());
+    if (k == 0) {
+      std::memset(c, 0, sizeof(S) * m * n);
+    } else {
+      CsrSpmm<S>(csr, rows.data(), m, reinterpret_cast<const S*>(b.data()), k,
+                 n, n, c, n, pfor);
+    }
+  }
+  return out;
+}
+
+template <typename S>
+py::array_t<uint16_t> SddmmT(const U16& mask, const U16& x, const U16& y,
+                             int isa, int threads) {
+  if (mask.ndim() != 2 || x.ndim() != 2 || y.ndim() != 2)
+    throw py::value_error("mask, x and y must be 2-D");
+  const int64_t m = mask.shape(0), k = mask.shape(1), n = x.shape(1);
+  if (x.shape(0) != m || y.shape(0) != k || y.shape(1) != n)
+    throw py::value_error("shapes must be mask [m,k], x [m,n], y [k,n]");
+  py::array_t<uint16_t> out({m, k});
+  {
+    py::gil_scoped_release release;
+    IsaScope scope(isa);
+    Sddmm<S>(reinterpret_cast<const S*>(mask.data()),
+             reinterpret_cast<const S*>(x.data()),
+             reinterpret_cast<const S*>(y.data()), m, k, n,
+             reinterpret_cast<S*>(out.mutable_data()), ThreadFor(threads));
+  }
+  return out;
+}
+
+bool IsBf16(const std::string& dtype) {
+  if (dtype == "bfloat16") return true;
+  if (dtype == "float16") return false;
+  throw py::value_error("dtype must be 'bfloat16' or 'float16', got '" + dtype +
+                        "'");
+}
+
+void Bind(py::module_& mod) {
+  mod.def(
+      "lowp_spmm",
+      [](const U16& a, const U16& b, const std::string& dtype, bool transpose_a,
+         int isa, int threads) {
+        return IsBf16(dtype) ? SpmmT<bf16>(a, b, transpose_a, isa, threads)
+                             : SpmmT<f16>(a, b, transpose_a, isa, threads);
+      },
+      py::arg("a"), py::arg("b"), py::arg("dtype"),
+      py::arg("transpose_a") = false, py::arg("isa") = -1,
+      py::arg("threads") = 0,
+      "op(a) @ b in bfloat16/float16 given as uint16 bit patterns (a [m,k], "
+      "or [k,m] with transpose_a; b [k,n]): CountNonzeros + BuildCsr + "
+      "CsrSpmm, float32 accumulation, one rounding. isa: -1 CPUID, 0 scalar, "
+      "1 AVX2, 2 AVX-512 (clamped to what the CPU has).");
+  mod.def(
+      "lowp_sddmm",
+      [](const U16& mask, const U16& x, const U16& y, const std::string& dtype,
+         int isa, int threads) {
+        return IsBf16(dtype) ? SddmmT<bf16>(mask, x, y, isa, threads)
+                             : SddmmT<f16>(mask, x, y, isa, threads);
+      },
+      py::arg("mask"), py::arg("x"), py::arg("y"), py::arg("dtype"),
+      py::arg("isa") = -1, py::arg("threads") = 0,
+      "mask != 0 ? x @ y^T : 0 in bfloat16/float16 (uint16 bit patterns; "
+      "mask [m,k], x [m,n], y [k,n]); isa as for lowp_spmm.");
+  mod.def(
+      "lowp_round",
+      [](const py::array_t<float, py::array::c_style | py::array::forcecast>& x,
+         const std::string& dtype) {
+        py::array_t<uint16_t> out(x.request().shape);
+        if (IsBf16(dtype)) {
+          NarrowFromFloat(x.data(), reinterpret_cast<bf16*>(out.mutable_data()),
+                          x.size());
+        } else {
+          NarrowFromFloat(x.data(), reinterpret_cast<f16*>(out.mutable_data()),
+                          x.size());
+        }
+        return out;
+      },
+      py::arg("x"), py::arg("dtype"),
+      "float32 -> bfloat16/float16 bit patterns, round-to-nearest-even.");
+  mod.def(
+      "low_precision_isa",
+      [] {
+        py::dict d;
+        d["best"] = KernelIsaName(BestKernelIsa());
+        d["active"] = KernelIsaName(LowPrecisionIsa());
+        d["best_level"] = static_cast<int>(BestKernelIsa());
+        d["bf16_conversion"] = ConversionPath(true);
+        d["f16_conversion"] = ConversionPath(false);
+        const CpuFeatures& c = Cpu();
+        d["avx2"] = c.avx2;
+        d["fma"] = c.fma;
+        d["f16c"] = c.f16c;
+        d["avx512f"] = c.avx512f;
+        d["avx512bw"] = c.avx512bw;
+        d["avx512bf16"] = c.avx512bf16;
+        d["avx512fp16"] = c.avx512fp16;
+        d["amx_bf16"] = c.amx_bf16;
+        return d;
+      },
+      "The instruction-set path of the bfloat16/float16 sparse kernels on "
+      "this CPU (best, active), the bulk conversions' paths and the CPUID "
+      "features they are chosen from.");
+}
+
+}  // namespace lowp_py
+
 }  // namespace tf_sparse_split
 
 PYBIND11_MODULE(_kernels, mod) {
@@ -1133,4 +1276,5 @@ PYBIND11_MODULE(_kernels, mod) {
   tf_sparse_split::BindCostModel(mod);  // cost model block above
   tf_sparse_split::BindConvCost(mod);   // convolution's shape and family key
   tf_sparse_split::BindAnalysis(mod);   // analysis choice, after it
+  tf_sparse_split::lowp_py::Bind(mod);  // bfloat16 / float16 kernels
 }

@@ -9,6 +9,18 @@ import tensorflow as tf
 from tf_sparse_split.utils.validation import validate_threshold
 
 FLOAT_DTYPES = (tf.float32, tf.float64)
+#: The dtypes of the matmul, SDDMM and FATReLU ops: float32/float64 and the
+#: 16-bit storage types (accumulated in float32, rounded once to the dtype).
+LOW_PRECISION_DTYPES = (tf.bfloat16, tf.float16)
+MATMUL_DTYPES = FLOAT_DTYPES + LOW_PRECISION_DTYPES
+
+
+def _names(dtypes):
+    """``"float32 or float64"``, plus ``" (or the 16-bit bfloat16 or
+    float16)"`` for the dtypes that include them."""
+    base = " or ".join(d.name for d in dtypes if d in FLOAT_DTYPES)
+    low = [d.name for d in dtypes if d in LOW_PRECISION_DTYPES]
+    return base + (f" (or the 16-bit {' or '.join(low)})" if low else "")
 
 
 def invalid(msg):
@@ -17,16 +29,19 @@ def invalid(msg):
     return tf.errors.InvalidArgumentError(None, None, msg)
 
 
-def float_operand(value, op, name):
-    """``value`` as a tensor, which must be float32 or float64.
+def float_operand(value, op, name, dtypes=FLOAT_DTYPES):
+    """``value`` as a tensor, whose dtype must be one of ``dtypes``
+    (default float32 or float64; the matmul, SDDMM and FATReLU wrappers pass
+    :data:`MATMUL_DTYPES`, which adds bfloat16 and float16).
 
     Raises:
       tf.errors.InvalidArgumentError: ``"{op}: {name} must be float32 or
-        float64, got ..."``.
+        float64, got ..."`` (with ``" (or the 16-bit bfloat16 or float16)"``
+        where those are allowed).
     """
     t = tf.convert_to_tensor(value)
-    if t.dtype not in FLOAT_DTYPES:
-        raise invalid(f"{op}: {name} must be float32 or float64, got "
+    if t.dtype not in dtypes:
+        raise invalid(f"{op}: {name} must be {_names(dtypes)}, got "
                       f"{t.dtype.name}")
     return t
 

@@ -4,7 +4,7 @@ and its registered gradient (``BiasFatReluGrad``, one pass)."""
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
-from tf_sparse_split.ops._common import float_operand, invalid
+from tf_sparse_split.ops._common import MATMUL_DTYPES, float_operand, invalid
 from tf_sparse_split.utils.deprecation import renamed_kwarg
 
 __all__ = ["bias_fat_relu"]
@@ -20,8 +20,11 @@ def bias_fat_relu(x, bias, cutoff=None, name=None, threshold=None):
     blocks, whatever the thread count). A NaN ``x + bias`` gives 0.
 
     Args:
-      x: float32 or float64 tensor ``[..., C]`` (e.g. NHWC convolution
-        output).
+      x: float32, float64, bfloat16 or float16 tensor ``[..., C]`` (e.g.
+        NHWC convolution output). In the 16-bit dtypes ``x + bias`` is
+        rounded once to the dtype (as ``tf.nn.bias_add``) before the
+        comparison, and the sums (``sum``, the gradient's ``dbias``) are
+        accumulated in float32 and rounded once.
       bias: tensor ``[C]`` of the same dtype.
       cutoff: scalar ``>= 0`` (cast to x's dtype): the FATReLU cutoff
         (Kurtz et al., ICML 2020: the forced activation threshold).
@@ -35,7 +38,8 @@ def bias_fat_relu(x, bias, cutoff=None, name=None, threshold=None):
       dtype (the sum of ``y``, e.g. for an L1 activity penalty).
 
     Raises:
-      tf.errors.InvalidArgumentError: dtype not float32/float64 or differing,
+      tf.errors.InvalidArgumentError: dtype not float32, float64, bfloat16
+        or float16, or differing,
         ``bias`` not ``[C]``, a cutoff that is negative, NaN or not a
         scalar.
       TypeError: no ``cutoff`` given, or both ``cutoff`` and ``threshold``.
@@ -46,7 +50,7 @@ def bias_fat_relu(x, bias, cutoff=None, name=None, threshold=None):
         raise TypeError("bias_fat_relu: missing the argument `cutoff`")
     lib = load_library()
     with tf.name_scope(name or "BiasFatRelu"):
-        x = float_operand(x, "bias_fat_relu", "x")
+        x = float_operand(x, "bias_fat_relu", "x", MATMUL_DTYPES)
         bias = tf.convert_to_tensor(bias)
         if bias.dtype != x.dtype:
             raise invalid(f"bias_fat_relu: bias has dtype {bias.dtype.name} "

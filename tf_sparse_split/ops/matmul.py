@@ -8,7 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
-from tf_sparse_split.ops._common import (as_threshold, float_operand,
+from tf_sparse_split.ops._common import (MATMUL_DTYPES, as_threshold,
+                                         float_operand,
                                          invalid, operand_like)
 from tf_sparse_split.utils.deprecation import renamed_kwarg
 from tf_sparse_split.utils.validation import validate_choice
@@ -114,7 +115,12 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     sparse path and for compacted all-zero columns.
 
     Args:
-      a: float32 or float64 tensor ``[M, K]`` (``[K, M]`` if ``transpose_a``).
+      a: float32, float64, bfloat16 or float16 tensor ``[M, K]`` (``[K, M]``
+        if ``transpose_a``). In bfloat16/float16 the values stay in that
+        dtype (2 bytes per nonzero in the CSR), every product is accumulated
+        in float32 and rounded once (round-to-nearest-even), as TF's CPU
+        MatMul in that dtype does; the bias add rounds once more, as
+        ``tf.nn.bias_add`` in that dtype. Gradients are in the same dtype.
       b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if ``transpose_b``).
       threshold: scalar row-density threshold in ``[0, 1]`` (fraction of
         nonzeros): rows above it go dense, rows at or below it sparse --
@@ -170,8 +176,8 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
       columns skipped, seconds in each part, threshold used, ...).
 
     Raises:
-      tf.errors.InvalidArgumentError: for a dtype other than float32/float64
-        or differing between ``a`` and ``b`` (or ``bias``), a rank other than
+      tf.errors.InvalidArgumentError: for a dtype other than float32,
+        float64, bfloat16 or float16, or differing between ``a`` and ``b`` (or ``bias``), a rank other than
         2, mismatched inner dimensions, a non-scalar threshold or one above 1
         or NaN, a ``bias`` that is not a vector ``[N]``.
       ValueError: an unknown ``activation``; rank/shape errors detected
@@ -197,7 +203,7 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         _warn_if_no_gpu()
     with tf.name_scope(name or "SparseSplitMatMul"):
         op = "sparse_split_matmul"
-        a = float_operand(a, op, "a")
+        a = float_operand(a, op, "a", MATMUL_DTYPES)
         b = operand_like(b, a, op, "b", "a")
         biases = []
         if bias is not None:

@@ -12,7 +12,8 @@ Execution*, 2019).
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
-from tf_sparse_split.ops._common import (as_threshold, float_operand,
+from tf_sparse_split.ops._common import (MATMUL_DTYPES, as_threshold,
+                                         float_operand,
                                          operand_like)
 
 __all__ = ["sparse_split_sddmm"]
@@ -32,8 +33,9 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
     thread count.
 
     Args:
-      mask: float32 or float64 tensor ``[M, K]``; only its zero pattern is
-        used (NaN/Inf count as nonzero).
+      mask: float32, float64, bfloat16 or float16 tensor ``[M, K]``; only
+        its zero pattern is used (NaN/Inf count as nonzero). In the 16-bit
+        dtypes each dot is accumulated in float32 and rounded once.
       x: tensor of the same dtype, ``[M, N]``.
       b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if
         ``transpose_b``); ``op(b)`` is ``[K, N]``.
@@ -59,8 +61,8 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
       ``(product, stats)``.
 
     Raises:
-      tf.errors.InvalidArgumentError: a dtype other than float32/float64 or
-        differing between the inputs, a rank other than 2, sizes that do not
+      tf.errors.InvalidArgumentError: a dtype other than float32, float64,
+        bfloat16 or float16, or differing between the inputs, a rank other than 2, sizes that do not
         match (``mask [M, K]``, ``x [M, N]``, ``op(b) [K, N]``), a
         non-scalar threshold or one above 1 or NaN.
       ValueError: rank/shape errors detected while tracing a
@@ -69,7 +71,7 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
     lib = load_library()
     with tf.name_scope(name or "SparseSplitSddmm"):
         op = "sparse_split_sddmm"
-        mask = float_operand(mask, op, "mask")
+        mask = float_operand(mask, op, "mask", MATMUL_DTYPES)
         x = operand_like(x, mask, op, "x", "mask")
         b = operand_like(b, mask, op, "b", "mask")
         product, stats = lib.tf_sparse_split_sparse_split_sddmm(
