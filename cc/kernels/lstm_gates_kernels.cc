@@ -21,6 +21,7 @@
 
 #include "Eigen/Core"
 #include "cc/core/low_precision.h"
+#include "cc/kernels/core_types.h"
 #include "cc/kernels/tf_parallel_for.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -37,22 +38,10 @@ using Vec = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
 template <typename T>
 using ConstVec = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
 
-// The core storage type of a TF element type (bf16/f16 are layout-compatible
-// with Eigen::bfloat16/Eigen::half) and the type the math runs in.
+// The type the math runs in: T for float32/float64, float32 for the 16-bit
+// storage types (CoreT of cc/kernels/core_types.h maps TF's to the core's).
 template <typename T>
-struct Storage {
-  typedef T type;
-};
-template <>
-struct Storage<Eigen::bfloat16> {
-  typedef bf16 type;
-};
-template <>
-struct Storage<Eigen::half> {
-  typedef f16 type;
-};
-template <typename T>
-using MathT = typename Accum<typename Storage<T>::type>::type;
+using MathT = typename Accum<CoreT<T>>::type;
 
 // One row's view of a tensor in the math type: float32/float64 data is used
 // in place; bfloat16/half data is widened into (inputs) or narrowed from
@@ -60,7 +49,7 @@ using MathT = typename Accum<typename Storage<T>::type>::type;
 template <typename T>
 class RowIn {
  public:
-  typedef typename Storage<T>::type S;
+  typedef CoreT<T> S;
   typedef MathT<T> A;
   explicit RowIn(int64_t n) : buf_(IsLowPrecision<S>::value ? n : 0) {}
   // The n values at `p`, in the math type.
@@ -80,7 +69,7 @@ class RowIn {
 template <typename T>
 class RowOut {
  public:
-  typedef typename Storage<T>::type S;
+  typedef CoreT<T> S;
   typedef MathT<T> A;
   explicit RowOut(int64_t n) : buf_(IsLowPrecision<S>::value ? n : 0) {}
   // Where to write the n values destined for `p` (then call Flush).
