@@ -23,6 +23,19 @@
 // of cc/kernels/epilogue.h right after the sparse kernel wrote them. An
 // all-dense call is exactly TF's fused kernel on the op's inputs.
 //
+// Cheap analysis (attr full_stats false, automatic threshold): a call first
+// asks the cost model how much to count (SplitCall::ChooseAnalysis): every
+// value, a strided sample of every image's pixels (ConvSample), or nothing;
+// when the sample clearly says all-dense, or nothing was counted, the call
+// runs TF's (fused) kernel on its inputs at once, its statistics marked
+// (kStatAnalysis).
+//
+// Dtypes: float32, float64, bfloat16 and half. The 16-bit dtypes follow TF's
+// CPU kernels' contract (stored in T, accumulated in float32, rounded once
+// to T): TF's kernels in T for the dense part; the sparse images widened to
+// float32 for the float32 sparse kernels, their output rounded once (see
+// "16-bit dtypes" below).
+//
 // Statistics (float64 [kNumStats], StatIndex of sparse_matmul.h) with rows = images
 // and columns = the H*W*C_in values of an image (an all-zero input channel is
 // H*W all-zero columns): M = N, K = H*W*C_in, N = KH*KW*C_out (flops / 2 per
@@ -297,7 +310,8 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
 // oneDNN's "_MklNativeFusedConv2D" in float32 when oneDNN is on (checked at
 // run time in TF 2.21: the partition graph of such a tf.function holds
 // _MklNativeFusedConv2D, _kernel MklNameChangeOp), Eigen's "_FusedConv2D"
-// in float32 without oneDNN. In float64 TF's graph runs Conv2D, BiasAdd and
+// in float32 without oneDNN; the same kernels in bfloat16 and half (oneDNN's
+// where OneDnnRunsDtype). In float64 TF's graph runs Conv2D, BiasAdd and
 // Relu unfused; there (and wherever the fused kernel cannot be created)
 // this returns an error and the op runs Conv2D followed by its epilogue.
 // *onednn tells whether the kernel is oneDNN's (its relu maps NaN to 0).
