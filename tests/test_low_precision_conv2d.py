@@ -282,6 +282,32 @@ def test_empty_and_nonfinite(dtype):
         np.testing.assert_array_equal(got[fin], want[fin])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_counts_on_the_bits(dtype):
+    """The 16-bit counts: -0.0 is a zero, NaN/Inf and the smallest
+    subnormals are nonzeros; the count covers pixels whose channels fill a
+    32-value vector and a tail."""
+    rng = np.random.default_rng(2)
+    x = random_sparse_images((3, 5, 5, 37), 0.8, rng)
+    x[0, 0, 0, :5] = -0.0
+    x[1, 2, 2, 3] = np.nan
+    x[2, 4, 4, 36] = np.inf
+    xt = tf.cast(x, dtype)
+    tiny = np.asarray(tf.cast(tf.constant(
+        [np.finfo(np.float32).tiny if dtype == tf.bfloat16 else 2.0 ** -24],
+        tf.float32), dtype))
+    xt = tf.tensor_scatter_nd_update(xt, [[0, 1, 1, 33]], tiny)
+    x64 = tf.cast(xt, tf.float64).numpy()
+    assert x64[0, 1, 1, 33] != 0.0
+    f = tf.cast(rng.uniform(-1, 1, (1, 1, 37, 4)), dtype)
+    for thr in (1.0, 0.0, 0.5):
+        _, st = tfss.sparse_split_conv2d(xt, f, 1, "VALID", threshold=thr,
+                                         return_stats=True)
+        st = st.numpy()
+        assert st[S.NNZ] == np.count_nonzero(x64)
+        assert st[S.HISTOGRAM].sum() == 3
+
+
 def test_bad_dtypes():
     """Differing dtypes of input, filter and bias, and dtypes the op does
     not take, are InvalidArgumentError (never a silent cast)."""
