@@ -298,3 +298,20 @@ def test_wrapper_and_layer_pass_full_stats():
     assert {o.type for o in ours if not o.get_attr("full_stats")} == {
         "TfSparseSplit>SparseSplitConv2D",
         "TfSparseSplit>SparseSplitConv2DBackpropFilter"}
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("training,want", [(False, False), (True, True)])
+def test_layer_asks_full_stats_only_when_recording(training, want):
+    """SparseSplitConv2D passes full_stats=True only where the call records
+    its statistics (training graphs, eager calls): an inference graph lets
+    the op sample or skip its count."""
+    layer = tfss.layers.SparseSplitConv2D(4, 3, padding="same",
+                                          activation="relu")
+    x = tf.TensorSpec([2, 6, 6, 3], tf.float32)
+    layer.build((2, 6, 6, 3))
+    graph = tf.function(lambda x: layer(x, training=training)) \
+        .get_concrete_function(x).graph
+    (op,) = [o for o in graph.get_operations()
+             if o.type == "TfSparseSplit>SparseSplitConv2D"]
+    assert op.get_attr("full_stats") is want
