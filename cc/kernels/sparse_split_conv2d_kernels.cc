@@ -58,6 +58,7 @@
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/core/uninit_vector.h"
+#include "cc/kernels/core_types.h"
 #include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
@@ -81,31 +82,7 @@ namespace {
 // on the sparse images widened once (WidenToFloat), and their output (or the
 // filter gradient's sum) is rounded once to the dtype (NarrowFromFloat,
 // round-to-nearest-even). TF's own kernels run the dense part in the dtype.
-template <typename T>
-struct CoreOf {
-  using type = T;
-};
-template <>
-struct CoreOf<Eigen::bfloat16> {
-  using type = bf16;
-};
-template <>
-struct CoreOf<Eigen::half> {
-  using type = f16;
-};
-template <typename T>
-using CoreT = typename CoreOf<T>::type;
-static_assert(sizeof(Eigen::bfloat16) == sizeof(bf16) &&
-                  sizeof(Eigen::half) == sizeof(f16),
-              "16-bit storage types are layout-compatible with Eigen's");
-template <typename T>
-const CoreT<T>* Core(const T* p) {
-  return reinterpret_cast<const CoreT<T>*>(p);
-}
-template <typename T>
-CoreT<T>* Core(T* p) {
-  return reinterpret_cast<CoreT<T>*>(p);
-}
+// CoreT<T> / Core(p): TF's element types as the core's (cc/kernels/core_types.h).
 // Whether T is a 16-bit dtype whose sparse part runs in float32.
 template <typename T>
 constexpr bool kLowPrecision = IsLowPrecision<CoreT<T>>::value;
