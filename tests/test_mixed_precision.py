@@ -141,6 +141,7 @@ def test_dense_op_runs_in_compute_dtype(policy, rng):
     graph = step.get_concrete_function(x).graph
     dtypes = _sparse_op_dtypes(graph)
     want = op_dtype_for("SparseSplitMatMul", dtype)
+    assert want == dtype    # the 16-bit kernels are registered
     assert dtypes["SparseSplitMatMul"] == {want}
     if "SparseSplitSddmm" in dtypes:
         assert dtypes["SparseSplitSddmm"] == {
@@ -162,6 +163,28 @@ def test_conv2d_matches_keras_conv2d(policy, rng, kwargs):
     ours.build(x.shape)
     ref.build(x.shape)
     _check_pair(ours, ref, x, dtype, factor=6.0)
+
+
+def test_conv2d_ops_run_in_compute_dtype(policy, rng):
+    """The convolution, its filter gradient and the fused bias + FATReLU
+    take the compute dtype where they have kernels for it."""
+    dtype = _compute(policy)
+    layer = tfss.SparseSplitConv2D(4, 3, activation=tfss.FATReLU())
+    x = tf.constant(np.abs(sparse_normal(rng, (2, 6, 6, 3), 0.5)), dtype)
+    layer.build(x.shape)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+        return tape.gradient(y, layer.trainable_variables + [x])
+
+    dtypes = _sparse_op_dtypes(step.get_concrete_function(x).graph)
+    for op in ("SparseSplitConv2D", "SparseSplitConv2DBackpropFilter",
+               "BiasFatRelu", "BiasFatReluGrad"):
+        assert dtypes[op] == {op_dtype_for(op.replace("Grad", ""), dtype)}, op
+    assert op_dtype_for("SparseSplitConv2D", dtype) == dtype
 
 
 def test_fatrelu_activation_matches_keras(policy, rng):
