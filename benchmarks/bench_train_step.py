@@ -45,7 +45,8 @@ the per-round ratios; written to
 ``benchmarks/results/bench_train_step_policies.md``), in two states: *natural* sparsity (after
 ``--warmup`` steps of plain training) and after ``--induce-epochs`` epochs
 of ``SparsityTargetCallback(--target)`` on ``--induce-examples`` examples
-(the plain model trains the same epochs without it). Each row also gives
+(the plain model's step does not depend on its activations: it gets the
+``--warmup`` steps). Each row also gives
 where our step's time goes: per layer the dtype its op ran in and the op's
 own seconds per path (analysis, dense, sparse) in the last recorded call,
 from its statistics.
@@ -284,6 +285,9 @@ def policy_rows(policies, x_all, y_all, args):
                         for m in (plain, ours):
                             m.train_on_batch(x_all[idx], y_all[idx])
                 else:
+                    # Only ours is induced: the plain model's dense GEMMs
+                    # cost the same whatever its activations, so it gets
+                    # the natural row's warm-up steps.
                     n = min(args.induce_examples, len(x_all))
                     xs, ys = x_all[:n], y_all[:n]
                     cb = tfss.SparsityTargetCallback(
@@ -291,11 +295,13 @@ def policy_rows(policies, x_all, y_all, args):
                         ramp_epochs=max(args.induce_epochs - 1, 1) / 2)
                     ours.fit(xs, ys, epochs=args.induce_epochs,
                              batch_size=BATCH, callbacks=[cb], verbose=0)
-                    plain.fit(xs, ys, epochs=args.induce_epochs,
-                              batch_size=BATCH, verbose=0)
+                    for _ in range(args.warmup):
+                        idx = rng.integers(0, len(x_all), BATCH)
+                        plain.train_on_batch(x_all[idx], y_all[idx])
                 times, block = train_step_times(
                     {"plain": plain, "ours": ours}, x_all, y_all, BATCH,
-                    rounds=args.policy_rounds, rng=rng)
+                    rounds=args.policy_rounds, block=args.policy_block,
+                    rng=rng)
                 summ = speedup_summary(times, "ours", "plain")
                 rows.append(
                     f"| {policy} | {state} | "
@@ -336,6 +342,9 @@ def main(argv=None):
                    help="comma-separated Keras dtype policies")
     p.add_argument("--policy-rounds", type=int, default=8,
                    help="interleaved rounds per policy table row")
+    p.add_argument("--policy-block", type=int, default=None,
+                   help="steps per timed block (default: sized from the "
+                   "faster model's step)")
     p.add_argument("--target", type=float, default=0.9,
                    help="SparsityTargetCallback target of the induced rows")
     p.add_argument("--induce-epochs", type=int, default=3)
@@ -362,7 +371,7 @@ def main(argv=None):
             f"2048-10, batch {BATCH}, Adam, {data_desc}; natural sparsity "
             f"after {args.warmup} steps, and after {args.induce_epochs} "
             f"epochs of SparsityTargetCallback({args.target:g}) on "
-            f"{args.induce_examples} examples; interleaved blocks "
+            f"{args.induce_examples} examples (ours); interleaved blocks "
             f"(tools.train.train_step_times), medians; TensorFlow "
             f"{tf.__version__}, {cpus_desc()}, library built with "
             f"{build_info()['MARCH']}; load average {os.getloadavg()[0]:.1f} "
