@@ -259,6 +259,8 @@ def main(argv=None):
                         "bfloat16, float16); each against tf.matmul in it")
     p.add_argument("--directions", default="fwd,grad",
                    help="fwd (a @ b), grad (a^T @ dY) or both")
+    p.add_argument("--no-small-n", action="store_true",
+                   help="skip the float32 small-N shapes")
     args = p.parse_args(argv)
     tfss.load_library()
     from tf_sparse_split import _kernels
@@ -278,8 +280,9 @@ def main(argv=None):
             if dt == tf.float32:
                 cases += [((128, 2048, 10), [0.0, 0.5], dt)]
         elif dt == tf.float32:
-            cases += ([(sh, BIG_SPARSITIES, dt) for sh in BIG_SHAPES] +
-                      [(sh, SMALL_SPARSITIES, dt) for sh in SMALL_N_SHAPES])
+            cases += [(sh, BIG_SPARSITIES, dt) for sh in BIG_SHAPES]
+            if not args.no_small_n:
+                cases += [(sh, SMALL_SPARSITIES, dt) for sh in SMALL_N_SHAPES]
         else:
             cases += [(sh, LOW_PRECISION_SPARSITIES, dt) for sh in BIG_SHAPES]
     reps = min(args.reps, 3) if args.quick else args.reps
