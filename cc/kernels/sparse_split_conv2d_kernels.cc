@@ -680,8 +680,8 @@ void SparseForwardAny(bool direct, const T* x, const Conv2DGeometry& g,
 // the pixels CountConvNonzerosStrided visits. `stride` is the runtime's
 // stride over the N*H*W pixels (SplitCall::SampleStrideFor), raised to be
 // coprime with W (so that the sample visits every column, not one column
-// of the image) and capped at H*W / 4 (at least four pixels per image).
-// Returns the stride used (1: nothing sampled, count everything).
+// of the image), after a cap at H*W / 4 (about four pixels per image at
+// least). Returns the stride used (1: nothing sampled, count everything).
 template <typename T>
 int64_t ConvSample(const T* x, const Conv2DGeometry& g, int64_t stride,
                    const ParallelFor& pfor, SampledCounts* out) {
