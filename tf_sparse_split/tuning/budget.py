@@ -655,17 +655,27 @@ class BudgetController:
             new[n] = float(np.clip(old + delta, self.floors[n],
                                    self.max_sparsity))
         action = "reallocate" if alloc.reachable else "unreachable"
+        reasons = dict(alloc.reasons)
         if not alloc.reachable:
             # Run at the bounds (as far as the change limit allows now).
             for n in self.layers:
                 if n in costs and costs[n].predicts:
                     new[n] = float(min(self.targets[n] + self.max_change,
                                        self.max_sparsity))
+                    reasons[n] = (
+                        f"budget not reachable within max_sparsity="
+                        f"{self.max_sparsity} (predicted "
+                        f"{alloc.predicted_s * 1e3:.2f} ms at the best "
+                        f"allocation, goal {goal * 1e3:.2f} ms): toward the "
+                        f"bound; allocation: {alloc.reasons[n]}")
         predicted = kappa * self.model.predict(self._x(new)) if costs else m
-        self._record(budget_s, m, predicted, kappa, action, alloc.reachable,
-                     alloc.reasons, new)
         changed = any(abs(new[n] - self.targets[n]) > 1e-9
                       for n in self.layers)
+        if not changed and alloc.reachable:
+            action = "hold"
+            reasons = {n: "allocation unchanged" for n in self.layers}
+        self._record(budget_s, m, predicted, kappa, action, alloc.reachable,
+                     reasons, new)
         self.targets = new
         if changed:
             self._times = []
