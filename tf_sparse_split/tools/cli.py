@@ -516,6 +516,10 @@ def _check_combinations(parser, args):
             if args.labels is not None and args.input is None:
                 parser.error("--labels needs --input (the examples they "
                              "label)")
+            if args.output is not None and \
+                    not args.output.endswith(".keras"):
+                parser.error(f"--output writes a .keras file, got "
+                             f"{args.output!r}")
             if args.curve is not None:
                 from tf_sparse_split.tools.plots import check_plot_path
                 try:

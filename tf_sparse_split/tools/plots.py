@@ -222,8 +222,9 @@ def plot_latency_curve(points, path, budget_ms=None, title=None):
     to the PNG file ``path``.
 
     Args:
-      points: list of dicts with ``sparsity``, ``p50_ms`` and ``accuracy``
-        (NaN without accuracy data).
+      points: list of dicts with ``sparsity`` (target, None for the model
+        as given), ``measured_sparsity``, ``p50_ms`` and ``accuracy`` (NaN
+        without accuracy data: the measured sparsity is drawn instead).
       path: output file name (``.png``).
       budget_ms: the latency budget (a vertical line), or None.
       title: optional figure title.
@@ -242,16 +243,19 @@ def plot_latency_curve(points, path, budget_ms=None, title=None):
     xs = [p["p50_ms"] for p in points]
     have_acc = not all(math.isnan(p.get("accuracy", math.nan))
                        for p in points)
-    ys = [p["accuracy"] if have_acc else p["sparsity"] for p in points]
+    ys = [p["accuracy"] if have_acc else p["measured_sparsity"]
+          for p in points]
     ax.plot(xs, ys, marker="o")
     for p, x, y in zip(points, xs, ys):
-        ax.annotate(f"{p['sparsity']:.2f}", (x, y), fontsize=7,
+        label = ("as given" if p["sparsity"] is None
+                 else f"{p['sparsity']:.2f}")
+        ax.annotate(label, (x, y), fontsize=7,
                     textcoords="offset points", xytext=(3, 3))
     if budget_ms is not None:
         ax.axvline(budget_ms, color="tab:red", label="latency budget")
         ax.legend(fontsize=8)
     ax.set(xlabel="p50 latency (ms)",
-           ylabel="accuracy" if have_acc else "target sparsity",
+           ylabel="accuracy" if have_acc else "measured sparsity",
            title="FATReLU cutoffs: accuracy against latency\n(labels: "
                  "target sparsity)")
     ax.grid(alpha=0.3)
