@@ -58,7 +58,7 @@ from tf_sparse_split.layers.base import SparseSplitLayer
 from tf_sparse_split.tuning import budget as _budget
 from tf_sparse_split.utils.validation import validate_int
 
-__all__ = ["TimeBudgetCallback", "layer_sensitivities"]
+__all__ = ["TimeBudgetCallback", "SensitivityProbe", "layer_sensitivities"]
 
 #: Sparsity added per layer by the sensitivity probe.
 SENSITIVITY_DELTA = 0.05
@@ -99,63 +99,82 @@ def _loss_fn(model):
     return fn
 
 
-def layer_sensitivities(model, fats, x, y, delta=SENSITIVITY_DELTA):
-    """Loss response of a model to more zeros at each FATReLU.
-
-    For each FATReLU ``f`` in ``fats`` (with its output layer ``owner``),
-    the loss on ``(x, y)`` in inference mode is evaluated with ``f``'s
-    cutoff raised to the quantile of ``owner``'s output that adds ``delta``
-    to its fraction of zeros (the others unchanged), then restored.
+class SensitivityProbe:
+    """The loss response of a model to more zeros at each of its FATReLUs
+    (the functions traced once, reused on every measurement).
 
     Args:
-      model: a compiled Keras model (its ``loss``).
+      model: a compiled Keras model (its ``loss``) with symbolic inputs.
       fats: list of ``(owner, fatrelu)`` pairs: ``owner`` is the layer whose
         output the FATReLU produces (the FATReLU itself, or the layer it is
         the activation of).
-      x, y: a held batch (numpy or tensors).
-      delta: sparsity added (fraction, in (0, 0.5]).
-
-    Returns:
-      ``(base_loss, [sensitivity per pair], [zeros fraction per pair])``;
-      a sensitivity is in loss units per unit of sparsity (may be < 0 on a
-      noisy batch; the controller clips it).
 
     Raises:
-      ValueError: a model without a usable loss or symbolic inputs.
+      ValueError: a model without a usable loss.
     """
-    import tensorflow as tf
 
-    loss_fn = _loss_fn(model)
-    outputs = [owner.output for owner, _ in fats]
-    feats = keras.Model(model.inputs, outputs)
-    fwd = tf.function(lambda t: model(t, training=False))
-    act = tf.function(lambda t: feats(t, training=False))
-    x = tf.convert_to_tensor(x)
+    def __init__(self, model, fats):
+        import tensorflow as tf
 
-    def loss():
-        return float(np.mean(np.asarray(loss_fn(y, fwd(x)))))
+        self.loss_fn = _loss_fn(model)
+        self.fats = list(fats)
+        feats = keras.Model(model.inputs, [o.output for o, _ in self.fats])
+        self._fwd = tf.function(lambda t: model(t, training=False))
+        self._act = tf.function(lambda t: feats(t, training=False))
 
-    base = loss()
-    ys = act(x)
-    if not isinstance(ys, (list, tuple)):
-        ys = [ys]
-    sens, zeros = [], []
-    for (owner, fat), a in zip(fats, ys):
-        a = np.asarray(a, np.float64).reshape(-1)
-        z = float(np.mean(a == 0.0))
-        zeros.append(z)
-        q = min(z + delta, 0.999)
-        cut = float(np.quantile(a, q))
-        old = fat.cutoff
-        if cut <= old:
-            sens.append(0.0)
-            continue
-        fat.cutoff_var.assign(cut)
-        try:
-            sens.append((loss() - base) / delta)
-        finally:
-            fat.cutoff_var.assign(old)
-    return base, sens, zeros
+    def measure(self, x, y, delta=SENSITIVITY_DELTA):
+        """For each FATReLU in turn, the loss on ``(x, y)`` (inference
+        mode) with its cutoff raised to the quantile of its output that
+        adds ``delta`` to its fraction of zeros, the others unchanged; then
+        restored.
+
+        Args:
+          x, y: a held batch (numpy or tensors).
+          delta: sparsity added (fraction, in (0, 0.5]).
+
+        Returns:
+          ``(base_loss, [sensitivity per pair], [zeros fraction per
+          pair])``; a sensitivity is ``(loss - base_loss) / delta``, loss
+          units per unit of sparsity (may be < 0 on a noisy batch; the
+          controller clips it).
+        """
+        import tensorflow as tf
+
+        x = tf.convert_to_tensor(x)
+
+        def loss():
+            return float(np.mean(np.asarray(self.loss_fn(y, self._fwd(x)))))
+
+        base = loss()
+        ys = self._act(x)
+        if not isinstance(ys, (list, tuple)):
+            ys = [ys]
+        sens, zeros = [], []
+        for (owner, fat), a in zip(self.fats, ys):
+            a = np.asarray(a, np.float64).reshape(-1)
+            z = float(np.mean(a == 0.0))
+            zeros.append(z)
+            cut = float(np.quantile(a, min(z + delta, 0.999)))
+            old = fat.cutoff
+            if cut <= old:
+                sens.append(0.0)
+                continue
+            fat.cutoff_var.assign(cut)
+            try:
+                sens.append((loss() - base) / delta)
+            finally:
+                fat.cutoff_var.assign(old)
+        return base, sens, zeros
+
+
+def layer_sensitivities(model, fats, x, y, delta=SENSITIVITY_DELTA):
+    """``SensitivityProbe(model, fats).measure(x, y, delta)`` (one
+    measurement; see :class:`SensitivityProbe`).
+
+    Raises:
+      ValueError: a model without a usable loss.
+    """
+    return SensitivityProbe(model, fats).measure(x, y, delta)
 
 
 class TimeBudgetCallback(keras.callbacks.Callback):
@@ -357,6 +376,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self._floor_sum = {k.name: [0.0, 0.0] for k in self._knobs}
         self._retraced = False
         self._last_reachable = True
+        self._probe = None
         if self.log_dir and self._writer is None:
             import tensorflow as tf
             self._writer = tf.summary.create_file_writer(self.log_dir)
@@ -460,8 +480,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._sens_note = "no held batch: equal sensitivities"
             return
         x, y = self.sensitivity_data
-        base, sens, _ = layer_sensitivities(
-            self.model, [(k.owner, k.fat) for k in self._knobs], x, y)
+        if self._probe is None:
+            self._probe = SensitivityProbe(
+                self.model, [(k.owner, k.fat) for k in self._knobs])
+        base, sens, _ = self._probe.measure(x, y)
         floor = max(1e-4 * abs(base), 1e-6)
         for k, s in zip(self._knobs, sens):
             c.set_sensitivity(k.name, max(s, floor))
