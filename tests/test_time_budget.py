@@ -102,6 +102,18 @@ def test_unreachable_budget_runs_at_bounds_and_is_logged():
     assert any(d.action == "unreachable" and not d.reachable for d in c.log)
 
 
+def test_unreachable_leaves_a_layer_that_buys_no_time():
+    c, plant, cur = _setup(max_sparsity=0.9)
+    # "b" never gets faster: its op runs dense whatever its zeros.
+    flat = _cost(n=1024, sparse_rate=1.0)
+    c.set_cost("b", flat)
+    plant.true["b"] = flat
+    cur, _ = _run(c, plant, cur, 0.05 * _plain(plant), 200)
+    assert cur["a"] == pytest.approx(0.9) and cur["b"] == pytest.approx(0.5)
+    last = [d for d in c.log if d.action == "unreachable"][-1]
+    assert "saves no predicted time" in last.reasons["b"]
+
+
 def test_resource_drop_and_recovery():
     c, plant, cur = _setup()
     budget = 0.7 * _plain(plant)

@@ -196,7 +196,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     slow down (another process takes a core) the targets rise, and when the
     machine is fast again they fall. A budget that the bounds cannot meet is
     logged (``verbose``; :attr:`decisions` ``action="unreachable"``) and the
-    layers then run at ``max_sparsity``.
+    layers then run at ``max_sparsity`` -- those whose predicted time falls
+    with sparsity; a layer whose prediction stays flat up to the bound is
+    left where it is (more zeros there would cost accuracy and buy no
+    time).
 
     Budgets (exactly one, seconds): ``step_time`` per training step;
     ``epoch_time`` per epoch, turned at each decision into the step budget

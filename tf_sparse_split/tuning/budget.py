@@ -657,9 +657,12 @@ class BudgetController:
         action = "reallocate" if alloc.reachable else "unreachable"
         reasons = dict(alloc.reasons)
         if not alloc.reachable:
-            # Run at the bounds (as far as the change limit allows now).
+            # Run at the bounds (as far as the change limit allows now):
+            # every layer whose predicted time falls with sparsity; one
+            # whose does not stays where the allocation left it (more
+            # zeros there would cost accuracy and buy no time).
             for n in self.layers:
-                if n in costs and costs[n].predicts:
+                if n in costs and alloc.targets[n] > self.floors[n] + 1e-9:
                     new[n] = float(min(self.targets[n] + self.max_change,
                                        self.max_sparsity))
                     reasons[n] = (
