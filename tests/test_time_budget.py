@@ -370,3 +370,37 @@ def test_callback_rejects_bad_arguments_and_unknown_steps():
     x = np.zeros((8, 32), "float32")
     with pytest.raises(ValueError, match="not a sparse-split layer"):
         model.fit(x, np.zeros(8), epochs=1, verbose=0, callbacks=[cb])
+
+
+def test_epoch_budget_in_fit_and_unknown_steps():
+    import tensorflow as tf
+
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((128, 32)).astype("float32")
+    y = rng.integers(0, 10, 128)
+    model = _mlp()
+    cb = tfss.TimeBudgetCallback(epoch_time=5.0, warmup_steps=2,
+                                 min_samples=2, clock=FakeClock(0.01))
+    hist = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                     callbacks=[cb])
+    assert hist.history["budget/step_budget"][0] > 5.0 / 8
+    # 8 steps per epoch in 5 s, each step measured at 10 ms: the time left
+    # over the steps left, which grows as the fast steps leave slack.
+    budgets = [t["budget_s"] for t in cb.trace]
+    assert budgets and all(b > 5.0 / 8 for b in budgets)
+    assert all(a < b for a, b in zip(budgets, budgets[1:]))
+    last = cb.trace[-1]
+    assert last["budget_s"] < 5.0 / (8 - last["step"] + 1) + 1e-12
+
+    def gen():
+        for i in range(4):
+            yield x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16]
+
+    ds = tf.data.Dataset.from_generator(gen, output_signature=(
+        tf.TensorSpec((None, 32), tf.float32),
+        tf.TensorSpec((None,), tf.int64)))
+    cb = tfss.TimeBudgetCallback(deadline=10.0)
+    with pytest.raises(ValueError, match="steps per epoch"):
+        _mlp().fit(ds, epochs=1, verbose=0, callbacks=[cb])

@@ -212,7 +212,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
 
     Logs (``on_epoch_end``, for ``History``, the progress bar and
     ``keras.callbacks.TensorBoard`` placed after this callback):
-    ``budget/step_budget`` (seconds), ``budget/step_time`` (median measured
+    ``budget/step_budget`` (seconds; the median over the epoch's steps of
+    the step budget in force), ``budget/step_time`` (median measured
     step seconds of the epoch, warm-up and compilation steps left out),
     ``budget/reachable`` (1/0, last decision), per layer ``name``:
     ``name/budget_target`` (sparsity target) and ``name/budget_sparsity``
@@ -394,6 +395,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             k.epoch_zero = k.epoch_elems = 0.0
 
     def on_train_batch_begin(self, batch, logs=None):
+        # The budget in force for this step (time left over steps left,
+        # this one included).
+        self._budget_now = self._step_budget() if self.controller else 0.0
         self._t0 = self.clock()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -415,7 +419,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             return
         if not first:
             c.observe_step(dt)
-        budget = self._step_budget()
+        budget = self._budget_now
         logged = len(c.log)
         new = c.decide(budget if budget > 0 else 1e-12)
         if len(c.log) > logged:
@@ -570,13 +574,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._adjust_rates()
         step_time = (float(np.median(self._epoch_times))
                      if self._epoch_times else float("nan"))
-        budget = self._step_budget() if self.kind == "step_time" else (
-            _budget.step_budget(self.kind, self.seconds, self._spe,
-                                self._epochs, steps_done_total=self._step -
-                                self._epoch_steps, elapsed_total=self._t_epoch
-                                - self._t_begin, overhead_per_epoch=(
-                                    float(np.median(self._epoch_overheads))
-                                    if self._epoch_overheads else 0.0)))
+        # The budget in force during the epoch: the median of its steps'
+        # (an epoch-time or deadline budget is recomputed at every step).
+        first = self._step - self._epoch_steps
+        mine = [t["budget_s"] for t in self.trace if t["step"] > first]
+        budget = float(np.median(mine)) if mine else self._step_budget()
         entry = {"budget/step_budget": budget,
                  "budget/step_time": step_time,
                  "budget/reachable": float(c.log[-1].reachable
