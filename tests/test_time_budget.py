@@ -319,7 +319,7 @@ def _mlp(dropout=False):
     return model
 
 
-def test_fit_wiring_log_keys_and_bounds():
+def test_fit_wiring_log_keys_and_bounds(tmp_path):
     import tf_sparse_split as tfss
 
     rng = np.random.default_rng(0)
@@ -331,9 +331,17 @@ def test_fit_wiring_log_keys_and_bounds():
     cb = tfss.TimeBudgetCallback(step_time=0.001, max_sparsity=0.8,
                                  max_rate=0.4, warmup_steps=4, min_samples=3,
                                  sensitivity_data=(x[:64], y[:64]),
+                                 log_dir=str(tmp_path / "tb"),
                                  clock=FakeClock(0.01))
     hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
                      callbacks=[cb])
+    import tensorflow as tf
+
+    tags = {v.tag for f in (tmp_path / "tb").iterdir()
+            for e in tf.compat.v1.train.summary_iterator(str(f))
+            for v in e.summary.value}
+    assert {"budget/step_budget", "budget/step_time", "h2/budget_target",
+            "drop1/budget_rate"} <= tags
     keys = set(hist.history)
     for k in ("budget/step_budget", "budget/step_time", "budget/reachable",
               "h2/budget_target", "h2/budget_sparsity", "out/budget_target",

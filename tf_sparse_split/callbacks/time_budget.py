@@ -218,8 +218,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     ``budget/reachable`` (1/0, last decision), per layer ``name``:
     ``name/budget_target`` (sparsity target) and ``name/budget_sparsity``
     (zeros measured at its input over the epoch), and per dropout knob
-    ``dropout_name/budget_rate``. With ``log_dir`` the same scalars are
-    written per decision (step = training step) with ``tf.summary``.
+    ``dropout_name/budget_rate``. With ``log_dir`` the budget, the measured
+    and predicted step time (``budget/predicted_step_time``), the targets
+    and rates are written at every decision (step = training step) as
+    TensorBoard scalars (``tf.summary.write``; no tensorboard package
+    needed).
 
     Args:
       step_time, epoch_time, deadline: the budget (exactly one; seconds).
@@ -529,14 +532,26 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     def _on_decision(self, d, new):
         if self._writer is not None:
             import tensorflow as tf
+            from tensorflow.core.framework import summary_pb2
+
+            # tf.summary.write with the scalar plugin's metadata (what
+            # tf.summary.scalar writes), as ThresholdTuner does: no
+            # tensorboard package needed to log.
+            meta = summary_pb2.SummaryMetadata()
+            meta.plugin_data.plugin_name = "scalars"
+            values = {"budget/step_budget": d.budget_s,
+                      "budget/step_time": d.measured_s,
+                      "budget/predicted_step_time": d.predicted_s}
+            values.update({f"{n}/budget_target": t
+                           for n, t in d.targets.items()})
+            values.update({f"{n}/budget_rate": r
+                           for n, r in self._rates().items()})
             with self._writer.as_default():
-                tf.summary.scalar("budget/step_budget", d.budget_s,
-                                  step=self._step)
-                tf.summary.scalar("budget/step_time", d.measured_s,
-                                  step=self._step)
-                for n, t in d.targets.items():
-                    tf.summary.scalar(f"{n}/budget_target", t,
-                                      step=self._step)
+                for tag, v in values.items():
+                    if math.isfinite(v):
+                        tf.summary.write(tag, tf.constant(v, tf.float32),
+                                         step=self._step, metadata=meta)
+            self._writer.flush()
         if d.reachable != self._last_reachable and d.action != "hold":
             # Said once each time the budget becomes unreachable.
             self._last_reachable = d.reachable
