@@ -328,6 +328,7 @@ def main(argv=None):
         args.warmup = 12 if args.quick else 20
     args.rounds = args.rounds or (4 if args.quick else 8)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    os.makedirs(args.out_dir, exist_ok=True)
     train, test, desc = _common.load_mnist_or_digits(args.data)
     if "digits" in desc and not args.quick:
         print(f"skipped: the full benchmark needs MNIST ({desc})")

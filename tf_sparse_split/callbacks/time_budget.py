@@ -73,7 +73,12 @@ class _Knob(_Control):
     def __init__(self, consumer, owner, fat, dropouts):
         super().__init__(consumer, owner, fat)
         self.dropouts = dropouts
-        self.own_rates = [d.rate for d in dropouts]
+        # The user's rates: remembered on the layer the first time, so a
+        # further fit starts from them, not from a rate a budget raised.
+        for d in dropouts:
+            if not hasattr(d, "_tfss_own_rate"):
+                d._tfss_own_rate = d.rate
+        self.own_rates = [d._tfss_own_rate for d in dropouts]
         self.name = consumer.name
 
 
@@ -376,7 +381,6 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.decisions = self.controller.log
         self.trace, self.history = [], []
         self._step = 0
-        self._timed_steps_since_trace = 0
         self._t_begin = self.clock()
         self._epoch_overheads = []
         self._warm = False
@@ -435,7 +439,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                            "rates": self._rates()})
 
     def _end_warmup(self):
-        self._read_stats(force=True)
+        self._read_stats()
         for k in self._knobs:
             z, n = self._floor_sum[k.name]
             if n > 0:
@@ -443,7 +447,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self._measure_sensitivity()
         self._warm = True
 
-    def _read_stats(self, force=False):
+    def _read_stats(self):
         c = self.controller
         for k in self._knobs:
             before_z, before_e = k.window_zero, k.window_elems
