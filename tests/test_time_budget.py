@@ -213,6 +213,21 @@ def test_allocate_lookahead_past_break_even():
     assert not al.reachable and al.targets["a"] == pytest.approx(0.95)
 
 
+def test_sensitivity_measured_above_floor_is_scaled_back():
+    c = B.BudgetController(["a"], max_sparsity=0.9)
+    c.set_floor("a", 0.5)
+    c.set_sensitivity("a", 2.0)
+    assert c.sensitivities["a"] == pytest.approx(2.0)
+    c.set_sensitivity("a", 2.0, at=0.9)      # at the bound: twice the base
+    assert c.sensitivities["a"] == pytest.approx(1.0)
+    c.set_sensitivity("a", 3.0, at=0.7)      # halfway: 1.5 x the base
+    assert c.sensitivities["a"] == pytest.approx(2.0)
+    c.set_sensitivity("a", -1.0)
+    assert c.sensitivities["a"] == 0.0
+    c.set_sensitivity("a", float("nan"))
+    assert c.sensitivities["a"] is None
+
+
 def test_marginal_loss_convex():
     f = lambda a, b: B.marginal_loss(2.0, 0.5, 0.9, a, b)  # noqa: E731
     assert f(0.5, 0.6) < f(0.8, 0.9)

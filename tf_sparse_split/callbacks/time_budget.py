@@ -497,10 +497,12 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self._probe is None:
             self._probe = SensitivityProbe(
                 self.model, [(k.owner, k.fat) for k in self._knobs])
-        base, sens, _ = self._probe.measure(x, y)
+        base, sens, zeros = self._probe.measure(x, y)
         floor = max(1e-4 * abs(base), 1e-6)
-        for k, s in zip(self._knobs, sens):
-            c.set_sensitivity(k.name, max(s, floor))
+        for k, s, z in zip(self._knobs, sens, zeros):
+            # Measured where the layer is now (its output's zeros on the
+            # held batch).
+            c.set_sensitivity(k.name, max(s, floor), at=z)
         self._sens_note = (f"held-batch loss {base:.4g}; sensitivity per "
                            "unit sparsity " + ", ".join(
                                f"{k.name} {max(s, floor):.3g}"

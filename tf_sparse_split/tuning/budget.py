@@ -594,10 +594,22 @@ class BudgetController:
         which the cutoff follows with a lag)."""
         self.actual[layer] = min(max(float(sparsity), 0.0), 1.0)
 
-    def set_sensitivity(self, layer, value):
-        """The layer's loss increase per unit of sparsity (>= 0)."""
+    def set_sensitivity(self, layer, value, at=None):
+        """The layer's loss increase per unit of sparsity (>= 0), measured
+        at sparsity ``at`` (default: its natural sparsity). The allocation's
+        loss model (:func:`marginal_loss`: the marginal rises linearly to
+        twice its natural-sparsity value at the bound) turns a value
+        measured above the natural sparsity back into the natural one."""
         v = float(value)
-        self.sensitivities[layer] = max(v, 0.0) if math.isfinite(v) else None
+        if not math.isfinite(v):
+            self.sensitivities[layer] = None
+            return
+        v = max(v, 0.0)
+        floor = self.floors.get(layer, 0.0)
+        if at is not None and math.isfinite(float(at)) and float(at) > floor:
+            span = max(self.max_sparsity - floor, 1e-9)
+            v /= 1.0 + min((float(at) - floor) / span, 1.0)
+        self.sensitivities[layer] = v
 
     @property
     def samples(self):
