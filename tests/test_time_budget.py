@@ -2,7 +2,6 @@
 step times with a fake plant (deterministic, nothing timed), and the wiring
 of TimeBudgetCallback into a short fit (log keys, bounds)."""
 
-import math
 
 import numpy as np
 import pytest
@@ -371,6 +370,12 @@ def test_fit_wiring_log_keys_and_bounds(tmp_path):
     assert max(cb.trace[-1]["targets"].values()) > 0.0
     fat = cb._knobs[0].fat
     assert 0.0 <= fat.target <= 0.999
+    # A further fit with the same callback starts afresh from the user's
+    # dropout rate (0.2), within the bounds again.
+    hist = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                     callbacks=[cb])
+    assert "h2/budget_target" in hist.history
+    assert cb.trace and cb.trace[0]["rates"] == {"drop1": pytest.approx(0.2)}
 
 
 def test_callback_rejects_bad_arguments_and_unknown_steps():
