@@ -113,6 +113,26 @@ def test_unreachable_leaves_a_layer_that_buys_no_time():
     assert "saves no predicted time" in last.reasons["b"]
 
 
+def test_never_moves_against_the_measurement():
+    # The prediction says no layer buys time (the ops' rates moved), but
+    # the steps are over the budget: no target may fall.
+    c = B.BudgetController(["a"], max_sparsity=0.9, min_samples=4, settle=0)
+    c.set_cost("a", _cost(sparse_rate=1.0))
+    c.set_floor("a", 0.5)
+    c.targets["a"] = 0.8
+    for _ in range(4):
+        c.observe_step(0.05)
+    c.decide(0.02)
+    assert c.targets["a"] >= 0.8
+    # ... and under the budget none may rise.
+    c2, plant, cur = _setup()
+    c2.targets = {"a": 0.6, "b": 0.6}
+    for _ in range(c2.settle + c2.min_samples):
+        c2.observe_step(1e-4)
+    new = c2.decide(1.0)
+    assert new is None or all(v <= 0.6 for v in new.values())
+
+
 def test_resource_drop_and_recovery():
     c, plant, cur = _setup()
     budget = 0.7 * _plain(plant)

@@ -41,7 +41,9 @@ The pieces, each a small class or function:
   them, the first ``settle`` after a change left out), a dead band around
   the budget, re-allocation from the layers' natural sparsity each time it
   is left (so sparsity falls again when the machine gets faster), a limit
-  on the change per decision, and a log of each decision with its reasons.
+  on the change per decision, no move against the measurement (over the
+  budget no target falls, under it none rises), and a log of each decision
+  with its reasons.
 * :func:`step_budget` -- an epoch time or a deadline for the whole fit
   turned into a step budget for the remaining steps.
 
@@ -666,6 +668,14 @@ class BudgetController:
                                   self.max_change))
             new[n] = float(np.clip(old + delta, self.floors[n],
                                    self.max_sparsity))
+        # Never move against the measurement: over the budget no target
+        # falls, under it none rises (the prediction's shape can be off,
+        # e.g. when load moves the ops' measured rates).
+        for n in self.layers:
+            if m > hi:
+                new[n] = max(new[n], self.targets[n])
+            elif m < lo:
+                new[n] = min(new[n], self.targets[n])
         action = "reallocate" if alloc.reachable else "unreachable"
         reasons = dict(alloc.reasons)
         if not alloc.reachable:
