@@ -671,11 +671,12 @@ class BudgetController:
         # Never move against the measurement: over the budget no target
         # falls, under it none rises (the prediction's shape can be off,
         # e.g. when load moves the ops' measured rates).
+        held = {}
         for n in self.layers:
-            if m > hi:
-                new[n] = max(new[n], self.targets[n])
-            elif m < lo:
-                new[n] = min(new[n], self.targets[n])
+            if m > hi and new[n] < self.targets[n]:
+                new[n] = held[n] = self.targets[n]
+            elif m < lo and new[n] > self.targets[n]:
+                new[n] = held[n] = self.targets[n]
         action = "reallocate" if alloc.reachable else "unreachable"
         reasons = dict(alloc.reasons)
         if not alloc.reachable:
@@ -694,6 +695,10 @@ class BudgetController:
                         f"allocation, goal {goal * 1e3:.2f} ms): toward the "
                         f"bound; allocation: {alloc.reasons[n]}")
         predicted = kappa * self.model.predict(self._x(new)) if costs else m
+        for n, v in held.items():
+            if n in reasons and new[n] == v:
+                reasons[n] += (f" (held at {v:.2f}: the measured steps are "
+                               f"{'over' if m > hi else 'under'} the budget)")
         changed = any(abs(new[n] - self.targets[n]) > 1e-9
                       for n in self.layers)
         if not changed and alloc.reachable:
