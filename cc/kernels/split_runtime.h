@@ -4,6 +4,7 @@
 // SparseSplitConv2DBackpropFilter) reads the same way:
 //
 //   SplitCall call(ctx, ...)        timer started, statistics allocated
+//                                   (when an op consumes them)
 //   call.ChooseAnalysis(...)        automatic calls: count everything, a
 //                                   strided sample, or nothing (the cost
 //                                   model's AnalysisMode); a sample or no
@@ -265,21 +266,32 @@ class SplitCall {
  public:
   // Allocates the statistics (output `stats_output`, float64 [kNumStats])
   // and records the sizes (m, k, n as the statistics define them for the
-  // op) and the threshold as given (0 for automatic until decided).
+  // op) and the threshold as given (0 for automatic until decided). When
+  // nothing consumes that output (ctx->output_required false: a gradient
+  // product, a caller that drops the statistics) the statistics go to a
+  // buffer of the call instead, and the output is left unset, as
+  // OpKernelContext allows: one allocation less on every call.
   SplitCall(tensorflow::OpKernelContext* ctx, int stats_output, int64_t m,
             int64_t k, int64_t n, float threshold)
       : start_(Clock::now()), threshold_in_(threshold) {
-    tensorflow::Tensor* t = nullptr;
-    status_ = ctx->allocate_output(
-        stats_output, tensorflow::TensorShape({kNumStats}), &t);
-    if (!status_.ok()) return;
-    stats_ = t->flat<double>().data();
+    if (ctx->output_required(stats_output)) {
+      tensorflow::Tensor* t = nullptr;
+      status_ = ctx->allocate_output(
+          stats_output, tensorflow::TensorShape({kNumStats}), &t);
+      if (!status_.ok()) return;
+      stats_ = t->flat<double>().data();
+    } else {
+      stats_ = local_stats_;
+    }
     std::fill(stats_, stats_ + kNumStats, 0.0);
     stats_[kStatM] = m;
     stats_[kStatK] = k;
     stats_[kStatN] = n;
     stats_[kStatThreshold] = threshold < 0 ? 0.0 : threshold;
   }
+
+  SplitCall(const SplitCall&) = delete;  // stats_ may point into the call
+  SplitCall& operator=(const SplitCall&) = delete;
 
   const absl::Status& status() const { return status_; }
   double* stats() { return stats_; }
@@ -496,6 +508,7 @@ class SplitCall {
   float threshold_in_;
   absl::Status status_;
   double* stats_ = nullptr;
+  double local_stats_[kNumStats];  // the statistics when no one reads them
   SplitShape shape_;
   FamilyModel* family_ = nullptr;
   RowSplit split_;
