@@ -44,7 +44,8 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from _common import call_times, markdown_table, tf_machine_desc, write_report
+from _common import (call_times, markdown_table, median_time,
+                     tf_machine_desc, write_report)
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.testing import random_sparse
 
@@ -131,6 +132,10 @@ def run_case(m, k, n, sparsity, direction, reps, rng):
     for f in fns:  # trace, calibrate, warm up
         for _ in range(3):
             f(a, y, bias).numpy()
+    # Each round times a block of calls per column, enough for ~5 ms of
+    # tf.matmul (1 call for the big shapes): a single sub-millisecond call
+    # on a loaded machine ranged over 100x between rounds.
+    block = max(1, min(32, int(5e-3 / median_time(lambda: fns[0](a, y, bias), 5))))
     times = [[] for _ in fns]
     for _ in range(reps):
         # A fresh random order every round: a rotation keeps each column's
@@ -139,7 +144,8 @@ def run_case(m, k, n, sparsity, direction, reps, rng):
         # a third of the product, whatever the column.
         for i in rng.permutation(len(fns)):
             # CPU execution is synchronous: the result is ready.
-            times[i] += call_times(lambda: fns[i](a, y, bias), 1)
+            times[i].append(statistics.mean(
+                call_times(lambda: fns[i](a, y, bias), block)))
     med = [statistics.median(t) for t in times]
     # Ratios are medians of the per-round ratios (each round times every
     # column back to back, in a random order): robust to load bursts that
@@ -261,7 +267,8 @@ def main(argv=None):
                 rows.append(r)
                 print(row_markdown(r), flush=True)
     title = (f"Speed-up t(tf.matmul) / t(column), float32, median of {reps} interleaved "
-             f"rounds' ratios; {tf_machine_desc(build_info())}. "
+             f"rounds' ratios (columns in a random order each round, each timed "
+             f"over a block of calls worth ~5 ms of tf.matmul); {tf_machine_desc(build_info())}. "
              f"'ours auto' = threshold -1, full_stats=False; 'ours forced sparse' = "
              f"threshold 1.0 (every row through the CSR SpMM); spread = min..max of "
              f"the per-round ratios of 'ours auto'; fused = relu(a @ b + bias), ours "
