@@ -2,7 +2,8 @@
 
 For each shape ``M x K x N`` and sparsity of the activation ``a`` (zeros
 uniformly at random), it times, inside ``tf.function``s and interleaved
-round by round (so that machine noise hits every column alike):
+round by round in a fresh random order (so that machine noise, and the
+cache state a column leaves behind, hit every column alike):
 
 * ``tf.matmul``                       -- the dense GEMM (oneDNN), ratio 1 by definition;
 * ``tf.matmul(..., a_is_sparse=True)`` -- TF's SparseMatMul kernel;
@@ -32,7 +33,7 @@ sparsity beside it (same name, ``.png``).
 
 Usage::
 
-    python benchmarks/bench_matmul.py [--quick] [--reps 7] [--out FILE]
+    python benchmarks/bench_matmul.py [--quick | --small] [--reps 7] [--out FILE]
 """
 
 import argparse
@@ -43,7 +44,8 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from _common import call_times, markdown_table, tf_machine_desc, write_report
+from _common import (call_times, markdown_table, median_time,
+                     tf_machine_desc, write_report)
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.testing import random_sparse
 
@@ -53,6 +55,9 @@ BIG_SPARSITIES = [0.0, 0.5, 0.9]
 # small N, where the counting pass is largest against the GEMM.
 SMALL_N_SHAPES = [(128, 2048, 10)] + [(512, 2048, n) for n in (1, 4, 16, 64)]
 SMALL_SPARSITIES = [0.0, 0.5]
+# --small: the small-N shapes above and held-out N (not bucket boundaries)
+# that nothing was tuned on.
+HELD_OUT_SMALL_N = [(512, 2048, n) for n in (3, 7, 12)]
 COLUMNS = ["tf.matmul", "a_is_sparse", "ours auto", "ours auto full stats",
            "ours sparse", "tf fused", "ours fused"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,16 +132,23 @@ def run_case(m, k, n, sparsity, direction, reps, rng):
     for f in fns:  # trace, calibrate, warm up
         for _ in range(3):
             f(a, y, bias).numpy()
+    # Each round times a block of calls per column, enough for ~5 ms of
+    # tf.matmul (1 call for the big shapes): a single sub-millisecond call
+    # on a loaded machine ranged over 100x between rounds.
+    block = max(1, min(32, int(5e-3 / median_time(lambda: fns[0](a, y, bias), 5))))
     times = [[] for _ in fns]
-    for r in range(reps):
-        order = list(range(len(fns)))
-        order = order[r % len(order):] + order[:r % len(order)]
-        for i in order:
+    for _ in range(reps):
+        # A fresh random order every round: a rotation keeps each column's
+        # predecessor, and the call right after TF's SparseMatMul (a large
+        # cache and allocator footprint) ran ~0.1 ms slower at 128x2048x10,
+        # a third of the product, whatever the column.
+        for i in rng.permutation(len(fns)):
             # CPU execution is synchronous: the result is ready.
-            times[i] += call_times(lambda: fns[i](a, y, bias), 1)
+            times[i].append(statistics.mean(
+                call_times(lambda: fns[i](a, y, bias), block)))
     med = [statistics.median(t) for t in times]
     # Ratios are medians of the per-round ratios (each round times every
-    # column back to back, in a rotated order): robust to load bursts that
+    # column back to back, in a random order): robust to load bursts that
     # hit a round, which a ratio of separate medians is not.
     def round_ratio(base, col):
         return statistics.median(b / c for b, c in zip(times[base], times[col]))
@@ -227,6 +239,10 @@ def main(argv=None):
                    help="256x1024x1024 and 128x2048x10 only, 2 sparsities, 3 rounds")
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench_matmul.md"),
                    help="markdown table to write (the PNG plot goes beside it)")
+    p.add_argument("--small", action="store_true",
+                   help="the small-N shapes only (output layers, N <= 64, "
+                        "and held-out N 3, 7, 12), where the op's fixed "
+                        "per-call cost shows")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     tfss.load_library()
@@ -234,6 +250,10 @@ def main(argv=None):
     if args.quick:
         cases = [((256, 1024, 1024), [0.0, 0.9]), ((128, 2048, 10), [0.0, 0.5])]
         reps = min(args.reps, 3)
+    elif args.small:
+        cases = [(sh, SMALL_SPARSITIES)
+                 for sh in SMALL_N_SHAPES + HELD_OUT_SMALL_N]
+        reps = args.reps
     else:
         cases = ([(sh, BIG_SPARSITIES) for sh in BIG_SHAPES] +
                  [(sh, SMALL_SPARSITIES) for sh in SMALL_N_SHAPES])
@@ -247,7 +267,8 @@ def main(argv=None):
                 rows.append(r)
                 print(row_markdown(r), flush=True)
     title = (f"Speed-up t(tf.matmul) / t(column), float32, median of {reps} interleaved "
-             f"rounds' ratios; {tf_machine_desc(build_info())}. "
+             f"rounds' ratios (columns in a random order each round, each timed "
+             f"over a block of calls worth ~5 ms of tf.matmul); {tf_machine_desc(build_info())}. "
              f"'ours auto' = threshold -1, full_stats=False; 'ours forced sparse' = "
              f"threshold 1.0 (every row through the CSR SpMM); spread = min..max of "
              f"the per-round ratios of 'ours auto'; fused = relu(a @ b + bias), ours "
