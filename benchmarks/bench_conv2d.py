@@ -31,8 +31,25 @@ all-dense and all-sparse times, as JSON: the recorded timings of
 ``tests/test_conv2d_family.py``, which checks the decisions on them
 without timing anything.
 
+``--dtypes float32,bfloat16`` (default ``float32``) runs every case in each
+listed dtype (float32, bfloat16, float16), TensorFlow's op in the same
+dtype; the tables gain a dtype column. In bfloat16 TensorFlow's oneDNN
+kernels use AVX512_BF16 / AMX where the CPU has them, so the dense
+baseline is far faster than in float32; ours widens the sparse images to
+float32 for its sparse kernels. ``--sparsities`` overrides the list of
+input sparsities; ``--shape`` picks one layer (``NxHxWxC_in->C_out``,
+3x3 SAME) for the unfused table.
+
+``--fused`` also times ``ours_auto_full``: the automatic call with
+``full_stats=True``, which counts every value on every call (what every
+automatic call did before the cheap analysis); ``ours_auto`` passes
+``full_stats=False`` (the default without ``return_stats``, and what the
+layers pass in ``predict``): a call the cost model keeps all-dense counts a
+sample or nothing.
+
 Usage: ``python benchmarks/bench_conv2d.py [--rounds 7] [--all-shapes]
-[--fused] [--record-family PATH]``
+[--fused] [--dtypes float32,bfloat16] [--sparsities 0,0.5,0.9]
+[--record-family PATH]``
 """
 
 import argparse
@@ -64,12 +81,25 @@ def _calls_per_round(fn, target_s=0.05):
     return int(min(20, max(1, target_s / once)))
 
 
-def run_shape(shape, rounds, out=sys.stdout):
+#: Relative error allowed against TF's op in the same dtype (a sanity check
+#: of the timed results, not the accuracy test: tests/ hold those).
+_CHECK_TOL = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2,
+              "float16": 3e-3}
+
+
+def _error_vs(got, want):
+    return T.relative_error(tf.cast(got, tf.float64).numpy(),
+                            tf.cast(want, tf.float64).numpy())
+
+
+def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
+              sparsities=SPARSITIES):
     name, n, h, w, ci, co, k = shape
     lib = tfss.load_library()
     rng = np.random.default_rng(0)
-    f = tf.constant(rng.normal(size=(k, k, ci, co)).astype(np.float32))
-    dy = tf.constant(rng.normal(size=(n, h, w, co)).astype(np.float32))
+    dt = tf.as_dtype(dtype)
+    f = tf.cast(rng.normal(size=(k, k, ci, co)).astype(np.float32), dt)
+    dy = tf.cast(rng.normal(size=(n, h, w, co)).astype(np.float32), dt)
     fsize = tf.constant([k, k, ci, co])
     strides = [1, 1, 1, 1]
     fns = {
@@ -89,12 +119,12 @@ def run_shape(shape, rounds, out=sys.stdout):
                 x, fsize, dy, 1.0, strides=strides, padding="SAME")[0]),
     }
     rows = []
-    for sp in SPARSITIES:
-        x = tf.constant(T.random_sparse_images((n, h, w, ci), sp, rng))
+    for sp in sparsities:
+        x = tf.cast(T.random_sparse_images((n, h, w, ci), sp, rng), dt)
         # Same answer (cheap insurance for the numbers below).
         for a, b in (("tf_fwd", "auto_fwd"), ("tf_dF", "auto_dF")):
-            err = T.relative_error(fns[b](x), fns[a](x).numpy())
-            assert err < 1e-4, (name, sp, b, err)
+            err = _error_vs(fns[b](x), fns[a](x))
+            assert err < _CHECK_TOL[dtype], (name, dtype, sp, b, err)
         reps = {v: _calls_per_round(lambda v=v: fns[v](x).numpy())
                 for v in VARIANTS}
         times = {v: [] for v in VARIANTS}
@@ -113,11 +143,11 @@ def run_shape(shape, rounds, out=sys.stdout):
                 per_round = [a / b for a, b in zip(tf_t, times[f"{v}_{kind}"])]
                 ratio[f"{v}_{kind}"] = (statistics.median(per_round),
                                         min(per_round), max(per_round))
-        row = dict(shape=name, sparsity=sp,
+        row = dict(shape=name, sparsity=sp, dtype=dtype,
                    tf_fwd_ms=statistics.median(times["tf_fwd"]) * 1e3,
                    tf_dF_ms=statistics.median(times["tf_dF"]) * 1e3, **ratio)
         rows.append(row)
-        print(f"{name:<22} {sp:5.2f}  fwd tf {row['tf_fwd_ms']:7.2f} ms auto "
+        print(f"{name:<22} {dtype:<8} {sp:5.2f}  fwd tf {row['tf_fwd_ms']:7.2f} ms auto "
               f"{ratio['auto_fwd'][0]:5.2f}x [{ratio['auto_fwd'][1]:.2f}-"
               f"{ratio['auto_fwd'][2]:.2f}] sparse {ratio['sparse_fwd'][0]:5.2f}x"
               f" | dF tf {row['tf_dF_ms']:7.2f} ms auto "
@@ -129,34 +159,41 @@ def run_shape(shape, rounds, out=sys.stdout):
 
 FUSED_SHAPE = ("32x28x28x32->64 3x3 relu", 32, 28, 28, 32, 64, 3)
 FUSED_SPARSITIES = [0.0, 0.5]
-FUSED_VARIANTS = ("tf_fused", "ours_dense", "ours_auto", "ours_unfused")
+FUSED_VARIANTS = ("tf_fused", "ours_dense", "ours_auto", "ours_auto_full",
+                  "ours_unfused")
 
 
-def run_fused(rounds, shape=FUSED_SHAPE, out=sys.stdout):
+def run_fused(rounds, shape=FUSED_SHAPE, out=sys.stdout, dtype="float32",
+              sparsities=FUSED_SPARSITIES):
     """Interleaved timings of the fused layer: per sparsity, the median over
     rounds of TF time / our time for each of our variants, and its
     min-max spread."""
     name, n, h, w, ci, co, k = shape
     rng = np.random.default_rng(1)
-    f = tf.constant((rng.normal(size=(k, k, ci, co)) * 0.1).astype(np.float32))
-    b = tf.constant(rng.normal(size=co).astype(np.float32))
+    dt = tf.as_dtype(dtype)
+    f = tf.cast((rng.normal(size=(k, k, ci, co)) * 0.1).astype(np.float32), dt)
+    b = tf.cast(rng.normal(size=co).astype(np.float32), dt)
     fns = {
         "tf_fused": tf.function(lambda x: tf.nn.relu(
             tf.nn.bias_add(tf.nn.conv2d(x, f, 1, "SAME"), b))),
         "ours_dense": tf.function(lambda x: tfss.sparse_split_conv2d(
             x, f, 1, "SAME", threshold=0.0, bias=b, activation="relu")),
         "ours_auto": tf.function(lambda x: tfss.sparse_split_conv2d(
-            x, f, 1, "SAME", threshold=-1.0, bias=b, activation="relu")),
+            x, f, 1, "SAME", threshold=-1.0, bias=b, activation="relu",
+            full_stats=False)),
+        "ours_auto_full": tf.function(lambda x: tfss.sparse_split_conv2d(
+            x, f, 1, "SAME", threshold=-1.0, bias=b, activation="relu",
+            full_stats=True)),
         "ours_unfused": tf.function(lambda x: tf.nn.relu(tf.nn.bias_add(
             tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=0.0), b))),
     }
     rows = []
-    for sp in FUSED_SPARSITIES:
-        x = tf.constant(T.random_sparse_images((n, h, w, ci), sp, rng))
-        ref = fns["tf_fused"](x).numpy()
+    for sp in sparsities:
+        x = tf.cast(T.random_sparse_images((n, h, w, ci), sp, rng), dt)
+        ref = fns["tf_fused"](x)
         for v in FUSED_VARIANTS[1:]:
-            err = T.relative_error(fns[v](x), ref)
-            assert err < 1e-4, (name, sp, v, err)
+            err = _error_vs(fns[v](x), ref)
+            assert err < _CHECK_TOL[dtype], (name, dtype, sp, v, err)
         reps = {v: _calls_per_round(lambda v=v: fns[v](x).numpy())
                 for v in FUSED_VARIANTS}
         # Wall-clock and process CPU seconds per call: under load (other
@@ -173,7 +210,7 @@ def run_fused(rounds, shape=FUSED_SHAPE, out=sys.stdout):
                 y.numpy()
                 times[v].append((time.perf_counter() - t0) / reps[v])
                 cpu[v].append((time.process_time() - c0) / reps[v])
-        row = dict(shape=name, sparsity=sp,
+        row = dict(shape=name, sparsity=sp, dtype=dtype,
                    tf_ms=statistics.median(times["tf_fused"]) * 1e3,
                    tf_cpu_ms=statistics.median(cpu["tf_fused"]) * 1e3)
         for v in FUSED_VARIANTS[1:]:
@@ -183,7 +220,7 @@ def run_fused(rounds, shape=FUSED_SHAPE, out=sys.stdout):
                                 max(per_round))
             row[v + "_ms"] = statistics.median(times[v]) * 1e3
         rows.append(row)
-        print(f"{name:<26} {sp:4.2f}  tf fused {row['tf_ms']:6.2f} ms "
+        print(f"{name:<26} {dtype:<8} {sp:4.2f}  tf fused {row['tf_ms']:6.2f} ms "
               f"(cpu {row['tf_cpu_ms']:6.2f} ms) | " +
               " | ".join(f"{v} {row[v + '_ms']:6.2f} ms {row[v][0]:.3f}x "
                          f"[{row[v][1]:.3f}-{row[v][2]:.3f}] cpu "
@@ -195,26 +232,31 @@ def run_fused(rounds, shape=FUSED_SHAPE, out=sys.stdout):
 def markdown_fused(rows, rounds, header):
     lines = [
         header, "",
-        "| layer | input sparsity | measure | TF fused conv (ms) | ours "
-        "all-dense | spread | ours auto | spread | ours unfused | spread |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| layer | dtype | input sparsity | measure | TF fused conv (ms) | "
+        "ours all-dense | spread | ours auto | spread | ours auto, full "
+        "count | spread | ours unfused | spread |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         for key, label, ms in (("", "wall", r["tf_ms"]),
                                ("cpu_", "process CPU", r["tf_cpu_ms"])):
-            d, a, u = (r[key + v] for v in FUSED_VARIANTS[1:])
+            d, a, af, u = (r[key + v] for v in FUSED_VARIANTS[1:])
             lines.append(
-                f"| {r['shape']} | {r['sparsity']:.0%} | {label} | {ms:.2f} | "
+                f"| {r['shape']} | {r['dtype']} | {r['sparsity']:.0%} | "
+                f"{label} | {ms:.2f} | "
                 f"{d[0]:.3f} | {d[1]:.3f}-{d[2]:.3f} | {a[0]:.3f} | "
-                f"{a[1]:.3f}-{a[2]:.3f} | {u[0]:.3f} | {u[1]:.3f}-{u[2]:.3f} |")
+                f"{a[1]:.3f}-{a[2]:.3f} | {af[0]:.3f} | {af[1]:.3f}-"
+                f"{af[2]:.3f} | {u[0]:.3f} | {u[1]:.3f}-{u[2]:.3f} |")
     lines += ["", f"Ratios are TF time / our time (> 1: ours faster): median "
               f"over {rounds} interleaved rounds (spread: min-max over "
               "rounds) of wall-clock and of process CPU seconds per call, "
-              "float32, NHWC, SAME, stride 1. TF: "
+              "NHWC, SAME, stride 1, TF in the same dtype. TF: "
               "tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w), b)) in a "
               "tf.function (Grappler fuses it into _MklNativeFusedConv2D); "
               "ours all-dense: sparse_split_conv2d(bias=b, activation='relu', "
-              "threshold=0); auto: threshold=-1; unfused: the op without "
+              "threshold=0); auto: threshold=-1 (full_stats=False: a call "
+              "kept all-dense counts a sample or nothing); auto, full count: "
+              "threshold=-1, full_stats=True; unfused: the op without "
               "bias/activation followed by TF's BiasAdd and Relu."]
     return "\n".join(lines) + "\n"
 
@@ -315,23 +357,25 @@ def record_family(path, reps=7):
 def markdown(rows, rounds, header):
     lines = [
         header, "",
-        "| layer | input sparsity | tf.nn.conv2d (ms) | fwd auto | fwd auto "
-        "spread | fwd all-sparse | Conv2DBackpropFilter (ms) | dF auto | dF "
-        "auto spread | dF all-sparse |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| layer | dtype | input sparsity | tf.nn.conv2d (ms) | fwd auto | "
+        "fwd auto spread | fwd all-sparse | Conv2DBackpropFilter (ms) | dF "
+        "auto | dF auto spread | dF all-sparse |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         a, s, ad, sd = r["auto_fwd"], r["sparse_fwd"], r["auto_dF"], r["sparse_dF"]
         lines.append(
-            f"| {r['shape']} | {r['sparsity']:.0%} | {r['tf_fwd_ms']:.2f} | "
+            f"| {r['shape']} | {r['dtype']} | {r['sparsity']:.0%} | "
+            f"{r['tf_fwd_ms']:.2f} | "
             f"{a[0]:.2f} | {a[1]:.2f}-{a[2]:.2f} | {s[0]:.2f} | "
             f"{r['tf_dF_ms']:.2f} | {ad[0]:.2f} | {ad[1]:.2f}-{ad[2]:.2f} | "
             f"{sd[0]:.2f} |")
     lines += ["", f"Ratios are TF time / our time (> 1: ours faster): median "
               f"over {rounds} interleaved rounds (spread: min-max over rounds),"
-              " float32, NHWC, SAME padding, stride 1, zeros scattered "
+              " NHWC, SAME padding, stride 1, zeros scattered "
               "uniformly. 'auto' is the automatic threshold (threshold=-1, "
-              "calibrated on its first call), 'all-sparse' threshold=1."]
+              "calibrated on its first call), 'all-sparse' threshold=1; TF's "
+              "op runs in the row's dtype."]
     return "\n".join(lines) + "\n"
 
 
@@ -343,8 +387,11 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, kind, title in ((axes[0], "fwd", "forward (tf.nn.conv2d)"),
                             (axes[1], "dF", "filter gradient")):
-        for shape in dict.fromkeys(r["shape"] for r in rows):
-            rs = [r for r in rows if r["shape"] == shape]
+        for shape, dtype in dict.fromkeys((r["shape"], r["dtype"])
+                                          for r in rows):
+            rs = [r for r in rows
+                  if r["shape"] == shape and r["dtype"] == dtype]
+            shape = f"{shape} {dtype}"
             xs = [r["sparsity"] * 100 for r in rs]
             auto = [r[f"auto_{kind}"] for r in rs]
             ax.plot(xs, [a[0] for a in auto], "o-", label=f"auto {shape}")
@@ -373,6 +420,14 @@ def main(argv=None):
     p.add_argument("--record-family", metavar="PATH", default=None,
                    help="record the CNN's calibration timings at batch 1 "
                         "and 32 as JSON (tests/data/conv_family_timings.json)")
+    p.add_argument("--dtypes", default="float32",
+                   help="comma-separated dtypes (float32, bfloat16, float16, "
+                        "float64; default float32)")
+    p.add_argument("--sparsities", default=None,
+                   help="comma-separated input sparsities in [0, 1]")
+    p.add_argument("--shape", default=None,
+                   help="one layer NxHxWxC_in->C_out (3x3 SAME) instead of "
+                        "the default shapes")
     p.add_argument("--fused", action="store_true",
                    help="time the fused bias + relu layer instead (writes "
                         "<out>_fused.md)")
@@ -385,6 +440,26 @@ def main(argv=None):
         p.error("--rounds must be >= 1")
     if args.out.endswith(".md"):
         args.out = args.out[:-3]
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in _CHECK_TOL:
+            p.error(f"--dtypes: unknown dtype {d!r}")
+    sparsities = None
+    if args.sparsities:
+        try:
+            sparsities = [float(v) for v in args.sparsities.split(",")]
+        except ValueError:
+            p.error(f"--sparsities: not numbers: {args.sparsities!r}")
+        if not all(0.0 <= v <= 1.0 for v in sparsities):
+            p.error("--sparsities must be in [0, 1]")
+    shapes = [MAIN_SHAPE] + (MORE_SHAPES if args.all_shapes else [])
+    if args.shape:
+        try:
+            lhs, cout = args.shape.split("->")
+            n, h, w, ci = (int(v) for v in lhs.split("x"))
+            shapes = [(f"{args.shape} 3x3", n, h, w, ci, int(cout), 3)]
+        except ValueError:
+            p.error(f"--shape must be NxHxWxC_in->C_out, got {args.shape!r}")
     info = tfss._loader.build_info()
     header = (f"tf {tf.__version__}, library built with {info['MARCH']} "
               f"({info['ISA']}), {os.cpu_count()} CPUs")
@@ -393,7 +468,11 @@ def main(argv=None):
         record_family(args.record_family)
         return 0
     if args.fused:
-        table = markdown_fused(run_fused(args.rounds), args.rounds, header)
+        rows = []
+        for d in dtypes:
+            rows += run_fused(args.rounds, dtype=d,
+                              sparsities=sparsities or FUSED_SPARSITIES)
+        table = markdown_fused(rows, args.rounds, header)
         print()
         print(table)
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -402,8 +481,10 @@ def main(argv=None):
         print(f"wrote {args.out}_fused.md")
         return 0
     rows = []
-    for shape in [MAIN_SHAPE] + (MORE_SHAPES if args.all_shapes else []):
-        rows += run_shape(shape, args.rounds)
+    for shape in shapes:
+        for d in dtypes:
+            rows += run_shape(shape, args.rounds, dtype=d,
+                              sparsities=sparsities or SPARSITIES)
     table = markdown(rows, args.rounds, header)
     print()
     print(table)

@@ -220,7 +220,7 @@ F4 = np.ones((3, 3, 3, 4), np.float32)
     (dict(threshold=1.5), "threshold"),
     (dict(threshold=float("nan")), "threshold"),
     (dict(threshold=[0.1, 0.2]), "scalar"),
-    (dict(input=np.ones((2, 6, 6, 3), np.int32)), "float32 or float64"),
+    (dict(input=np.ones((2, 6, 6, 3), np.int32)), "float32, float64, bfloat16 or float16"),
     (dict(filters=tf.constant(np.ones((3, 3, 3, 4), np.float64))), "dtype"),
 ])
 def test_bad_input_raises_invalid_argument(kwargs, match):

@@ -55,6 +55,59 @@ inline int64_t CountPixel<float>(const float* px, int64_t n, uint8_t* live) {
 
 #endif
 
+// The 16-bit storage types: zero is +-0 in the bits (IsZero).
+template <typename T>
+inline int64_t CountPixelBits(const T* px, int64_t n, uint8_t* live) {
+  int64_t k = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const bool nz = !IsZero(px[c]);
+    k += nz;
+    live[c] |= nz;
+  }
+  return k;
+}
+
+#if defined(__x86_64__)
+// 32 values per compare, chosen at run time (Cpu().avx512bw).
+__attribute__((target("avx512f,avx512bw"))) int64_t CountPixelBitsAvx512(
+    const uint16_t* px, int64_t n, uint8_t* live) {
+  int64_t k = 0, c = 0;
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff);
+  for (; c + 32 <= n; c += 32) {
+    const __mmask32 mk = _mm512_test_epi16_mask(
+        _mm512_loadu_si512(reinterpret_cast<const void*>(px + c)), magnitude);
+    k += __builtin_popcount(mk);
+    const __m256i nz = _mm512_castsi512_si256(
+        _mm512_maskz_set1_epi8(static_cast<__mmask64>(mk), 1));
+    __m256i* lv = reinterpret_cast<__m256i*>(live + c);
+    _mm256_storeu_si256(lv, _mm256_or_si256(_mm256_loadu_si256(lv), nz));
+  }
+  for (; c < n; ++c) {
+    const bool nz = (px[c] & 0x7fffu) != 0;
+    k += nz;
+    live[c] |= nz;
+  }
+  return k;
+}
+#endif
+
+template <>
+inline int64_t CountPixel<bf16>(const bf16* px, int64_t n, uint8_t* live) {
+#if defined(__x86_64__)
+  if (Cpu().avx512bw)
+    return CountPixelBitsAvx512(reinterpret_cast<const uint16_t*>(px), n, live);
+#endif
+  return CountPixelBits(px, n, live);
+}
+template <>
+inline int64_t CountPixel<f16>(const f16* px, int64_t n, uint8_t* live) {
+#if defined(__x86_64__)
+  if (Cpu().avx512bw)
+    return CountPixelBitsAvx512(reinterpret_cast<const uint16_t*>(px), n, live);
+#endif
+  return CountPixelBits(px, n, live);
+}
+
 // Most full vectors kept in registers per output chunk.
 constexpr int kMaxVecs = 8;
 
@@ -324,18 +377,25 @@ bool ConvOutputSize(int64_t in, int64_t k, int64_t stride, int64_t dilation,
   return true;
 }
 
+int64_t ConvSampledPixels(const Conv2DGeometry& g, int64_t pixel_stride) {
+  const int64_t hw = g.h * g.w, s = pixel_stride < 1 ? 1 : pixel_stride;
+  return (hw + s - 1) / s;
+}
+
 template <typename T>
-int64_t CountConvNonzeros(const T* x, const Conv2DGeometry& g,
-                          int64_t* image_nnz, int64_t* channel_nnz,
-                          const ParallelFor& pfor) {
+int64_t CountConvNonzerosStrided(const T* x, const Conv2DGeometry& g,
+                                 int64_t pixel_stride, int64_t* image_nnz,
+                                 int64_t* channel_nnz, const ParallelFor& pfor) {
   const int64_t hw = g.h * g.w, ci = g.c_in;
+  const int64_t stride = pixel_stride < 1 ? 1 : pixel_stride;
   std::vector<uint8_t> live(g.n * ci, 0);
-  pfor(g.n, hw * ci, [&](int64_t b, int64_t e) {
+  pfor(g.n, ConvSampledPixels(g, stride) * ci, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n) {
       const T* img = x + n * hw * ci;
       uint8_t* lv = live.data() + n * ci;
       int64_t s = 0;
-      for (int64_t p = 0; p < hw; ++p) s += CountPixel<T>(img + p * ci, ci, lv);
+      for (int64_t p = 0; p < hw; p += stride)
+        s += CountPixel<T>(img + p * ci, ci, lv);
       image_nnz[n] = s;
     }
   });
@@ -346,6 +406,13 @@ int64_t CountConvNonzeros(const T* x, const Conv2DGeometry& g,
     total += image_nnz[n];
   }
   return total;
+}
+
+template <typename T>
+int64_t CountConvNonzeros(const T* x, const Conv2DGeometry& g,
+                          int64_t* image_nnz, int64_t* channel_nnz,
+                          const ParallelFor& pfor) {
+  return CountConvNonzerosStrided<T>(x, g, 1, image_nnz, channel_nnz, pfor);
 }
 
 template <typename T>
@@ -603,6 +670,9 @@ void ScatterFilterChannels(const T* src, const Conv2DGeometry& g,
       T* d = df + (t * g.c_in + chans[j]) * co;
       if (overwrite) {
         std::memcpy(d, s, sizeof(T) * co);
+      } else if constexpr (IsLowPrecision<T>::value) {
+        for (int64_t k = 0; k < co; ++k)
+          d[k] = FromFloat<T>(ToFloat(d[k]) + ToFloat(s[k]));
       } else {
         for (int64_t k = 0; k < co; ++k) d[k] += s[k];
       }
@@ -621,10 +691,31 @@ void ScatterImages(const T* src, const Conv2DGeometry& g,
   });
 }
 
-#define TFSS_INSTANTIATE(T)                                                   \
+#define TFSS_INSTANTIATE_COUNT_COPY(T)                                        \
   template int64_t CountConvNonzeros<T>(const T*, const Conv2DGeometry&,      \
                                         int64_t*, int64_t*,                   \
                                         const ParallelFor&);                  \
+  template int64_t CountConvNonzerosStrided<T>(                               \
+      const T*, const Conv2DGeometry&, int64_t, int64_t*, int64_t*,           \
+      const ParallelFor&);                                                    \
+  template void GatherImagesChannels<T>(const T*, const Conv2DGeometry&,      \
+                                        const int64_t*, int64_t,              \
+                                        const int64_t*, int64_t, T*,          \
+                                        const ParallelFor&);                  \
+  template void GatherFilterChannels<T>(const T*, const Conv2DGeometry&,      \
+                                        const int64_t*, int64_t, T*);         \
+  template void ScatterFilterChannels<T>(const T*, const Conv2DGeometry&,     \
+                                         const int64_t*, int64_t, T*, bool);  \
+  template void ScatterImages<T>(const T*, const Conv2DGeometry&,             \
+                                 const int64_t*, int64_t, T*,                 \
+                                 const ParallelFor&);
+TFSS_INSTANTIATE_COUNT_COPY(float)
+TFSS_INSTANTIATE_COUNT_COPY(double)
+TFSS_INSTANTIATE_COUNT_COPY(bf16)
+TFSS_INSTANTIATE_COUNT_COPY(f16)
+#undef TFSS_INSTANTIATE_COUNT_COPY
+
+#define TFSS_INSTANTIATE(T)                                                   \
   template void BuildPixelCsr<T>(const T*, const Conv2DGeometry&,             \
                                  const int64_t*, int64_t, const int64_t*,     \
                                  PixelCsr<T>*, const ParallelFor&);           \
@@ -640,18 +731,7 @@ void ScatterImages(const T* src, const Conv2DGeometry& g,
       T*, const ParallelFor&);                                                \
   template void SparseConv2DBackpropFilterPixels<T>(                          \
       const PixelCsr<T>&, const Conv2DGeometry&, const int64_t*, int64_t,     \
-      const T*, T*, const ParallelFor&);                                      \
-  template void GatherImagesChannels<T>(const T*, const Conv2DGeometry&,      \
-                                        const int64_t*, int64_t,              \
-                                        const int64_t*, int64_t, T*,          \
-                                        const ParallelFor&);                  \
-  template void GatherFilterChannels<T>(const T*, const Conv2DGeometry&,      \
-                                        const int64_t*, int64_t, T*);         \
-  template void ScatterFilterChannels<T>(const T*, const Conv2DGeometry&,     \
-                                         const int64_t*, int64_t, T*, bool);  \
-  template void ScatterImages<T>(const T*, const Conv2DGeometry&,             \
-                                 const int64_t*, int64_t, T*,                 \
-                                 const ParallelFor&);
+      const T*, T*, const ParallelFor&);
 TFSS_INSTANTIATE(float)
 TFSS_INSTANTIATE(double)
 #undef TFSS_INSTANTIATE

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cc/core/low_precision.h"
 #include "cc/core/sparse_matmul.h"
 
 namespace tf_sparse_split {
@@ -59,6 +60,23 @@ template <typename T>
 int64_t CountConvNonzeros(const T* x, const Conv2DGeometry& g,
                           int64_t* image_nnz, int64_t* channel_nnz,
                           const ParallelFor& pfor);
+
+// The same counts over a strided sample of each image's pixels: pixels
+// p = 0, pixel_stride, 2 * pixel_stride, ... of the H*W pixels (raster
+// order) of every image are counted (pixel_stride 1: everything, as
+// CountConvNonzeros). image_nnz[n] counts ConvSampledPixels(g, stride) *
+// C_in values per image; channel_nnz as above over the sampled pixels (a
+// channel live in the sample is live; one zero in the sample may not be).
+// Instantiated for float, double and the 16-bit storage types bf16 / f16
+// (whose zero test is on the bits, IsZero; vectorised with AVX-512BW when
+// CPUID reports it, whatever the build flags). Returns the nnz counted.
+template <typename T>
+int64_t CountConvNonzerosStrided(const T* x, const Conv2DGeometry& g,
+                                 int64_t pixel_stride, int64_t* image_nnz,
+                                 int64_t* channel_nnz, const ParallelFor& pfor);
+
+// Pixels of one image that CountConvNonzerosStrided counts at this stride.
+int64_t ConvSampledPixels(const Conv2DGeometry& g, int64_t pixel_stride);
 
 // Nonzeros of the listed images grouped by pixel: pixel p = (i*H + h)*W + w
 // of the i-th listed image holds entries [ptr[p], ptr[p+1]) of (chan, val),
@@ -141,6 +159,10 @@ void SparseConv2DBackpropFilterPixels(const PixelCsr<T>& csr,
 // min(n_images, 16, 4M elements / df size), at least 1.
 int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images);
 
+// The copies and scatters below are also instantiated for the 16-bit storage
+// types bf16 and f16 (ScatterFilterChannels' adding form sums in float32 and
+// rounds once to nearest even).
+//
 // Copies images[0..n_images) and channels chans[0..n_chans) of x into the
 // dense [n_images, H, W, n_chans] buffer out (null images/chans = all).
 template <typename T>

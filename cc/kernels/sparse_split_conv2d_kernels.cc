@@ -23,6 +23,19 @@
 // of cc/kernels/epilogue.h right after the sparse kernel wrote them. An
 // all-dense call is exactly TF's fused kernel on the op's inputs.
 //
+// Cheap analysis (attr full_stats false, automatic threshold): a call first
+// asks the cost model how much to count (SplitCall::ChooseAnalysis): every
+// value, a strided sample of every image's pixels (ConvSample), or nothing;
+// when the sample clearly says all-dense, or nothing was counted, the call
+// runs TF's (fused) kernel on its inputs at once, its statistics marked
+// (kStatAnalysis).
+//
+// Dtypes: float32, float64, bfloat16 and half. The 16-bit dtypes follow TF's
+// CPU kernels' contract (stored in T, accumulated in float32, rounded once
+// to T): TF's kernels in T for the dense part; the sparse images widened to
+// float32 for the float32 sparse kernels, their output rounded once (see
+// "16-bit dtypes" below).
+//
 // Statistics (float64 [kNumStats], StatIndex of sparse_matmul.h) with rows = images
 // and columns = the H*W*C_in values of an image (an all-zero input channel is
 // H*W all-zero columns): M = N, K = H*W*C_in, N = KH*KW*C_out (flops / 2 per
@@ -41,8 +54,10 @@
 #include "cc/core/conv_cost.h"
 #include "cc/core/cost_model.h"
 #include "cc/core/direct_conv2d.h"
+#include "cc/core/low_precision.h"
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/core/uninit_vector.h"
 #include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
@@ -51,12 +66,94 @@
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/framework/types.h"
 
 namespace tf_sparse_split {
 
 namespace tf = ::tensorflow;
 
 namespace {
+
+// ---- 16-bit dtypes -------------------------------------------------------
+// TensorFlow's bfloat16 / half (Eigen::bfloat16 / Eigen::half) are stored as
+// the core's bf16 / f16 (layout-compatible, cc/core/low_precision.h): the
+// counts and copies take them as they are; the sparse kernels run in float32
+// on the sparse images widened once (WidenToFloat), and their output (or the
+// filter gradient's sum) is rounded once to the dtype (NarrowFromFloat,
+// round-to-nearest-even). TF's own kernels run the dense part in the dtype.
+template <typename T>
+struct CoreOf {
+  using type = T;
+};
+template <>
+struct CoreOf<Eigen::bfloat16> {
+  using type = bf16;
+};
+template <>
+struct CoreOf<Eigen::half> {
+  using type = f16;
+};
+template <typename T>
+using CoreT = typename CoreOf<T>::type;
+static_assert(sizeof(Eigen::bfloat16) == sizeof(bf16) &&
+                  sizeof(Eigen::half) == sizeof(f16),
+              "16-bit storage types are layout-compatible with Eigen's");
+template <typename T>
+const CoreT<T>* Core(const T* p) {
+  return reinterpret_cast<const CoreT<T>*>(p);
+}
+template <typename T>
+CoreT<T>* Core(T* p) {
+  return reinterpret_cast<CoreT<T>*>(p);
+}
+// Whether T is a 16-bit dtype whose sparse part runs in float32.
+template <typename T>
+constexpr bool kLowPrecision = IsLowPrecision<CoreT<T>>::value;
+
+// Images images[0..n) of x, per_image values each, widened to float32 into
+// the dense [n, per_image] buffer out.
+template <typename T>
+void WidenImages(const T* x, int64_t per_image, const int64_t* images,
+                 int64_t n, float* out, const ParallelFor& pfor) {
+  pfor(n, per_image + 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      WidenToFloat(Core(x) + images[i] * per_image, out + i * per_image,
+                   per_image);
+  });
+}
+
+// Images per block of the 16-bit sparse paths: about 2^20 input values
+// (4 MB of float32), the size the calibration times, so that the widened
+// block and its output stay in cache between widening, kernel and
+// narrowing instead of streaming the whole batch through memory three
+// times.
+inline int64_t LowPrecisionBlock(int64_t per_image) {
+  return std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, per_image));
+}
+
+// act(y + bias) on rows x n float32 values (bias may be null): with
+// nan_to_zero as oneDNN's relu/relu6 post-ops (NaN -> 0), else as the core
+// epilogue (NaN propagates).
+void FloatEpilogue(float* y, int64_t rows, int64_t n, const float* bias,
+                   Activation act, bool nan_to_zero, const ParallelFor& pfor) {
+  if (rows <= 0 || n <= 0) return;
+  if (nan_to_zero && act != Activation::kNone) {
+    pfor(rows, 2 * n + 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        float* row = y + r * n;
+        for (int64_t j = 0; j < n; ++j) {
+          float v = row[j];
+          if (bias != nullptr) v += bias[j];
+          v = v > 0.0f ? v : 0.0f;
+          if (act == Activation::kRelu6) v = v < 6.0f ? v : 6.0f;
+          row[j] = v;
+        }
+      }
+    });
+    return;
+  }
+  BiasActivationRows<float>(y, n, nullptr, rows, n, bias, act, pfor);
+}
 
 absl::Status CheckFilter(const Conv2DGeometry& g, const tf::TensorShape& x,
                          const tf::TensorShape& f, const char* op);
@@ -158,8 +255,27 @@ struct ConvAttrs {
 };
 
 
-// Creates TF's kernel for `op` (oneDNN's labelled "_MklNative<op>" for
-// float32 when available, else the plain one).
+// Whether TF runs its oneDNN convolutions in dtype dt on this CPU, as its
+// graph rewrite does (CPUID, read at run time): float32 always (oneDNN on);
+// bfloat16 with AVX-512F (oneDNN's bf16 kernels: native AVX512_BF16 / AMX
+// where present, emulated on AVX-512F otherwise); half only with
+// AVX512_FP16. Elsewhere TF's Eigen kernels run that dtype.
+bool OneDnnRunsDtype(tf::DataType dt) {
+  if (!OneDnnEnabled()) return dt == tf::DT_FLOAT;
+  switch (dt) {
+    case tf::DT_FLOAT:
+      return true;
+    case tf::DT_BFLOAT16:
+      return Cpu().avx512f;
+    case tf::DT_HALF:
+      return Cpu().avx512fp16;
+    default:
+      return false;
+  }
+}
+
+// Creates TF's kernel for `op` (oneDNN's labelled "_MklNative<op>" where
+// OneDnnRunsDtype, else the plain one).
 absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
                              const std::string& op, int num_inputs,
                              const ConvAttrs& a, TfKernel* k,
@@ -178,8 +294,9 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
   // graph never runs it there either (its oneDNN rewrite leaves
   // Conv2DBackpropFilter with EXPLICIT padding to the Eigen kernel).
   const bool onednn_ok =
-      !(op == "Conv2DBackpropFilter" && a.padding_code == 2);
-  if (dt == tf::DT_FLOAT && onednn_ok) {
+      !(op == "Conv2DBackpropFilter" && a.padding_code == 2) &&
+      OneDnnRunsDtype(dt);
+  if (onednn_ok) {
     if (k->Init(ctx, tf::DEVICE_CPU, "_MklNative" + op, "MklNameChangeOp",
                 num_inputs, attrs)
             .ok()) {
@@ -196,7 +313,8 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
 // oneDNN's "_MklNativeFusedConv2D" in float32 when oneDNN is on (checked at
 // run time in TF 2.21: the partition graph of such a tf.function holds
 // _MklNativeFusedConv2D, _kernel MklNameChangeOp), Eigen's "_FusedConv2D"
-// in float32 without oneDNN. In float64 TF's graph runs Conv2D, BiasAdd and
+// in float32 without oneDNN; the same kernels in bfloat16 and half (oneDNN's
+// where OneDnnRunsDtype). In float64 TF's graph runs Conv2D, BiasAdd and
 // Relu unfused; there (and wherever the fused kernel cannot be created)
 // this returns an error and the op runs Conv2D followed by its epilogue.
 // *onednn tells whether the kernel is oneDNN's (its relu maps NaN to 0).
@@ -204,7 +322,7 @@ absl::Status InitFusedKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
                              const ConvAttrs& a, Activation act, TfKernel* k,
                              bool* onednn) {
   *onednn = false;
-  if (dt != tf::DT_FLOAT)
+  if (dt == tf::DT_DOUBLE)
     return tf::errors::Unimplemented("no fused CPU convolution for ",
                                      tf::DataTypeString(dt));
   std::vector<std::string> fused_ops = {"BiasAdd"};
@@ -222,7 +340,7 @@ absl::Status InitFusedKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
     tf::AddNodeAttr("fused_ops", fused_ops, def);
   };
   // Inputs: input, filter, args (the bias); no host_args.
-  if (OneDnnEnabled() &&
+  if (OneDnnEnabled() && OneDnnRunsDtype(dt) &&
       k->Init(ctx, tf::DEVICE_CPU, "_MklNativeFusedConv2D", "MklNameChangeOp",
               3, attrs)
           .ok()) {
@@ -460,7 +578,149 @@ void SparseFilterGradBy(bool direct, const T* x, const Conv2DGeometry& g,
   }
   SparseFilterGrad<T>(x, g, images, n_images, image_nnz, dy, df, pfor);
 }
+
+// The 16-bit dtypes' sparse forward: the listed images of x and the filter
+// widened to float32, the float32 kernel chosen above, then (bias_f or act
+// given) act(y + bias) in float32, and one rounding of each output value to
+// T into the images' place in y, block by block (LowPrecisionBlock). Other
+// images of y are untouched.
+template <typename T>
+void SparseForwardLow(bool direct, const T* x, const Conv2DGeometry& g,
+                      const int64_t* images, int64_t n_images,
+                      const int64_t* image_nnz, const T* f, T* y,
+                      const float* bias_f, Activation act, bool nan_to_zero,
+                      const ParallelFor& pfor) {
+  if (n_images <= 0) return;
+  const int64_t per_in = g.h * g.w * g.c_in;
+  const int64_t per_out = g.out_h * g.out_w * g.c_out;
+  const int64_t fsize = g.kh * g.kw * g.c_in * g.c_out;
+  const int64_t block = std::min(n_images, LowPrecisionBlock(per_in));
+  UninitVector<float> ff, xf, yf;
+  ff.resize(fsize);
+  xf.resize(block * per_in);
+  yf.resize(block * per_out);
+  WidenToFloat(Core(f), ff.data(), fsize);
+  std::vector<int64_t> local(block), nnz(block);
+  for (int64_t b0 = 0; b0 < n_images; b0 += block) {
+    const int64_t nb = std::min(block, n_images - b0);
+    const int64_t* imgs = images + b0;
+    WidenImages(x, per_in, imgs, nb, xf.data(), pfor);
+    for (int64_t i = 0; i < nb; ++i) {
+      local[i] = i;
+      nnz[i] = image_nnz[imgs[i]];
+    }
+    Conv2DGeometry gs = g;
+    gs.n = nb;
+    SparseForwardBy<float>(direct, xf.data(), gs, local.data(), nb,
+                           nnz.data(), ff.data(), yf.data(), pfor);
+    if (bias_f != nullptr || act != Activation::kNone)
+      FloatEpilogue(yf.data(), nb * g.out_h * g.out_w, g.c_out, bias_f, act,
+                    nan_to_zero, pfor);
+    pfor(nb, per_out + 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i)
+        NarrowFromFloat(yf.data() + i * per_out, Core(y) + imgs[i] * per_out,
+                        per_out);
+    });
+  }
+}
+
+// The 16-bit dtypes' sparse filter gradient: the listed images of x and dy
+// widened to float32 block by block (LowPrecisionBlock), the float32 kernel
+// accumulating each block into the float32 df [KH, KW, C_in, C_out] (the
+// caller rounds the finished sum once).
+template <typename T>
+void SparseFilterGradLow(bool direct, const T* x, const Conv2DGeometry& g,
+                         const int64_t* images, int64_t n_images,
+                         const int64_t* image_nnz, const T* dy, float* df,
+                         const ParallelFor& pfor) {
+  if (n_images <= 0) return;
+  const int64_t per_in = g.h * g.w * g.c_in;
+  const int64_t per_out = g.out_h * g.out_w * g.c_out;
+  const int64_t block = std::min(n_images, LowPrecisionBlock(per_in));
+  UninitVector<float> xf, dyf;
+  xf.resize(block * per_in);
+  dyf.resize(block * per_out);
+  std::vector<int64_t> local(block), nnz(block);
+  for (int64_t b0 = 0; b0 < n_images; b0 += block) {
+    const int64_t nb = std::min(block, n_images - b0);
+    const int64_t* imgs = images + b0;
+    WidenImages(x, per_in, imgs, nb, xf.data(), pfor);
+    WidenImages(dy, per_out, imgs, nb, dyf.data(), pfor);
+    for (int64_t i = 0; i < nb; ++i) {
+      local[i] = i;
+      nnz[i] = image_nnz[imgs[i]];
+    }
+    Conv2DGeometry gs = g;
+    gs.n = nb;
+    SparseFilterGradBy<float>(direct, xf.data(), gs, local.data(), nb,
+                              nnz.data(), dyf.data(), df, pfor);
+  }
+}
+
+// Sparse filter gradient in any dtype, added into the T buffer df (used by
+// the calibrations; a call's 16-bit sum is assembled in float32 instead).
+template <typename T>
+void SparseFilterGradAny(bool direct, const T* x, const Conv2DGeometry& g,
+                         const int64_t* images, int64_t n_images,
+                         const int64_t* image_nnz, const T* dy, T* df,
+                         const ParallelFor& pfor) {
+  if constexpr (kLowPrecision<T>) {
+    const int64_t fsize = g.kh * g.kw * g.c_in * g.c_out;
+    std::vector<float> acc(fsize);
+    WidenToFloat(Core(static_cast<const T*>(df)), acc.data(), fsize);
+    SparseFilterGradLow<T>(direct, x, g, images, n_images, image_nnz, dy,
+                           acc.data(), pfor);
+    NarrowFromFloat(acc.data(), Core(df), fsize);
+  } else {
+    SparseFilterGradBy<T>(direct, x, g, images, n_images, image_nnz, dy, df,
+                          pfor);
+  }
+}
+
+// Sparse forward in any dtype with no epilogue (the sparse-kernel choice's
+// timings).
+template <typename T>
+void SparseForwardAny(bool direct, const T* x, const Conv2DGeometry& g,
+                      const int64_t* images, int64_t n_images,
+                      const int64_t* image_nnz, const T* f, T* y,
+                      const ParallelFor& pfor) {
+  if constexpr (kLowPrecision<T>) {
+    SparseForwardLow<T>(direct, x, g, images, n_images, image_nnz, f, y,
+                        nullptr, Activation::kNone, false, pfor);
+  } else {
+    SparseForwardBy<T>(direct, x, g, images, n_images, image_nnz, f, y, pfor);
+  }
+}
 // ---- end of the sparse-kernel choice --------------------------------------
+
+// The counts of a strided sample of a convolution input's pixels, as the
+// split runtime's SampledCounts (rows = images): every image counted at
+// the pixels CountConvNonzerosStrided visits. `stride` is the runtime's
+// stride over the N*H*W pixels (SplitCall::SampleStrideFor), raised to be
+// coprime with W (so that the sample visits every column, not one column
+// of the image), after a cap at H*W / 4 (about four pixels per image at
+// least). Returns the stride used (1: nothing sampled, count everything).
+template <typename T>
+int64_t ConvSample(const T* x, const Conv2DGeometry& g, int64_t stride,
+                   const ParallelFor& pfor, SampledCounts* out) {
+  const int64_t hw = g.h * g.w;
+  stride = std::min<int64_t>(stride, hw / 4);
+  if (stride < 2) return 1;
+  while (std::gcd(stride, g.w) != 1) ++stride;
+  std::vector<int64_t> chan(g.c_in, 0);
+  out->row_nnz.assign(g.n, 0);
+  const int64_t nnz = CountConvNonzerosStrided<CoreT<T>>(
+      Core(x), g, stride, out->row_nnz.data(), chan.data(), pfor);
+  const int64_t px = ConvSampledPixels(g, stride);
+  const int64_t live = static_cast<int64_t>(
+      std::count_if(chan.begin(), chan.end(), [](int64_t c) { return c != 0; }));
+  out->rows = g.n;
+  out->k_counted = px * g.c_in;
+  out->k_live_est = hw * live;
+  out->nnz_est = static_cast<double>(nnz) * static_cast<double>(hw) /
+                 static_cast<double>(std::max<int64_t>(1, px));
+  return stride;
+}
 
 // The filter_sizes tensor [KH, KW, c, C_out] of TF's Conv2DBackpropFilter.
 tf::Tensor FilterSizes(const Conv2DGeometry& g, int64_t c) {
@@ -483,7 +743,8 @@ struct ConvAnalysis {
   void Run(const T* x, const Conv2DGeometry& g, const ParallelFor& pfor) {
     image_nnz.assign(g.n, 0);
     chan_nnz.assign(g.c_in, 0);
-    nnz = CountConvNonzeros<T>(x, g, image_nnz.data(), chan_nnz.data(), pfor);
+    nnz = CountConvNonzeros<CoreT<T>>(Core(x), g, image_nnz.data(),
+                                      chan_nnz.data(), pfor);
     live = LiveColumns(chan_nnz.data(), g.c_in);
     c_live = static_cast<int64_t>(live.size());
   }
@@ -515,6 +776,10 @@ struct ConvSplit {
   // dense part multiplies.
   int64_t rd = 0, rs = 0, kc = 0;
   bool compact = false;
+  // After Prepare: the call counted a sample or nothing and runs TF's
+  // kernel on the op's inputs, every image dense (SplitCall::SkipAnalysis /
+  // AcceptSample); then Finish with call.Finish(0, 0).
+  bool dense_now = false;
 
   const std::vector<int64_t>& dense() const { return call.split().dense_rows; }
   const std::vector<int64_t>& sparse() const { return call.split().sparse_rows; }
@@ -525,20 +790,51 @@ struct ConvSplit {
 
   // Sets *done when nothing is left to do (an empty problem: output 0 of
   // `out_shape` zeroed and statistics written).
+  //
+  // Automatic calls first ask how much to count (SplitCall::ChooseAnalysis,
+  // cost_model.h): everything; a strided sample of the pixels of every
+  // image (ConvSample), accepted when it clearly says all-dense; or
+  // nothing, where no plan but the dense kernel could save the policy's
+  // minimum gain whatever the zeros. full_stats: the caller wants exact
+  // statistics (every value counted).
   template <typename T, typename Paths>
   absl::Status Prepare(tf::OpKernelContext* ctx, const tf::Tensor& x,
                        const Conv2DGeometry& g, const tf::TensorShape& out_shape,
                        FamilyOp op, bool dense_allowed, Paths& paths,
-                       PlanMemory* plans, bool* done) {
+                       PlanMemory* plans, bool full_stats, bool* done) {
     TF_RETURN_IF_ERROR(call.status());
     TF_RETURN_IF_ERROR(FinishIfEmpty<T>(ctx, g, out_shape, &call, done));
     if (*done) return absl::OkStatus();
+    FamilyModel& family =
+        FamilyFor(FamilyKey(op, tf::DataTypeToEnum<T>::value, g));
+    if (dense_allowed) {
+      const SplitShape dense_shape = ConvSplitShape(g, g.c_in, true);
+      const AnalysisMode mode =
+          call.ChooseAnalysis(dense_shape, &family, plans, full_stats);
+      if (mode == AnalysisMode::kSkip) {
+        call.SkipAnalysis(dense_shape, &family, plans);
+      } else if (mode == AnalysisMode::kSample) {
+        const int64_t stride = call.SampleStrideFor(
+            dense_shape, &family, g.n * g.h * g.w, g.c_in);
+        SampledCounts sc;
+        if (stride > 1 &&
+            ConvSample<T>(x.flat<T>().data(), g, stride, pfor, &sc) > 1)
+          call.AcceptSample(dense_shape, sc, &family, plans);
+      }
+      if (call.dense_without_count()) {
+        dense_now = true;
+        rd = g.n;
+        rs = 0;
+        kc = g.c_in;
+        return absl::OkStatus();
+      }
+    }
     an.Run<T>(x.flat<T>().data(), g, pfor);
+    if (call.automatic())
+      call.CountDone(&family, static_cast<double>(g.n) * g.h * g.w * g.c_in);
     TF_RETURN_IF_ERROR(call.Decide<T>(
         ctx, paths, ConvSplitShape(g, an.c_live, dense_allowed),
-        an.image_nnz.data(),
-        &FamilyFor(FamilyKey(op, tf::DataTypeToEnum<T>::value, g)), plans,
-        pfor));
+        an.image_nnz.data(), &family, plans, pfor));
     rd = call.rows_dense();
     rs = call.rows_sparse();
     compact = call.compact();
@@ -553,10 +849,10 @@ struct ConvSplit {
                            const Conv2DGeometry& g, tf::Tensor* xd) const {
     TF_RETURN_IF_ERROR(ctx->allocate_temp(
         x.dtype(), tf::TensorShape({rd, g.h, g.w, kc}), xd));
-    GatherImagesChannels<T>(x.flat<T>().data(), g,
-                            rd == g.n ? nullptr : dense().data(), rd,
-                            compact ? an.live.data() : nullptr, kc,
-                            xd->flat<T>().data(), pfor);
+    GatherImagesChannels<CoreT<T>>(Core(x.flat<T>().data()), g,
+                                   rd == g.n ? nullptr : dense().data(), rd,
+                                   compact ? an.live.data() : nullptr, kc,
+                                   Core(xd->flat<T>().data()), pfor);
     return absl::OkStatus();
   }
 
@@ -662,11 +958,40 @@ struct ConvForwardPaths : ConvSamples {
       kernel = choice && UseDirectKernel(*choice, static_cast<double>(gs.n) *
                                                       g.h * g.w * g.c_in, nnz);
     const bool direct = kernel == 1;
-    SparseForwardBy<T>(direct, sample.flat<T>().data(), gs, imgs.data(), gs.n,
-                       image_nnz, f.flat<T>().data(), y.data(), pfor);
-    epilogue.ApplyRows<T>(ctx, y.data(), gs.n * g.out_h * g.out_w, g.c_out,
-                          pfor);
+    Sparse(direct, sample.flat<T>().data(), gs, imgs.data(), gs.n, image_nnz,
+           y.data());
     return absl::OkStatus();
+  }
+
+  // The sparse part on images imgs[0..n) of xin (geometry gs; image_nnz
+  // indexed like x's images): act(conv + bias) written to those images of
+  // y. In the 16-bit dtypes the kernel runs in float32 (SparseForwardLow);
+  // where the dense part is TF's fused kernel (one rounding after the bias
+  // and activation) the epilogue runs in float32 before the one rounding,
+  // else in T after it, as the dense part's Conv2D + epilogue rounds.
+  void Sparse(bool direct, const T* xin, const Conv2DGeometry& gs,
+              const int64_t* imgs, int64_t n, const int64_t* image_nnz,
+              T* y) const {
+    const int64_t pixels = g.out_h * g.out_w;
+    if constexpr (kLowPrecision<T>) {
+      const bool in_float = use_fused();
+      std::vector<float> bias_f;
+      if (in_float) {
+        bias_f.resize(g.c_out);
+        WidenToFloat(Core(bias->flat<T>().data()), bias_f.data(), g.c_out);
+      }
+      SparseForwardLow<T>(direct, xin, gs, imgs, n, image_nnz,
+                          f.flat<T>().data(), y,
+                          in_float ? bias_f.data() : nullptr,
+                          in_float ? epilogue.activation() : Activation::kNone,
+                          epilogue.nan_to_zero(), pfor);
+      if (!in_float)
+        epilogue.ApplyImages<T>(ctx, y, imgs, n, pixels, g.c_out, pfor);
+    } else {
+      SparseForwardBy<T>(direct, xin, gs, imgs, n, image_nnz,
+                         f.flat<T>().data(), y, pfor);
+      epilogue.ApplyImages<T>(ctx, y, imgs, n, pixels, g.c_out, pfor);
+    }
   }
 };
 
@@ -694,9 +1019,9 @@ struct ConvFilterGradPaths : ConvSamples {
       kernel = choice && UseDirectKernel(*choice, static_cast<double>(gs.n) *
                                                       g.h * g.w * g.c_in, nnz);
     const bool direct = kernel == 1;
-    SparseFilterGradBy<T>(direct, sample.flat<T>().data(), gs, imgs.data(),
-                          gs.n, image_nnz, dy.flat<T>().data(), df.data(),
-                          pfor);
+    SparseFilterGradAny<T>(direct, sample.flat<T>().data(), gs, imgs.data(),
+                           gs.n, image_nnz, dy.flat<T>().data(), df.data(),
+                           pfor);
     return absl::OkStatus();
   }
 };
@@ -709,10 +1034,12 @@ class SparseSplitConv2DOp : public tf::OpKernel {
   explicit SparseSplitConv2DOp(tf::OpKernelConstruction* ctx)
       : OpKernel(ctx), epilogue_("SparseSplitConv2D") {
     OP_REQUIRES_OK(ctx, attrs_.Init(ctx, "SparseSplitConv2D"));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("full_stats", &full_stats_));
     OP_REQUIRES_OK(ctx, epilogue_.Init(ctx));  // optional bias + activation
     OP_REQUIRES_OK(ctx, InitDenseKernel(ctx, tf::DataTypeToEnum<T>::value,
                                         "Conv2D", 2, attrs_, &conv_));
-    // Without a fused kernel (float64) the dense part is Conv2D + epilogue.
+    // Without a fused kernel (float64, or where TF cannot create one for the
+    // dtype) the dense part is Conv2D + epilogue.
     if (epilogue_.has_bias()) {
       bool onednn = false;
       InitFusedKernel(ctx, tf::DataTypeToEnum<T>::value, attrs_,
@@ -752,15 +1079,25 @@ class SparseSplitConv2DOp : public tf::OpKernel {
         [&](bool direct, const tf::Tensor& xs, const Conv2DGeometry& gs,
             const std::vector<int64_t>& imgs, const int64_t* nnz) {
           std::vector<T> y(gs.n * g.out_h * g.out_w * g.c_out);
-          SparseForwardBy<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
-                             gs.n, nnz, f.flat<T>().data(), y.data(), s.pfor);
+          SparseForwardAny<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
+                              gs.n, nnz, f.flat<T>().data(), y.data(), s.pfor);
         },
         &choice));
     ConvForwardPaths<T> paths{{x, g, ctx, s.pfor}, f, conv_, epilogue_, fused_,
                               bias, choice};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
-                                     true, paths, &plans_, &done));
+                                     true, paths, &plans_, full_stats_, &done));
+    if (!done && s.dense_now) {
+      // Counted a sample or nothing: exactly TF's (fused) convolution.
+      tf::Tensor result;
+      OP_REQUIRES_OK(ctx, paths.Dense(x, f, &result));
+      ctx->set_output(0, result);
+      s.call.DenseDone();
+      s.call.SparseDone();
+      s.call.Finish(0, 0);
+      return;
+    }
     if (done) {
       // No input values (C_in = 0) but output pixels: act(0 + bias).
       tf::Tensor* out = ctx->mutable_output(0);
@@ -789,8 +1126,8 @@ class SparseSplitConv2DOp : public tf::OpKernel {
           OP_REQUIRES_OK(ctx, ctx->allocate_temp(
                                   x.dtype(), tf::TensorShape({g.kh, g.kw, kc, g.c_out}),
                                   &fc));
-          GatherFilterChannels<T>(fp, g, s.an.live.data(), kc,
-                                  fc.flat<T>().data());
+          GatherFilterChannels<CoreT<T>>(Core(fp), g, s.an.live.data(), kc,
+                                         Core(fc.flat<T>().data()));
           fin = &fc;
         }
         OP_REQUIRES_OK(ctx, paths.Dense(xd, *fin, &result));
@@ -798,8 +1135,9 @@ class SparseSplitConv2DOp : public tf::OpKernel {
       if (rd == g.n) {
         ctx->set_output(0, result);
       } else {
-        ScatterImages<T>(result.flat<T>().data(), g, s.dense().data(), rd,
-                         out->flat<T>().data(), s.pfor);
+        ScatterImages<CoreT<T>>(Core(result.flat<T>().data()), g,
+                                s.dense().data(), rd,
+                                Core(out->flat<T>().data()), s.pfor);
       }
     }
     s.call.DenseDone();
@@ -808,11 +1146,8 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     if (rs > 0) {
       const bool direct = UseDirectKernel(*choice,
           static_cast<double>(rs) * g.h * g.w * g.c_in, s.call.split().nnz_sparse);
-      SparseForwardBy<T>(direct, xp, g, s.sparse().data(), rs,
-                         s.an.image_nnz.data(), fp, out->flat<T>().data(),
-                         s.pfor);
-      epilogue_.ApplyImages<T>(ctx, out->flat<T>().data(), s.sparse().data(),
-                               rs, pixels, g.c_out, s.pfor);
+      paths.Sparse(direct, xp, g, s.sparse().data(), rs, s.an.image_nnz.data(),
+                   out->flat<T>().data());
     }
     s.call.SparseDone();
     s.Finish(g);
@@ -823,6 +1158,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
   BiasActivationEpilogue epilogue_;
   TfKernel conv_;
   TfKernel fused_;  // TF's fused conv + bias [+ relu]; !ok(): conv_ + epilogue
+  bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 
@@ -832,6 +1168,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
   explicit SparseSplitConv2DBackpropFilterOp(tf::OpKernelConstruction* ctx)
       : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, attrs_.Init(ctx, "SparseSplitConv2DBackpropFilter"));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("full_stats", &full_stats_));
     const absl::Status s =
         InitDenseKernel(ctx, tf::DataTypeToEnum<T>::value,
                         "Conv2DBackpropFilter", 3, attrs_, &bf_, &bf_onednn_);
@@ -882,23 +1219,36 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
         [&](bool direct, const tf::Tensor& xs, const Conv2DGeometry& gs,
             const std::vector<int64_t>& imgs, const int64_t* nnz) {
           std::vector<T> df(g.kh * g.kw * g.c_in * g.c_out, T(0));
-          SparseFilterGradBy<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
-                                gs.n, nnz, dy.flat<T>().data(), df.data(),
-                                s.pfor);
+          SparseFilterGradAny<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
+                                 gs.n, nnz, dy.flat<T>().data(), df.data(),
+                                 s.pfor);
         },
         &choice));
     ConvFilterGradPaths<T> paths{{x, g, ctx, s.pfor}, dy, bf_, choice};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, fshape, kFamilyConv2DFilterGrad,
-                                     dense_ok_, paths, &plans_, &done));
+                                     dense_ok_, paths, &plans_, full_stats_,
+                                     &done));
     if (done) return;
+    if (s.dense_now) {
+      // Counted a sample or nothing: exactly TF's filter gradient.
+      tf::Tensor result;
+      const tf::Tensor sizes_t = FilterSizes(g, g.c_in);
+      OP_REQUIRES_OK(ctx, bf_.Run(ctx, {&x, &sizes_t, &dy}, &result));
+      ctx->set_output(0, result);
+      s.call.DenseDone();
+      s.call.SparseDone();
+      s.call.Finish(0, 0);
+      return;
+    }
     const T* xp = x.flat<T>().data();
     const int64_t rd = s.rd, rs = s.rs, kc = s.kc;
 
     // --- Dense part: TF's filter gradient over the dense images. ------------
     tf::Tensor* out = nullptr;
+    const bool sparse_adds = rs > 0 && s.call.split().nnz_sparse > 0;
+    tf::Tensor result;  // the dense part's [KH, KW, kc, C_out]
     if (rd > 0) {
-      tf::Tensor result;
       const tf::Tensor sizes_t = FilterSizes(g, kc);
       if (rd == g.n && !s.compact) {
         OP_REQUIRES_OK(ctx, bf_.Run(ctx, {&x, &sizes_t, &dy}, &result));
@@ -916,12 +1266,47 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                                   x.dtype(), tf::TensorShape({rd, g.out_h, g.out_w,
                                                        g.c_out}),
                                   &dyd));
-          GatherImagesChannels<T>(dy.flat<T>().data(), gy, s.dense().data(), rd,
-                                  nullptr, g.c_out, dyd.flat<T>().data(), s.pfor);
+          GatherImagesChannels<CoreT<T>>(Core(dy.flat<T>().data()), gy,
+                                         s.dense().data(), rd, nullptr, g.c_out,
+                                         Core(dyd.flat<T>().data()), s.pfor);
           dyin = &dyd;
         }
         OP_REQUIRES_OK(ctx, bf_.Run(ctx, {&xd, &sizes_t, dyin}, &result));
       }
+    }
+    if constexpr (kLowPrecision<T>) {
+      if (sparse_adds) {
+        // 16-bit dtypes: the dense part's sum (rounded by TF's kernel) and
+        // the sparse images' float32 sum are added in float32 and rounded
+        // once into the output.
+        const int64_t fsize = fshape.num_elements();
+        std::vector<float> df(fsize, 0.0f);
+        if (rd > 0) {
+          if (s.compact) {
+            std::vector<float> part(result.NumElements());
+            WidenToFloat(Core(result.flat<T>().data()), part.data(),
+                         result.NumElements());
+            ScatterFilterChannels<float>(part.data(), g, s.an.live.data(), kc,
+                                         df.data(), true);
+          } else {
+            WidenToFloat(Core(result.flat<T>().data()), df.data(), fsize);
+          }
+        }
+        s.call.DenseDone();
+        const bool direct = UseDirectKernel(*choice,
+            static_cast<double>(rs) * g.h * g.w * g.c_in,
+            s.call.split().nnz_sparse);
+        SparseFilterGradLow<T>(direct, xp, g, s.sparse().data(), rs,
+                               s.an.image_nnz.data(), dy.flat<T>().data(),
+                               df.data(), s.pfor);
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
+        NarrowFromFloat(df.data(), Core(out->flat<T>().data()), fsize);
+        s.call.SparseDone();
+        s.Finish(g);
+        return;
+      }
+    }
+    if (rd > 0) {
       if (!s.compact && rs == 0) {
         ctx->set_output(0, result);
       } else if (!s.compact) {
@@ -932,8 +1317,9 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
       } else {
         OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
         out->flat<T>().setZero();
-        ScatterFilterChannels<T>(result.flat<T>().data(), g, s.an.live.data(),
-                                 kc, out->flat<T>().data(), true);
+        ScatterFilterChannels<CoreT<T>>(Core(result.flat<T>().data()), g,
+                                        s.an.live.data(), kc,
+                                        Core(out->flat<T>().data()), true);
       }
     } else {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
@@ -942,12 +1328,12 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     s.call.DenseDone();
 
     // --- Sparse part: adds the sparse images' contribution. -----------------
-    if (rs > 0 && s.call.split().nnz_sparse > 0) {
+    if (sparse_adds) {
       const bool direct = UseDirectKernel(*choice,
           static_cast<double>(rs) * g.h * g.w * g.c_in, s.call.split().nnz_sparse);
-      SparseFilterGradBy<T>(direct, xp, g, s.sparse().data(), rs,
-                            s.an.image_nnz.data(), dy.flat<T>().data(),
-                            out->flat<T>().data(), s.pfor);
+      SparseFilterGradAny<T>(direct, xp, g, s.sparse().data(), rs,
+                             s.an.image_nnz.data(), dy.flat<T>().data(),
+                             out->flat<T>().data(), s.pfor);
     }
     s.call.SparseDone();
     s.Finish(g);
@@ -957,6 +1343,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
   ConvAttrs attrs_;
   TfKernel bf_;
   bool bf_onednn_ = false, dense_ok_ = true;
+  bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 
@@ -976,6 +1363,8 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                           SparseSplitConv2DBackpropFilterOp<T>);
 TFSS_REGISTER_CPU(float)
 TFSS_REGISTER_CPU(double)
+TFSS_REGISTER_CPU(Eigen::bfloat16)
+TFSS_REGISTER_CPU(Eigen::half)
 #undef TFSS_REGISTER_CPU
 
 }  // namespace tf_sparse_split

@@ -18,13 +18,14 @@ REGISTER_OP("TfSparseSplit>SparseSplitConv2D")
     .Input("bias: num_bias * T")
     .Output("output: T")
     .Output("stats: float64")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16, half}")
     .Attr("strides: list(int)")
     .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
     .Attr("explicit_paddings: list(int) = []")
     .Attr("dilations: list(int) = [1, 1, 1, 1]")
     .Attr("num_bias: int >= 0 = 0")
     .Attr("activation: {'none', 'relu', 'relu6'} = 'none'")
+    .Attr("full_stats: bool = true")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle thr;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &thr));
@@ -56,6 +57,16 @@ REGISTER_OP("TfSparseSplit>SparseSplitConv2D")
 with an optional fused bias + activation: output = act(conv2d(input, filter)
 + bias), as TensorFlow's _FusedConv2D (fused_ops BiasAdd[, Relu | Relu6]).
 
+T: float32, float64, bfloat16 or half (input, filter, bias and output share
+  it). In bfloat16 and half, as TensorFlow's CPU kernels for those dtypes:
+  values are stored in T, products are accumulated in float32 and each
+  output value is rounded once to T (round-to-nearest-even) -- the dense
+  part is TensorFlow's own kernel in T (oneDNN's where TensorFlow runs it
+  for the dtype on this CPU), the sparse part widens the sparse images and
+  the filter to float32 once, runs the float32 sparse kernels and rounds
+  the result once (after the bias and activation where the dense part is
+  the fused kernel; before them, then the epilogue in T, where it is
+  Conv2D + epilogue).
 input: [N, H, W, C_in].
 filter: [KH, KW, C_in, C_out].
 threshold: scalar float32 image-density threshold in [0, 1]; images with
@@ -67,13 +78,20 @@ threshold: scalar float32 image-density threshold in [0, 1]; images with
 bias: optional (num_bias = 1) vector [C_out] added to every output pixel.
 output: [N, OH, OW, C_out], act(conv2d(input, filter) + bias). A call whose
   plan is all-dense runs TensorFlow's fused kernel (_MklNativeFusedConv2D with
-  oneDNN in float32, else _FusedConv2D; float64: Conv2D, then the epilogue of
+  oneDNN in float32, and in bfloat16 / half where oneDNN runs the dtype on
+  this CPU, else _FusedConv2D; float64: Conv2D, then the epilogue of
   cc/kernels/epilogue.h, as TF's graph runs Conv2D, BiasAdd and Relu there);
   otherwise the dense images come from that kernel and the sparse images get
   the epilogue after the sparse kernel.
 num_bias: 0 (no bias) or 1.
 activation: 'none', 'relu' (max(x, 0)) or 'relu6' (min(max(x, 0), 6)),
   applied after the bias; NaN propagates.
+full_stats: with an automatic threshold, false lets a call that the cost
+  model keeps all-dense count only a strided sample of every image's
+  pixels, or nothing (cc/core/cost_model.h, ChooseAnalysis), and run
+  TensorFlow's (fused) kernel on the inputs at once; its statistics then
+  hold estimates (kStatAnalysis says which; kStatNnz NaN when nothing was
+  counted). True (the default) counts every value on every call.
 stats: float64 [kNumStats] per-call statistics, laid out as in
   cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");
@@ -85,11 +103,12 @@ REGISTER_OP("TfSparseSplit>SparseSplitConv2DBackpropFilter")
     .Input("threshold: float")
     .Output("filter_backprop: T")
     .Output("stats: float64")
-    .Attr("T: {float, double}")
+    .Attr("T: {float, double, bfloat16, half}")
     .Attr("strides: list(int)")
     .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
     .Attr("explicit_paddings: list(int) = []")
     .Attr("dilations: list(int) = [1, 1, 1, 1]")
+    .Attr("full_stats: bool = true")
     .SetShapeFn([](InferenceContext* c) -> absl::Status {
       ShapeHandle in, sizes, dy, thr, out;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &in));
@@ -110,7 +129,10 @@ input: [N, H, W, C_in].
 filter_sizes: int32 [4] = [KH, KW, C_in, C_out].
 out_backprop: [N, OH, OW, C_out].
 threshold: as in SparseSplitConv2D.
-filter_backprop: [KH, KW, C_in, C_out].
+filter_backprop: [KH, KW, C_in, C_out]. In bfloat16 and half the sum runs
+  in float32 and is rounded once to T, except that a split call adds the
+  dense images' part as TensorFlow's kernel rounded it (two roundings).
+full_stats: as in SparseSplitConv2D (the gradients pass false).
 stats: float64 [kNumStats] per-call statistics, laid out as in
   cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");

@@ -166,7 +166,8 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
             x, k, strides=list(self.strides), padding=self.padding.upper(),
             dilations=list(self.dilation_rate),
             threshold=tf.convert_to_tensor(self.threshold_var),
-            return_stats=True, bias=bias, activation=activation)
+            return_stats=True, bias=bias, activation=activation,
+            full_stats=self._records_stats(None))
         self._record_stats(stats_vec)
         if y.dtype != out_dtype:
             y = tf.cast(y, out_dtype)
@@ -202,7 +203,7 @@ class SparseSplitConv2D(SparseSplitLayer, keras.layers.Conv2D):
                 padding=self.padding.upper(),
                 dilations=list(self.dilation_rate),
                 threshold=tf.convert_to_tensor(self.threshold_var),
-                return_stats=True)
+                return_stats=True, full_stats=self._records_stats(None))
             outs.append(yi)
             stats.append(si)
         self._record_stats(_merge_group_stats(stats))

@@ -1,0 +1,317 @@
+"""The convolution ops' cheap analysis (``full_stats=False``: a strided
+sample of every image's pixels, or no count at all, on calls the cost model
+keeps all-dense; then TF's (fused) kernel on the op's inputs).
+
+The decision tests run the ops' cost model (cc/core/cost_model.h,
+ChooseAnalysis and its helpers) through the pybind11 module on the
+calibration timings recorded for the CLI CNN's two conv layers
+(tests/data/conv_family_timings.json, see tests/test_conv2d_family.py):
+nothing there is timed. The op tests check that the answer never depends
+on how much a call counted and that the statistics say what was counted.
+"""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from _helpers import kernels_or_skip
+
+import tf_sparse_split as tfss
+from tf_sparse_split._loader import load_library
+from tf_sparse_split.testing import (random_sparse_images, reference_conv2d,
+                                     reference_conv2d_bias_act,
+                                     reference_conv2d_filter_grad,
+                                     relative_error)
+from tf_sparse_split.tuning import stats as S
+
+K = kernels_or_skip()
+DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
+RECORDED = json.loads((DATA_DIR / "conv_family_timings.json").read_text())
+
+ALL_DENSE = dict(kind="all_dense", bucket=-1, threshold=0.0, compact=False)
+#: Seconds per counted value of the full count (CountConvNonzeros) on the
+#: development machine: 0.12 ms for the 802816 values of 32x28x28x32.
+COUNT_S = 0.12e-3 / (32 * 28 * 28 * 32)
+
+
+def _record(layer, n):
+    (r,) = [r for r in RECORDED["layers"] if r["layer"] == layer and r["n"] == n]
+    return r
+
+
+def _shape(r, c_live=None):
+    return K.conv_split_shape(r["n"], r["h"], r["w"], r["c_in"],
+                              r["c_in"] if c_live is None else c_live,
+                              r["kh"], r["kw"], r["c_out"], r["out_h"],
+                              r["out_w"])
+
+
+def _terms(r):
+    return K.fit_calibration(_shape(r), r["calibration"])
+
+
+def _history(**kw):
+    h = dict(seen_full=True, calls_since_full=1, zero_row_frac=0.0,
+             dead_col_frac=0.0)
+    h.update(kw)
+    return h
+
+
+def _dense_seconds(r, terms):
+    k = r["h"] * r["w"] * r["c_in"]
+    return K.predict_plan_seconds(_shape(r), K.profile_from_row_nnz(
+        np.full(r["n"], k, np.int64), k), terms, -1)
+
+
+# -- the decision, on recorded timings -----------------------------------------
+
+def test_recorded_dense_layer_samples_after_a_full_count():
+    """conv_2 at batch 32 (32x28x28x32 -> 64, 4.4 ms dense, recorded 1.9x
+    faster than the sparse path): the first call counts fully; once a full
+    count saw the layer all-dense, the next calls sample -- the saving bound
+    (rows that could go sparse) is well above the minimum gain, so not
+    skipped; a caller that wants exact statistics always counts fully."""
+    r = _record("conv_2", 32)
+    terms = _terms(r)
+    shape = _shape(r)
+    assert K.max_saving_seconds(shape, terms) > 1e-4
+    first = dict(seen_full=False, calls_since_full=0, zero_row_frac=0.0,
+                 dead_col_frac=0.0)
+    assert K.choose_analysis(shape, terms, first, None, COUNT_S) == "full"
+    assert K.choose_analysis(shape, terms, _history(), ALL_DENSE,
+                             COUNT_S) == "sample"
+    assert K.choose_analysis(shape, terms, _history(), ALL_DENSE, COUNT_S,
+                             full_stats=True) == "full"
+    # After a plan with sparse images the next call counts fully.
+    split = dict(kind="split", bucket=10, threshold=10 / 32, compact=False)
+    assert K.choose_analysis(shape, terms, _history(), split,
+                             COUNT_S) == "full"
+
+
+def test_recorded_dense_layer_full_count_period():
+    """The periodic full count keeps the amortised count within 1% of the
+    dense call: 0.12 ms per count against a 4.4 ms call is a period of at
+    least 3 calls, and the policy's minimum of 16 holds."""
+    r = _record("conv_2", 32)
+    dense_s = _dense_seconds(r, _terms(r))
+    period = K.full_count_period(COUNT_S * 32 * 28 * 28 * 32, dense_s)
+    defaults = K.analysis_policy_defaults()
+    assert defaults["min_period"] <= period <= defaults["max_period"]
+    shape, terms = _shape(r), _terms(r)
+    due = _history(calls_since_full=period)
+    assert K.choose_analysis(shape, terms, due, ALL_DENSE, COUNT_S) == "full"
+
+
+def test_pixel_sample_stride_and_estimate():
+    """The sample of a convolution strides over the N*H*W pixels (rows of
+    C_in values): at the sample budget (0.5% of the dense call) a strided
+    sample of conv_2's batch counts a few percent of the pixels; the
+    estimated profile of a 50%-dense batch says all-dense (the recorded
+    dense path is 1.9x faster there), a 5%-dense batch goes to the full
+    count."""
+    r = _record("conv_2", 32)
+    terms, shape = _terms(r), _shape(r)
+    dense_s = _dense_seconds(r, terms)
+    pixels = r["n"] * r["h"] * r["w"]
+    stride = K.sample_stride(pixels, r["c_in"], dense_s, COUNT_S)
+    assert 2 <= stride <= r["h"] * r["w"] // 4
+    counted = -(-r["h"] * r["w"] // stride) * r["c_in"]
+    k = r["h"] * r["w"] * r["c_in"]
+    for density, dense in ((0.5, True), (0.05, False)):
+        row_nnz = np.full(r["n"], int(density * counted), np.int64)
+        est = K.estimate_profile(row_nnz, counted, r["n"], k)
+        assert K.sample_says_dense(shape, est, terms) is dense, density
+
+
+def test_tiny_layer_skips_the_count():
+    """A layer whose whole dense call is below the policy's minimum gain
+    cannot gain from any plan: its calls count nothing."""
+    shape = K.conv_split_shape(1, 4, 4, 2, 2, 1, 1, 3, 4, 4)
+    r = _record("conv_1", 1)
+    terms = _terms(r)
+    assert K.max_saving_seconds(shape, terms) < 2e-5
+    assert K.choose_analysis(shape, terms, _history(), ALL_DENSE,
+                             COUNT_S) == "skip"
+
+
+# -- the ops -------------------------------------------------------------------
+
+def _check_stats(st, n, k, nnz):
+    mode = st[S.ANALYSIS]
+    assert mode in (S.ANALYSIS_FULL, S.ANALYSIS_SAMPLED, S.ANALYSIS_SKIPPED)
+    assert st[S.ROWS_DENSE] + st[S.ROWS_SPARSE] == n
+    if mode == S.ANALYSIS_FULL:
+        assert st[S.NNZ] == nnz
+        assert st[S.HISTOGRAM].sum() == n
+        return mode
+    assert st[S.ROWS_DENSE] == n and st[S.ROWS_SPARSE] == 0
+    assert st[S.NNZ_SPARSE] == 0 and st[S.ZERO_COLS_SKIPPED] == 0
+    assert st[S.THRESHOLD] == 0.0
+    if mode == S.ANALYSIS_SKIPPED:
+        assert np.isnan(st[S.NNZ]) and st[S.HISTOGRAM].sum() == 0
+    else:
+        assert st[S.HISTOGRAM].sum() == pytest.approx(n)
+        assert 0 <= st[S.NNZ] <= n * k
+    return mode
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.97])
+@pytest.mark.parametrize("fused", [False, True])
+def test_forward_results_equal_reference_in_every_mode(sparsity, fused):
+    """Repeated automatic calls with full_stats=False (calibration, then
+    sampled or skipped analyses and the periodic full counts) equal the
+    float64 reference on fresh inputs every call; with full_stats=True
+    every call counts exactly."""
+    rng = np.random.default_rng([int(sparsity * 100), fused])
+    n, h, w, ci, co = 16, 14, 14, 16, 32
+    f = rng.uniform(-0.5, 0.5, (3, 3, ci, co)).astype(np.float32)
+    b = rng.uniform(-1, 1, co).astype(np.float32)
+    kw = dict(bias=b, activation="relu") if fused else {}
+
+    @tf.function
+    def cheap(x):
+        return tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=-1.0,
+                                        return_stats=True, full_stats=False,
+                                        **kw)
+
+    @tf.function
+    def full(x):
+        return tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=-1.0,
+                                        return_stats=True, **kw)
+
+    modes = []
+    for i in range(14):
+        x = random_sparse_images((n, h, w, ci), sparsity, rng)
+        x[0, 0, 0, 0] = 0.5
+        ref = (reference_conv2d_bias_act(x, f, b, "relu", 1, "SAME") if fused
+               else reference_conv2d(x, f, 1, "SAME"))
+        got, st = (cheap if i % 3 else full)(x)
+        assert relative_error(got, ref) <= 1e-5
+        mode = _check_stats(st.numpy(), n, h * w * ci, np.count_nonzero(x))
+        if i % 3:
+            modes.append(mode)
+        else:
+            assert mode == S.ANALYSIS_FULL
+    assert modes[0] in (S.ANALYSIS_FULL, S.ANALYSIS_SAMPLED,
+                        S.ANALYSIS_SKIPPED)
+
+
+@pytest.mark.usefixtures("op_library")
+def test_dense_layer_stops_counting_everything():
+    """A dense input on a layer the op keeps all-dense: after the first
+    (calibrating) call the op samples or skips, marking its statistics."""
+    rng = np.random.default_rng(3)
+    f = rng.uniform(-0.5, 0.5, (3, 3, 32, 32)).astype(np.float32)
+    x = random_sparse_images((16, 28, 28, 32), 0.0, rng)
+
+    @tf.function
+    def cheap(x):
+        return tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=-1.0,
+                                        return_stats=True, full_stats=False)
+
+    modes = [cheap(x)[1].numpy()[S.ANALYSIS] for _ in range(6)]
+    assert modes[0] == S.ANALYSIS_FULL
+    assert set(modes[1:]) & {S.ANALYSIS_SAMPLED, S.ANALYSIS_SKIPPED}
+
+
+@pytest.mark.usefixtures("op_library")
+def test_tiny_conv_counts_nothing():
+    """1x4x4x2 -> 3, 1x1: after the calibrating call nothing is counted
+    (NNZ NaN), and the output is still TF's."""
+    rng = np.random.default_rng(9)
+    f = rng.uniform(-1, 1, (1, 1, 2, 3)).astype(np.float32)
+
+    @tf.function
+    def cheap(x):
+        return tfss.sparse_split_conv2d(x, f, 1, "VALID", threshold=-1.0,
+                                        return_stats=True, full_stats=False)
+
+    modes = []
+    for _ in range(6):
+        x = random_sparse_images((1, 4, 4, 2), 0.5, rng)
+        x[0, 0, 0, 0] = 1.0
+        got, st = cheap(x)
+        assert relative_error(got, reference_conv2d(x, f)) <= 1e-5
+        modes.append(_check_stats(st.numpy(), 1, 32, np.count_nonzero(x)))
+    assert modes[0] == S.ANALYSIS_FULL
+    assert S.ANALYSIS_SKIPPED in modes[1:]
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("sparsity", [0.0, 0.6])
+def test_filter_grad_results_equal_reference_in_every_mode(sparsity):
+    lib = load_library()
+    rng = np.random.default_rng([17, int(sparsity * 10)])
+    n, h, w, ci, co = 16, 14, 14, 16, 32
+    fsize = [3, 3, ci, co]
+
+    @tf.function
+    def cheap(x, dy):
+        return lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+            x, fsize, dy, -1.0, strides=[1, 1, 1, 1], padding="SAME",
+            full_stats=False)
+
+    for _ in range(8):
+        x = random_sparse_images((n, h, w, ci), sparsity, rng)
+        x[0, 0, 0, 0] = 0.5
+        dy = rng.uniform(-1, 1, (n, h, w, co)).astype(np.float32)
+        got, st = cheap(x, dy)
+        ref = reference_conv2d_filter_grad(x, fsize, dy, 1, "SAME")
+        assert relative_error(got, ref) <= 1e-5
+        _check_stats(st.numpy(), n, h * w * ci, np.count_nonzero(x))
+
+
+@pytest.mark.usefixtures("op_library")
+def test_wrapper_and_layer_pass_full_stats():
+    """The wrapper's full_stats defaults to return_stats; the gradient's
+    ops pass false."""
+    x = tf.ones([1, 4, 4, 2])
+    f = tf.ones([1, 1, 2, 3])
+    g = tf.function(lambda x: tfss.sparse_split_conv2d(x, f, 1, "VALID"))
+    ops = g.get_concrete_function(x).graph.get_operations()
+    (op,) = [o for o in ops if o.type == "TfSparseSplit>SparseSplitConv2D"]
+    assert op.get_attr("full_stats") is False
+    g = tf.function(lambda x: tfss.sparse_split_conv2d(x, f, 1, "VALID",
+                                                        return_stats=True))
+    ops = g.get_concrete_function(x).graph.get_operations()
+    (op,) = [o for o in ops if o.type == "TfSparseSplit>SparseSplitConv2D"]
+    assert op.get_attr("full_stats") is True
+
+    def loss(x, f):
+        with tf.GradientTape() as tape:
+            tape.watch(f)
+            y = tfss.sparse_split_conv2d(x, f, 1, "SAME", return_stats=True)[0]
+            total = tf.reduce_sum(y * y)
+        return tape.gradient(total, f)
+
+    graph = tf.function(loss).get_concrete_function(
+        tf.TensorSpec([2, 5, 5, 2]), tf.TensorSpec([3, 3, 2, 3])).graph
+    ours = [o for o in graph.get_operations()
+            if o.type.startswith("TfSparseSplit>")]
+    # The forward op (return_stats) and the gradient's input-gradient
+    # convolution and filter gradient.
+    assert sorted(o.get_attr("full_stats") for o in ours) == [False, False,
+                                                               True]
+    assert {o.type for o in ours if not o.get_attr("full_stats")} == {
+        "TfSparseSplit>SparseSplitConv2D",
+        "TfSparseSplit>SparseSplitConv2DBackpropFilter"}
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("training,want", [(False, False), (True, True)])
+def test_layer_asks_full_stats_only_when_recording(training, want):
+    """SparseSplitConv2D passes full_stats=True only where the call records
+    its statistics (training graphs, eager calls): an inference graph lets
+    the op sample or skip its count."""
+    layer = tfss.layers.SparseSplitConv2D(4, 3, padding="same",
+                                          activation="relu")
+    x = tf.TensorSpec([2, 6, 6, 3], tf.float32)
+    layer.build((2, 6, 6, 3))
+    graph = tf.function(lambda x: layer(x, training=training)) \
+        .get_concrete_function(x).graph
+    (op,) = [o for o in graph.get_operations()
+             if o.type == "TfSparseSplit>SparseSplitConv2D"]
+    assert op.get_attr("full_stats") is want
