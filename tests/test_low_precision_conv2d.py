@@ -188,9 +188,14 @@ def test_filter_grad_matches_float64_reference(dtype, shape):
         [1, strides[0], strides[1], 1]
     d4 = [1, dil, dil, 1]
     ex = explicit or []
-    tf_df = tf.raw_ops.Conv2DBackpropFilter(
-        input=x, filter_sizes=fshape, out_backprop=dy, strides=st4,
-        padding=pad, explicit_paddings=ex, dilations=d4)
+    try:
+        tf_df = tf.raw_ops.Conv2DBackpropFilter(
+            input=x, filter_sizes=fshape, out_backprop=dy, strides=st4,
+            padding=pad, explicit_paddings=ex, dilations=d4)
+    except tf.errors.InvalidArgumentError:
+        # TF's Eigen kernel (oneDNN off) refuses dilations > 1; the op then
+        # runs every call on its sparse path (the strict bound).
+        tf_df = None
     for thr in (1.0, 0.0, 0.5, -1.0):
         df, st = lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
             x, fshape, dy, tf.constant(thr, tf.float32), strides=st4,
@@ -199,7 +204,8 @@ def test_filter_grad_matches_float64_reference(dtype, shape):
         assert st.numpy()[S.NNZ] == np.count_nonzero(x64)
         _assert_within(df, ref, abs_sum, length, dtype,
                        rounds=1 if thr == 1.0 else 2,
-                       tf_result=None if thr == 1.0 else tf_df)
+                       tf_result=None if thr == 1.0 or tf_df is None
+                       else tf_df)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
@@ -246,9 +252,21 @@ def test_gradients_through_tape(dtype, strides):
             y64 = tf.nn.conv2d(ax, af, strides, "SAME")
         adx, adf = tape.gradient(y64, [ax, af],
                                  output_gradients=tf.abs(dy64t))
-        _assert_within(dx, rdx.numpy(), adx.numpy(), 9 * 12, dtype, rounds=2)
+        # TF's own gradient kernels in the dtype on the same masked dY (the
+        # input gradient at stride 2 is TF's Conv2DBackpropInput).
+        dyt = tf.cast(dy64t, dtype)
+        st4 = [1, strides, strides, 1]
+        tf_dx = tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=tf.shape(xt), filter=ft, out_backprop=dyt,
+            strides=st4, padding="SAME")
+        tf_df = tf.raw_ops.Conv2DBackpropFilter(
+            input=xt, filter_sizes=tf.shape(ft), out_backprop=dyt,
+            strides=st4, padding="SAME")
+        _assert_within(dx, rdx.numpy(), adx.numpy(), 9 * 12, dtype, rounds=2,
+                       tf_result=tf_dx)
         _assert_within(df, rdf.numpy(), adf.numpy(),
-                       int(np.prod(y.shape[:3])), dtype, rounds=2)
+                       int(np.prod(y.shape[:3])), dtype, rounds=2,
+                       tf_result=tf_df)
         rdb = dy64.sum(axis=(0, 1, 2))
         adb = np.abs(dy64).sum(axis=(0, 1, 2))
         length = int(np.prod(dy64.shape[:3]))

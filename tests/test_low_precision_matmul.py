@@ -410,3 +410,22 @@ def test_rewrite_pass_replaces_low_precision_matmuls(rw, dtype):
         got = tf.cast(got, tf.float64).numpy()
         want = tf.cast(want, tf.float64).numpy()
         assert np.max(np.abs(got - want)) <= 40 * EPS[dtype] * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_each_dtype_calibrates_its_own_family(dtype):
+    """An automatic call in T calibrates a family of its own (timing both
+    paths in T) even when float32 calls of the same shape already
+    calibrated theirs: its terms are not the float32 family's."""
+    rng = np.random.default_rng(17)
+    a32 = random_sparse((96, 352), 0.9, rng)
+    b32 = rng.standard_normal((352, 88)).astype(np.float32)
+    _, st32 = tfss.sparse_split_matmul(a32, b32, -1.0, return_stats=True)
+    a, _ = _rounded(a32, dtype)
+    b, _ = _rounded(b32, dtype)
+    _, st = tfss.sparse_split_matmul(a, b, -1.0, return_stats=True)
+    st32, st = st32.numpy(), st.numpy()
+    assert st32[S.CALIBRATED] == 1 and st[S.CALIBRATED] == 1
+    terms = [S.TERM_DENSE_RATE, S.TERM_SPARSE_RATE, S.TERM_CONVERT]
+    assert all(st[i] > 0 for i in terms)
+    assert [st[i] for i in terms] != [st32[i] for i in terms]

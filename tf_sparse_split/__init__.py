@@ -21,6 +21,10 @@ Public API:
   sparsity to a target (Kurtz et al., ICML 2020; ProSparse, 2024).
 * :class:`SparseSplitLSTM` -- ``keras.layers.LSTM`` with row-pattern
   dropout compacted out of the per-step products (Song et al., 2203.05705).
+* :class:`TimeBudgetCallback` -- trains within a step-time, epoch-time or
+  deadline budget by choosing each layer's sparsity at run time;
+  :func:`fit_latency_budget` -- raises a trained model's FATReLU cutoffs
+  to meet an inference latency (Sun & Zhang 2019).
 * :class:`ThresholdTuner` -- the threshold tuning of
   :class:`SplitThresholdCallback` for custom and distributed training loops.
 * :func:`sparse_split_model` / :func:`strip_sparse_split` -- copy a Keras
@@ -93,6 +97,8 @@ _PUBLIC = {
     "FATReLU": "tf_sparse_split.layers",
     "SparseSplitLSTM": "tf_sparse_split.layers",
     "SparsityTargetCallback": "tf_sparse_split.callbacks",
+    "TimeBudgetCallback": "tf_sparse_split.callbacks",
+    "fit_latency_budget": "tf_sparse_split.tools.latency_budget",
     "ThresholdTuner": "tf_sparse_split.tuning",
     "sparse_split_model": "tf_sparse_split.convert",
     "strip_sparse_split": "tf_sparse_split.convert",

@@ -443,6 +443,25 @@ void FamilyModel::SetCalibration(const CostTerms& t) {
   calibrated_ = true;
 }
 
+void FamilyModel::Recalibrate(const CostTerms& t) {
+  std::lock_guard<std::mutex> lock(mu_);
+  base_ = t;
+  calibrated_ = true;
+  dense_ratio_ = MedianWindow();
+  sparse_ratio_ = MedianWindow();
+}
+
+bool RecalibrationDue(double calibrated_density, double density,
+                      int64_t calls_since, int recalibrations,
+                      const RecalibrationPolicy& p) {
+  if (!(calibrated_density >= 0.0) || !(density >= 0.0) ||
+      calls_since < p.min_calls || recalibrations >= p.max_recalibrations)
+    return false;
+  const double lo = std::min(calibrated_density, density);
+  const double hi = std::max(calibrated_density, density);
+  return hi - lo >= p.min_density_change && hi >= p.density_factor * lo;
+}
+
 CostTerms FamilyModel::Terms() const {
   std::lock_guard<std::mutex> lock(mu_);
   CostTerms t = base_;

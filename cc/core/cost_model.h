@@ -302,6 +302,9 @@ class FamilyModel {
   bool calibrated() const;
   // Sets the base terms once (later calls keep the first calibration).
   void SetCalibration(const CostTerms& t);
+  // Replaces the base terms by a new calibration and forgets the measured
+  // ratios (they scaled the old terms); the counting cost is kept.
+  void Recalibrate(const CostTerms& t);
   // Base terms scaled by the recent measured/predicted medians.
   CostTerms Terms() const;
   // Records one call's measured part times against the base prediction.
@@ -321,6 +324,27 @@ class FamilyModel {
   CostTerms base_;
   MedianWindow dense_ratio_, sparse_ratio_, count_per_elem_;
 };
+
+// When a calibrated family times its paths again (SplitCall::Decide). Terms
+// fitted at one density extrapolate poorly to a very different one (the
+// split of a path's time into per-value and per-nonzero costs is a fit to
+// a few noisy timings), and the measured/predicted ratios correct only the
+// paths that run: a family calibrated on early, denser activations -- before
+// a sparsity target took effect -- would keep predicting its sparse path
+// from that fit and never run it. Recalibrating is due when the call's
+// density (nnz / (m k)) has moved by `density_factor` either way and by at
+// least `min_density_change` since the last calibration, after at least
+// `min_calls` automatic calls, at most `max_recalibrations` times per family.
+struct RecalibrationPolicy {
+  double density_factor = 2.0;
+  double min_density_change = 0.05;
+  int64_t min_calls = 32;
+  int max_recalibrations = 8;
+};
+
+bool RecalibrationDue(double calibrated_density, double density,
+                      int64_t calls_since, int recalibrations,
+                      const RecalibrationPolicy& p = RecalibrationPolicy());
 
 // The last plan of one op instance (thread-safe): each layer keeps its own,
 // so layers of one family with different sparsity do not disturb each

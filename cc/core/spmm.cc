@@ -76,20 +76,36 @@ void SpmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
   UninitVector<float> acc(static_cast<size_t>(n_rows) * n);
   std::vector<int64_t> ident(n_rows);
   for (int64_t r = 0; r < n_rows; ++r) ident[r] = r;
-  switch (LowPrecisionIsa()) {
+  auto run = [&](const auto& values_csr) {
+    using V = typename std::decay<decltype(values_csr.values[0])>::type;
+    switch (LowPrecisionIsa()) {
 #if TFSS_SPMM_X86
-    case KernelIsa::kAvx512:
-      lp_avx512::Spmm<T, float>(csr, ident.data(), n_rows, b, k, n, ldb,
-                                acc.data(), n, pfor);
-      break;
-    case KernelIsa::kAvx2:
-      lp_avx2::Spmm<T, float>(csr, ident.data(), n_rows, b, k, n, ldb,
-                              acc.data(), n, pfor);
-      break;
+      case KernelIsa::kAvx512:
+        lp_avx512::Spmm<T, float, V>(values_csr, ident.data(), n_rows, b, k,
+                                     n, ldb, acc.data(), n, pfor);
+        break;
+      case KernelIsa::kAvx2:
+        lp_avx2::Spmm<T, float, V>(values_csr, ident.data(), n_rows, b, k, n,
+                                   ldb, acc.data(), n, pfor);
+        break;
 #endif
-    default:
-      lp_scalar::Spmm<T, float>(csr, ident.data(), n_rows, b, k, n, ldb,
-                                acc.data(), n, pfor);
+      default:
+        lp_scalar::Spmm<T, float, V>(values_csr, ident.data(), n_rows, b, k,
+                                     n, ldb, acc.data(), n, pfor);
+    }
+  };
+  if constexpr (std::is_same<T, bf16>::value) {
+    run(csr);  // bfloat16 -> float32 is a shift, done per broadcast
+  } else {
+    // half -> float32 is not: the values are widened once (F16C / AVX-512,
+    // nnz conversions) into a float32 copy of the CSR.
+    Csr<float> wide;
+    const int64_t nnz = csr.row_ptr[n_rows];
+    wide.row_ptr.assign(csr.row_ptr.begin(), csr.row_ptr.end());
+    wide.col_idx.assign(csr.col_idx.begin(), csr.col_idx.end());
+    wide.values.resize(nnz);
+    WidenToFloat(csr.values.data(), wide.values.data(), nnz);
+    run(wide);
   }
   pfor(n_rows, 2 * n, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)

@@ -1,7 +1,7 @@
 // TensorFlow's element types mapped to the framework-free core's (layer 1 of
 // docs/ARCHITECTURE.md): float32 and float64 as they are, Eigen::bfloat16 to
 // bf16 and Eigen::half to f16 (cc/core/low_precision.h), layout-compatible
-// 16-bit storage, so a kernel passes its tensors' data with Core(ptr).
+// 16-bit storage, so a kernel passes its tensors' data with AsCore(ptr).
 #ifndef TF_SPARSE_SPLIT_CC_KERNELS_CORE_TYPES_H_
 #define TF_SPARSE_SPLIT_CC_KERNELS_CORE_TYPES_H_
 
@@ -23,7 +23,7 @@ struct CoreTypeOf<Eigen::half> {
   typedef f16 type;
 };
 template <typename T>
-using CoreT = typename CoreTypeOf<T>::type;
+using CoreType = typename CoreTypeOf<T>::type;
 
 static_assert(sizeof(Eigen::bfloat16) == sizeof(bf16) &&
                   alignof(Eigen::bfloat16) == alignof(bf16),
@@ -33,12 +33,12 @@ static_assert(sizeof(Eigen::half) == sizeof(f16) &&
               "f16 must be layout-compatible with Eigen::half");
 
 template <typename T>
-inline const CoreT<T>* Core(const T* p) {
-  return reinterpret_cast<const CoreT<T>*>(p);
+inline const CoreType<T>* AsCore(const T* p) {
+  return reinterpret_cast<const CoreType<T>*>(p);
 }
 template <typename T>
-inline CoreT<T>* Core(T* p) {
-  return reinterpret_cast<CoreT<T>*>(p);
+inline CoreType<T>* AsCore(T* p) {
+  return reinterpret_cast<CoreType<T>*>(p);
 }
 
 }  // namespace tf_sparse_split

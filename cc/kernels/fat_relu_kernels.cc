@@ -46,9 +46,9 @@ class BiasFatReluOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({}), &sum));
     const int64_t rows = c == 0 ? 0 : x.NumElements() / c;
-    sum->scalar<T>()() = static_cast<T>(BiasFatReluForward<CoreT<T>>(
-        Core(x.flat<T>().data()), Core(bias.flat<T>().data()), rows, c,
-        *Core(&t), Core(y->flat<T>().data()), TfParallelFor(ctx)));
+    sum->scalar<T>()() = static_cast<T>(BiasFatReluForward<CoreType<T>>(
+        AsCore(x.flat<T>().data()), AsCore(bias.flat<T>().data()), rows, c,
+        *AsCore(&t), AsCore(y->flat<T>().data()), TfParallelFor(ctx)));
   }
 };
 
@@ -78,10 +78,10 @@ class BiasFatReluGradOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, tf::TensorShape({c}), &dbias));
     const int64_t rows = c == 0 ? 0 : y.NumElements() / c;
     const T offset = off.scalar<T>()();
-    BiasFatReluBackward<CoreT<T>>(
-        Core(dy.flat<T>().data()), Core(y.flat<T>().data()), rows, c,
-        *Core(&offset), Core(dx->flat<T>().data()),
-        Core(dbias->flat<T>().data()), TfParallelFor(ctx));
+    BiasFatReluBackward<CoreType<T>>(
+        AsCore(dy.flat<T>().data()), AsCore(y.flat<T>().data()), rows, c,
+        *AsCore(&offset), AsCore(dx->flat<T>().data()),
+        AsCore(dbias->flat<T>().data()), TfParallelFor(ctx));
   }
 };
 

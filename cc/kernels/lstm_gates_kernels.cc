@@ -39,9 +39,9 @@ template <typename T>
 using ConstVec = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
 
 // The type the math runs in: T for float32/float64, float32 for the 16-bit
-// storage types (CoreT of cc/kernels/core_types.h maps TF's to the core's).
+// storage types (CoreType of cc/kernels/core_types.h maps TF's to the core's).
 template <typename T>
-using MathT = typename Accum<CoreT<T>>::type;
+using MathT = typename Accum<CoreType<T>>::type;
 
 // One row's view of a tensor in the math type: float32/float64 data is used
 // in place; bfloat16/half data is widened into (inputs) or narrowed from
@@ -49,7 +49,7 @@ using MathT = typename Accum<CoreT<T>>::type;
 template <typename T>
 class RowIn {
  public:
-  typedef CoreT<T> S;
+  typedef CoreType<T> S;
   typedef MathT<T> A;
   explicit RowIn(int64_t n) : buf_(IsLowPrecision<S>::value ? n : 0) {}
   // The n values at `p`, in the math type.
@@ -69,7 +69,7 @@ class RowIn {
 template <typename T>
 class RowOut {
  public:
-  typedef CoreT<T> S;
+  typedef CoreType<T> S;
   typedef MathT<T> A;
   explicit RowOut(int64_t n) : buf_(IsLowPrecision<S>::value ? n : 0) {}
   // Where to write the n values destined for `p` (then call Flush).

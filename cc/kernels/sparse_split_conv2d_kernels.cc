@@ -58,7 +58,6 @@
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/core/uninit_vector.h"
-#include "cc/kernels/core_types.h"
 #include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
@@ -82,27 +81,54 @@ namespace {
 // on the sparse images widened once (WidenToFloat), and their output (or the
 // filter gradient's sum) is rounded once to the dtype (NarrowFromFloat,
 // round-to-nearest-even). TF's own kernels run the dense part in the dtype.
-// CoreT<T> / Core(p): TF's element types as the core's (cc/kernels/core_types.h).
+template <typename T>
+struct CoreOf {
+  using type = T;
+};
+template <>
+struct CoreOf<Eigen::bfloat16> {
+  using type = bf16;
+};
+template <>
+struct CoreOf<Eigen::half> {
+  using type = f16;
+};
+template <typename T>
+using CoreT = typename CoreOf<T>::type;
+static_assert(sizeof(Eigen::bfloat16) == sizeof(bf16) &&
+                  sizeof(Eigen::half) == sizeof(f16),
+              "16-bit storage types are layout-compatible with Eigen's");
+template <typename T>
+const CoreT<T>* Core(const T* p) {
+  return reinterpret_cast<const CoreT<T>*>(p);
+}
+template <typename T>
+CoreT<T>* Core(T* p) {
+  return reinterpret_cast<CoreT<T>*>(p);
+}
 // Whether T is a 16-bit dtype whose sparse part runs in float32.
 template <typename T>
 constexpr bool kLowPrecision = IsLowPrecision<CoreT<T>>::value;
 
-// Images images[0..n) (null: 0..n-1) of x, per_image values each, widened to
-// float32 into a dense [n, per_image] buffer.
+// Images images[0..n) of x, per_image values each, widened to float32 into
+// the dense [n, per_image] buffer out.
 template <typename T>
-UninitVector<float> WidenImages(const T* x, int64_t per_image,
-                                const int64_t* images, int64_t n,
-                                const ParallelFor& pfor) {
-  UninitVector<float> out;
-  out.resize(n * per_image);
+void WidenImages(const T* x, int64_t per_image, const int64_t* images,
+                 int64_t n, float* out, const ParallelFor& pfor) {
   pfor(n, per_image + 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t src = images ? images[i] : i;
-      WidenToFloat(Core(x) + src * per_image, out.data() + i * per_image,
+    for (int64_t i = b; i < e; ++i)
+      WidenToFloat(Core(x) + images[i] * per_image, out + i * per_image,
                    per_image);
-    }
   });
-  return out;
+}
+
+// Images per block of the 16-bit sparse paths: about 2^20 input values
+// (4 MB of float32), the size the calibration times, so that the widened
+// block and its output stay in cache between widening, kernel and
+// narrowing instead of streaming the whole batch through memory three
+// times.
+inline int64_t LowPrecisionBlock(int64_t per_image) {
+  return std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, per_image));
 }
 
 // act(y + bias) on rows x n float32 values (bias may be null): with
@@ -556,7 +582,8 @@ void SparseFilterGradBy(bool direct, const T* x, const Conv2DGeometry& g,
 // The 16-bit dtypes' sparse forward: the listed images of x and the filter
 // widened to float32, the float32 kernel chosen above, then (bias_f or act
 // given) act(y + bias) in float32, and one rounding of each output value to
-// T into the images' place in y. Other images of y are untouched.
+// T into the images' place in y, block by block (LowPrecisionBlock). Other
+// images of y are untouched.
 template <typename T>
 void SparseForwardLow(bool direct, const T* x, const Conv2DGeometry& g,
                       const int64_t* images, int64_t n_images,
@@ -567,33 +594,40 @@ void SparseForwardLow(bool direct, const T* x, const Conv2DGeometry& g,
   const int64_t per_in = g.h * g.w * g.c_in;
   const int64_t per_out = g.out_h * g.out_w * g.c_out;
   const int64_t fsize = g.kh * g.kw * g.c_in * g.c_out;
-  const UninitVector<float> xf = WidenImages(x, per_in, images, n_images, pfor);
-  UninitVector<float> ff, yf;
+  const int64_t block = std::min(n_images, LowPrecisionBlock(per_in));
+  UninitVector<float> ff, xf, yf;
   ff.resize(fsize);
-  yf.resize(n_images * per_out);
+  xf.resize(block * per_in);
+  yf.resize(block * per_out);
   WidenToFloat(Core(f), ff.data(), fsize);
-  std::vector<int64_t> local(n_images), nnz(n_images);
-  for (int64_t i = 0; i < n_images; ++i) {
-    local[i] = i;
-    nnz[i] = image_nnz[images[i]];
+  std::vector<int64_t> local(block), nnz(block);
+  for (int64_t b0 = 0; b0 < n_images; b0 += block) {
+    const int64_t nb = std::min(block, n_images - b0);
+    const int64_t* imgs = images + b0;
+    WidenImages(x, per_in, imgs, nb, xf.data(), pfor);
+    for (int64_t i = 0; i < nb; ++i) {
+      local[i] = i;
+      nnz[i] = image_nnz[imgs[i]];
+    }
+    Conv2DGeometry gs = g;
+    gs.n = nb;
+    SparseForwardBy<float>(direct, xf.data(), gs, local.data(), nb,
+                           nnz.data(), ff.data(), yf.data(), pfor);
+    if (bias_f != nullptr || act != Activation::kNone)
+      FloatEpilogue(yf.data(), nb * g.out_h * g.out_w, g.c_out, bias_f, act,
+                    nan_to_zero, pfor);
+    pfor(nb, per_out + 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i)
+        NarrowFromFloat(yf.data() + i * per_out, Core(y) + imgs[i] * per_out,
+                        per_out);
+    });
   }
-  Conv2DGeometry gs = g;
-  gs.n = n_images;
-  SparseForwardBy<float>(direct, xf.data(), gs, local.data(), n_images,
-                         nnz.data(), ff.data(), yf.data(), pfor);
-  if (bias_f != nullptr || act != Activation::kNone)
-    FloatEpilogue(yf.data(), n_images * g.out_h * g.out_w, g.c_out, bias_f, act,
-                  nan_to_zero, pfor);
-  pfor(n_images, per_out + 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i)
-      NarrowFromFloat(yf.data() + i * per_out, Core(y) + images[i] * per_out,
-                      per_out);
-  });
 }
 
 // The 16-bit dtypes' sparse filter gradient: the listed images of x and dy
-// widened to float32, the float32 kernel accumulating into the float32
-// df [KH, KW, C_in, C_out] (the caller rounds the finished sum once).
+// widened to float32 block by block (LowPrecisionBlock), the float32 kernel
+// accumulating each block into the float32 df [KH, KW, C_in, C_out] (the
+// caller rounds the finished sum once).
 template <typename T>
 void SparseFilterGradLow(bool direct, const T* x, const Conv2DGeometry& g,
                          const int64_t* images, int64_t n_images,
@@ -602,18 +636,25 @@ void SparseFilterGradLow(bool direct, const T* x, const Conv2DGeometry& g,
   if (n_images <= 0) return;
   const int64_t per_in = g.h * g.w * g.c_in;
   const int64_t per_out = g.out_h * g.out_w * g.c_out;
-  const UninitVector<float> xf = WidenImages(x, per_in, images, n_images, pfor);
-  const UninitVector<float> dyf =
-      WidenImages(dy, per_out, images, n_images, pfor);
-  std::vector<int64_t> local(n_images), nnz(n_images);
-  for (int64_t i = 0; i < n_images; ++i) {
-    local[i] = i;
-    nnz[i] = image_nnz[images[i]];
+  const int64_t block = std::min(n_images, LowPrecisionBlock(per_in));
+  UninitVector<float> xf, dyf;
+  xf.resize(block * per_in);
+  dyf.resize(block * per_out);
+  std::vector<int64_t> local(block), nnz(block);
+  for (int64_t b0 = 0; b0 < n_images; b0 += block) {
+    const int64_t nb = std::min(block, n_images - b0);
+    const int64_t* imgs = images + b0;
+    WidenImages(x, per_in, imgs, nb, xf.data(), pfor);
+    WidenImages(dy, per_out, imgs, nb, dyf.data(), pfor);
+    for (int64_t i = 0; i < nb; ++i) {
+      local[i] = i;
+      nnz[i] = image_nnz[imgs[i]];
+    }
+    Conv2DGeometry gs = g;
+    gs.n = nb;
+    SparseFilterGradBy<float>(direct, xf.data(), gs, local.data(), nb,
+                              nnz.data(), dyf.data(), df, pfor);
   }
-  Conv2DGeometry gs = g;
-  gs.n = n_images;
-  SparseFilterGradBy<float>(direct, xf.data(), gs, local.data(), n_images,
-                            nnz.data(), dyf.data(), df, pfor);
 }
 
 // Sparse filter gradient in any dtype, added into the T buffer df (used by
@@ -657,8 +698,8 @@ void SparseForwardAny(bool direct, const T* x, const Conv2DGeometry& g,
 // the pixels CountConvNonzerosStrided visits. `stride` is the runtime's
 // stride over the N*H*W pixels (SplitCall::SampleStrideFor), raised to be
 // coprime with W (so that the sample visits every column, not one column
-// of the image) and capped at H*W / 4 (at least four pixels per image).
-// Returns the stride used (1: nothing sampled, count everything).
+// of the image), after a cap at H*W / 4 (about four pixels per image at
+// least). Returns the stride used (1: nothing sampled, count everything).
 template <typename T>
 int64_t ConvSample(const T* x, const Conv2DGeometry& g, int64_t stride,
                    const ParallelFor& pfor, SampledCounts* out) {

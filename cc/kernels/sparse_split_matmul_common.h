@@ -160,8 +160,8 @@ absl::Status RowMajorOpB(::tensorflow::OpKernelContext* ctx,
   if (!transpose_b) return absl::OkStatus();
   TF_RETURN_IF_ERROR(
       ctx->allocate_temp(b.dtype(), ::tensorflow::TensorShape({k, n}), tmp));
-  GatherSubmatrix<CoreT<T>>(Core(*out), b.dim_size(0), b.dim_size(1), true,
-                            nullptr, k, nullptr, n, Core(tmp->flat<T>().data()),
+  GatherSubmatrix<CoreType<T>>(AsCore(*out), b.dim_size(0), b.dim_size(1), true,
+                            nullptr, k, nullptr, n, AsCore(tmp->flat<T>().data()),
                             pfor);
   *out = tmp->flat<T>().data();
   return absl::OkStatus();
@@ -172,11 +172,11 @@ absl::Status RowMajorOpB(::tensorflow::OpKernelContext* ctx,
 template <typename T>
 void SampleCsr(const ::tensorflow::Tensor& sample, int64_t k,
                const int64_t* row_nnz, const ParallelFor& pfor,
-               std::vector<int64_t>* rows_out, Csr<CoreT<T>>* csr) {
+               std::vector<int64_t>* rows_out, Csr<CoreType<T>>* csr) {
   const int64_t rows = sample.dim_size(0);
   rows_out->resize(rows);
   std::iota(rows_out->begin(), rows_out->end(), int64_t{0});
-  BuildCsr<CoreT<T>>(Core(sample.flat<T>().data()), rows, k, false,
+  BuildCsr<CoreType<T>>(AsCore(sample.flat<T>().data()), rows, k, false,
                      rows_out->data(), rows, row_nnz, nullptr, csr, pfor);
 }
 

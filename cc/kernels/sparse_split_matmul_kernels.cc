@@ -58,9 +58,9 @@ struct MatMulPaths {
     }
     TF_RETURN_IF_ERROR(ctx->allocate_temp(a.dtype(), tf::TensorShape({rows, k}),
                                           sample));
-    GatherSubmatrix<CoreT<T>>(Core(a.flat<T>().data()), a.dim_size(0),
+    GatherSubmatrix<CoreType<T>>(AsCore(a.flat<T>().data()), a.dim_size(0),
                               a.dim_size(1), true, nullptr, rows, nullptr, k,
-                              Core(sample->flat<T>().data()), pfor);
+                              AsCore(sample->flat<T>().data()), pfor);
     return absl::OkStatus();
   }
 
@@ -71,14 +71,14 @@ struct MatMulPaths {
 
   absl::Status RunSparse(const tf::Tensor& sample, const int64_t* row_nnz) {
     std::vector<int64_t> idx;
-    Csr<CoreT<T>> csr;
+    Csr<CoreType<T>> csr;
     SampleCsr<T>(sample, k, row_nnz, pfor, &idx, &csr);
     const int64_t rows = sample.dim_size(0);
     tf::Tensor bt_t;
     const T* bd = nullptr;
     TF_RETURN_IF_ERROR(OperandB(&bt_t, &bd));
-    std::vector<CoreT<T>> c(rows * n);
-    CsrSpmm<CoreT<T>>(csr, idx.data(), rows, Core(bd), k, n, n, c.data(), n,
+    std::vector<CoreType<T>> c(rows * n);
+    CsrSpmm<CoreType<T>>(csr, idx.data(), rows, AsCore(bd), k, n, n, c.data(), n,
                       pfor);
     return absl::OkStatus();
   }
@@ -96,15 +96,15 @@ struct CpuDevice {
   absl::Status Gather(const tf::Tensor& src, bool transpose,
                       const int64_t* rows, int64_t n_rows, const int64_t* cols,
                       int64_t n_cols, tf::Tensor* out) {
-    GatherSubmatrix<CoreT<T>>(Core(src.flat<T>().data()), src.dim_size(0),
+    GatherSubmatrix<CoreType<T>>(AsCore(src.flat<T>().data()), src.dim_size(0),
                               src.dim_size(1), transpose, rows, n_rows, cols,
-                              n_cols, Core(out->flat<T>().data()), pfor);
+                              n_cols, AsCore(out->flat<T>().data()), pfor);
     return absl::OkStatus();
   }
   absl::Status Scatter(const tf::Tensor& src, const int64_t* rows,
                        int64_t n_rows, int64_t n, tf::Tensor* out) {
-    ScatterRows<CoreT<T>>(Core(src.flat<T>().data()), rows, n_rows, n,
-                          Core(out->flat<T>().data()), n, pfor);
+    ScatterRows<CoreType<T>>(AsCore(src.flat<T>().data()), rows, n_rows, n,
+                          AsCore(out->flat<T>().data()), n, pfor);
     return absl::OkStatus();
   }
 };
@@ -150,7 +150,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, call.status());
     call.stats()[kStatHeterogeneous] = mm_.hetero ? kHeteroCpuFallback : kHeteroOff;
     const tf::TensorShape out_shape({m, n});
-    const CoreT<T>* a_ptr = Core(a.flat<T>().data());
+    const CoreType<T>* a_ptr = AsCore(a.flat<T>().data());
     const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
     ParallelFor pfor = TfParallelFor(ctx);
 
@@ -170,7 +170,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
             call.SampleStrideFor(dense_shape, &family, a_rows, a_cols);
         if (stride > 1) {
           SampledCounts sc;
-          CountSample<CoreT<T>>(a_ptr, a_rows, a_cols, mm_.ta, stride, pfor, &sc);
+          CountSample<CoreType<T>>(a_ptr, a_rows, a_cols, mm_.ta, stride, pfor, &sc);
           call.AcceptSample(dense_shape, sc, &family, &plans_);
         }
       }
@@ -183,7 +183,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     // --- Analysis: densities, live columns. --------------------------------
     std::vector<int64_t> row_nnz(m), col_nnz(k);
     const int64_t nnz =
-        m > 0 && k > 0 ? CountNonzeros<CoreT<T>>(a_ptr, a_rows, a_cols, mm_.ta,
+        m > 0 && k > 0 ? CountNonzeros<CoreType<T>>(a_ptr, a_rows, a_cols, mm_.ta,
                                           row_nnz.data(), col_nnz.data(), pfor)
                        : 0;
     if (call.automatic()) call.CountDone(&family, static_cast<double>(m) * k);
@@ -234,17 +234,17 @@ class SparseSplitMatMulOp : public tf::OpKernel {
 
     // --- Sparse part. -------------------------------------------------------
     if (rs > 0) {
-      CoreT<T>* c = Core(out->flat<T>().data());
+      CoreType<T>* c = AsCore(out->flat<T>().data());
       if (call.split().nnz_sparse == 0) {
-        ZeroRows<CoreT<T>>(sparse_rows.data(), rs, n, c, n, pfor);
+        ZeroRows<CoreType<T>>(sparse_rows.data(), rs, n, c, n, pfor);
       } else {
-        Csr<CoreT<T>> csr;
-        BuildCsr<CoreT<T>>(a_ptr, a_rows, a_cols, mm_.ta, sparse_rows.data(), rs,
+        Csr<CoreType<T>> csr;
+        BuildCsr<CoreType<T>>(a_ptr, a_rows, a_cols, mm_.ta, sparse_rows.data(), rs,
                     row_nnz.data(), col_nnz.data(), &csr, pfor);
         tf::Tensor bt_t;
         const T* bd = nullptr;
         OP_REQUIRES_OK(ctx, paths.OperandB(&bt_t, &bd));
-        CsrSpmm<CoreT<T>>(csr, sparse_rows.data(), rs, Core(bd), k, n, n, c, n,
+        CsrSpmm<CoreType<T>>(csr, sparse_rows.data(), rs, AsCore(bd), k, n, n, c, n,
                           pfor);
       }
     }

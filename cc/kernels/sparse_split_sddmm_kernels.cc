@@ -97,23 +97,23 @@ struct SddmmPaths {
     const tf::Tensor xs = x.Slice(0, rows);
     tf::Tensor product;
     TF_RETURN_IF_ERROR(gemm.Run(ctx, {&xs, &b}, &product));
-    CoreT<T>* c = Core(product.flat<T>().data());
-    MaskedCopyRows<CoreT<T>>(Core(sample.flat<T>().data()), k, nullptr, rows, c,
+    CoreType<T>* c = AsCore(product.flat<T>().data());
+    MaskedCopyRows<CoreType<T>>(AsCore(sample.flat<T>().data()), k, nullptr, rows, c,
                              c, k, pfor);
     return absl::OkStatus();
   }
 
   absl::Status RunSparse(const tf::Tensor& sample, const int64_t* row_nnz) {
     std::vector<int64_t> idx;
-    Csr<CoreT<T>> csr;
+    Csr<CoreType<T>> csr;
     SampleCsr<T>(sample, k, row_nnz, pfor, &idx, &csr);
     const int64_t rows = sample.dim_size(0);
     tf::Tensor bt_t;
     const T* y = nullptr;
     TF_RETURN_IF_ERROR(OperandY(&bt_t, &y));
-    std::vector<CoreT<T>> c(rows * k);
-    CsrSddmm<CoreT<T>>(csr, idx.data(), rows, Core(x.flat<T>().data()), n,
-                       Core(y), n, k, n, c.data(), k, pfor);
+    std::vector<CoreType<T>> c(rows * k);
+    CsrSddmm<CoreType<T>>(csr, idx.data(), rows, AsCore(x.flat<T>().data()), n,
+                       AsCore(y), n, k, n, c.data(), k, pfor);
     return absl::OkStatus();
   }
 
@@ -146,7 +146,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
     SplitCall call(ctx, 1, m, k, n, prob.threshold);
     OP_REQUIRES_OK(ctx, call.status());
     const tf::TensorShape out_shape({m, k});
-    const CoreT<T>* mask_ptr = Core(mask.flat<T>().data());
+    const CoreType<T>* mask_ptr = AsCore(mask.flat<T>().data());
     ParallelFor pfor = TfParallelFor(ctx);
 
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
@@ -164,7 +164,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
         const int64_t stride = call.SampleStrideFor(dense_shape, &family, m, k);
         if (stride > 1) {
           SampledCounts sc;
-          CountSample<CoreT<T>>(mask_ptr, m, k, false, stride, pfor, &sc);
+          CountSample<CoreType<T>>(mask_ptr, m, k, false, stride, pfor, &sc);
           call.AcceptSample(dense_shape, sc, &family, &plans_);
         }
       }
@@ -172,8 +172,8 @@ class SparseSplitSddmmOp : public tf::OpKernel {
         // TF's GEMM on every row, then masked (the mask is read anyway).
         tf::Tensor product;
         OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&x, &b}, &product));
-        CoreT<T>* c = Core(product.flat<T>().data());
-        MaskedCopyRows<CoreT<T>>(mask_ptr, k, nullptr, m, c, c, k, pfor);
+        CoreType<T>* c = AsCore(product.flat<T>().data());
+        MaskedCopyRows<CoreType<T>>(mask_ptr, k, nullptr, m, c, c, k, pfor);
         ctx->set_output(0, product);
         call.DenseDone();
         call.SparseDone();
@@ -185,7 +185,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
     // --- Analysis: densities of the mask's rows. ---------------------------
     std::vector<int64_t> row_nnz(m), col_nnz(k);
     const int64_t nnz =
-        m > 0 && k > 0 ? CountNonzeros<CoreT<T>>(mask_ptr, m, k, false, row_nnz.data(),
+        m > 0 && k > 0 ? CountNonzeros<CoreType<T>>(mask_ptr, m, k, false, row_nnz.data(),
                                           col_nnz.data(), pfor)
                        : 0;
     if (call.automatic()) call.CountDone(&family, static_cast<double>(m) * k);
@@ -215,8 +215,8 @@ class SparseSplitSddmmOp : public tf::OpKernel {
     if (rd == m) {
       tf::Tensor product;
       OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&x, &b}, &product));
-      CoreT<T>* c = Core(product.flat<T>().data());
-      MaskedCopyRows<CoreT<T>>(mask_ptr, k, nullptr, m, c, c, k, pfor);
+      CoreType<T>* c = AsCore(product.flat<T>().data());
+      MaskedCopyRows<CoreType<T>>(mask_ptr, k, nullptr, m, c, c, k, pfor);
       ctx->set_output(0, product);
     } else {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
@@ -224,30 +224,30 @@ class SparseSplitSddmmOp : public tf::OpKernel {
         tf::Tensor xd, cd;
         OP_REQUIRES_OK(ctx, ctx->allocate_temp(x.dtype(),
                                                tf::TensorShape({rd, n}), &xd));
-        GatherSubmatrix<CoreT<T>>(Core(x.flat<T>().data()), m, n, false,
+        GatherSubmatrix<CoreType<T>>(AsCore(x.flat<T>().data()), m, n, false,
                                   dense_rows.data(), rd, nullptr, n,
-                                  Core(xd.flat<T>().data()), pfor);
+                                  AsCore(xd.flat<T>().data()), pfor);
         OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&xd, &b}, &cd));
-        MaskedCopyRows<CoreT<T>>(mask_ptr, k, dense_rows.data(), rd,
-                                 Core(cd.flat<T>().data()),
-                                 Core(out->flat<T>().data()), k, pfor);
+        MaskedCopyRows<CoreType<T>>(mask_ptr, k, dense_rows.data(), rd,
+                                 AsCore(cd.flat<T>().data()),
+                                 AsCore(out->flat<T>().data()), k, pfor);
       }
     }
     call.DenseDone();
 
     // --- Sparse part: CSR of the sparse rows, SDDMM. -----------------------
     if (rs > 0) {
-      CoreT<T>* c = Core(out->flat<T>().data());
+      CoreType<T>* c = AsCore(out->flat<T>().data());
       if (call.split().nnz_sparse == 0) {
-        ZeroRows<CoreT<T>>(sparse_rows.data(), rs, k, c, k, pfor);
+        ZeroRows<CoreType<T>>(sparse_rows.data(), rs, k, c, k, pfor);
       } else {
-        Csr<CoreT<T>> csr;
-        BuildCsr<CoreT<T>>(mask_ptr, m, k, false, sparse_rows.data(), rs,
+        Csr<CoreType<T>> csr;
+        BuildCsr<CoreType<T>>(mask_ptr, m, k, false, sparse_rows.data(), rs,
                     row_nnz.data(), col_nnz.data(), &csr, pfor);
         tf::Tensor bt_t;
         const T* y = nullptr;
         OP_REQUIRES_OK(ctx, paths.OperandY(&bt_t, &y));
-        CsrSddmm<CoreT<T>>(csr, sparse_rows.data(), rs, Core(x.flat<T>().data()), n, Core(y), n,
+        CsrSddmm<CoreType<T>>(csr, sparse_rows.data(), rs, AsCore(x.flat<T>().data()), n, AsCore(y), n,
                     k, n, c, k, pfor);
       }
     }

@@ -4,6 +4,7 @@
 // SparseSplitConv2DBackpropFilter) reads the same way:
 //
 //   SplitCall call(ctx, ...)        timer started, statistics allocated
+//                                   (when an op consumes them)
 //   call.ChooseAnalysis(...)        automatic calls: count everything, a
 //                                   strided sample, or nothing (the cost
 //                                   model's AnalysisMode); a sample or no
@@ -33,6 +34,8 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -121,6 +124,52 @@ int64_t CountRows(const T* x, int64_t rows, int64_t k, int64_t* row_nnz) {
     total += z;
   }
   return total;
+}
+
+// Per-family record of the recalibration rule (RecalibrationDue of
+// cost_model.h): the density of the last calibration, automatic calls since
+// and recalibrations so far. Process-wide, like FamilyFor.
+struct CalibrationRecord {
+  double density = -1.0;  // < 0: the family was calibrated elsewhere
+  int64_t calls = 0;
+  int recalibrations = 0;
+};
+
+inline std::mutex& CalibrationRecordsMutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+inline std::map<const FamilyModel*, CalibrationRecord>& CalibrationRecords() {
+  static auto* records = new std::map<const FamilyModel*, CalibrationRecord>;
+  return *records;
+}
+
+// A (first) calibration of `family` on a call of this density.
+inline void NoteCalibration(const FamilyModel* family, double density) {
+  std::lock_guard<std::mutex> lock(CalibrationRecordsMutex());
+  CalibrationRecord& r = CalibrationRecords()[family];
+  r.density = density;
+  r.calls = 0;
+}
+
+// Counts one automatic call of a calibrated family at this density; true
+// when it should recalibrate now (its record then restarts here).
+inline bool CountCallRecalibrationDue(const FamilyModel* family,
+                                      double density) {
+  std::lock_guard<std::mutex> lock(CalibrationRecordsMutex());
+  CalibrationRecord& r = CalibrationRecords()[family];
+  if (r.density < 0.0) {  // first seen here: start from this call
+    r.density = density;
+    return false;
+  }
+  ++r.calls;
+  if (!RecalibrationDue(r.density, density, r.calls, r.recalibrations))
+    return false;
+  r.density = density;
+  r.calls = 0;
+  ++r.recalibrations;
+  return true;
 }
 
 }  // namespace split_runtime_internal
@@ -265,21 +314,32 @@ class SplitCall {
  public:
   // Allocates the statistics (output `stats_output`, float64 [kNumStats])
   // and records the sizes (m, k, n as the statistics define them for the
-  // op) and the threshold as given (0 for automatic until decided).
+  // op) and the threshold as given (0 for automatic until decided). When
+  // nothing consumes that output (ctx->output_required false: a gradient
+  // product, a caller that drops the statistics) the statistics go to a
+  // buffer of the call instead, and the output is left unset, as
+  // OpKernelContext allows: one allocation less on every call.
   SplitCall(tensorflow::OpKernelContext* ctx, int stats_output, int64_t m,
             int64_t k, int64_t n, float threshold)
       : start_(Clock::now()), threshold_in_(threshold) {
-    tensorflow::Tensor* t = nullptr;
-    status_ = ctx->allocate_output(
-        stats_output, tensorflow::TensorShape({kNumStats}), &t);
-    if (!status_.ok()) return;
-    stats_ = t->flat<double>().data();
+    if (ctx->output_required(stats_output)) {
+      tensorflow::Tensor* t = nullptr;
+      status_ = ctx->allocate_output(
+          stats_output, tensorflow::TensorShape({kNumStats}), &t);
+      if (!status_.ok()) return;
+      stats_ = t->flat<double>().data();
+    } else {
+      stats_ = local_stats_;
+    }
     std::fill(stats_, stats_ + kNumStats, 0.0);
     stats_[kStatM] = m;
     stats_[kStatK] = k;
     stats_[kStatN] = n;
     stats_[kStatThreshold] = threshold < 0 ? 0.0 : threshold;
   }
+
+  SplitCall(const SplitCall&) = delete;  // stats_ may point into the call
+  SplitCall& operator=(const SplitCall&) = delete;
 
   const absl::Status& status() const { return status_; }
   double* stats() { return stats_; }
@@ -386,10 +446,19 @@ class SplitCall {
     if (!shape.dense_allowed) {
       thr = 1.0;
     } else if (automatic()) {
+      const double density = Density(row_nnz, shape);
       if (!family->calibrated()) {
         CostTerms fitted;
         TF_RETURN_IF_ERROR(Calibrate<T>(ctx, op, shape, pfor, &fitted));
         family->SetCalibration(fitted);
+        split_runtime_internal::NoteCalibration(family, density);
+      } else if (split_runtime_internal::CountCallRecalibrationDue(family,
+                                                                   density)) {
+        // The activation's density moved far from the calibration's
+        // (RecalibrationPolicy): time both paths again on this call's rows.
+        CostTerms fitted;
+        TF_RETURN_IF_ERROR(Calibrate<T>(ctx, op, shape, pfor, &fitted));
+        family->Recalibrate(fitted);
       }
       const Plan plan = memory->Decide(
           shape, ProfileFromRowNnz(row_nnz, shape.m, shape.k, kDecisionBuckets),
@@ -405,6 +474,14 @@ class SplitCall {
                       : 0.0);
     }
     return Apply(row_nnz, thr, all_dense);
+  }
+
+  // nnz / (m k) of the call's activation from its row counts.
+  static double Density(const int64_t* row_nnz, const SplitShape& shape) {
+    if (shape.m <= 0 || shape.k <= 0) return 0.0;
+    double nnz = 0.0;
+    for (int64_t i = 0; i < shape.m; ++i) nnz += static_cast<double>(row_nnz[i]);
+    return nnz / (static_cast<double>(shape.m) * static_cast<double>(shape.k));
   }
 
   // Applies an already chosen threshold (the GPU kernel decides its own
@@ -496,6 +573,7 @@ class SplitCall {
   float threshold_in_;
   absl::Status status_;
   double* stats_ = nullptr;
+  double local_stats_[kNumStats];  // the statistics when no one reads them
   SplitShape shape_;
   FamilyModel* family_ = nullptr;
   RowSplit split_;

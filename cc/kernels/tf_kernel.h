@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
+#include "absl/types/span.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -51,15 +53,18 @@ class TfKernel {
   bool ok() const { return kernel_ != nullptr; }
 
   // Runs the kernel on `ins`; *out = its output 0 (a new tensor, enqueued on
-  // the stream on a GPU).
+  // the stream on a GPU). Per call this builds only the sub-context (no heap
+  // allocation for up to kMaxInputs inputs): the kernel itself was created
+  // once, in Init.
   absl::Status Run(::tensorflow::OpKernelContext* ctx,
-                   const std::vector<const ::tensorflow::Tensor*>& ins,
+                   absl::Span<const ::tensorflow::Tensor* const> ins,
                    ::tensorflow::Tensor* out) const {
     namespace tf = ::tensorflow;
-    std::vector<tf::TensorValue> inputs;
+    absl::InlinedVector<tf::TensorValue, kMaxInputs> inputs;
     for (const tf::Tensor* t : ins)
       inputs.emplace_back(const_cast<tf::Tensor*>(t));
-    std::vector<tf::AllocatorAttributes> in_attrs(ins.size());
+    absl::InlinedVector<tf::AllocatorAttributes, kMaxInputs> in_attrs(
+        ins.size());
     tf::AllocatorAttributes out_attr;
     tf::OpKernelContext::Params p;
     p.device = ctx->device();
@@ -84,6 +89,7 @@ class TfKernel {
   }
 
  private:
+  static constexpr int kMaxInputs = 4;
   std::unique_ptr<::tensorflow::OpKernel> kernel_;
 };
 

@@ -721,6 +721,18 @@ void BindAnalysis(py::module_& mod) {
           py::arg("dead_col_frac") = 0.0,
           "Upper bound of the seconds any plan but plain all-dense can save "
           "(inf when the terms are unknown).");
+  mod.def("recalibration_due",
+          [](double calibrated_density, double density, int64_t calls_since,
+             int recalibrations) {
+            return RecalibrationDue(calibrated_density, density, calls_since,
+                                    recalibrations);
+          },
+          py::arg("calibrated_density"), py::arg("density"),
+          py::arg("calls_since"), py::arg("recalibrations"),
+          "Whether a calibrated family times its paths again (the default "
+          "RecalibrationPolicy of cost_model.h): the density (nnz / (m k)) "
+          "moved 2x either way and by >= 0.05 since its last calibration, "
+          ">= 32 automatic calls ago, fewer than 8 recalibrations so far.");
   mod.def("full_count_period",
           [](double count_s, double dense_s, const py::object& ap) {
             return FullCountPeriod(count_s, dense_s, AnalysisPolicyOf(ap));

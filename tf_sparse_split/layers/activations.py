@@ -54,6 +54,15 @@ def _penalty_dtype(dtype):
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
+def _fused_op_applies(x):
+    """Whether a training call on ``x`` runs the fused ``BiasFatRelu`` op
+    (CPU kernels, float32/float64, rank >= 1): not where a GPU is visible,
+    whose placement would copy the activation to the host and back."""
+    return (x.dtype in (tf.float32, tf.float64) and x.shape.rank is not None
+            and x.shape.rank >= 1
+            and not tf.config.list_logical_devices("GPU"))
+
+
 @tf.custom_gradient
 def _fat_relu_l1(x, t, l1):
     """``(y, l1 * mean(y))`` with ``y = where(x > t, x, 0)``, ``t >= 0``
@@ -221,6 +230,19 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
             # x > T with T >= 0: also zeroes negatives, i.e. ReLU at T = 0.
             return tf.where(x > t, x, tf.zeros_like(x))
         l1 = tf.convert_to_tensor(self.l1_var)
+        if _fused_op_applies(x):
+            # One pass forward and one backward (the fused op with a zero
+            # bias) instead of Greater, SelectV2 and Sum, then AddV2 and
+            # ReluGrad: what a plain Keras Conv2D/Dense with this activation
+            # (the layer on a model's input) runs in training.
+            from tf_sparse_split.ops.fat_relu import bias_fat_relu
+
+            y, total = bias_fat_relu(x, tf.zeros(tf.shape(x)[-1:], x.dtype), t)
+            size = tf.cast(tf.size(x), x.dtype)
+            self.add_loss(tf.cast(tf.cast(l1, x.dtype) * total / size,
+                                  tf.float32))
+            self._track_quantile(x)
+            return y
         y, penalty = _fat_relu_l1(x, t,
                                   tf.cast(l1, _penalty_dtype(x.dtype)))
         self.add_loss(tf.cast(penalty, tf.float32))

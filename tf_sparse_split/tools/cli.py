@@ -62,7 +62,13 @@ the sparse-split layers fed by a ReLU are driven toward a fraction S of
 zeros (FATReLU cutoffs + progressive L1; Kurtz et al., ICML 2020;
 ProSparse, 2024; default 0.9 for mlp, 0.8 for cnn, ``none`` to switch it
 off); ``--compare`` then also prints each layer's input sparsity in both
-models. ``--model lstm`` trains image rows
+models. ``--step-budget MS`` / ``--time-budget SECONDS`` (mlp, cnn) train
+within a step-time budget or a deadline for the whole run instead of a fixed
+target: :class:`~tf_sparse_split.callbacks.TimeBudgetCallback` chooses each
+layer's sparsity at run time (R. Sun and L. Zhang, 2019); ``profile MODEL
+--latency-budget MS`` raises a trained model's FATReLU cutoffs until its
+p50 latency meets MS (:mod:`tf_sparse_split.tools.latency_budget`).
+``--model lstm`` trains image rows
 as sequences with :class:`~tf_sparse_split.layers.SparseSplitLSTM`
 (``--units``; ``--dropout row|tile|standard`` with ``--dropout-rate`` and
 ``--recurrent-dropout-rate``; Z. Song et al., arXiv 2203.05705) or
@@ -150,6 +156,18 @@ def parse_target(text):
     if text.strip().lower() == "none":
         return "none"
     return parse_rate(text)
+
+
+def parse_seconds(text):
+    """argparse type: a finite number > 0 (a time budget, in the unit its
+    flag names; NaN and inf refused)."""
+    import math
+
+    value = _checked(validate_positive_float, text, "value")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(
+            f"a budget must be a finite number > 0, got {text!r}")
+    return value
 
 
 def parse_tile_shape(text):
@@ -260,6 +278,17 @@ def build_parser():
              "progressive L1 penalty; --model mlp and cnn); default "
              f"{DEFAULT_TARGET['mlp']} for mlp, {DEFAULT_TARGET['cnn']} for "
              "cnn; 'none': plain ReLU sparsity")
+    budget = train.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--step-budget", type=parse_seconds, default=None, metavar="MS",
+        help="train within MS milliseconds per step: the sparsity of every "
+             "sparse-split layer fed by a ReLU is chosen at run time "
+             "(TimeBudgetCallback; --model mlp and cnn; replaces "
+             "--target-sparsity)")
+    budget.add_argument(
+        "--time-budget", type=parse_seconds, default=None,
+        metavar="SECONDS",
+        help="train the whole run (all epochs) within SECONDS, the same way")
     train.add_argument(
         "--split-all-layers", action="store_true",
         help="make every Dense/Conv2D a sparse-split layer; by default the "
@@ -336,6 +365,22 @@ def build_parser():
         help="time whole-model inference instead: plain, with the rewrite "
              "pass, and converted to sparse-split layers (p50/p90 ms, "
              "interleaved, after warm-up)")
+    prof.add_argument(
+        "--latency-budget", type=parse_seconds, default=None, metavar="MS",
+        help="raise the model's FATReLU cutoffs (ReLUs before sparse-split "
+             "layers are converted) until its p50 latency on the input is "
+             "at most MS milliseconds; prints the accuracy/latency points "
+             "tried (.keras models; accuracy with --labels)")
+    prof.add_argument(
+        "--labels", metavar="Y.npy", default=None,
+        help="--latency-budget: integer labels of --input, for the accuracy "
+             "of each point")
+    prof.add_argument(
+        "--curve", metavar="FILE.png", default=None,
+        help="--latency-budget: draw the accuracy/latency curve to a PNG")
+    prof.add_argument(
+        "--output", metavar="FILE.keras", default=None,
+        help="--latency-budget: save the model with the chosen cutoffs")
     prof.add_argument(
         "--sparse-model", metavar="PATH", default=None,
         help="--end-to-end: a sparse-split version of the model (.keras) to "
@@ -416,6 +461,20 @@ def _check_combinations(parser, args):
                              "--dropout")
         elif given("tile_shape") and args.dropout != "tile":
             parser.error("--tile-shape needs --dropout tile")
+        if given("step_budget") or given("time_budget"):
+            flag = "--step-budget" if given("step_budget") else \
+                "--time-budget"
+            if args.baseline:
+                parser.error(f"{flag} sets the sparse-split layers; "
+                             "--baseline trains plain Keras layers")
+            if args.model == "lstm":
+                parser.error(f"{flag} applies to --model mlp and cnn")
+            if given("target_sparsity") and args.target_sparsity != "none":
+                parser.error(f"{flag} chooses the sparsity at run time; it "
+                             "cannot be used with --target-sparsity")
+            if getattr(args, "strategy", "none") == "multi-worker":
+                parser.error(f"{flag} needs Keras fit (not --strategy "
+                             "multi-worker)")
         if args.baseline and (args.split_all_layers
                               or args.timing_rounds is not None
                               or args.timing_steps is not None):
@@ -427,6 +486,8 @@ def _check_combinations(parser, args):
             args.dropout_rate = 0.5
         args.keep_plain = (() if args.split_all_layers
                            else PLAIN_WHERE_NO_GAIN)
+        if given("step_budget") or given("time_budget"):
+            args.target_sparsity = "none"   # the budget chooses it
         if args.target_sparsity is None:
             args.target_sparsity = DEFAULT_TARGET.get(args.model)
         elif args.target_sparsity == "none":
@@ -443,6 +504,28 @@ def _check_combinations(parser, args):
                                        or given("input_sparsity")):
             parser.error("--batch-size and --input-sparsity describe random "
                          "inputs; they cannot be used with --input")
+        lb = getattr(args, "latency_budget", None)
+        if lb is None and any(getattr(args, a, None) is not None for a in
+                              ("labels", "curve", "output")):
+            parser.error("--labels, --curve and --output need "
+                         "--latency-budget")
+        if lb is not None:
+            if args.end_to_end:
+                parser.error("--latency-budget and --end-to-end are "
+                             "separate measurements; give one")
+            if args.labels is not None and args.input is None:
+                parser.error("--labels needs --input (the examples they "
+                             "label)")
+            if args.output is not None and \
+                    not args.output.endswith(".keras"):
+                parser.error(f"--output writes a .keras file, got "
+                             f"{args.output!r}")
+            if args.curve is not None:
+                from tf_sparse_split.tools.plots import check_plot_path
+                try:
+                    check_plot_path(args.curve)
+                except ValueError as e:
+                    parser.error(str(e).replace("--plot", "--curve"))
         args.batch_size = args.batch_size or 128
         args.input_sparsity = (0.5 if args.input_sparsity is None
                                else args.input_sparsity)
@@ -469,6 +552,12 @@ def main(argv=None):
             from tf_sparse_split.tools.train import train_command
 
             return train_command(args, out)
+        if args.command == "profile" and \
+                getattr(args, "latency_budget", None) is not None:
+            from tf_sparse_split.tools.latency_budget import \
+                latency_budget_command
+
+            return latency_budget_command(args, out)
         if args.command == "profile" and getattr(args, "end_to_end", False):
             from tf_sparse_split.tools.latency import latency_command
 

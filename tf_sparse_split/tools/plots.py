@@ -3,12 +3,18 @@
 :func:`plot_training` draws, per epoch, each sparse-split layer's input
 sparsity and split threshold (from the threshold tuner's history) and the
 epoch time of every model trained (sparse-split and, with ``--compare``, the
-plain-Keras baseline from the same initial weights).
+plain-Keras baseline from the same initial weights). With a budget
+(``--step-budget`` / ``--time-budget``), :func:`plot_budget` draws the
+measured step time against the budget over the steps, with each layer's
+sparsity target (:class:`~tf_sparse_split.callbacks.TimeBudgetCallback`'s
+``trace``); :func:`plot_latency_curve` draws the accuracy/latency points of
+:func:`~tf_sparse_split.tools.latency_budget.fit_latency_budget`.
 """
 
 import math
 
-__all__ = ["plot_training", "steady_mean", "check_plot_path"]
+__all__ = ["plot_training", "steady_mean", "check_plot_path", "plot_budget",
+           "plot_latency_curve"]
 
 
 def _layer_series(history, key):
@@ -132,6 +138,127 @@ def plot_training(results, path, title=None, speedup=None):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_budget(trace, path, title=None, window=9):
+    """Writes the step time against the budget over the training steps, and
+    each controlled layer's sparsity target (and dropout rates), to the PNG
+    file ``path``.
+
+    Args:
+      trace: :attr:`TimeBudgetCallback.trace` (dicts with ``step``,
+        ``seconds``, ``budget_s``, ``targets``, ``rates``).
+      path: output file name (``.png``).
+      title: optional figure title.
+      window: steps of the running median drawn over the raw step times.
+
+    Returns:
+      ``path``.
+
+    Raises:
+      ValueError: an empty trace or a bad ``path``.
+    """
+    import numpy as np
+
+    if not trace:
+        raise ValueError("plot_budget needs a non-empty trace (no step was "
+                         "controlled: more steps than warmup_steps?)")
+    check_plot_path(path)
+    plt = _pyplot()
+    steps = np.array([t["step"] for t in trace])
+    ms = np.array([t["seconds"] for t in trace]) * 1e3
+    budget = np.array([t["budget_s"] for t in trace]) * 1e3
+    med = np.array([np.median(ms[max(0, i - window + 1):i + 1])
+                    for i in range(len(ms))])
+    fig, (ax_t, ax_s) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    ax_t.plot(steps, ms, ".", ms=3, alpha=0.35, color="tab:gray",
+              label="step time")
+    ax_t.plot(steps, med, color="tab:blue",
+              label=f"running median ({window} steps)")
+    ax_t.plot(steps, budget, color="tab:red", drawstyle="steps-post",
+              label="budget")
+    top = float(np.percentile(ms, 99)) if len(ms) else 1.0
+    ax_t.set(ylabel="ms per step", title="step time against the budget",
+             ylim=(0, max(top, float(np.max(budget))) * 1.15))
+    names = list(trace[-1]["targets"])
+    for n in names:
+        ax_s.plot(steps, [t["targets"].get(n, np.nan) for t in trace],
+                  drawstyle="steps-post", label=f"{n} sparsity target")
+    rates = list(trace[-1].get("rates") or {})
+    for n in rates:
+        ax_s.plot(steps, [t["rates"].get(n, np.nan) for t in trace],
+                  "--", drawstyle="steps-post", label=f"{n} dropout rate")
+    ax_s.set(xlabel="training step", ylabel="fraction", ylim=(0, 1),
+             title="per-layer sparsity chosen by the controller")
+    for ax in (ax_t, ax_s):
+        ax.legend(fontsize=8, loc="best")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_latency_curve(points, path, budget_ms=None, title=None):
+    """Writes accuracy against p50 latency of the points
+    :func:`~tf_sparse_split.tools.latency_budget.fit_latency_budget` tried
+    to the PNG file ``path``.
+
+    Args:
+      points: list of dicts with ``sparsity`` (target, None for the model
+        as given), ``measured_sparsity``, ``p50_ms`` and ``accuracy`` (NaN
+        without accuracy data: the measured sparsity is drawn instead).
+      path: output file name (``.png``).
+      budget_ms: the latency budget (a vertical line), or None.
+      title: optional figure title.
+
+    Returns:
+      ``path``.
+
+    Raises:
+      ValueError: no points or a bad ``path``.
+    """
+    if not points:
+        raise ValueError("plot_latency_curve needs at least one point")
+    check_plot_path(path)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    xs = [p["p50_ms"] for p in points]
+    have_acc = not all(math.isnan(p.get("accuracy", math.nan))
+                       for p in points)
+    ys = [p["accuracy"] if have_acc else p["measured_sparsity"]
+          for p in points]
+    ax.plot(xs, ys, marker="o")
+    for p, x, y in zip(points, xs, ys):
+        label = ("as given" if p["sparsity"] is None
+                 else f"{p['sparsity']:.2f}")
+        ax.annotate(label, (x, y), fontsize=7,
+                    textcoords="offset points", xytext=(3, 3))
+    if budget_ms is not None:
+        ax.axvline(budget_ms, color="tab:red", label="latency budget")
+        ax.legend(fontsize=8)
+    ax.set(xlabel="p50 latency (ms)",
+           ylabel="accuracy" if have_acc else "measured sparsity",
+           title="FATReLU cutoffs: accuracy against latency\n(labels: "
+                 "target sparsity)")
+    ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -17,7 +17,8 @@ from tf_sparse_split.tools.models import build_cnn, build_mlp
 
 __all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printer",
            "steady_epoch_time", "input_sparsity", "describe_split",
-           "step_speedup", "train_step_times"]
+           "step_speedup", "train_step_times", "make_budget_callback",
+           "budget_summary"]
 
 
 def describe_split(sparsity, threshold):
@@ -72,6 +73,13 @@ def epoch_printer(epochs, layer_names, out):
                   f"loss {logs.get('loss', float('nan')):.4f}, "
                   f"accuracy {logs.get('accuracy', float('nan')):.4f}",
                   file=out, flush=True)
+            if "budget/step_time" in logs:
+                print(f"  budget: median step "
+                      f"{logs['budget/step_time'] * 1e3:.2f} ms, budget "
+                      f"{logs['budget/step_budget'] * 1e3:.2f} ms" +
+                      ("" if logs.get("budget/reachable", 1.0) else
+                       " (not reachable within the bounds)"), file=out,
+                      flush=True)
             for name in layer_names:
                 sp = logs.get(f"{name}/sparsity")
                 th = logs.get(f"{name}/threshold")
@@ -203,6 +211,10 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
         from tf_sparse_split.callbacks import SparsityTargetCallback
 
         callbacks.append(SparsityTargetCallback(target))
+    budget_cb = make_budget_callback(args, x_train, y_train, out) \
+        if sparse else None
+    if budget_cb is not None:
+        callbacks.append(budget_cb)
     if sparse:
         split_cb = SplitThresholdCallback(
             log_dir=getattr(args, "tensorboard", None))
@@ -245,6 +257,7 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
         "tuning_history": list(split_cb.history) if split_cb else [],
         "steady_time_per_epoch": steady_epoch_time(printer.times),
         "input_sparsity": input_sparsity(model, x_test[:1000]),
+        "budget": budget_summary(budget_cb),
         "model": model,
         "x_train": x_train,
     }
@@ -254,6 +267,40 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
               f"{result['time_per_epoch']:.2f} s ({_time_label(result)})",
               file=out, flush=True)
     return result
+
+
+def make_budget_callback(args, x_train, y_train, out):
+    """The :class:`~tf_sparse_split.callbacks.TimeBudgetCallback` of
+    ``--step-budget MS`` / ``--time-budget SECONDS`` (None without either):
+    the first 512 training examples are its held batch for the
+    sensitivities; TensorBoard scalars go to ``<--tensorboard>/budget``."""
+    import os
+
+    step_ms = getattr(args, "step_budget", None)
+    deadline = getattr(args, "time_budget", None)
+    if step_ms is None and deadline is None:
+        return None
+    from tf_sparse_split.callbacks import TimeBudgetCallback
+
+    tb = getattr(args, "tensorboard", None)
+    return TimeBudgetCallback(
+        step_time=None if step_ms is None else step_ms / 1e3,
+        deadline=deadline, sensitivity_data=(x_train[:512], y_train[:512]),
+        log_dir=os.path.join(tb, "budget") if tb else None,
+        verbose=0 if (args.quiet or out is None) else 1)
+
+
+def budget_summary(cb):
+    """What ``train`` keeps of a budget run (None without one): the
+    callback's per-step ``trace``, per-epoch ``history`` and its decisions
+    (as dicts)."""
+    if cb is None:
+        return None
+    import dataclasses
+
+    return {"kind": cb.kind, "seconds": cb.seconds, "trace": list(cb.trace),
+            "history": list(cb.history),
+            "decisions": [dataclasses.asdict(d) for d in cb.decisions]}
 
 
 def _lstm_model(args, sparse, x_train, x_test, num_classes):
@@ -562,4 +609,13 @@ def train_command(args, out):
                           f"({data_name}, {getattr(args, 'model', 'mlp')})",
                           speedup=speedup)
             print(f"plot: {args.plot}", file=out, flush=True)
+            budget = results[0].get("budget")
+            if budget and budget["trace"]:
+                from tf_sparse_split.tools.plots import plot_budget
+
+                path = args.plot[:-4] + "_budget.png"
+                plot_budget(budget["trace"], path,
+                            title="tf-sparse-split train: step time against "
+                                  "the budget")
+                print(f"budget plot: {path}", file=out, flush=True)
     return 0

@@ -1,0 +1,385 @@
+"""Training within a step-time budget (TimeBudgetCallback; R. Sun and L.
+Zhang, *Dynamic Sparse Method for Deep Learning Execution*, 2019).
+
+For the MLP 784-2048-2048-10 and the CNN of ``tools/models.py`` (MNIST from
+``--data`` or the usual places, else the upsampled digits):
+
+1. The plain step: the plain-Keras model's training step, timed by
+   interleaved blocks of ``train_on_batch`` steps against the sparse-split
+   model at its natural ReLU sparsity (``tools.train.train_step_times``),
+   before the case's runs and again after them (the load drifts).
+2. For each budget ``f x`` the plain step (default 0.8, 0.65, 0.5): the
+   sparse-split model trained with ``TimeBudgetCallback(step_time=...)``;
+   reported: the median measured step time after the first epoch and its
+   10-90th percentile range, against the budget, the final test accuracy,
+   the per-layer sparsity targets at the end and the allocation's logged
+   reasons.
+3. For each budget run, a fixed-target run with ``SparsityTargetCallback``
+   at the budget run's mean sparsity target after the first epoch (the
+   mean over steps and layers; same warm-up, no L1 penalty, as the budget
+   run has none) -- the fixed schedule that runs at about the same mean step
+   time -- with its median step time and test accuracy.
+4. Load injection (MLP, budget 0.65x): a busy process pinned to one core
+   (``os.sched_setaffinity``) runs for a stretch of steps in the middle of
+   training; reported: the median step time and the mean sparsity target
+   before, during and after it.
+
+Writes ``benchmarks/results/bench_budget.md`` (``--quick``:
+``bench_budget_quick.md``) and PNGs of the step time against the budget.
+Every number is taken on a shared machine: the step times move with the other
+tenants' load, which is what the controller answers.
+
+  python benchmarks/bench_budget.py [--quick] [--data DIR]
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+import _common  # noqa: E402
+
+
+def _compile(model):
+    import keras
+
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"], jit_compile=False)
+    return model
+
+
+def _build(case, sparse, seed):
+    import keras
+
+    from tf_sparse_split.tools import models
+
+    keras.utils.set_random_seed(seed)
+    # The layer on the raw pixels stays plain Keras (its zeros are not a
+    # ReLU's: nothing to control); the 10-unit output stays sparse-split,
+    # so each model has two knobs to allocate between.
+    if case == "mlp":
+        return _compile(models.build_mlp(784, [2048, 2048], 10,
+                                         sparse=sparse,
+                                         keep_plain=("first",)))
+    return _compile(models.build_cnn(28, [32, 64], 10, sparse=sparse,
+                                     keep_plain=("first",)))
+
+
+def _data(case, x, xt):
+    if case == "cnn":
+        return x.reshape(-1, 28, 28, 1), xt.reshape(-1, 28, 28, 1)
+    return x, xt
+
+
+class StepTimer:
+    """Keras callback: seconds of every training step and its epoch."""
+
+    def __new__(cls):
+        import keras
+
+        class _T(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.steps, self.epochs = [], []
+                self._e = 0
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self._e = epoch
+
+            def on_train_batch_begin(self, batch, logs=None):
+                self._t = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.steps.append(time.perf_counter() - self._t)
+                self.epochs.append(self._e)
+
+        return _T()
+
+
+class LoadInjector:
+    """Keras callback: a busy process pinned to one core from step
+    ``start`` to step ``stop`` (counted from the fit's first step)."""
+
+    def __new__(cls, start, stop, core=0):
+        import keras
+
+        class _L(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.step, self.proc = 0, None
+
+            def on_train_batch_begin(self, batch, logs=None):
+                if self.step == start and self.proc is None:
+                    self.proc = subprocess.Popen(
+                        [sys.executable, "-c", "while True: pass"],
+                        preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+                if self.step == stop:
+                    self.kill()
+                self.step += 1
+
+            def on_train_end(self, logs=None):
+                self.kill()
+
+            def kill(self):
+                if self.proc is not None:
+                    self.proc.kill()
+                    self.proc.wait()
+                    self.proc = None
+
+        return _L()
+
+
+def plain_step(case, x, y, batch, rounds, seed):
+    """Median seconds per step of the plain-Keras model (and the
+    sparse-split one at natural sparsity), interleaved blocks."""
+    from tf_sparse_split.tools.train import train_step_times
+
+    times, block = train_step_times(
+        {"plain": _build(case, False, seed),
+         "sparse-split": _build(case, True, seed)}, x, y, batch,
+        rounds=rounds, seed=seed)
+    return ({k: (float(np.median(v)), float(np.min(v)), float(np.max(v)))
+             for k, v in times.items()}, block)
+
+
+def budget_run(case, x, y, xt, yt, budget, args, extra=None):
+    import tf_sparse_split as tfss
+
+    model = _build(case, True, args.seed)
+    cb = tfss.TimeBudgetCallback(step_time=budget,
+                                 warmup_steps=args.warmup,
+                                 sensitivity_data=(x[:512], y[:512]))
+    cbs = [cb, tfss.SplitThresholdCallback()] + list(extra or [])
+    model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0,
+              shuffle=True, callbacks=cbs)
+    _, acc = model.evaluate(xt, yt, batch_size=512, verbose=0)
+    return model, cb, float(acc)
+
+
+def fixed_run(case, x, y, xt, yt, target, args):
+    import tf_sparse_split as tfss
+
+    model = _build(case, True, args.seed)
+    spe = int(np.ceil(len(x) / args.batch))
+    timer = StepTimer()
+    cbs = [tfss.SparsityTargetCallback(
+        float(np.clip(target, 0.0, 0.99)), l1=0.0,
+        warmup_epochs=args.warmup / spe, ramp_epochs=0.25),
+        tfss.SplitThresholdCallback(), timer]
+    model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0,
+              shuffle=True, callbacks=cbs)
+    _, acc = model.evaluate(xt, yt, batch_size=512, verbose=0)
+    later = [t for t, e in zip(timer.steps, timer.epochs) if e >= 1] or \
+        timer.steps[1:]
+    return float(np.median(later)), float(acc)
+
+
+def _after_first_epoch(cb, spe):
+    return [t for t in cb.trace if t["step"] > spe] or cb.trace
+
+
+def _mean_target(trace):
+    """Mean sparsity target over the steps and layers of a trace (0 for an
+    empty one: no step was controlled)."""
+    if not trace:
+        return 0.0
+    return float(np.mean([np.mean(list(t["targets"].values()))
+                          for t in trace]))
+
+
+def _describe(d):
+    return (f"step {d.step} ({d.action}, measured {d.measured_s * 1e3:.1f} "
+            f"ms, budget {d.budget_s * 1e3:.1f} ms): " + "; ".join(
+                f"{n}: {why}" for n, why in d.reasons.items()))
+
+
+def _reasons(cb):
+    """The logged reasons of the decision that chose the most sparsity and
+    of the last decision that changed the targets."""
+    moves = [d for d in cb.decisions if d.action in ("reallocate",
+                                                     "unreachable")]
+    if not moves:
+        return "no change decided"
+    top = max(moves, key=lambda d: sum(d.targets.values()))
+    text = "most sparsity: " + _describe(top)
+    if moves[-1] is not top:
+        text += "; last change: " + _describe(moves[-1])
+    return text
+
+
+def run_case(case, data, args, report, pngs):
+    from tf_sparse_split.tools.plots import plot_budget
+
+    (x, y), (xt, yt) = data
+    x, xt = _data(case, x, xt)
+    spe = int(np.ceil(len(x) / args.batch))
+    before, block = plain_step(case, x, y, args.batch, args.rounds, args.seed)
+    s0 = before["plain"][0]
+    args.plain_step[case] = s0
+    print(f"{case}: plain step {s0 * 1e3:.1f} ms (interleaved, "
+          f"{args.rounds} rounds of {block} steps; sparse-split at natural "
+          f"sparsity {before['sparse-split'][0] * 1e3:.1f} ms)", flush=True)
+    rows, notes = [], []
+    for f in args.fractions:
+        budget = f * s0
+        model, cb, acc = budget_run(case, x, y, xt, yt, budget, args)
+        later = _after_first_epoch(cb, spe)
+        st = np.array([t["seconds"] for t in later])
+        mean_t = _mean_target(later)
+        fixed_med, fixed_acc = fixed_run(case, x, y, xt, yt, mean_t, args)
+        final = cb.trace[-1]["targets"] if cb.trace else {}
+        rows.append(
+            f"| {case} | {f:.2f} | {budget * 1e3:.1f} | "
+            f"{np.median(st) * 1e3:.1f} ({np.percentile(st, 10) * 1e3:.1f}-"
+            f"{np.percentile(st, 90) * 1e3:.1f}) | "
+            f"{np.median(st) / budget:.2f} | {acc:.4f} | "
+            + ", ".join(f"{n} {v:.2f}" for n, v in final.items()) +
+            f" | {mean_t:.2f} | {fixed_med * 1e3:.1f} | {fixed_acc:.4f} |")
+        print(rows[-1], flush=True)
+        notes.append(f"- {case} {f:.2f}x: {_reasons(cb)}")
+        png = os.path.join(args.out_dir, f"bench_budget_{case}_{f:.2f}"
+                           f"{'_quick' if args.quick else ''}.png")
+        plot_budget(cb.trace, png, title=f"{case}, budget {f:.2f} x plain "
+                    f"step ({budget * 1e3:.1f} ms), under load")
+        pngs.append(png)
+    after, _ = plain_step(case, x, y, args.batch, args.rounds, args.seed)
+    report.append(
+        f"\n### {case}\n\nplain-Keras step: {s0 * 1e3:.1f} ms before the runs "
+        f"(range {before['plain'][1] * 1e3:.1f}-{before['plain'][2] * 1e3:.1f}"
+        f"), {after['plain'][0] * 1e3:.1f} ms after (range "
+        f"{after['plain'][1] * 1e3:.1f}-{after['plain'][2] * 1e3:.1f}); "
+        f"sparse-split at natural sparsity "
+        f"{before['sparse-split'][0] * 1e3:.1f} / "
+        f"{after['sparse-split'][0] * 1e3:.1f} ms. {spe} steps per epoch, "
+        f"{args.epochs} epochs, batch {args.batch}.\n")
+    report.append(_common.markdown_table(
+        "| model | budget x plain | budget ms | median step ms after epoch 1 "
+        "(p10-p90) | median / budget | test acc | final targets | mean "
+        "target | fixed-target median step ms | fixed-target test acc |",
+        rows))
+    report.append("\nAllocation (the decision that chose the most "
+                  "sparsity and the last one that changed the targets, with "
+                  "their logged reasons):\n\n" + "\n".join(notes) + "\n")
+
+
+def load_case(data, args, report, pngs):
+    from tf_sparse_split.tools.plots import plot_budget
+
+    (x, y), (xt, yt) = data
+    spe = int(np.ceil(len(x) / args.batch))
+    # The plain step of the mlp case (more rounds) when it ran, else one
+    # measured here.
+    s0 = args.plain_step.get("mlp")
+    if s0 is None:
+        before, _ = plain_step("mlp", x, y, args.batch, args.rounds,
+                               args.seed)
+        s0 = before["plain"][0]
+    budget = 0.65 * s0
+    total = spe * args.epochs
+    start, stop = int(total * 0.4), int(total * 0.7)
+    inj = LoadInjector(start, stop)
+    _, cb, acc = budget_run("mlp", x, y, xt, yt, budget, args, [inj])
+    seg = {"before": [], "during": [], "after": []}
+    for t in cb.trace:
+        i = t["step"] - 1
+        key = ("before" if i < start else "during" if i < stop
+               else "after")
+        seg[key].append(t)
+    rows = []
+    for key, ts in seg.items():
+        if not ts:
+            rows.append(f"| {key} | - | - | - |")
+            continue
+        st = np.array([t["seconds"] for t in ts])
+        rows.append(f"| {key} | {len(ts)} | {np.median(st) * 1e3:.1f} "
+                    f"({np.percentile(st, 10) * 1e3:.1f}-"
+                    f"{np.percentile(st, 90) * 1e3:.1f}) | "
+                    f"{_mean_target(ts):.2f} |")
+    report.append(
+        f"\n### load injection (mlp, budget 0.65 x plain = "
+        f"{budget * 1e3:.1f} ms)\n\nA busy process pinned to core 0 from "
+        f"step {start} to step {stop} of {total}; test accuracy "
+        f"{acc:.4f}.\n")
+    report.append(_common.markdown_table(
+        "| stretch | steps | median step ms (p10-p90) | mean sparsity "
+        "target |", rows))
+    png = os.path.join(args.out_dir, "bench_budget_load"
+                       f"{'_quick' if args.quick else ''}.png")
+    plot_budget(cb.trace, png, title=f"mlp, budget {budget * 1e3:.1f} ms, "
+                f"busy core during steps {start}-{stop}, under load")
+    pngs.append(png)
+    for r in rows:
+        print(r, flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="a short end-to-end run: fewer examples and epochs, "
+                        "one budget, the CNN on 2000 examples")
+    p.add_argument("--data", default=None, help="MNIST IDX directory")
+    p.add_argument("--cases", default="mlp,cnn,load")
+    p.add_argument("--fractions", default=None,
+                   help="budgets as fractions of the plain step "
+                        "(default 0.8,0.65,0.5; --quick 0.65)")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="TimeBudgetCallback warmup_steps (default 20; "
+                        "--quick 12)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default=os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    args.fractions = [float(v) for v in (args.fractions or (
+        "0.65" if args.quick else "0.8,0.65,0.5")).split(",")]
+    args.epochs = args.epochs or (3 if args.quick else 5)
+    if args.warmup is None:
+        args.warmup = 12 if args.quick else 20
+    args.rounds = args.rounds or (4 if args.quick else 8)
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    os.makedirs(args.out_dir, exist_ok=True)
+    args.plain_step = {}
+    train, test, desc = _common.load_mnist_or_digits(args.data)
+    if "digits" in desc and not args.quick:
+        print(f"skipped: the full benchmark needs MNIST ({desc})")
+        return 0
+    x, y = train
+    xt, yt = test
+    n = 4000 if args.quick else len(x)
+    m = 2000 if args.quick else len(x)
+    data = {"mlp": ((x[:n], y[:n]), (xt, yt)),
+            "cnn": ((x[:m], y[:m]), (xt[:1000], yt[:1000]))}
+    import tensorflow as tf
+
+    import tf_sparse_split as tfss
+
+    report = [f"# bench_budget{' (--quick)' if args.quick else ''}\n",
+              f"{_common.tf_machine_desc(tfss._loader.build_info())}"
+              f"; data: {desc}. Taken under load on a shared machine (the "
+              f"step times include the other tenants' load); TensorFlow "
+              f"{tf.__version__}.\n"]
+    pngs = []
+    for case in cases:
+        if case in ("mlp", "cnn"):
+            run_case(case, data[case], args, report, pngs)
+        elif case == "load":
+            load_case(data["mlp"], args, report, pngs)
+        else:
+            raise SystemExit(f"unknown case {case!r}")
+    name = "bench_budget_quick.md" if args.quick else "bench_budget.md"
+    report.append("\nPlots: " + ", ".join(os.path.basename(p) for p in pngs)
+                  + "\n")
+    _common.write_report(os.path.join(args.out_dir, name), "\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

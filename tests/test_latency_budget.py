@@ -1,0 +1,164 @@
+"""fit_latency_budget (FATReLU cutoffs raised to meet a p50 latency) on a
+fake clock whose call times fall with the cutoffs, and the budget flags of
+the command line (validation, a short run of each command)."""
+
+import re
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.usefixtures("op_library")
+
+
+def _model():
+    import keras
+
+    from tf_sparse_split.layers import SparseSplitDense
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(64, activation="relu", name="h1"),
+        SparseSplitDense(32, activation="relu", name="h2"),
+        SparseSplitDense(4, activation="softmax", name="out")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    return model
+
+
+class CutoffClock:
+    """Each call advances by 1 ms / (1 + 10 * sum of the cutoffs): a model
+    gets faster as its cutoffs rise (deterministic)."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.fats = []
+
+    def __call__(self):
+        self.t += 1e-3 / (1.0 + 10.0 * sum(f.cutoff for f in self.fats))
+        return self.t
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 16)).astype("float32")
+    y = rng.integers(0, 4, 64)
+    return x, y
+
+
+def test_meets_budget_at_least_sparsity_and_reports_points():
+    from tf_sparse_split.tools.latency_budget import fit_latency_budget
+
+    model = _model()
+    x, y = _data()
+    clock = CutoffClock()
+    # Two passes: find the FATReLUs (converted in place) for the clock.
+    res = fit_latency_budget(model, 1.0, x, rounds=2, warmup=1, clock=clock)
+    assert res["reachable"] and res["chosen"] == 0   # loose: as given
+    clock.fats = [l.activation for l in model.layers
+                  if l.name in ("h1", "h2")]
+    assert all(type(f).__name__ == "FATReLU" for f in clock.fats)
+    for f in clock.fats:
+        f.cutoff_var.assign(0.0)
+    res = fit_latency_budget(model, 1e-3, x, accuracy_data=(x, y),
+                             rounds=3, warmup=1, clock=clock)
+    pts = res["points"]
+    assert pts[0]["sparsity"] is None
+    assert [p["sparsity"] for p in pts[1:]] == sorted(
+        p["sparsity"] for p in pts[1:])
+    # p50 falls and measured sparsity rises along the ladder
+    assert all(a["p50_ms"] >= b["p50_ms"] for a, b in zip(pts, pts[1:]))
+    assert pts[-1]["measured_sparsity"] > pts[0]["measured_sparsity"]
+    assert all(0.0 <= p["accuracy"] <= 1.0 for p in pts)
+    # the budget sits between two points: the least sparse meeting it
+    mid = (pts[2]["p50_ms"] + pts[3]["p50_ms"]) / 2
+    for f in clock.fats:
+        f.cutoff_var.assign(0.0)
+    res = fit_latency_budget(model, mid / 1e3, x, rounds=3, warmup=1,
+                             clock=clock)
+    assert res["reachable"] and res["chosen"] == 3
+    chosen = res["points"][3]["cutoffs"]
+    assert [f.cutoff for f in clock.fats] == pytest.approx(
+        list(chosen.values()))
+    # unreachable: left at the fastest point
+    for f in clock.fats:
+        f.cutoff_var.assign(0.0)
+    res = fit_latency_budget(model, 1e-9, x, rounds=2, warmup=1, clock=clock)
+    assert not res["reachable"]
+    fastest = min(range(len(res["points"])),
+                  key=lambda i: res["points"][i]["p50_ms"])
+    assert res["chosen"] == fastest
+
+
+def test_bad_arguments():
+    import keras
+
+    from tf_sparse_split.tools.latency_budget import fit_latency_budget
+
+    model = _model()
+    x, _ = _data()
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            fit_latency_budget(model, bad, x)
+    with pytest.raises(ValueError):
+        fit_latency_budget(model, 1.0, x, levels=(0.5, 1.0))
+    with pytest.raises(ValueError):
+        fit_latency_budget(model, 1.0, np.zeros((0, 16), "float32"))
+    plain = keras.Sequential([keras.Input((16,)),
+                              keras.layers.Dense(4, activation="relu")])
+    with pytest.raises(ValueError, match="no sparse-split layer"):
+        fit_latency_budget(plain, 1.0, x)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--step-budget", "0"], ["train", "--step-budget", "-3"],
+    ["train", "--step-budget", "nan"], ["train", "--time-budget", "inf"],
+    ["train", "--step-budget", "fast"],
+    ["train", "--step-budget", "5", "--time-budget", "60"],
+    ["train", "--step-budget", "5", "--baseline"],
+    ["train", "--step-budget", "5", "--model", "lstm"],
+    ["train", "--step-budget", "5", "--target-sparsity", "0.9"],
+    ["profile", "m.keras", "--latency-budget", "0"],
+    ["profile", "m.keras", "--latency-budget", "1", "--end-to-end"],
+    ["profile", "m.keras", "--curve", "c.png"],
+    ["profile", "m.keras", "--latency-budget", "1", "--labels", "y.npy"],
+    ["profile", "m.keras", "--latency-budget", "1", "--output", "m.h5"],
+])
+def test_budget_flags_exit_2_one_line(run_cli, argv):
+    rc, _, err = run_cli(argv)
+    assert rc == 2
+    assert "usage:" in err
+    assert len([l for l in err.splitlines() if "error:" in l]) == 1
+
+
+def test_train_with_step_budget(run_cli, tmp_path):
+    plot = tmp_path / "run.png"
+    rc, out, _ = run_cli(["train", "--epochs", "2", "--hidden", "32,16",
+                          "--batch-size", "32", "--timing-rounds", "0",
+                          "--split-all-layers", "--step-budget", "0.01",
+                          "--plot", str(plot)])
+    assert rc == 0, out
+    # a 10 us step budget cannot be met: said, and the run goes on
+    assert "not reachable within max_sparsity=0.95" in out
+    assert re.search(r"  budget: median step \d+\.\d\d ms, budget 0\.01 ms",
+                     out)
+    assert "FATReLU cutoff" not in out   # no fixed target with a budget
+    assert (tmp_path / "run_budget.png").stat().st_size > 0
+
+
+def test_profile_latency_budget(run_cli, tmp_path):
+    model = _model()
+    x, y = _data()
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    rc, out, err = run_cli(["profile", path, "--latency-budget", "1000",
+                            "--input", str(tmp_path / "x.npy"), "--labels",
+                            str(tmp_path / "y.npy"), "--repeats", "2",
+                            "--curve", str(tmp_path / "c.png"), "--output",
+                            str(tmp_path / "out.keras")])
+    assert rc == 0, err
+    assert "latency budget 1000.000 ms (p50)" in out
+    assert "<- chosen" in out
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert (tmp_path / "out.keras").stat().st_size > 0

@@ -1,0 +1,454 @@
+"""The time-budget controller (tuning/budget.py) on synthetic and recorded
+step times with a fake plant (deterministic, nothing timed), and the wiring
+of TimeBudgetCallback into a short fit (log keys, bounds)."""
+
+
+import numpy as np
+import pytest
+
+from tf_sparse_split.tuning import budget as B
+from tf_sparse_split.tuning import stats as S
+
+
+def _cost(m=256, k=2048, n=2048, dense_rate=2e11, sparse_rate=1e11,
+          convert=2e-11):
+    return B.LayerCost(m=m, k=k, k_live=k, dense_flops_per_elem=2 * n,
+                       sparse_flops_per_nnz=2 * n, dense_fixed_s=1e-5,
+                       dense_rate=dense_rate, sparse_fixed_s=2e-5,
+                       convert_s_per_elem=convert, sparse_rate=sparse_rate)
+
+
+class Plant:
+    """A fake machine: step = speed * (fixed + 3 * sum of the layers' true
+    op seconds) * (1 + noise), with occasional 2x outliers."""
+
+    def __init__(self, true_costs, fixed=0.004, seed=0, noise=0.05,
+                 outliers=0.05):
+        self.true = true_costs
+        self.fixed = fixed
+        self.rng = np.random.default_rng(seed)
+        self.noise, self.outliers = noise, outliers
+
+    def step(self, sparsity, speed=1.0):
+        t = speed * (self.fixed + 3 * sum(
+            self.true[n].seconds(sparsity[n]) for n in self.true))
+        t *= 1 + self.noise * self.rng.standard_normal()
+        if self.rng.random() < self.outliers:
+            t *= 2
+        return t
+
+
+def _setup(sens=(1.0, 3.0), floors=0.5, max_sparsity=0.95, model_err=0.8):
+    names = ["a", "b"]
+    predicted = {"a": _cost(), "b": _cost(n=1024)}
+    # The plant's sparse path is slower than the model thinks (feedback must
+    # correct it).
+    true = {"a": _cost(sparse_rate=1e11 * model_err),
+            "b": _cost(n=1024, sparse_rate=1e11 * model_err)}
+    c = B.BudgetController(names, max_sparsity=max_sparsity)
+    for n, s in zip(names, sens):
+        c.set_cost(n, predicted[n])
+        c.set_floor(n, floors)
+        c.set_sensitivity(n, s)
+    return c, Plant(true), {n: floors for n in names}
+
+
+def _run(c, plant, cur, budget, steps, speed=lambda t: 1.0, t0=0):
+    measured = []
+    for t in range(t0, t0 + steps):
+        st = plant.step(cur, speed(t))
+        measured.append(st)
+        c.observe_step(st)
+        for n in cur:
+            c.set_actual(n, cur[n])
+        new = c.decide(budget)
+        if new:
+            assert all(0.0 <= v <= c.max_sparsity + 1e-12
+                       for v in new.values())
+            cur = new
+    return cur, measured
+
+
+def _plain(plant, floors=0.5):
+    return plant.fixed + 3 * sum(p.seconds(floors) for p in plant.true.values())
+
+
+def test_converges_and_allocates_by_sensitivity():
+    c, plant, cur = _setup()
+    budget = 0.65 * _plain(plant)
+    cur, measured = _run(c, plant, cur, budget, 300)
+    tail = np.median(measured[-100:])
+    assert tail <= budget * 1.04
+    assert tail >= budget * 0.75      # not far more sparsity than needed
+    # "a" saves more time per unit of loss (3x less sensitive, larger n):
+    # it is raised first and furthest.
+    assert cur["a"] > cur["b"]
+    reasons = [d for d in c.log if d.action == "reallocate"][0].reasons
+    assert reasons["a"].startswith("raised")
+    assert "ms/step" in reasons["a"]
+
+
+def test_loose_budget_keeps_natural_sparsity():
+    c, plant, cur = _setup()
+    cur, _ = _run(c, plant, cur, 2.0 * _plain(plant), 100)
+    assert cur == {"a": 0.5, "b": 0.5}
+
+
+def test_unreachable_budget_runs_at_bounds_and_is_logged():
+    c, plant, cur = _setup(max_sparsity=0.9)
+    cur, _ = _run(c, plant, cur, 0.05 * _plain(plant), 200)
+    assert all(abs(v - 0.9) < 1e-9 for v in cur.values())
+    assert any(d.action == "unreachable" and not d.reachable for d in c.log)
+
+
+def test_unreachable_leaves_a_layer_that_buys_no_time():
+    c, plant, cur = _setup(max_sparsity=0.9)
+    # "b" never gets faster: its op runs dense whatever its zeros.
+    flat = _cost(n=1024, sparse_rate=1.0)
+    c.set_cost("b", flat)
+    plant.true["b"] = flat
+    cur, _ = _run(c, plant, cur, 0.05 * _plain(plant), 200)
+    assert cur["a"] == pytest.approx(0.9) and cur["b"] == pytest.approx(0.5)
+    last = [d for d in c.log if d.action == "unreachable"][-1]
+    assert "saves no predicted time" in last.reasons["b"]
+
+
+def test_never_moves_against_the_measurement():
+    # The prediction says no layer buys time (the ops' rates moved), but
+    # the steps are over the budget: no target may fall.
+    c = B.BudgetController(["a"], max_sparsity=0.9, min_samples=4, settle=0)
+    c.set_cost("a", _cost(sparse_rate=1.0))
+    c.set_floor("a", 0.5)
+    c.targets["a"] = 0.8
+    for _ in range(4):
+        c.observe_step(0.05)
+    c.decide(0.02)
+    assert c.targets["a"] >= 0.8
+    # ... and under the budget none may rise.
+    c2, plant, cur = _setup()
+    c2.targets = {"a": 0.6, "b": 0.6}
+    for _ in range(c2.settle + c2.min_samples):
+        c2.observe_step(1e-4)
+    new = c2.decide(1.0)
+    assert new is None or all(v <= 0.6 for v in new.values())
+
+
+def test_resource_drop_and_recovery():
+    c, plant, cur = _setup()
+    budget = 0.7 * _plain(plant)
+    slow = lambda t: 1.6 if 200 <= t < 400 else 1.0  # noqa: E731
+    cur1, _ = _run(c, plant, cur, budget, 200, slow, 0)
+    before = sum(cur1.values())
+    cur2, m2 = _run(c, plant, cur1, budget, 200, slow, 200)
+    during = sum(cur2.values())
+    cur3, m3 = _run(c, plant, cur2, budget, 200, slow, 400)
+    after = sum(cur3.values())
+    assert during > before + 0.05     # raised to hold the budget
+    assert after < during - 0.05      # lowered when the machine is back
+    assert np.median(m3[-80:]) <= budget * 1.04
+
+
+def test_a_few_slow_steps_do_not_whipsaw():
+    c, plant, cur = _setup()
+    plant.outliers = 0.0
+    budget = 0.7 * _plain(plant)
+    cur, _ = _run(c, plant, cur, budget, 200)
+    settled = dict(cur)
+    n_changes = sum(1 for d in c.log if d.action != "hold")
+    # Three isolated 3x steps: the median of the window ignores them.
+    for t in range(60):
+        st = plant.step(cur) * (3.0 if t in (5, 25, 45) else 1.0)
+        c.observe_step(st)
+        new = c.decide(budget)
+        if new:
+            cur = new
+    assert max(abs(cur[n] - settled[n]) for n in cur) <= 0.05 + 1e-9
+    assert n_changes >= 1
+
+
+def test_recorded_step_times_two_speeds():
+    """Step times recorded on the shared machine (two-speed epochs, seconds)
+    replayed as the plant's speed factor."""
+    recorded = [1.0] * 40 + [2.0] * 60 + [1.0] * 60 + [1.9, 1.0, 2.1, 1.0] * 10
+    c, plant, cur = _setup()
+    budget = 0.75 * _plain(plant)
+    cur, measured = _run(c, plant, cur, budget, len(recorded),
+                         lambda t: recorded[t])
+    # Bounds always held; in the last quiet stretch the targets came back.
+    assert all(0.5 - 1e-9 <= v <= 0.95 + 1e-9 for v in cur.values())
+
+
+def test_step_model_fit_recovers_slope():
+    m = B.StepModel(factor0=3.0, prior_weight=0.01)
+    for x in (0.002, 0.004, 0.006, 0.008, 0.010):
+        m.observe(x, 0.01 + 2.0 * x)
+    assert m.factor == pytest.approx(2.0, rel=0.05)
+    assert m.fixed == pytest.approx(0.01, rel=0.1)
+    m2 = B.StepModel()
+    m2.observe(0.01, 0.05)   # one observation: prior slope, fixed from it
+    assert m2.factor == pytest.approx(3.0)
+    assert m2.predict(0.01) == pytest.approx(0.05, rel=1e-6)
+
+
+def test_layer_cost_from_stats_and_shape():
+    v = np.zeros(S.NUM_STATS)
+    v[S.M], v[S.K], v[S.N], v[S.K_LIVE] = 256, 2048, 2048, 2048
+    v[S.DENSE_FLOPS_PER_ELEM] = v[S.SPARSE_FLOPS_PER_NNZ] = 4096
+    v[S.TERM_DENSE_FIXED], v[S.TERM_DENSE_RATE] = 1e-5, 2e11
+    v[S.TERM_SPARSE_FIXED], v[S.TERM_CONVERT] = 2e-5, 2e-11
+    v[S.TERM_SPARSE_RATE] = 1e11
+    v[S.TIME_DENSE] = 0.01
+    c = B.LayerCost.from_stats(3 * v, calls=3)
+    dense = 1e-5 + 256 * 2048 * 4096 / 2e11
+    assert c.seconds(0.0) == pytest.approx(dense)
+    assert c.seconds(0.5) == pytest.approx(dense)     # dense still wins
+    sparse95 = 2e-5 + 2e-11 * 256 * 2048 + 0.05 * 256 * 2048 * 4096 / 1e11
+    assert c.seconds(0.95) == pytest.approx(sparse95)
+    assert c.seconds(0.95) < dense
+    # non-increasing in sparsity
+    s = [c.seconds(x) for x in np.linspace(0, 1, 21)]
+    assert all(a >= b - 1e-15 for a, b in zip(s, s[1:]))
+    # no rates: the measured seconds, whatever the sparsity
+    v[S.TERM_DENSE_RATE] = v[S.TERM_SPARSE_RATE] = 0
+    c = B.LayerCost.from_stats(v)
+    assert not c.predicts and c.seconds(0.9) == pytest.approx(0.01)
+    with pytest.raises(ValueError):
+        B.LayerCost.from_stats(np.zeros(3))
+    with pytest.raises(ValueError):
+        B.LayerCost.from_stats(v, calls=0)
+
+
+def test_allocate_lookahead_past_break_even():
+    # Gain starts only past the break-even: a one-step look would stall.
+    costs = {"a": _cost()}
+    model = B.StepModel()
+    model.observe(costs["a"].seconds(0.3), 0.004 + 3 * costs["a"].seconds(0.3))
+    goal = 0.8 * model.predict(costs["a"].seconds(0.3))
+    al = B.allocate(costs, {"a": 0.3}, {"a": 1.0}, 0.95, goal, model)
+    # The first move jumps from the floor past the break-even (0.5 here).
+    assert al.reachable and al.moves[0][1] == pytest.approx(0.3)
+    assert al.moves[0][2] > 0.5 and al.targets["a"] > 0.5
+    al = B.allocate(costs, {"a": 0.3}, {"a": 1.0}, 0.95, 1e-6, model)
+    assert not al.reachable and al.targets["a"] == pytest.approx(0.95)
+
+
+def test_sensitivity_measured_above_floor_is_scaled_back():
+    c = B.BudgetController(["a"], max_sparsity=0.9)
+    c.set_floor("a", 0.5)
+    c.set_sensitivity("a", 2.0)
+    assert c.sensitivities["a"] == pytest.approx(2.0)
+    c.set_sensitivity("a", 2.0, at=0.9)      # at the bound: twice the base
+    assert c.sensitivities["a"] == pytest.approx(1.0)
+    c.set_sensitivity("a", 3.0, at=0.7)      # halfway: 1.5 x the base
+    assert c.sensitivities["a"] == pytest.approx(2.0)
+    c.set_sensitivity("a", -1.0)
+    assert c.sensitivities["a"] == 0.0
+    c.set_sensitivity("a", float("nan"))
+    assert c.sensitivities["a"] is None
+
+
+def test_marginal_loss_convex():
+    f = lambda a, b: B.marginal_loss(2.0, 0.5, 0.9, a, b)  # noqa: E731
+    assert f(0.5, 0.6) < f(0.8, 0.9)
+    assert f(0.5, 0.9) == pytest.approx(f(0.5, 0.7) + f(0.7, 0.9))
+    assert f(0.5, 0.9) == pytest.approx(2.0 * 0.4 * 1.5)
+
+
+def test_deadline_arithmetic():
+    assert B.step_budget("step_time", 0.02) == 0.02
+    # 10 s per epoch, 1 s overhead, 2 s and 20 steps spent of 100.
+    assert B.step_budget("epoch_time", 10.0, steps_per_epoch=100,
+                         elapsed_epoch=2.0, steps_done_epoch=20,
+                         overhead_per_epoch=1.0) == pytest.approx(7.0 / 80)
+    # 60 s for 3 epochs x 100 steps; 25 s and 150 steps done (epoch 2 of 3
+    # under way): 2 epochs left with 1 s overhead each.
+    assert B.step_budget("deadline", 60.0, steps_per_epoch=100, epochs=3,
+                         elapsed_total=25.0, steps_done_total=150,
+                         overhead_per_epoch=1.0) == pytest.approx(33.0 / 150)
+    # spent budget: 0 (the controller then runs at the bounds)
+    assert B.step_budget("deadline", 10.0, steps_per_epoch=10, epochs=1,
+                         elapsed_total=20.0, steps_done_total=5) == 0.0
+    with pytest.raises(ValueError):
+        B.step_budget("epoch_time", 1.0)
+    with pytest.raises(ValueError):
+        B.step_budget("deadline", 1.0, steps_per_epoch=10)
+    with pytest.raises(ValueError):
+        B.step_budget("hours", 1.0)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"step_time": 0.1, "epoch_time": 2.0},
+    {"step_time": 0.0}, {"step_time": -1.0}, {"step_time": float("nan")},
+    {"deadline": float("inf")}, {"epoch_time": "soon"},
+    {"step_time": True},
+    {"step_time": 0.1, "max_sparsity": 1.0},
+    {"step_time": 0.1, "max_sparsity": -0.1},
+    {"step_time": 0.1, "min_rate": 0.5, "max_rate": 0.4},
+    {"step_time": 0.1, "max_rate": 1.0},
+    {"step_time": 0.1, "min_rate": float("nan")},
+])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        B.validate_budget_args(**kwargs)
+
+
+def test_validate_returns_kind():
+    assert B.validate_budget_args(epoch_time=3) == ("epoch_time", 3.0)
+
+
+def test_controller_bad_arguments():
+    with pytest.raises(ValueError):
+        B.BudgetController([])
+    with pytest.raises(ValueError):
+        B.BudgetController(["a"], max_sparsity=1.5)
+    with pytest.raises(ValueError):
+        B.BudgetController(["a"], min_samples=10, window=5)
+    with pytest.raises(ValueError):
+        B.robust_step_time([])
+
+
+def test_waits_for_samples_and_ignores_bad_times():
+    c, plant, cur = _setup()
+    for _ in range(c.settle + c.min_samples - 1):
+        c.observe_step(0.05)
+    c.observe_step(float("nan"))
+    c.observe_step(-1.0)
+    assert c.decide(0.01) is None and not c.log
+    c.observe_step(0.05)
+    assert c.decide(0.01) is not None
+
+
+# ---------------------------------------------------------------------------
+# wiring: a short real fit (nothing timed is asserted)
+# ---------------------------------------------------------------------------
+class FakeClock:
+    """Advances by ``seconds`` at every call: the callback reads it once at
+    a step's begin and once at its end, so every step measures
+    ``seconds``."""
+
+    def __init__(self, seconds):
+        self.t = 0.0
+        self.seconds = seconds
+
+    def __call__(self):
+        self.t += self.seconds
+        return self.t
+
+
+def _mlp(dropout=False):
+    import keras
+
+    from tf_sparse_split.layers import ApproximateRandomDropout, \
+        SparseSplitDense
+
+    layers = [keras.Input((32,)), keras.layers.Dense(64, activation="relu",
+                                                     name="h1")]
+    if dropout:
+        layers.append(ApproximateRandomDropout(0.2, seed=1, name="drop1"))
+    layers += [SparseSplitDense(64, activation="relu", name="h2"),
+               SparseSplitDense(10, activation="softmax", name="out")]
+    model = keras.Sequential(layers)
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def test_fit_wiring_log_keys_and_bounds(tmp_path):
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 32)).astype("float32")
+    y = rng.integers(0, 10, 256)
+    model = _mlp(dropout=True)
+    # A fake clock that says every step takes 10 ms against a 1 ms budget:
+    # the controller must raise the targets, and never past the bounds.
+    cb = tfss.TimeBudgetCallback(step_time=0.001, max_sparsity=0.8,
+                                 max_rate=0.4, warmup_steps=4, min_samples=3,
+                                 sensitivity_data=(x[:64], y[:64]),
+                                 log_dir=str(tmp_path / "tb"),
+                                 clock=FakeClock(0.01))
+    hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                     callbacks=[cb])
+    import tensorflow as tf
+
+    tags = {v.tag for f in (tmp_path / "tb").iterdir()
+            for e in tf.compat.v1.train.summary_iterator(str(f))
+            for v in e.summary.value}
+    assert {"budget/step_budget", "budget/step_time", "h2/budget_target",
+            "drop1/budget_rate"} <= tags
+    keys = set(hist.history)
+    for k in ("budget/step_budget", "budget/step_time", "budget/reachable",
+              "h2/budget_target", "h2/budget_sparsity", "out/budget_target",
+              "drop1/budget_rate"):
+        assert k in keys, k
+    assert hist.history["budget/step_budget"][0] == pytest.approx(0.001)
+    assert hist.history["budget/step_time"][0] == pytest.approx(0.01)
+    assert cb.decisions and not cb.decisions[-1].reachable
+    for entry in cb.trace:
+        assert all(0 <= v <= 0.8 + 1e-9 for v in entry["targets"].values())
+        assert all(0 <= v <= 0.4 + 1e-9 for v in entry["rates"].values())
+    assert max(cb.trace[-1]["targets"].values()) > 0.0
+    fat = cb._knobs[0].fat
+    assert 0.0 <= fat.target <= 0.999
+    # A further fit with the same callback starts afresh from the user's
+    # dropout rate (0.2), within the bounds again.
+    hist = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                     callbacks=[cb])
+    assert "h2/budget_target" in hist.history
+    assert cb.trace and cb.trace[0]["rates"] == {"drop1": pytest.approx(0.2)}
+
+
+def test_callback_rejects_bad_arguments_and_unknown_steps():
+    import tf_sparse_split as tfss
+
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback()
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, deadline=2)
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, layers="h2")
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, warmup_steps=1)
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, sensitivity_data=[1, 2, 3])
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, gain=float("nan"))
+    model = _mlp()
+    cb = tfss.TimeBudgetCallback(step_time=1, layers=["nope"])
+    x = np.zeros((8, 32), "float32")
+    with pytest.raises(ValueError, match="not a sparse-split layer"):
+        model.fit(x, np.zeros(8), epochs=1, verbose=0, callbacks=[cb])
+
+
+def test_epoch_budget_in_fit_and_unknown_steps():
+    import tensorflow as tf
+
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((128, 32)).astype("float32")
+    y = rng.integers(0, 10, 128)
+    model = _mlp()
+    cb = tfss.TimeBudgetCallback(epoch_time=5.0, warmup_steps=2,
+                                 min_samples=2, clock=FakeClock(0.01))
+    hist = model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                     callbacks=[cb])
+    assert hist.history["budget/step_budget"][0] > 5.0 / 8
+    # 8 steps per epoch in 5 s, each step measured at 10 ms: the time left
+    # over the steps left, which grows as the fast steps leave slack.
+    budgets = [t["budget_s"] for t in cb.trace]
+    assert budgets and all(b > 5.0 / 8 for b in budgets)
+    assert all(a < b for a, b in zip(budgets, budgets[1:]))
+    last = cb.trace[-1]
+    assert last["budget_s"] < 5.0 / (8 - last["step"] + 1) + 1e-12
+
+    def gen():
+        for i in range(4):
+            yield x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16]
+
+    ds = tf.data.Dataset.from_generator(gen, output_signature=(
+        tf.TensorSpec((None, 32), tf.float32),
+        tf.TensorSpec((None,), tf.int64)))
+    cb = tfss.TimeBudgetCallback(deadline=10.0)
+    with pytest.raises(ValueError, match="steps per epoch"):
+        _mlp().fit(ds, epochs=1, verbose=0, callbacks=[cb])

@@ -1,0 +1,641 @@
+"""Keras callback that trains within a time budget by choosing, per layer,
+how much activation sparsity to create and exploit (R. Sun and L. Zhang,
+*Dynamic Sparse Method for Deep Learning Execution*, 2019).
+
+The controller (prediction, allocation, feedback) is
+:mod:`tf_sparse_split.tuning.budget`; this module is its wiring into
+``fit``: it finds the knobs, measures the steps, the layers' statistics and
+their sensitivities, and applies the controller's targets.
+
+Knobs, per controlled sparse-split layer ``L`` (found as
+:class:`~tf_sparse_split.callbacks.SparsityTargetCallback` finds them,
+:mod:`~tf_sparse_split.callbacks._discovery`: the ReLU-family activation
+feeding ``L``, converted in place to a
+:class:`~tf_sparse_split.layers.FATReLU`):
+
+* the FATReLU's quantile target (a non-trainable variable the compiled step
+  reads, so a change takes effect at the next step without retracing): the
+  fraction of zeros wanted at ``L``'s input, corrected by feedback on the
+  zeros ``L`` measures (its op statistics) as the sparsity-target callback
+  does;
+* the rate of an :class:`~tf_sparse_split.layers.ApproximateRandomDropout`
+  between the activation and ``L``, within ``[min_rate, max_rate]``. Its
+  rate is a Python float on purpose: the layer draws from a *searched*
+  discrete distribution over periodic patterns per rate, baked into the
+  graph as constants, and a rate of 0 is the identity. A rate change
+  therefore rebuilds the distribution and retraces the step (about a second
+  of compilation), so rates move only at epoch ends, in steps of 0.1, and
+  only as a second tier: raised when the activation knobs are all at
+  ``max_sparsity`` and the budget is still not met, and lowered back toward
+  its floor -- the layer's own rate clipped to ``[min_rate, max_rate]`` --
+  when the steps run well inside the budget (below 85% of it). A dropout rate is a regulariser whose effect
+  on accuracy a held batch does not show, which is why it is not ranked
+  with the activations by sensitivity.
+
+Sensitivity (Song et al., arXiv 2203.05705, measured here as the loss
+response): with ``sensitivity_data=(x, y)`` the callback evaluates the loss
+on that held batch (inference mode) with each controlled activation's
+cutoff raised, one at a time, to the quantile that adds ``0.05`` to its
+output's fraction of zeros; ``(loss - base loss) / 0.05`` is the layer's
+sensitivity. It is measured when the warm-up ends and at every epoch end.
+Without a held batch every layer gets the same sensitivity (then the
+allocation follows the time saved alone), which the log says.
+"""
+
+import math
+import time
+
+import keras
+import numpy as np
+
+from tf_sparse_split.callbacks._discovery import (_parent, fatrelu_for,
+                                                  find_activation_producer,
+                                                  mask_input_grad,
+                                                  reset_compiled_functions)
+from tf_sparse_split.callbacks.sparsity_target import _Control
+from tf_sparse_split.callbacks.split_threshold import find_split_layers
+from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.tuning import budget as _budget
+from tf_sparse_split.utils.validation import validate_int
+
+__all__ = ["TimeBudgetCallback", "SensitivityProbe", "layer_sensitivities"]
+
+#: Sparsity added per layer by the sensitivity probe.
+SENSITIVITY_DELTA = 0.05
+#: Rate change per epoch of a dropout knob.
+RATE_STEP = 0.1
+
+
+class _Knob(_Control):
+    """A controlled activation (+ optional dropout layers) and its
+    consumer."""
+
+    def __init__(self, consumer, owner, fat, dropouts):
+        super().__init__(consumer, owner, fat)
+        self.dropouts = dropouts
+        # The user's rates: remembered on the layer the first time, so a
+        # further fit starts from them, not from a rate a budget raised.
+        for d in dropouts:
+            if not hasattr(d, "_tfss_own_rate"):
+                d._tfss_own_rate = d.rate
+        self.own_rates = [d._tfss_own_rate for d in dropouts]
+        self.name = consumer.name
+
+
+def _dropouts_between(consumer, owner):
+    from tf_sparse_split.layers.dropout import ApproximateRandomDropout
+
+    out, node = [], _parent(consumer)
+    while node is not None and node is not owner:
+        if isinstance(node, ApproximateRandomDropout):
+            out.append(node)
+        node = _parent(node)
+    return out
+
+
+def _loss_fn(model):
+    loss = getattr(model, "loss", None)
+    if loss is None:
+        raise ValueError("the model has no loss (compile it first)")
+    fn = keras.losses.get(loss) if isinstance(loss, str) else loss
+    if not callable(fn):
+        raise ValueError(f"cannot use the model's loss {loss!r} for the "
+                         "sensitivity probe (give a callable loss)")
+    return fn
+
+
+class SensitivityProbe:
+    """The loss response of a model to more zeros at each of its FATReLUs
+    (the functions traced once, reused on every measurement).
+
+    Args:
+      model: a compiled Keras model (its ``loss``) with symbolic inputs.
+      fats: list of ``(owner, fatrelu)`` pairs: ``owner`` is the layer whose
+        output the FATReLU produces (the FATReLU itself, or the layer it is
+        the activation of).
+
+    Raises:
+      ValueError: a model without a usable loss.
+    """
+
+    def __init__(self, model, fats):
+        import tensorflow as tf
+
+        self.loss_fn = _loss_fn(model)
+        self.fats = list(fats)
+        feats = keras.Model(model.inputs, [o.output for o, _ in self.fats])
+        self._fwd = tf.function(lambda t: model(t, training=False))
+        self._act = tf.function(lambda t: feats(t, training=False))
+
+    def measure(self, x, y, delta=SENSITIVITY_DELTA):
+        """For each FATReLU in turn, the loss on ``(x, y)`` (inference
+        mode) with its cutoff raised to the quantile of its output that
+        adds ``delta`` to its fraction of zeros, the others unchanged; then
+        restored.
+
+        Args:
+          x, y: a held batch (numpy or tensors).
+          delta: sparsity added (fraction, in (0, 0.5]).
+
+        Returns:
+          ``(base_loss, [sensitivity per pair], [zeros fraction per
+          pair])``; a sensitivity is ``(loss - base_loss) / delta``, loss
+          units per unit of sparsity (may be < 0 on a noisy batch; the
+          controller clips it).
+        """
+        import tensorflow as tf
+
+        x = tf.convert_to_tensor(x)
+
+        def loss():
+            return float(np.mean(np.asarray(self.loss_fn(y, self._fwd(x)))))
+
+        base = loss()
+        ys = self._act(x)
+        if not isinstance(ys, (list, tuple)):
+            ys = [ys]
+        sens, zeros = [], []
+        for (owner, fat), a in zip(self.fats, ys):
+            a = np.asarray(a, np.float64).reshape(-1)
+            z = float(np.mean(a == 0.0))
+            zeros.append(z)
+            cut = float(np.quantile(a, min(z + delta, 0.999)))
+            old = fat.cutoff
+            if cut <= old:
+                sens.append(0.0)
+                continue
+            fat.cutoff_var.assign(cut)
+            try:
+                sens.append((loss() - base) / delta)
+            finally:
+                fat.cutoff_var.assign(old)
+        return base, sens, zeros
+
+
+def layer_sensitivities(model, fats, x, y, delta=SENSITIVITY_DELTA):
+    """``SensitivityProbe(model, fats).measure(x, y, delta)`` (one
+    measurement; see :class:`SensitivityProbe`).
+
+    Raises:
+      ValueError: a model without a usable loss.
+    """
+    return SensitivityProbe(model, fats).measure(x, y, delta)
+
+
+class TimeBudgetCallback(keras.callbacks.Callback):
+    """Meets a step-time, epoch-time or whole-fit deadline by choosing the
+    activation sparsity (and structured dropout rate) of each sparse-split
+    layer at run time (Sun & Zhang 2019; module docstring).
+
+    Every training step is timed (``clock``, seconds). After
+    ``warmup_steps`` steps of plain ReLU training (which measure each
+    layer's natural sparsity) the controller
+    (:class:`~tf_sparse_split.tuning.budget.BudgetController`) decides
+    whenever ``min_samples`` steps were measured at the settings in force:
+    from the median of those steps, the layers' predicted op seconds
+    (:class:`~tf_sparse_split.tuning.budget.LayerCost`, from their op
+    statistics: the cost problem and the family's terms) and their
+    sensitivities, it allocates sparsity where it saves the most time per
+    unit of loss, moves each target by at most ``max_change`` per decision,
+    and holds inside a dead band of 3% around the budget. So when steps
+    slow down (another process takes a core) the targets rise, and when the
+    machine is fast again they fall. A budget that the bounds cannot meet is
+    logged (``verbose``; :attr:`decisions` ``action="unreachable"``) and the
+    layers then run at ``max_sparsity`` -- those whose predicted time falls
+    with sparsity; a layer whose prediction stays flat up to the bound is
+    left where it is (more zeros there would cost accuracy and buy no
+    time).
+
+    Budgets (exactly one, seconds): ``step_time`` per training step;
+    ``epoch_time`` per epoch, turned at each decision into the step budget
+    ``(epoch_time - overhead - elapsed in the epoch) / steps left in the
+    epoch``; ``deadline`` for the whole ``fit`` from ``on_train_begin``,
+    ``(deadline - elapsed - overhead * epochs left) / steps left``. The
+    overhead is the measured time per epoch spent outside steps
+    (validation, epoch-end callbacks), 0 before the first epoch ends.
+    ``epoch_time`` and ``deadline`` need a known number of steps per epoch.
+
+    Logs (``on_epoch_end``, for ``History``, the progress bar and
+    ``keras.callbacks.TensorBoard`` placed after this callback):
+    ``budget/step_budget`` (seconds; the median over the epoch's steps of
+    the step budget in force), ``budget/step_time`` (median measured
+    step seconds of the epoch, warm-up and compilation steps left out),
+    ``budget/reachable`` (1/0, last decision), per layer ``name``:
+    ``name/budget_target`` (sparsity target) and ``name/budget_sparsity``
+    (zeros measured at its input over the epoch), and per dropout knob
+    ``dropout_name/budget_rate``. With ``log_dir`` the budget, the measured
+    and predicted step time (``budget/predicted_step_time``), the targets
+    and rates are written at every decision (step = training step) as
+    TensorBoard scalars (``tf.summary.write``; no tensorboard package
+    needed).
+
+    Args:
+      step_time, epoch_time, deadline: the budget (exactly one; seconds).
+      layers: optional list of sparse-split layer names (or layers) to
+        control; default every one fed by a ReLU-family activation.
+      max_sparsity: largest sparsity target, in ``[0, 1)`` (default 0.95).
+      min_rate, max_rate: bounds of the dropout rates, ``0 <= min_rate <=
+        max_rate < 1`` (defaults 0 and 0.7).
+      warmup_steps: steps before control (int >= 2; default 20; the first
+        step, with the compilation, is never timed).
+      sensitivity_data: optional held batch ``(x, y)`` for the sensitivity
+        probe (module docstring).
+      min_samples: steps measured per decision (int >= 2; default 8).
+      update_every: steps between reads of the layers' statistics (int >= 1;
+        default 4; each read is a host read of three small variables per
+        layer).
+      gain: feedback gain of the sparsity correction (>= 0; default 0.5).
+      log_dir: optional TensorBoard directory for per-decision scalars.
+      verbose: 0 or 1 (a line per decision that changes targets, and the
+        allocation's reasons).
+      clock: a function returning seconds (default ``time.perf_counter``).
+
+    Attributes:
+      controller: the :class:`~tf_sparse_split.tuning.budget.BudgetController`
+        (after ``on_train_begin``).
+      decisions: its log (list of
+        :class:`~tf_sparse_split.tuning.budget.Decision`).
+      trace: one dict per timed step: ``step``, ``seconds``, ``budget_s``,
+        ``targets`` (``{layer: sparsity}``), ``rates`` (``{layer: rate}``).
+      history: one dict per epoch with the logged values.
+
+    Raises:
+      ValueError: bad arguments (none or several budgets, non-positive/NaN
+        seconds, bounds out of range); at ``on_train_begin`` no controllable
+        layer, a named layer that cannot be controlled, or an epoch/deadline
+        budget without a known number of steps per epoch.
+    """
+
+    def __init__(self, step_time=None, epoch_time=None, deadline=None,
+                 layers=None, max_sparsity=0.95, min_rate=0.0, max_rate=0.7,
+                 warmup_steps=20, sensitivity_data=None, min_samples=8,
+                 update_every=4, gain=0.5, log_dir=None, verbose=0,
+                 clock=time.perf_counter):
+        super().__init__()
+        self.kind, self.seconds = _budget.validate_budget_args(
+            step_time, epoch_time, deadline, max_sparsity, min_rate,
+            max_rate)
+        self.max_sparsity = float(max_sparsity)
+        self.min_rate, self.max_rate = float(min_rate), float(max_rate)
+        if layers is not None:
+            if isinstance(layers, (str, bytes)) or not hasattr(
+                    layers, "__iter__"):
+                raise ValueError("`layers` must be a list of layer names or "
+                                 f"layers. Received: layers={layers!r}")
+            layers = list(layers)
+            if not layers:
+                raise ValueError("`layers` must not be empty")
+        self.layer_selection = layers
+        self.warmup_steps = validate_int(warmup_steps, "warmup_steps", 2)
+        self.min_samples = validate_int(min_samples, "min_samples", 2)
+        self.update_every = validate_int(update_every, "update_every", 1)
+        g = float(gain) if not isinstance(gain, bool) else float("nan")
+        if not math.isfinite(g) or g < 0:
+            raise ValueError(f"`gain` must be >= 0. Received: gain={gain!r}")
+        self.gain = g
+        if sensitivity_data is not None:
+            try:
+                sx, sy = sensitivity_data
+            except (TypeError, ValueError):
+                raise ValueError("`sensitivity_data` must be a pair (x, y)"
+                                 ) from None
+            sensitivity_data = (sx, sy)
+        self.sensitivity_data = sensitivity_data
+        if verbose not in (0, 1) or isinstance(verbose, (bool, float)):
+            raise ValueError(f"`verbose` must be 0 or 1. Received: "
+                             f"verbose={verbose!r}")
+        self.verbose = int(verbose)
+        self.log_dir = log_dir
+        self.clock = clock
+        self.controller = None
+        self.decisions = []
+        self.trace = []
+        self.history = []
+        self._knobs = []
+        self._writer = None
+
+    # -- discovery -----------------------------------------------------------
+    def _discover(self):
+        found = find_split_layers(self.model)
+        explicit = self.layer_selection is not None
+        if explicit:
+            by_name = {l.name: l for l in found}
+            consumers = []
+            for item in self.layer_selection:
+                if isinstance(item, SparseSplitLayer):
+                    consumers.append(item)
+                elif isinstance(item, str) and item in by_name:
+                    consumers.append(by_name[item])
+                else:
+                    raise ValueError(
+                        f"TimeBudgetCallback: {item!r} is not a sparse-split "
+                        f"layer of the model; it has {sorted(by_name)}")
+        else:
+            consumers = found
+        knobs, changed, seen = [], False, set()
+        for layer in consumers:
+            owner, kind = find_activation_producer(layer)
+            if owner is None:
+                if explicit:
+                    raise ValueError(f"TimeBudgetCallback: layer "
+                                     f"{layer.name!r} cannot be controlled: "
+                                     f"{kind}")
+                continue
+            if id(owner) in seen:
+                continue
+            seen.add(id(owner))
+            fat, conv = fatrelu_for(owner, kind)
+            changed = mask_input_grad(layer) or conv or changed
+            knobs.append(_Knob(layer, owner, fat,
+                               _dropouts_between(layer, owner)))
+        if not knobs:
+            raise ValueError("TimeBudgetCallback: no sparse-split layer of "
+                             "the model is fed by a ReLU-family activation")
+        if changed:
+            reset_compiled_functions(self.model)
+        return knobs
+
+    # -- Keras hooks -----------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        params = self.params or {}
+        self._spe = params.get("steps") or None
+        self._epochs = params.get("epochs") or None
+        if self.kind != "step_time" and not self._spe:
+            raise ValueError(f"TimeBudgetCallback: a {self.kind} budget "
+                             "needs a known number of steps per epoch")
+        self._knobs = self._discover()
+        for k in self._knobs:
+            k.fat.target_var.assign(0.0)
+            k.fat.cutoff_var.assign(0.0)
+            k.offset = 0.0
+            k.seen_total = None
+            k.read_new_stats()
+            k.window_zero = k.window_elems = 0.0
+            k.rate_floor = [min(max(self.min_rate, r), self.max_rate)
+                            for r in k.own_rates]
+            for d, r in zip(k.dropouts, k.rate_floor):
+                self._set_rate(d, r)
+        self.controller = _budget.BudgetController(
+            [k.name for k in self._knobs], max_sparsity=self.max_sparsity,
+            min_samples=self.min_samples)
+        self.decisions = self.controller.log
+        self.trace, self.history = [], []
+        self._step = 0
+        self._t_begin = self.clock()
+        self._epoch_overheads = []
+        self._warm = False
+        self._floor_sum = {k.name: [0.0, 0.0] for k in self._knobs}
+        self._retraced = False
+        self._last_reachable = True
+        self._probe = None
+        if self.log_dir and self._writer is None:
+            import tensorflow as tf
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._t_epoch = self.clock()
+        self._epoch_steps = 0
+        self._epoch_step_s = 0.0
+        self._epoch_times = []
+        for k in self._knobs:
+            k.epoch_zero = k.epoch_elems = 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # The budget in force for this step (time left over steps left,
+        # this one included).
+        self._budget_now = self._step_budget() if self.controller else 0.0
+        self._t0 = self.clock()
+
+    def on_train_batch_end(self, batch, logs=None):
+        dt = self.clock() - self._t0
+        self._step += 1
+        self._epoch_steps += 1
+        self._epoch_step_s += dt
+        # The first step after a (re)trace includes the compilation.
+        first = self._step == 1 or self._retraced
+        self._retraced = False
+        if not first:
+            self._epoch_times.append(dt)
+        c = self.controller
+        if self._step % self.update_every == 0:
+            self._read_stats()
+        if not self._warm:
+            if self._step >= self.warmup_steps:
+                self._end_warmup()
+            return
+        if not first:
+            c.observe_step(dt)
+        budget = self._budget_now
+        logged = len(c.log)
+        new = c.decide(budget if budget > 0 else 1e-12)
+        if len(c.log) > logged:
+            self._on_decision(c.log[-1], new)
+        if new is not None:
+            self._apply(new)
+        self.trace.append({"step": self._step, "seconds": dt,
+                           "budget_s": budget,
+                           "targets": dict(c.targets),
+                           "rates": self._rates()})
+
+    def _end_warmup(self):
+        self._read_stats()
+        for k in self._knobs:
+            z, n = self._floor_sum[k.name]
+            if n > 0:
+                self.controller.set_floor(k.name, z / n)
+        self._measure_sensitivity()
+        self._warm = True
+
+    def _read_stats(self):
+        c = self.controller
+        for k in self._knobs:
+            before_z, before_e = k.window_zero, k.window_elems
+            k.read_new_stats()
+            dz, de = k.window_zero - before_z, k.window_elems - before_e
+            if not self._warm:
+                self._floor_sum[k.name][0] += dz
+                self._floor_sum[k.name][1] += de
+            total, calls = k.consumer.accumulated_stats_vector()
+            if calls > 0:
+                c.set_cost(k.name, _budget.LayerCost.from_stats(
+                    k.consumer.latest_stats_vector()))
+            if k.window_elems > 0:
+                measured = k.window_zero / k.window_elems
+                c.set_actual(k.name, measured)
+                target = c.targets[k.name]
+                if self._warm and self.gain > 0 and \
+                        target > c.floors[k.name] + 0.01:
+                    k.offset += self.gain * (target - measured)
+                    k.offset = float(np.clip(k.offset, -target,
+                                             0.999 - target))
+                    self._set_fat(k, target)
+            k.window_zero = k.window_elems = 0.0
+
+    def _set_fat(self, k, target):
+        floor = self.controller.floors[k.name]
+        if target <= floor + 0.01:
+            k.offset = 0.0
+            k.fat.target_var.assign(0.0)
+            k.fat.cutoff_var.assign(0.0)
+        else:
+            k.fat.target_var.assign(float(np.clip(target + k.offset, 0.0,
+                                                  0.999)))
+
+    def _apply(self, targets):
+        for k in self._knobs:
+            self._set_fat(k, targets[k.name])
+
+    def _measure_sensitivity(self):
+        c = self.controller
+        if self.sensitivity_data is None:
+            for k in self._knobs:
+                c.set_sensitivity(k.name, 1.0)
+            self._sens_note = "no held batch: equal sensitivities"
+            return
+        x, y = self.sensitivity_data
+        if self._probe is None:
+            self._probe = SensitivityProbe(
+                self.model, [(k.owner, k.fat) for k in self._knobs])
+        base, sens, zeros = self._probe.measure(x, y)
+        floor = max(1e-4 * abs(base), 1e-6)
+        for k, s, z in zip(self._knobs, sens, zeros):
+            # Measured where the layer is now (its output's zeros on the
+            # held batch).
+            c.set_sensitivity(k.name, max(s, floor), at=z)
+        self._sens_note = (f"held-batch loss {base:.4g}; sensitivity per "
+                           "unit sparsity " + ", ".join(
+                               f"{k.name} {max(s, floor):.3g}"
+                               for k, s in zip(self._knobs, sens)))
+
+    def _step_budget(self):
+        now = self.clock()
+        overhead = (float(np.median(self._epoch_overheads))
+                    if self._epoch_overheads else 0.0)
+        return _budget.step_budget(
+            self.kind, self.seconds, steps_per_epoch=self._spe,
+            epochs=self._epochs, elapsed_total=now - self._t_begin,
+            elapsed_epoch=now - self._t_epoch,
+            steps_done_total=self._step, steps_done_epoch=self._epoch_steps,
+            overhead_per_epoch=overhead)
+
+    def _rates(self):
+        return {d.name: d.rate for k in self._knobs for d in k.dropouts}
+
+    @staticmethod
+    def _set_rate(layer, rate):
+        """Sets an ApproximateRandomDropout's rate and rebuilds its pattern
+        distribution (the compiled step must be rebuilt to see it)."""
+        rate = float(rate)
+        if abs(layer.rate - rate) < 1e-12:
+            return False
+        layer.rate = rate
+        layer._given = None
+        if layer.built:
+            layer.build((None, layer._units))
+        return True
+
+    def _on_decision(self, d, new):
+        if self._writer is not None:
+            import tensorflow as tf
+            from tensorflow.core.framework import summary_pb2
+
+            # tf.summary.write with the scalar plugin's metadata (what
+            # tf.summary.scalar writes), as ThresholdTuner does: no
+            # tensorboard package needed to log.
+            meta = summary_pb2.SummaryMetadata()
+            meta.plugin_data.plugin_name = "scalars"
+            values = {"budget/step_budget": d.budget_s,
+                      "budget/step_time": d.measured_s,
+                      "budget/predicted_step_time": d.predicted_s}
+            values.update({f"{n}/budget_target": t
+                           for n, t in d.targets.items()})
+            values.update({f"{n}/budget_rate": r
+                           for n, r in self._rates().items()})
+            with self._writer.as_default():
+                for tag, v in values.items():
+                    if math.isfinite(v):
+                        tf.summary.write(tag, tf.constant(v, tf.float32),
+                                         step=self._step, metadata=meta)
+            self._writer.flush()
+        if d.reachable != self._last_reachable and d.action != "hold":
+            # Said once each time the budget becomes unreachable.
+            self._last_reachable = d.reachable
+            if not d.reachable and self.verbose:
+                print(f"TimeBudgetCallback: step budget "
+                      f"{d.budget_s * 1e3:.2f} ms is not reachable within "
+                      f"max_sparsity={self.max_sparsity} (measured "
+                      f"{d.measured_s * 1e3:.2f} ms); running at the bounds",
+                      flush=True)
+        if new is not None and self.verbose:
+            print(f"TimeBudgetCallback: step {self._step}: measured "
+                  f"{d.measured_s * 1e3:.2f} ms, budget "
+                  f"{d.budget_s * 1e3:.2f} ms, predicted "
+                  f"{d.predicted_s * 1e3:.2f} ms -> " + ", ".join(
+                      f"{n} {t:.2f}" for n, t in new.items()), flush=True)
+            for n, why in d.reasons.items():
+                print(f"  {n}: {why}", flush=True)
+
+    def on_test_begin(self, logs=None):
+        if self._knobs and self.controller is not None:
+            self._read_stats()
+
+    def on_test_end(self, logs=None):
+        for k in self._knobs:
+            k.skip_new_stats()
+
+    def on_epoch_end(self, epoch, logs=None):
+        c = self.controller
+        self._read_stats()
+        wall = self.clock() - self._t_epoch
+        if self._epoch_steps:
+            self._epoch_overheads.append(max(wall - self._epoch_step_s, 0.0))
+        if self._warm:
+            self._measure_sensitivity()
+            self._adjust_rates()
+        step_time = (float(np.median(self._epoch_times))
+                     if self._epoch_times else float("nan"))
+        # The budget in force during the epoch: the median of its steps'
+        # (an epoch-time or deadline budget is recomputed at every step).
+        first = self._step - self._epoch_steps
+        mine = [t["budget_s"] for t in self.trace if t["step"] > first]
+        budget = float(np.median(mine)) if mine else self._step_budget()
+        entry = {"budget/step_budget": budget,
+                 "budget/step_time": step_time,
+                 "budget/reachable": float(c.log[-1].reachable
+                                           if c.log else True)}
+        for k in self._knobs:
+            sp = (k.epoch_zero / k.epoch_elems if k.epoch_elems > 0
+                  else float("nan"))
+            entry[f"{k.name}/budget_target"] = c.targets[k.name]
+            entry[f"{k.name}/budget_sparsity"] = float(sp)
+            for d in k.dropouts:
+                entry[f"{d.name}/budget_rate"] = d.rate
+        if logs is not None:
+            logs.update(entry)
+        self.history.append(dict(entry))
+        if self.verbose:
+            print(f"TimeBudgetCallback: epoch {epoch + 1}: median step "
+                  f"{step_time * 1e3:.2f} ms, budget {budget * 1e3:.2f} ms; "
+                  + getattr(self, "_sens_note", ""), flush=True)
+
+    def _adjust_rates(self):
+        c = self.controller
+        if not any(k.dropouts for k in self._knobs) or not c.log:
+            return
+        last = c.log[-1]
+        at_bound = all(c.targets[k.name] >= self.max_sparsity - 1e-9
+                       for k in self._knobs)
+        changed = False
+        for k in self._knobs:
+            for i, d in enumerate(k.dropouts):
+                if not last.reachable and at_bound:
+                    new = min(d.rate + RATE_STEP, self.max_rate)
+                elif last.measured_s < last.budget_s * 0.85:
+                    new = max(d.rate - RATE_STEP, k.rate_floor[i])
+                else:
+                    continue
+                changed = self._set_rate(d, new) or changed
+        if changed:
+            reset_compiled_functions(self.model)
+            self._retraced = True

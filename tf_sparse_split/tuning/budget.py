@@ -1,0 +1,723 @@
+"""Execution under a time budget: the controller behind
+:class:`~tf_sparse_split.callbacks.TimeBudgetCallback`, free of Keras so that
+it runs (and is tested) on recorded or synthetic step times and a fake clock.
+
+R. Sun and L. Zhang, *Dynamic Sparse Method for Deep Learning Execution*
+(2019): resources and user demands change during execution, so the amount of
+sparsity a model is executed with should be chosen at run time, per layer
+and component, by each one's ability to be sparsified. Here the user's demand
+is a step time (or an epoch time or a deadline, turned into step times), the
+resource is the machine's speed as measured by the steps themselves, and the
+knobs are the activation sparsity at each sparse-split layer's input (driven
+by a FATReLU cutoff) and, second, structured dropout rates.
+
+The pieces, each a small class or function:
+
+* :class:`LayerCost` -- a layer's predicted forward op seconds as a function
+  of its input sparsity, from the op's own statistics: the cost problem
+  (``tuning.op_model.cost_problem``: shape, flop per value and per nonzero)
+  and its family's terms (seconds per call, flop/s per path). The op takes
+  the cheaper of its dense and sparse paths, so the prediction is
+  ``min(dense(s), sparse(s))``: flat while the dense path wins, falling with
+  density once the sparse one does.
+* :class:`StepModel` -- ``step = fixed + factor * sum_l cost_l(s_l)``
+  (``factor`` counts the backward products: ~3 GEMM-sized products per
+  layer per step), fitted online to the measured medians by ridge
+  regression toward its prior, and scaled by ``kappa = measured / predicted``
+  at the current settings: the model gives the shape, the measurement the
+  level.
+* :func:`allocate` -- the per-layer sparsities that meet a predicted step
+  time at the least predicted accuracy loss: greedy on a grid, each move the
+  one with the most seconds saved per unit of loss (looking ahead over the
+  layer's remaining levels, so a layer whose gain starts only past the
+  op's break-even is still found). Each layer's loss is its measured
+  sensitivity (loss increase per unit of sparsity, Song et al., arXiv
+  2203.05705, measured by the callback on a held batch) times the sparsity
+  added above its natural level, with the marginal loss assumed to rise
+  linearly to twice its measured value at the bound (pruning curves are
+  convex).
+* :class:`BudgetController` -- the feedback loop: robust step-time estimate
+  (median of the steps since the last change, at least ``min_samples`` of
+  them, the first ``settle`` after a change left out), a dead band around
+  the budget, re-allocation from the layers' natural sparsity each time it
+  is left (so sparsity falls again when the machine gets faster), a limit
+  on the change per decision, no move against the measurement (over the
+  budget no target falls, under it none rises), and a log of each decision
+  with its reasons.
+* :func:`step_budget` -- an epoch time or a deadline for the whole fit
+  turned into a step budget for the remaining steps.
+
+Units: seconds everywhere; sparsity is a fraction of zeros in ``[0, 1]``.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from tf_sparse_split.tuning import stats as _stats
+
+__all__ = ["LayerCost", "StepModel", "Allocation", "allocate",
+           "BudgetController", "Decision", "step_budget",
+           "validate_budget_args", "robust_step_time"]
+
+
+def _finite_positive(value, name):
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a number of seconds. "
+                         f"Received: {name}={value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"`{name}` must be a finite number of seconds > 0. "
+                         f"Received: {name}={value!r}")
+    return v
+
+
+def _fraction(value, name, lo=0.0, hi=1.0, hi_open=True):
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a number in [{lo}, {hi}). "
+                         f"Received: {name}={value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(v) or v < lo or \
+            (v >= hi if hi_open else v > hi):
+        bracket = ")" if hi_open else "]"
+        raise ValueError(f"`{name}` must be in [{lo}, {hi}{bracket}. "
+                         f"Received: {name}={value!r}")
+    return v
+
+
+def validate_budget_args(step_time=None, epoch_time=None, deadline=None,
+                         max_sparsity=0.95, min_rate=0.0, max_rate=0.7):
+    """Checks the budget arguments of :class:`TimeBudgetCallback` and
+    :class:`BudgetController`.
+
+    Exactly one of ``step_time``, ``epoch_time``, ``deadline`` (seconds,
+    finite, > 0) must be given; ``max_sparsity`` in ``[0, 1)``; ``0 <=
+    min_rate <= max_rate < 1``.
+
+    Returns:
+      ``(kind, seconds)`` with ``kind`` one of ``"step_time"``,
+      ``"epoch_time"``, ``"deadline"``.
+
+    Raises:
+      ValueError: none or several budgets, a non-positive, NaN or infinite
+        budget, or bounds out of range.
+    """
+    given = {k: v for k, v in (("step_time", step_time),
+                               ("epoch_time", epoch_time),
+                               ("deadline", deadline)) if v is not None}
+    if len(given) != 1:
+        raise ValueError(
+            "give exactly one budget: step_time, epoch_time or deadline "
+            f"(seconds). Received: {given or 'none'}")
+    (kind, value), = given.items()
+    seconds = _finite_positive(value, kind)
+    _fraction(max_sparsity, "max_sparsity")
+    lo = _fraction(min_rate, "min_rate")
+    hi = _fraction(max_rate, "max_rate")
+    if lo > hi:
+        raise ValueError(f"`min_rate` ({lo}) must not exceed `max_rate` "
+                         f"({hi})")
+    return kind, seconds
+
+
+# ---------------------------------------------------------------------------
+# prediction
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """Predicted forward op seconds of one layer against its input sparsity.
+
+    ``dense = dense_fixed_s + m * k_live * dense_flops_per_elem / dense_rate``
+    ``sparse(s) = sparse_fixed_s + convert_s_per_elem * m * k
+    + (1 - s) * m * k * sparse_flops_per_nnz / sparse_rate``
+    and the op runs the cheaper: ``seconds(s) = min(dense, sparse(s))`` (the
+    op's cost model, ``cc/core/cost_model.h``, without its margins). A path
+    whose rate is unknown (0) is left out; with neither known the layer's
+    measured seconds per call are returned whatever ``s`` (no prediction).
+
+    Attributes: the terms above (seconds, flop, flop/s), ``measured_s``
+    (mean op seconds per call recorded: dense + sparse + analysis parts).
+    """
+
+    m: float
+    k: float
+    k_live: float
+    dense_flops_per_elem: float
+    sparse_flops_per_nnz: float
+    dense_fixed_s: float = 0.0
+    dense_rate: float = 0.0
+    sparse_fixed_s: float = 0.0
+    convert_s_per_elem: float = 0.0
+    sparse_rate: float = 0.0
+    measured_s: float = 0.0
+
+    @classmethod
+    def from_stats(cls, vector, calls=1):
+        """From a statistics vector (one call's, or a sum over ``calls``).
+
+        Args:
+          vector: float64 ``[stats.NUM_STATS]``.
+          calls: the calls summed in ``vector`` (>= 1).
+
+        Raises:
+          ValueError: wrong length, ``calls < 1``.
+        """
+        v = np.asarray(vector, np.float64).reshape(-1)
+        if v.shape[0] != _stats.NUM_STATS:
+            raise ValueError(f"expected {_stats.NUM_STATS} statistics, got "
+                             f"{v.shape[0]}")
+        calls = int(calls)
+        if calls < 1:
+            raise ValueError(f"calls must be >= 1, got {calls}")
+        mean = v / calls
+
+        def term(i):
+            x = float(mean[i])
+            return x if math.isfinite(x) and x > 0 else 0.0
+
+        k = term(_stats.K)
+        return cls(
+            m=term(_stats.M), k=k, k_live=term(_stats.K_LIVE) or k,
+            dense_flops_per_elem=term(_stats.DENSE_FLOPS_PER_ELEM) or
+            2.0 * term(_stats.N),
+            sparse_flops_per_nnz=term(_stats.SPARSE_FLOPS_PER_NNZ) or
+            2.0 * term(_stats.N),
+            dense_fixed_s=term(_stats.TERM_DENSE_FIXED),
+            dense_rate=term(_stats.TERM_DENSE_RATE),
+            sparse_fixed_s=term(_stats.TERM_SPARSE_FIXED),
+            convert_s_per_elem=term(_stats.TERM_CONVERT),
+            sparse_rate=term(_stats.TERM_SPARSE_RATE),
+            measured_s=term(_stats.TIME_DENSE) + term(_stats.TIME_SPARSE) +
+            term(_stats.TIME_ANALYZE))
+
+    def dense_seconds(self):
+        """The dense path's predicted seconds (inf when its rate is
+        unknown)."""
+        if self.dense_rate <= 0:
+            return math.inf
+        return self.dense_fixed_s + \
+            self.m * self.k_live * self.dense_flops_per_elem / self.dense_rate
+
+    def sparse_seconds(self, sparsity):
+        """The sparse path's predicted seconds at ``sparsity`` (inf when its
+        rate is unknown)."""
+        if self.sparse_rate <= 0:
+            return math.inf
+        elems = self.m * self.k
+        return (self.sparse_fixed_s + self.convert_s_per_elem * elems +
+                (1.0 - sparsity) * elems * self.sparse_flops_per_nnz /
+                self.sparse_rate)
+
+    @property
+    def predicts(self):
+        """Whether at least one path's rate is known."""
+        return self.dense_rate > 0 or self.sparse_rate > 0
+
+    def seconds(self, sparsity):
+        """Predicted op seconds per call at input ``sparsity`` in [0, 1]."""
+        if not self.predicts:
+            return self.measured_s
+        s = min(max(float(sparsity), 0.0), 1.0)
+        return min(self.dense_seconds(), self.sparse_seconds(s))
+
+
+class StepModel:
+    """``step(s) = fixed + factor * sum_l cost_l(s_l)`` (seconds), fitted
+    online.
+
+    Each observation is a pair (``x = sum_l cost_l(s_l)`` at the settings
+    in force, ``y`` = the robust measured step time there). ``fixed`` and
+    ``factor`` minimise the squared error over the last ``window``
+    observations plus ``prior_weight`` observations' worth of pull toward
+    the prior (``factor0``; ``fixed0`` = the first observation's
+    ``y - factor0 * x``, at least 0), so two nearly equal ``x`` never give
+    a wild slope. ``factor`` is kept in ``[factor_min, factor_max]`` and
+    ``fixed >= 0``.
+
+    Args:
+      factor0: prior of ``factor`` (default 3: forward product, weight
+        gradient and input gradient, each about one forward product).
+      window: observations kept (default 8).
+      prior_weight: weight of the prior in observations (default 2).
+      factor_min, factor_max: bounds of ``factor`` (default 1 and 6).
+    """
+
+    def __init__(self, factor0=3.0, window=8, prior_weight=2.0,
+                 factor_min=1.0, factor_max=6.0):
+        self.factor0 = float(factor0)
+        self.window = int(window)
+        self.prior_weight = float(prior_weight)
+        self.factor_min, self.factor_max = float(factor_min), float(factor_max)
+        self.fixed0 = None
+        self.fixed = None
+        self.factor = self.factor0
+        self._obs = []
+
+    def observe(self, x, y):
+        """Adds one observation (``x`` predicted op seconds summed over
+        layers, ``y`` measured step seconds) and refits."""
+        x, y = float(x), float(y)
+        if not (math.isfinite(x) and math.isfinite(y)) or y <= 0:
+            return
+        if self.fixed0 is None:
+            self.fixed0 = max(y - self.factor0 * x, 0.0)
+        self._obs.append((x, y))
+        self._obs = self._obs[-self.window:]
+        self._fit()
+
+    def _fit(self):
+        # Ridge toward (fixed0, factor0): the prior counts as prior_weight
+        # observations at x0 = the mean x (so it pulls both parameters).
+        xs = np.array([o[0] for o in self._obs])
+        ys = np.array([o[1] for o in self._obs])
+        lam = self.prior_weight
+        scale = max(float(np.mean(xs)), 1e-12)
+        # Parameters (fixed, factor*scale) are of comparable size.
+        a = np.stack([np.ones_like(xs), xs / scale], axis=1)
+        ata = a.T @ a + lam * np.eye(2)
+        aty = a.T @ ys + lam * np.array([self.fixed0,
+                                         self.factor0 * scale])
+        fixed, slope = np.linalg.solve(ata, aty)
+        factor = float(np.clip(slope / scale, self.factor_min,
+                               self.factor_max))
+        self.factor = factor
+        self.fixed = max(float(np.mean(ys - factor * xs)) if lam == 0 else
+                         float(fixed), 0.0)
+
+    def predict(self, x):
+        """Predicted step seconds for op seconds ``x`` (before any
+        observation: ``factor0 * x``)."""
+        return (self.fixed or 0.0) + self.factor * float(x)
+
+
+def robust_step_time(times):
+    """The median of ``times`` (seconds): the step-time estimate the
+    controller acts on; a few slow steps among many do not move it.
+
+    Raises:
+      ValueError: on an empty sequence.
+    """
+    t = np.asarray(list(times), np.float64)
+    if t.size == 0:
+        raise ValueError("no step times")
+    return float(np.median(t))
+
+
+# ---------------------------------------------------------------------------
+# allocation
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Allocation:
+    """Result of :func:`allocate`.
+
+    Attributes:
+      targets: ``{layer: sparsity}`` chosen (fractions of zeros).
+      predicted_s: predicted step seconds there (after ``kappa``).
+      reachable: whether ``predicted_s <= goal_s``.
+      reasons: ``{layer: text}``: why each layer got its sparsity.
+      moves: ``[(layer, from, to, seconds saved, loss added)]`` in order.
+    """
+
+    targets: dict
+    predicted_s: float
+    reachable: bool
+    reasons: dict
+    moves: list
+
+
+def _levels(floor, upper, step):
+    if upper <= floor + 1e-9:
+        return [floor]
+    n = int(math.floor((upper - floor) / step + 1e-9))
+    lv = [floor + i * step for i in range(n + 1)]
+    if upper - lv[-1] > 1e-6:
+        lv.append(upper)
+    return lv
+
+
+def marginal_loss(sensitivity, floor, upper, s0, s1):
+    """Predicted loss added by raising a layer's sparsity from ``s0`` to
+    ``s1`` (``floor <= s0 <= s1 <= upper``): the integral of a marginal loss
+    that rises linearly from ``sensitivity`` at ``floor`` to twice that at
+    ``upper`` (units of ``sensitivity``: loss per unit of sparsity)."""
+    span = max(upper - floor, 1e-9)
+
+    def cum(s):
+        u = s - floor
+        return sensitivity * (u + 0.5 * u * u / span)
+
+    return cum(s1) - cum(s0)
+
+
+def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
+             step=0.05, start=None):
+    """Per-layer sparsities that meet a predicted step time at the least
+    predicted loss (greedy; module docstring).
+
+    Args:
+      costs: ``{layer: LayerCost}``.
+      floors: ``{layer: natural sparsity}`` (the least the layer can have).
+      sensitivities: ``{layer: loss per unit sparsity}`` (>= 0; a missing
+        layer counts as the mean of the others, 1 if none).
+      upper: the largest sparsity allowed (``max_sparsity``).
+      goal_s: the step seconds to meet.
+      model: a :class:`StepModel`.
+      kappa: measured / predicted step time at the settings in force.
+      step: grid of sparsity levels (default 0.05).
+      start: optional ``{layer: sparsity}`` to start from instead of the
+        floors (only raised from there).
+
+    Returns:
+      :class:`Allocation`.
+    """
+    names = list(costs)
+    known = [float(v) for v in sensitivities.values() if v is not None]
+    default = float(np.mean(known)) if known else 1.0
+    sens = {n: max(float(sensitivities.get(n, default)
+                         if sensitivities.get(n) is not None else default),
+                   1e-12) for n in names}
+    floor = {n: min(max(float(floors.get(n, 0.0)), 0.0), upper)
+             for n in names}
+    cur = {n: floor[n] if start is None else
+           min(max(float(start.get(n, floor[n])), floor[n]), upper)
+           for n in names}
+    levels = {n: _levels(floor[n], upper, step) for n in names}
+
+    def predicted(setting):
+        x = sum(costs[n].seconds(setting[n]) for n in names)
+        return kappa * model.predict(x)
+
+    moves = []
+    now = predicted(cur)
+    while now > goal_s:
+        best = None
+        for n in names:
+            c0 = kappa * model.factor * costs[n].seconds(cur[n])
+            for lv in levels[n]:
+                if lv <= cur[n] + 1e-9:
+                    continue
+                saved = c0 - kappa * model.factor * costs[n].seconds(lv)
+                if saved <= 0:
+                    continue
+                loss = marginal_loss(sens[n], floor[n], upper, cur[n], lv)
+                # A move that meets the goal by itself is judged by the
+                # part of its saving that is needed (a larger saving than
+                # needed buys nothing).
+                useful = min(saved, now - goal_s)
+                ratio = useful / max(loss, 1e-18)
+                if best is None or ratio > best[0] + 1e-15:
+                    best = (ratio, n, lv, saved, loss)
+        if best is None:
+            break
+        _, n, lv, saved, loss = best
+        moves.append((n, cur[n], lv, saved, loss))
+        cur[n] = lv
+        now = predicted(cur)
+    reachable = now <= goal_s
+    reasons = {}
+    for n in names:
+        mine = [m for m in moves if m[0] == n]
+        per = costs[n]
+        if not per.predicts:
+            why = "no cost prediction yet (op rates unknown)"
+        elif not mine:
+            why = ("kept at its natural sparsity: " +
+                   ("budget met without it" if reachable
+                    else "raising it saves no predicted time"))
+        else:
+            saved = sum(m[3] for m in mine)
+            loss = sum(m[4] for m in mine)
+            why = (f"raised {floor[n]:.2f}->{cur[n]:.2f}: saves "
+                   f"{saved * 1e3:.2f} ms/step for predicted loss "
+                   f"{loss:.3g} (sensitivity {sens[n]:.3g}/unit, "
+                   f"{saved * 1e3 / max(loss, 1e-18):.3g} ms per unit loss)")
+        reasons[n] = why
+    return Allocation(targets=cur, predicted_s=now, reachable=reachable,
+                      reasons=reasons, moves=moves)
+
+
+# ---------------------------------------------------------------------------
+# deadlines
+# ---------------------------------------------------------------------------
+def step_budget(kind, seconds, steps_per_epoch=None, epochs=None,
+                elapsed_total=0.0, elapsed_epoch=0.0, steps_done_total=0,
+                steps_done_epoch=0, overhead_per_epoch=0.0):
+    """The step budget (seconds) for the remaining steps.
+
+    * ``"step_time"``: ``seconds``.
+    * ``"epoch_time"``: ``(seconds - overhead_per_epoch - elapsed_epoch) /
+      (steps_per_epoch - steps_done_epoch)``.
+    * ``"deadline"`` (seconds from the start of training for the whole
+      fit): ``(seconds - elapsed_total - overhead_per_epoch * epochs_left)
+      / (epochs * steps_per_epoch - steps_done_total)``, with ``epochs_left``
+      the epochs not yet finished (the current one included).
+
+    ``overhead_per_epoch`` is the time of an epoch spent outside training
+    steps (validation, callbacks at epoch end). A budget already spent
+    gives 0 (the caller then runs at the bounds and logs it).
+
+    Raises:
+      ValueError: unknown ``kind``, or ``steps_per_epoch``/``epochs``
+        missing where needed.
+    """
+    if kind == "step_time":
+        return float(seconds)
+    if not steps_per_epoch or steps_per_epoch < 1:
+        raise ValueError(f"a {kind} budget needs the steps per epoch "
+                         "(a dataset of known length, or steps_per_epoch)")
+    if kind == "epoch_time":
+        left = max(int(steps_per_epoch) - int(steps_done_epoch), 1)
+        return max((seconds - overhead_per_epoch - elapsed_epoch) / left, 0.0)
+    if kind == "deadline":
+        if not epochs or epochs < 1:
+            raise ValueError("a deadline needs the number of epochs")
+        total = int(epochs) * int(steps_per_epoch)
+        left = max(total - int(steps_done_total), 1)
+        epochs_left = int(epochs) - int(steps_done_total) // int(
+            steps_per_epoch)
+        return max((seconds - elapsed_total -
+                    overhead_per_epoch * max(epochs_left, 0)) / left, 0.0)
+    raise ValueError(f"unknown budget kind {kind!r}")
+
+
+# ---------------------------------------------------------------------------
+# feedback
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Decision:
+    """One decision of :class:`BudgetController` (its ``log``).
+
+    Attributes: ``step`` (the controller's step count), ``budget_s``,
+    ``measured_s`` (robust estimate), ``predicted_s`` (at the new targets),
+    ``kappa``, ``targets`` (``{layer: sparsity}``), ``reachable``,
+    ``action`` (``"hold"``, ``"reallocate"``, ``"unreachable"``),
+    ``reasons`` (``{layer: text}``).
+    """
+
+    step: int
+    budget_s: float
+    measured_s: float
+    predicted_s: float
+    kappa: float
+    targets: dict
+    reachable: bool
+    action: str
+    reasons: dict
+
+
+class BudgetController:
+    """Chooses per-layer sparsity targets to meet a step budget, from
+    measured step times (module docstring).
+
+    Call :meth:`observe_step` after every step with its seconds, keep
+    :meth:`set_cost`, :meth:`set_floor` and :meth:`set_sensitivity` current,
+    and call :meth:`decide` with the budget; it returns the targets to apply
+    (or None while it waits for samples or holds).
+
+    Args:
+      layers: the controlled layers' names.
+      max_sparsity: the largest target, in ``[0, 1)``.
+      step: grid of sparsity levels (default 0.05).
+      min_samples: steps measured at a setting before deciding (default 8).
+      settle: steps left out after a change (default 3: the FATReLU cutoff
+        follows its target with a moving average).
+      window: most recent steps the median is taken over (default 32).
+      band: dead band: no change while ``budget * (1 - 2 band) <= measured
+        <= budget * (1 + band)`` (default 0.03).
+      max_change: largest change of one layer's target per decision
+        (default 0.15).
+      model: a :class:`StepModel` (default ``StepModel()``).
+
+    Raises:
+      ValueError: bad arguments.
+    """
+
+    def __init__(self, layers, max_sparsity=0.95, step=0.05, min_samples=8,
+                 settle=3, window=32, band=0.03, max_change=0.15, model=None):
+        self.layers = list(layers)
+        if not self.layers:
+            raise ValueError("BudgetController needs at least one layer")
+        self.max_sparsity = _fraction(max_sparsity, "max_sparsity")
+        self.step = _fraction(step, "step", hi=0.5)
+        if self.step <= 0:
+            raise ValueError(f"`step` must be > 0. Received: step={step!r}")
+        self.min_samples = int(min_samples)
+        self.settle = int(settle)
+        self.window = int(window)
+        if self.min_samples < 1 or self.settle < 0 or \
+                self.window < self.min_samples:
+            raise ValueError("need min_samples >= 1, settle >= 0 and "
+                             "window >= min_samples")
+        self.band = _fraction(band, "band", hi=0.5)
+        self.max_change = _fraction(max_change, "max_change", hi=1.0,
+                                    hi_open=False)
+        if self.max_change <= 0:
+            raise ValueError("`max_change` must be > 0")
+        self.model = model if model is not None else StepModel()
+        self.costs = {}
+        self.floors = {n: 0.0 for n in self.layers}
+        self.sensitivities = {}
+        self.targets = dict(self.floors)
+        self.actual = {}
+        self.log = []
+        self.steps = 0
+        self._times = []        # steps since the last change
+        self._since_change = 0
+        self._unreachable_logged = False
+
+    # -- inputs ------------------------------------------------------------
+    def observe_step(self, seconds):
+        """Records one step's seconds (non-finite or non-positive values
+        are ignored)."""
+        self.steps += 1
+        self._since_change += 1
+        s = float(seconds)
+        if not math.isfinite(s) or s <= 0 or self._since_change <= \
+                self.settle:
+            return
+        self._times.append(s)
+        self._times = self._times[-self.window:]
+
+    def set_cost(self, layer, cost):
+        """The layer's :class:`LayerCost` (refresh it from new statistics)."""
+        self.costs[layer] = cost
+
+    def set_floor(self, layer, sparsity):
+        """The layer's natural sparsity (its input's zeros with no cutoff)."""
+        self.floors[layer] = min(max(float(sparsity), 0.0), self.max_sparsity)
+        self.targets[layer] = max(self.targets[layer], self.floors[layer])
+
+    def set_actual(self, layer, sparsity):
+        """The sparsity the layer's input measured at the settings in
+        force (used for the model's observation instead of the target,
+        which the cutoff follows with a lag)."""
+        self.actual[layer] = min(max(float(sparsity), 0.0), 1.0)
+
+    def set_sensitivity(self, layer, value, at=None):
+        """The layer's loss increase per unit of sparsity (>= 0), measured
+        at sparsity ``at`` (default: its natural sparsity). The allocation's
+        loss model (:func:`marginal_loss`: the marginal rises linearly to
+        twice its natural-sparsity value at the bound) turns a value
+        measured above the natural sparsity back into the natural one."""
+        v = float(value)
+        if not math.isfinite(v):
+            self.sensitivities[layer] = None
+            return
+        v = max(v, 0.0)
+        floor = self.floors.get(layer, 0.0)
+        if at is not None and math.isfinite(float(at)) and float(at) > floor:
+            span = max(self.max_sparsity - floor, 1e-9)
+            v /= 1.0 + min((float(at) - floor) / span, 1.0)
+        self.sensitivities[layer] = v
+
+    @property
+    def samples(self):
+        """Steps measured at the settings in force (after settling)."""
+        return len(self._times)
+
+    def measured(self):
+        """The robust step-time estimate (median), or None without
+        samples."""
+        return robust_step_time(self._times) if self._times else None
+
+    def _x(self, targets):
+        return sum(self.costs[n].seconds(targets[n]) for n in self.layers
+                   if n in self.costs)
+
+    # -- decision ------------------------------------------------------------
+    def decide(self, budget_s):
+        """Decides, if enough steps were measured since the last change.
+
+        Returns:
+          ``{layer: sparsity}`` to apply, or None (waiting, or holding
+          inside the dead band). Every decision taken is appended to
+          :attr:`log` (a :class:`Decision`).
+        """
+        if len(self._times) < self.min_samples:
+            return None
+        budget_s = float(budget_s)
+        m = self.measured()
+        x_now = self._x({n: self.actual.get(n, self.targets[n])
+                         for n in self.layers})
+        self.model.observe(x_now, m)
+        pred_now = self.model.predict(x_now)
+        kappa = m / pred_now if pred_now > 0 else 1.0
+        costs = {n: self.costs[n] for n in self.layers if n in self.costs}
+        if not costs:
+            return None
+        lo, hi = budget_s * (1 - 2 * self.band), budget_s * (1 + self.band)
+        if lo <= m <= hi:
+            self._record(budget_s, m, pred_now * kappa, kappa, "hold", True,
+                         {n: "within the dead band" for n in self.layers},
+                         self.targets)
+            self._times = self._times[-self.min_samples:]
+            return None
+        # Aim a little inside the band so the next measurement lands in it.
+        goal = budget_s * (1 - self.band)
+        alloc = allocate(costs, self.floors, self.sensitivities,
+                         self.max_sparsity, goal, self.model, kappa=kappa,
+                         step=self.step)
+        new = {}
+        for n in self.layers:
+            want = alloc.targets.get(n, self.floors[n])
+            old = self.targets[n]
+            delta = float(np.clip(want - old, -self.max_change,
+                                  self.max_change))
+            new[n] = float(np.clip(old + delta, self.floors[n],
+                                   self.max_sparsity))
+        # Never move against the measurement: over the budget no target
+        # falls, under it none rises (the prediction's shape can be off,
+        # e.g. when load moves the ops' measured rates).
+        held = {}
+        for n in self.layers:
+            if m > hi and new[n] < self.targets[n]:
+                new[n] = held[n] = self.targets[n]
+            elif m < lo and new[n] > self.targets[n]:
+                new[n] = held[n] = self.targets[n]
+        action = "reallocate" if alloc.reachable else "unreachable"
+        reasons = dict(alloc.reasons)
+        if not alloc.reachable:
+            # Run at the bounds (as far as the change limit allows now):
+            # every layer whose predicted time falls with sparsity; one
+            # whose does not stays where the allocation left it (more
+            # zeros there would cost accuracy and buy no time).
+            for n in self.layers:
+                if n in costs and alloc.targets[n] > self.floors[n] + 1e-9:
+                    new[n] = float(min(self.targets[n] + self.max_change,
+                                       self.max_sparsity))
+                    reasons[n] = (
+                        f"budget not reachable within max_sparsity="
+                        f"{self.max_sparsity} (predicted "
+                        f"{alloc.predicted_s * 1e3:.2f} ms at the best "
+                        f"allocation, goal {goal * 1e3:.2f} ms): toward the "
+                        f"bound; allocation: {alloc.reasons[n]}")
+        predicted = kappa * self.model.predict(self._x(new)) if costs else m
+        for n, v in held.items():
+            if n in reasons and new[n] == v:
+                reasons[n] += (f" (held at {v:.2f}: the measured steps are "
+                               f"{'over' if m > hi else 'under'} the budget)")
+        changed = any(abs(new[n] - self.targets[n]) > 1e-9
+                      for n in self.layers)
+        if not changed and alloc.reachable:
+            action = "hold"
+            reasons = {n: "allocation unchanged" for n in self.layers}
+        self._record(budget_s, m, predicted, kappa, action, alloc.reachable,
+                     reasons, new)
+        self.targets = new
+        if changed:
+            self._times = []
+            self._since_change = 0
+            return dict(new)
+        self._times = self._times[-self.min_samples:]
+        return None
+
+    def _record(self, budget, measured, predicted, kappa, action, reachable,
+                reasons, targets):
+        self.log.append(Decision(step=self.steps, budget_s=budget,
+                                 measured_s=measured, predicted_s=predicted,
+                                 kappa=kappa, targets=dict(targets),
+                                 reachable=reachable, action=action,
+                                 reasons=dict(reasons)))
