@@ -58,6 +58,7 @@
 #include "cc/core/sparse_conv2d.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/core/uninit_vector.h"
+#include "cc/kernels/core_types.h"
 #include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
@@ -81,34 +82,11 @@ namespace {
 // on the sparse images widened once (WidenToFloat), and their output (or the
 // filter gradient's sum) is rounded once to the dtype (NarrowFromFloat,
 // round-to-nearest-even). TF's own kernels run the dense part in the dtype.
-template <typename T>
-struct CoreOf {
-  using type = T;
-};
-template <>
-struct CoreOf<Eigen::bfloat16> {
-  using type = bf16;
-};
-template <>
-struct CoreOf<Eigen::half> {
-  using type = f16;
-};
-template <typename T>
-using CoreT = typename CoreOf<T>::type;
-static_assert(sizeof(Eigen::bfloat16) == sizeof(bf16) &&
-                  sizeof(Eigen::half) == sizeof(f16),
-              "16-bit storage types are layout-compatible with Eigen's");
-template <typename T>
-const CoreT<T>* Core(const T* p) {
-  return reinterpret_cast<const CoreT<T>*>(p);
-}
-template <typename T>
-CoreT<T>* Core(T* p) {
-  return reinterpret_cast<CoreT<T>*>(p);
-}
+// Tensor data reaches the core through CoreType/AsCore (core_types.h).
+//
 // Whether T is a 16-bit dtype whose sparse part runs in float32.
 template <typename T>
-constexpr bool kLowPrecision = IsLowPrecision<CoreT<T>>::value;
+constexpr bool kLowPrecision = IsLowPrecision<CoreType<T>>::value;
 
 // Images images[0..n) of x, per_image values each, widened to float32 into
 // the dense [n, per_image] buffer out.
@@ -117,7 +95,7 @@ void WidenImages(const T* x, int64_t per_image, const int64_t* images,
                  int64_t n, float* out, const ParallelFor& pfor) {
   pfor(n, per_image + 1, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i)
-      WidenToFloat(Core(x) + images[i] * per_image, out + i * per_image,
+      WidenToFloat(AsCore(x) + images[i] * per_image, out + i * per_image,
                    per_image);
   });
 }
@@ -599,7 +577,7 @@ void SparseForwardLow(bool direct, const T* x, const Conv2DGeometry& g,
   ff.resize(fsize);
   xf.resize(block * per_in);
   yf.resize(block * per_out);
-  WidenToFloat(Core(f), ff.data(), fsize);
+  WidenToFloat(AsCore(f), ff.data(), fsize);
   std::vector<int64_t> local(block), nnz(block);
   for (int64_t b0 = 0; b0 < n_images; b0 += block) {
     const int64_t nb = std::min(block, n_images - b0);
@@ -618,7 +596,7 @@ void SparseForwardLow(bool direct, const T* x, const Conv2DGeometry& g,
                     nan_to_zero, pfor);
     pfor(nb, per_out + 1, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i)
-        NarrowFromFloat(yf.data() + i * per_out, Core(y) + imgs[i] * per_out,
+        NarrowFromFloat(yf.data() + i * per_out, AsCore(y) + imgs[i] * per_out,
                         per_out);
     });
   }
@@ -667,10 +645,10 @@ void SparseFilterGradAny(bool direct, const T* x, const Conv2DGeometry& g,
   if constexpr (kLowPrecision<T>) {
     const int64_t fsize = g.kh * g.kw * g.c_in * g.c_out;
     std::vector<float> acc(fsize);
-    WidenToFloat(Core(static_cast<const T*>(df)), acc.data(), fsize);
+    WidenToFloat(AsCore(static_cast<const T*>(df)), acc.data(), fsize);
     SparseFilterGradLow<T>(direct, x, g, images, n_images, image_nnz, dy,
                            acc.data(), pfor);
-    NarrowFromFloat(acc.data(), Core(df), fsize);
+    NarrowFromFloat(acc.data(), AsCore(df), fsize);
   } else {
     SparseFilterGradBy<T>(direct, x, g, images, n_images, image_nnz, dy, df,
                           pfor);
@@ -709,8 +687,8 @@ int64_t ConvSample(const T* x, const Conv2DGeometry& g, int64_t stride,
   while (std::gcd(stride, g.w) != 1) ++stride;
   std::vector<int64_t> chan(g.c_in, 0);
   out->row_nnz.assign(g.n, 0);
-  const int64_t nnz = CountConvNonzerosStrided<CoreT<T>>(
-      Core(x), g, stride, out->row_nnz.data(), chan.data(), pfor);
+  const int64_t nnz = CountConvNonzerosStrided<CoreType<T>>(
+      AsCore(x), g, stride, out->row_nnz.data(), chan.data(), pfor);
   const int64_t px = ConvSampledPixels(g, stride);
   const int64_t live = static_cast<int64_t>(
       std::count_if(chan.begin(), chan.end(), [](int64_t c) { return c != 0; }));
@@ -743,7 +721,7 @@ struct ConvAnalysis {
   void Run(const T* x, const Conv2DGeometry& g, const ParallelFor& pfor) {
     image_nnz.assign(g.n, 0);
     chan_nnz.assign(g.c_in, 0);
-    nnz = CountConvNonzeros<CoreT<T>>(Core(x), g, image_nnz.data(),
+    nnz = CountConvNonzeros<CoreType<T>>(AsCore(x), g, image_nnz.data(),
                                       chan_nnz.data(), pfor);
     live = LiveColumns(chan_nnz.data(), g.c_in);
     c_live = static_cast<int64_t>(live.size());
@@ -849,10 +827,10 @@ struct ConvSplit {
                            const Conv2DGeometry& g, tf::Tensor* xd) const {
     TF_RETURN_IF_ERROR(ctx->allocate_temp(
         x.dtype(), tf::TensorShape({rd, g.h, g.w, kc}), xd));
-    GatherImagesChannels<CoreT<T>>(Core(x.flat<T>().data()), g,
+    GatherImagesChannels<CoreType<T>>(AsCore(x.flat<T>().data()), g,
                                    rd == g.n ? nullptr : dense().data(), rd,
                                    compact ? an.live.data() : nullptr, kc,
-                                   Core(xd->flat<T>().data()), pfor);
+                                   AsCore(xd->flat<T>().data()), pfor);
     return absl::OkStatus();
   }
 
@@ -978,7 +956,7 @@ struct ConvForwardPaths : ConvSamples {
       std::vector<float> bias_f;
       if (in_float) {
         bias_f.resize(g.c_out);
-        WidenToFloat(Core(bias->flat<T>().data()), bias_f.data(), g.c_out);
+        WidenToFloat(AsCore(bias->flat<T>().data()), bias_f.data(), g.c_out);
       }
       SparseForwardLow<T>(direct, xin, gs, imgs, n, image_nnz,
                           f.flat<T>().data(), y,
@@ -1126,8 +1104,8 @@ class SparseSplitConv2DOp : public tf::OpKernel {
           OP_REQUIRES_OK(ctx, ctx->allocate_temp(
                                   x.dtype(), tf::TensorShape({g.kh, g.kw, kc, g.c_out}),
                                   &fc));
-          GatherFilterChannels<CoreT<T>>(Core(fp), g, s.an.live.data(), kc,
-                                         Core(fc.flat<T>().data()));
+          GatherFilterChannels<CoreType<T>>(AsCore(fp), g, s.an.live.data(), kc,
+                                         AsCore(fc.flat<T>().data()));
           fin = &fc;
         }
         OP_REQUIRES_OK(ctx, paths.Dense(xd, *fin, &result));
@@ -1135,9 +1113,9 @@ class SparseSplitConv2DOp : public tf::OpKernel {
       if (rd == g.n) {
         ctx->set_output(0, result);
       } else {
-        ScatterImages<CoreT<T>>(Core(result.flat<T>().data()), g,
+        ScatterImages<CoreType<T>>(AsCore(result.flat<T>().data()), g,
                                 s.dense().data(), rd,
-                                Core(out->flat<T>().data()), s.pfor);
+                                AsCore(out->flat<T>().data()), s.pfor);
       }
     }
     s.call.DenseDone();
@@ -1266,9 +1244,9 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                                   x.dtype(), tf::TensorShape({rd, g.out_h, g.out_w,
                                                        g.c_out}),
                                   &dyd));
-          GatherImagesChannels<CoreT<T>>(Core(dy.flat<T>().data()), gy,
+          GatherImagesChannels<CoreType<T>>(AsCore(dy.flat<T>().data()), gy,
                                          s.dense().data(), rd, nullptr, g.c_out,
-                                         Core(dyd.flat<T>().data()), s.pfor);
+                                         AsCore(dyd.flat<T>().data()), s.pfor);
           dyin = &dyd;
         }
         OP_REQUIRES_OK(ctx, bf_.Run(ctx, {&xd, &sizes_t, dyin}, &result));
@@ -1284,12 +1262,12 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
         if (rd > 0) {
           if (s.compact) {
             std::vector<float> part(result.NumElements());
-            WidenToFloat(Core(result.flat<T>().data()), part.data(),
+            WidenToFloat(AsCore(result.flat<T>().data()), part.data(),
                          result.NumElements());
             ScatterFilterChannels<float>(part.data(), g, s.an.live.data(), kc,
                                          df.data(), true);
           } else {
-            WidenToFloat(Core(result.flat<T>().data()), df.data(), fsize);
+            WidenToFloat(AsCore(result.flat<T>().data()), df.data(), fsize);
           }
         }
         s.call.DenseDone();
@@ -1300,7 +1278,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                                s.an.image_nnz.data(), dy.flat<T>().data(),
                                df.data(), s.pfor);
         OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
-        NarrowFromFloat(df.data(), Core(out->flat<T>().data()), fsize);
+        NarrowFromFloat(df.data(), AsCore(out->flat<T>().data()), fsize);
         s.call.SparseDone();
         s.Finish(g);
         return;
@@ -1317,9 +1295,9 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
       } else {
         OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
         out->flat<T>().setZero();
-        ScatterFilterChannels<CoreT<T>>(Core(result.flat<T>().data()), g,
+        ScatterFilterChannels<CoreType<T>>(AsCore(result.flat<T>().data()), g,
                                         s.an.live.data(), kc,
-                                        Core(out->flat<T>().data()), true);
+                                        AsCore(out->flat<T>().data()), true);
       }
     } else {
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, fshape, &out));
