@@ -147,6 +147,36 @@ def mask_input_grad(layer):
     return False
 
 
+
+def select_split_layers(model, selection, caller):
+    """``(layers, explicit)``: the sparse-split layers of ``model`` named or
+    given in ``selection`` (layers or layer names), or all of them when
+    ``selection`` is None (``explicit`` False).
+
+    Raises:
+      ValueError: an item of ``selection`` that is not a sparse-split layer
+        of ``model`` (the message starts with ``caller``).
+    """
+    from tf_sparse_split.layers.base import SparseSplitLayer
+    from tf_sparse_split.tuning.tuner import find_split_layers
+
+    found = find_split_layers(model)
+    if selection is None:
+        return found, False
+    by_name = {l.name: l for l in found}
+    out = []
+    for item in selection:
+        if isinstance(item, SparseSplitLayer):
+            out.append(item)
+        elif isinstance(item, str) and item in by_name:
+            out.append(by_name[item])
+        else:
+            raise ValueError(
+                f"{caller}: {item!r} is not a sparse-split layer of the model "
+                f"(SparseSplitDense/SparseSplitConv2D); the model has "
+                f"{sorted(by_name)}")
+    return out, True
+
 def reset_compiled_functions(model):
     """Drops ``model``'s compiled train/test/predict functions and rebuilds
     the train function, so that they trace the model as it is now."""

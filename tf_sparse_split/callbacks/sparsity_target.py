@@ -35,9 +35,8 @@ import numpy as np
 from tf_sparse_split.callbacks._discovery import (fatrelu_for,
                                                   find_activation_producer,
                                                   mask_input_grad,
-                                                  reset_compiled_functions)
-from tf_sparse_split.callbacks.split_threshold import find_split_layers
-from tf_sparse_split.layers.base import SparseSplitLayer
+                                                  reset_compiled_functions,
+                                                  select_split_layers)
 from tf_sparse_split.tuning import stats as _stats
 from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
                                               validate_nonnegative_float,
@@ -203,22 +202,8 @@ class SparsityTargetCallback(keras.callbacks.Callback):
 
     # -- discovery ---------------------------------------------------------
     def _selected_layers(self):
-        found = find_split_layers(self.model)
-        if self.layer_selection is None:
-            return found, False
-        by_name = {l.name: l for l in found}
-        out = []
-        for item in self.layer_selection:
-            if isinstance(item, SparseSplitLayer):
-                out.append(item)
-            elif isinstance(item, str) and item in by_name:
-                out.append(by_name[item])
-            else:
-                raise ValueError(
-                    f"SparsityTargetCallback: {item!r} is not a sparse-split "
-                    "layer of the model (SparseSplitDense/SparseSplitConv2D)"
-                    f"; the model has {sorted(by_name)}")
-        return out, True
+        return select_split_layers(self.model, self.layer_selection,
+                                   "SparsityTargetCallback")
 
     def _discover(self):
         consumers, explicit = self._selected_layers()

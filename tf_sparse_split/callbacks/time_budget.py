@@ -51,10 +51,9 @@ import numpy as np
 from tf_sparse_split.callbacks._discovery import (_parent, fatrelu_for,
                                                   find_activation_producer,
                                                   mask_input_grad,
-                                                  reset_compiled_functions)
+                                                  reset_compiled_functions,
+                                                  select_split_layers)
 from tf_sparse_split.callbacks.sparsity_target import _Control
-from tf_sparse_split.callbacks.split_threshold import find_split_layers
-from tf_sparse_split.layers.base import SparseSplitLayer
 from tf_sparse_split.tuning import budget as _budget
 from tf_sparse_split.utils.validation import validate_int
 
@@ -316,22 +315,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
 
     # -- discovery -----------------------------------------------------------
     def _discover(self):
-        found = find_split_layers(self.model)
-        explicit = self.layer_selection is not None
-        if explicit:
-            by_name = {l.name: l for l in found}
-            consumers = []
-            for item in self.layer_selection:
-                if isinstance(item, SparseSplitLayer):
-                    consumers.append(item)
-                elif isinstance(item, str) and item in by_name:
-                    consumers.append(by_name[item])
-                else:
-                    raise ValueError(
-                        f"TimeBudgetCallback: {item!r} is not a sparse-split "
-                        f"layer of the model; it has {sorted(by_name)}")
-        else:
-            consumers = found
+        consumers, explicit = select_split_layers(
+            self.model, self.layer_selection, "TimeBudgetCallback")
         knobs, changed, seen = [], False, set()
         for layer in consumers:
             owner, kind = find_activation_producer(layer)
