@@ -42,6 +42,7 @@
 
 #if GOOGLE_CUDA
 #include "cc/core/cuda/epilogue_cuda.h"
+#include "cc/kernels/cuda_types.h"
 #endif
 
 namespace tf_sparse_split {
@@ -206,9 +207,9 @@ class MatMulEpilogue : public BiasActivationEpilogue {
     tf::Tensor* out = ctx->mutable_output(0);
     if (out == nullptr || out->NumElements() == 0) return absl::OkStatus();
     const int64_t m = out->dim_size(0), n = out->dim_size(1);
-    const cudaError_t err =
-        BiasActivationGpu<T>(out->flat<T>().data(), m, n, n, BiasPtr<T>(ctx),
-                             static_cast<int>(act_), stream);
+    const cudaError_t err = BiasActivationGpu<CudaType<T>>(
+        AsCuda(out->flat<T>().data()), m, n, n, AsCuda(BiasPtr<T>(ctx)),
+        static_cast<int>(act_), stream);
     if (err != cudaSuccess)
       return tf::errors::Internal("SparseSplitMatMul (GPU): epilogue failed: ",
                                   cudaGetErrorName(err), ": ",

@@ -71,6 +71,14 @@
 //    enable_tensor_float_32_execution is on (TF's default): they are exactly
 //    as precise as tf.matmul (relative error ~1e-3). Sparse rows are always
 //    full FP32 (fused multiply-adds in ascending k). float64 never uses TF32.
+//  * bfloat16 and half (the same dtypes and attrs as the CPU kernel): the
+//    tensors' data go to the CUDA kernels reinterpreted as __nv_bfloat16 /
+//    __half (cuda_types.h; identical 16-bit layouts). Values are stored in
+//    the dtype, every product is accumulated in float32 and rounded once
+//    (round-to-nearest-even): the CSR SpMM and the epilogue here, cuBLAS
+//    (CUBLAS_COMPUTE_32F) in TF's MatMul for the dense rows, as in
+//    tf.matmul. The heterogeneous CPU part runs the 16-bit CPU kernels of
+//    cc/core (the same contract).
 #if GOOGLE_CUDA
 
 #define EIGEN_USE_GPU
@@ -91,6 +99,8 @@
 #include "cc/core/cost_model.h"
 #include "cc/core/cuda/sparse_matmul_cuda.h"
 #include "cc/core/sparse_matmul.h"
+#include "cc/kernels/core_types.h"
+#include "cc/kernels/cuda_types.h"
 #include "cc/kernels/epilogue.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "cc/kernels/split_runtime.h"
@@ -272,16 +282,18 @@ struct GpuDevice {
                       const int64_t* rows, int64_t n_rows, const int64_t* cols,
                       int64_t n_cols, tf::Tensor* out) {
     return CudaStatus(
-        GatherSubmatrixGpu<T>(src.flat<T>().data(), src.dim_size(0),
-                              src.dim_size(1), transpose, rows, n_rows, cols,
-                              n_cols, out->flat<T>().data(), stream),
+        GatherSubmatrixGpu<CudaType<T>>(AsCuda(src.flat<T>().data()),
+                                        src.dim_size(0), src.dim_size(1),
+                                        transpose, rows, n_rows, cols, n_cols,
+                                        AsCuda(out->flat<T>().data()), stream),
         "GatherSubmatrixGpu");
   }
   absl::Status Scatter(const tf::Tensor& src, const int64_t* rows,
                        int64_t n_rows, int64_t n, tf::Tensor* out) {
-    return CudaStatus(ScatterRowsGpu<T>(src.flat<T>().data(), rows, n_rows, n,
-                                        out->flat<T>().data(), n, stream),
-                      "ScatterRowsGpu");
+    return CudaStatus(
+        ScatterRowsGpu<CudaType<T>>(AsCuda(src.flat<T>().data()), rows, n_rows,
+                                    n, AsCuda(out->flat<T>().data()), n, stream),
+        "ScatterRowsGpu");
   }
 };
 
@@ -289,6 +301,9 @@ struct GpuDevice {
 
 template <typename T>
 class SparseSplitMatMulGpuOp : public tf::OpKernel {
+  typedef CudaType<T> CT;  // the CUDA kernels' element type
+  typedef CoreType<T> HT;  // the CPU kernels' (heterogeneous part)
+
  public:
   explicit SparseSplitMatMulGpuOp(tf::OpKernelConstruction* ctx)
       : OpKernel(ctx) {
@@ -326,8 +341,8 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
       OP_REQUIRES_OK(ctx, epilogue_.ApplyGpu<T>(ctx, stream));  // act(0 + bias)
       return;
     }
-    const T* a_ptr = a.flat<T>().data();
-    const T* b_ptr = b.flat<T>().data();
+    const CT* a_ptr = AsCuda(a.flat<T>().data());
+    const CT* b_ptr = AsCuda(b.flat<T>().data());
     const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
     const int64_t b_rows = b.dim_size(0), b_cols = b.dim_size(1);
 
@@ -346,7 +361,7 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                                            tf::TensorShape({m + k}), &host->counts,
                                            PinnedHost()));
     int64_t* row_nnz_d = counts_d.flat<int64_t>().data();
-    TFSS_CUDA_OK(ctx, CountNonzerosGpu<T>(a_ptr, a_rows, a_cols, mm_.ta, row_nnz_d,
+    TFSS_CUDA_OK(ctx, CountNonzerosGpu<CT>(a_ptr, a_rows, a_cols, mm_.ta, row_nnz_d,
                                           row_nnz_d + m, nullptr, stream));
     const int64_t* row_nnz = host->counts.flat<int64_t>().data();
     const int64_t* col_nnz = row_nnz + m;
@@ -414,9 +429,9 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rs, k}),
                                              &host->a_sparse, PinnedHost()));
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, b.shape(), &host->b, PinnedHost()));
-      TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(a_ptr, a_rows, a_cols, mm_.ta,
-                                              sparse_rows_d, rs, nullptr, k,
-                                              as_d.flat<T>().data(), stream));
+      TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<CT>(a_ptr, a_rows, a_cols, mm_.ta,
+                                               sparse_rows_d, rs, nullptr, k,
+                                               AsCuda(as_d.flat<T>().data()), stream));
       // The side stream starts after the gather (and so after the producers
       // of a and b, which ran earlier on the op's stream).
       TFSS_CUDA_OK(ctx, gathered.Create(/*timing=*/false));
@@ -450,8 +465,8 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
     TFSS_CUDA_OK(ctx, cudaEventRecord(timing->s0.ev, stream));
     tf::Tensor c_d, row_ptr_d, col_idx_d, values_d, ws_d, bt_d;
     if (rs > 0 && nnz_sparse == 0) {
-      TFSS_CUDA_OK(ctx, ZeroRowsGpu<T>(sparse_rows_d, rs, n,
-                                       out->flat<T>().data(), n, stream));
+      TFSS_CUDA_OK(ctx, ZeroRowsGpu<CT>(sparse_rows_d, rs, n,
+                                        AsCuda(out->flat<T>().data()), n, stream));
     } else if (cpu_sparse) {
       // The GPU keeps running the dense GEMM; the host waits for the copies
       // only, then multiplies on TF's CPU thread pool.
@@ -460,21 +475,21 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
       std::vector<int64_t> rows(rs), sp_nnz(rs);
       std::iota(rows.begin(), rows.end(), int64_t{0});
       for (int64_t r = 0; r < rs; ++r) sp_nnz[r] = row_nnz[sparse_rows[r]];
-      Csr<T> csr;
-      BuildCsr<T>(host->a_sparse.flat<T>().data(), rs, k, false, rows.data(), rs,
-                  sp_nnz.data(), nullptr, &csr, pfor);
-      const T* bd = host->b.flat<T>().data();
-      std::vector<T> bt;
+      Csr<HT> csr;
+      BuildCsr<HT>(AsCore(host->a_sparse.flat<T>().data()), rs, k, false,
+                   rows.data(), rs, sp_nnz.data(), nullptr, &csr, pfor);
+      const HT* bd = AsCore(host->b.flat<T>().data());
+      std::vector<HT> bt;
       if (mm_.tb) {  // the SpMM reads rows of op(b) = b^T
         bt.resize(k * n);
-        GatherSubmatrix<T>(bd, n, k, true, nullptr, k, nullptr, n, bt.data(),
-                           pfor);
+        GatherSubmatrix<HT>(bd, n, k, true, nullptr, k, nullptr, n, bt.data(),
+                            pfor);
         bd = bt.data();
       }
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({rs, n}),
                                              &host->c_sparse, PinnedHost()));
-      CsrSpmm<T>(csr, rows.data(), rs, bd, k, n, n, host->c_sparse.flat<T>().data(), n,
-                 pfor);
+      CsrSpmm<HT>(csr, rows.data(), rs, bd, k, n, n,
+                  AsCore(host->c_sparse.flat<T>().data()), n, pfor);
       timing->host_sparse_seconds =
           std::chrono::duration<double>(Clock::now() - t_analyzed).count();
       // Upload on the side stream (overlapping the GEMM if it still runs),
@@ -485,9 +500,10 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                                         sizeof(T) * rs * n,
                                         cudaMemcpyHostToDevice, side));
       TFSS_CUDA_OK(ctx, join.Join());
-      TFSS_CUDA_OK(ctx, ScatterRowsGpu<T>(c_d.flat<T>().data(), sparse_rows_d,
-                                          rs, n, out->flat<T>().data(), n,
-                                          stream));
+      TFSS_CUDA_OK(ctx, ScatterRowsGpu<CT>(AsCuda(c_d.flat<T>().data()),
+                                           sparse_rows_d, rs, n,
+                                           AsCuda(out->flat<T>().data()), n,
+                                           stream));
     } else if (rs > 0) {
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(tf::DT_INT64,
                                              tf::TensorShape({rs + 1}), &row_ptr_d));
@@ -507,26 +523,26 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                               &col_idx_d));
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({nnz_sparse}),
                                              &values_d));
-      TFSS_CUDA_OK(ctx, FillCsrGpu<T>(a_ptr, a_rows, a_cols, mm_.ta, sparse_rows_d,
-                                      rs, row_ptr, col_idx_d.flat<int32_t>().data(),
-                                      values_d.flat<T>().data(), stream));
-      const T* bd = b_ptr;
+      TFSS_CUDA_OK(ctx, FillCsrGpu<CT>(a_ptr, a_rows, a_cols, mm_.ta, sparse_rows_d,
+                                       rs, row_ptr, col_idx_d.flat<int32_t>().data(),
+                                       AsCuda(values_d.flat<T>().data()), stream));
+      const CT* bd = b_ptr;
       if (mm_.tb) {  // op(b) = b^T materialised once, row-major [k, n]
         OP_REQUIRES_OK(ctx, ctx->allocate_temp(dt, tf::TensorShape({k, n}), &bt_d));
-        TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<T>(b_ptr, b_rows, b_cols, true,
-                                                nullptr, k, nullptr, n,
-                                                bt_d.flat<T>().data(), stream));
-        bd = bt_d.flat<T>().data();
+        TFSS_CUDA_OK(ctx, GatherSubmatrixGpu<CT>(b_ptr, b_rows, b_cols, true,
+                                                 nullptr, k, nullptr, n,
+                                                 AsCuda(bt_d.flat<T>().data()), stream));
+        bd = AsCuda(bt_d.flat<T>().data());
       }
-      GpuCsr<T> csr;
+      GpuCsr<CT> csr;
       csr.row_ptr = row_ptr;
       csr.col_idx = col_idx_d.flat<int32_t>().data();
-      csr.values = values_d.flat<T>().data();
+      csr.values = AsCuda(values_d.flat<T>().data());
       csr.n_rows = rs;
       csr.n_cols = k;
       csr.nnz = nnz_sparse;
-      TFSS_CUDA_OK(ctx, CsrSpmmGpu<T>(csr, sparse_rows_d, bd, n, n,
-                                      out->flat<T>().data(), n, stream));
+      TFSS_CUDA_OK(ctx, CsrSpmmGpu<CT>(csr, sparse_rows_d, bd, n, n,
+                                       AsCuda(out->flat<T>().data()), n, stream));
     }
     TFSS_CUDA_OK(ctx, cudaEventRecord(timing->s1.ev, stream));
     timing->shape = call.shape();
@@ -616,6 +632,8 @@ class SparseSplitMatMulGpuOp : public tf::OpKernel {
                           SparseSplitMatMulGpuOp<T>);
 TFSS_REGISTER_GPU(float)
 TFSS_REGISTER_GPU(double)
+TFSS_REGISTER_GPU(Eigen::bfloat16)
+TFSS_REGISTER_GPU(Eigen::half)
 #undef TFSS_REGISTER_GPU
 #undef TFSS_CUDA_OK
 

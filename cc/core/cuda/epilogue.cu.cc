@@ -3,6 +3,8 @@
 
 #include "epilogue_cuda.h"
 
+#include "element_cuda.cuh"
+
 #include <climits>
 #include <cstdint>
 
@@ -14,19 +16,24 @@ constexpr int64_t kMaxGridY = 65535;
 
 // Grid: x over column blocks of kThreads, y over rows (grid-strided); each
 // thread handles one column of each of its rows, so bias[j] is loaded once
-// per row by one thread (coalesced, read-only cache).
+// per row by one thread (coalesced, read-only cache). The arithmetic is in
+// Acc<T> (float32 for float and the 16-bit types, which are widened, added
+// and rounded once, round-to-nearest-even, as TF's Eigen::bfloat16 /
+// Eigen::half operators do); relu/relu6 commute with that rounding.
 template <typename T, int kAct, bool kBias>
 __global__ void BiasActivationKernel(T* __restrict__ c, int64_t m, int64_t n,
                                      int64_t ldc, const T* __restrict__ bias) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (j >= n) return;
-  const T b = kBias ? __ldg(bias + j) : T(0);
+  typedef cuda_elem::Elem<T> E;
+  typedef typename E::Acc A;
+  const A b = kBias ? E::ToAcc(E::Ld(bias + j)) : A(0);
   for (int64_t i = blockIdx.y; i < m; i += gridDim.y) {
-    T v = c[i * ldc + j];
+    A v = E::ToAcc(c[i * ldc + j]);
     if (kBias) v += b;
-    if (kAct >= 1) v = v < T(0) ? T(0) : v;
-    if (kAct == 2) v = v > T(6) ? T(6) : v;
-    c[i * ldc + j] = v;
+    if (kAct >= 1) v = v < A(0) ? A(0) : v;  // NaN stays NaN
+    if (kAct == 2) v = v > A(6) ? A(6) : v;
+    c[i * ldc + j] = E::FromAcc(v);
   }
 }
 
@@ -64,6 +71,11 @@ template cudaError_t BiasActivationGpu<float>(float*, int64_t, int64_t, int64_t,
                                               const float*, int, cudaStream_t);
 template cudaError_t BiasActivationGpu<double>(double*, int64_t, int64_t, int64_t,
                                                const double*, int, cudaStream_t);
+template cudaError_t BiasActivationGpu<__half>(__half*, int64_t, int64_t, int64_t,
+                                               const __half*, int, cudaStream_t);
+template cudaError_t BiasActivationGpu<__nv_bfloat16>(__nv_bfloat16*, int64_t, int64_t,
+                                                      int64_t, const __nv_bfloat16*, int,
+                                                      cudaStream_t);
 
 }  // namespace tf_sparse_split
 

@@ -6,9 +6,11 @@
 // vector [n] or null. `act` is the value of tf_sparse_split::Activation
 // (0 none, 1 relu, 2 relu6), with the same element values as the CPU loop
 // (NaN stays NaN). Enqueued on `stream`; returns cudaErrorInvalidValue for
-// bad sizes or an unknown activation, else the launch status. Nothing is
-// launched when there is nothing to do (an empty matrix, or no bias and no
-// activation). Deterministic: element-wise.
+// bad sizes or an unknown activation, else the launch status. Instantiated
+// for float, double, __half and __nv_bfloat16; the 16-bit values are widened
+// to float32, added and activated there, and rounded once to T (round-to-
+// nearest-even). Nothing is launched when there is nothing to do (an empty
+// matrix, or no bias and no activation). Deterministic: element-wise.
 //
 // Build: epilogue.cu.cc is compiled by nvcc (`-x cu`); this header may be
 // included from plain C++.
@@ -17,6 +19,8 @@
 
 #include <cstdint>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 namespace tf_sparse_split {

@@ -6,11 +6,15 @@
 // The whole translation unit is wrapped so that a plain C++ compiler that
 // picks the file up through a *.cc glob sees an empty unit: the body is
 // compiled only by nvcc (`-x cu`, which defines __CUDACC__), and not when a
-// build says GOOGLE_CUDA=0 explicitly. Explicit instantiations for float and
-// double are at the end of the file.
+// build says GOOGLE_CUDA=0 explicitly. Explicit instantiations for float,
+// double, __half and __nv_bfloat16 are at the end of the file; the 16-bit
+// types are storage only (element_cuda.cuh): products accumulate in float32
+// and each output is rounded once to T, round-to-nearest-even.
 #if defined(__CUDACC__) && (!defined(GOOGLE_CUDA) || GOOGLE_CUDA)
 
 #include "sparse_matmul_cuda.h"
+
+#include "element_cuda.cuh"
 
 #include <climits>
 #include <cstddef>
@@ -50,40 +54,12 @@ inline bool Aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
-// --- Vector loads through the read-only cache (16 bytes when V > 1). -------
-__device__ __forceinline__ void LoadRO(const float* p, float (&o)[1]) { o[0] = __ldg(p); }
-__device__ __forceinline__ void LoadRO(const double* p, double (&o)[1]) { o[0] = __ldg(p); }
-__device__ __forceinline__ void LoadRO(const float* p, float (&o)[4]) {
-  const float4 q = __ldg(reinterpret_cast<const float4*>(p));
-  o[0] = q.x; o[1] = q.y; o[2] = q.z; o[3] = q.w;
-}
-__device__ __forceinline__ void LoadRO(const double* p, double (&o)[2]) {
-  const double2 q = __ldg(reinterpret_cast<const double2*>(p));
-  o[0] = q.x; o[1] = q.y;
-}
-// Plain (coherent) loads and stores of the output, for accumulate mode.
-__device__ __forceinline__ void Load(const float* p, float (&o)[1]) { o[0] = *p; }
-__device__ __forceinline__ void Load(const double* p, double (&o)[1]) { o[0] = *p; }
-__device__ __forceinline__ void Load(const float* p, float (&o)[4]) {
-  const float4 q = *reinterpret_cast<const float4*>(p);
-  o[0] = q.x; o[1] = q.y; o[2] = q.z; o[3] = q.w;
-}
-__device__ __forceinline__ void Load(const double* p, double (&o)[2]) {
-  const double2 q = *reinterpret_cast<const double2*>(p);
-  o[0] = q.x; o[1] = q.y;
-}
-__device__ __forceinline__ void Store(float* p, const float (&v)[1]) { *p = v[0]; }
-__device__ __forceinline__ void Store(double* p, const double (&v)[1]) { *p = v[0]; }
-__device__ __forceinline__ void Store(float* p, const float (&v)[4]) {
-  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-}
-__device__ __forceinline__ void Store(double* p, const double (&v)[2]) {
-  *reinterpret_cast<double2*>(p) = make_double2(v[0], v[1]);
-}
-
-// Elements of T in 16 bytes.
-template <typename T>
-constexpr int kVec16 = static_cast<int>(16 / sizeof(T));
+using cuda_elem::Acc;
+using cuda_elem::Elem;
+using cuda_elem::kVec16;
+using cuda_elem::Load;
+using cuda_elem::LoadRO;
+using cuda_elem::Store;
 
 // ===========================================================================
 // CountNonzeros: one pass over the physical [P, Q] matrix. A block is 8 warps
@@ -119,12 +95,12 @@ __global__ void __launch_bounds__(kWarp * kCountWarps, 2)
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int64_t r = r0 + wy + kCountWarps * (t0 + u);
-          v[u] = (col_ok && r < P) ? __ldg(a + r * Q + col) : T(0);
+          v[u] = (col_ok && r < P) ? Elem<T>::Ld(a + r * Q + col) : Elem<T>::Zero();
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int64_t r = r0 + wy + kCountWarps * (t0 + u);
-          const bool nz = v[u] != T(0);  // NaN != 0 is true: counted
+          const bool nz = Elem<T>::Nonzero(v[u]);  // NaN, Inf: counted
           const unsigned bal = __ballot_sync(kFullMask, nz);
           col_count += nz ? 1u : 0u;
           if (lane == 0 && bal != 0u && r < P) {
@@ -191,12 +167,12 @@ __global__ void __launch_bounds__(kWarp * kFillWarps)
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int64_t c = c0 + u * kWarp + lane;
-        v[u] = c < k ? __ldg(src + c) : T(0);
+        v[u] = c < k ? Elem<T>::Ld(src + c) : Elem<T>::Zero();
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int64_t c = c0 + u * kWarp + lane;
-        const bool nz = v[u] != T(0);
+        const bool nz = Elem<T>::Nonzero(v[u]);
         const unsigned bal = __ballot_sync(kFullMask, nz);
         if (nz) {
           const int64_t pos = dst + __popc(bal & lower);
@@ -255,7 +231,8 @@ __global__ void __launch_bounds__(kWarp * kFillTWarps)
         for (int u = 0; u < 4; ++u) {
           const int cc = cc0 + u * kFillTWarps;
           const int64_t c = c0 + cc;
-          v[u] = (cc < kCols && c < k && i_load >= 0) ? __ldg(a + c * m + i_load) : T(0);
+          v[u] = (cc < kCols && c < k && i_load >= 0) ? Elem<T>::Ld(a + c * m + i_load)
+                                                      : Elem<T>::Zero();
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -273,7 +250,7 @@ __global__ void __launch_bounds__(kWarp * kFillTWarps)
         for (int ch = 0; ch < kFillTChunks<T>; ++ch) {
           const int cc = ch * kWarp + lane;
           const T v = slab[cc][rr];  // zero beyond k (padded on load)
-          const bool nz = v != T(0);
+          const bool nz = Elem<T>::Nonzero(v);
           const unsigned bal = __ballot_sync(kFullMask, nz);
           if (nz) {
             const int64_t pos = dst[q] + __popc(bal & lower);
@@ -314,7 +291,7 @@ __global__ void __launch_bounds__(kWarp * 8)
           if (r < n_rows && c < n_cols) {
             const int64_t sr = rows != nullptr ? rows[r] : r;
             const int64_t sc = cols != nullptr ? cols[c] : c;
-            out[r * n_cols + c] = __ldg(a + sr * lda + sc);
+            out[r * n_cols + c] = Elem<T>::Ld(a + sr * lda + sc);
           }
         }
       } else {
@@ -324,7 +301,7 @@ __global__ void __launch_bounds__(kWarp * 8)
           if (r < n_rows && c < n_cols) {
             const int64_t sr = rows != nullptr ? rows[r] : r;
             const int64_t sc = cols != nullptr ? cols[c] : c;
-            tile[dy][tx] = __ldg(a + sc * lda + sr);
+            tile[dy][tx] = Elem<T>::Ld(a + sc * lda + sr);
           }
         }
         __syncthreads();
@@ -349,7 +326,7 @@ __global__ void ScatterRowsKernel(const T* __restrict__ src,
     T* dst = c + out_rows[r] * ldc;
     for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
          j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      dst[j] = src != nullptr ? src[r * n + j] : T(0);
+      dst[j] = src != nullptr ? src[r * n + j] : Elem<T>::Zero();
     }
   }
 }
@@ -371,6 +348,7 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
                                const int64_t* __restrict__ b_rows,
                                const T* __restrict__ b, int64_t n, int64_t ldb,
                                T* __restrict__ c, int64_t ldc) {
+  typedef Acc<T> A;  // float32 for float and the 16-bit types
   const int lane = threadIdx.x & (kWarp - 1);
   const int warp = threadIdx.x / kWarp;
   constexpr int64_t kStrip = static_cast<int64_t>(kWarp) * V;
@@ -383,23 +361,23 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
     for (int64_t s = blockIdx.y; s < n_strips; s += gridDim.y) {
       const int64_t col = s * kStrip + static_cast<int64_t>(lane) * V;
       const bool active = col < n;  // V divides n on the vector path
-      T acc[V];
+      A acc[V];
 #pragma unroll
-      for (int v = 0; v < V; ++v) acc[v] = T(0);
+      for (int v = 0; v < V; ++v) acc[v] = A(0);
       for (int64_t p0 = beg; p0 < end; p0 += kWarp) {
         const int cnt = static_cast<int>(end - p0 < kWarp ? end - p0 : kWarp);
         int64_t my_off = 0;
-        T my_val = T(0);
+        A my_val = A(0);
         if (lane < cnt) {
           const int64_t j = static_cast<int64_t>(idx[p0 + lane]);
           my_off = (b_rows != nullptr ? b_rows[j] : j) * ldb;
-          my_val = val[p0 + lane];
+          my_val = Elem<T>::ToAcc(val[p0 + lane]);
         }
         int t = 0;
         for (; t + 4 <= cnt; t += 4) {  // cnt is warp-uniform
           int64_t off[4];
-          T w[4];
-          T bv[4][V];
+          A w[4];
+          A bv[4][V];
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             off[u] = __shfl_sync(kFullMask, my_off, t + u);
@@ -417,9 +395,9 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
         }
         for (; t < cnt; ++t) {
           const int64_t off = __shfl_sync(kFullMask, my_off, t);
-          const T w = __shfl_sync(kFullMask, my_val, t);
+          const A w = __shfl_sync(kFullMask, my_val, t);
           if (active) {
-            T bv[V];
+            A bv[V];
             LoadRO(b + off + col, bv);
 #pragma unroll
             for (int v = 0; v < V; ++v) acc[v] = fma(w, bv[v], acc[v]);
@@ -429,7 +407,7 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
       if (active) {
         T* dst = c + crow * ldc + col;
         if (kAccumulate) {
-          T old[V];
+          A old[V];
           Load(dst, old);
 #pragma unroll
           for (int v = 0; v < V; ++v) acc[v] = old[v] + acc[v];
@@ -459,6 +437,7 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
                                      const int64_t* __restrict__ b_rows,
                                      const T* __restrict__ b, int64_t n, int64_t ldb,
                                      T* __restrict__ c, int64_t ldc) {
+  typedef Acc<T> A;
   constexpr int L = kWarp / P;    // lanes per group
   constexpr int C = kVec16<T>;    // columns per lane
   const int lane = threadIdx.x & (kWarp - 1);
@@ -474,22 +453,22 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
     const int64_t beg = ptr[row];
     const int64_t end = ptr[row + 1];
     const int64_t crow = out_rows != nullptr ? out_rows[row] : row;
-    T acc[C];
+    A acc[C];
 #pragma unroll
-    for (int v = 0; v < C; ++v) acc[v] = T(0);
+    for (int v = 0; v < C; ++v) acc[v] = A(0);
     for (int64_t p0 = beg; p0 < end; p0 += kWarp) {
       const int cnt = static_cast<int>(end - p0 < kWarp ? end - p0 : kWarp);
       int64_t my_off = 0;
-      T my_val = T(0);
+      A my_val = A(0);
       if (lane < cnt) {
         const int64_t j = static_cast<int64_t>(idx[p0 + lane]);
         my_off = (b_rows != nullptr ? b_rows[j] : j) * ldb;
-        my_val = val[p0 + lane];
+        my_val = Elem<T>::ToAcc(val[p0 + lane]);
       }
       // Step s: group g handles nonzero t = s * P + g (two steps in flight).
       for (int t0 = 0; t0 < cnt; t0 += 2 * P) {  // warp-uniform
         int64_t off[2];
-        T w[2];
+        A w[2];
         bool ok[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
@@ -498,7 +477,7 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
           w[u] = __shfl_sync(kFullMask, my_val, t & (kWarp - 1));
           ok[u] = t < cnt;
         }
-        T bv[2][C];
+        A bv[2][C];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           if (kVecLoad) {
@@ -506,12 +485,14 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
               LoadRO(b + off[u] + col_of(0), bv[u]);
             } else {
 #pragma unroll
-              for (int v = 0; v < C; ++v) bv[u][v] = T(0);
+              for (int v = 0; v < C; ++v) bv[u][v] = A(0);
             }
           } else {
 #pragma unroll
             for (int v = 0; v < C; ++v) {
-              bv[u][v] = (ok[u] && col_of(v) < n) ? __ldg(b + off[u] + col_of(v)) : T(0);
+              bv[u][v] = (ok[u] && col_of(v) < n)
+                             ? Elem<T>::ToAcc(Elem<T>::Ld(b + off[u] + col_of(v)))
+                             : A(0);
             }
           }
         }
@@ -535,7 +516,7 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
       if (kVecLoad) {
         if (col_of(0) < n) {
           if (kAccumulate) {
-            T old[C];
+            A old[C];
             Load(dst + col_of(0), old);
 #pragma unroll
             for (int v = 0; v < C; ++v) acc[v] = old[v] + acc[v];
@@ -546,7 +527,9 @@ __global__ void __launch_bounds__(kWarp * kSpmmWarps, 4)
 #pragma unroll
         for (int v = 0; v < C; ++v) {
           const int64_t col = col_of(v);
-          if (col < n) dst[col] = kAccumulate ? dst[col] + acc[v] : acc[v];
+          if (col < n) {
+            dst[col] = Elem<T>::FromAcc(kAccumulate ? Elem<T>::ToAcc(dst[col]) + acc[v] : acc[v]);
+          }
         }
       }
     }
@@ -740,6 +723,7 @@ __global__ void __launch_bounds__(kWarp * kSddmmWarps)
     SddmmWarpDotKernel(const T* __restrict__ mask, const T* __restrict__ x,
                        const T* __restrict__ y, int64_t m, int64_t k, int64_t n,
                        T* __restrict__ out) {
+  typedef Acc<T> A;
   const int lane = threadIdx.x & (kWarp - 1);
   const int warp = threadIdx.x / kWarp;
   const int64_t tiles_per_row = (k + kWarp - 1) / kWarp;
@@ -749,19 +733,19 @@ __global__ void __launch_bounds__(kWarp * kSddmmWarps)
     const int64_t i = g / tiles_per_row;
     const int64_t j0 = (g - i * tiles_per_row) * kWarp;
     const int64_t j = j0 + lane;
-    const bool live = j < k && __ldg(mask + i * k + j) != T(0);
+    const bool live = j < k && Elem<T>::Nonzero(Elem<T>::Ld(mask + i * k + j));
     unsigned bal = __ballot_sync(kFullMask, live);
     const T* xi = x + i * n;
-    T res = T(0);
+    A res = A(0);
     while (bal != 0u) {  // warp-uniform
       const int src = __ffs(bal) - 1;
       bal &= bal - 1u;
       const T* yj = y + (j0 + src) * n;
-      T part = T(0);
+      A part = A(0);
       constexpr int G = kVec16<T>;
       for (int64_t t = static_cast<int64_t>(lane) * G; t < n; t += static_cast<int64_t>(kWarp) * G) {
         if (kVecLoad) {
-          T xv[G], yv[G];
+          A xv[G], yv[G];
           LoadRO(xi + t, xv);
           LoadRO(yj + t, yv);
 #pragma unroll
@@ -769,7 +753,10 @@ __global__ void __launch_bounds__(kWarp * kSddmmWarps)
         } else {
 #pragma unroll
           for (int v = 0; v < G; ++v) {
-            if (t + v < n) part = fma(__ldg(xi + t + v), __ldg(yj + t + v), part);
+            if (t + v < n) {
+              part = fma(Elem<T>::ToAcc(Elem<T>::Ld(xi + t + v)),
+                         Elem<T>::ToAcc(Elem<T>::Ld(yj + t + v)), part);
+            }
           }
         }
       }
@@ -779,7 +766,7 @@ __global__ void __launch_bounds__(kWarp * kSddmmWarps)
       }
       if (lane == src) res = part;
     }
-    if (j < k) out[i * k + j] = res;
+    if (j < k) out[i * k + j] = Elem<T>::FromAcc(res);
   }
 }
 
@@ -790,6 +777,7 @@ __global__ void __launch_bounds__(kWarp * kSddmmWarps)
     SddmmLaneDotKernel(const T* __restrict__ mask, const T* __restrict__ x,
                        const T* __restrict__ y, int64_t m, int64_t k, int64_t n,
                        T* __restrict__ out) {
+  typedef Acc<T> A;
   const int lane = threadIdx.x & (kWarp - 1);
   const int warp = threadIdx.x / kWarp;
   const int64_t tiles_per_row = (k + kWarp - 1) / kWarp;
@@ -799,13 +787,15 @@ __global__ void __launch_bounds__(kWarp * kSddmmWarps)
     const int64_t i = g / tiles_per_row;
     const int64_t j = (g - i * tiles_per_row) * kWarp + lane;
     if (j >= k) continue;
-    T res = T(0);
-    if (__ldg(mask + i * k + j) != T(0)) {
+    A res = A(0);
+    if (Elem<T>::Nonzero(Elem<T>::Ld(mask + i * k + j))) {
       const T* xi = x + i * n;
       const T* yj = y + j * n;
-      for (int64_t t = 0; t < n; ++t) res = fma(__ldg(xi + t), __ldg(yj + t), res);
+      for (int64_t t = 0; t < n; ++t) {
+        res = fma(Elem<T>::ToAcc(Elem<T>::Ld(xi + t)), Elem<T>::ToAcc(Elem<T>::Ld(yj + t)), res);
+      }
     }
-    out[i * k + j] = res;
+    out[i * k + j] = Elem<T>::FromAcc(res);
   }
 }
 
@@ -1139,6 +1129,8 @@ cudaError_t SddmmGpu(const T* mask, const T* x, const T* y, int64_t m, int64_t k
 
 TFSS_INSTANTIATE(float)
 TFSS_INSTANTIATE(double)
+TFSS_INSTANTIATE(__half)
+TFSS_INSTANTIATE(__nv_bfloat16)
 
 #undef TFSS_INSTANTIATE
 #undef TFSS_RETURN_LAUNCH_ERROR

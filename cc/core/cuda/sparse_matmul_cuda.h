@@ -23,6 +23,20 @@
 // row-major [k, m] matrix a read transposed (transpose_a = true); "row i"
 // means row i of op(a). All dense matrices are row-major.
 //
+// Element types: every template below is instantiated for float, double,
+// __half (IEEE binary16, <cuda_fp16.h>) and __nv_bfloat16 (<cuda_bf16.h>).
+// The 16-bit types are storage only, as in the CPU kernels
+// (../low_precision.h): products are accumulated in float32 (float64 for
+// double) and each output element is rounded once to T, round-to-nearest-
+// even (overflow gives +-Inf, NaN stays NaN); copies (CSR values, gathers,
+// scatters, the CSC) move the stored bits unchanged. A 16-bit zero test is
+// on the bits ((bits & 0x7fff) != 0: +-0 is zero, NaN and Inf are not). The
+// only second rounding is the accumulate mode of the SpMM^T, which adds a
+// rounded sum to the stored (already rounded) dw. TensorFlow's
+// Eigen::bfloat16 / Eigen::half have the same 16-bit layouts, so a TF
+// kernel passes their data reinterpreted (static_asserts in
+// cc/kernels/sparse_split_matmul_kernels_gpu.cc).
+//
 // Semantics shared by every kernel here:
 //  * NaN and Inf count as nonzero (x != 0 is true for them) and propagate as
 //    in a dense product. Where the activation is exactly zero the product is
@@ -30,7 +44,7 @@
 //    tf.sparse); this is the one documented difference from a dense GEMM.
 //  * Deterministic: every output element is accumulated in a fixed order
 //    (ascending k for SpMM, ascending CSR row for SpMM^T -- for small n
-//    (<= 64 float / 32 double) in P interleaved partial sums combined by a
+//    (<= 64 float / 32 double / 128 16-bit) in P interleaved partial sums combined by a
 //    fixed butterfly, P chosen from n --, a fixed lane-strided order plus a
 //    fixed butterfly tree for SDDMM), so the same inputs give the same bits
 //    on every run. The order depends on the sizes
@@ -51,6 +65,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 namespace tf_sparse_split {
@@ -181,8 +197,9 @@ cudaError_t ZeroRowsGpu(const int64_t* out_rows, int64_t n_rows, int64_t n,
 // (overwrite; other rows of c untouched; out_rows == nullptr means row r).
 //   b: device, dense row-major [csr.n_cols, n], leading dimension ldb >= n.
 //   c: device, row-major, leading dimension ldc >= n.
-// Design: one warp per (CSR row, 32*V-column strip of c), V = 4 floats or 2
-// doubles (16-byte loads) when n, ldb, ldc and the pointers allow it, else
+// Design: one warp per (CSR row, 32*V-column strip of c), V = 4 floats, 2
+// doubles or 8 16-bit values (16-byte loads) when n, ldb, ldc and the
+// pointers allow it, else
 // V = 1. The warp loads 32 (index, value) pairs at a time and broadcasts
 // them with shuffles; each lane streams the matching rows of b through the
 // read-only cache, four loads in flight, into register accumulators. Sum
