@@ -248,7 +248,8 @@ fi
 # Link the harness from the objects just built (both targets embedded).
 if [[ ${failed} == 0 ]]; then
   link=("${TFSS_NVCC}" "${gencode[@]}" "${tmp}/cc_tests_cuda_harness.cu.cc.o"
-        "${tmp}/cc_core_cuda_sparse_matmul.cu.cc.o" -o "${tmp}/tfss_cuda_harness"
+        "${tmp}/cc_core_cuda_sparse_matmul.cu.cc.o" "${tmp}/cc_core_cuda_epilogue.cu.cc.o"
+        -o "${tmp}/tfss_cuda_harness"
         "${TFSS_CUBLAS_LDFLAGS[@]}")
   echo "+ ${link[*]}"
   if ! "${link[@]}"; then

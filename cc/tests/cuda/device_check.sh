@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot device check for a machine with an NVIDIA GPU (written for an
 # H200, sm_90; about 3-8 minutes): builds the standalone CUDA harness once,
-# runs its tests (every kernel vs a CPU float64 reference), then its
+# runs its tests (every kernel in float32, float64, bfloat16 and float16 vs
+# a CPU float64 reference, the epilogue, and the cuBLAS + CSR split), then its
 # benchmark (SpMM, SpMM^T, SDDMM and the transposed CSR fill vs cuBLAS SGEMM
 # with FP32 math and with TF32 tensor cores, at 0/50/90/99/100% sparsity;
 # achieved bandwidth vs a device-to-device memcpy), then -- only where a CUDA
@@ -68,7 +69,7 @@ tfss.load_library()
 PYEOF
 then
   (cd "${root}" && timeout 240 "${py}" -m pytest -q -rs tests/test_heterogeneous.py \
-     -k "gpu or GPU" 2>&1) | tee "${logs}/pytest_gpu.log"
+     tests/test_gpu_low_precision.py -k "gpu or GPU" 2>&1) | tee "${logs}/pytest_gpu.log"
   rc=${PIPESTATUS[0]}
   if [[ ${rc} != 0 ]]; then
     status=1

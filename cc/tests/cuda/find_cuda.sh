@@ -100,8 +100,9 @@ tfss_find_cublas() {
   return 1
 }
 
-# Builds the harness into $1/tfss_cuda_harness from the two sources, with the
-# -gencode flags given after $1. Needs tfss_find_nvcc and tfss_find_cublas
+# Builds the harness into $1/tfss_cuda_harness from its source and the
+# kernels it tests (cc/core/cuda/sparse_matmul.cu.cc, epilogue.cu.cc), with
+# the -gencode flags given after $1. Needs tfss_find_nvcc and tfss_find_cublas
 # first; without cuBLAS it builds with -DTFSS_HARNESS_NO_CUBLAS (no baseline).
 # Prints each command. Returns nonzero on a failed compile or link.
 tfss_build_harness() {
@@ -115,15 +116,20 @@ tfss_build_harness() {
             -o "${out}/sparse_matmul.o")
   local c2=("${TFSS_NVCC}" "${common[@]}" "${TFSS_CUBLAS_CFLAGS[@]}" "${defs[@]}" -x cu -c
             "${root}/cc/tests/cuda/harness.cu.cc" -o "${out}/harness.o")
-  local c3=("${TFSS_NVCC}" "$@" "${out}/harness.o" "${out}/sparse_matmul.o"
+  local c4=("${TFSS_NVCC}" "${common[@]}" -x cu -c "${root}/cc/core/cuda/epilogue.cu.cc"
+            -o "${out}/epilogue.o")
+  local c3=("${TFSS_NVCC}" "$@" "${out}/harness.o" "${out}/sparse_matmul.o" "${out}/epilogue.o"
             -o "${out}/tfss_cuda_harness" "${TFSS_CUBLAS_LDFLAGS[@]}")
   echo "+ ${c1[*]}"
   echo "+ ${c2[*]}"
+  echo "+ ${c4[*]}"
   "${c1[@]}" & local p1=$!
   "${c2[@]}" & local p2=$!
+  "${c4[@]}" & local p4=$!
   local rc=0
   wait "${p1}" || rc=1
   wait "${p2}" || rc=1
+  wait "${p4}" || rc=1
   [[ ${rc} == 0 ]] || return 1
   echo "+ ${c3[*]}"
   "${c3[@]}"

@@ -6,13 +6,26 @@
 // systems", NTU 2017.
 //
 // Part 1 (tests): for each shape m x k x n and sparsity, fresh random inputs
-// with real zeros; every kernel is compared with a CPU float64 reference.
-// Structural outputs (counts, CSR, CSC, gathers, untouched rows) must match
-// exactly; numeric outputs must satisfy the normwise relative error
+// with real zeros, in float32, float64, bfloat16 (__nv_bfloat16) and float16
+// (__half); every kernel is compared with a CPU float64 reference computed
+// from the stored values. Structural outputs (counts, CSR, CSC, gathers,
+// untouched rows) must match exactly; numeric outputs must satisfy, for
+// float32 / float64, the normwise relative error
 //     err = max|got - ref| / max|ref|  <= 1e-5 (float), 1e-12 (double)
-// (and be exactly 0 where the reference output is all zero). NaN in the
-// activation must give NaN exactly where the reference does. One PASS/FAIL
-// line per case; the exit status is nonzero if any case fails.
+// (and be exactly 0 where the reference output is all zero), and for the
+// 16-bit types (stored in T, accumulated in float32, rounded once) the
+// elementwise bound of tests/test_low_precision_matmul.py
+//     |got - ref| <= eps_T |ref| + (eps_T + 4 K eps_f32) (|x| . |y|)
+// (eps_T = 2^-7 bfloat16, 2^-10 half; K the length of each sum; |x| . |y|
+// the same sum of absolute products; so an output whose reference is 0 with
+// no nonzero term must be exactly 0). NaN in the activation must give NaN
+// exactly where the reference does. The bias + activation epilogue must
+// give the host's bits exactly, and the split (dense rows gathered with
+// their live columns through cuBLAS cublasGemmEx -- CUBLAS_COMPUTE_32F for
+// float32 and the 16-bit types, 64F for float64 -- scattered back, sparse
+// rows through the CSR SpMM, then the epilogue) must meet the same bounds
+// against the float64 act(A B + bias). One PASS/FAIL line per case; the
+// exit status is nonzero if any case fails.
 //
 // Part 2 (benchmark): CSR SpMM, SpMM^T (CSC build included), SDDMM and the
 // transposed CSR fill against the dense cuBLAS SGEMM of the same shape with
@@ -26,8 +39,11 @@
 // (including a GPU the runtime cannot use, e.g. a driver older than the
 // runtime), 77 only when the runtime reports no CUDA device at all.
 
+#include "../../core/cuda/epilogue_cuda.h"
 #include "../../core/cuda/sparse_matmul_cuda.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #ifndef TFSS_HARNESS_NO_CUBLAS
@@ -117,6 +133,41 @@ struct DevBytes {
   }
 };
 
+// Host-side conversions of the element types (the 16-bit ones through the
+// CUDA headers' host conversions: round-to-nearest-even, exact widening).
+template <typename T>
+struct HostElem {  // float, double
+  static double ToD(T x) { return static_cast<double>(x); }
+  static T FromD(double d) { return static_cast<T>(d); }
+  static bool Nonzero(T x) { return x != T(0); }
+  static constexpr bool kLow = false;
+  static constexpr double kEps = 0.0;  // unused: normwise tolerance
+};
+template <>
+struct HostElem<__half> {
+  static double ToD(__half x) { return static_cast<double>(__half2float(x)); }
+  static __half FromD(double d) { return __float2half_rn(static_cast<float>(d)); }
+  static bool Nonzero(__half x) { return (__half_as_ushort(x) & 0x7fffu) != 0u; }
+  static constexpr bool kLow = true;
+  static constexpr double kEps = 0.0009765625;  // 2^-10
+};
+template <>
+struct HostElem<__nv_bfloat16> {
+  static double ToD(__nv_bfloat16 x) { return static_cast<double>(__bfloat162float(x)); }
+  static __nv_bfloat16 FromD(double d) { return __float2bfloat16_rn(static_cast<float>(d)); }
+  static bool Nonzero(__nv_bfloat16 x) { return (__bfloat16_as_ushort(x) & 0x7fffu) != 0u; }
+  static constexpr bool kLow = true;
+  static constexpr double kEps = 0.0078125;  // 2^-7
+};
+template <typename T>
+double ToD(T x) { return HostElem<T>::ToD(x); }
+template <typename T>
+T FromD(double d) { return HostElem<T>::FromD(d); }
+template <typename T>
+bool Nz(T x) { return HostElem<T>::Nonzero(x); }
+template <typename T>
+bool SameBits1(const T& a, const T& b) { return std::memcmp(&a, &b, sizeof(T)) == 0; }
+
 // splitmix64: fast, reproducible, good enough for test data.
 struct Rng {
   uint64_t s;
@@ -159,6 +210,10 @@ template <>
 const char* TypeName<float>() { return "float32"; }
 template <>
 const char* TypeName<double>() { return "float64"; }
+template <>
+const char* TypeName<__nv_bfloat16>() { return "bfloat16"; }
+template <>
+const char* TypeName<__half>() { return "float16"; }
 
 template <typename T>
 double Tolerance();
@@ -166,6 +221,21 @@ template <>
 double Tolerance<float>() { return 1e-5; }
 template <>
 double Tolerance<double>() { return 1e-12; }
+// The 16-bit types use the elementwise bound (CompareNumeric); this is its
+// eps_T, printed in the case line.
+template <>
+double Tolerance<__nv_bfloat16>() { return HostElem<__nv_bfloat16>::kEps; }
+template <>
+double Tolerance<__half>() { return HostElem<__half>::kEps; }
+
+constexpr double kEpsF32 = 1.1920928955078125e-07;  // 2^-23
+
+// A float64 reference output: values, the matching sums of absolute
+// products (|x| . |y|, for the 16-bit bound) and the length K of each sum.
+struct Ref {
+  std::vector<double> v, mag;
+  int64_t K = 0;
+};
 
 // Records check outcomes of one case.
 struct CaseLog {
@@ -181,19 +251,24 @@ struct CaseLog {
   }
 };
 
-// Normwise comparison of a numeric output against a float64 reference.
-// Elements where the reference is NaN must be NaN; +-Inf must match exactly.
+// Compares a numeric output with a float64 reference: normwise relative
+// error <= tol for float32/float64; for the 16-bit types elementwise
+//   |got - ref| <= eps_T |ref| + (eps_T + 4 K eps_f32) mag
+// (module comment). Elements where the reference is NaN must be NaN; +-Inf
+// must match exactly; a finite reference needs a finite output.
 template <typename T>
-void CompareNumeric(const std::vector<T>& got, const std::vector<double>& ref, double tol,
+void CompareNumeric(const std::vector<T>& got, const Ref& ref, double tol,
                     const std::string& what, CaseLog* log) {
-  if (got.size() != ref.size()) {
+  if (got.size() != ref.v.size() || (HostElem<T>::kLow && ref.mag.size() != ref.v.size())) {
     log->Fail(what + ": size mismatch");
     return;
   }
-  double max_ref = 0.0, max_diff = 0.0;
-  size_t special_bad = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double r = ref[i], g = static_cast<double>(got[i]);
+  const double eps = HostElem<T>::kEps;
+  const double lin = eps + 4.0 * static_cast<double>(std::max<int64_t>(ref.K, 1)) * kEpsF32;
+  double max_ref = 0.0, max_diff = 0.0, worst_excess = 0.0, worst_ratio = 0.0;
+  size_t special_bad = 0, bound_bad = 0;
+  for (size_t i = 0; i < ref.v.size(); ++i) {
+    const double r = ref.v[i], g = ToD(got[i]);
     if (std::isnan(r) || std::isinf(r)) {
       const bool same = std::isnan(r) ? std::isnan(g) : (g == r);
       if (!same) ++special_bad;
@@ -203,13 +278,33 @@ void CompareNumeric(const std::vector<T>& got, const std::vector<double>& ref, d
       ++special_bad;
       continue;
     }
+    const double diff = std::fabs(g - r);
     max_ref = std::max(max_ref, std::fabs(r));
-    max_diff = std::max(max_diff, std::fabs(g - r));
+    max_diff = std::max(max_diff, diff);
+    if (HostElem<T>::kLow) {
+      const double bound = eps * std::fabs(r) + lin * ref.mag[i] + 1e-30;
+      if (!(diff <= bound)) {
+        ++bound_bad;
+        worst_excess = std::max(worst_excess, diff - bound);
+      }
+      worst_ratio = std::max(worst_ratio, diff / bound);
+    }
   }
   char buf[256];
   if (special_bad != 0) {
     std::snprintf(buf, sizeof(buf), "%s: %zu NaN/Inf mismatches", what.c_str(), special_bad);
     log->Fail(buf);
+    return;
+  }
+  if (HostElem<T>::kLow) {
+    // worst_err: the largest share of the bound used (<= 1 passes).
+    log->worst_err = std::max(log->worst_err, worst_ratio);
+    if (bound_bad != 0) {
+      std::snprintf(buf, sizeof(buf), "%s: %zu elements over the bound (worst by %.3e; max "
+                    "|diff| %.3e, max |ref| %.3e)", what.c_str(), bound_bad, worst_excess,
+                    max_diff, max_ref);
+      log->Fail(buf);
+    }
     return;
   }
   if (max_ref == 0.0) {
@@ -252,7 +347,7 @@ HostCsr<T> RefCsr(const std::vector<T>& a, int64_t k, const std::vector<int64_t>
   for (int64_t i : rows) {
     for (int64_t j = 0; j < k; ++j) {
       const T v = a[i * k + j];
-      if (v != T(0)) {
+      if (Nz(v)) {
         c.col_idx.push_back(static_cast<int32_t>(j));
         c.values.push_back(v);
       }
@@ -265,19 +360,28 @@ HostCsr<T> RefCsr(const std::vector<T>& a, int64_t k, const std::vector<int64_t>
 // out[r, :] = sum_j a[rows[r], j] * b[j, :], zeros of a skipped (the
 // documented semantics); b is [k, n].
 template <typename T>
-std::vector<double> RefSpmm(const std::vector<T>& a, const std::vector<T>& b, int64_t k,
-                            int64_t n, const std::vector<int64_t>& rows) {
+Ref RefSpmm(const std::vector<T>& a, const std::vector<T>& b, int64_t k, int64_t n,
+            const std::vector<int64_t>& rows) {
   const int64_t R = static_cast<int64_t>(rows.size());
-  std::vector<double> out(static_cast<size_t>(R * n), 0.0);
+  Ref out;
+  out.K = k;
+  out.v.assign(static_cast<size_t>(R * n), 0.0);
+  out.mag.assign(static_cast<size_t>(R * n), 0.0);
   HostParallelFor(R, [&](int64_t r0, int64_t r1) {
+    std::vector<double> bd(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
-      double* o = out.data() + r * n;
+      double* o = out.v.data() + r * n;
+      double* g = out.mag.data() + r * n;
       const int64_t i = rows[r];
       for (int64_t j = 0; j < k; ++j) {
-        const double v = a[i * k + j];
-        if (v == 0.0) continue;
+        if (!Nz(a[i * k + j])) continue;
+        const double v = ToD(a[i * k + j]);
         const T* br = b.data() + j * n;
-        for (int64_t c = 0; c < n; ++c) o[c] += v * static_cast<double>(br[c]);
+        for (int64_t c = 0; c < n; ++c) {
+          const double w = ToD(br[c]);
+          o[c] += v * w;
+          g[c] += std::fabs(v * w);
+        }
       }
     }
   });
@@ -286,17 +390,25 @@ std::vector<double> RefSpmm(const std::vector<T>& a, const std::vector<T>& b, in
 
 // dW[k, n] = sum_{r} a[rows[r], :]^T dy[rows[r], :], zeros of a skipped.
 template <typename T>
-std::vector<double> RefSpmmT(const std::vector<T>& a, const std::vector<T>& dy, int64_t k,
-                             int64_t n, const std::vector<int64_t>& rows) {
-  std::vector<double> out(static_cast<size_t>(k * n), 0.0);
+Ref RefSpmmT(const std::vector<T>& a, const std::vector<T>& dy, int64_t k, int64_t n,
+             const std::vector<int64_t>& rows) {
+  Ref out;
+  out.K = static_cast<int64_t>(rows.size());
+  out.v.assign(static_cast<size_t>(k * n), 0.0);
+  out.mag.assign(static_cast<size_t>(k * n), 0.0);
   HostParallelFor(k, [&](int64_t j0, int64_t j1) {
     for (int64_t i : rows) {
       const T* dyr = dy.data() + i * n;
       for (int64_t j = j0; j < j1; ++j) {
-        const double v = a[i * k + j];
-        if (v == 0.0) continue;
-        double* o = out.data() + j * n;
-        for (int64_t c = 0; c < n; ++c) o[c] += v * static_cast<double>(dyr[c]);
+        if (!Nz(a[i * k + j])) continue;
+        const double v = ToD(a[i * k + j]);
+        double* o = out.v.data() + j * n;
+        double* g = out.mag.data() + j * n;
+        for (int64_t c = 0; c < n; ++c) {
+          const double w = ToD(dyr[c]);
+          o[c] += v * w;
+          g[c] += std::fabs(v * w);
+        }
       }
     }
   });
@@ -305,18 +417,24 @@ std::vector<double> RefSpmmT(const std::vector<T>& a, const std::vector<T>& dy, 
 
 // out[i, j] = mask[i, j] != 0 ? dot(x[i, :], y[j, :]) : 0.
 template <typename T>
-std::vector<double> RefSddmm(const std::vector<T>& mask, const std::vector<T>& x,
-                             const std::vector<T>& y, int64_t m, int64_t k, int64_t n) {
-  std::vector<double> out(static_cast<size_t>(m * k), 0.0);
+Ref RefSddmm(const std::vector<T>& mask, const std::vector<T>& x, const std::vector<T>& y,
+             int64_t m, int64_t k, int64_t n) {
+  Ref out;
+  out.K = n;
+  out.v.assign(static_cast<size_t>(m * k), 0.0);
+  out.mag.assign(static_cast<size_t>(m * k), 0.0);
   HostParallelFor(m, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       for (int64_t j = 0; j < k; ++j) {
-        if (mask[i * k + j] == T(0)) continue;
-        double s = 0.0;
+        if (!Nz(mask[i * k + j])) continue;
+        double s = 0.0, g = 0.0;
         for (int64_t c = 0; c < n; ++c) {
-          s += static_cast<double>(x[i * n + c]) * static_cast<double>(y[j * n + c]);
+          const double p = ToD(x[i * n + c]) * ToD(y[j * n + c]);
+          s += p;
+          g += std::fabs(p);
         }
-        out[i * k + j] = s;
+        out.v[i * k + j] = s;
+        out.mag[i * k + j] = g;
       }
     }
   });
@@ -334,8 +452,20 @@ std::vector<T> Transposed(const std::vector<T>& a, int64_t rows, int64_t cols) {
 template <typename T>
 std::vector<T> RandomSparse(Rng* rng, int64_t count, double sparsity) {
   std::vector<T> v(static_cast<size_t>(count));
-  for (auto& x : v) x = rng->Uniform() < sparsity ? T(0) : static_cast<T>(rng->Value());
+  for (auto& x : v) x = FromD<T>(rng->Uniform() < sparsity ? 0.0 : rng->Value());
   return v;
+}
+
+// The error part of a case line.
+template <typename T>
+std::string ErrText(double worst, double tol) {
+  char buf[96];
+  if (HostElem<T>::kLow) {
+    std::snprintf(buf, sizeof(buf), "worst |err|/bound %.2f (eps_T %.1e, bound <= 1)", worst, tol);
+  } else {
+    std::snprintf(buf, sizeof(buf), "max rel err %.2e (bound %.0e)", worst, tol);
+  }
+  return buf;
 }
 
 // ---------------------------------------------------------------------------
@@ -350,8 +480,8 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
   Rng rng(seed);
   std::vector<T> a = RandomSparse<T>(&rng, m * k, sparsity);
   if (with_nan && m * k > 0) {
-    a[(m / 2) * k + k / 2] = std::numeric_limits<T>::quiet_NaN();
-    if (m * k > 1) a[0] = std::numeric_limits<T>::infinity();
+    a[(m / 2) * k + k / 2] = FromD<T>(std::numeric_limits<double>::quiet_NaN());
+    if (m * k > 1) a[0] = FromD<T>(std::numeric_limits<double>::infinity());
   }
   const std::vector<T> b = RandomSparse<T>(&rng, k * n, 0.0);   // weights [k, n]
   const std::vector<T> dy = RandomSparse<T>(&rng, m * n, 0.0);  // [m, n]
@@ -370,7 +500,7 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
   int64_t ref_total = 0;
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < k; ++j)
-      if (a[i * k + j] != T(0)) ++ref_row[i], ++ref_col[j], ++ref_total;
+      if (Nz(a[i * k + j])) ++ref_row[i], ++ref_col[j], ++ref_total;
 
   std::vector<int64_t> all_rows(m), sub_rows;
   for (int64_t i = 0; i < m; ++i) all_rows[i] = i;
@@ -446,10 +576,10 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
   scsr.n_rows = n_sub;
   scsr.nnz = nnz_sub;
 
-  const T sentinel = T(7.25);
+  const T sentinel = FromD<T>(7.25);
   // 3. CSR SpMM: full (vector path when n allows), padded ldc (scalar path),
   //    subset with untouched rows, determinism.
-  const std::vector<double> ref_c = RefSpmm(a, b, k, n, all_rows);
+  const Ref ref_c = RefSpmm(a, b, k, n, all_rows);
   {
     DevBuf<T> d_c;
     d_c.Upload(std::vector<T>(static_cast<size_t>(m * n), sentinel));
@@ -479,7 +609,7 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     bool pad_ok = true;
     for (int64_t i = 0; i < m; ++i) {
       for (int64_t j = 0; j < n; ++j) cp_valid[i * n + j] = cp[i * ldc + j];
-      pad_ok = pad_ok && cp[i * ldc + n] == sentinel;
+      pad_ok = pad_ok && SameBits1(cp[i * ldc + n], sentinel);
     }
     CompareNumeric(cp_valid, ref_c, tol, "CsrSpmm ldc=n+1", &log);
     log.Expect(pad_ok, "CsrSpmm ldc=n+1 padding untouched");
@@ -502,7 +632,9 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
       bool cq_pad_ok = true;
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t j = 0; j < n; ++j) cq_valid[i * n + j] = cq[i * ldq + j];
-        for (int64_t j = n; j < ldq; ++j) cq_pad_ok = cq_pad_ok && cq[i * ldq + j] == sentinel;
+        for (int64_t j = n; j < ldq; ++j) {
+          cq_pad_ok = cq_pad_ok && SameBits1(cq[i * ldq + j], sentinel);
+        }
       }
       log.Expect(SameBits(cq_valid, c1), "CsrSpmm ldb=n+16B, ldc=n+32B: same bits as packed");
       log.Expect(cq_pad_ok, "CsrSpmm padded ldc: padding untouched");
@@ -514,19 +646,23 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     HCHECK(cudaStreamSynchronize(st));
     const std::vector<T> cs = d_cs.Download();
     std::vector<T> cs_rows(static_cast<size_t>(n_sub * n));
-    std::vector<double> ref_rows(static_cast<size_t>(n_sub * n));
+    Ref ref_rows;
+    ref_rows.K = k;
+    ref_rows.v.resize(static_cast<size_t>(n_sub * n));
+    ref_rows.mag.resize(static_cast<size_t>(n_sub * n));
     std::vector<char> in_sub(static_cast<size_t>(m), 0);
     for (int64_t r = 0; r < n_sub; ++r) {
       in_sub[sub_rows[r]] = 1;
       for (int64_t j = 0; j < n; ++j) {
         cs_rows[r * n + j] = cs[sub_rows[r] * n + j];
-        ref_rows[r * n + j] = ref_c[sub_rows[r] * n + j];
+        ref_rows.v[r * n + j] = ref_c.v[sub_rows[r] * n + j];
+        ref_rows.mag[r * n + j] = ref_c.mag[sub_rows[r] * n + j];
       }
     }
     bool untouched = true;
     for (int64_t i = 0; i < m; ++i)
       if (!in_sub[i])
-        for (int64_t j = 0; j < n; ++j) untouched = untouched && cs[i * n + j] == sentinel;
+        for (int64_t j = 0; j < n; ++j) untouched = untouched && SameBits1(cs[i * n + j], sentinel);
     CompareNumeric(cs_rows, ref_rows, tol, "CsrSpmm(subset rows)", &log);
     log.Expect(untouched, "CsrSpmm(subset) other rows untouched");
   }
@@ -572,7 +708,7 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     std::vector<T> ref_cv;
     for (int64_t j = 0; j < k; ++j) {
       for (int64_t i = 0; i < m; ++i) {
-        if (a[i * k + j] != T(0)) {
+        if (Nz(a[i * k + j])) {
           ref_ri.push_back(static_cast<int32_t>(i));
           ref_cv.push_back(a[i * k + j]);
         }
@@ -595,7 +731,7 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
   // 6. SpMM^T: dW = A^T dY (overwrite), accumulate, subset with dy_rows map,
   //    determinism.
   {
-    const std::vector<double> ref_dw = RefSpmmT(a, dy, k, n, all_rows);
+    const Ref ref_dw = RefSpmmT(a, dy, k, n, all_rows);
     size_t ws = 0;
     HCHECK(CsrSpmmTransposeWorkspaceBytes<T>(m, k, nnz, &ws));
     DevBytes w(ws);
@@ -610,8 +746,11 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     log.Expect(SameBits(d_dw.Download(), dw1), "CsrSpmmTranspose deterministic bits");
 
     const std::vector<T> d0 = RandomSparse<T>(&rng, k * n, 0.0);
-    std::vector<double> ref_acc(ref_dw);
-    for (size_t i = 0; i < ref_acc.size(); ++i) ref_acc[i] += static_cast<double>(d0[i]);
+    Ref ref_acc(ref_dw);
+    for (size_t i = 0; i < ref_acc.v.size(); ++i) {
+      ref_acc.v[i] += ToD(d0[i]);
+      ref_acc.mag[i] += std::fabs(ToD(d0[i]));
+    }
     d_dw.Upload(d0);
     HCHECK(CsrSpmmTransposeGpu<T>(csr, nullptr, d_dy.p, n, n, d_dw.p, n, true, w.p, ws, st));
     HCHECK(cudaStreamSynchronize(st));
@@ -635,13 +774,15 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
       bool dw_pad_ok = true;
       for (int64_t j = 0; j < k; ++j) {
         for (int64_t c = 0; c < n; ++c) dwp_valid[j * n + c] = dwp[j * lddw + c];
-        for (int64_t c = n; c < lddw; ++c) dw_pad_ok = dw_pad_ok && dwp[j * lddw + c] == sentinel;
+        for (int64_t c = n; c < lddw; ++c) {
+          dw_pad_ok = dw_pad_ok && SameBits1(dwp[j * lddw + c], sentinel);
+        }
       }
       log.Expect(SameBits(dwp_valid, dw1), "CsrSpmmTranspose padded lddy/lddw: same bits");
       log.Expect(dw_pad_ok, "CsrSpmmTranspose padded lddw: padding untouched");
     }
 
-    const std::vector<double> ref_sdw = RefSpmmT(a, dy, k, n, sub_rows);
+    const Ref ref_sdw = RefSpmmT(a, dy, k, n, sub_rows);
     size_t ws2 = 0;
     HCHECK(CsrSpmmTransposeWorkspaceBytes<T>(n_sub, k, nnz_sub, &ws2));
     DevBytes w2(ws2);
@@ -654,7 +795,7 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
 
   // 7. SDDMM: mask = A, x = dY [m, n], y = B [k, n] (the ReLU dX pattern).
   {
-    const std::vector<double> ref_s = RefSddmm(a, dy, b, m, k, n);
+    const Ref ref_s = RefSddmm(a, dy, b, m, k, n);
     DevBuf<T> d_s;
     d_s.Upload(std::vector<T>(static_cast<size_t>(m * k), sentinel));
     HCHECK(SddmmGpu<T>(d_a.p, d_dy.p, d_b.p, m, k, n, d_s.p, st));
@@ -693,19 +834,268 @@ bool RunCase(int64_t m, int64_t k, int64_t n, double sparsity, bool with_nan, ui
     HCHECK(ZeroRowsGpu<T>(d_sub.p, n_sub, n, d_c.p, n, st));
     HCHECK(cudaStreamSynchronize(st));
     for (int64_t r = 0; r < n_sub; ++r)
-      for (int64_t j = 0; j < n; ++j) expect[sub_rows[r] * n + j] = T(0);
+      for (int64_t j = 0; j < n; ++j) expect[sub_rows[r] * n + j] = FromD<T>(0.0);
     log.Expect(SameBits(d_c.Download(), expect), "ZeroRows");
   }
 
   HCHECK(cudaStreamDestroy(st));
-  std::printf("%s %-8s m=%-5lld k=%-5lld n=%-5lld sparsity=%-4.2f%s nnz=%-8lld max rel err %.2e "
-              "(bound %.0e)\n",
+  std::printf("%s %-8s m=%-5lld k=%-5lld n=%-5lld sparsity=%-4.2f%s nnz=%-8lld %s\n",
               log.ok ? "PASS" : "FAIL", TypeName<T>(), static_cast<long long>(m),
               static_cast<long long>(k), static_cast<long long>(n), sparsity,
-              with_nan ? " +NaN/Inf" : "", static_cast<long long>(nnz), log.worst_err, tol);
+              with_nan ? " +NaN/Inf" : "", static_cast<long long>(nnz),
+              ErrText<T>(log.worst_err, tol).c_str());
   if (!log.ok) std::fputs(log.failures.c_str(), stdout);
   std::fflush(stdout);
   return log.ok;
+}
+
+// ---------------------------------------------------------------------------
+// Bias + activation epilogue (BiasActivationGpu): bit-exact against the host
+// doing the same arithmetic (Acc<T> add, relu/relu6, one rounding to T), on
+// a padded ldc (the padding must stay untouched), with NaN, +-Inf, -0 and
+// negative values in c.
+
+template <typename T>
+struct HostAcc {
+  typedef float type;
+};
+template <>
+struct HostAcc<double> {
+  typedef double type;
+};
+
+template <typename T>
+bool RunEpilogueCase(int64_t m, int64_t n, bool with_bias, int act, uint64_t seed) {
+  typedef typename HostAcc<T>::type A;
+  cudaStream_t st;
+  HCHECK(cudaStreamCreate(&st));
+  CaseLog log;
+  Rng rng(seed);
+  const int64_t ldc = n + 3;
+  const T sentinel = FromD<T>(7.25);
+  std::vector<T> c(static_cast<size_t>(m * ldc), sentinel), bias;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = FromD<T>(8.0 * rng.Value());  // +-8
+  if (m * n > 0) c[0] = FromD<T>(std::numeric_limits<double>::quiet_NaN());
+  if (m * n > 1) c[1] = FromD<T>(-std::numeric_limits<double>::infinity());
+  if (m * n > 2) c[2] = FromD<T>(-0.0);
+  if (m * n > 3) c[3] = FromD<T>(0.0);
+  if (with_bias) {
+    bias.resize(static_cast<size_t>(n));
+    for (auto& x : bias) x = FromD<T>(rng.Value());
+  }
+  std::vector<T> expect(c);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      A v = static_cast<A>(ToD(c[i * ldc + j]));
+      if (with_bias) v += static_cast<A>(ToD(bias[j]));
+      if (act >= 1) v = v < A(0) ? A(0) : v;
+      if (act == 2) v = v > A(6) ? A(6) : v;
+      expect[i * ldc + j] = FromD<T>(static_cast<double>(v));  // exact: v is in A
+    }
+  }
+  DevBuf<T> d_c, d_bias;
+  d_c.Upload(c);
+  d_bias.Upload(bias);
+  HCHECK(BiasActivationGpu<T>(d_c.p, m, n, ldc, with_bias ? d_bias.p : nullptr, act, st));
+  HCHECK(cudaStreamSynchronize(st));
+  const std::vector<T> got = d_c.Download();
+  size_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const bool both_nan = std::isnan(ToD(got[i])) && std::isnan(ToD(expect[i]));
+    if (!both_nan && !SameBits1(got[i], expect[i])) ++bad;
+  }
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "BiasActivation: %zu elements differ from the host's bits", bad);
+  log.Expect(bad == 0, buf);
+  log.Expect(BiasActivationGpu<T>(d_c.p, m, n, n, nullptr, 3, st) == cudaErrorInvalidValue,
+             "BiasActivation rejects an unknown activation");
+  HCHECK(cudaStreamDestroy(st));
+  std::printf("%s %-8s epilogue m=%-5lld n=%-5lld ldc=n+3 bias=%d act=%s\n",
+              log.ok ? "PASS" : "FAIL", TypeName<T>(), static_cast<long long>(m),
+              static_cast<long long>(n), with_bias ? 1 : 0,
+              act == 0 ? "none" : (act == 1 ? "relu" : "relu6"));
+  if (!log.ok) std::fputs(log.failures.c_str(), stdout);
+  std::fflush(stdout);
+  return log.ok;
+}
+
+// ---------------------------------------------------------------------------
+// The split of one SparseSplitMatMul call, as the GPU op runs it: counts on
+// the GPU, rows of density > 1/2 dense (gathered with the live columns of
+// op(a) and the matching rows of b, multiplied by cuBLAS cublasGemmEx in T
+// with CUBLAS_COMPUTE_32F -- 64F for float64 --, scattered back), the other
+// rows (all-zero rows among them) through the CSR SpMM, then bias + relu.
+// Rows cycle through densities 1, 0, 0.05, 0.3 and 0.7, and every 5th column
+// of a is all zero. Checked against the float64 reference before the
+// epilogue (all-zero rows exactly 0) and after it.
+
+#ifndef TFSS_HARNESS_NO_CUBLAS
+template <typename T>
+struct GemmTypes;
+template <>
+struct GemmTypes<float> {
+  typedef float Scale;
+  static constexpr cudaDataType_t kData = CUDA_R_32F;
+  static constexpr cublasComputeType_t kCompute = CUBLAS_COMPUTE_32F;
+};
+template <>
+struct GemmTypes<double> {
+  typedef double Scale;
+  static constexpr cudaDataType_t kData = CUDA_R_64F;
+  static constexpr cublasComputeType_t kCompute = CUBLAS_COMPUTE_64F;
+};
+template <>
+struct GemmTypes<__nv_bfloat16> {
+  typedef float Scale;
+  static constexpr cudaDataType_t kData = CUDA_R_16BF;
+  static constexpr cublasComputeType_t kCompute = CUBLAS_COMPUTE_32F;
+};
+template <>
+struct GemmTypes<__half> {
+  typedef float Scale;
+  static constexpr cudaDataType_t kData = CUDA_R_16F;
+  static constexpr cublasComputeType_t kCompute = CUBLAS_COMPUTE_32F;
+};
+
+// Row-major c[rows, n] = a[rows, kk] * b[kk, n] (column-major c^T = b^T a^T).
+template <typename T>
+void GemmRowMajor(cublasHandle_t h, const T* a, const T* b, T* c, int64_t rows, int64_t kk,
+                  int64_t n) {
+  typedef GemmTypes<T> G;
+  const typename G::Scale one = 1, zero = 0;
+  BCHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(rows),
+                      static_cast<int>(kk), &one, b, G::kData, static_cast<int>(n), a, G::kData,
+                      static_cast<int>(kk), &zero, c, G::kData, static_cast<int>(n), G::kCompute,
+                      CUBLAS_GEMM_DEFAULT));
+}
+#endif  // TFSS_HARNESS_NO_CUBLAS
+
+template <typename T>
+bool RunSplitCase(int64_t m, int64_t k, int64_t n, uint64_t seed) {
+#ifdef TFSS_HARNESS_NO_CUBLAS
+  (void)m, (void)k, (void)n, (void)seed;
+  std::printf("SKIP %-8s split m=%lld k=%lld n=%lld (built without cuBLAS)\n", TypeName<T>(),
+              static_cast<long long>(m), static_cast<long long>(k), static_cast<long long>(n));
+  return true;
+#else
+  const double tol = Tolerance<T>();
+  cudaStream_t st;
+  HCHECK(cudaStreamCreate(&st));
+  cublasHandle_t h;
+  BCHECK(cublasCreate(&h));
+  BCHECK(cublasSetStream(h, st));
+  CaseLog log;
+  Rng rng(seed);
+  const double densities[] = {1.0, 0.0, 0.05, 0.3, 0.7};
+  std::vector<T> a(static_cast<size_t>(m * k), FromD<T>(0.0));
+  for (int64_t i = 0; i < m; ++i) {
+    const double d = densities[i % 5];
+    for (int64_t j = 0; j < k; ++j) {
+      if (j % 5 == 4) continue;  // an all-zero column
+      if (rng.Uniform() < d) a[i * k + j] = FromD<T>(rng.Value());
+    }
+  }
+  const std::vector<T> b = RandomSparse<T>(&rng, k * n, 0.0);
+  std::vector<T> bias(static_cast<size_t>(n));
+  for (auto& x : bias) x = FromD<T>(0.25 * rng.Value());
+  DevBuf<T> d_a, d_b, d_bias;
+  d_a.Upload(a);
+  d_b.Upload(b);
+  d_bias.Upload(bias);
+
+  // Analysis on the GPU, the split on the host (as the op does).
+  DevBuf<int64_t> d_rn(static_cast<size_t>(m)), d_cn(static_cast<size_t>(k));
+  HCHECK(CountNonzerosGpu<T>(d_a.p, m, k, false, d_rn.p, d_cn.p, nullptr, st));
+  HCHECK(cudaStreamSynchronize(st));
+  const std::vector<int64_t> row_nnz = d_rn.Download(), col_nnz = d_cn.Download();
+  std::vector<int64_t> dense_rows, sparse_rows, live;
+  for (int64_t i = 0; i < m; ++i) (2 * row_nnz[i] > k ? dense_rows : sparse_rows).push_back(i);
+  for (int64_t j = 0; j < k; ++j)
+    if (col_nnz[j] != 0) live.push_back(j);
+  const int64_t rd = static_cast<int64_t>(dense_rows.size());
+  const int64_t rs = static_cast<int64_t>(sparse_rows.size());
+  const int64_t kc = static_cast<int64_t>(live.size());
+  DevBuf<int64_t> d_dense, d_sparse, d_live;
+  d_dense.Upload(dense_rows);
+  d_sparse.Upload(sparse_rows);
+  d_live.Upload(live);
+  DevBuf<T> d_c;
+  d_c.Upload(std::vector<T>(static_cast<size_t>(m * n), FromD<T>(7.25)));  // all overwritten
+
+  // Dense part: gather + cuBLAS + scatter.
+  if (rd > 0 && n > 0) {
+    DevBuf<T> d_ad(static_cast<size_t>(rd * kc)), d_bc(static_cast<size_t>(kc * n)),
+        d_cd(static_cast<size_t>(rd * n));
+    HCHECK(GatherSubmatrixGpu<T>(d_a.p, m, k, false, d_dense.p, rd, d_live.p, kc, d_ad.p, st));
+    HCHECK(GatherSubmatrixGpu<T>(d_b.p, k, n, false, d_live.p, kc, nullptr, n, d_bc.p, st));
+    if (kc > 0) {
+      GemmRowMajor<T>(h, d_ad.p, d_bc.p, d_cd.p, rd, kc, n);
+    } else {
+      HCHECK(cudaMemsetAsync(d_cd.p, 0, d_cd.n * sizeof(T), st));
+    }
+    HCHECK(ScatterRowsGpu<T>(d_cd.p, d_dense.p, rd, n, d_c.p, n, st));
+    HCHECK(cudaStreamSynchronize(st));
+  }
+  // Sparse part: CSR of the sparse rows, SpMM into their output rows.
+  int64_t nnz_sparse = 0;
+  if (rs > 0) {
+    size_t ws = 0;
+    HCHECK(BuildCsrRowPtrWorkspaceBytes(rs, &ws));
+    DevBytes w(ws);
+    DevBuf<int64_t> d_ptr(static_cast<size_t>(rs + 1));
+    HCHECK(BuildCsrRowPtrGpu(d_rn.p, d_sparse.p, rs, d_ptr.p, w.p, ws, st));
+    HCHECK(cudaMemcpyAsync(&nnz_sparse, d_ptr.p + rs, sizeof(int64_t), cudaMemcpyDeviceToHost,
+                           st));
+    HCHECK(cudaStreamSynchronize(st));
+    DevBuf<int32_t> d_idx(static_cast<size_t>(nnz_sparse));
+    DevBuf<T> d_val(static_cast<size_t>(nnz_sparse));
+    HCHECK(FillCsrGpu<T>(d_a.p, m, k, false, d_sparse.p, rs, d_ptr.p, d_idx.p, d_val.p, st));
+    GpuCsr<T> csr;
+    csr.row_ptr = d_ptr.p;
+    csr.col_idx = d_idx.p;
+    csr.values = d_val.p;
+    csr.n_rows = rs;
+    csr.n_cols = k;
+    csr.nnz = nnz_sparse;
+    HCHECK(CsrSpmmGpu<T>(csr, d_sparse.p, d_b.p, n, n, d_c.p, n, st));
+    HCHECK(cudaStreamSynchronize(st));
+  }
+  std::vector<int64_t> all_rows(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) all_rows[i] = i;
+  const Ref ref = RefSpmm(a, b, k, n, all_rows);
+  const std::vector<T> prod = d_c.Download();
+  CompareNumeric(prod, ref, tol, "split product (cuBLAS dense rows + CSR SpMM rows)", &log);
+  bool zero_rows_exact = true;
+  for (int64_t i = 0; i < m; ++i)
+    if (row_nnz[i] == 0)
+      for (int64_t j = 0; j < n; ++j)
+        zero_rows_exact = zero_rows_exact && ToD(prod[i * n + j]) == 0.0;
+  log.Expect(zero_rows_exact, "split: all-zero rows of a give exact zeros");
+
+  HCHECK(BiasActivationGpu<T>(d_c.p, m, n, n, d_bias.p, /*relu=*/1, st));
+  HCHECK(cudaStreamSynchronize(st));
+  Ref ref_out(ref);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double& v = ref_out.v[i * n + j];
+      v = std::max(v + ToD(bias[j]), 0.0);
+      ref_out.mag[i * n + j] += std::fabs(ToD(bias[j]));
+    }
+  }
+  CompareNumeric(d_c.Download(), ref_out, tol, "split + bias + relu", &log);
+  BCHECK(cublasDestroy(h));
+  HCHECK(cudaStreamDestroy(st));
+  std::printf("%s %-8s split m=%-5lld k=%-5lld n=%-5lld dense rows=%lld sparse rows=%lld live "
+              "cols=%lld nnz(sparse)=%lld %s\n",
+              log.ok ? "PASS" : "FAIL", TypeName<T>(), static_cast<long long>(m),
+              static_cast<long long>(k), static_cast<long long>(n), static_cast<long long>(rd),
+              static_cast<long long>(rs), static_cast<long long>(kc),
+              static_cast<long long>(nnz_sparse), ErrText<T>(log.worst_err, tol).c_str());
+  if (!log.ok) std::fputs(log.failures.c_str(), stdout);
+  std::fflush(stdout);
+  return log.ok;
+#endif  // TFSS_HARNESS_NO_CUBLAS
 }
 
 // ---------------------------------------------------------------------------
@@ -939,8 +1329,10 @@ int Main(int argc, char** argv) {
   int failed = 0, passed = 0;
   if (tests) {
     std::printf("\n## Tests: every kernel vs a CPU float64 reference; normwise relative error "
-                "max|got-ref|/max|ref| <= 1e-5 (float32), <= 1e-12 (float64); structural "
-                "outputs exact\n\n");
+                "max|got-ref|/max|ref| <= 1e-5 (float32), <= 1e-12 (float64); bfloat16 and "
+                "float16 elementwise |got-ref| <= eps_T |ref| + (eps_T + 4 K eps_f32) |x|.|y|; "
+                "structural outputs exact; the epilogue bit-exact; the cuBLAS + CSR split "
+                "against act(A B + bias)\n\n");
     struct Shape {
       int64_t m, k, n;
     };
@@ -978,6 +1370,64 @@ int Main(int argc, char** argv) {
     tally(RunCase<double>(33, 70, 129, 0.5, true, seed++));
     for (const Shape& s : large)
       for (double sp : sparsities) tally(RunCase<float>(s.m, s.k, s.n, sp, false, seed++));
+
+    // bfloat16 and float16: the small shapes, n at each kernel boundary of
+    // the 16-bit types (n <= 128: the small-n kernel, P = 32 at n = 8 down to
+    // P = 2 at n = 128; n = 136: the 16-byte strip kernel with a partial
+    // strip; n = 129, 133: scalar loads), the grid-stride fallback, NaN/Inf,
+    // and one large shape.
+    std::vector<Shape> small16 = {{37, 50, 8}, {37, 50, 128}, {37, 50, 136}, {37, 50, 133},
+                                  {64, 300, 70}, {130, 257, 64}};
+    std::vector<Shape> large16 = {{256, 1024, 1024}};
+    if (quick) large16.clear();
+    const double sparsities16[] = {0.0, 0.5, 0.9, 1.0};
+    for (const Shape& s : small) {
+      for (double sp : sparsities) {
+        tally(RunCase<__nv_bfloat16>(s.m, s.k, s.n, sp, false, seed++));
+        tally(RunCase<__half>(s.m, s.k, s.n, sp, false, seed++));
+      }
+    }
+    for (const Shape& s : small16) {
+      for (double sp : sparsities16) {
+        tally(RunCase<__nv_bfloat16>(s.m, s.k, s.n, sp, false, seed++));
+        tally(RunCase<__half>(s.m, s.k, s.n, sp, false, seed++));
+      }
+    }
+    tally(RunCase<__nv_bfloat16>(70000, 5, 3, 0.5, false, seed++));
+    tally(RunCase<__half>(70000, 5, 3, 0.5, false, seed++));
+    tally(RunCase<__nv_bfloat16>(7, 13, 5, 0.5, true, seed++));
+    tally(RunCase<__half>(33, 70, 129, 0.5, true, seed++));
+    for (const Shape& s : large16) {
+      for (double sp : {0.5, 0.9}) {
+        tally(RunCase<__nv_bfloat16>(s.m, s.k, s.n, sp, false, seed++));
+        tally(RunCase<__half>(s.m, s.k, s.n, sp, false, seed++));
+      }
+    }
+
+    // The epilogue, every dtype: sizes around the 256-thread block, with and
+    // without a bias, each activation.
+    const Shape epi[] = {{0, 0, 5}, {1, 0, 1}, {7, 0, 13}, {33, 0, 300}, {70000, 0, 3}};
+    for (const Shape& s : epi) {
+      for (int act = 0; act <= 2; ++act) {
+        for (int with_bias = 0; with_bias <= 1; ++with_bias) {
+          tally(RunEpilogueCase<float>(s.m, s.n, with_bias == 1, act, seed++));
+          tally(RunEpilogueCase<double>(s.m, s.n, with_bias == 1, act, seed++));
+          tally(RunEpilogueCase<__nv_bfloat16>(s.m, s.n, with_bias == 1, act, seed++));
+          tally(RunEpilogueCase<__half>(s.m, s.n, with_bias == 1, act, seed++));
+        }
+      }
+    }
+
+    // The split (cuBLAS dense rows + CSR SpMM rows + epilogue), every dtype.
+    std::vector<Shape> split = {{1, 1, 1}, {5, 13, 5}, {33, 70, 129}, {130, 257, 64},
+                                {64, 300, 136}};
+    if (!quick) split.push_back({256, 1024, 1024});
+    for (const Shape& s : split) {
+      tally(RunSplitCase<float>(s.m, s.k, s.n, seed++));
+      tally(RunSplitCase<double>(s.m, s.k, s.n, seed++));
+      tally(RunSplitCase<__nv_bfloat16>(s.m, s.k, s.n, seed++));
+      tally(RunSplitCase<__half>(s.m, s.k, s.n, seed++));
+    }
     std::printf("\n%d passed, %d failed\n", passed, failed);
     if (passed + failed == 0) {
       std::printf("FAIL: no test case ran\n");
