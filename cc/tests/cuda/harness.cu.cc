@@ -357,6 +357,15 @@ HostCsr<T> RefCsr(const std::vector<T>& a, int64_t k, const std::vector<int64_t>
   return c;
 }
 
+// The stored values as float64 (x != 0 on them is the kernels' zero test:
+// true for NaN and Inf, false for -0).
+template <typename T>
+std::vector<double> Doubles(const std::vector<T>& x) {
+  std::vector<double> d(x.size());
+  for (size_t i = 0; i < x.size(); ++i) d[i] = ToD(x[i]);
+  return d;
+}
+
 // out[r, :] = sum_j a[rows[r], j] * b[j, :], zeros of a skipped (the
 // documented semantics); b is [k, n].
 template <typename T>
@@ -367,18 +376,18 @@ Ref RefSpmm(const std::vector<T>& a, const std::vector<T>& b, int64_t k, int64_t
   out.K = k;
   out.v.assign(static_cast<size_t>(R * n), 0.0);
   out.mag.assign(static_cast<size_t>(R * n), 0.0);
+  const std::vector<double> ad = Doubles(a), bd = Doubles(b);
   HostParallelFor(R, [&](int64_t r0, int64_t r1) {
-    std::vector<double> bd(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
       double* o = out.v.data() + r * n;
       double* g = out.mag.data() + r * n;
       const int64_t i = rows[r];
       for (int64_t j = 0; j < k; ++j) {
-        if (!Nz(a[i * k + j])) continue;
-        const double v = ToD(a[i * k + j]);
-        const T* br = b.data() + j * n;
+        const double v = ad[i * k + j];
+        if (v == 0.0) continue;
+        const double* br = bd.data() + j * n;
         for (int64_t c = 0; c < n; ++c) {
-          const double w = ToD(br[c]);
+          const double w = br[c];
           o[c] += v * w;
           g[c] += std::fabs(v * w);
         }
@@ -396,16 +405,17 @@ Ref RefSpmmT(const std::vector<T>& a, const std::vector<T>& dy, int64_t k, int64
   out.K = static_cast<int64_t>(rows.size());
   out.v.assign(static_cast<size_t>(k * n), 0.0);
   out.mag.assign(static_cast<size_t>(k * n), 0.0);
+  const std::vector<double> ad = Doubles(a), dyd = Doubles(dy);
   HostParallelFor(k, [&](int64_t j0, int64_t j1) {
     for (int64_t i : rows) {
-      const T* dyr = dy.data() + i * n;
+      const double* dyr = dyd.data() + i * n;
       for (int64_t j = j0; j < j1; ++j) {
-        if (!Nz(a[i * k + j])) continue;
-        const double v = ToD(a[i * k + j]);
+        const double v = ad[i * k + j];
+        if (v == 0.0) continue;
         double* o = out.v.data() + j * n;
         double* g = out.mag.data() + j * n;
         for (int64_t c = 0; c < n; ++c) {
-          const double w = ToD(dyr[c]);
+          const double w = dyr[c];
           o[c] += v * w;
           g[c] += std::fabs(v * w);
         }
@@ -423,13 +433,14 @@ Ref RefSddmm(const std::vector<T>& mask, const std::vector<T>& x, const std::vec
   out.K = n;
   out.v.assign(static_cast<size_t>(m * k), 0.0);
   out.mag.assign(static_cast<size_t>(m * k), 0.0);
+  const std::vector<double> xd = Doubles(x), yd = Doubles(y);
   HostParallelFor(m, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       for (int64_t j = 0; j < k; ++j) {
         if (!Nz(mask[i * k + j])) continue;
         double s = 0.0, g = 0.0;
         for (int64_t c = 0; c < n; ++c) {
-          const double p = ToD(x[i * n + c]) * ToD(y[j * n + c]);
+          const double p = xd[i * n + c] * yd[j * n + c];
           s += p;
           g += std::fabs(p);
         }
