@@ -32,7 +32,8 @@
 // FP32 math and with TF32 tensor cores (what tf.matmul uses for float32 on an
 // H200 by default), in the same run, timed with CUDA events (warm-up, median
 // of repeats); achieved bandwidth as a share of a device-to-device
-// cudaMemcpy; printed as a markdown table.
+// cudaMemcpy; printed as a markdown table. Then the bfloat16 CSR build, SpMM
+// and SDDMM against cublasGemmEx in bfloat16 (float32 compute).
 //
 // Options: --tests-only, --bench-only, --quick (skip the two large shapes).
 // Exit codes: 0 all passed, 1 a test failed, no test ran, or a CUDA error
@@ -1297,6 +1298,108 @@ void Bench(bool quick) {
   HCHECK(cudaStreamDestroy(st));
 }
 
+// The bfloat16 (or float16) kernels of a SparseSplitMatMul forward call
+// against the dense cuBLAS GEMM in the same dtype (cublasGemmEx, float32
+// compute: what tf.matmul runs), same run, CUDA events: the CSR build
+// (count + row_ptr + fill), the SpMM, the SDDMM (vs the dense S = dY B^T),
+// and achieved bandwidth.
+template <typename T>
+void Bench16(bool quick) {
+  cudaStream_t st;
+  HCHECK(cudaStreamCreate(&st));
+  const double copy_gbs = MemcpyGBs(st);
+#ifndef TFSS_HARNESS_NO_CUBLAS
+  cublasHandle_t h;
+  BCHECK(cublasCreate(&h));
+  BCHECK(cublasSetStream(h, st));
+#endif
+  std::printf("\n## Benchmark (%s; median of 20 after 3 warm-up; CUDA events)\n\n"
+              "Baseline: cuBLAS cublasGemmEx in %s with CUBLAS_COMPUTE_32F (tensor cores; what "
+              "tf.matmul runs in this dtype). x GEMM = cuBLAS ms / ours ms (> 1: ours faster); "
+              "prep ms = the CSR build (count + row_ptr + fill); GB/s and %% copy as above "
+              "(copy: %.0f GB/s).\n\n", TypeName<T>(), TypeName<T>(), copy_gbs);
+  std::printf("| shape m x k x n | sparsity | op | %s GEMM ms | ours ms | x GEMM | prep ms | "
+              "ours GB/s | %% copy |\n", TypeName<T>());
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  struct Shape {
+    int64_t m, k, n;
+  };
+  std::vector<Shape> shapes = {{256, 1024, 1024}, {1024, 4096, 1024}};
+  if (quick) shapes = {{256, 1024, 1024}};
+  const double sparsities[] = {0.0, 0.5, 0.9, 0.99, 1.0};
+  for (const Shape& s : shapes) {
+    const int64_t m = s.m, k = s.k, n = s.n;
+    for (double sp : sparsities) {
+      Rng rng(0xb16 ^ static_cast<uint64_t>(m * 131 + k * 7 + n) ^
+              static_cast<uint64_t>(sp * 1000));
+      DevBuf<T> d_a, d_b, d_dy, d_c(static_cast<size_t>(m * n)), d_s(static_cast<size_t>(m * k));
+      d_a.Upload(RandomSparse<T>(&rng, m * k, sp));
+      d_b.Upload(RandomSparse<T>(&rng, k * n, 0.0));
+      d_dy.Upload(RandomSparse<T>(&rng, m * n, 0.0));
+      DevBuf<int64_t> d_rn(static_cast<size_t>(m)), d_cn(static_cast<size_t>(k)),
+          d_ptr(static_cast<size_t>(m + 1));
+      DevBuf<int32_t> d_idx(static_cast<size_t>(m * k));
+      DevBuf<T> d_val(static_cast<size_t>(m * k));
+      size_t ws = 0;
+      HCHECK(BuildCsrRowPtrWorkspaceBytes(m, &ws));
+      DevBytes w(ws);
+      auto build = [&] {
+        HCHECK(CountNonzerosGpu<T>(d_a.p, m, k, false, d_rn.p, d_cn.p, nullptr, st));
+        HCHECK(BuildCsrRowPtrGpu(d_rn.p, nullptr, m, d_ptr.p, w.p, ws, st));
+        HCHECK(FillCsrGpu<T>(d_a.p, m, k, false, nullptr, m, d_ptr.p, d_idx.p, d_val.p, st));
+      };
+      const float build_ms = TimeMs(build, st);
+      build();
+      HCHECK(cudaStreamSynchronize(st));
+      int64_t nnz = 0;
+      HCHECK(cudaMemcpy(&nnz, d_ptr.p + m, sizeof(int64_t), cudaMemcpyDeviceToHost));
+      GpuCsr<T> csr;
+      csr.row_ptr = d_ptr.p;
+      csr.col_idx = d_idx.p;
+      csr.values = d_val.p;
+      csr.n_rows = m;
+      csr.n_cols = k;
+      csr.nnz = nnz;
+      float gemm_ms = NAN, gemm_s_ms = NAN;
+#ifndef TFSS_HARNESS_NO_CUBLAS
+      gemm_ms = TimeMs([&] { GemmRowMajor<T>(h, d_a.p, d_b.p, d_c.p, m, k, n); }, st);
+      // S[m, k] = dY[m, n] B[k, n]^T (column-major S^T = B dY^T).
+      const float one = 1.f, zero = 0.f;
+      gemm_s_ms = TimeMs([&] {
+        BCHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(k),
+                            static_cast<int>(m), static_cast<int>(n), &one, d_b.p,
+                            GemmTypes<T>::kData, static_cast<int>(n), d_dy.p, GemmTypes<T>::kData,
+                            static_cast<int>(n), &zero, d_s.p, GemmTypes<T>::kData,
+                            static_cast<int>(k), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      }, st);
+#endif
+      const float spmm_ms =
+          TimeMs([&] { HCHECK(CsrSpmmGpu<T>(csr, nullptr, d_b.p, n, n, d_c.p, n, st)); }, st);
+      const float sddmm_ms =
+          TimeMs([&] { HCHECK(SddmmGpu<T>(d_a.p, d_dy.p, d_b.p, m, k, n, d_s.p, st)); }, st);
+      const double f = sizeof(T);
+      const double csr_bytes = nnz * (4.0 + f) + (m + 1) * 8.0;
+      const double spmm_bytes = csr_bytes + k * n * f + m * n * f;
+      const double sddmm_bytes = 2.0 * m * k * f + m * n * f + k * n * f;
+      char shape[64];
+      std::snprintf(shape, sizeof(shape), "%lldx%lldx%lld", static_cast<long long>(m),
+                    static_cast<long long>(k), static_cast<long long>(n));
+      auto row = [&](const char* op, float base, float ours, float prep, double bytes) {
+        const double gbs = bytes / (ours * 1e-3) / 1e9;
+        std::printf("| %s | %.2f | %s | %.4f | %.4f | %.2f | %.4f | %.1f | %.0f%% |\n", shape, sp,
+                    op, base, ours, base / ours, prep, gbs, 100.0 * gbs / copy_gbs);
+      };
+      row("SpMM C=A*B", gemm_ms, spmm_ms, build_ms, spmm_bytes);
+      row("SDDMM (dY*B^T)[A!=0]", gemm_s_ms, sddmm_ms, 0.f, sddmm_bytes);
+      std::fflush(stdout);
+    }
+  }
+#ifndef TFSS_HARNESS_NO_CUBLAS
+  BCHECK(cublasDestroy(h));
+#endif
+  HCHECK(cudaStreamDestroy(st));
+}
+
 int Main(int argc, char** argv) {
   bool tests = true, bench = true, quick = false;
   for (int i = 1; i < argc; ++i) {
@@ -1445,7 +1548,10 @@ int Main(int argc, char** argv) {
       return 1;
     }
   }
-  if (bench) Bench(quick);
+  if (bench) {
+    Bench(quick);
+    Bench16<__nv_bfloat16>(quick);
+  }
   return failed == 0 ? 0 : 1;
 }
 
