@@ -66,14 +66,15 @@ def test_gpu_kernels_registered_exactly_with_the_cuda_build():
 # -- with a GPU -------------------------------------------------------------
 
 def _sparse_input(rng, m, k, sparsity):
-    """float32 [m, k] with real zeros, all-zero rows (every 5th) and all-zero
-    columns (every 7th), and at least one nonzero when sparsity < 1."""
+    """float32 [m, k] with real zeros, all-zero rows (every 5th from row 1)
+    and all-zero columns (every 7th from column 1), and at least one nonzero
+    when sparsity < 1."""
     a = rng.standard_normal((m, k)).astype(np.float32)
     a *= rng.random((m, k)) >= sparsity
-    a[::5] = 0
-    a[:, ::7] = 0
-    if sparsity < 1.0 and m > 1 and k > 1 and not a.any():
-        a[1, 1] = 0.5
+    a[1::5] = 0
+    a[:, 1::7] = 0
+    if sparsity < 1.0 and not a.any():
+        a[0, 0] = 0.5
     return a
 
 
