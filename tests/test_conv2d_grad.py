@@ -24,6 +24,9 @@ CASES = [
     ((2, 9, 11, 4), (3, 3, 4, 6), 2, "SAME", 1),               # stride 2
     ((2, 9, 11, 4), (3, 3, 4, 6), (1, 2), "VALID", 1),         # stride 1x2
     ((2, 7, 7, 2), (3, 3, 2, 3), 1, [[0, 0], [3, 0], [0, 2], [0, 0]], 1),  # pad > KH-1
+    ((3, 7, 9, 8), (1, 1, 8, 6), 1, "SAME", 1),                # 1x1: a matmul
+    ((2, 6, 5, 5), (1, 1, 5, 7), 1, "VALID", 2),               # 1x1 dilated
+    ((2, 9, 9, 4), (1, 1, 4, 6), 2, "SAME", 1),                # 1x1 stride 2
 ]
 
 
@@ -112,6 +115,45 @@ def test_stride_one_input_gradient_is_a_sparse_split_convolution():
         assert "Conv2DBackpropInput" not in types, padding
 
 
+def test_one_by_one_input_gradient_is_a_matmul():
+    """A 1x1 convolution's stride-1 input gradient is grad @ f^T, run by
+    the matmul op (no rotated filter, no convolution)."""
+    x = tf.TensorSpec([2, 5, 5, 3], tf.float32)
+    f = tf.TensorSpec([1, 1, 3, 4], tf.float32)
+
+    @tf.function
+    def grads(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            y = tf.nn.relu(tfss.sparse_split_conv2d(a, b, 1, "SAME"))
+        return tape.gradient(y, a)
+
+    types = [op.type for op in
+             grads.get_concrete_function(x, f).graph.get_operations()]
+    assert types.count("TfSparseSplit>SparseSplitConv2D") == 1
+    assert "TfSparseSplit>SparseSplitMatMul" in types
+    assert "Conv2DBackpropInput" not in types
+    assert "GatherV2" not in types
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_one_by_one_gradients_small_and_empty_batch(n):
+    rng = np.random.default_rng(7 + n)
+    x = T.random_sparse_images((n, 4, 3, 5), 0.5, rng, np.float64)
+    f = rng.normal(size=(1, 1, 5, 2))
+    dy = rng.normal(size=(n, 4, 3, 2))
+    ref_x, ref_f = _dense_grads(x, f, dy, 1, "SAME", 1)
+    xt, ft = tf.constant(x, tf.float32), tf.constant(f, tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch([xt, ft])
+        y = tfss.sparse_split_conv2d(xt, ft, 1, "SAME")
+    gx, gf = tape.gradient(y, [xt, ft],
+                           output_gradients=tf.constant(dy, tf.float32))
+    assert gx.shape == x.shape and gf.shape == f.shape
+    np.testing.assert_allclose(gx, ref_x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(gf, ref_f, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("strides, padding", [
     (2, "SAME"), ((1, 2), "VALID"),
     (1, [[0, 0], [3, 0], [0, 0], [0, 0]]),  # padding beyond the filter
@@ -163,10 +205,15 @@ def test_filter_gradient_both_formulations(padding, dtype):
         assert T.relative_error(gf, ref_f) <= tol, nnz
 
 
-def test_rotated_filter():
-    f = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5)
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 1, 6, 3), (3, 3, 100, 80)],
+                         ids=["gather", "1x1-transpose", "large-reverse"])
+def test_rotated_filter(shape):
+    f = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     want = f[::-1, ::-1].transpose(0, 1, 3, 2)
-    np.testing.assert_array_equal(conv_ops._rotated_filter(tf.constant(f)), want)
+    got = conv_ops._rotated_filter(tf.constant(f))
+    np.testing.assert_array_equal(got, want)
+    if shape == (3, 3, 100, 80):  # beyond the gather's size
+        assert f.size > conv_ops._GATHER_ROTATION_MAX
 
     @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
     def unknown_shape(t):

@@ -11,7 +11,8 @@ from tf_sparse_split.tuning import stats as _stats
 # The activations the op fuses after its bias (``None`` = ``"none"``), as
 # TensorFlow's ``_FusedConv2D`` (fused_ops BiasAdd[, Relu | Relu6]), and
 # the gradient mask: the same as SparseSplitMatMul's epilogue.
-from tf_sparse_split.ops.matmul import ACTIVATIONS, _activation_grad
+from tf_sparse_split.ops.matmul import (ACTIVATIONS, _activation_grad,
+                                        sparse_split_matmul)
 from tf_sparse_split.utils.validation import validate_choice
 
 __all__ = ["sparse_split_conv2d"]
@@ -328,13 +329,25 @@ def _transposed_paddings(kh, kw, dilations, padding, explicit):
     return [0, 0, ek_h - t, ek_h - b, ek_w - l, ek_w - r, 0, 0]
 
 
+#: Filters of up to this many values are rotated by one gather of a constant
+#: permutation (TensorFlow's oneDNN Transpose costs about 0.1-1 ms per call
+#: even on a 3x3x16x32 filter); larger ones by reverse + transpose (a
+#: GatherV2 moves one value per index: ~36 ms on a 3x3x512x512 filter, where
+#: reverse + transpose takes ~8 ms).
+_GATHER_ROTATION_MAX = 1 << 16
+
+
 def _rotated_filter(f):
     """``[KH, KW, C_in, C_out] -> [KH, KW, C_out, C_in]``, rotated 180
     degrees in the spatial dimensions: the filter of the transposed
-    convolution. One gather of a constant permutation when the shape is
-    known (TensorFlow's oneDNN Transpose costs about 1 ms per call even on a
-    3x3x16x32 filter), else reverse + transpose."""
-    if not f.shape.is_fully_defined():
+    convolution. A 1x1 filter is only transposed; up to
+    ``_GATHER_ROTATION_MAX`` values of known shape, one gather of a constant
+    permutation; else reverse + transpose."""
+    if f.shape.is_fully_defined() and int(f.shape[0]) == 1 and \
+            int(f.shape[1]) == 1:
+        return tf.transpose(f, [0, 1, 3, 2])
+    if not f.shape.is_fully_defined() or \
+            f.shape.num_elements() > _GATHER_ROTATION_MAX:
         return tf.transpose(tf.reverse(f, axis=[0, 1]), [0, 1, 3, 2])
     kh, kw, ci, co = (int(d) for d in f.shape)
     idx = np.arange(kh * kw * ci * co, dtype=np.int32).reshape(kh, kw, ci, co)
@@ -377,17 +390,30 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
     L. Zhang, "Dynamic Sparse Method for Deep Learning Execution", 2019:
     the output gradient after ReLU and max-pooling is mostly zeros), and
     its cost model keeps the dense convolution where that does not pay.
-    Otherwise ``Conv2DBackpropInput`` (dense); with dilations > 1 in
+    A 1x1 filter at stride 1 is the product ``grad[N*H*W, C_out] @
+    f[C_in, C_out]^T`` instead (``sparse_split_matmul`` with
+    ``transpose_b``: no rotated filter). Otherwise ``Conv2DBackpropInput`` (dense); with dilations > 1 in
     float64 or with EXPLICIT padding, which TensorFlow 2.21's CPU kernel
     refuses, an im2col formulation (slower, exact).
 
     Returns:
       ``dX``, same shape and dtype as ``x``; with ``return_stats``,
       ``(dX, stats)``: ``stats`` is the statistics vector of the
-      sparse-split convolution of ``grad`` (its ``NNZ`` counts ``grad``'s
-      nonzeros), None on the other paths.
+      sparse-split convolution (or matmul, for 1x1) of ``grad`` (its
+      ``NNZ`` counts ``grad``'s nonzeros), None on the other paths.
     """
     tc = _transposed_conv(f, strides, dilations, padding, explicit)
+    if tc is not None and f.shape.is_fully_defined() and \
+            int(f.shape[0]) == 1 and int(f.shape[1]) == 1:
+        # A 1x1 convolution at stride 1 (no padding fits a 1x1 filter) is
+        # the product grad[N*H*W, C_out] @ f[C_in, C_out]^T: the matmul op
+        # skips grad's zero rows and columns, and needs no rotated filter.
+        ci, co = int(f.shape[2]), int(f.shape[3])
+        dx2, stats = sparse_split_matmul(
+            tf.reshape(grad, [-1, co]), tf.reshape(f, [ci, co]),
+            transpose_b=True, return_stats=True, full_stats=False)
+        dx = tf.reshape(dx2, tf.shape(x))
+        return (dx, stats) if return_stats else dx
     if tc is not None:
         pads, pad = tc
         lib = load_library()
