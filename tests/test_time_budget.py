@@ -617,3 +617,71 @@ def test_epoch_budget_in_fit_and_unknown_steps():
     cb = tfss.TimeBudgetCallback(deadline=10.0)
     with pytest.raises(ValueError, match="steps per epoch"):
         _mlp().fit(ds, epochs=1, verbose=0, callbacks=[cb])
+
+
+class RateClock:
+    """A fake clock whose steps take ``fixed + work * kept(rate)`` seconds
+    (times ``load`` while ``loaded()``), ``rate`` read from the layer when
+    the step ends: the plant of an LSTM whose compacted loop shrinks with
+    its recurrent dropout. Every call advances it by a step, so the
+    interval the callback measures (from the read at a step's begin to the
+    one at its end) is one step."""
+
+    def __init__(self, lstm, fixed=0.004, work=0.012, load=1.5):
+        self.lstm, self.fixed, self.work, self.load = lstm, fixed, work, load
+        self.t, self.calls, self.loaded = 0.0, 0, (lambda: False)
+
+    def step_s(self):
+        kept = (1 - self.lstm.cell.recurrent_dropout) ** \
+            self.lstm.cell.recurrent_group_share
+        s = self.fixed + self.work * kept
+        return s * (self.load if self.loaded() else 1.0)
+
+    def __call__(self):
+        self.calls += 1
+        self.t += self.step_s()
+        return self.t
+
+
+def test_fit_controls_an_lstm_rate_measured_by_its_probe():
+    import keras
+
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((192, 5, 4)).astype("float32")
+    y = rng.integers(0, 3, 192)
+    model = keras.Sequential([
+        keras.Input((5, 4)),
+        tfss.SparseSplitLSTM(16, recurrent_dropout=0.2, seed=1,
+                             recurrent_group_share=1.0, name="lstm"),
+        keras.layers.Dense(3, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    lstm = model.get_layer("lstm")
+    clock = RateClock(lstm)
+    cb = tfss.TimeBudgetCallback(step_time=0.0125, max_rate=0.6,
+                                 warmup_steps=4, probe_steps=4,
+                                 min_samples=4, clock=clock)
+    steps = {"n": 0}
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps["n"] += 1
+
+    clock.loaded = lambda: 40 <= steps["n"] < 70
+    hist = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                     callbacks=[Count(), cb])
+    name = "lstm/recurrent_dropout"
+    assert name in cb.controller.rate_knobs
+    # the probe measured the slope: fixed + work * kept at two rates
+    assert cb.controller.rate_knobs[name].cost.slope_s == \
+        pytest.approx(0.012, rel=0.05)
+    rates = [t["rates"][name] for t in cb.trace]
+    assert all(0.2 - 1e-9 <= r <= 0.6 + 1e-9 for r in rates)
+    # 0.0125 s needs kept <= 0.708 (rate >= 0.29): raised from 0.2 ...
+    quiet = [t for t in cb.trace if t["step"] < 40]
+    assert quiet[-1]["rates"][name] > 0.25
+    assert max(rates) == pytest.approx(0.6)         # ... to the bound under
+    after = [t["rates"][name] for t in cb.trace if t["step"] > 90]
+    assert after and after[-1] < 0.45               # load, back after it
+    assert f"{name}/budget_rate" in hist.history

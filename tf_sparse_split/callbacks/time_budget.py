@@ -705,7 +705,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             if not d.reachable and self.verbose:
                 print(f"TimeBudgetCallback: step budget "
                       f"{d.budget_s * 1e3:.2f} ms is not reachable within "
-                      f"max_sparsity={self.max_sparsity} (measured "
+                      f"max_sparsity={self.max_sparsity} and max_rate="
+                      f"{self.max_rate} (measured "
                       f"{d.measured_s * 1e3:.2f} ms); running at the bounds",
                       flush=True)
         if new is not None and self.verbose:
@@ -713,7 +714,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                   f"{d.measured_s * 1e3:.2f} ms, budget "
                   f"{d.budget_s * 1e3:.2f} ms, predicted "
                   f"{d.predicted_s * 1e3:.2f} ms -> " + ", ".join(
-                      f"{n} {t:.2f}" for n, t in new.items()), flush=True)
+                      [f"{n} {t:.2f}" for n, t in new.items()] +
+                      [f"{n} rate {r:.2f}" for n, r in d.rates.items()]),
+                  flush=True)
             for n, why in d.reasons.items():
                 print(f"  {n}: {why}", flush=True)
 

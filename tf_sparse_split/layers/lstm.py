@@ -283,6 +283,9 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         self._tables = {}
         self._rate_vars = {}
         self._dims = {}
+        # The masks the last traced training step has ("input",
+        # "recurrent"); None before any trace (SparseSplitLSTM.inner_loop).
+        self._masked = None
 
     def build(self, input_shape):
         super().build(input_shape)
@@ -344,7 +347,8 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         stores the rate in a variable the compiled step reads (row/tile:
         the pattern distribution is searched again and stored in a
         variable table), so no retracing is needed -- unless the rate was
-        0 when the step was traced (the step then has no mask to scale).
+        0 when the training step was traced (the step then has no mask to
+        scale; a step at rate 0 keeps its masks, as identities).
         ``pattern="random"`` uses Keras' masks, which read the Python
         value at trace time.
 
@@ -369,9 +373,15 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
             old = float(getattr(self, attr))
             if v == old:
                 continue
-            if self.built and self.pattern in ("row", "tile") and v > 0:
-                self._search(key, v)
-            if self.pattern == "random" or old == 0.0:
+            if self.built and self.pattern in ("row", "tile"):
+                if v > 0:
+                    self._search(key, v)
+                elif key in self._tables:   # rate 0: the identity pattern
+                    self._tables[key].assign([("keep", 1)], [1.0])
+                    self._distributions.pop(key, None)
+            if self.pattern == "random" or (
+                    v > 0 and self._masked is not None and
+                    key not in self._masked):
                 retrace = True
             setattr(self, attr, v)
             if self.built:
@@ -611,7 +621,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
         """Changes the dropout and/or recurrent dropout rate between
         training steps (:meth:`SparseSplitLSTMCell.set_rates`: no
         retracing with ``pattern`` subset/row/tile unless a rate is raised
-        from 0).
+        from one that was 0 when the training step was traced).
 
         Returns:
           True if the compiled step must be retraced to see the change.
@@ -631,6 +641,12 @@ class SparseSplitLSTM(keras.layers.LSTM):
     def inner_loop(self, sequences, initial_state, mask, training=False):
         if isinstance(mask, (list, tuple)):
             mask = mask[0]
+        if training is True:
+            # Which masks this training trace holds (set_rates reports a
+            # rate raised where it holds none).
+            self.cell._masked = {k for k, r in (
+                ("input", self.cell.dropout),
+                ("recurrent", self.cell.recurrent_dropout)) if r > 0}
         if not self._use_compacted_loop(mask, training):
             return super().inner_loop(sequences, initial_state, mask=mask,
                                       training=training)
