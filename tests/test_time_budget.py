@@ -519,6 +519,8 @@ def _mlp(dropout=False):
 
 
 def test_fit_wiring_log_keys_and_bounds(tmp_path):
+    import keras
+
     import tf_sparse_split as tfss
 
     rng = np.random.default_rng(0)
@@ -527,15 +529,31 @@ def test_fit_wiring_log_keys_and_bounds(tmp_path):
     model = _mlp(dropout=True)
     # A fake clock that says every step takes 10 ms against a 1 ms budget:
     # the controller must raise the targets, and never past the bounds.
+    # (min_gain=0: the fake step is 10 ms, the toy layers' ops take
+    # microseconds; every predicted saving counts.)
     cb = tfss.TimeBudgetCallback(step_time=0.001, max_sparsity=0.8,
                                  max_rate=0.4, warmup_steps=4, min_samples=3,
+                                 min_gain=0.0,
                                  sensitivity_data=(x[:64], y[:64]),
                                  log_dir=str(tmp_path / "tb"),
                                  clock=FakeClock(0.01))
+    functions = []
+
+    class Functions(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            functions.append(id(self.model.train_function))
+
     hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                     callbacks=[cb])
+                     callbacks=[cb, Functions()])
     import tensorflow as tf
 
+    # The dropout rate moved between steps (not only at epoch ends), and
+    # nothing was retraced for it.
+    trace = cb.trace
+    changes = [b["step"] for a, b in zip(trace, trace[1:])
+               if a["rates"] != b["rates"]]
+    assert changes and any(st % 16 != 1 for st in changes)
+    assert len(set(functions)) == 1
     tags = {v.tag for f in (tmp_path / "tb").iterdir()
             for e in tf.compat.v1.train.summary_iterator(str(f))
             for v in e.summary.value}
@@ -578,6 +596,10 @@ def test_callback_rejects_bad_arguments_and_unknown_steps():
         tfss.TimeBudgetCallback(step_time=1, sensitivity_data=[1, 2, 3])
     with pytest.raises(ValueError):
         tfss.TimeBudgetCallback(step_time=1, gain=float("nan"))
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, min_gain=0.5)
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, probe_steps=1)
     model = _mlp()
     cb = tfss.TimeBudgetCallback(step_time=1, layers=["nope"])
     x = np.zeros((8, 32), "float32")

@@ -302,6 +302,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         rate at a second rate.
       probe_steps: timed steps of each LSTM rate's probe (int >= 2;
         default 8).
+      min_gain: least predicted saving of a move, as a fraction of the
+        measured step, in ``[0, 0.5)`` (default 0.01: sparsity that saves
+        less than 1% of the step is not worth its accuracy).
       sensitivity_data: optional held batch ``(x, y)`` for the sensitivity
         probe (module docstring).
       min_samples: steps measured per decision (int >= 2; default 8).
@@ -333,8 +336,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     def __init__(self, step_time=None, epoch_time=None, deadline=None,
                  layers=None, max_sparsity=0.95, min_rate=0.0, max_rate=0.7,
                  warmup_steps=20, sensitivity_data=None, min_samples=8,
-                 update_every=4, gain=0.5, probe_steps=8, log_dir=None,
-                 verbose=0, clock=time.perf_counter):
+                 update_every=4, gain=0.5, probe_steps=8, min_gain=0.01,
+                 log_dir=None, verbose=0, clock=time.perf_counter):
         super().__init__()
         self.kind, self.seconds = _budget.validate_budget_args(
             step_time, epoch_time, deadline, max_sparsity, min_rate,
@@ -354,6 +357,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.min_samples = validate_int(min_samples, "min_samples", 2)
         self.update_every = validate_int(update_every, "update_every", 1)
         self.probe_steps = validate_int(probe_steps, "probe_steps", 2)
+        mg = float(min_gain) if not isinstance(min_gain, bool) else -1.0
+        if not 0.0 <= mg < 0.5:
+            raise ValueError("`min_gain` must be in [0, 0.5). Received: "
+                             f"min_gain={min_gain!r}")
+        self.min_gain = mg
         g = float(gain) if not isinstance(gain, bool) else float("nan")
         if not math.isfinite(g) or g < 0:
             raise ValueError(f"`gain` must be >= 0. Received: gain={gain!r}")
@@ -456,7 +464,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             reset_compiled_functions(self.model)
         self.controller = _budget.BudgetController(
             [k.name for k in self._knobs], max_sparsity=self.max_sparsity,
-            min_samples=self.min_samples, rates=rate_knobs)
+            min_samples=self.min_samples, rates=rate_knobs,
+            min_gain=self.min_gain)
         self.decisions = self.controller.log
         self.trace, self.history = [], []
         self._step = 0
