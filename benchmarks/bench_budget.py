@@ -26,10 +26,11 @@ For the MLP 784-2048-2048-10 and the CNN of ``tools/models.py`` (MNIST from
    training; reported: the median step time, the budget's share met and
    the mean sparsity target before, during and after it (the targets must
    rise during the load and fall after it).
-5. A deadline (MLP): ``TimeBudgetCallback(deadline=...)`` with the whole
-   fit given ``--deadline-fraction`` (default 0.8) of the plain model's
-   step times the number of steps; reported: the fit's wall time against
-   the deadline, the test accuracy and the step budget's range.
+5. A deadline (MLP): the plain-Keras model's whole ``fit`` is timed (wall
+   seconds, compilation and epoch ends included), then the sparse-split
+   model is trained with ``TimeBudgetCallback(deadline=...)`` given
+   ``--deadline-fraction`` (default 0.8) of it; reported: both fits' wall
+   time and test accuracy, and the step budget's range.
 
 Writes ``benchmarks/results/bench_budget.md`` (``--quick``:
 ``bench_budget_quick.md``) and PNGs of the step time against the budget.
@@ -336,13 +337,14 @@ def deadline_case(data, args, report, pngs):
 
     (x, y), (xt, yt) = data
     spe = int(np.ceil(len(x) / args.batch))
-    s0 = args.plain_step.get("mlp")
-    if s0 is None:
-        before, _ = plain_step("mlp", x, y, args.batch, args.rounds,
-                               args.seed)
-        s0 = before["plain"][0]
     total = spe * args.epochs
-    deadline = args.deadline_fraction * s0 * total
+    plain = _build("mlp", False, args.seed)
+    t0 = time.perf_counter()
+    plain.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0,
+              shuffle=True)
+    plain_s = time.perf_counter() - t0
+    _, plain_acc = plain.evaluate(xt, yt, batch_size=512, verbose=0)
+    deadline = args.deadline_fraction * plain_s
     _, cb, acc = budget_run("mlp", x, y, xt, yt, deadline, args,
                             kind="deadline")
     wall = args.last_fit_s
@@ -350,17 +352,18 @@ def deadline_case(data, args, report, pngs):
         np.zeros(1)
     later = _after_first_epoch(cb, spe)
     st = np.array([t["seconds"] for t in later]) if later else np.zeros(1)
-    row = (f"| mlp | {args.deadline_fraction:.2f} | {deadline:.1f} | "
-           f"{wall:.1f} | {wall / deadline:.2f} | {acc:.4f} | "
+    row = (f"| mlp | {plain_s:.1f} | {float(plain_acc):.4f} | "
+           f"{args.deadline_fraction:.2f} | {deadline:.1f} | {wall:.1f} | "
+           f"{wall / deadline:.2f} | {acc:.4f} | "
            f"{np.min(b) * 1e3:.1f}-{np.max(b) * 1e3:.1f} | "
            f"{np.median(st) * 1e3:.1f} | {_mean_target(later):.2f} |")
     report.append(
-        f"\n### deadline (mlp, {args.deadline_fraction:.2f} x plain step x "
-        f"{total} steps = {deadline:.1f} s for the whole fit)\n")
+        f"\n### deadline (mlp, {args.deadline_fraction:.2f} x the plain-Keras "
+        f"fit's wall time, {total} steps)\n")
     report.append(_common.markdown_table(
-        "| model | deadline x plain | deadline s | fit wall s | wall / "
-        "deadline | test acc | step budget range ms | median step ms after "
-        "epoch 1 | mean target |", [row]))
+        "| model | plain fit s | plain test acc | deadline x plain fit | "
+        "deadline s | fit wall s | wall / deadline | test acc | step budget "
+        "range ms | median step ms after epoch 1 | mean target |", [row]))
     png = os.path.join(args.out_dir, "bench_budget_deadline"
                        f"{'_quick' if args.quick else ''}.png")
     if cb.trace:
@@ -382,7 +385,7 @@ def main(argv=None):
                         "model's step at natural sparsity (default 0.85)")
     p.add_argument("--deadline-fraction", type=float, default=0.8,
                    help="deadline case: the fit's deadline as a fraction of "
-                        "the plain step times the steps (default 0.8)")
+                        "the plain-Keras fit's wall time (default 0.8)")
     p.add_argument("--fractions", default=None,
                    help="budgets as fractions of the plain step "
                         "(default 0.8,0.65,0.5; --quick 0.65)")

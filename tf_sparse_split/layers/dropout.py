@@ -490,7 +490,7 @@ class ApproximateRandomDropout(keras.layers.Layer):
         The pattern distribution is searched again for the new rate
         (:func:`~tf_sparse_split.search_pattern_distribution`, the same
         arguments as at build time; an explicit ``probabilities`` list is
-        replaced by it) and assigned to the layer's pattern table and
+        replaced by it, unless the rate is unchanged) and assigned to the layer's pattern table and
         ``rate_var``, non-trainable ``tf.Variable`` s that the compiled step
         reads (rate 0: the identity, as at construction). Before the layer
         is built only the value is stored.
@@ -508,8 +508,8 @@ class ApproximateRandomDropout(keras.layers.Layer):
         if not self.built:
             self._rate = rate
             return
-        if rate == self._rate and self._given is None:
-            return
+        if rate == self._rate:
+            return      # (an explicit ``probabilities`` list stays)
         patterns, probs, dist = self._distribution_for(rate)
         if len(patterns) > self._table.capacity:
             raise ValueError(
