@@ -281,10 +281,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     ``name/budget_target`` (sparsity target) and ``name/budget_sparsity``
     (zeros measured at its input over the epoch), and per rate knob
     ``name/budget_rate`` (a dropout layer's name, or ``lstm_name/dropout``
-    and ``lstm_name/recurrent_dropout``). With ``log_dir`` the budget, the measured
-    and predicted step time (``budget/predicted_step_time``), the targets
-    and rates are written at every decision (step = training step) as
-    TensorBoard scalars (``tf.summary.write``; no tensorboard package
+    and ``lstm_name/recurrent_dropout``). With ``log_dir`` the budget, the
+    measured and predicted step time (``budget/predicted_step_time``), the
+    targets and rates are written at every decision (step = training step)
+    as TensorBoard scalars (``tf.summary.write``; no tensorboard package
     needed).
 
     Args:
@@ -431,7 +431,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     def _floor_rate(self, own):
         return min(max(self.min_rate, own), self.max_rate)
 
-    # -- Keras hooks -----------------------------------------------------------
+    # -- Keras hooks -------------------------------------------------------
     def on_train_begin(self, logs=None):
         params = self.params or {}
         self._spe = params.get("steps") or None

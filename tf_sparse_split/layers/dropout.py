@@ -490,9 +490,10 @@ class ApproximateRandomDropout(keras.layers.Layer):
         The pattern distribution is searched again for the new rate
         (:func:`~tf_sparse_split.search_pattern_distribution`, the same
         arguments as at build time; an explicit ``probabilities`` list is
-        replaced by it, unless the rate is unchanged) and assigned to the layer's pattern table and
-        ``rate_var``, non-trainable ``tf.Variable`` s that the compiled step
-        reads (rate 0: the identity, as at construction). Before the layer
+        replaced by it, unless the rate is unchanged) and assigned to the
+        layer's pattern table and ``rate_var``, non-trainable
+        ``tf.Variable`` s that the compiled step reads (rate 0: the
+        identity, as at construction). Before the layer
         is built only the value is stored.
 
         Args:

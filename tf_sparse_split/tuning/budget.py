@@ -9,7 +9,10 @@ and component, by each one's ability to be sparsified. Here the user's demand
 is a step time (or an epoch time or a deadline, turned into step times), the
 resource is the machine's speed as measured by the steps themselves, and the
 knobs are the activation sparsity at each sparse-split layer's input (driven
-by a FATReLU cutoff) and, second, structured dropout rates.
+by a FATReLU cutoff) and, second, dropout rates (an
+``ApproximateRandomDropout`` in front of a controlled layer, whose zeros
+add to that layer's input; a ``SparseSplitLSTM``'s rates, whose effect is
+measured).
 
 The pieces, each a small class or function:
 
@@ -25,7 +28,12 @@ The pieces, each a small class or function:
   layer per step), fitted online to the measured medians by ridge
   regression toward its prior, and scaled by ``kappa = measured / predicted``
   at the current settings: the model gives the shape, the measurement the
-  level.
+  level. A measured median far off the prediction at unchanged settings
+  (a load came or went) restarts the fit (:meth:`StepModel.restart`).
+* :class:`RateCost` -- step seconds of a component against its dropout
+  rate, ``slope * kept(rate)``, from two measured medians (for a
+  ``SparseSplitLSTM``, whose compacted loop no op statistic describes);
+  :class:`RateKnob` -- a rate's bounds and what predicts it.
 * :func:`allocate` -- the per-layer sparsities that meet a predicted step
   time at the least predicted accuracy loss: greedy on a grid, each move the
   one with the most seconds saved per unit of loss (looking ahead over the
@@ -35,15 +43,18 @@ The pieces, each a small class or function:
   2203.05705, measured by the callback on a held batch) times the sparsity
   added above its natural level, with the marginal loss assumed to rise
   linearly to twice its measured value at the bound (pruning curves are
-  convex).
+  convex). Rates are a second tier, raised only when the activations at
+  their bound leave the goal unmet; moves saving less than a least gain are
+  not taken; a trimming pass lowers each knob as far as the goal allows
+  (rates first).
 * :class:`BudgetController` -- the feedback loop: robust step-time estimate
   (median of the steps since the last change, at least ``min_samples`` of
   them, the first ``settle`` after a change left out), a dead band around
   the budget, re-allocation from the layers' natural sparsity each time it
-  is left (so sparsity falls again when the machine gets faster), a limit
-  on the change per decision, no move against the measurement (over the
-  budget no target falls, under it none rises), and a log of each decision
-  with its reasons.
+  is left (so sparsity falls again when the machine gets faster), limits
+  on the change per decision (a fall: half a rise), no move against the
+  measurement (over the budget no target falls, under it none rises), and
+  a log of each decision with its reasons.
 * :func:`step_budget` -- an epoch time or a deadline for the whole fit
   turned into a step budget for the remaining steps.
 
