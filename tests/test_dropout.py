@@ -707,3 +707,76 @@ def test_balanced_random_subsets(rate, units, groups):
     two = random_subset_keep_mask(10, 0.5, gen, groups=2,
                                   balanced=True).numpy()
     np.testing.assert_array_equal(two[0] + two[1], 1.0)
+
+
+# --------------------------------------------------------------------------
+# the rate as a variable (set_rate between steps, no retracing)
+# --------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [{}, {"pattern_groups": 1},
+                                    {"pattern": "tile", "tile_shape": (4, 8)}])
+def test_set_rate_moves_a_compiled_step_without_retracing(kwargs):
+    layer = tfss.ApproximateRandomDropout(0.2, seed=4, **kwargs)
+    x = _positive((16, 64))
+    layer.build(x.shape)
+    traces = []
+
+    @tf.function
+    def draw():
+        traces.append(1)
+        return tf.stack([layer(x, training=True) for _ in range(40)])
+
+    def rate_now(n=5):
+        ys = np.concatenate([draw().numpy() for _ in range(n)])
+        return float((ys == 0).mean()), ys
+
+    r, _ = rate_now()
+    assert r == pytest.approx(0.2, abs=0.04)
+    for rate in (0.6, 0.35, 0.0, 0.5):
+        layer.set_rate(rate)
+        r, ys = rate_now()
+        if rate == 0.0:
+            np.testing.assert_array_equal(ys, np.broadcast_to(x, ys.shape))
+        else:
+            assert r == pytest.approx(rate, abs=0.05)
+            # unbiased at the new rate: E[y] = x
+            assert (ys / x).mean() == pytest.approx(1.0, abs=0.06)
+        assert layer.rate == rate and float(layer.rate_var.numpy()) == \
+            pytest.approx(rate)
+    assert len(traces) == 1
+    # assigning the attribute does the same
+    layer.rate = 0.3
+    assert layer.get_config()["rate"] == 0.3
+    with pytest.raises(ValueError, match="rate"):
+        layer.set_rate(1.0)
+    with pytest.raises(ValueError, match="rate"):
+        layer.set_rate(float("nan"))
+    assert layer.rate == 0.3
+
+
+def test_set_rate_from_zero_and_the_config_round_trip(tmp_path):
+    model = keras.Sequential([
+        keras.Input((32,)),
+        tfss.ApproximateRandomDropout(0.0, seed=2, name="ard"),
+        tfss.SparseSplitDense(4)])
+    layer = model.get_layer("ard")
+    x = _positive((8, 32))
+    step = tf.function(lambda: layer(x, training=True))
+    np.testing.assert_array_equal(step().numpy(), x)
+    layer.set_rate(0.4)
+    assert (step().numpy() == 0).any()
+    cfg = layer.get_config()
+    assert cfg["rate"] == 0.4
+    assert cfg["probabilities"] == [list(p) for p in
+                                    layer.pattern_probabilities()]
+    ref = tfss.search_pattern_distribution(0.4, 32, max_period=4, seed=2)
+    assert [tuple(p[:2]) for p in cfg["probabilities"]] == \
+        list(ref.patterns)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path).get_layer("ard")
+    assert loaded.rate == 0.4
+    assert loaded.pattern_probabilities() == layer.pattern_probabilities()
+    # the layout of the saved weights is unchanged: no new Keras weights
+    assert [w.name for w in model.get_layer("ard").weights] == \
+        [w.name for w in keras.models.load_model(path).get_layer(
+            "ard").weights]

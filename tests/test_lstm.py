@@ -499,3 +499,79 @@ def test_empty_batch_in_training_matches_keras(groups):
         g = tf.convert_to_tensor(g)           # IndexedSlices from gathers
         assert g.shape == w.shape
         np.testing.assert_array_equal(g.numpy(), 0.0)
+
+
+# ---------------------------------------------------------------------------
+# rates as variables (set_rates between steps, no retracing)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("pattern,share", [("subset", None), ("subset", 1.0),
+                                           ("row", None)])
+def test_set_rates_moves_compiled_masks_without_retracing(pattern, share):
+    units, dim, batch, draws = 24, 16, 8, 600
+    cell = SparseSplitLSTMCell(units, dropout=0.3, recurrent_dropout=0.2,
+                               seed=5, pattern=pattern,
+                               recurrent_group_share=share)
+    cell.build((None, dim))
+    traces = []
+
+    @tf.function
+    def draw_many():
+        traces.append(1)
+        out = []
+        for which, width in (("input", dim), ("recurrent", units)):
+            step = tf.ones((batch, width))
+            ta = tf.TensorArray(tf.float32, size=draws)
+            for i in tf.range(draws):
+                m = cell._pattern_mask(which, step)
+                ta = ta.write(i, tf.broadcast_to(
+                    m[0] if isinstance(m, list) else m, (batch, width)))
+            out.append(ta.stack())
+        return out
+
+    for rates in ((0.3, 0.2), (0.5, 0.6), (0.1, 0.4)):
+        assert cell.set_rates(*rates) is False
+        assert (cell.dropout, cell.recurrent_dropout) == rates
+        for rate, m in zip(rates, draw_many()):
+            m = m.numpy()
+            assert (m == 0).mean() == pytest.approx(rate, abs=0.04)
+            assert m.mean() == pytest.approx(1.0, abs=0.05)   # unbiased
+    assert len(traces) == 1
+    assert cell.get_config()["recurrent_dropout"] == 0.4
+    # to 0 and back: the traced step keeps its masks (identity at 0) ...
+    assert cell.set_rates(recurrent_dropout=0.0) is False
+    assert (draw_many()[1].numpy() == 1.0).all()
+    assert cell.set_rates(recurrent_dropout=0.3) is False
+    # ... but a rate raised from one that was 0 when the training step
+    # was traced needs a retrace (the step has no mask for it).
+    lstm = tfss.SparseSplitLSTM(units, recurrent_dropout=0.0, seed=5,
+                                pattern=pattern)
+    lstm(tf.ones((batch, 3, dim)), training=True)
+    assert lstm.set_rates(recurrent_dropout=0.3) is True
+    lstm(tf.ones((batch, 3, dim)), training=True)
+    assert lstm.set_rates(recurrent_dropout=0.5) is False
+    with pytest.raises(ValueError):
+        cell.set_rates(dropout=1.0)
+
+
+def test_set_rates_in_fit_keeps_the_layer_exact(rng, tmp_path):
+    """A SparseSplitLSTM whose rates move between fits trains, saves and
+    loads with the rates in force."""
+    x = rng.standard_normal((32, 6, 5)).astype("float32")
+    y = rng.integers(0, 3, 32)
+    model = keras.Sequential([
+        keras.Input((6, 5)),
+        tfss.SparseSplitLSTM(12, dropout=0.2, recurrent_dropout=0.3, seed=1,
+                             name="lstm"),
+        keras.layers.Dense(3, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    lstm = model.get_layer("lstm")
+    assert lstm.set_rates(dropout=0.1, recurrent_dropout=0.5) is False
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path).get_layer("lstm")
+    assert (loaded.cell.dropout, loaded.cell.recurrent_dropout) == (0.1, 0.5)
+    np.testing.assert_allclose(
+        keras.models.load_model(path)(x).numpy(), model(x).numpy(),
+        rtol=1e-5, atol=1e-6)

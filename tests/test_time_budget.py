@@ -318,6 +318,171 @@ def test_waits_for_samples_and_ignores_bad_times():
     assert c.decide(0.01) is not None
 
 
+def _first_step_back(c, t_end, level, tol=0.05):
+    """The first step after ``t_end`` whose decision's summed targets are
+    within ``tol`` of ``level``."""
+    for d in c.log:
+        if d.step > t_end and sum(d.targets.values()) <= level + tol:
+            return d.step
+    return None
+
+
+@pytest.mark.parametrize("kind", ["slower", "added", "unreachable"])
+def test_load_on_then_off_lowers_sparsity_within_bounded_steps(kind):
+    """Load for a stretch (every step 1.6x slower; or a fixed 40% of the
+    budget added to every step, which the step model's fixed part absorbs
+    while it lasts; or 5x slower, which no allowed sparsity can meet: the
+    targets then sit at their bounds, over the budget, the case of the
+    shared machine), then off: the targets rise under the load and come
+    back down within 100 steps of its end, and the budget is held within
+    10% before and after (and during, where it is reachable)."""
+    c, plant, cur = _setup()
+    plant.outliers = 0.0
+    budget = 0.7 * _plain(plant)
+    on, off = 200, 400
+
+    class Loaded:
+        def step(self, sp, speed):
+            t = plant.step(sp)
+            if on <= speed < off:
+                t = (t + 0.4 * budget if kind == "added" else
+                     t * (5.0 if kind == "unreachable" else 1.6))
+            return t
+
+    cur, m1 = _run(c, Loaded(), cur, budget, on, lambda t: t, 0)
+    level = sum(cur.values())
+    cur, m2 = _run(c, Loaded(), cur, budget, off - on, lambda t: t, on)
+    during = max(sum(d.targets.values()) for d in c.log
+                 if on < d.step <= off)
+    cur, m3 = _run(c, Loaded(), cur, budget, 200, lambda t: t, off)
+    assert during > level + 0.1                      # raised under load
+    back = _first_step_back(c, off, level)
+    assert back is not None and back - off <= 100    # and lowered after
+    # ... to stay there (a noisy median may ask for one more grid step).
+    assert all(sum(d.targets.values()) <= level + 0.1 + 1e-9
+               for d in c.log if d.step >= back)
+    if kind == "unreachable":
+        assert any(not d.reachable for d in c.log if on < d.step <= off)
+        assert all(abs(v - c.max_sparsity) < 1e-9 for v in
+                   [d for d in c.log if d.step <= off][-1].targets.values())
+        # The step model forgot the loaded window at the level shift: the
+        # first change after the load is predicted at the new level.
+        first = [d for d in c.log if d.step > off and
+                 d.action != "unreachable"][0]
+        assert 0.75 <= first.kappa <= 1.33
+    for m in (m1[100:], m3[100:]) + ((m2[100:],) if kind != "unreachable"
+                                     else ()):
+        assert abs(np.median(m) / budget - 1) <= 0.10
+
+
+def test_allocation_trims_an_overshoot():
+    # One layer whose gain starts only past the op's break-even: the greedy
+    # jump past it can overshoot; the trimming pass lowers the target to
+    # the lowest level that still meets the goal.
+    costs = {"a": _cost()}
+    model = B.StepModel()
+    x0 = costs["a"].seconds(0.3)
+    model.observe(x0, 0.004 + 3 * x0)
+    goal = 0.9 * model.predict(x0)
+    al = B.allocate(costs, {"a": 0.3}, {"a": 1.0}, 0.95, goal, model)
+    assert al.reachable
+    lower = al.targets["a"] - 0.05
+    assert model.predict(costs["a"].seconds(lower)) > goal
+
+
+def test_min_gain_spends_no_sparsity_on_a_negligible_saving():
+    # Over the budget and unreachable, but the layer's predicted saving at
+    # the bound is 0.1% of the step: it stays at its natural sparsity.
+    c = B.BudgetController(["a"], max_sparsity=0.9, min_samples=4, settle=0)
+    c.set_cost("a", _cost(m=4, k=64, n=16))
+    c.set_floor("a", 0.5)
+    c.set_sensitivity("a", 1.0)
+    for _ in range(4):
+        c.observe_step(0.05)
+    c.decide(0.01)
+    assert c.targets["a"] == pytest.approx(0.5)
+    assert not c.log[-1].reachable
+    assert "less than" in c.log[-1].reasons["a"]
+
+
+def test_combined_and_activation_sparsity():
+    assert B.combined_sparsity(0.5, [0.2]) == pytest.approx(0.6)
+    assert B.combined_sparsity(0.5) == pytest.approx(0.5)
+    assert B.activation_sparsity(0.6, [0.2]) == pytest.approx(0.5)
+    assert B.activation_sparsity(0.1, [0.5]) == 0.0
+
+
+def test_dropout_rate_is_the_second_tier():
+    # A dropout in front of "a": its rate rises only once the activations
+    # are at their bound and the budget is still not met, and it is the
+    # first to come back down when the machine is fast again.
+    c, plant, cur = _setup(max_sparsity=0.8)
+    c.rate_knobs["drop"] = B.RateKnob(floor=0.1, upper=0.6, layer="a")
+    c.rates = {"drop": 0.1}
+    budget = 0.55 * _plain(plant)
+    slow = lambda t: 1.4 if t < 300 else 0.8  # noqa: E731
+    rates = []
+    for t in range(500):
+        eff = {n: B.combined_sparsity(cur[n], [c.rates["drop"]] if n == "a"
+                                      else []) for n in cur}
+        st = plant.step(eff, slow(t))
+        c.observe_step(st)
+        for n in cur:
+            c.set_actual(n, cur[n])
+        new = c.decide(budget)
+        if new:
+            cur = new
+            before = {n: v for n, v in c.log[-1].targets.items()}
+            if c.rates["drop"] > 0.1 + 1e-9:
+                # raised only with every activation at its bound
+                assert all(v >= 0.8 - 1e-9 for v in before.values())
+        rates.append(c.rates["drop"])
+    assert max(rates[:300]) > 0.1 + 1e-9
+    assert all(0.1 - 1e-9 <= r <= 0.6 + 1e-9 for r in rates)
+    assert rates[-1] == pytest.approx(0.1)
+
+
+def test_rate_cost_from_two_rates():
+    kept = lambda r: (1 - r) ** 0.5  # noqa: E731
+    rc = B.RateCost.from_two_rates(kept, 0.2, 0.030, 0.6, 0.022)
+    assert rc.predicts
+    assert rc.seconds(0.2) - rc.seconds(0.6) == pytest.approx(0.008)
+    # slower with less work: no slope (no prediction)
+    assert not B.RateCost.from_two_rates(kept, 0.2, 0.02, 0.6, 0.03).predicts
+    assert not B.RateCost.from_two_rates(kept, 0.3, 0.02, 0.3, 0.03).predicts
+
+
+def test_lstm_rate_under_load_and_after():
+    """A model whose only knob is an LSTM's recurrent rate (no op
+    statistics: a RateCost measured at two rates): raised within its
+    bounds under load to hold the budget, lowered when the load ends."""
+    kept = lambda r: (1 - r) ** 0.5  # noqa: E731
+    rng = np.random.default_rng(3)
+
+    def step(rate, loaded):
+        t = 0.010 + 0.030 * kept(rate)
+        t *= 1.3 if loaded else 1.0
+        return t * (1 + 0.03 * rng.standard_normal())
+
+    rc = B.RateCost.from_two_rates(kept, 0.2, step(0.2, False), 0.5,
+                                   step(0.5, False))
+    c = B.BudgetController([], rates={"lstm/recurrent_dropout": B.RateKnob(
+        floor=0.2, upper=0.7, cost=rc)})
+    budget = 1.02 * (0.010 + 0.030 * kept(0.2))
+    name = "lstm/recurrent_dropout"
+    seen = []
+    for t in range(600):
+        loaded = 150 <= t < 350
+        c.observe_step(step(c.rates[name], loaded))
+        c.decide(budget)
+        seen.append((t, c.rates[name]))
+    during = [r for t, r in seen if 250 <= t < 350]
+    after = [r for t, r in seen if t >= 450]
+    assert min(during) > 0.3 and max(during) <= 0.7 + 1e-9
+    assert max(after) <= 0.25
+    assert all(0.2 - 1e-9 <= r <= 0.7 + 1e-9 for _, r in seen)
+
+
 # ---------------------------------------------------------------------------
 # wiring: a short real fit (nothing timed is asserted)
 # ---------------------------------------------------------------------------
@@ -354,6 +519,8 @@ def _mlp(dropout=False):
 
 
 def test_fit_wiring_log_keys_and_bounds(tmp_path):
+    import keras
+
     import tf_sparse_split as tfss
 
     rng = np.random.default_rng(0)
@@ -362,15 +529,31 @@ def test_fit_wiring_log_keys_and_bounds(tmp_path):
     model = _mlp(dropout=True)
     # A fake clock that says every step takes 10 ms against a 1 ms budget:
     # the controller must raise the targets, and never past the bounds.
+    # (min_gain=0: the fake step is 10 ms, the toy layers' ops take
+    # microseconds; every predicted saving counts.)
     cb = tfss.TimeBudgetCallback(step_time=0.001, max_sparsity=0.8,
                                  max_rate=0.4, warmup_steps=4, min_samples=3,
+                                 min_gain=0.0,
                                  sensitivity_data=(x[:64], y[:64]),
                                  log_dir=str(tmp_path / "tb"),
                                  clock=FakeClock(0.01))
+    functions = []
+
+    class Functions(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            functions.append(id(self.model.train_function))
+
     hist = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-                     callbacks=[cb])
+                     callbacks=[cb, Functions()])
     import tensorflow as tf
 
+    # The dropout rate moved between steps (not only at epoch ends), and
+    # nothing was retraced for it.
+    trace = cb.trace
+    changes = [b["step"] for a, b in zip(trace, trace[1:])
+               if a["rates"] != b["rates"]]
+    assert changes and any(st % 16 != 1 for st in changes)
+    assert len(set(functions)) == 1
     tags = {v.tag for f in (tmp_path / "tb").iterdir()
             for e in tf.compat.v1.train.summary_iterator(str(f))
             for v in e.summary.value}
@@ -413,6 +596,10 @@ def test_callback_rejects_bad_arguments_and_unknown_steps():
         tfss.TimeBudgetCallback(step_time=1, sensitivity_data=[1, 2, 3])
     with pytest.raises(ValueError):
         tfss.TimeBudgetCallback(step_time=1, gain=float("nan"))
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, min_gain=0.5)
+    with pytest.raises(ValueError):
+        tfss.TimeBudgetCallback(step_time=1, probe_steps=1)
     model = _mlp()
     cb = tfss.TimeBudgetCallback(step_time=1, layers=["nope"])
     x = np.zeros((8, 32), "float32")
@@ -452,3 +639,71 @@ def test_epoch_budget_in_fit_and_unknown_steps():
     cb = tfss.TimeBudgetCallback(deadline=10.0)
     with pytest.raises(ValueError, match="steps per epoch"):
         _mlp().fit(ds, epochs=1, verbose=0, callbacks=[cb])
+
+
+class RateClock:
+    """A fake clock whose steps take ``fixed + work * kept(rate)`` seconds
+    (times ``load`` while ``loaded()``), ``rate`` read from the layer when
+    the step ends: the plant of an LSTM whose compacted loop shrinks with
+    its recurrent dropout. Every call advances it by a step, so the
+    interval the callback measures (from the read at a step's begin to the
+    one at its end) is one step."""
+
+    def __init__(self, lstm, fixed=0.004, work=0.012, load=1.5):
+        self.lstm, self.fixed, self.work, self.load = lstm, fixed, work, load
+        self.t, self.calls, self.loaded = 0.0, 0, (lambda: False)
+
+    def step_s(self):
+        kept = (1 - self.lstm.cell.recurrent_dropout) ** \
+            self.lstm.cell.recurrent_group_share
+        s = self.fixed + self.work * kept
+        return s * (self.load if self.loaded() else 1.0)
+
+    def __call__(self):
+        self.calls += 1
+        self.t += self.step_s()
+        return self.t
+
+
+def test_fit_controls_an_lstm_rate_measured_by_its_probe():
+    import keras
+
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((192, 5, 4)).astype("float32")
+    y = rng.integers(0, 3, 192)
+    model = keras.Sequential([
+        keras.Input((5, 4)),
+        tfss.SparseSplitLSTM(16, recurrent_dropout=0.2, seed=1,
+                             recurrent_group_share=1.0, name="lstm"),
+        keras.layers.Dense(3, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    lstm = model.get_layer("lstm")
+    clock = RateClock(lstm)
+    cb = tfss.TimeBudgetCallback(step_time=0.0125, max_rate=0.6,
+                                 warmup_steps=4, probe_steps=4,
+                                 min_samples=4, clock=clock)
+    steps = {"n": 0}
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps["n"] += 1
+
+    clock.loaded = lambda: 40 <= steps["n"] < 70
+    hist = model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                     callbacks=[Count(), cb])
+    name = "lstm/recurrent_dropout"
+    assert name in cb.controller.rate_knobs
+    # the probe measured the slope: fixed + work * kept at two rates
+    assert cb.controller.rate_knobs[name].cost.slope_s == \
+        pytest.approx(0.012, rel=0.05)
+    rates = [t["rates"][name] for t in cb.trace]
+    assert all(0.2 - 1e-9 <= r <= 0.6 + 1e-9 for r in rates)
+    # 0.0125 s needs kept <= 0.708 (rate >= 0.29): raised from 0.2 ...
+    quiet = [t for t in cb.trace if t["step"] < 40]
+    assert quiet[-1]["rates"][name] > 0.25
+    assert max(rates) == pytest.approx(0.6)         # ... to the bound under
+    after = [t["rates"][name] for t in cb.trace if t["step"] > 90]
+    assert after and after[-1] < 0.45               # load, back after it
+    assert f"{name}/budget_rate" in hist.history

@@ -22,7 +22,7 @@ import keras
 from tf_sparse_split.layers.activations import FATReLU, is_relu_activation
 
 __all__ = ["find_activation_producer", "fatrelu_for", "mask_input_grad",
-           "reset_compiled_functions"]
+           "find_lstm_layers", "reset_compiled_functions"]
 
 # Layers between an activation and the sparse-split layer that keep every
 # zero a zero (so the consumer's sparsity is driven by the activation's).
@@ -176,6 +176,35 @@ def select_split_layers(model, selection, caller):
                 f"(SparseSplitDense/SparseSplitConv2D); the model has "
                 f"{sorted(by_name)}")
     return out, True
+
+def find_lstm_layers(model, selection=None):
+    """``(lstms, rest)``: the :class:`~tf_sparse_split.layers.SparseSplitLSTM`
+    layers of ``model`` (recursively, in model order) and, with a
+    ``selection`` (layers or layer names), only those it names, ``rest``
+    being the selection's other items (None without a selection)."""
+    from tf_sparse_split.layers.lstm import SparseSplitLSTM
+
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = (list(flatten(include_self=True, recursive=True))
+              if flatten is not None else [model])
+    found, seen = [], set()
+    for layer in layers:
+        if isinstance(layer, SparseSplitLSTM) and id(layer) not in seen:
+            seen.add(id(layer))
+            found.append(layer)
+    if selection is None:
+        return found, None
+    by_name = {l.name: l for l in found}
+    picked, rest = [], []
+    for item in selection:
+        if isinstance(item, SparseSplitLSTM):
+            picked.append(item)
+        elif isinstance(item, str) and item in by_name:
+            picked.append(by_name[item])
+        else:
+            rest.append(item)
+    return picked, rest
+
 
 def reset_compiled_functions(model):
     """Drops ``model``'s compiled train/test/predict functions and rebuilds

@@ -19,18 +19,33 @@ feeding ``L``, converted in place to a
   zeros ``L`` measures (its op statistics) as the sparsity-target callback
   does;
 * the rate of an :class:`~tf_sparse_split.layers.ApproximateRandomDropout`
-  between the activation and ``L``, within ``[min_rate, max_rate]``. Its
-  rate is a Python float on purpose: the layer draws from a *searched*
-  discrete distribution over periodic patterns per rate, baked into the
-  graph as constants, and a rate of 0 is the identity. A rate change
-  therefore rebuilds the distribution and retraces the step (about a second
-  of compilation), so rates move only at epoch ends, in steps of 0.1, and
-  only as a second tier: raised when the activation knobs are all at
-  ``max_sparsity`` and the budget is still not met, and lowered back toward
-  its floor -- the layer's own rate clipped to ``[min_rate, max_rate]`` --
-  when the steps run well inside the budget (below 85% of it). A dropout rate is a regulariser whose effect
-  on accuracy a held batch does not show, which is why it is not ranked
-  with the activations by sensitivity.
+  between the activation and ``L``, within ``[min_rate, max_rate]``: a
+  variable the compiled step reads (:meth:`~tf_sparse_split.layers.
+  ApproximateRandomDropout.set_rate`), so it moves between steps like the
+  target. Its zeros add to ``L``'s input, so ``L``'s own cost predicts its
+  effect (:func:`~tf_sparse_split.tuning.budget.combined_sparsity`); the
+  activation target is then the activation's share of the zeros,
+  ``1 - (1 - measured) / (1 - rate)``.
+
+And per :class:`~tf_sparse_split.layers.SparseSplitLSTM` (every one, or
+those named in ``layers``) with ``pattern`` ``"subset"`` or ``"row"``: its
+recurrent dropout rate (and with ``"row"`` its input dropout rate, the
+input product being compacted then too), within ``[min_rate, max_rate]``
+(:meth:`~tf_sparse_split.layers.SparseSplitLSTM.set_rates`, variables the
+compiled step reads). No op statistics describe the compacted loop, so its
+cost is measured: after the warm-up each LSTM rate runs ``probe_steps``
+steps at a second rate (its floor + 0.2, or - 0.2 at the top), and the
+step seconds per unit of kept work come from the two medians
+(:class:`~tf_sparse_split.tuning.budget.RateCost`; kept work ``(1 -
+rate) ** recurrent_group_share`` for the subsets' compacted units, ``1 -
+rate`` for row patterns). A rate whose probe shows no saving is left at
+its floor.
+
+Rates are the second tier: a dropout rate is a regulariser whose effect on
+accuracy a held batch does not show, so the allocation raises rates only
+when the activation targets at ``max_sparsity`` cannot meet the budget,
+and lowers them first when there is slack; each rate's floor is the
+layer's own rate clipped to ``[min_rate, max_rate]``.
 
 Sensitivity (Song et al., arXiv 2203.05705, measured here as the loss
 response): with ``sensitivity_data=(x, y)`` the callback evaluates the loss
@@ -50,6 +65,7 @@ import numpy as np
 
 from tf_sparse_split.callbacks._discovery import (_parent, fatrelu_for,
                                                   find_activation_producer,
+                                                  find_lstm_layers,
                                                   mask_input_grad,
                                                   reset_compiled_functions,
                                                   select_split_layers)
@@ -61,8 +77,9 @@ __all__ = ["TimeBudgetCallback", "SensitivityProbe", "layer_sensitivities"]
 
 #: Sparsity added per layer by the sensitivity probe.
 SENSITIVITY_DELTA = 0.05
-#: Rate change per epoch of a dropout knob.
-RATE_STEP = 0.1
+#: Rate added (or taken off at the top) by the warm-up probe of an LSTM
+#: rate.
+PROBE_DELTA = 0.2
 
 
 class _Knob(_Control):
@@ -79,6 +96,47 @@ class _Knob(_Control):
                 d._tfss_own_rate = d.rate
         self.own_rates = [d._tfss_own_rate for d in dropouts]
         self.name = consumer.name
+
+
+class _LSTMRate:
+    """One dropout rate (``attr`` "dropout" or "recurrent_dropout") of a
+    SparseSplitLSTM, as a rate knob named ``layer/attr``."""
+
+    def __init__(self, layer, attr):
+        self.layer, self.attr = layer, attr
+        self.name = f"{layer.name}/{attr}"
+        own = getattr(layer, "_tfss_own_rates", None)
+        if own is None:
+            own = layer._tfss_own_rates = {
+                "dropout": float(layer.cell.dropout),
+                "recurrent_dropout": float(layer.cell.recurrent_dropout)}
+        self.own_rate = own[attr]
+        share = float(layer.cell.recurrent_group_share)
+        if attr == "recurrent_dropout" and layer.cell.pattern == "subset":
+            self.kept = lambda r, s=share: (1.0 - r) ** s
+        else:
+            self.kept = lambda r: 1.0 - r
+
+    @property
+    def rate(self):
+        return float(getattr(self.layer.cell, self.attr))
+
+    def set(self, rate):
+        """Sets the rate; True if the compiled step must be retraced."""
+        return self.layer.set_rates(**{self.attr: float(rate)})
+
+
+def _lstm_rates(lstm):
+    """The rate knobs of a SparseSplitLSTM: the recurrent rate with
+    ``pattern`` subset or row, the input rate with row (the patterns whose
+    dropped units are compacted out of the products)."""
+    pattern = lstm.cell.pattern
+    out = []
+    if pattern in ("subset", "row"):
+        out.append(_LSTMRate(lstm, "recurrent_dropout"))
+    if pattern == "row":
+        out.append(_LSTMRate(lstm, "dropout"))
+    return out
 
 
 def _dropouts_between(consumer, owner):
@@ -221,22 +279,32 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     step seconds of the epoch, warm-up and compilation steps left out),
     ``budget/reachable`` (1/0, last decision), per layer ``name``:
     ``name/budget_target`` (sparsity target) and ``name/budget_sparsity``
-    (zeros measured at its input over the epoch), and per dropout knob
-    ``dropout_name/budget_rate``. With ``log_dir`` the budget, the measured
-    and predicted step time (``budget/predicted_step_time``), the targets
-    and rates are written at every decision (step = training step) as
-    TensorBoard scalars (``tf.summary.write``; no tensorboard package
+    (zeros measured at its input over the epoch), and per rate knob
+    ``name/budget_rate`` (a dropout layer's name, or ``lstm_name/dropout``
+    and ``lstm_name/recurrent_dropout``). With ``log_dir`` the budget, the
+    measured and predicted step time (``budget/predicted_step_time``), the
+    targets and rates are written at every decision (step = training step)
+    as TensorBoard scalars (``tf.summary.write``; no tensorboard package
     needed).
 
     Args:
       step_time, epoch_time, deadline: the budget (exactly one; seconds).
-      layers: optional list of sparse-split layer names (or layers) to
-        control; default every one fed by a ReLU-family activation.
+      layers: optional list of sparse-split layer and SparseSplitLSTM
+        names (or layers) to control; default every sparse-split layer fed
+        by a ReLU-family activation and every SparseSplitLSTM with a
+        compacted pattern.
       max_sparsity: largest sparsity target, in ``[0, 1)`` (default 0.95).
       min_rate, max_rate: bounds of the dropout rates, ``0 <= min_rate <=
         max_rate < 1`` (defaults 0 and 0.7).
       warmup_steps: steps before control (int >= 2; default 20; the first
-        step, with the compilation, is never timed).
+        step, with the compilation, is never timed), at the natural
+        sparsity and the floor rates; then ``probe_steps`` steps per LSTM
+        rate at a second rate.
+      probe_steps: timed steps of each LSTM rate's probe (int >= 2;
+        default 8).
+      min_gain: least predicted saving of a move, as a fraction of the
+        measured step, in ``[0, 0.5)`` (default 0.01: sparsity that saves
+        less than 1% of the step is not worth its accuracy).
       sensitivity_data: optional held batch ``(x, y)`` for the sensitivity
         probe (module docstring).
       min_samples: steps measured per decision (int >= 2; default 8).
@@ -268,8 +336,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     def __init__(self, step_time=None, epoch_time=None, deadline=None,
                  layers=None, max_sparsity=0.95, min_rate=0.0, max_rate=0.7,
                  warmup_steps=20, sensitivity_data=None, min_samples=8,
-                 update_every=4, gain=0.5, log_dir=None, verbose=0,
-                 clock=time.perf_counter):
+                 update_every=4, gain=0.5, probe_steps=8, min_gain=0.01,
+                 log_dir=None, verbose=0, clock=time.perf_counter):
         super().__init__()
         self.kind, self.seconds = _budget.validate_budget_args(
             step_time, epoch_time, deadline, max_sparsity, min_rate,
@@ -288,6 +356,12 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.warmup_steps = validate_int(warmup_steps, "warmup_steps", 2)
         self.min_samples = validate_int(min_samples, "min_samples", 2)
         self.update_every = validate_int(update_every, "update_every", 1)
+        self.probe_steps = validate_int(probe_steps, "probe_steps", 2)
+        mg = float(min_gain) if not isinstance(min_gain, bool) else -1.0
+        if not 0.0 <= mg < 0.5:
+            raise ValueError("`min_gain` must be in [0, 0.5). Received: "
+                             f"min_gain={min_gain!r}")
+        self.min_gain = mg
         g = float(gain) if not isinstance(gain, bool) else float("nan")
         if not math.isfinite(g) or g < 0:
             raise ValueError(f"`gain` must be >= 0. Received: gain={gain!r}")
@@ -311,12 +385,24 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.trace = []
         self.history = []
         self._knobs = []
+        self._lstm = []
         self._writer = None
 
     # -- discovery -----------------------------------------------------------
     def _discover(self):
-        consumers, explicit = select_split_layers(
-            self.model, self.layer_selection, "TimeBudgetCallback")
+        lstms, rest = find_lstm_layers(self.model, self.layer_selection)
+        lstm_rates = [r for l in lstms for r in _lstm_rates(l)]
+        if rest is not None and lstms and not rest:
+            consumers, explicit = [], True
+        else:
+            try:
+                consumers, explicit = select_split_layers(
+                    self.model, rest, "TimeBudgetCallback")
+            except ValueError:
+                if rest is None and lstm_rates:
+                    consumers, explicit = [], False
+                else:
+                    raise
         knobs, changed, seen = [], False, set()
         for layer in consumers:
             owner, kind = find_activation_producer(layer)
@@ -333,14 +419,19 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             changed = mask_input_grad(layer) or conv or changed
             knobs.append(_Knob(layer, owner, fat,
                                _dropouts_between(layer, owner)))
-        if not knobs:
+        if not knobs and not lstm_rates:
             raise ValueError("TimeBudgetCallback: no sparse-split layer of "
-                             "the model is fed by a ReLU-family activation")
+                             "the model is fed by a ReLU-family activation, "
+                             "and no SparseSplitLSTM has a compacted "
+                             "dropout pattern")
         if changed:
             reset_compiled_functions(self.model)
-        return knobs
+        return knobs, lstm_rates
 
-    # -- Keras hooks -----------------------------------------------------------
+    def _floor_rate(self, own):
+        return min(max(self.min_rate, own), self.max_rate)
+
+    # -- Keras hooks -------------------------------------------------------
     def on_train_begin(self, logs=None):
         params = self.params or {}
         self._spe = params.get("steps") or None
@@ -348,7 +439,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self.kind != "step_time" and not self._spe:
             raise ValueError(f"TimeBudgetCallback: a {self.kind} budget "
                              "needs a known number of steps per epoch")
-        self._knobs = self._discover()
+        self._knobs, self._lstm = self._discover()
+        self._retraced = False
+        rate_knobs = {}
         for k in self._knobs:
             k.fat.target_var.assign(0.0)
             k.fat.cutoff_var.assign(0.0)
@@ -356,13 +449,23 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             k.seen_total = None
             k.read_new_stats()
             k.window_zero = k.window_elems = 0.0
-            k.rate_floor = [min(max(self.min_rate, r), self.max_rate)
-                            for r in k.own_rates]
+            k.rate_floor = [self._floor_rate(r) for r in k.own_rates]
             for d, r in zip(k.dropouts, k.rate_floor):
-                self._set_rate(d, r)
+                d.set_rate(r)
+                rate_knobs[d.name] = _budget.RateKnob(
+                    floor=r, upper=self.max_rate, layer=k.name)
+        retrace = False
+        for lr in self._lstm:
+            lr.floor = self._floor_rate(lr.own_rate)
+            retrace = lr.set(lr.floor) or retrace
+            rate_knobs[lr.name] = _budget.RateKnob(floor=lr.floor,
+                                                   upper=self.max_rate)
+        if retrace:
+            reset_compiled_functions(self.model)
         self.controller = _budget.BudgetController(
             [k.name for k in self._knobs], max_sparsity=self.max_sparsity,
-            min_samples=self.min_samples)
+            min_samples=self.min_samples, rates=rate_knobs,
+            min_gain=self.min_gain)
         self.decisions = self.controller.log
         self.trace, self.history = [], []
         self._step = 0
@@ -370,7 +473,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self._epoch_overheads = []
         self._warm = False
         self._floor_sum = {k.name: [0.0, 0.0] for k in self._knobs}
-        self._retraced = False
+        self._phase = None          # None: natural sparsity; else a probe
+        self._phase_times = []
+        self._probes = [lr for lr in self._lstm]
+        self._base_s = None
         self._last_reachable = True
         self._probe = None
         if self.log_dir and self._writer is None:
@@ -406,8 +512,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self._step % self.update_every == 0:
             self._read_stats()
         if not self._warm:
-            if self._step >= self.warmup_steps:
-                self._end_warmup()
+            if not first:
+                self._phase_times.append(dt)
+            self._warmup_step()
             return
         if not first:
             c.observe_step(dt)
@@ -423,14 +530,70 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                            "targets": dict(c.targets),
                            "rates": self._rates()})
 
-    def _end_warmup(self):
+    # -- warm-up: natural sparsity, then one probe per LSTM rate -------------
+    def _warmup_step(self):
+        if self._phase is None:
+            if self._step < self.warmup_steps:
+                return
+            self._end_natural()
+        elif len(self._phase_times) >= self.probe_steps:
+            self._end_probe()
+        else:
+            return
+        self._next_probe()
+
+    def _end_natural(self):
         self._read_stats()
+        c = self.controller
         for k in self._knobs:
             z, n = self._floor_sum[k.name]
             if n > 0:
-                self.controller.set_floor(k.name, z / n)
+                c.set_floor(k.name, _budget.activation_sparsity(
+                    z / n, k.rate_floor))
         self._measure_sensitivity()
+        # The natural phase's later half: the steps at the floor rates.
+        t = self._phase_times[len(self._phase_times) // 2:]
+        self._base_s = _budget.robust_step_time(t) if t else None
+        self._phase = "natural-done"
+
+    def _next_probe(self):
+        while self._probes:
+            lr = self._probes.pop(0)
+            up = lr.floor + PROBE_DELTA
+            rate = up if up <= self.max_rate + 1e-9 else \
+                lr.floor - PROBE_DELTA
+            rate = min(max(rate, self.min_rate), self.max_rate)
+            if abs(rate - lr.floor) < 0.05 or self._base_s is None:
+                continue      # bounds too narrow to move it: no knob
+            self._phase = (lr, rate)
+            self._phase_times = []
+            if lr.set(rate):
+                reset_compiled_functions(self.model)
+            # The first step at the new rate is left out (settling).
+            self._retraced = True
+            return
         self._warm = True
+        self._phase = None
+
+    def _end_probe(self):
+        lr, rate = self._phase
+        med = _budget.robust_step_time(self._phase_times)
+        cost = _budget.RateCost.from_two_rates(lr.kept, lr.floor,
+                                               self._base_s, rate, med)
+        self.controller.set_rate_cost(lr.name, cost)
+        self._probe_log = getattr(self, "_probe_log", [])
+        self._probe_log.append((lr.name, lr.floor, self._base_s, rate, med,
+                                cost.slope_s))
+        if self.verbose:
+            print(f"TimeBudgetCallback: {lr.name}: median step "
+                  f"{self._base_s * 1e3:.2f} ms at rate {lr.floor:.2f}, "
+                  f"{med * 1e3:.2f} ms at {rate:.2f}: "
+                  + (f"{cost.slope_s * 1e3:.2f} ms per unit of kept work"
+                     if cost.predicts else "no saving measured, left at "
+                     "its floor"), flush=True)
+        if lr.set(lr.floor):
+            reset_compiled_functions(self.model)
+        self._retraced = True
 
     def _read_stats(self):
         c = self.controller
@@ -438,7 +601,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             before_z, before_e = k.window_zero, k.window_elems
             k.read_new_stats()
             dz, de = k.window_zero - before_z, k.window_elems - before_e
-            if not self._warm:
+            if not self._warm and self._phase is None:
                 self._floor_sum[k.name][0] += dz
                 self._floor_sum[k.name][1] += de
             total, calls = k.consumer.accumulated_stats_vector()
@@ -446,7 +609,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                 c.set_cost(k.name, _budget.LayerCost.from_stats(
                     k.consumer.latest_stats_vector()))
             if k.window_elems > 0:
-                measured = k.window_zero / k.window_elems
+                # The activation's share of the zeros the layer saw (its
+                # dropouts' zeros taken out).
+                measured = _budget.activation_sparsity(
+                    k.window_zero / k.window_elems,
+                    [c.rates.get(d.name, d.rate) for d in k.dropouts])
                 c.set_actual(k.name, measured)
                 target = c.targets[k.name]
                 if self._warm and self.gain > 0 and \
@@ -468,8 +635,17 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                                                   0.999)))
 
     def _apply(self, targets):
+        c = self.controller
         for k in self._knobs:
             self._set_fat(k, targets[k.name])
+            for d in k.dropouts:
+                d.set_rate(c.rates[d.name])
+        retrace = False
+        for lr in self._lstm:
+            retrace = lr.set(c.rates[lr.name]) or retrace
+        if retrace:
+            reset_compiled_functions(self.model)
+            self._retraced = True
 
     def _measure_sensitivity(self):
         c = self.controller
@@ -505,20 +681,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             overhead_per_epoch=overhead)
 
     def _rates(self):
-        return {d.name: d.rate for k in self._knobs for d in k.dropouts}
-
-    @staticmethod
-    def _set_rate(layer, rate):
-        """Sets an ApproximateRandomDropout's rate and rebuilds its pattern
-        distribution (the compiled step must be rebuilt to see it)."""
-        rate = float(rate)
-        if abs(layer.rate - rate) < 1e-12:
-            return False
-        layer.rate = rate
-        layer._given = None
-        if layer.built:
-            layer.build((None, layer._units))
-        return True
+        out = {d.name: d.rate for k in self._knobs for d in k.dropouts}
+        out.update({lr.name: lr.rate for lr in self._lstm})
+        return out
 
     def _on_decision(self, d, new):
         if self._writer is not None:
@@ -549,7 +714,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             if not d.reachable and self.verbose:
                 print(f"TimeBudgetCallback: step budget "
                       f"{d.budget_s * 1e3:.2f} ms is not reachable within "
-                      f"max_sparsity={self.max_sparsity} (measured "
+                      f"max_sparsity={self.max_sparsity} and max_rate="
+                      f"{self.max_rate} (measured "
                       f"{d.measured_s * 1e3:.2f} ms); running at the bounds",
                       flush=True)
         if new is not None and self.verbose:
@@ -557,7 +723,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                   f"{d.measured_s * 1e3:.2f} ms, budget "
                   f"{d.budget_s * 1e3:.2f} ms, predicted "
                   f"{d.predicted_s * 1e3:.2f} ms -> " + ", ".join(
-                      f"{n} {t:.2f}" for n, t in new.items()), flush=True)
+                      [f"{n} {t:.2f}" for n, t in new.items()] +
+                      [f"{n} rate {r:.2f}" for n, r in d.rates.items()]),
+                  flush=True)
             for n, why in d.reasons.items():
                 print(f"  {n}: {why}", flush=True)
 
@@ -577,7 +745,6 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._epoch_overheads.append(max(wall - self._epoch_step_s, 0.0))
         if self._warm:
             self._measure_sensitivity()
-            self._adjust_rates()
         step_time = (float(np.median(self._epoch_times))
                      if self._epoch_times else float("nan"))
         # The budget in force during the epoch: the median of its steps'
@@ -594,8 +761,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                   else float("nan"))
             entry[f"{k.name}/budget_target"] = c.targets[k.name]
             entry[f"{k.name}/budget_sparsity"] = float(sp)
-            for d in k.dropouts:
-                entry[f"{d.name}/budget_rate"] = d.rate
+        for name, rate in self._rates().items():
+            entry[f"{name}/budget_rate"] = rate
         if logs is not None:
             logs.update(entry)
         self.history.append(dict(entry))
@@ -603,24 +770,3 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             print(f"TimeBudgetCallback: epoch {epoch + 1}: median step "
                   f"{step_time * 1e3:.2f} ms, budget {budget * 1e3:.2f} ms; "
                   + getattr(self, "_sens_note", ""), flush=True)
-
-    def _adjust_rates(self):
-        c = self.controller
-        if not any(k.dropouts for k in self._knobs) or not c.log:
-            return
-        last = c.log[-1]
-        at_bound = all(c.targets[k.name] >= self.max_sparsity - 1e-9
-                       for k in self._knobs)
-        changed = False
-        for k in self._knobs:
-            for i, d in enumerate(k.dropouts):
-                if not last.reachable and at_bound:
-                    new = min(d.rate + RATE_STEP, self.max_rate)
-                elif last.measured_s < last.budget_s * 0.85:
-                    new = max(d.rate - RATE_STEP, k.rate_floor[i])
-                else:
-                    continue
-                changed = self._set_rate(d, new) or changed
-        if changed:
-            reset_compiled_functions(self.model)
-            self._retraced = True

@@ -89,6 +89,7 @@ from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
 
 __all__ = [
     "ApproximateRandomDropout",
+    "PatternTable",
     "SensitivityAwareDropout",
     "draw_pattern",
     "pattern_keep_mask",
@@ -98,13 +99,106 @@ __all__ = [
 # ---------------------------------------------------------------------------
 # pattern draws (shared with the LSTM's recurrent dropout)
 # ---------------------------------------------------------------------------
+#: Logit of an unused slot of a :class:`PatternTable` (probability 1e-30,
+#: the floor the draws put under every probability).
+_PAD_LOGIT = float(np.log(1e-30))
+
+
+class PatternTable:
+    """A pattern distribution held in non-trainable ``tf.Variable`` s, so
+    a compiled training step draws from whatever distribution was last
+    assigned (a rate change needs no retracing; the way a FATReLU's target
+    is a variable).
+
+    ``capacity`` slots: float32 logits ``[1, capacity]`` (``log(max(p,
+    1e-30))``), int32 periods ``[capacity]`` and bool kinds ``[capacity]``
+    (True = ``"drop"``); unused slots hold ``("keep", 1)`` at probability
+    1e-30 (never drawn in practice). The variables are not Keras weights:
+    the layer's config stores the distribution, as before.
+
+    Args:
+      capacity: slots (int >= 1).
+      name: prefix of the variables' names.
+      patterns, probs: the initial distribution (default: the identity
+        pattern ``("keep", 1)``); the variables are created with it (under
+        ``tf.init_scope``, so a layer built inside a traced function holds
+        it from the start).
+
+    Raises:
+      ValueError: more patterns than ``capacity``.
+    """
+
+    def __init__(self, capacity, name="patterns", patterns=None,
+                 probs=None):
+        self.capacity = validate_int(capacity, "capacity")
+        if patterns is None:
+            patterns, probs = [("keep", 1)], np.ones(1)
+        logits, periods, drops = self._arrays(patterns, probs)
+        with tf.init_scope():
+            self.logits = tf.Variable(logits, trainable=False,
+                                      name=f"{name}_logits")
+            self.periods = tf.Variable(periods, trainable=False,
+                                       name=f"{name}_periods")
+            self.drops = tf.Variable(drops, trainable=False,
+                                     name=f"{name}_drops")
+
+    def _arrays(self, patterns, probs):
+        n = len(patterns)
+        if n > self.capacity:
+            raise ValueError(f"{n} patterns do not fit the table's "
+                             f"{self.capacity} slots")
+        logits = np.full([1, self.capacity], _PAD_LOGIT, np.float32)
+        logits[0, :n] = np.log(np.maximum(np.asarray(probs, np.float64),
+                                          1e-30))
+        periods = np.ones([self.capacity], np.int32)
+        periods[:n] = [p for _, p in patterns]
+        drops = np.zeros([self.capacity], bool)
+        drops[:n] = [k == "drop" for k, _ in patterns]
+        return logits, periods, drops
+
+    def assign(self, patterns, probs):
+        """Stores ``patterns`` (list of ``(kind, period)``) with ``probs``
+        (numpy, sums to 1). Call it between steps (eagerly).
+
+        Raises:
+          ValueError: more patterns than ``capacity``.
+        """
+        logits, periods, drops = self._arrays(patterns, probs)
+        self.logits.assign(logits)
+        self.periods.assign(periods)
+        self.drops.assign(drops)
+
+    def tensors(self):
+        """``(logits [1, capacity], periods [capacity], is_drop
+        [capacity])`` read from the variables."""
+        return (tf.convert_to_tensor(self.logits),
+                tf.convert_to_tensor(self.periods),
+                tf.convert_to_tensor(self.drops))
+
+
+def table_capacity(num_columns, max_period, rates=(0.95,)):
+    """Slots a :class:`PatternTable` needs for the searched distributions
+    of every rate up to ``max(rates)`` over ``num_columns`` units (tile
+    columns): the size of the search's candidate list at that rate
+    (:func:`~tf_sparse_split.tuning.pattern_search.pattern_list`, with the
+    period raised as the search raises it)."""
+    from tf_sparse_split.tuning.pattern_search import pattern_list
+
+    top = min(max(float(r) for r in rates), 1.0 - 1.0 / max(num_columns, 2))
+    need = int(np.ceil(1.0 / (1.0 - top) - 1e-9))
+    return len(pattern_list(max(int(num_columns), 1),
+                            max(int(max_period), 2 * need, 2)))
+
+
 def draw_pattern(patterns, probs, seed_generator, groups=None,
                  same_pattern=False):
     """Draws one pattern of a distribution and its offset (or ``groups`` of
     them).
 
     Args:
-      patterns: list of ``(kind, period)``.
+      patterns: list of ``(kind, period)``, or a :class:`PatternTable`
+        (then ``probs`` is ignored: the table's variables are read, so a
+        compiled step follows an assigned distribution).
       probs: their probabilities (numpy, sums to 1).
       seed_generator: a ``keras.random.SeedGenerator`` (advanced).
       groups: None for one draw (scalars), or an int ``G >= 1`` for ``G``
@@ -116,15 +210,18 @@ def draw_pattern(patterns, probs, seed_generator, groups=None,
       ``(is_drop, period, offset)``: bool and two int32 tensors (scalars, or
       ``[groups]``), each offset uniform in ``[0, period)``.
     """
-    logits = tf.math.log(tf.constant(
-        np.maximum(probs, 1e-30)[None, :], tf.float32))
+    if isinstance(patterns, PatternTable):
+        logits, periods, drops = patterns.tensors()
+    else:
+        logits = tf.math.log(tf.constant(
+            np.maximum(probs, 1e-30)[None, :], tf.float32))
+        periods = tf.constant([p for _, p in patterns], tf.int32)
+        drops = tf.constant([k == "drop" for k, _ in patterns])
     shape = () if groups is None else (groups,)
     n_kinds = 1 if groups is None or same_pattern else groups
     idx = tf.cast(tf.reshape(keras.random.categorical(
         logits, n_kinds, seed=seed_generator), [n_kinds]), tf.int32)
     idx = tf.broadcast_to(idx, shape) if groups else tf.reshape(idx, [])
-    periods = tf.constant([p for _, p in patterns], tf.int32)
-    drops = tf.constant([k == "drop" for k, _ in patterns])
     p = tf.gather(periods, idx)
     u = keras.random.uniform(shape, seed=seed_generator)
     o = tf.minimum(tf.cast(tf.floor(u * tf.cast(p, tf.float32)),
@@ -199,7 +296,8 @@ def random_subset_keep_mask(units, rate, seed_generator, groups=1,
 
     Args:
       units: the width (int >= 1).
-      rate: drop rate in ``[0, 1)``.
+      rate: drop rate in ``[0, 1)``, or a scalar float tensor (e.g. read
+        from a variable; not validated).
       seed_generator: a ``keras.random.SeedGenerator``.
       groups: number of masks (int >= 1).
       balanced: draw the groups' subsets jointly (above).
@@ -208,12 +306,22 @@ def random_subset_keep_mask(units, rate, seed_generator, groups=1,
       ValueError: bad ``units``, ``rate`` or ``groups``.
     """
     units = validate_int(units, "units")
-    rate = validate_fraction(rate, "rate")
     groups = validate_int(groups, "groups")
-    base = int(np.floor(rate * units))
-    frac = rate * units - base
     u = keras.random.uniform((), seed=seed_generator)
-    n = tf.minimum(base + tf.cast(u < frac, tf.int32), units - 1)
+    if tf.is_tensor(rate):
+        # A rate read from a variable inside a compiled step (float64, so
+        # the count is the one the same Python float gives).
+        r = tf.cast(rate, tf.float64)
+        base = tf.floor(r * units)
+        frac = r * units - base
+        n = tf.minimum(tf.cast(base, tf.int32) +
+                       tf.cast(tf.cast(u, tf.float64) < frac, tf.int32),
+                       units - 1)
+    else:
+        rate = validate_fraction(rate, "rate")
+        base = int(np.floor(rate * units))
+        frac = rate * units - base
+        n = tf.minimum(base + tf.cast(u < frac, tf.int32), units - 1)
     if balanced:
         noise = keras.random.uniform((1, units), seed=seed_generator)
         rank = tf.argsort(tf.argsort(noise, axis=1), axis=1)
@@ -301,6 +409,14 @@ class ApproximateRandomDropout(keras.layers.Layer):
         instead of compacting columns.
       **kwargs: base ``Layer`` arguments.
 
+    The rate and the pattern distribution live in non-trainable
+    ``tf.Variable`` s (``rate_var`` and a :class:`PatternTable`) that the
+    compiled step reads, so :meth:`set_rate` (or assigning ``rate``) takes
+    effect at the next step without retracing, from any rate to any other,
+    0 included (a callback such as ``TimeBudgetCallback`` moves it between
+    steps). They are not Keras weights: ``get_config`` stores the rate and
+    distribution in force, and ``.keras`` files keep their layout.
+
     Raises:
       ValueError: bad rate, pattern or tile shape (a tile wider than the
         layer or not dividing it is reported at build time).
@@ -310,7 +426,9 @@ class ApproximateRandomDropout(keras.layers.Layer):
                  max_period=DEFAULT_MAX_PERIOD, seed=None, probabilities=None,
                  pattern_groups=None, **kwargs):
         super().__init__(**kwargs)
-        self.rate = validate_fraction(rate, "rate")
+        self._rate = validate_fraction(rate, "rate")
+        self.rate_var = None
+        self._table = None
         self.pattern = check_pattern(pattern)
         self.pattern_groups = check_pattern_groups(pattern_groups, pattern)
         if pattern == "tile":
@@ -356,6 +474,68 @@ class ApproximateRandomDropout(keras.layers.Layer):
             return out
         return [(k, p, prob / total) for k, p, prob in out]
 
+    @property
+    def rate(self):
+        """The drop rate in force (Python float; :meth:`set_rate` changes
+        it)."""
+        return self._rate
+
+    @rate.setter
+    def rate(self, value):
+        self.set_rate(value)
+
+    def set_rate(self, rate):
+        """Changes the drop rate between training steps, without retracing.
+
+        The pattern distribution is searched again for the new rate
+        (:func:`~tf_sparse_split.search_pattern_distribution`, the same
+        arguments as at build time; an explicit ``probabilities`` list is
+        replaced by it, unless the rate is unchanged) and assigned to the
+        layer's pattern table and ``rate_var``, non-trainable
+        ``tf.Variable`` s that the compiled step reads (rate 0: the
+        identity, as at construction). Before the layer
+        is built only the value is stored.
+
+        Args:
+          rate: drop rate in ``[0, 1)``.
+
+        Raises:
+          ValueError: a rate outside ``[0, 1)``, or one the layer's width
+            cannot reach (above ``1 - 1/columns``, or needing more pattern
+            slots than the table was built with: rates up to
+            ``max(0.95, rate at build)``).
+        """
+        rate = validate_fraction(rate, "rate")
+        if not self.built:
+            self._rate = rate
+            return
+        if rate == self._rate:
+            return      # (an explicit ``probabilities`` list stays)
+        patterns, probs, dist = self._distribution_for(rate)
+        if len(patterns) > self._table.capacity:
+            raise ValueError(
+                f"rate {rate} needs {len(patterns)} patterns; the layer "
+                f"{self.name!r} was built with room for "
+                f"{self._table.capacity} (rates up to 0.95 or its rate at "
+                "build time)")
+        self._table.assign(patterns, probs)
+        self.rate_var.assign(rate)
+        self._rate = rate
+        self._given = None
+        self.distribution = dist
+        self._patterns, self._probs = patterns, probs
+
+    def _distribution_for(self, rate):
+        """``(patterns, probs, PatternDistribution or None)`` searched for
+        ``rate`` (identity at 0)."""
+        if rate > 0:
+            dist = search_pattern_distribution(
+                rate, self._units, pattern=self.pattern,
+                max_period=self.max_period, tile_shape=self.tile_shape,
+                seed=0 if self.seed is None else self.seed)
+            return list(dist.patterns), dist.probabilities, dist
+        return [("keep", 1)], np.ones(1), None
+
     def build(self, input_shape):
         units = input_shape[-1]
         if units is None:
@@ -374,16 +554,22 @@ class ApproximateRandomDropout(keras.layers.Layer):
                                      "columns the pattern runs over")
             self._patterns = [(k, p) for k, p, _ in self._given]
             self._probs = np.array([x[2] for x in self._given])
-        elif self.rate > 0:
-            self.distribution = search_pattern_distribution(
-                self.rate, self._units, pattern=self.pattern,
-                max_period=self.max_period, tile_shape=self.tile_shape,
-                seed=0 if self.seed is None else self.seed)
-            self._patterns = list(self.distribution.patterns)
-            self._probs = self.distribution.probabilities
         else:
-            self._patterns, self._probs = [("keep", 1)], np.ones(1)
+            self._patterns, self._probs, self.distribution = \
+                self._distribution_for(self._rate)
         self._columns = columns
+        # The distribution as variables the compiled step reads (room for
+        # the distributions of every rate up to 0.95, or the layer's own).
+        capacity = max(table_capacity(columns, self.max_period,
+                                      (0.95, self._rate)),
+                       len(self._patterns))
+        self._table = PatternTable(capacity, name=f"{self.name}_patterns",
+                                   patterns=self._patterns,
+                                   probs=self._probs)
+        with tf.init_scope():
+            self.rate_var = tf.Variable(self._rate, dtype=tf.float32,
+                                        trainable=False,
+                                        name=f"{self.name}_rate")
         self.built = True
 
     def compute_output_shape(self, input_shape):
@@ -399,12 +585,12 @@ class ApproximateRandomDropout(keras.layers.Layer):
     # -- mask -------------------------------------------------------------
     def _draw(self):
         """Draws (kind_is_drop, period, offset) as int32 scalars."""
-        return draw_pattern(self._patterns, self._probs, self.seed_generator)
+        return draw_pattern(self._table, None, self.seed_generator)
 
     def keep_mask(self, batch_size=None):
         """Draws one training-step mask: float32 ``[1, units]`` (row) or
         ``[batch_size, units]`` (tile); 1 = kept. Advances the seed state."""
-        return pattern_keep_mask(self._patterns, self._probs, self._units,
+        return pattern_keep_mask(self._table, None, self._units,
                                  self.seed_generator, pattern=self.pattern,
                                  tile_shape=self.tile_shape,
                                  batch_size=batch_size)
@@ -413,7 +599,7 @@ class ApproximateRandomDropout(keras.layers.Layer):
         """``[batch, 1.., units]`` mask (kept values already rescaled) with
         one independent row pattern per group of consecutive examples."""
         groups = self.pattern_groups
-        keep = pattern_keep_mask(self._patterns, self._probs, self._units,
+        keep = pattern_keep_mask(self._table, None, self._units,
                                  self.seed_generator, pattern="row",
                                  groups=groups)              # [G, units]
         scale = tf.math.divide_no_nan(
@@ -427,9 +613,15 @@ class ApproximateRandomDropout(keras.layers.Layer):
         return tf.cast(tf.reshape(mask, shape), x.dtype)
 
     def call(self, inputs, training=False):
-        if not training or self.rate == 0.0:
+        if not training:
             return inputs
         x = tf.convert_to_tensor(inputs)
+        # The rate is read from its variable: a step traced at one rate
+        # runs at whatever rate set_rate() assigned since (0: identity).
+        return tf.cond(tf.convert_to_tensor(self.rate_var) > 0.0,
+                       lambda: self._dropped(x), lambda: tf.identity(x))
+
+    def _dropped(self, x):
         if self.pattern == "row" and self.pattern_groups > 1:
             return x * self._grouped_row_mask(x)
         if self.pattern == "row":

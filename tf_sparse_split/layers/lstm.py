@@ -114,14 +114,17 @@ import tensorflow as tf
 from tf_sparse_split.layers.dropout import (DEFAULT_MAX_PERIOD,  # noqa: F401
                                             DEFAULT_PATTERN_GROUPS,
                                             GROUPED_PATTERNS,
+                                            PatternTable,
                                             check_pattern_groups,
+                                            table_capacity,
                                             pattern_keep_mask,
                                             random_subset_keep_mask)
 from tf_sparse_split.layers._lstm_recurrence import (_recurrence, _grouped_matmul, _gather_cols)
 from tf_sparse_split.tuning.pattern_search import (check_tile_fits,
                                                    check_tile_shape,
                                                    search_pattern_distribution)
-from tf_sparse_split.utils.validation import validate_int
+from tf_sparse_split.utils.validation import (validate_fraction,
+                                              validate_int)
 
 __all__ = ["SparseSplitLSTM", "SparseSplitLSTMCell", "LSTM_PATTERNS"]
 
@@ -165,6 +168,14 @@ def split_recurrent_rate(rate, share):
     group_rate = 1.0 - keep
     example_rate = 1.0 - (1.0 - rate) / keep if keep > 0 else 0.0
     return group_rate, max(example_rate, 0.0)
+
+
+def _split_rate_tensor(rate, share):
+    """:func:`split_recurrent_rate` on a float64 tensor ``rate``."""
+    keep = tf.pow(1.0 - rate, tf.constant(share, tf.float64))
+    example = tf.where(keep > 0, 1.0 - (1.0 - rate) / keep,
+                       tf.zeros_like(keep))
+    return 1.0 - keep, tf.maximum(example, 0.0)
 
 
 def _check_group_share(share, pattern):
@@ -269,27 +280,122 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         self.max_period = validate_int(max_period, "max_period", 2)
         super().__init__(units, **kwargs)
         self._distributions = {}
+        self._tables = {}
+        self._rate_vars = {}
+        self._dims = {}
+        # The masks the last traced training step has ("input",
+        # "recurrent"); None before any trace (SparseSplitLSTM.inner_loop).
+        self._masked = None
 
     def build(self, input_shape):
         super().build(input_shape)
+        self._dims = {"input": int(input_shape[-1]),
+                      "recurrent": self.units}
+        # The rates in force as float64 variables (exactly the Python
+        # values) that the compiled step reads: set_rates() moves them
+        # between steps without retracing. Not Keras weights: the config
+        # keeps the rates, as for keras.layers.LSTM.
+        with tf.init_scope():
+            for key, rate in (("input", self.dropout),
+                              ("recurrent", self.recurrent_dropout)):
+                self._rate_vars[key] = tf.Variable(
+                    float(rate), dtype=tf.float64, trainable=False,
+                    name=f"{key}_dropout_rate")
         if self.pattern in ("random", "subset"):
             return
+        for key, rate in (("input", self.dropout),
+                          ("recurrent", self.recurrent_dropout)):
+            if rate > 0:
+                self._search(key, rate)
+
+    def _search(self, key, rate):
+        """Row/tile patterns: searches the distribution of ``rate`` and
+        stores it in the key's pattern table (made on first use)."""
+        dim = self._dims[key]
+        if self.pattern == "tile":
+            try:
+                check_tile_fits(self.tile_shape, dim)
+            except ValueError as e:
+                raise ValueError(f"{key} dropout of {self.name!r}: {e}; "
+                                 "choose tile_shape accordingly") from None
         seed = 0 if self.seed is None else int(self.seed)
-        for key, rate, dim in (("input", self.dropout, int(input_shape[-1])),
-                               ("recurrent", self.recurrent_dropout,
-                                self.units)):
-            if not rate > 0:
+        dist = search_pattern_distribution(
+            rate, dim, pattern=self.pattern, max_period=self.max_period,
+            tile_shape=self.tile_shape, seed=seed)
+        table = self._tables.get(key)
+        if table is None:
+            columns = (dim // self.tile_shape[1] if self.pattern == "tile"
+                       else dim)
+            self._tables[key] = PatternTable(
+                max(table_capacity(columns, self.max_period, (0.95, rate)),
+                    len(dist.patterns)), name=f"{key}_patterns",
+                patterns=list(dist.patterns), probs=dist.probabilities)
+        else:
+            if len(dist.patterns) > table.capacity:
+                raise ValueError(
+                    f"{key} dropout rate {rate} of {self.name!r} needs more "
+                    "pattern slots than the layer was built with (rates up "
+                    "to 0.95)")
+            table.assign(list(dist.patterns), dist.probabilities)
+        self._distributions[key] = (dist, dim)
+
+    def set_rates(self, dropout=None, recurrent_dropout=None):
+        """Changes the input and/or recurrent dropout rate between training
+        steps.
+
+        With ``pattern`` ``"subset"``, ``"row"`` or ``"tile"`` a built cell
+        stores the rate in a variable the compiled step reads (row/tile:
+        the pattern distribution is searched again and stored in a
+        variable table), so no retracing is needed -- unless the rate was
+        0 when the training step was traced (the step then has no mask to
+        scale; a step at rate 0 keeps its masks, as identities).
+        ``pattern="random"`` uses Keras' masks, which read the Python
+        value at trace time.
+
+        Args:
+          dropout, recurrent_dropout: rates in ``[0, 1)``, or None (kept).
+
+        Returns:
+          True if a compiled step must be retraced to see the change (a
+          rate raised from 0, or ``pattern="random"``), else False.
+
+        Raises:
+          ValueError: a rate outside ``[0, 1)`` or one the width cannot
+            reach with row/tile patterns.
+        """
+        retrace = False
+        for key, attr, value in (("input", "dropout", dropout),
+                                 ("recurrent", "recurrent_dropout",
+                                  recurrent_dropout)):
+            if value is None:
                 continue
-            if self.pattern == "tile":
-                try:
-                    check_tile_fits(self.tile_shape, dim)
-                except ValueError as e:
-                    raise ValueError(f"{key} dropout of {self.name!r}: {e}; "
-                                     "choose tile_shape accordingly") from None
-            dist = search_pattern_distribution(
-                rate, dim, pattern=self.pattern, max_period=self.max_period,
-                tile_shape=self.tile_shape, seed=seed)
-            self._distributions[key] = (dist, dim)
+            v = validate_fraction(value, attr)
+            old = float(getattr(self, attr))
+            if v == old:
+                continue
+            if self.built and self.pattern in ("row", "tile"):
+                if v > 0:
+                    self._search(key, v)
+                elif key in self._tables:   # rate 0: the identity pattern
+                    self._tables[key].assign([("keep", 1)], [1.0])
+                    self._distributions.pop(key, None)
+            if self.pattern == "random" or (
+                    v > 0 and self._masked is not None and
+                    key not in self._masked):
+                retrace = True
+            setattr(self, attr, v)
+            if self.built:
+                self._rate_vars[key].assign(v)
+        return retrace
+
+    def _rate(self, which):
+        """The rate in force (float64 tensor from its variable once built,
+        else the Python value)."""
+        var = self._rate_vars.get(which)
+        if var is None:
+            return tf.constant(self.dropout if which == "input" else
+                               self.recurrent_dropout, tf.float64)
+        return tf.convert_to_tensor(var)
 
     def pattern_distribution(self, which="recurrent"):
         """The :class:`~tf_sparse_split.PatternDistribution` of the
@@ -304,28 +410,35 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         grouped = self.pattern in GROUPED_PATTERNS
         groups = self.pattern_groups if grouped else 1
         count = getattr(self, "dropout_mask_count", None)
+        rate = self._rate(which)
         if self.pattern == "subset" and which == "input":
             # Per example and unit, as Keras' (one mask for the 4 gates).
             keep = keras.random.uniform(tf.shape(x)[:2],
                                         seed=self.seed_generator) \
-                >= self.dropout
-            mask = tf.cast(keep, x.dtype) / (1.0 - self.dropout)
+                >= tf.cast(rate, tf.float32)
+            mask = tf.cast(keep, x.dtype) / tf.cast(1.0 - rate, x.dtype)
             return mask if count is None else [mask] * count
         example = None
         if self.pattern == "subset":
-            group_rate, example_rate = split_recurrent_rate(
-                self.recurrent_dropout, self.recurrent_group_share)
+            group_rate, example_rate = _split_rate_tensor(
+                rate, self.recurrent_group_share)
             keep = random_subset_keep_mask(self.units, group_rate,
                                            self.seed_generator, groups=groups,
                                            balanced=SUBSET_BALANCED)
-            if example_rate > 0:   # per example and unit, on top
+            if self.recurrent_group_share < 1.0:
+                # per example and unit, on top
                 example = tf.cast(
                     keras.random.uniform(tf.stack([batch, self.units]),
                                          seed=self.seed_generator)
-                    >= example_rate, x.dtype) / (1.0 - example_rate)
+                    >= tf.cast(example_rate, tf.float32), x.dtype) / \
+                    tf.cast(1.0 - example_rate, x.dtype)
         else:
-            dist, dim = self._distributions[which]
-            keep = pattern_keep_mask(dist.patterns, dist.probabilities, dim,
+            if which not in self._tables:   # rate raised from 0 unbuilt
+                self._search(which, float(getattr(
+                    self, "dropout" if which == "input" else
+                    "recurrent_dropout")))
+            dim = self._dims[which]
+            keep = pattern_keep_mask(self._tables[which], None, dim,
                                      self.seed_generator,
                                      pattern=self.pattern,
                                      tile_shape=self.tile_shape,
@@ -504,6 +617,21 @@ class SparseSplitLSTM(keras.layers.LSTM):
     def pattern(self):
         return self.cell.pattern
 
+    def set_rates(self, dropout=None, recurrent_dropout=None):
+        """Changes the dropout and/or recurrent dropout rate between
+        training steps (:meth:`SparseSplitLSTMCell.set_rates`: no
+        retracing with ``pattern`` subset/row/tile unless a rate is raised
+        from one that was 0 when the training step was traced).
+
+        Returns:
+          True if the compiled step must be retraced to see the change.
+
+        Raises:
+          ValueError: a rate outside ``[0, 1)``.
+        """
+        return self.cell.set_rates(dropout=dropout,
+                                   recurrent_dropout=recurrent_dropout)
+
     def _use_compacted_loop(self, mask, training):
         cell = self.cell
         return bool(training) and cell.pattern != "random" and (
@@ -513,6 +641,12 @@ class SparseSplitLSTM(keras.layers.LSTM):
     def inner_loop(self, sequences, initial_state, mask, training=False):
         if isinstance(mask, (list, tuple)):
             mask = mask[0]
+        if training is True:
+            # Which masks this training trace holds (set_rates reports a
+            # rate raised where it holds none).
+            self.cell._masked = {k for k, r in (
+                ("input", self.cell.dropout),
+                ("recurrent", self.cell.recurrent_dropout)) if r > 0}
         if not self._use_compacted_loop(mask, training):
             return super().inner_loop(sequences, initial_state, mask=mask,
                                       training=training)

@@ -9,7 +9,10 @@ and component, by each one's ability to be sparsified. Here the user's demand
 is a step time (or an epoch time or a deadline, turned into step times), the
 resource is the machine's speed as measured by the steps themselves, and the
 knobs are the activation sparsity at each sparse-split layer's input (driven
-by a FATReLU cutoff) and, second, structured dropout rates.
+by a FATReLU cutoff) and, second, dropout rates (an
+``ApproximateRandomDropout`` in front of a controlled layer, whose zeros
+add to that layer's input; a ``SparseSplitLSTM``'s rates, whose effect is
+measured).
 
 The pieces, each a small class or function:
 
@@ -25,7 +28,12 @@ The pieces, each a small class or function:
   layer per step), fitted online to the measured medians by ridge
   regression toward its prior, and scaled by ``kappa = measured / predicted``
   at the current settings: the model gives the shape, the measurement the
-  level.
+  level. A measured median far off the prediction at unchanged settings
+  (a load came or went) restarts the fit (:meth:`StepModel.restart`).
+* :class:`RateCost` -- step seconds of a component against its dropout
+  rate, ``slope * kept(rate)``, from two measured medians (for a
+  ``SparseSplitLSTM``, whose compacted loop no op statistic describes);
+  :class:`RateKnob` -- a rate's bounds and what predicts it.
 * :func:`allocate` -- the per-layer sparsities that meet a predicted step
   time at the least predicted accuracy loss: greedy on a grid, each move the
   one with the most seconds saved per unit of loss (looking ahead over the
@@ -35,15 +43,18 @@ The pieces, each a small class or function:
   2203.05705, measured by the callback on a held batch) times the sparsity
   added above its natural level, with the marginal loss assumed to rise
   linearly to twice its measured value at the bound (pruning curves are
-  convex).
+  convex). Rates are a second tier, raised only when the activations at
+  their bound leave the goal unmet; moves saving less than a least gain are
+  not taken; a trimming pass lowers each knob as far as the goal allows
+  (rates first).
 * :class:`BudgetController` -- the feedback loop: robust step-time estimate
   (median of the steps since the last change, at least ``min_samples`` of
   them, the first ``settle`` after a change left out), a dead band around
   the budget, re-allocation from the layers' natural sparsity each time it
-  is left (so sparsity falls again when the machine gets faster), a limit
-  on the change per decision, no move against the measurement (over the
-  budget no target falls, under it none rises), and a log of each decision
-  with its reasons.
+  is left (so sparsity falls again when the machine gets faster), limits
+  on the change per decision (a fall: half a rise), no move against the
+  measurement (over the budget no target falls, under it none rises), and
+  a log of each decision with its reasons.
 * :func:`step_budget` -- an epoch time or a deadline for the whole fit
   turned into a step budget for the remaining steps.
 
@@ -58,6 +69,8 @@ import numpy as np
 from tf_sparse_split.tuning import stats as _stats
 
 __all__ = ["LayerCost", "StepModel", "Allocation", "allocate",
+           "RateCost", "RateKnob", "combined_sparsity",
+           "activation_sparsity",
            "BudgetController", "Decision", "step_budget",
            "validate_budget_args", "robust_step_time"]
 
@@ -256,10 +269,12 @@ class StepModel:
         self.factor = self.factor0
         self._obs = []
 
-    def observe(self, x, y):
+    def observe(self, x, y, extra=0.0):
         """Adds one observation (``x`` predicted op seconds summed over
-        layers, ``y`` measured step seconds) and refits."""
-        x, y = float(x), float(y)
+        layers, ``y`` measured step seconds, ``extra`` predicted step
+        seconds of the rate-driven components, :class:`RateCost`, taken off
+        ``y`` before the fit) and refits."""
+        x, y = float(x), float(y) - float(extra)
         if not (math.isfinite(x) and math.isfinite(y)) or y <= 0:
             return
         if self.fixed0 is None:
@@ -267,6 +282,23 @@ class StepModel:
         self._obs.append((x, y))
         self._obs = self._obs[-self.window:]
         self._fit()
+
+    def restart(self, x, y, extra=0.0):
+        """Forgets the observations after a level shift of the machine (a
+        load that came or went): the fitted ``factor`` becomes the prior,
+        ``fixed`` is re-estimated from this one observation. Without it
+        the window would keep fitting ``fixed`` to the steps of the old
+        level, and the first predictions at the new one would scale every
+        saving by the wrong ``kappa``."""
+        self.factor0 = self.factor
+        self.fixed0 = None
+        self._obs = []
+        self.observe(x, y, extra)
+
+    @property
+    def observations(self):
+        """Observations in the window."""
+        return len(self._obs)
 
     def _fit(self):
         # Ridge toward (fixed0, factor0): the prior counts as prior_weight
@@ -287,10 +319,11 @@ class StepModel:
         self.fixed = max(float(np.mean(ys - factor * xs)) if lam == 0 else
                          float(fixed), 0.0)
 
-    def predict(self, x):
-        """Predicted step seconds for op seconds ``x`` (before any
-        observation: ``factor0 * x``)."""
-        return (self.fixed or 0.0) + self.factor * float(x)
+    def predict(self, x, extra=0.0):
+        """Predicted step seconds for op seconds ``x`` plus ``extra`` step
+        seconds of the rate-driven components (before any observation:
+        ``factor0 * x + extra``)."""
+        return (self.fixed or 0.0) + self.factor * float(x) + float(extra)
 
 
 def robust_step_time(times):
@@ -309,16 +342,107 @@ def robust_step_time(times):
 # ---------------------------------------------------------------------------
 # allocation
 # ---------------------------------------------------------------------------
+def combined_sparsity(sparsity, rates=()):
+    """Fraction of zeros at a layer's input when an activation with
+    ``sparsity`` zeros is followed by dropouts at ``rates`` (drawn
+    independently of the activation's zeros): ``1 - (1 - s) * prod(1 -
+    r)``."""
+    keep = 1.0 - float(sparsity)
+    for r in rates:
+        keep *= 1.0 - float(r)
+    return 1.0 - keep
+
+
+def activation_sparsity(measured, rates=()):
+    """The inverse of :func:`combined_sparsity`: the activation's own
+    zeros behind a measured input sparsity and the dropout ``rates``
+    (clipped to ``[0, 1]``)."""
+    keep = 1.0
+    for r in rates:
+        keep *= 1.0 - float(r)
+    if keep <= 0:
+        return 0.0
+    return min(max(1.0 - (1.0 - float(measured)) / keep, 0.0), 1.0)
+
+
+class RateCost:
+    """Step seconds of a component whose work shrinks with a dropout rate
+    and that no op statistic describes (the compacted loop of
+    :class:`~tf_sparse_split.layers.SparseSplitLSTM`):
+    ``seconds(r) = slope_s * kept(r)``, ``kept(r)`` the fraction of the
+    component's compactable work left at rate ``r`` (e.g. the units a
+    recurrent subset keeps, ``(1 - r) ** share``), ``slope_s`` the step
+    seconds that work takes at ``kept = 1``.
+
+    Args:
+      kept: function of the rate (in [0, 1)) to the fraction kept
+        (default ``1 - r``).
+      slope_s: seconds (>= 0; 0 = no prediction yet).
+    """
+
+    def __init__(self, kept=None, slope_s=0.0):
+        self.kept = kept if kept is not None else (lambda r: 1.0 - r)
+        s = float(slope_s)
+        self.slope_s = s if math.isfinite(s) and s > 0 else 0.0
+
+    @classmethod
+    def from_two_rates(cls, kept, rate0, seconds0, rate1, seconds1):
+        """The slope through two measured ``(rate, step seconds)`` points
+        (robust medians at two rates, the rest of the model unchanged):
+        ``(seconds0 - seconds1) / (kept(rate0) - kept(rate1))``, 0 where
+        the rates keep the same work or the step got no faster with less
+        work."""
+        dk = float(kept(rate0)) - float(kept(rate1))
+        if abs(dk) < 1e-9:
+            return cls(kept, 0.0)
+        return cls(kept, (float(seconds0) - float(seconds1)) / dk)
+
+    @property
+    def predicts(self):
+        """Whether a slope was measured."""
+        return self.slope_s > 0
+
+    def seconds(self, rate):
+        """Predicted step seconds of the component at ``rate``."""
+        return self.slope_s * float(self.kept(min(max(float(rate), 0.0),
+                                                  0.999)))
+
+
+@dataclasses.dataclass
+class RateKnob:
+    """A dropout rate the controller may move (the second tier: raised
+    only when the activation targets alone cannot meet the budget, lowered
+    first when there is slack).
+
+    Attributes:
+      floor: the lowest rate (the user's own, clipped to the bounds).
+      upper: the highest (``max_rate``).
+      layer: the controlled layer whose input the dropout thins (its
+        zeros add to that layer's input sparsity, predicted by the layer's
+        :class:`LayerCost` at :func:`combined_sparsity`), or None.
+      cost: a :class:`RateCost` for a component no layer cost covers
+        (None for a dropout in front of a controlled layer).
+    """
+
+    floor: float
+    upper: float
+    layer: str = None
+    cost: RateCost = None
+
+
 @dataclasses.dataclass
 class Allocation:
     """Result of :func:`allocate`.
 
     Attributes:
-      targets: ``{layer: sparsity}`` chosen (fractions of zeros).
+      targets: ``{layer: sparsity}`` chosen (fractions of zeros of the
+        activation feeding each layer, before any dropout).
+      rates: ``{rate knob: rate}`` chosen.
       predicted_s: predicted step seconds there (after ``kappa``).
       reachable: whether ``predicted_s <= goal_s``.
-      reasons: ``{layer: text}``: why each layer got its sparsity.
-      moves: ``[(layer, from, to, seconds saved, loss added)]`` in order.
+      reasons: ``{layer or rate knob: text}``: why each got its value.
+      moves: ``[(knob, from, to, seconds saved, loss added)]`` in order
+        (the greedy moves, before the trimming pass).
     """
 
     targets: dict
@@ -326,6 +450,7 @@ class Allocation:
     reachable: bool
     reasons: dict
     moves: list
+    rates: dict = dataclasses.field(default_factory=dict)
 
 
 def _levels(floor, upper, step):
@@ -353,9 +478,19 @@ def marginal_loss(sensitivity, floor, upper, s0, s1):
 
 
 def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
-             step=0.05, start=None):
-    """Per-layer sparsities that meet a predicted step time at the least
-    predicted loss (greedy; module docstring).
+             step=0.05, start=None, rates=None, rate_step=0.05,
+             min_saving_s=0.0):
+    """Per-layer sparsities (and dropout rates) that meet a predicted step
+    time at the least predicted loss (greedy; module docstring).
+
+    Two tiers: the activation targets first; the rates (``rates``) only
+    if the activations at their bounds leave the goal unmet, each rate
+    move ranked by seconds saved per unit of rate added. A move that saves
+    less than ``min_saving_s`` is not taken (no accuracy is spent on a
+    saving the measurement cannot see). Once the goal is met, a trimming
+    pass lowers each knob as far as the goal still allows -- rates first,
+    then the layers from the most sensitive -- since a greedy move past an
+    op's break-even can overshoot.
 
     Args:
       costs: ``{layer: LayerCost}``.
@@ -369,11 +504,16 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
       step: grid of sparsity levels (default 0.05).
       start: optional ``{layer: sparsity}`` to start from instead of the
         floors (only raised from there).
+      rates: optional ``{name: RateKnob}``.
+      rate_step: grid of rate levels (default 0.05).
+      min_saving_s: least predicted seconds a move must save (default 0).
 
     Returns:
       :class:`Allocation`.
     """
+    rates = dict(rates or {})
     names = list(costs)
+    rnames = list(rates)
     known = [float(v) for v in sensitivities.values() if v is not None]
     default = float(np.mean(known)) if known else 1.0
     sens = {n: max(float(sensitivities.get(n, default)
@@ -385,58 +525,112 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
            min(max(float(start.get(n, floor[n])), floor[n]), upper)
            for n in names}
     levels = {n: _levels(floor[n], upper, step) for n in names}
+    rfloor = {r: min(max(float(rates[r].floor), 0.0), float(rates[r].upper))
+              for r in rnames}
+    rup = {r: float(rates[r].upper) for r in rnames}
+    rcur = dict(rfloor)
+    rlevels = {r: _levels(rfloor[r], rup[r], rate_step) for r in rnames}
+    attached = {n: [r for r in rnames if rates[r].layer == n] for n in names}
+    # Knobs as (kind, name): one table of settings, levels, loss weights.
+    knobs = [("act", n) for n in names] + [("rate", r) for r in rnames
+                                           if rates[r].layer in costs or
+                                           rates[r].cost is not None]
 
-    def predicted(setting):
-        x = sum(costs[n].seconds(setting[n]) for n in names)
-        return kappa * model.predict(x)
+    def predicted(act, rt):
+        x = sum(costs[n].seconds(combined_sparsity(
+            act[n], [rt[r] for r in attached[n]])) for n in names)
+        extra = sum(rates[r].cost.seconds(rt[r]) for r in rnames
+                    if rates[r].cost is not None)
+        return kappa * model.predict(x, extra)
+
+    def settings(kind):
+        return cur if kind == "act" else rcur
+
+    def bounds(kind, n):
+        return ((floor[n], upper, levels[n], sens[n]) if kind == "act" else
+                (rfloor[n], rup[n], rlevels[n], 1.0))
+
+    def trial(kind, n, value):
+        act, rt = dict(cur), dict(rcur)
+        (act if kind == "act" else rt)[n] = value
+        return predicted(act, rt)
 
     moves = []
-    now = predicted(cur)
-    while now > goal_s:
-        best = None
-        for n in names:
-            c0 = kappa * model.factor * costs[n].seconds(cur[n])
-            for lv in levels[n]:
-                if lv <= cur[n] + 1e-9:
+    now = predicted(cur, rcur)
+    for tier in ("act", "rate"):
+        while now > goal_s:
+            best = None
+            for kind, n in knobs:
+                if kind != tier:
                     continue
-                saved = c0 - kappa * model.factor * costs[n].seconds(lv)
-                if saved <= 0:
-                    continue
-                loss = marginal_loss(sens[n], floor[n], upper, cur[n], lv)
-                # A move that meets the goal by itself is judged by the
-                # part of its saving that is needed (a larger saving than
-                # needed buys nothing).
-                useful = min(saved, now - goal_s)
-                ratio = useful / max(loss, 1e-18)
-                if best is None or ratio > best[0] + 1e-15:
-                    best = (ratio, n, lv, saved, loss)
-        if best is None:
-            break
-        _, n, lv, saved, loss = best
-        moves.append((n, cur[n], lv, saved, loss))
-        cur[n] = lv
-        now = predicted(cur)
+                lo, hi, lv_list, sw = bounds(kind, n)
+                c0 = settings(kind)[n]
+                for lv in lv_list:
+                    if lv <= c0 + 1e-9:
+                        continue
+                    saved = now - trial(kind, n, lv)
+                    if saved <= 0 or saved < min_saving_s:
+                        continue
+                    loss = marginal_loss(sw, lo, hi, c0, lv)
+                    # A move that meets the goal by itself is judged by the
+                    # part of its saving that is needed (a larger saving
+                    # than needed buys nothing).
+                    useful = min(saved, now - goal_s)
+                    ratio = useful / max(loss, 1e-18)
+                    if best is None or ratio > best[0] + 1e-15:
+                        best = (ratio, n, lv, saved, loss)
+            if best is None:
+                break
+            _, n, lv, saved, loss = best
+            moves.append((n, settings(tier)[n], lv, saved, loss))
+            settings(tier)[n] = lv
+            now = predicted(cur, rcur)
     reachable = now <= goal_s
+    if reachable:
+        order = [k for k in knobs if k[0] == "rate"] + sorted(
+            (k for k in knobs if k[0] == "act"), key=lambda k: -sens[k[1]])
+        for kind, n in order:
+            _, _, lv_list, _ = bounds(kind, n)
+            c0 = settings(kind)[n]
+            for lv in lv_list:
+                if lv >= c0 - 1e-9:
+                    break
+                if trial(kind, n, lv) <= goal_s:
+                    settings(kind)[n] = lv
+                    break
+        now = predicted(cur, rcur)
     reasons = {}
-    for n in names:
-        mine = [m for m in moves if m[0] == n]
-        per = costs[n]
-        if not per.predicts:
-            why = "no cost prediction yet (op rates unknown)"
-        elif not mine:
-            why = ("kept at its natural sparsity: " +
-                   ("budget met without it" if reachable
-                    else "raising it saves no predicted time"))
-        else:
-            saved = sum(m[3] for m in mine)
-            loss = sum(m[4] for m in mine)
-            why = (f"raised {floor[n]:.2f}->{cur[n]:.2f}: saves "
-                   f"{saved * 1e3:.2f} ms/step for predicted loss "
-                   f"{loss:.3g} (sensitivity {sens[n]:.3g}/unit, "
-                   f"{saved * 1e3 / max(loss, 1e-18):.3g} ms per unit loss)")
-        reasons[n] = why
+    for kind, n in [("act", n) for n in names] + [("rate", r)
+                                                  for r in rnames]:
+        lo, hi, _, sw = bounds(kind, n)
+        v = settings(kind)[n]
+        if kind == "act" and not costs[n].predicts:
+            reasons[n] = "no cost prediction yet (op rates unknown)"
+            continue
+        if kind == "rate" and (kind, n) not in knobs:
+            reasons[n] = "no prediction of its effect on the step time"
+            continue
+        what = "natural sparsity" if kind == "act" else "floor rate"
+        if v <= lo + 1e-9:
+            if reachable:
+                why = "budget met without it"
+            elif min_saving_s > 0:
+                why = ("raising it saves no predicted time (or less than "
+                       f"{min_saving_s * 1e3:.2f} ms/step)")
+            else:
+                why = "raising it saves no predicted time"
+            reasons[n] = f"kept at its {what}: {why}"
+            continue
+        saved = trial(kind, n, lo) - now
+        loss = marginal_loss(sw, lo, hi, lo, v)
+        unit = (f"sensitivity {sw:.3g}/unit" if kind == "act"
+                else "rate counted as loss 1/unit")
+        reasons[n] = (f"raised {lo:.2f}->{v:.2f}: saves {saved * 1e3:.2f} "
+                      f"ms/step for predicted loss {loss:.3g} ({unit}, "
+                      f"{saved * 1e3 / max(loss, 1e-18):.3g} ms per unit "
+                      "loss)")
     return Allocation(targets=cur, predicted_s=now, reachable=reachable,
-                      reasons=reasons, moves=moves)
+                      reasons=reasons, moves=moves, rates=rcur)
 
 
 # ---------------------------------------------------------------------------
@@ -494,7 +688,8 @@ class Decision:
     ``measured_s`` (robust estimate), ``predicted_s`` (at the new targets),
     ``kappa``, ``targets`` (``{layer: sparsity}``), ``reachable``,
     ``action`` (``"hold"``, ``"reallocate"``, ``"unreachable"``),
-    ``reasons`` (``{layer: text}``).
+    ``reasons`` (``{layer or rate knob: text}``), ``rates`` (``{rate knob:
+    rate}``).
     """
 
     step: int
@@ -506,19 +701,22 @@ class Decision:
     reachable: bool
     action: str
     reasons: dict
+    rates: dict = dataclasses.field(default_factory=dict)
 
 
 class BudgetController:
-    """Chooses per-layer sparsity targets to meet a step budget, from
-    measured step times (module docstring).
+    """Chooses per-layer sparsity targets (and dropout rates) to meet a
+    step budget, from measured step times (module docstring).
 
     Call :meth:`observe_step` after every step with its seconds, keep
     :meth:`set_cost`, :meth:`set_floor` and :meth:`set_sensitivity` current,
     and call :meth:`decide` with the budget; it returns the targets to apply
-    (or None while it waits for samples or holds).
+    (or None while it waits for samples or holds); :attr:`rates` holds the
+    rates to apply.
 
     Args:
-      layers: the controlled layers' names.
+      layers: the controlled layers' names (may be empty when ``rates``
+        is not).
       max_sparsity: the largest target, in ``[0, 1)``.
       step: grid of sparsity levels (default 0.05).
       min_samples: steps measured at a setting before deciding (default 8).
@@ -527,19 +725,33 @@ class BudgetController:
       window: most recent steps the median is taken over (default 32).
       band: dead band: no change while ``budget * (1 - 2 band) <= measured
         <= budget * (1 + band)`` (default 0.03).
-      max_change: largest change of one layer's target per decision
-        (default 0.15).
+      max_change: largest rise of one layer's target per decision
+        (default 0.15; a fall is limited to half of it).
       model: a :class:`StepModel` (default ``StepModel()``).
+      rates: optional ``{name: RateKnob}``: the dropout rates to control
+        (second tier, :func:`allocate`).
+      max_rate_change: largest rise of one rate per decision (default
+        0.1; a fall: half of it).
+      min_gain: least predicted saving of a move, as a fraction of the
+        measured step (default 0.01: a move that saves less than 1% of the
+        step buys nothing the median can see, and costs accuracy).
+      shift: a measured median more than ``1 + shift`` times off the step
+        model's prediction at the settings in force (default 0.3) is taken
+        as a change of the machine's speed: the model forgets its window
+        (:meth:`StepModel.restart`).
 
     Raises:
       ValueError: bad arguments.
     """
 
     def __init__(self, layers, max_sparsity=0.95, step=0.05, min_samples=8,
-                 settle=3, window=32, band=0.03, max_change=0.15, model=None):
+                 settle=3, window=32, band=0.03, max_change=0.15, model=None,
+                 rates=None, max_rate_change=0.1, min_gain=0.01, shift=0.3):
         self.layers = list(layers)
-        if not self.layers:
-            raise ValueError("BudgetController needs at least one layer")
+        self.rate_knobs = dict(rates or {})
+        if not self.layers and not self.rate_knobs:
+            raise ValueError("BudgetController needs at least one layer or "
+                             "rate")
         self.max_sparsity = _fraction(max_sparsity, "max_sparsity")
         self.step = _fraction(step, "step", hi=0.5)
         if self.step <= 0:
@@ -556,11 +768,26 @@ class BudgetController:
                                     hi_open=False)
         if self.max_change <= 0:
             raise ValueError("`max_change` must be > 0")
+        self.max_rate_change = _fraction(max_rate_change, "max_rate_change",
+                                         hi=1.0, hi_open=False)
+        if self.max_rate_change <= 0:
+            raise ValueError("`max_rate_change` must be > 0")
+        self.min_gain = _fraction(min_gain, "min_gain", hi=0.5)
+        self.shift = float(shift)
+        if not math.isfinite(self.shift) or self.shift <= 0:
+            raise ValueError(f"`shift` must be > 0. Received: shift={shift!r}")
+        for name, knob in self.rate_knobs.items():
+            lo = _fraction(knob.floor, f"floor of rate {name!r}")
+            hi = _fraction(knob.upper, f"upper of rate {name!r}")
+            if lo > hi:
+                raise ValueError(f"rate {name!r}: floor {lo} above upper "
+                                 f"{hi}")
         self.model = model if model is not None else StepModel()
         self.costs = {}
         self.floors = {n: 0.0 for n in self.layers}
         self.sensitivities = {}
         self.targets = dict(self.floors)
+        self.rates = {r: float(k.floor) for r, k in self.rate_knobs.items()}
         self.actual = {}
         self.log = []
         self.steps = 0
@@ -585,13 +812,19 @@ class BudgetController:
         """The layer's :class:`LayerCost` (refresh it from new statistics)."""
         self.costs[layer] = cost
 
+    def set_rate_cost(self, name, cost):
+        """The :class:`RateCost` of rate knob ``name`` (a component no
+        layer cost covers)."""
+        self.rate_knobs[name].cost = cost
+
     def set_floor(self, layer, sparsity):
-        """The layer's natural sparsity (its input's zeros with no cutoff)."""
+        """The layer's natural sparsity (its activation's zeros with no
+        cutoff)."""
         self.floors[layer] = min(max(float(sparsity), 0.0), self.max_sparsity)
         self.targets[layer] = max(self.targets[layer], self.floors[layer])
 
     def set_actual(self, layer, sparsity):
-        """The sparsity the layer's input measured at the settings in
+        """The sparsity the layer's activation measured at the settings in
         force (used for the model's observation instead of the target,
         which the cutoff follows with a lag)."""
         self.actual[layer] = min(max(float(sparsity), 0.0), 1.0)
@@ -623,18 +856,30 @@ class BudgetController:
         samples."""
         return robust_step_time(self._times) if self._times else None
 
-    def _x(self, targets):
-        return sum(self.costs[n].seconds(targets[n]) for n in self.layers
-                   if n in self.costs)
+    def _attached(self, layer, rates):
+        return [rates[r] for r, k in self.rate_knobs.items()
+                if k.layer == layer]
+
+    def _x(self, targets, rates=None):
+        rates = self.rates if rates is None else rates
+        return sum(self.costs[n].seconds(combined_sparsity(
+            targets[n], self._attached(n, rates)))
+            for n in self.layers if n in self.costs)
+
+    def _extra(self, rates=None):
+        rates = self.rates if rates is None else rates
+        return sum(k.cost.seconds(rates[r]) for r, k in
+                   self.rate_knobs.items() if k.cost is not None)
 
     # -- decision ------------------------------------------------------------
     def decide(self, budget_s):
         """Decides, if enough steps were measured since the last change.
 
         Returns:
-          ``{layer: sparsity}`` to apply, or None (waiting, or holding
-          inside the dead band). Every decision taken is appended to
-          :attr:`log` (a :class:`Decision`).
+          ``{layer: sparsity}`` to apply (with :attr:`rates`), or None
+          (waiting, or holding inside the dead band, or nothing changed).
+          Every decision taken is appended to :attr:`log` (a
+          :class:`Decision`).
         """
         if len(self._times) < self.min_samples:
             return None
@@ -642,71 +887,103 @@ class BudgetController:
         m = self.measured()
         x_now = self._x({n: self.actual.get(n, self.targets[n])
                          for n in self.layers})
-        self.model.observe(x_now, m)
-        pred_now = self.model.predict(x_now)
+        extra_now = self._extra()
+        prior = (self.model.predict(x_now, extra_now)
+                 if self.model.observations else None)
+        if prior and not (1 / (1 + self.shift) <= m / prior <=
+                          1 + self.shift):
+            # The machine changed speed (the settings' predicted effect
+            # cannot explain the measurement): refit from here.
+            self.model.restart(x_now, m, extra_now)
+        else:
+            self.model.observe(x_now, m, extra_now)
+        pred_now = self.model.predict(x_now, extra_now)
         kappa = m / pred_now if pred_now > 0 else 1.0
         costs = {n: self.costs[n] for n in self.layers if n in self.costs}
-        if not costs:
+        rate_knobs = {r: k for r, k in self.rate_knobs.items()
+                      if (k.layer in costs) or
+                      (k.cost is not None and k.cost.predicts)}
+        if not costs and not rate_knobs:
             return None
         lo, hi = budget_s * (1 - 2 * self.band), budget_s * (1 + self.band)
         if lo <= m <= hi:
             self._record(budget_s, m, pred_now * kappa, kappa, "hold", True,
                          {n: "within the dead band" for n in self.layers},
-                         self.targets)
+                         self.targets, self.rates)
             self._times = self._times[-self.min_samples:]
             return None
         # Aim a little inside the band so the next measurement lands in it.
         goal = budget_s * (1 - self.band)
         alloc = allocate(costs, self.floors, self.sensitivities,
                          self.max_sparsity, goal, self.model, kappa=kappa,
-                         step=self.step)
-        new = {}
+                         step=self.step, rates=rate_knobs,
+                         min_saving_s=self.min_gain * m)
+        # Rises are limited to max_change per decision, falls to half of
+        # it (a fall that overshoots breaks the budget; one that is short
+        # only leaves a little accuracy for the next decision).
+        new, new_rates = {}, dict(self.rates)
         for n in self.layers:
             want = alloc.targets.get(n, self.floors[n])
             old = self.targets[n]
-            delta = float(np.clip(want - old, -self.max_change,
+            delta = float(np.clip(want - old, -0.5 * self.max_change,
                                   self.max_change))
             new[n] = float(np.clip(old + delta, self.floors[n],
                                    self.max_sparsity))
+        act_rising = any(new[n] > self.targets[n] + 1e-9
+                         for n in self.layers)
+        for r, k in rate_knobs.items():
+            want = alloc.rates.get(r, k.floor)
+            old = self.rates[r]
+            delta = float(np.clip(want - old, -0.5 * self.max_rate_change,
+                                  self.max_rate_change))
+            if delta > 0 and act_rising:
+                # Second tier: a rate rises only once the activation
+                # targets have reached their allocation.
+                delta = 0.0
+            new_rates[r] = float(np.clip(old + delta, k.floor, k.upper))
+        if any(new_rates[r] < self.rates[r] - 1e-9 for r in new_rates):
+            # ... and falls first: the activation targets wait for it.
+            for n in self.layers:
+                new[n] = max(new[n], self.targets[n])
         # Never move against the measurement: over the budget no target
         # falls, under it none rises (the prediction's shape can be off,
         # e.g. when load moves the ops' measured rates).
         held = {}
-        for n in self.layers:
-            if m > hi and new[n] < self.targets[n]:
-                new[n] = held[n] = self.targets[n]
-            elif m < lo and new[n] > self.targets[n]:
-                new[n] = held[n] = self.targets[n]
+        for cur, nxt in ((self.targets, new), (self.rates, new_rates)):
+            for n in nxt:
+                if m > hi and nxt[n] < cur[n]:
+                    nxt[n] = held[n] = cur[n]
+                elif m < lo and nxt[n] > cur[n]:
+                    nxt[n] = held[n] = cur[n]
         action = "reallocate" if alloc.reachable else "unreachable"
         reasons = dict(alloc.reasons)
         if not alloc.reachable:
-            # Run at the bounds (as far as the change limit allows now):
-            # every layer whose predicted time falls with sparsity; one
-            # whose does not stays where the allocation left it (more
-            # zeros there would cost accuracy and buy no time).
-            for n in self.layers:
-                if n in costs and alloc.targets[n] > self.floors[n] + 1e-9:
-                    new[n] = float(min(self.targets[n] + self.max_change,
-                                       self.max_sparsity))
+            for n in list(self.layers) + list(rate_knobs):
+                value = new.get(n, new_rates.get(n))
+                if n in reasons and not reasons[n].startswith("kept"):
                     reasons[n] = (
                         f"budget not reachable within max_sparsity="
-                        f"{self.max_sparsity} (predicted "
-                        f"{alloc.predicted_s * 1e3:.2f} ms at the best "
-                        f"allocation, goal {goal * 1e3:.2f} ms): toward the "
-                        f"bound; allocation: {alloc.reasons[n]}")
-        predicted = kappa * self.model.predict(self._x(new)) if costs else m
+                        f"{self.max_sparsity} and the rate bounds "
+                        f"(predicted {alloc.predicted_s * 1e3:.2f} ms at the "
+                        f"best allocation, goal {goal * 1e3:.2f} ms): toward "
+                        f"the bound, now {value:.2f}; allocation: "
+                        f"{alloc.reasons[n]}")
+        predicted = kappa * self.model.predict(self._x(new, new_rates),
+                                               self._extra(new_rates))
         for n, v in held.items():
-            if n in reasons and new[n] == v:
+            if n in reasons:
                 reasons[n] += (f" (held at {v:.2f}: the measured steps are "
                                f"{'over' if m > hi else 'under'} the budget)")
         changed = any(abs(new[n] - self.targets[n]) > 1e-9
-                      for n in self.layers)
+                      for n in self.layers) or any(
+            abs(new_rates[r] - self.rates[r]) > 1e-9 for r in new_rates)
         if not changed and alloc.reachable:
             action = "hold"
-            reasons = {n: "allocation unchanged" for n in self.layers}
+            reasons = {n: "allocation unchanged" for n in reasons}
         self._record(budget_s, m, predicted, kappa, action, alloc.reachable,
-                     reasons, new)
+                     reasons, new, new_rates)
         self.targets = new
+        self.rates = new_rates
         if changed:
             self._times = []
             self._since_change = 0
@@ -715,9 +992,9 @@ class BudgetController:
         return None
 
     def _record(self, budget, measured, predicted, kappa, action, reachable,
-                reasons, targets):
+                reasons, targets, rates):
         self.log.append(Decision(step=self.steps, budget_s=budget,
                                  measured_s=measured, predicted_s=predicted,
                                  kappa=kappa, targets=dict(targets),
                                  reachable=reachable, action=action,
-                                 reasons=dict(reasons)))
+                                 reasons=dict(reasons), rates=dict(rates)))
