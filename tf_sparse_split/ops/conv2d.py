@@ -418,7 +418,10 @@ _GATHER_ROTATION_MAX = 1 << 16
 def _rotated_filter(f):
     """``[KH, KW, C_in, C_out] -> [KH, KW, C_out, C_in]``, rotated 180
     degrees in the spatial dimensions: the filter of the transposed
-    convolution. A 1x1 filter is only transposed; up to
+    convolution. The input gradient no longer needs it (its op rotates in
+    the kernel, only for a sparse part); the filter gradient's transposed
+    formulation rotates its result back with it. A 1x1 filter is only
+    transposed; up to
     ``_GATHER_ROTATION_MAX`` values of known shape, one gather of a constant
     permutation; else reverse + transpose."""
     if f.shape.is_fully_defined() and int(f.shape[0]) == 1 and \
