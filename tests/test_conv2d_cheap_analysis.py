@@ -291,12 +291,12 @@ def test_wrapper_and_layer_pass_full_stats():
         tf.TensorSpec([2, 5, 5, 2]), tf.TensorSpec([3, 3, 2, 3])).graph
     ours = [o for o in graph.get_operations()
             if o.type.startswith("TfSparseSplit>")]
-    # The forward op (return_stats) and the gradient's input-gradient
-    # convolution and filter gradient.
+    # The forward op (return_stats) and the gradient's input gradient and
+    # filter gradient.
     assert sorted(o.get_attr("full_stats") for o in ours) == [False, False,
                                                                True]
     assert {o.type for o in ours if not o.get_attr("full_stats")} == {
-        "TfSparseSplit>SparseSplitConv2D",
+        "TfSparseSplit>SparseSplitConv2DBackpropInput",
         "TfSparseSplit>SparseSplitConv2DBackpropFilter"}
 
 

@@ -1,6 +1,6 @@
 """Gradients of SparseSplitConv2D against TensorFlow's: the input gradient
-computed as a sparse-split forward convolution of the output gradient
-(stride 1), TensorFlow's Conv2DBackpropInput elsewhere."""
+computed by SparseSplitConv2DBackpropInput on the original filter (stride
+1), TensorFlow's Conv2DBackpropInput elsewhere."""
 
 import numpy as np
 import pytest
@@ -108,11 +108,17 @@ def _grad_graph_ops(strides, padding, dilations=1):
     return [op.type for op in graph.get_operations()]
 
 
-def test_stride_one_input_gradient_is_a_sparse_split_convolution():
+def test_stride_one_input_gradient_is_the_backprop_input_op():
+    """No rotated filter in the graph: the op takes the original filter."""
     for padding in ("SAME", "VALID", [[0, 0], [1, 2], [2, 0], [0, 0]]):
-        types = _grad_graph_ops(1, padding)
-        assert types.count("TfSparseSplit>SparseSplitConv2D") == 2, padding
-        assert "Conv2DBackpropInput" not in types, padding
+        for dilations in (1, 2):
+            types = _grad_graph_ops(1, padding, dilations)
+            assert types.count("TfSparseSplit>SparseSplitConv2D") == 1, padding
+            assert types.count(
+                "TfSparseSplit>SparseSplitConv2DBackpropInput") == 1, padding
+            assert "Conv2DBackpropInput" not in types, padding
+            for op in ("ReverseV2", "Transpose", "GatherV2"):
+                assert op not in types, (padding, dilations, op)
 
 
 def test_one_by_one_input_gradient_is_a_matmul():
@@ -162,6 +168,7 @@ def test_input_gradient_falls_back_to_tf(strides, padding):
     types = _grad_graph_ops(strides, padding)
     assert types.count("TfSparseSplit>SparseSplitConv2D") == 1
     assert "Conv2DBackpropInput" in types
+    assert "TfSparseSplit>SparseSplitConv2DBackpropInput" not in types
 
 
 @pytest.mark.parametrize("k, d, padding, explicit, expected", [
@@ -238,8 +245,7 @@ def test_first_layer_input_gradient_is_pruned():
 
     graph = grad_f.get_concrete_function().graph
     dx_ops = [op for op in graph.get_operations()
-              if op.type == "TfSparseSplit>SparseSplitConv2D" and
-              "gradient" in op.name]
+              if op.type == "TfSparseSplit>SparseSplitConv2DBackpropInput"]
     assert len(dx_ops) == 1
     # No consumers: the executor prunes it (for a graph input x the filter
     # gradient's choice does not read this op's statistics).

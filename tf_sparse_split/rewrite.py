@@ -66,7 +66,10 @@ What the pass does:
   ``Conv2D``) whose input ``x`` is a sparse activation becomes
   ``SparseSplitConv2DBackpropFilter`` (cost proportional to ``x``'s
   nonzeros on its sparse path), as ``SparseSplitConv2D``'s registered
-  gradient does.
+  gradient does. With ``"Conv2DBackpropInput"`` in ``ops``, a stride-1
+  input gradient whose ``dY`` is sparse (a ``ReluGrad`` output) becomes
+  ``SparseSplitConv2DBackpropInput`` (explicit paddings only within the
+  dilated filter's static extent).
 * It leaves alone -- and says why at ``VLOG(1)``
   (``TF_CPP_VMODULE=sparse_split_rewrite=1``) and in :func:`log` -- what it
   cannot replace exactly: dtypes other than float32/float64, nodes on a
@@ -128,7 +131,11 @@ DEFAULT_PRODUCERS = ("Relu", "Relu6", "ReluGrad", "Relu6Grad", "Dropout")
 #: active only when ``SparseSplitConv2D`` / ``SparseSplitConv2DBackpropFilter``
 #: are registered). ``Conv2DBackpropFilter`` is the filter gradient of a
 #: ``Conv2D`` in a training graph; its input ``x`` is the sparse operand.
-SUPPORTED_OPS = ("MatMul", "Conv2D", "Conv2DBackpropFilter")
+#: ``Conv2DBackpropInput`` (opt-in, not in :data:`DEFAULT_OPS`) is the input
+#: gradient; at stride 1 it becomes ``SparseSplitConv2DBackpropInput`` when
+#: its output gradient ``dY`` is sparse (a ``ReluGrad`` output).
+SUPPORTED_OPS = ("MatMul", "Conv2D", "Conv2DBackpropFilter",
+                 "Conv2DBackpropInput")
 #: Source op types :func:`enable` rewrites by default (what ``profile``
 #: reports as ``pass=yes``).
 DEFAULT_OPS = ("MatMul", "Conv2D", "Conv2DBackpropFilter")

@@ -1,5 +1,6 @@
-// SparseSplitConv2D and SparseSplitConv2DBackpropFilter: CPU kernels
-// (registration and shape functions in cc/ops/sparse_split_conv2d_ops.cc).
+// SparseSplitConv2D, SparseSplitConv2DBackpropFilter and
+// SparseSplitConv2DBackpropInput: CPU kernels (registration and shape
+// functions in cc/ops/sparse_split_conv2d_ops.cc).
 //
 // output = conv2d(input, filter) as tf.nn.conv2d (NHWC input, HWIO filter,
 // strides, SAME/VALID/EXPLICIT padding, dilations), exploiting the zeros of
@@ -15,6 +16,12 @@
 // through TF's Conv2DBackpropFilter kernel, sparse ones through a kernel whose
 // cost is nnz(x) * KH*KW*C_out (pixel order with private per-block copies of
 // dF reduced in block order; channel-parallel when dF is too large to copy).
+//
+// The input gradient op (stride 1) splits the images of dY: dense ones
+// through TF's Conv2DBackpropInput on the original filter, sparse ones
+// through the forward sparse kernels on the filter rotated 180 degrees with
+// its channels swapped, a copy built in the kernel only when a sparse part
+// runs (see "Input gradient" below).
 //
 // With a bias and/or activation (attrs num_bias, activation) the output is
 // act(conv2d(input, filter) + bias): the dense images come finished from
@@ -267,12 +274,13 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
     tf::AddNodeAttr("dilations", a.dilations, def);
     tf::AddNodeAttr("data_format", "NHWC", def);
   };
-  // oneDNN's Conv2DBackpropFilter fails to create its primitive for some
-  // EXPLICIT paddings (e.g. [1, 0] x [2, 1] with a 3x3 filter); TensorFlow's
-  // graph never runs it there either (its oneDNN rewrite leaves
-  // Conv2DBackpropFilter with EXPLICIT padding to the Eigen kernel).
+  // oneDNN's Conv2DBackpropFilter and Conv2DBackpropInput fail to create
+  // their primitives for some EXPLICIT paddings (e.g. [1, 0] x [2, 1] with a
+  // 3x3 filter); TensorFlow's graph never runs them there either (its
+  // oneDNN rewrite leaves them with EXPLICIT padding to the Eigen kernels).
   const bool onednn_ok =
-      !(op == "Conv2DBackpropFilter" && a.padding_code == 2) &&
+      !((op == "Conv2DBackpropFilter" || op == "Conv2DBackpropInput") &&
+        a.padding_code == 2) &&
       OneDnnRunsDtype(dt);
   if (onednn_ok) {
     if (k->Init(ctx, tf::DEVICE_CPU, "_MklNative" + op, "MklNameChangeOp",
@@ -1004,6 +1012,168 @@ struct ConvFilterGradPaths : ConvSamples {
   }
 };
 
+
+// ---- Input gradient (SparseSplitConv2DBackpropInput) ----------------------
+// At stride 1, dX = conv2d(dY, rot(F)) with rot(F)[a, b, o, i] =
+// F[KH-1-a, KW-1-b, i, o] and leading paddings (KH-1)*d - pad_top,
+// (KW-1)*d - pad_left. The op splits the images of dY: dense ones through
+// TF's Conv2DBackpropInput on F itself, sparse ones through the forward
+// sparse kernels on rot(F), which is built here (RotateFilter) only when a
+// sparse part runs.
+
+// out [KH, KW, C_out, C_in] = F [KH, KW, C_in, C_out] rotated 180 degrees in
+// space with its channel dimensions swapped: per tap, a transpose of the
+// C_in x C_out matrix in 32 x 32 tiles, parallel over (tap, tile row).
+template <typename V>
+void RotateFilter(const V* f, int64_t kh, int64_t kw, int64_t ci, int64_t co,
+                  V* out, const ParallelFor& pfor) {
+  constexpr int64_t kTile = 32;
+  const int64_t taps = kh * kw;
+  const int64_t oblocks = (co + kTile - 1) / kTile;
+  if (taps == 0 || ci == 0 || co == 0) return;
+  pfor(taps * oblocks, kTile * ci * 2, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t t = u / oblocks;
+      const int64_t o0 = (u % oblocks) * kTile;
+      const int64_t o1 = std::min(co, o0 + kTile);
+      const V* src = f + t * ci * co;
+      V* dst = out + (taps - 1 - t) * co * ci;  // (KH-1-a, KW-1-b)
+      for (int64_t i0 = 0; i0 < ci; i0 += kTile) {
+        const int64_t i1 = std::min(ci, i0 + kTile);
+        for (int64_t o = o0; o < o1; ++o)
+          for (int64_t i = i0; i < i1; ++i) dst[o * ci + i] = src[i * co + o];
+      }
+    }
+  });
+}
+
+// out [KH, KW, C_in, n_chans] = F[:, :, :, chans[j]] (the dense part's
+// filter once all-zero channels of dY are compacted away).
+template <typename V>
+void GatherFilterOutChannels(const V* f, int64_t rows, int64_t co,
+                             const int64_t* chans, int64_t n_chans, V* out,
+                             const ParallelFor& pfor) {
+  pfor(rows, n_chans + 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      for (int64_t j = 0; j < n_chans; ++j)
+        out[r * n_chans + j] = f[r * co + chans[j]];
+  });
+}
+
+// The input_sizes tensor [n, H, W, C_in] of TF's Conv2DBackpropInput.
+tf::Tensor InputSizes(int64_t n, int64_t h, int64_t w, int64_t c) {
+  tf::Tensor t(tf::DT_INT32, tf::TensorShape({4}));
+  auto v = t.vec<tf::int32>();
+  v(0) = static_cast<tf::int32>(n);
+  v(1) = static_cast<tf::int32>(h);
+  v(2) = static_cast<tf::int32>(w);
+  v(3) = static_cast<tf::int32>(c);
+  return t;
+}
+
+// The transposed (forward) geometry of the input gradient of the stride-1
+// convolution g: input dY [N, OH, OW, C_out], filter rot(F) [KH, KW, C_out,
+// C_in], output dX [N, H, W, C_in]. False where g's paddings exceed the
+// dilated filter's extent (the leading or trailing padding of the
+// transposed convolution would be negative).
+bool TransposedGeometry(const Conv2DGeometry& g, Conv2DGeometry* t) {
+  const int64_t ek_h = (g.kh - 1) * g.dil_h, ek_w = (g.kw - 1) * g.dil_w;
+  // Trailing paddings of g (stride 1): OH = H + top + bottom - ek_h.
+  const int64_t pad_bottom = g.out_h + ek_h - g.h - g.pad_top;
+  const int64_t pad_right = g.out_w + ek_w - g.w - g.pad_left;
+  if (g.pad_top > ek_h || pad_bottom > ek_h || g.pad_left > ek_w ||
+      pad_right > ek_w || g.pad_top < 0 || pad_bottom < 0 || g.pad_left < 0 ||
+      pad_right < 0)
+    return false;
+  *t = Conv2DGeometry{};
+  t->n = g.n;
+  t->h = g.out_h;
+  t->w = g.out_w;
+  t->c_in = g.c_out;
+  t->kh = g.kh;
+  t->kw = g.kw;
+  t->c_out = g.c_in;
+  t->stride_h = t->stride_w = 1;
+  t->dil_h = g.dil_h;
+  t->dil_w = g.dil_w;
+  t->pad_top = ek_h - g.pad_top;
+  t->pad_left = ek_w - g.pad_left;
+  t->out_h = g.h;
+  t->out_w = g.w;
+  return true;
+}
+
+// The rotated filter of one input-gradient call, built on first use.
+template <typename T>
+struct LazyRotatedFilter {
+  const tf::Tensor& f;  // [KH, KW, C_in, C_out]
+  tf::OpKernelContext* ctx;
+  const ParallelFor& pfor;
+  tf::Tensor rotated;
+  bool built = false;
+
+  // rot(F) [KH, KW, C_out, C_in] (built now if not yet).
+  absl::Status Get(const T** out) {
+    if (!built) {
+      TF_RETURN_IF_ERROR(Build(&rotated));
+      built = true;
+    }
+    *out = rotated.flat<T>().data();
+    return absl::OkStatus();
+  }
+  // A fresh rotation into *t (the calibration times one per sparse run: a
+  // call's sparse part pays it once).
+  absl::Status Build(tf::Tensor* t) const {
+    const int64_t kh = f.dim_size(0), kw = f.dim_size(1);
+    const int64_t ci = f.dim_size(2), co = f.dim_size(3);
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(f.dtype(), tf::TensorShape({kh, kw, co, ci}), t));
+    RotateFilter<CoreType<T>>(AsCore(f.flat<T>().data()), kh, kw, ci, co,
+                              AsCore(t->flat<T>().data()), pfor);
+    return absl::OkStatus();
+  }
+};
+
+// The calibration functor of the input gradient: rows are images of dY
+// (ConvSamples over the transposed geometry); the dense path is TF's
+// Conv2DBackpropInput on F, the sparse path the rotation plus the forward
+// sparse kernel.
+template <typename T>
+struct ConvInputGradPaths : ConvSamples {
+  const tf::Tensor& f;  // the original filter
+  const TfKernel& backprop_input;
+  LazyRotatedFilter<T>& rot;
+  const SparseKernelChoice* choice;
+  int kernel = -1;  // the first sample's kernel, kept for the calibration
+
+  // dX of the dY images `dyin` ([n, OH, OW, kc]) and filter `fin` ([KH, KW,
+  // C_in, kc]) by TF's kernel.
+  absl::Status Dense(const tf::Tensor& dyin, const tf::Tensor& fin,
+                     tf::Tensor* result) const {
+    const tf::Tensor sizes =
+        InputSizes(dyin.dim_size(0), g.out_h, g.out_w, g.c_out);
+    return backprop_input.Run(ctx, {&sizes, &fin, &dyin}, result);
+  }
+  absl::Status RunDense(const tf::Tensor& sample) {
+    tf::Tensor result;
+    return Dense(sample, f, &result);
+  }
+  absl::Status RunSparse(const tf::Tensor& sample, const int64_t* image_nnz) {
+    std::vector<int64_t> imgs;
+    const Conv2DGeometry gs = Of(sample, &imgs);
+    tf::Tensor r;
+    TF_RETURN_IF_ERROR(rot.Build(&r));
+    std::vector<T> y(gs.n * g.out_h * g.out_w * g.c_out);
+    const double nnz = std::accumulate(image_nnz, image_nnz + gs.n, 0.0);
+    if (kernel < 0)
+      kernel = choice && UseDirectKernel(*choice, static_cast<double>(gs.n) *
+                                                      g.h * g.w * g.c_in, nnz);
+    SparseForwardAny<T>(kernel == 1, sample.flat<T>().data(), gs, imgs.data(),
+                        gs.n, image_nnz, r.flat<T>().data(), y.data(), pfor);
+    return absl::OkStatus();
+  }
+};
+
 }  // namespace
 
 template <typename T>
@@ -1325,6 +1495,180 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 
+// dX of a stride-1 convolution (SparseSplitConv2DBackpropInput; see the
+// "Input gradient" block above): the images of dY are split like a forward
+// SparseSplitConv2D of dY (statistics, cost-model family
+// kFamilyConv2DInputGrad keyed by the transposed geometry), the dense ones
+// run TF's Conv2DBackpropInput on the original filter, the sparse ones the
+// forward sparse kernels on the rotated filter.
+template <typename T>
+class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
+ public:
+  explicit SparseSplitConv2DBackpropInputOp(tf::OpKernelConstruction* ctx)
+      : OpKernel(ctx) {
+    static constexpr const char* kOp = "SparseSplitConv2DBackpropInput";
+    OP_REQUIRES_OK(ctx, attrs_.Init(ctx, kOp));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("full_stats", &full_stats_));
+    OP_REQUIRES(ctx, attrs_.strides[1] == 1 && attrs_.strides[2] == 1,
+                tf::errors::InvalidArgument(
+                    kOp, ": strides must be 1 (the input gradient of a "
+                    "strided convolution is TensorFlow's Conv2DBackpropInput)"
+                    ", got [", attrs_.strides[0], ", ", attrs_.strides[1], ", ",
+                    attrs_.strides[2], ", ", attrs_.strides[3], "]"));
+    bool onednn = false;
+    const absl::Status s =
+        InitDenseKernel(ctx, tf::DataTypeToEnum<T>::value,
+                        "Conv2DBackpropInput", 3, attrs_, &bi_, &onednn);
+    // As for the filter gradient: TF's Eigen Conv2DBackpropInput (float64,
+    // half without AVX512_FP16) refuses dilations > 1 and oneDNN's refuses
+    // them with EXPLICIT padding (tf.nn.conv2d has no gradient there in TF
+    // 2.21); the sparse kernel handles any, so such calls run all-sparse.
+    const bool dilated = attrs_.dilations[1] > 1 || attrs_.dilations[2] > 1;
+    if (!dilated) OP_REQUIRES_OK(ctx, s);
+    dense_ok_ = s.ok() && (!dilated || (onednn && attrs_.padding_code != 2));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    static constexpr const char* kOp = "SparseSplitConv2DBackpropInput";
+    const tf::Tensor& sizes = ctx->input(0);
+    const tf::Tensor& f = ctx->input(1);
+    const tf::Tensor& dy = ctx->input(2);
+    OP_REQUIRES(ctx,
+                tf::TensorShapeUtils::IsVector(sizes.shape()) &&
+                    sizes.NumElements() == 4,
+                tf::errors::InvalidArgument(
+                    kOp, ": input_sizes must be an int32 vector of 4 "
+                    "[N, H, W, C_in], got shape ", sizes.shape().DebugString()));
+    auto sz = sizes.vec<tf::int32>();
+    for (int i = 0; i < 4; ++i)
+      OP_REQUIRES(ctx, sz(i) >= 0,
+                  tf::errors::InvalidArgument(kOp, ": input_sizes must be "
+                                              ">= 0, got ", sz(i)));
+    const tf::TensorShape xshape({sz(0), sz(1), sz(2), sz(3)});
+    OP_REQUIRES(ctx, f.dims() == 4,
+                tf::errors::InvalidArgument(
+                    kOp, ": filter must be rank 4 [KH, KW, C_in, C_out] "
+                    "(HWIO), got shape ", f.shape().DebugString()));
+    OP_REQUIRES(ctx, dy.dims() == 4,
+                tf::errors::InvalidArgument(
+                    kOp, ": out_backprop must be rank 4 [N, OH, OW, C_out] "
+                    "(NHWC), got shape ", dy.shape().DebugString()));
+    float thr_in;
+    OP_REQUIRES_OK(ctx, CheckThreshold(ctx->input(3), kOp, &thr_in));
+    Conv2DGeometry g;
+    OP_REQUIRES_OK(ctx, attrs_.Geometry(xshape, f.shape(), &g, kOp));
+    const tf::TensorShape dy_expected({g.n, g.out_h, g.out_w, g.c_out});
+    OP_REQUIRES(ctx, dy.shape() == dy_expected,
+                tf::errors::InvalidArgument(
+                    kOp, ": out_backprop has shape ", dy.shape().DebugString(),
+                    " but input_sizes ", xshape.DebugString(), " and filter ",
+                    f.shape().DebugString(), " give ",
+                    dy_expected.DebugString()));
+    OP_REQUIRES(ctx,
+                dy.NumElements() < (int64_t{1} << 31) &&
+                    xshape.num_elements() < (int64_t{1} << 31),
+                tf::errors::InvalidArgument(kOp, ": tensors too large: "
+                                            "input_sizes ",
+                                            xshape.DebugString(),
+                                            ", out_backprop ",
+                                            dy.shape().DebugString()));
+    Conv2DGeometry gt;  // the forward convolution of dY with rot(F)
+    OP_REQUIRES(ctx, TransposedGeometry(g, &gt),
+                tf::errors::InvalidArgument(
+                    kOp, ": paddings (", attrs_.padding, ") of input ",
+                    xshape.DebugString(), " exceed the dilated filter's extent"
+                    " (KH-1)*d x (KW-1)*d = ", (g.kh - 1) * g.dil_h, " x ",
+                    (g.kw - 1) * g.dil_w,
+                    "; use TensorFlow's Conv2DBackpropInput"));
+
+    ConvSplit s(ctx, gt, thr_in);
+    LazyRotatedFilter<T> rot{f, ctx, s.pfor};
+    SparseKernelChoice* choice = nullptr;
+    OP_REQUIRES_OK(ctx, FamilySparseKernelChoice<T>(
+        ctx, kFamilyConv2DInputGrad, dy, gt, thr_in, s,
+        [&](bool direct, const tf::Tensor& ys, const Conv2DGeometry& gs,
+            const std::vector<int64_t>& imgs, const int64_t* nnz) {
+          const T* fr = nullptr;
+          if (!rot.Get(&fr).ok()) return;
+          std::vector<T> dx(gs.n * gt.out_h * gt.out_w * gt.c_out);
+          SparseForwardAny<T>(direct, ys.flat<T>().data(), gs, imgs.data(),
+                              gs.n, nnz, fr, dx.data(), s.pfor);
+        },
+        &choice));
+    ConvInputGradPaths<T> paths{{dy, gt, ctx, s.pfor}, f, bi_, rot, choice};
+    bool done = false;
+    OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, dy, gt, xshape,
+                                     kFamilyConv2DInputGrad, dense_ok_, paths,
+                                     &plans_, full_stats_, &done));
+    if (done) return;
+    if (s.dense_now) {
+      // Counted a sample or nothing: exactly TF's Conv2DBackpropInput.
+      tf::Tensor result;
+      OP_REQUIRES_OK(ctx, bi_.Run(ctx, {&sizes, &f, &dy}, &result));
+      ctx->set_output(0, result);
+      s.call.DenseDone();
+      s.call.SparseDone();
+      s.call.Finish(0, 0);
+      return;
+    }
+    const int64_t rd = s.rd, rs = s.rs, kc = s.kc;
+
+    // --- Dense part: TF's kernel on the dense images of dY, original F. ----
+    tf::Tensor* out = nullptr;
+    if (rd < g.n) OP_REQUIRES_OK(ctx, ctx->allocate_output(0, xshape, &out));
+    if (rd > 0) {
+      tf::Tensor result;
+      if (rd == g.n && !s.compact) {
+        OP_REQUIRES_OK(ctx, bi_.Run(ctx, {&sizes, &f, &dy}, &result));
+      } else {
+        tf::Tensor dyd, fc;
+        OP_REQUIRES_OK(ctx, s.GatherDense<T>(ctx, dy, gt, &dyd));
+        const tf::Tensor* fin = &f;
+        if (s.compact) {
+          OP_REQUIRES_OK(ctx, ctx->allocate_temp(
+                                  f.dtype(),
+                                  tf::TensorShape({g.kh, g.kw, g.c_in, kc}),
+                                  &fc));
+          GatherFilterOutChannels<CoreType<T>>(
+              AsCore(f.flat<T>().data()), g.kh * g.kw * g.c_in, g.c_out,
+              s.an.live.data(), kc, AsCore(fc.flat<T>().data()), s.pfor);
+          fin = &fc;
+        }
+        OP_REQUIRES_OK(ctx, paths.Dense(dyd, *fin, &result));
+      }
+      if (rd == g.n) {
+        ctx->set_output(0, result);
+      } else {
+        ScatterImages<CoreType<T>>(AsCore(result.flat<T>().data()), gt,
+                                   s.dense().data(), rd,
+                                   AsCore(out->flat<T>().data()), s.pfor);
+      }
+    }
+    s.call.DenseDone();
+
+    // --- Sparse part: the forward sparse kernel on rot(F). -----------------
+    if (rs > 0) {
+      const T* fr = nullptr;
+      OP_REQUIRES_OK(ctx, rot.Get(&fr));
+      const bool direct = UseDirectKernel(
+          *choice, static_cast<double>(rs) * gt.h * gt.w * gt.c_in,
+          s.call.split().nnz_sparse);
+      SparseForwardAny<T>(direct, dy.flat<T>().data(), gt, s.sparse().data(),
+                          rs, s.an.image_nnz.data(), fr, out->flat<T>().data(),
+                          s.pfor);
+    }
+    s.call.SparseDone();
+    s.Finish(gt);
+  }
+
+ private:
+  ConvAttrs attrs_;
+  TfKernel bi_;  // TF's Conv2DBackpropInput
+  bool dense_ok_ = true;
+  bool full_stats_ = true;
+  PlanMemory plans_;  // this op's last plan (hysteresis)
+};
+
 #define TFSS_REGISTER_CPU(T)                                                \
   REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitConv2D")                         \
                               .Device(tf::DEVICE_CPU)                       \
@@ -1338,7 +1682,14 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                               .HostMemory("filter_sizes")                   \
                               .HostMemory("threshold")                      \
                               .HostMemory("stats"),                         \
-                          SparseSplitConv2DBackpropFilterOp<T>);
+                          SparseSplitConv2DBackpropFilterOp<T>);           \
+  REGISTER_KERNEL_BUILDER(Name("TfSparseSplit>SparseSplitConv2DBackpropInput")            \
+                              .Device(tf::DEVICE_CPU)                       \
+                              .TypeConstraint<T>("T")                       \
+                              .HostMemory("input_sizes")                    \
+                              .HostMemory("threshold")                      \
+                              .HostMemory("stats"),                         \
+                          SparseSplitConv2DBackpropInputOp<T>);
 TFSS_REGISTER_CPU(float)
 TFSS_REGISTER_CPU(double)
 TFSS_REGISTER_CPU(Eigen::bfloat16)

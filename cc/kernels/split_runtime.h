@@ -66,6 +66,7 @@ enum FamilyOp : int64_t {
   kFamilyConv2DForward = 2,
   kFamilyConv2DFilterGrad = 3,
   kFamilySddmmCpu = 4,
+  kFamilyConv2DInputGrad = 5,
 };
 
 // The calibration contract of an op (a functor with these members; T is

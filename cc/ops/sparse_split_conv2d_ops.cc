@@ -1,5 +1,5 @@
-// SparseSplitConv2D and SparseSplitConv2DBackpropFilter: op registrations and
-// shape functions (CPU kernels in cc/kernels/sparse_split_conv2d_kernels.cc).
+// SparseSplitConv2D, SparseSplitConv2DBackpropFilter and
+// SparseSplitConv2DBackpropInput: op registrations and shape functions (CPU kernels in cc/kernels/sparse_split_conv2d_kernels.cc).
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "cc/core/stats.h"
 #include "tensorflow/core/framework/op.h"
@@ -135,6 +135,75 @@ filter_backprop: [KH, KW, C_in, C_out]. In bfloat16 and half the sum runs
 full_stats: as in SparseSplitConv2D (the gradients pass false).
 stats: float64 [kNumStats] per-call statistics, laid out as in
   cc/core/stats.h (tf_sparse_split/tuning/stats.py).
+)doc");
+
+REGISTER_OP("TfSparseSplit>SparseSplitConv2DBackpropInput")
+    .Input("input_sizes: int32")
+    .Input("filter: T")
+    .Input("out_backprop: T")
+    .Input("threshold: float")
+    .Output("input_backprop: T")
+    .Output("stats: float64")
+    .Attr("T: {float, double, bfloat16, half}")
+    .Attr("strides: list(int)")
+    .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")
+    .Attr("explicit_paddings: list(int) = []")
+    .Attr("dilations: list(int) = [1, 1, 1, 1]")
+    .Attr("full_stats: bool = true")
+    .SetShapeFn([](InferenceContext* c) -> absl::Status {
+      ShapeHandle sizes, f, dy, thr, out;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &sizes));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 4, &f));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 4, &dy));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &thr));
+      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(0, &out));
+      TF_RETURN_IF_ERROR(c->WithRank(out, 4, &out));
+      // dX [N, H, W, C_in]: N from dy, C_in from the filter, where known.
+      tf::shape_inference::DimensionHandle d;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(out, 0), c->Dim(dy, 0), &d));
+      TF_RETURN_IF_ERROR(c->ReplaceDim(out, 0, d, &out));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(out, 3), c->Dim(f, 2), &d));
+      TF_RETURN_IF_ERROR(c->ReplaceDim(out, 3, d, &out));
+      tf::shape_inference::DimensionHandle co;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(dy, 3), c->Dim(f, 3), &co));
+      c->set_output(0, out);
+      c->set_output(1, c->Vector(kNumStats));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Input gradient of SparseSplitConv2D at stride 1 (as Conv2DBackpropInput,
+NHWC/HWIO, on the original filter), exploiting the zeros of out_backprop.
+
+At stride 1, dX is the forward convolution of dY with the filter rotated 180
+degrees and its channels swapped ([KH, KW, C_out, C_in]), padded by
+(KH-1)*d - pad_top before and (KH-1)*d - pad_bottom after (likewise in
+width). Images of dY whose density nnz / (OH*OW*C_out) is above the
+threshold go to TensorFlow's own Conv2DBackpropInput kernel on the original
+filter (oneDNN's where TensorFlow runs it for the dtype on this CPU); the
+others go to the sparse forward kernels of SparseSplitConv2D (direct
+zero-skipping or pixel CSR, chosen as there), on a rotated copy of the
+filter that the kernel builds only when a sparse part runs. An all-dense
+call is exactly TensorFlow's kernel on the op's inputs.
+
+T: float32, float64, bfloat16 or half, with SparseSplitConv2D's contract.
+input_sizes: int32 [4] = [N, H, W, C_in], the shape of the convolution's
+  input (and of input_backprop).
+filter: [KH, KW, C_in, C_out], the convolution's filter (not rotated).
+out_backprop: dY [N, OH, OW, C_out], the gradient of the convolution's
+  output.
+threshold: scalar float32 image-density threshold of dY in [0, 1], or
+  negative: automatic (as in SparseSplitConv2D; its own cost-model family).
+input_backprop: dX [N, H, W, C_in]. NaN/Inf in dY propagate as in
+  Conv2DBackpropInput; where dY is exactly zero the product is skipped on
+  the sparse path, so a NaN/Inf filter value facing only zeros gives 0.
+strides: must be 1 in every dimension (other strides: TensorFlow's
+  Conv2DBackpropInput).
+padding, explicit_paddings, dilations: the convolution's. Explicit paddings
+  may not exceed the dilated filter's extent (KH-1)*d (KW-1)*d.
+full_stats: as in SparseSplitConv2D (the gradients pass false).
+stats: float64 [kNumStats] per-call statistics of dY, laid out as those of
+  SparseSplitConv2D(dY, rotated filter): rows = images, columns = the
+  OH*OW*C_out values of an image of dY, NNZ = dY's nonzeros.
 )doc");
 
 }  // namespace tf_sparse_split

@@ -423,6 +423,15 @@ double StaticFlops(tf::ShapeRefiner* refiner, const tf::Node* n,
     if (m < 0 || k < 0 || nn < 0) return -1;
     return 2.0 * m * k * nn;
   }
+  if (std::string(e.source_op) == "Conv2DBackpropInput") {
+    // 2 * |dY| * KH * KW * C_in, as the filter gradient.
+    tf::shape_inference::ShapeHandle dy = c->input(2), f = c->input(1);
+    if (!c->FullyDefined(dy) || !c->FullyDefined(f) || c->Rank(f) != 4) return -1;
+    double dy_elems = 1;
+    for (int i = 0; i < c->Rank(dy); ++i) dy_elems *= c->Value(c->Dim(dy, i));
+    return 2.0 * dy_elems * c->Value(c->Dim(f, 0)) * c->Value(c->Dim(f, 1)) *
+           c->Value(c->Dim(f, 2));
+  }
   if (std::string(e.source_op) == "Conv2DBackpropFilter") {
     // 2 * |dY| * KH * KW * C_in: every output-gradient value meets a filter
     // window of the input.
@@ -799,6 +808,41 @@ bool TrySddmm(const tf::Node* n, const GraphContext& ctx,
   return true;
 }
 
+// Why the input gradient Conv2DBackpropInput `n` cannot become
+// SparseSplitConv2DBackpropInput, or "": that op takes strides 1 only, and
+// explicit paddings within the dilated filter's extent (checked on the
+// filter's static shape).
+std::string BackpropInputReason(const tf::Graph& g, const tf::Node* n,
+                                std::unique_ptr<tf::ShapeRefiner>* refiner) {
+  std::vector<tf::int32> strides, dilations;
+  std::vector<tf::int64> explicit_paddings;
+  std::string padding;
+  if (!tf::TryGetNodeAttr(n->attrs(), "strides", &strides) ||
+      strides.size() != 4)
+    return "no strides attribute";
+  for (tf::int32 v : strides)
+    if (v != 1) return "strides other than 1 (the sparse input gradient is stride 1)";
+  if (!tf::TryGetNodeAttr(n->attrs(), "padding", &padding)) return "no padding";
+  if (padding != "EXPLICIT") return "";
+  tf::TryGetNodeAttr(n->attrs(), "dilations", &dilations);
+  tf::TryGetNodeAttr(n->attrs(), "explicit_paddings", &explicit_paddings);
+  if (dilations.size() != 4) dilations = {1, 1, 1, 1};
+  const tf::Edge* fe = nullptr;
+  if (!n->input_edge(1, &fe).ok() || fe == nullptr)
+    return "filter input missing";
+  std::vector<int64_t> fdims;
+  if (!StaticShape(RefinerFor(g, refiner), fe->src(), fe->src_output(), &fdims) ||
+      fdims.size() != 4 || fdims[0] < 1 || fdims[1] < 1)
+    return "EXPLICIT padding with a filter of unknown spatial size";
+  if (explicit_paddings.size() != 8) return "explicit_paddings not of 8 entries";
+  const int64_t ek_h = (fdims[0] - 1) * dilations[1];
+  const int64_t ek_w = (fdims[1] - 1) * dilations[2];
+  if (explicit_paddings[2] > ek_h || explicit_paddings[3] > ek_h ||
+      explicit_paddings[4] > ek_w || explicit_paddings[5] > ek_w)
+    return "explicit paddings beyond the dilated filter";
+  return "";
+}
+
 // The reason to leave a source-op node alone, or "" (then *cand is filled
 // for the replacement). `refiner` is created on first use.
 std::string Decide(const tf::Graph& g, const tf::Node* n,
@@ -837,6 +881,10 @@ std::string Decide(const tf::Graph& g, const tf::Node* n,
     return absl::StrCat("attribute ", kv.first, " = ",
                         tf::SummarizeAttrValue(kv.second), " not supported by ",
                         entry.target_op);
+  }
+  if (n->type_string() == "Conv2DBackpropInput") {
+    const std::string why = BackpropInputReason(g, n, refiner);
+    if (!why.empty()) return why;
   }
   if (!TrySddmm(n, ctx, cfg, cand)) {
     SparseTrace t;
@@ -1242,6 +1290,12 @@ const std::vector<RewriteEntry>& RewriteTable() {
       // stats; x (input 0) is the sparse operand, as in the forward op.
       {"Conv2DBackpropFilter", "TfSparseSplit>SparseSplitConv2DBackpropFilter",
        0, 3},
+      // The input gradient dX of a stride-1 convolution: input_sizes,
+      // filter, out_backprop, threshold -> input_backprop, stats; dY (input
+      // 2: a ReluGrad in training graphs) is the sparse operand. Opt-in
+      // (not in the default ops).
+      {"Conv2DBackpropInput", "TfSparseSplit>SparseSplitConv2DBackpropInput",
+       2, 3},
   };
   return *table;
 }

@@ -49,7 +49,8 @@ struct RewriteConfig {
   // Candidates whose statically known FLOP count is below this are skipped
   // (unknown dimensions never cause a skip).
   double min_flops = 0.0;
-  // Source op types to rewrite ("MatMul", "Conv2D", "Conv2DBackpropFilter").
+  // Source op types to rewrite ("MatMul", "Conv2D", "Conv2DBackpropFilter";
+  // opt-in "Conv2DBackpropInput").
   std::set<std::string> ops = {"MatMul", "Conv2D", "Conv2DBackpropFilter"};
   // Producer op types of the activation input that make it "sparse";
   // "Dropout" stands for the dropout pattern, "Input" for the graph's

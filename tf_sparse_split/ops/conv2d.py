@@ -15,7 +15,7 @@ from tf_sparse_split.ops.matmul import (ACTIVATIONS, _activation_grad,
                                         sparse_split_matmul)
 from tf_sparse_split.utils.validation import validate_choice
 
-__all__ = ["sparse_split_conv2d"]
+__all__ = ["sparse_split_conv2d", "sparse_split_conv2d_backprop_input"]
 
 #: The dtypes the convolution ops take (inputs, filter, bias and output share
 #: one): float32, float64, and the 16-bit bfloat16 / float16 (stored in the
@@ -140,9 +140,12 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     Gradients are registered and exploit the zeros of both operands (R. Sun
     and L. Zhang, "Dynamic Sparse Method for Deep Learning Execution",
     2019). At stride 1 (any dilation) the input gradient is a
-    ``SparseSplitConv2D`` of the output gradient ``dY`` with the filter
-    rotated 180 degrees and its channels swapped (automatic threshold), so
-    the zeros that ReLU masks and max-pooling put into ``dY`` are skipped;
+    ``SparseSplitConv2DBackpropInput`` of the output gradient ``dY``
+    (automatic threshold): dense images through TensorFlow's
+    ``Conv2DBackpropInput`` on the filter, sparse ones through the forward
+    sparse kernels on the filter rotated 180 degrees with its channels
+    swapped (built in the kernel), so the zeros that ReLU masks and
+    max-pooling put into ``dY`` are skipped;
     at other strides, or with explicit paddings wider than the filter, it
     is ``Conv2DBackpropInput`` (dense). The filter gradient is
     ``SparseSplitConv2DBackpropFilter`` over the input's zeros (sparse path
@@ -296,6 +299,81 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     return (out, stats) if return_stats else out
 
 
+def sparse_split_conv2d_backprop_input(input_sizes, filters, out_backprop,
+                                       padding, dilations=1,
+                                       explicit_paddings=None, threshold=-1.0,
+                                       return_stats=False, full_stats=None,
+                                       name=None):
+    """``dX``, the input gradient of a stride-1 ``tf.nn.conv2d(x, filters)``
+    for the output gradient ``out_backprop`` (as
+    ``tf.raw_ops.Conv2DBackpropInput`` with strides 1, NHWC / HWIO), skipping
+    the zeros of ``out_backprop``.
+
+    The ``SparseSplitConv2DBackpropInput`` op splits the images of ``dY`` by
+    density (K.-Y. Peng, NTU 2017; the zeros of the output gradient behind
+    ReLU and max-pooling: R. Sun and L. Zhang, 2019): images above
+    ``threshold`` go to TensorFlow's own ``Conv2DBackpropInput`` kernel on
+    ``filters`` (oneDNN's), the others to the forward sparse kernels of
+    ``SparseSplitConv2D`` (zero-skipping direct convolution, SparseTrain:
+    Gong et al. 2019, arXiv 1911.10175, or a pixel CSR) on the filter
+    rotated 180 degrees with its channels swapped, which the kernel builds
+    only when sparse images run. The result equals TensorFlow's to float
+    rounding at any threshold; an all-dense call is exactly TensorFlow's
+    kernel. NaN/Inf in ``out_backprop`` propagate; where it is exactly zero
+    the product is skipped, so a NaN/Inf filter value facing only zeros
+    gives 0 on the sparse path.
+
+    Args:
+      input_sizes: int32 ``[4]`` ``[N, H, W, C_in]``, the shape of ``x``.
+      filters: ``[KH, KW, C_in, C_out]``, float32, float64, bfloat16 or
+        float16.
+      out_backprop: ``dY`` ``[N, OH, OW, C_out]`` of the same dtype.
+      padding: ``"SAME"``, ``"VALID"``, ``"EXPLICIT"`` (with
+        ``explicit_paddings``) or 4 ``[before, after]`` pairs, as
+        :func:`sparse_split_conv2d`; explicit paddings may not exceed the
+        dilated filter's extent ``(KH - 1) * d``.
+      dilations: int or 1, 2 or 4 positive ints.
+      explicit_paddings: with ``padding="EXPLICIT"``, 8 ints.
+      threshold: image-density threshold of ``dY`` in ``[0, 1]``, or negative
+        / ``'auto'`` (default): the op's cost model chooses.
+      return_stats: also return the float64 statistics vector (laid out as
+        a ``SparseSplitConv2D`` of ``dY``: rows = images, columns = the
+        ``OH*OW*C_out`` values of an image, ``NNZ`` = ``dY``'s nonzeros).
+      full_stats: as in :func:`sparse_split_conv2d` (None: ``return_stats``).
+      name: optional op name.
+
+    Returns:
+      ``dX`` ``[N, H, W, C_in]`` of the filter's dtype; with
+      ``return_stats``, ``(dX, stats)``.
+
+    Raises:
+      tf.errors.InvalidArgumentError: a dtype outside the four, differing
+        between ``filters`` and ``out_backprop``; ``input_sizes`` not 4
+        non-negative ints; ranks other than 4; ``C_in`` of ``input_sizes``
+        and ``filters`` differing; ``out_backprop`` not of the convolution's
+        output shape; paddings beyond the dilated filter; a bad threshold.
+    """
+    lib = load_library()
+    with tf.name_scope(name or "SparseSplitConv2DBackpropInput"):
+        f = _conv_operand(filters, "filters")
+        dy = tf.convert_to_tensor(out_backprop, dtype_hint=f.dtype)
+        if dy.dtype != f.dtype:
+            raise invalid(
+                "sparse_split_conv2d_backprop_input: out_backprop has dtype "
+                f"{dy.dtype.name} but filters have {f.dtype.name}")
+        sizes = tf.convert_to_tensor(input_sizes, dtype_hint=tf.int32)
+        if sizes.dtype != tf.int32:
+            sizes = tf.cast(sizes, tf.int32)
+        dilations = _conv_list(dilations, "dilations")
+        pad, explicit = _conv_padding(padding, explicit_paddings)
+        _check_conv_attrs([1, 1, 1, 1], dilations, pad, explicit)
+        dx, stats = lib.tf_sparse_split_sparse_split_conv2d_backprop_input(
+            sizes, f, dy, as_threshold(threshold), strides=[1, 1, 1, 1],
+            padding=pad, explicit_paddings=explicit, dilations=dilations,
+            full_stats=bool(return_stats if full_stats is None else full_stats))
+    return (dx, stats) if return_stats else dx
+
+
 def _attr_str(op, name):
     v = op.get_attr(name)
     return v.decode() if isinstance(v, bytes) else v
@@ -340,7 +418,10 @@ _GATHER_ROTATION_MAX = 1 << 16
 def _rotated_filter(f):
     """``[KH, KW, C_in, C_out] -> [KH, KW, C_out, C_in]``, rotated 180
     degrees in the spatial dimensions: the filter of the transposed
-    convolution. A 1x1 filter is only transposed; up to
+    convolution. The input gradient no longer needs it (its op rotates in
+    the kernel, only for a sparse part); the filter gradient's transposed
+    formulation rotates its result back with it. A 1x1 filter is only
+    transposed; up to
     ``_GATHER_ROTATION_MAX`` values of known shape, one gather of a constant
     permutation; else reverse + transpose."""
     if f.shape.is_fully_defined() and int(f.shape[0]) == 1 and \
@@ -384,12 +465,17 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
     strides/dilations, padding string, flat explicit paddings).
 
     With strides 1 (any dilation), and paddings that fit the filter, ``dX``
-    is computed as the forward ``SparseSplitConv2D`` of ``grad`` with the
-    rotated, channel-swapped filter (:func:`_transposed_paddings`) and the
-    automatic threshold: the op then skips ``grad``'s zeros (R. Sun and
-    L. Zhang, "Dynamic Sparse Method for Deep Learning Execution", 2019:
-    the output gradient after ReLU and max-pooling is mostly zeros), and
-    its cost model keeps the dense convolution where that does not pay.
+    is the ``SparseSplitConv2DBackpropInput`` op of ``grad`` and the
+    original filter with the automatic threshold: it splits the images of
+    ``grad`` like a forward ``SparseSplitConv2D`` of ``grad`` with the
+    rotated, channel-swapped filter (:func:`_transposed_paddings`), runs
+    the dense images through TensorFlow's ``Conv2DBackpropInput`` on ``f``
+    and the sparse ones through the forward sparse kernels on a rotated
+    copy of ``f`` that the kernel builds only then (R. Sun and L. Zhang,
+    "Dynamic Sparse Method for Deep Learning Execution", 2019: the output
+    gradient after ReLU and max-pooling is mostly zeros); its cost model
+    keeps TensorFlow's kernel where the zeros do not pay. No rotated
+    filter appears in the graph.
     A 1x1 filter at stride 1 is the product ``grad[N*H*W, C_out] @
     f[C_in, C_out]^T`` instead (``sparse_split_matmul`` with
     ``transpose_b``: no rotated filter). Otherwise ``Conv2DBackpropInput`` (dense); with dilations > 1 in
@@ -399,8 +485,9 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
     Returns:
       ``dX``, same shape and dtype as ``x``; with ``return_stats``,
       ``(dX, stats)``: ``stats`` is the statistics vector of the
-      sparse-split convolution (or matmul, for 1x1) of ``grad`` (its
-      ``NNZ`` counts ``grad``'s nonzeros), None on the other paths.
+      input-gradient op (laid out as a ``SparseSplitConv2D`` of ``grad``),
+      or of the matmul for 1x1 (its ``NNZ`` counts ``grad``'s nonzeros),
+      None on the other paths.
     """
     tc = _transposed_conv(f, strides, dilations, padding, explicit)
     if tc is not None and f.shape.is_fully_defined() and \
@@ -415,12 +502,16 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
         dx = tf.reshape(dx2, tf.shape(x))
         return (dx, stats) if return_stats else dx
     if tc is not None:
-        pads, pad = tc
+        # The op splits grad's images: dense ones through TensorFlow's
+        # Conv2DBackpropInput on f itself, sparse ones through the forward
+        # sparse kernels on a rotated copy of f built inside the kernel only
+        # when they run (no rotated filter in the graph).
         lib = load_library()
-        dx, stats = lib.tf_sparse_split_sparse_split_conv2d(
-            grad, _rotated_filter(f), tf.constant(-1.0, tf.float32), [],
-            strides=[1, 1, 1, 1], padding=pad, explicit_paddings=pads,
-            dilations=dilations, full_stats=False)
+        dx, stats = lib.tf_sparse_split_sparse_split_conv2d_backprop_input(
+            tf.shape(x, out_type=tf.int32), f, grad,
+            tf.constant(-1.0, tf.float32), strides=[1, 1, 1, 1],
+            padding=padding, explicit_paddings=explicit, dilations=dilations,
+            full_stats=False)
         return (dx, stats) if return_stats else dx
     dilated = dilations[1] > 1 or dilations[2] > 1
     if dilated and (x.dtype == tf.float64 or padding == "EXPLICIT"):
