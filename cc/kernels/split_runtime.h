@@ -143,6 +143,18 @@ CalibrationRecords() {
   return *records;
 }
 
+// The mutex that serialises the first calibration of `family`: ops of one
+// family that run at once (an MLP's two weight gradients, in parallel under
+// TF's inter-op pool) would otherwise both calibrate it, each timing its
+// paths while the other loads the same cores, and the first to finish --
+// with the inflated timings -- would set the terms.
+inline std::mutex& FirstCalibrationMutex(const FamilyModel* family) {
+  static std::mutex* mu = new std::mutex;
+  static auto* mutexes = new std::map<const FamilyModel*, std::mutex>;
+  std::lock_guard<std::mutex> lock(*mu);
+  return (*mutexes)[family];
+}
+
 // A (first) calibration of `family` on a call of the op owning `memory`.
 inline void NoteCalibration(const FamilyModel* family, PlanMemory* memory,
                             double density) {
@@ -153,16 +165,12 @@ inline void NoteCalibration(const FamilyModel* family, PlanMemory* memory,
 
 // Counts one automatic call of a calibrated family by the op owning
 // `memory` at this density; true when it should recalibrate now (the
-// records then restart here). *recalibrations: the family's count after it.
+// records then restart here).
 inline bool CountCallRecalibrationDue(const FamilyModel* family,
-                                      PlanMemory* memory, double density,
-                                      int* recalibrations) {
+                                      PlanMemory* memory, double density) {
   std::lock_guard<std::mutex> lock(CalibrationRecordsMutex());
-  FamilyCalibrationRecord& r = CalibrationRecords()[family];
-  const bool due = ::tf_sparse_split::CountCallRecalibrationDue(
-      &r, memory->calibration_record(), density);
-  *recalibrations = r.recalibrations;
-  return due;
+  return ::tf_sparse_split::CountCallRecalibrationDue(
+      &CalibrationRecords()[family], memory->calibration_record(), density);
 }
 
 // One line per calibration at VLOG level 1
@@ -459,18 +467,21 @@ class SplitCall {
       thr = 1.0;
     } else if (automatic()) {
       const double density = Density(row_nnz, shape);
-      int recalibrations = 0;
       if (!family->calibrated()) {
-        CostTerms fitted;
-        CalibrationTimings timings;
-        TF_RETURN_IF_ERROR(
-            Calibrate<T>(ctx, op, shape, pfor, &fitted, &timings));
-        family->SetCalibration(fitted);
-        split_runtime_internal::NoteCalibration(family, memory, density);
-        split_runtime_internal::LogCalibration("calibration", family, shape,
-                                               density, timings, fitted);
+        std::lock_guard<std::mutex> lock(
+            split_runtime_internal::FirstCalibrationMutex(family));
+        if (!family->calibrated()) {  // not by an op that held the lock
+          CostTerms fitted;
+          CalibrationTimings timings;
+          TF_RETURN_IF_ERROR(
+              Calibrate<T>(ctx, op, shape, pfor, &fitted, &timings));
+          family->SetCalibration(fitted);
+          split_runtime_internal::NoteCalibration(family, memory, density);
+          split_runtime_internal::LogCalibration("calibration", family, shape,
+                                                 density, timings, fitted);
+        }  // else: this op's reference starts at its next call
       } else if (split_runtime_internal::CountCallRecalibrationDue(
-                     family, memory, density, &recalibrations)) {
+                     family, memory, density)) {
         // This op's activation density moved far from its density at the
         // family's last calibration (RecalibrationPolicy): time both paths
         // again on this call's rows.
@@ -479,9 +490,9 @@ class SplitCall {
         TF_RETURN_IF_ERROR(
             Calibrate<T>(ctx, op, shape, pfor, &fitted, &timings));
         family->Recalibrate(fitted);
-        split_runtime_internal::LogCalibration(
-            recalibrations > 0 ? "recalibration" : "calibration", family,
-            shape, density, timings, fitted);
+        split_runtime_internal::LogCalibration("recalibration", family,
+                                               shape, density, timings,
+                                               fitted);
       }
       const Plan plan = memory->Decide(
           shape, ProfileFromRowNnz(row_nnz, shape.m, shape.k, kDecisionBuckets),
