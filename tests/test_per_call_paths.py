@@ -133,3 +133,89 @@ K = kernels_or_skip()
 ])
 def test_recalibration_due(cal, now, calls, recals, due):
     assert K.recalibration_due(cal, now, calls, recals) is due
+
+
+# -- Recalibration records per op instance -----------------------------------
+#
+# A family is shared by every op of its key; the MLP's two weight gradients
+# (x^T dY at ~19% nonzeros and h1^T dY at 50% -> 9%) have one family. The
+# rule compares each op's density with its own reference (its density on its
+# first call after the family's latest calibration), so the alternating calls
+# of the two ops never look like a density change.
+
+_A, _B, _A2, _B2 = 0, 1, 2, 3  # op ids: natural model's, then target model's
+
+
+def _recorded_calls():
+    """The recorded weight-gradient densities as one family's calls: per
+    step hidden_2's gradient then hidden_1's (backprop order), the natural
+    model's ops then the target model's (new op instances)."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "data",
+                        "mlp_weight_grad_densities.json")
+    with open(path) as f:
+        rec = json.load(f)
+    calls = []
+    for a, b in rec["natural"]:
+        calls += [(_B, b), (_A, a)]
+    for a, b in rec["target"]:
+        calls += [(_B2, b), (_A2, a)]
+    return calls, len(rec["natural"])
+
+
+def test_recalibration_recorded_mlp_weight_gradients():
+    calls, natural = _recorded_calls()
+    fired = K.recalibration_calls(calls)
+    # Only hidden_2's gradient under the sparsity target moves 2x (0.50 ->
+    # 0.09); hidden_1's stays at 0.19-0.20 and the natural phase moves < 2x.
+    # One density per family instead fired on the natural phase's 33rd call
+    # (hidden_1's 0.19 against hidden_2's 0.50) and then alternately on the
+    # two ops until the limit of 8.
+    assert fired, "the target phase's 2x density drop must recalibrate"
+    assert all(calls[i][0] == _B2 for i in fired), [calls[i] for i in fired]
+    assert all(i >= 2 * natural for i in fired)
+    assert len(fired) <= 3
+    # Each recalibration is >= 32 of that op's calls after its reference and
+    # at a density below half of it.
+    ref_i = 2 * natural
+    for i in fired:
+        own = [j for j in range(ref_i, i) if calls[j][0] == _B2]
+        assert len(own) >= 32
+        assert calls[i][1] <= 0.5 * calls[own[0]][1] + 1e-12
+        ref_i = i
+
+
+def test_recalibration_alternating_ops_at_constant_densities():
+    # Two ops of one family, each at its own steady density: never.
+    calls = [(_A, 0.19) if i % 2 else (_B, 0.5) for i in range(2000)]
+    assert K.recalibration_calls(calls) == []
+
+
+def test_recalibration_one_op_drifts_other_steady():
+    # hidden_2's gradient drops from 0.5 to 0.08 at call 200 (its 100th
+    # since it calibrated the family); hidden_1's stays: one recalibration,
+    # on the first dropped call, and none after (the new reference of the
+    # drifted op is the new density; the other op restarts from its own).
+    calls = []
+    for step in range(400):
+        calls.append((_B, 0.5 if step < 100 else 0.08))
+        calls.append((_A, 0.19))
+    assert K.recalibration_calls(calls) == [200]
+    # A drop sooner than 32 calls after the reference waits for the 32nd.
+    calls = [(_B, 0.5)] + [(_B, 0.08)] * 40
+    assert K.recalibration_calls(calls) == [32]
+
+
+def test_recalibration_limit_per_family():
+    # One op oscillating 0.5 <-> 0.1 every 40 calls: at most 8 in total.
+    calls = [(_A, 0.5 if (i // 40) % 2 == 0 else 0.1) for i in range(4000)]
+    fired = K.recalibration_calls(calls)
+    assert len(fired) == 8
+    assert all(b - a >= 32 for a, b in zip(fired, fired[1:]))
+
+
+def test_recalibration_calls_rejects_bad_pairs():
+    with pytest.raises(ValueError):
+        K.recalibration_calls([(0, 0.5, 1)])

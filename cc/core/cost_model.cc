@@ -462,6 +462,34 @@ bool RecalibrationDue(double calibrated_density, double density,
   return hi - lo >= p.min_density_change && hi >= p.density_factor * lo;
 }
 
+void NoteCalibration(FamilyCalibrationRecord* family, OpCalibrationRecord* op,
+                     double density) {
+  ++family->generation;
+  op->generation = family->generation;
+  op->density = density;
+  op->calls = 0;
+}
+
+bool CountCallRecalibrationDue(FamilyCalibrationRecord* family,
+                               OpCalibrationRecord* op, double density,
+                               const RecalibrationPolicy& p) {
+  if (op->generation != family->generation) {
+    // First call of this op since the family's latest calibration (or the
+    // family was calibrated before any record): its reference starts here.
+    op->generation = family->generation;
+    op->density = density;
+    op->calls = 0;
+    return false;
+  }
+  ++op->calls;
+  if (!RecalibrationDue(op->density, density, op->calls,
+                        family->recalibrations, p))
+    return false;
+  ++family->recalibrations;
+  NoteCalibration(family, op, density);
+  return true;
+}
+
 CostTerms FamilyModel::Terms() const {
   std::lock_guard<std::mutex> lock(mu_);
   CostTerms t = base_;

@@ -346,6 +346,40 @@ bool RecalibrationDue(double calibrated_density, double density,
                       int64_t calls_since, int recalibrations,
                       const RecalibrationPolicy& p = RecalibrationPolicy());
 
+// The records of the recalibration rule. A family is shared by every op
+// instance of its key, and those can run at very different densities: in an
+// MLP the weight gradients of the first two layers (x^T dY over the input
+// pixels, about 19% nonzero, and h^T dY over a hidden layer's outputs, 7%
+// under a 90% sparsity target) have one family (k = batch, the same N
+// bucket, M >= 512). Compared against one density per family, their calls
+// alternately looked "moved 2.7x" and recalibrated the family every 32
+// calls until the limit, each time on the other op's rows, resetting the
+// measured ratios of both. So the density that has to move is each op
+// instance's own: its reference is its density on its first call after the
+// family's latest calibration (the calibrating call's density for the op
+// that calibrated).
+struct FamilyCalibrationRecord {
+  int64_t generation = 0;  // calibrations of the family seen so far
+  int recalibrations = 0;
+};
+struct OpCalibrationRecord {
+  int64_t generation = -1;  // the family generation `density` refers to
+  double density = -1.0;
+  int64_t calls = 0;        // automatic calls since
+};
+
+// A calibration (first or not) of the family on a call of `op` at `density`.
+void NoteCalibration(FamilyCalibrationRecord* family, OpCalibrationRecord* op,
+                     double density);
+
+// Counts one automatic call of `op` at `density` on a calibrated family;
+// true when the family should recalibrate now on this call's rows (the
+// records then restart from it, as NoteCalibration). Not thread-safe: the
+// caller serialises the calls on one family.
+bool CountCallRecalibrationDue(
+    FamilyCalibrationRecord* family, OpCalibrationRecord* op, double density,
+    const RecalibrationPolicy& p = RecalibrationPolicy());
+
 // The last plan of one op instance (thread-safe): each layer keeps its own,
 // so layers of one family with different sparsity do not disturb each
 // other's hysteresis.
@@ -367,11 +401,16 @@ class PlanMemory {
   void RecordAnalysis(bool full, double zero_row_frac, double dead_col_frac);
   AnalysisHistory history();
 
+  // This op instance's record of the recalibration rule (guarded by the
+  // caller's lock on the family records, not by this object's mutex).
+  OpCalibrationRecord* calibration_record() { return &calibration_; }
+
  private:
   std::mutex mu_;
   bool has_last_ = false;
   Plan last_;
   AnalysisHistory history_;
+  OpCalibrationRecord calibration_;
 };
 
 // Process-wide family models, keyed by whatever identifies a problem

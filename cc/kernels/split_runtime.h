@@ -47,6 +47,7 @@
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/platform/logging.h"
 
 namespace tf_sparse_split {
 
@@ -127,50 +128,67 @@ int64_t CountRows(const T* x, int64_t rows, int64_t k, int64_t* row_nnz) {
   return total;
 }
 
-// Per-family record of the recalibration rule (RecalibrationDue of
-// cost_model.h): the density of the last calibration, automatic calls since
-// and recalibrations so far. Process-wide, like FamilyFor.
-struct CalibrationRecord {
-  double density = -1.0;  // < 0: the family was calibrated elsewhere
-  int64_t calls = 0;
-  int recalibrations = 0;
-};
-
+// Per-family records of the recalibration rule (FamilyCalibrationRecord of
+// cost_model.h: calibrations and recalibrations so far); each op instance
+// keeps its own reference density in its PlanMemory. Process-wide, like
+// FamilyFor; one mutex guards the family records and the op records.
 inline std::mutex& CalibrationRecordsMutex() {
   static std::mutex* mu = new std::mutex;
   return *mu;
 }
 
-inline std::map<const FamilyModel*, CalibrationRecord>& CalibrationRecords() {
-  static auto* records = new std::map<const FamilyModel*, CalibrationRecord>;
+inline std::map<const FamilyModel*, FamilyCalibrationRecord>&
+CalibrationRecords() {
+  static auto* records =
+      new std::map<const FamilyModel*, FamilyCalibrationRecord>;
   return *records;
 }
 
-// A (first) calibration of `family` on a call of this density.
-inline void NoteCalibration(const FamilyModel* family, double density) {
-  std::lock_guard<std::mutex> lock(CalibrationRecordsMutex());
-  CalibrationRecord& r = CalibrationRecords()[family];
-  r.density = density;
-  r.calls = 0;
+// The mutex that serialises the first calibration of `family`: ops of one
+// family that run at once (an MLP's two weight gradients, in parallel under
+// TF's inter-op pool) would otherwise both calibrate it, each timing its
+// paths while the other loads the same cores, and the first to finish --
+// with the inflated timings -- would set the terms.
+inline std::mutex& FirstCalibrationMutex(const FamilyModel* family) {
+  static std::mutex* mu = new std::mutex;
+  static auto* mutexes = new std::map<const FamilyModel*, std::mutex>;
+  std::lock_guard<std::mutex> lock(*mu);
+  return (*mutexes)[family];
 }
 
-// Counts one automatic call of a calibrated family at this density; true
-// when it should recalibrate now (its record then restarts here).
-inline bool CountCallRecalibrationDue(const FamilyModel* family,
-                                      double density) {
+// A (first) calibration of `family` on a call of the op owning `memory`.
+inline void NoteCalibration(const FamilyModel* family, PlanMemory* memory,
+                            double density) {
   std::lock_guard<std::mutex> lock(CalibrationRecordsMutex());
-  CalibrationRecord& r = CalibrationRecords()[family];
-  if (r.density < 0.0) {  // first seen here: start from this call
-    r.density = density;
-    return false;
-  }
-  ++r.calls;
-  if (!RecalibrationDue(r.density, density, r.calls, r.recalibrations))
-    return false;
-  r.density = density;
-  r.calls = 0;
-  ++r.recalibrations;
-  return true;
+  ::tf_sparse_split::NoteCalibration(&CalibrationRecords()[family],
+                                     memory->calibration_record(), density);
+}
+
+// Counts one automatic call of a calibrated family by the op owning
+// `memory` at this density; true when it should recalibrate now (the
+// records then restart here).
+inline bool CountCallRecalibrationDue(const FamilyModel* family,
+                                      PlanMemory* memory, double density) {
+  std::lock_guard<std::mutex> lock(CalibrationRecordsMutex());
+  return ::tf_sparse_split::CountCallRecalibrationDue(
+      &CalibrationRecords()[family], memory->calibration_record(), density);
+}
+
+// One line per calibration at VLOG level 1
+// (TF_CPP_VMODULE=split_runtime=1): the call, its timings and the terms.
+inline void LogCalibration(const char* what, const FamilyModel* family,
+                           const SplitShape& s, double density,
+                           const CalibrationTimings& c, const CostTerms& t) {
+  VLOG(1) << "tf_sparse_split " << what << " family " << family << " m "
+          << s.m << " k " << s.k << " k_live " << s.k_live << " density "
+          << density << " | rows " << c.rows_full << "/" << c.rows_part
+          << " nnz " << c.nnz_full << "/" << c.nnz_thin << "/" << c.nnz_part
+          << " dense_s " << c.dense_full_s << "/" << c.dense_part_s
+          << " sparse_s " << c.sparse_full_s << "/" << c.sparse_thin_s << "/"
+          << c.sparse_part_s << " copy " << c.copy_elems << "/" << c.copy_s
+          << " | terms dense " << t.dense_fixed_s << " + 1/" << t.dense_rate
+          << " sparse " << t.sparse_fixed_s << " + " << t.convert_s_per_elem
+          << "/elem + 1/" << t.sparse_rate << " copy " << t.copy_s_per_elem;
 }
 
 }  // namespace split_runtime_internal
@@ -218,7 +236,8 @@ void CountSample(const T* a, int64_t phys_rows, int64_t phys_cols,
 template <typename T, typename Functor>
 absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
                        const SplitShape& shape, const ParallelFor& pfor,
-                       CostTerms* terms) {
+                       CostTerms* terms,
+                       CalibrationTimings* timings = nullptr) {
   namespace tf = ::tensorflow;
   using split_runtime_internal::CountRows;
   const int64_t k = std::max<int64_t>(1, shape.k);
@@ -307,6 +326,7 @@ absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
     c.dense_part_s = best[5];
   }
   *terms = FitCalibration(shape, c);
+  if (timings != nullptr) *timings = c;
   return absl::OkStatus();
 }
 
@@ -449,17 +469,31 @@ class SplitCall {
     } else if (automatic()) {
       const double density = Density(row_nnz, shape);
       if (!family->calibrated()) {
+        std::lock_guard<std::mutex> lock(
+            split_runtime_internal::FirstCalibrationMutex(family));
+        if (!family->calibrated()) {  // not by an op that held the lock
+          CostTerms fitted;
+          CalibrationTimings timings;
+          TF_RETURN_IF_ERROR(
+              Calibrate<T>(ctx, op, shape, pfor, &fitted, &timings));
+          family->SetCalibration(fitted);
+          split_runtime_internal::NoteCalibration(family, memory, density);
+          split_runtime_internal::LogCalibration("calibration", family, shape,
+                                                 density, timings, fitted);
+        }  // else: this op's reference starts at its next call
+      } else if (split_runtime_internal::CountCallRecalibrationDue(
+                     family, memory, density)) {
+        // This op's activation density moved far from its density at the
+        // family's last calibration (RecalibrationPolicy): time both paths
+        // again on this call's rows.
         CostTerms fitted;
-        TF_RETURN_IF_ERROR(Calibrate<T>(ctx, op, shape, pfor, &fitted));
-        family->SetCalibration(fitted);
-        split_runtime_internal::NoteCalibration(family, density);
-      } else if (split_runtime_internal::CountCallRecalibrationDue(family,
-                                                                   density)) {
-        // The activation's density moved far from the calibration's
-        // (RecalibrationPolicy): time both paths again on this call's rows.
-        CostTerms fitted;
-        TF_RETURN_IF_ERROR(Calibrate<T>(ctx, op, shape, pfor, &fitted));
+        CalibrationTimings timings;
+        TF_RETURN_IF_ERROR(
+            Calibrate<T>(ctx, op, shape, pfor, &fitted, &timings));
         family->Recalibrate(fitted);
+        split_runtime_internal::LogCalibration("recalibration", family,
+                                               shape, density, timings,
+                                               fitted);
       }
       const Plan plan = memory->Decide(
           shape, ProfileFromRowNnz(row_nnz, shape.m, shape.k, kDecisionBuckets),

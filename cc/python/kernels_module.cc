@@ -8,6 +8,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <map>
 #include <thread>
 #include <vector>
 
@@ -733,6 +734,37 @@ void BindAnalysis(py::module_& mod) {
           "RecalibrationPolicy of cost_model.h): the density (nnz / (m k)) "
           "moved 2x either way and by >= 0.05 since its last calibration, "
           ">= 32 automatic calls ago, fewer than 8 recalibrations so far.");
+  mod.def("recalibration_calls",
+          [](const py::iterable& calls) {
+            // One family's automatic calls in order, as (op instance id,
+            // density); the first calibrates the family (SplitCall::Decide).
+            FamilyCalibrationRecord family;
+            std::map<int64_t, OpCalibrationRecord> ops;
+            py::list out;
+            int64_t i = 0;
+            for (const py::handle& item : calls) {
+              const py::tuple pair = py::reinterpret_borrow<py::object>(item)
+                                         .cast<py::tuple>();
+              if (pair.size() != 2)
+                throw py::value_error(
+                    "recalibration_calls: each call is (op id, density)");
+              OpCalibrationRecord* op = &ops[pair[0].cast<int64_t>()];
+              const double density = pair[1].cast<double>();
+              if (i == 0) {
+                NoteCalibration(&family, op, density);
+              } else if (CountCallRecalibrationDue(&family, op, density)) {
+                out.append(i);
+              }
+              ++i;
+            }
+            return out;
+          },
+          py::arg("calls"),
+          "Indices of the calls that recalibrate, for one family's automatic "
+          "calls given in order as (op instance id, density nnz / (m k)) "
+          "pairs, the first of which calibrates the family: the per-op "
+          "recalibration records of cost_model.h with the default "
+          "RecalibrationPolicy.");
   mod.def("full_count_period",
           [](double count_s, double dense_s, const py::object& ap) {
             return FullCountPeriod(count_s, dense_s, AnalysisPolicyOf(ap));
