@@ -487,16 +487,17 @@ void PositionMasks<float>(const float* xseg, int64_t ci, int64_t nw,
 }
 #endif
 
-// dst[kb][ow][0, VL) = src[ow][kb * VL + (0, VL)] (lanes past cop: 0),
+// dst[kb - kb0][ow][0, VL) = src[ow][kb * VL + (0, VL)] for the blocks kb
+// in [kb0, kb1) (a block's lanes past cop are not written and not read),
 // for the ow pixels of one dy row (pixel stride cop, a multiple of L).
 template <typename T>
-void PackDyRow(const T* src, int64_t ow_n, int64_t cop, int64_t VL, T* dst) {
+void PackDyRow(const T* src, int64_t ow_n, int64_t cop, int64_t VL,
+               int64_t kb0, int64_t kb1, T* dst) {
   using Vt = typename DVec<T>::V;
   constexpr int L = DVec<T>::kLanes;
-  const int64_t nkb = (cop + VL - 1) / VL;
-  for (int64_t kb = 0; kb < nkb; ++kb) {
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int64_t k0 = kb * VL, vk = std::min(VL, cop - k0) / L;
-    T* d = dst + kb * ow_n * VL;
+    T* d = dst + (kb - kb0) * ow_n * VL;
     for (int64_t ow = 0; ow < ow_n; ++ow) {
       const T* sp = src + ow * cop + k0;
       for (int64_t v = 0; v < vk; ++v)
@@ -529,21 +530,22 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
   constexpr int L = DVec<T>::kLanes;
   const int64_t ci = g.c_in, nc = c1 - c0;
   const int RG = kRowGroup;
-  std::vector<uint64_t> pm(RG * nc), colmask(g.kw);
+  std::vector<uint64_t> pm(RG * nc);
   std::vector<uint8_t> scratch(((nc + 7) / 8) * 64 + 64);
-  std::vector<int64_t> ptab(64), khs, ohs, khs_next, ohs_next;
+  std::vector<int64_t> khs, ohs, khs_next, ohs_next;
   std::vector<int64_t> group_ohs(RG * g.kh);
   const int64_t out_img = g.out_h * g.out_w * cop;
   const int64_t dfk = ci * cop;  // df stride of one filter column
   // With several output-channel blocks a block's slice of a dy row is every
   // (cop / VL)-th piece of VL values, which maps to a fraction of the L1
   // sets; the dy rows are then copied into a ring of contiguous
-  // [block][OW][VL] rows (each once per image). Slot oh % S: the dy rows of
-  // one row group lie within S consecutive rows.
+  // [block][OW][VL] rows of the blocks [kb0, kb1) this call sums (each row
+  // once per image). Slot oh % S: the dy rows of one row group lie within
+  // S consecutive rows.
   const int64_t VL = vecs * L;
   const int64_t nkb_all = (cop / L + vecs - 1) / vecs;
   const int64_t S = (g.kh - 1) * g.dil_h / g.stride_h + RG;
-  const int64_t row_pk = nkb_all * g.out_w * VL;
+  const int64_t row_pk = (kb1 - kb0) * g.out_w * VL;
   const bool pack = nkb_all > 1 &&
                     S * row_pk * static_cast<int64_t>(sizeof(T)) <= (int64_t{1} << 20);
   AVector<T> ring(pack ? S * row_pk : 0);
@@ -562,6 +564,28 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
       os->push_back(num / g.stride_h);
     }
   };
+  // Per 64-wide segment of an input row (they depend on the geometry
+  // only, so they are built once): colmask[seg * KW + kw], the positions
+  // whose output column exists for filter column kw, and ptab[(seg * KW +
+  // kw0) * 64 + r], the dy offset of position r for the pass starting at
+  // filter column kw0.
+  const int64_t nseg = (g.w + 63) / 64;
+  std::vector<uint64_t> colmask(nseg * g.kw);
+  std::vector<int64_t> ptab(nseg * g.kw * 64, 0);
+  for (int64_t sg = 0; sg < nseg; ++sg) {
+    const int64_t w0 = sg * 64, nw = std::min<int64_t>(64, g.w - w0);
+    for (int64_t kw = 0; kw < g.kw; ++kw) {
+      uint64_t m = 0;
+      for (int64_t r = 0; r < nw; ++r) {
+        const int64_t num = w0 + r + g.pad_left - kw * g.dil_w;
+        if (num >= 0 && num % g.stride_w == 0 && num / g.stride_w < g.out_w)
+          m |= uint64_t{1} << r;
+        ptab[(sg * g.kw + kw) * 64 + r] =
+            (g.stride_w == 1 ? num : (num >= 0 ? num / g.stride_w : 0)) * pix;
+      }
+      colmask[sg * g.kw + kw] = m;
+    }
+  }
   FgRow<T> rows[kMaxRowGroup];
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t img = images ? images[i] : i;
@@ -594,8 +618,8 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
             int64_t& tag = ring_oh[oh % S];
             if (tag == oh) continue;
             tag = oh;
-            PackDyRow<T>(dyimg + oh * g.out_w * cop, g.out_w, cop, VL,
-                         ring.data() + (oh % S) * row_pk);
+            PackDyRow<T>(dyimg + oh * g.out_w * cop, g.out_w, cop, VL, kb0,
+                         kb1, ring.data() + (oh % S) * row_pk);
           }
       }
       for (int64_t w0 = 0; w0 < g.w; w0 += 64) {
@@ -610,17 +634,7 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
           rows[q].pm = pq;
         }
         if (anynz == 0) continue;
-        // colmask[kw]: positions whose output column exists for filter
-        // column kw.
-        for (int64_t kw = 0; kw < g.kw; ++kw) {
-          uint64_t m = 0;
-          for (int64_t r = 0; r < nw; ++r) {
-            const int64_t num = w0 + r + g.pad_left - kw * g.dil_w;
-            if (num >= 0 && num % g.stride_w == 0 && num / g.stride_w < g.out_w)
-              m |= uint64_t{1} << r;
-          }
-          colmask[kw] = m;
-        }
+        const uint64_t* colm = colmask.data() + (w0 / 64) * g.kw;
         // Passes: at stride 1 (width) up to 3 consecutive filter columns
         // (dy of column kw+1 is one pixel left of column kw's); otherwise
         // one column. Up to 3 filter rows each.
@@ -629,14 +643,11 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
           const int nk = static_cast<int>(std::min<int64_t>(kcols, g.kw - kw0));
           uint64_t interior = ~uint64_t{0}, any = 0;
           for (int k = 0; k < nk; ++k) {
-            interior &= colmask[kw0 + k];
-            any |= colmask[kw0 + k];
+            interior &= colm[kw0 + k];
+            any |= colm[kw0 + k];
           }
           if (any == 0) continue;
-          for (int64_t r = 0; r < nw; ++r) {
-            const int64_t num = w0 + r + g.pad_left - kw0 * g.dil_w;
-            ptab[r] = (g.stride_w == 1 ? num : (num >= 0 ? num / g.stride_w : 0)) * pix;
-          }
+          const int64_t* pt = ptab.data() + ((w0 / 64) * g.kw + kw0) * 64;
           const int64_t kstep = g.dil_w * pix;
           for (size_t a0 = 0; a0 < ntaps; a0 += kMaxTapRows) {
             const int nr = static_cast<int>(
@@ -649,20 +660,19 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
                 for (int q = 0; q < nq; ++q) {
                   const int64_t oh = group_ohs[q * g.kh + a0 + a];
                   rows[q].rowp[a] =
-                      pack ? ring.data() + (oh % S) * row_pk + kb * g.out_w * VL
+                      pack ? ring.data() + (oh % S) * row_pk +
+                                 (kb - kb0) * g.out_w * VL
                            : dyimg + oh * g.out_w * cop + k0;
                 }
               }
               const int64_t v = std::min<int64_t>(vecs, (cop - k0) / L);
               if (v == 2)
-                FgradPassDispatch<T, 2>(nr, nk, rows, nq, ci, c0, c1,
-                                        ptab.data(), kstep,
-                                        colmask.data() + kw0, interior, any,
+                FgradPassDispatch<T, 2>(nr, nk, rows, nq, ci, c0, c1, pt,
+                                        kstep, colm + kw0, interior, any,
                                         dfp, dfk, cop);
               else
-                FgradPassDispatch<T, 1>(nr, nk, rows, nq, ci, c0, c1,
-                                        ptab.data(), kstep,
-                                        colmask.data() + kw0, interior, any,
+                FgradPassDispatch<T, 1>(nr, nk, rows, nq, ci, c0, c1, pt,
+                                        kstep, colm + kw0, interior, any,
                                         dfp, dfk, cop);
             }
           }
