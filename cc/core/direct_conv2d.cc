@@ -814,8 +814,12 @@ void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
       }
     });
   } else {
-    // (input-channel group, output-channel block) tasks owning their slice.
-    buf.assign(fsize, T(0));
+    // (input-channel group, output-channel block) tasks owning their slice:
+    // of df itself when C_out needs no padding (nothing to copy or add
+    // afterwards), else of one padded buffer.
+    const bool in_place = cop == co;
+    if (!in_place) buf.assign(fsize, T(0));
+    T* out = in_place ? df : buf.data();
     const int64_t cg = 64, ngroups = (ci + cg - 1) / cg;
     pfor(ngroups * nkb, work * n_images / (ngroups * nkb) + 1,
          [&](int64_t tb, int64_t te) {
@@ -823,20 +827,20 @@ void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
              const int64_t gq = t / nkb, kb = t % nkb;
              FgradRows<T>(x, g, dyp, dy_by_list, images, 0, n_images, gq * cg,
                           std::min(ci, (gq + 1) * cg), kb, kb + 1, cop, vecs,
-                          buf.data());
+                          out);
            }
          });
+    if (in_place) return;
   }
-  // df += sum of the buffers in block order (padding lanes dropped).
+  // df += the buffers in block order (padding lanes dropped): per element
+  // ((df + buf_0) + buf_1) + ..., vectorised over the output channels.
   const int64_t rows = g.kh * g.kw * ci;
   pfor(rows, co * nbuf + 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* d = df + r * co;
-      for (int64_t k = 0; k < co; ++k) {
-        T s = d[k];
-        for (int64_t blk = 0; blk < nbuf; ++blk)
-          s += buf[blk * fsize + r * cop + k];
-        d[k] = s;
+      for (int64_t blk = 0; blk < nbuf; ++blk) {
+        const T* src = buf.data() + blk * fsize + r * cop;
+        for (int64_t k = 0; k < co; ++k) d[k] += src[k];
       }
     }
   });
