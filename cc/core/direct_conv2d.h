@@ -62,7 +62,8 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
 // block's slice of a wide dy row would map to few L1 sets). Parallel either over fixed blocks of images, each
 // summing into a private copy of df that is added in block order, or --
 // when df is too large to copy or there are few images -- over (input
-// channel group, output-channel block) tasks that own their slice of df.
+// channel group, output-channel block) tasks that own their slice of df
+// (summed into df itself when C_out is a multiple of the vector length).
 // The choice depends on the sizes only (FilterGradBlocks).
 template <typename T>
 void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
