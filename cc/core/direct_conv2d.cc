@@ -732,7 +732,7 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
   // Input-channel chunk of a pass: the whole C_in when its filter slice
   // (C_in * KW * V vectors) fits in 48 KB, else multiples of 16 channels
   // within 48 KB (64 channels at V = 4 and KW = 3: a 64-bit mask per
-  // column; 32-channel chunks doubled the column loops and measured 4-18%
+  // column; 32-channel chunks doubled the column loops and measured 3-18%
   // slower on 28x28x128 and 7x7x512 layers).
   const int64_t per_chan = g.kw * blocks.vecs * L * sizeof(T);
   int64_t chunk = g.c_in;
