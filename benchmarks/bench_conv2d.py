@@ -47,8 +47,13 @@ automatic call did before the cheap analysis); ``ours_auto`` passes
 layers pass in ``predict``): a call the cost model keeps all-dense counts a
 sample or nothing.
 
+``--natural`` times the layers of ``NATURAL_SHAPES`` (32x56x56x64->64,
+32x28x28x128->128, 1x14x14x256->256 at batch 1, 32x7x7x512->512) at 50%
+and 70% zeros, i.i.d. and ReLU-like, all-sparse and automatic, with
+wall-clock and process-CPU ratios; written to ``<out>_natural.md``.
+
 Usage: ``python benchmarks/bench_conv2d.py [--rounds 7] [--all-shapes]
-[--fused] [--dtypes float32,bfloat16] [--sparsities 0,0.5,0.9]
+[--natural] [--fused] [--dtypes float32,bfloat16] [--sparsities 0,0.5,0.9]
 [--record-family PATH]``
 """
 
@@ -71,6 +76,15 @@ MORE_SHAPES = [
     ("64x28x28x1->32 3x3", 64, 28, 28, 1, 32, 3),
 ]
 SPARSITIES = [0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99]
+#: ``--natural``: layers of a ResNet-sized CNN at the sparsity ReLU networks
+#: have (50-70% zeros), i.i.d. and ReLU-like zeros.
+NATURAL_SHAPES = [
+    MAIN_SHAPE,
+    ("32x28x28x128->128 3x3", 32, 28, 28, 128, 128, 3),
+    ("1x14x14x256->256 3x3 (batch 1)", 1, 14, 14, 256, 256, 3),
+    ("32x7x7x512->512 3x3", 32, 7, 7, 512, 512, 3),
+]
+NATURAL_SPARSITIES = [0.5, 0.7]
 VARIANTS = ("tf_fwd", "auto_fwd", "sparse_fwd", "tf_dF", "auto_dF", "sparse_dF")
 
 
@@ -92,8 +106,18 @@ def _error_vs(got, want):
                             tf.cast(want, tf.float64).numpy())
 
 
+def make_input(shape, sparsity, rng, dist="iid"):
+    """float32 NHWC input with about ``sparsity`` exact zeros: scattered
+    uniformly ("iid", testing.random_sparse_images) or as the ReLU of a
+    Gaussian shifted so that that fraction falls below zero ("relu")."""
+    if dist == "relu":
+        z = rng.standard_normal(shape, dtype=np.float32)
+        return np.maximum(z - np.quantile(z, sparsity), 0).astype(np.float32)
+    return T.random_sparse_images(shape, sparsity, rng)
+
+
 def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
-              sparsities=SPARSITIES):
+              sparsities=SPARSITIES, dist="iid"):
     name, n, h, w, ci, co, k = shape
     lib = tfss.load_library()
     rng = np.random.default_rng(0)
@@ -120,39 +144,46 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
     }
     rows = []
     for sp in sparsities:
-        x = tf.cast(T.random_sparse_images((n, h, w, ci), sp, rng), dt)
+        x = tf.cast(make_input((n, h, w, ci), sp, rng, dist), dt)
         # Same answer (cheap insurance for the numbers below).
         for a, b in (("tf_fwd", "auto_fwd"), ("tf_dF", "auto_dF")):
             err = _error_vs(fns[b](x), fns[a](x))
             assert err < _CHECK_TOL[dtype], (name, dtype, sp, b, err)
         reps = {v: _calls_per_round(lambda v=v: fns[v](x).numpy())
                 for v in VARIANTS}
+        # Wall-clock and process CPU seconds per call (under load the CPU
+        # time of this process is the steadier measure of the work).
         times = {v: [] for v in VARIANTS}
+        cpu = {v: [] for v in VARIANTS}
         for r in range(rounds):
             order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
             for v in order:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(reps[v]):
                     y = fns[v](x)
                 y.numpy()
                 times[v].append((time.perf_counter() - t0) / reps[v])
+                cpu[v].append((time.process_time() - c0) / reps[v])
         ratio = {}
         for kind in ("fwd", "dF"):
-            tf_t = times[f"tf_{kind}"]
-            for v in ("auto", "sparse"):
-                per_round = [a / b for a, b in zip(tf_t, times[f"{v}_{kind}"])]
-                ratio[f"{v}_{kind}"] = (statistics.median(per_round),
-                                        min(per_round), max(per_round))
-        row = dict(shape=name, sparsity=sp, dtype=dtype,
+            for key, t in (("", times), ("cpu_", cpu)):
+                tf_t = t[f"tf_{kind}"]
+                for v in ("auto", "sparse"):
+                    per_round = [a / b for a, b in zip(tf_t, t[f"{v}_{kind}"])]
+                    ratio[f"{key}{v}_{kind}"] = (statistics.median(per_round),
+                                                 min(per_round), max(per_round))
+        row = dict(shape=name, sparsity=sp, dtype=dtype, dist=dist,
                    tf_fwd_ms=statistics.median(times["tf_fwd"]) * 1e3,
                    tf_dF_ms=statistics.median(times["tf_dF"]) * 1e3, **ratio)
         rows.append(row)
-        print(f"{name:<22} {dtype:<8} {sp:5.2f}  fwd tf {row['tf_fwd_ms']:7.2f} ms auto "
+        print(f"{name:<22} {dtype:<8} {dist:4} {sp:5.2f}  fwd tf {row['tf_fwd_ms']:7.2f} ms auto "
               f"{ratio['auto_fwd'][0]:5.2f}x [{ratio['auto_fwd'][1]:.2f}-"
               f"{ratio['auto_fwd'][2]:.2f}] sparse {ratio['sparse_fwd'][0]:5.2f}x"
+              f" (cpu {ratio['cpu_sparse_fwd'][0]:5.2f}x)"
               f" | dF tf {row['tf_dF_ms']:7.2f} ms auto "
               f"{ratio['auto_dF'][0]:5.2f}x [{ratio['auto_dF'][1]:.2f}-"
-              f"{ratio['auto_dF'][2]:.2f}] sparse {ratio['sparse_dF'][0]:5.2f}x",
+              f"{ratio['auto_dF'][2]:.2f}] sparse {ratio['sparse_dF'][0]:5.2f}x"
+              f" (cpu {ratio['cpu_sparse_dF'][0]:5.2f}x)",
               file=out, flush=True)
     return rows
 
@@ -379,6 +410,36 @@ def markdown(rows, rounds, header):
     return "\n".join(lines) + "\n"
 
 
+def markdown_natural(rows, rounds, header):
+    """The --natural table: all-sparse and automatic calls against TF's
+    ops, wall-clock and process-CPU ratios."""
+    def f(r):
+        return f"{r[0]:.2f} [{r[1]:.2f}-{r[2]:.2f}]"
+    lines = [
+        header, "",
+        "| layer | zeros | sparsity | tf.nn.conv2d (ms) | fwd all-sparse | "
+        "fwd all-sparse, CPU | fwd auto | Conv2DBackpropFilter (ms) | "
+        "dF all-sparse | dF all-sparse, CPU | dF auto |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['dist']} | {r['sparsity']:.0%} | "
+            f"{r['tf_fwd_ms']:.2f} | {f(r['sparse_fwd'])} | "
+            f"{f(r['cpu_sparse_fwd'])} | {f(r['auto_fwd'])} | "
+            f"{r['tf_dF_ms']:.2f} | {f(r['sparse_dF'])} | "
+            f"{f(r['cpu_sparse_dF'])} | {f(r['auto_dF'])} |")
+    lines += ["", f"Ratios are TF time / our time (> 1: ours faster), through "
+              f"the ops with TF's thread pool: median [min-max] over {rounds} "
+              "interleaved rounds of wall-clock seconds per call, and (CPU) "
+              "of process CPU seconds per call, float32, NHWC, 3x3 SAME, "
+              "stride 1. Zeros i.i.d. ('iid', testing.random_sparse_images) "
+              "or ReLU-like ('relu': max(z - q, 0) of a Gaussian z, q its "
+              "sparsity quantile). 'all-sparse': threshold=1 (every image "
+              "through the sparse kernel the op picks); 'auto': threshold=-1."]
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -428,6 +489,9 @@ def main(argv=None):
     p.add_argument("--shape", default=None,
                    help="one layer NxHxWxC_in->C_out (3x3 SAME) instead of "
                         "the default shapes")
+    p.add_argument("--natural", action="store_true",
+                   help="time the layers of NATURAL_SHAPES at 50%% and 70%% "
+                        "zeros, i.i.d. and ReLU-like (writes <out>_natural.md)")
     p.add_argument("--fused", action="store_true",
                    help="time the fused bias + relu layer instead (writes "
                         "<out>_fused.md)")
@@ -466,6 +530,20 @@ def main(argv=None):
     print(header)
     if args.record_family:
         record_family(args.record_family)
+        return 0
+    if args.natural:
+        rows = []
+        for shape in ([shapes[0]] if args.shape else NATURAL_SHAPES):
+            for dist in ("iid", "relu"):
+                rows += run_shape(shape, args.rounds, dist=dist,
+                                  sparsities=sparsities or NATURAL_SPARSITIES)
+        table = markdown_natural(rows, args.rounds, header)
+        print()
+        print(table)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + "_natural.md", "w") as fh:
+            fh.write(table)
+        print(f"wrote {args.out}_natural.md")
         return 0
     if args.fused:
         rows = []

@@ -22,6 +22,9 @@ SHAPES = [
     (4, 6, 6, 2, 16, 1, 1, 1, 1, "VALID", None),
     (5, 7, 9, 6, 40, 2, 3, (1, 2), 1, "SAME", None),
     (1, 14, 14, 64, 33, 3, 3, 1, 1, "SAME", None),
+    # "mixed" at threshold 0.5: one dense and one sparse image, the direct
+    # filter gradient summing into the dense part's df in place.
+    (2, 9, 9, 8, 32, 3, 3, 1, 1, "SAME", None),
 ]
 
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <new>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -20,6 +21,28 @@ namespace {
 
 template <typename T>
 using DVec = simd::Vec<T>;
+
+// 64-byte aligned storage: the kernels' vector loads of packed filters,
+// accumulator buffers and padded copies then never split a cache line.
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) noexcept {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) noexcept {
+    ::operator delete(p, std::align_val_t(64));
+  }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const noexcept { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const noexcept { return false; }
+};
+template <typename T>
+using AVector = std::vector<T, Aligned64<T>>;
 using simd::LoadV;
 using simd::StoreV;
 template <typename T>
@@ -107,7 +130,7 @@ struct FwdBlocks {
   int64_t vecs = 1;   // vectors per full block
   int64_t count = 0;  // number of blocks
   std::vector<int64_t> offset;  // packed offset of each block
-  std::vector<T> packed;
+  AVector<T> packed;
 
   void Build(const T* f, const Conv2DGeometry& g) {
     const int64_t co = g.c_out;
@@ -236,11 +259,13 @@ struct FwdColumnsGeneric<T, V, B, BEnd, BEnd> {
 // input channels of a filter row (C_in * KW * V vectors) exceeds 48 KB, the
 // work runs in passes over (filter row kh, input-channel chunk) so that a
 // pass's slice stays in L1 while every tile of the rows uses it; between
-// passes the accumulators wait in acc_buf [rows][tiles*B][V*L].
+// passes the accumulators wait in acc_buf [rows][tiles*B][V*L]. In one
+// pass (the usual case) a tile's accumulators start at zero in registers
+// and go straight to y.
 template <typename T, int V>
 void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
              int64_t r0, int64_t r1, const T* wp, T* y, int64_t k0,
-             int64_t kn, int64_t chunk, std::vector<T>* acc_buf) {
+             int64_t kn, int64_t chunk, AVector<T>* acc_buf) {
   using Vt = typename DVec<T>::V;
   constexpr int L = DVec<T>::kLanes;
   constexpr int B = TileWidth<V>::value;
@@ -249,25 +274,29 @@ void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
   const int64_t rw = g.kw * V * L;
   const int64_t tiles = (g.out_w + B - 1) / B;
   const int64_t row_vals = tiles * B * V * L;
-  acc_buf->assign((r1 - r0) * row_vals, T(0));
   // All filter rows in one pass (accumulators in registers throughout) when
   // one chunk holds every channel, else one filter row per pass.
   const int64_t khg = chunk >= ci ? g.kh : 1;
+  const bool one_pass = chunk >= ci;
+  if (!one_pass) acc_buf->assign((r1 - r0) * row_vals, T(0));
   for (int64_t kh0 = 0; kh0 < g.kh; kh0 += khg) {
     for (int64_t cb = 0; cb < ci; cb += chunk) {
       const int64_t ce = std::min(ci, cb + chunk);
+      const bool first = kh0 == 0 && cb == 0;
+      const bool last = kh0 + khg >= g.kh && ce >= ci;
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t i = r / g.out_h, oh = r % g.out_h;
         const int64_t img = images ? images[i] : i;
-        T* rb = acc_buf->data() + (r - r0) * row_vals;
+        T* rb = one_pass ? nullptr : acc_buf->data() + (r - r0) * row_vals;
+        T* yrow = y + ((img * g.out_h + oh) * g.out_w) * g.c_out + k0;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t ow0 = t * B;
           const int nb = static_cast<int>(std::min<int64_t>(B, g.out_w - ow0));
-          T* ab = rb + t * B * V * L;
+          T* ab = one_pass ? nullptr : rb + t * B * V * L;
           Vt acc[B][V];
           for (int b = 0; b < B; ++b)
             for (int v = 0; v < V; ++v)
-              acc[b][v] = LoadV<Vt>(ab + (b * V + v) * L);
+              acc[b][v] = first ? Vt{} : LoadV<Vt>(ab + (b * V + v) * L);
           for (int64_t kh = kh0; kh < std::min(g.kh, kh0 + khg); ++kh) {
             const int64_t h = oh * g.stride_h - g.pad_top + kh * g.dil_h;
             if (h < 0 || h >= g.h) continue;
@@ -283,22 +312,26 @@ void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
                     g.stride_w, g.w, nb, ci, cb, ce, rw, wk + kw * V * L, acc);
             }
           }
-          for (int b = 0; b < B; ++b)
-            for (int v = 0; v < V; ++v)
-              StoreV(ab + (b * V + v) * L, acc[b][v]);
+          if (last) {
+            // Output pixels ow0 + b of the row, lanes [0, kn) of the block.
+            T* yo = yrow + ow0 * g.c_out;
+            if (kn == V * L) {
+              for (int b = 0; b < nb; ++b)
+                for (int v = 0; v < V; ++v)
+                  StoreV(yo + b * g.c_out + v * L, acc[b][v]);
+            } else {
+              for (int b = 0; b < nb; ++b)
+                for (int v = 0; v < V; ++v)
+                  StorePart<T>(yo + b * g.c_out + v * L, acc[b][v], kn - v * L);
+            }
+          } else {
+            for (int b = 0; b < B; ++b)
+              for (int v = 0; v < V; ++v)
+                StoreV(ab + (b * V + v) * L, acc[b][v]);
+          }
         }
       }
     }
-  }
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t i = r / g.out_h, oh = r % g.out_h;
-    const int64_t img = images ? images[i] : i;
-    const T* rb = acc_buf->data() + (r - r0) * row_vals;
-    T* yrow = y + ((img * g.out_h + oh) * g.out_w) * g.c_out + k0;
-    for (int64_t ow = 0; ow < g.out_w; ++ow)
-      for (int v = 0; v < V; ++v)
-        StorePart<T>(yrow + ow * g.c_out + v * L,
-                     LoadV<Vt>(rb + (ow * V + v) * L), kn - v * L);
   }
 }
 
@@ -312,63 +345,75 @@ void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
 // dy at rowp[a] + ptab[r] - k * kstep. Positions of pm[c] in `interior`
 // feed every tap; those in `any` but not `interior` only the taps whose
 // column's bit of vm[k] is set.
+// One input row segment of a pass: its values (pixel stride C_in), the
+// position bitmask of each channel of the pass, and the dy row of each tap
+// row (NR at most).
+template <typename T>
+struct FgRow {
+  const T* xseg;
+  const uint64_t* pm;
+  const T* rowp[3];
+};
+
 template <typename T, int NR, int NK, int V>
-void FgradPass(const T* xseg, int64_t ci, const uint64_t* pm, int64_t c0,
-               int64_t c1, const int64_t* ptab, const T* const* rowp_in,
-               int64_t kstep, const uint64_t* vm, uint64_t interior,
-               uint64_t any, T* const* dfp_in, int64_t dfk, int64_t cop) {
+void FgradPass(const FgRow<T>* rows, int nq, int64_t ci, int64_t c0,
+               int64_t c1, const int64_t* ptab, int64_t kstep,
+               const uint64_t* vm, uint64_t interior, uint64_t any,
+               T* const* dfp_in, int64_t dfk, int64_t cop) {
   using Vt = typename DVec<T>::V;
   constexpr int L = DVec<T>::kLanes;
-  const T* rowp[NR];
   T* dfp[NR];
   uint64_t tvm[NK];
-  for (int a = 0; a < NR; ++a) {
-    rowp[a] = rowp_in[a];
-    dfp[a] = dfp_in[a];
-  }
+  for (int a = 0; a < NR; ++a) dfp[a] = dfp_in[a];
   for (int k = 0; k < NK; ++k) tvm[k] = vm[k];
   for (int64_t c = c0; c < c1; ++c) {
-    const uint64_t m = pm[c - c0];
-    uint64_t mi = m & interior, me = m & any & ~interior;
-    if ((mi | me) == 0) continue;
+    uint64_t live = 0;
+    for (int q = 0; q < nq; ++q) live |= rows[q].pm[c - c0];
+    if ((live & any) == 0) continue;
     Vt acc[NR][NK][V];
     for (int a = 0; a < NR; ++a)
       for (int k = 0; k < NK; ++k)
         for (int v = 0; v < V; ++v) acc[a][k][v] = Vt{};
-    const T* xc = xseg + c;
-    while (mi) {
-      const int r = __builtin_ctzll(mi);
-      mi &= mi - 1;
-      const Vt xv = Bcast<T>(xc[r * ci]);
-      const int64_t q = ptab[r];
+    for (int q = 0; q < nq; ++q) {
+      const uint64_t m = rows[q].pm[c - c0];
+      uint64_t mi = m & interior, me = m & any & ~interior;
+      const T* rowp[NR];
+      for (int a = 0; a < NR; ++a) rowp[a] = rows[q].rowp[a];
+      const T* xc = rows[q].xseg + c;
+      while (mi) {
+        const int r = __builtin_ctzll(mi);
+        mi &= mi - 1;
+        const Vt xv = Bcast<T>(xc[r * ci]);
+        const int64_t q0 = ptab[r];
 #pragma GCC unroll 3
-      for (int a = 0; a < NR; ++a) {
-        const T* p = rowp[a] + q;
+        for (int a = 0; a < NR; ++a) {
+          const T* p = rowp[a] + q0;
 #pragma GCC unroll 3
-        for (int k = 0; k < NK; ++k) {
-#pragma GCC unroll 2
-          for (int v = 0; v < V; ++v)
-            acc[a][k][v] += xv * LoadV<Vt>(p + v * L);
-          p -= kstep;
-        }
-      }
-    }
-    while (me) {
-      const int r = __builtin_ctzll(me);
-      me &= me - 1;
-      const Vt xv = Bcast<T>(xc[r * ci]);
-      const int64_t q = ptab[r];
-#pragma GCC unroll 3
-      for (int a = 0; a < NR; ++a) {
-        const T* p = rowp[a] + q;
-#pragma GCC unroll 3
-        for (int k = 0; k < NK; ++k) {
-          if ((tvm[k] >> r) & 1) {
+          for (int k = 0; k < NK; ++k) {
 #pragma GCC unroll 2
             for (int v = 0; v < V; ++v)
               acc[a][k][v] += xv * LoadV<Vt>(p + v * L);
+            p -= kstep;
           }
-          p -= kstep;
+        }
+      }
+      while (me) {
+        const int r = __builtin_ctzll(me);
+        me &= me - 1;
+        const Vt xv = Bcast<T>(xc[r * ci]);
+        const int64_t q0 = ptab[r];
+#pragma GCC unroll 3
+        for (int a = 0; a < NR; ++a) {
+          const T* p = rowp[a] + q0;
+#pragma GCC unroll 3
+          for (int k = 0; k < NK; ++k) {
+            if ((tvm[k] >> r) & 1) {
+#pragma GCC unroll 2
+              for (int v = 0; v < V; ++v)
+                acc[a][k][v] += xv * LoadV<Vt>(p + v * L);
+            }
+            p -= kstep;
+          }
         }
       }
     }
@@ -382,16 +427,15 @@ void FgradPass(const T* xseg, int64_t ci, const uint64_t* pm, int64_t c0,
 }
 
 template <typename T, int V>
-void FgradPassDispatch(int nr, int nk, const T* xseg, int64_t ci,
-                       const uint64_t* pm, int64_t c0, int64_t c1,
-                       const int64_t* ptab, const T* const* rowp,
+void FgradPassDispatch(int nr, int nk, const FgRow<T>* rows, int nq,
+                       int64_t ci, int64_t c0, int64_t c1, const int64_t* ptab,
                        int64_t kstep, const uint64_t* vm, uint64_t interior,
                        uint64_t any, T* const* dfp, int64_t dfk, int64_t cop) {
   switch (nr * 4 + nk) {
 #define TFSS_CASE(R, K)                                                     \
   case R * 4 + K:                                                          \
-    FgradPass<T, R, K, V>(xseg, ci, pm, c0, c1, ptab, rowp, kstep, vm,     \
-                          interior, any, dfp, dfk, cop);                   \
+    FgradPass<T, R, K, V>(rows, nq, ci, c0, c1, ptab, kstep, vm, interior, \
+                          any, dfp, dfk, cop);                             \
     break;
     TFSS_CASE(1, 1) TFSS_CASE(1, 2) TFSS_CASE(1, 3)
     TFSS_CASE(2, 1) TFSS_CASE(2, 2) TFSS_CASE(2, 3)
@@ -443,14 +487,41 @@ void PositionMasks<float>(const float* xseg, int64_t ci, int64_t nw,
 }
 #endif
 
+// dst[kb - kb0][ow][0, VL) = src[ow][kb * VL + (0, VL)] for the blocks kb
+// in [kb0, kb1) (a block's lanes past cop are not written and not read),
+// for the ow pixels of one dy row (pixel stride cop, a multiple of L).
+template <typename T>
+void PackDyRow(const T* src, int64_t ow_n, int64_t cop, int64_t VL,
+               int64_t kb0, int64_t kb1, T* dst) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    const int64_t k0 = kb * VL, vk = std::min(VL, cop - k0) / L;
+    T* d = dst + (kb - kb0) * ow_n * VL;
+    for (int64_t ow = 0; ow < ow_n; ++ow) {
+      const T* sp = src + ow * cop + k0;
+      for (int64_t v = 0; v < vk; ++v)
+        StoreV(d + ow * VL + v * L, LoadV<Vt>(sp + v * L));
+    }
+  }
+}
+
 // Most tap rows and columns per pass (3 x 3 taps x 2 vectors = 18
 // accumulators).
 constexpr int kMaxTapRows = 3;
 constexpr int kMaxTapCols = 3;
+// Input rows whose df contributions share one read-modify-write (default,
+// and the most).
+constexpr int kRowGroup = 3;
+constexpr int kMaxRowGroup = 4;
 
 // The filter gradient of images [i0, i1) of the list (image numbers from
 // `images`, null = identity), input channels [c0, c1), output-channel
-// blocks [kb0, kb1), summed into buf [KH*KW][C_in][cop].
+// blocks [kb0, kb1), summed into buf [KH*KW][C_in][cop]. Input rows go in
+// groups of up to kRowGroup consecutive rows with the same filter rows
+// (every interior row at stride 1), whose sums for a channel meet in the
+// same registers: one read-modify-write of that channel's df rows per
+// group instead of per row.
 template <typename T>
 void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
                bool dy_by_list, const int64_t* images, int64_t i0, int64_t i1,
@@ -458,47 +529,112 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
                int64_t vecs, T* buf) {
   constexpr int L = DVec<T>::kLanes;
   const int64_t ci = g.c_in, nc = c1 - c0;
-  std::vector<uint64_t> pm(nc), colmask(g.kw);
+  const int RG = kRowGroup;
+  std::vector<uint64_t> pm(RG * nc);
   std::vector<uint8_t> scratch(((nc + 7) / 8) * 64 + 64);
-  std::vector<int64_t> ptab(64), khs, ohs;
-  khs.reserve(g.kh);
-  ohs.reserve(g.kh);
+  std::vector<int64_t> khs, ohs, khs_next, ohs_next;
+  std::vector<int64_t> group_ohs(RG * g.kh);
   const int64_t out_img = g.out_h * g.out_w * cop;
   const int64_t dfk = ci * cop;  // df stride of one filter column
+  // With several output-channel blocks a block's slice of a dy row is every
+  // (cop / VL)-th piece of VL values, which maps to a fraction of the L1
+  // sets; the dy rows are then copied into a ring of contiguous
+  // [block][OW][VL] rows of the blocks [kb0, kb1) this call sums (each row
+  // once per image). Slot oh % S: the dy rows of one row group lie within
+  // S consecutive rows.
+  const int64_t VL = vecs * L;
+  const int64_t nkb_all = (cop / L + vecs - 1) / vecs;
+  const int64_t S = (g.kh - 1) * g.dil_h / g.stride_h + RG;
+  const int64_t row_pk = (kb1 - kb0) * g.out_w * VL;
+  const bool pack = nkb_all > 1 &&
+                    S * row_pk * static_cast<int64_t>(sizeof(T)) <= (int64_t{1} << 20);
+  AVector<T> ring(pack ? S * row_pk : 0);
+  std::vector<int64_t> ring_oh(pack ? S : 0);
+  const int64_t pix = pack ? VL : cop;  // dy pixel stride the passes read
+  // Filter rows kh whose output row exists for input row h, and those rows.
+  auto taps_of = [&](int64_t h, std::vector<int64_t>* ks,
+                     std::vector<int64_t>* os) {
+    ks->clear();
+    os->clear();
+    for (int64_t kh = 0; kh < g.kh; ++kh) {
+      const int64_t num = h + g.pad_top - kh * g.dil_h;
+      if (num < 0 || num % g.stride_h) continue;
+      if (num / g.stride_h >= g.out_h) continue;
+      ks->push_back(kh);
+      os->push_back(num / g.stride_h);
+    }
+  };
+  // Per 64-wide segment of an input row (they depend on the geometry
+  // only, so they are built once): colmask[seg * KW + kw], the positions
+  // whose output column exists for filter column kw, and ptab[(seg * KW +
+  // kw0) * 64 + r], the dy offset of position r for the pass starting at
+  // filter column kw0.
+  const int64_t nseg = (g.w + 63) / 64;
+  std::vector<uint64_t> colmask(nseg * g.kw);
+  std::vector<int64_t> ptab(nseg * g.kw * 64, 0);
+  for (int64_t sg = 0; sg < nseg; ++sg) {
+    const int64_t w0 = sg * 64, nw = std::min<int64_t>(64, g.w - w0);
+    for (int64_t kw = 0; kw < g.kw; ++kw) {
+      uint64_t m = 0;
+      for (int64_t r = 0; r < nw; ++r) {
+        const int64_t num = w0 + r + g.pad_left - kw * g.dil_w;
+        if (num >= 0 && num % g.stride_w == 0 && num / g.stride_w < g.out_w)
+          m |= uint64_t{1} << r;
+        ptab[(sg * g.kw + kw) * 64 + r] =
+            (g.stride_w == 1 ? num : (num >= 0 ? num / g.stride_w : 0)) * pix;
+      }
+      colmask[sg * g.kw + kw] = m;
+    }
+  }
+  FgRow<T> rows[kMaxRowGroup];
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t img = images ? images[i] : i;
+    std::fill(ring_oh.begin(), ring_oh.end(), int64_t{-1});
     const T* ximg = x + img * g.h * g.w * ci;
     const T* dyimg = dyp + (dy_by_list ? i : img) * out_img;
-    for (int64_t h = 0; h < g.h; ++h) {
-      // Filter rows kh whose output row exists for input row h.
-      khs.clear();
-      ohs.clear();
-      for (int64_t kh = 0; kh < g.kh; ++kh) {
-        const int64_t num = h + g.pad_top - kh * g.dil_h;
-        if (num < 0 || num % g.stride_h) continue;
-        if (num / g.stride_h >= g.out_h) continue;
-        khs.push_back(kh);
-        ohs.push_back(num / g.stride_h);
+    for (int64_t h = 0; h < g.h;) {
+      // A group of up to RG consecutive input rows with the same filter
+      // rows: their contributions to a channel's df rows are summed in
+      // registers before one read-modify-write of df.
+      taps_of(h, &khs, &ohs);
+      int nq = 1;
+      for (int64_t j = 0; j < g.kh && j < static_cast<int64_t>(ohs.size()); ++j)
+        group_ohs[j] = ohs[j];
+      while (!khs.empty() && nq < RG && h + nq < g.h) {
+        taps_of(h + nq, &khs_next, &ohs_next);
+        if (khs_next != khs) break;
+        for (size_t j = 0; j < ohs_next.size(); ++j)
+          group_ohs[nq * g.kh + j] = ohs_next[j];
+        ++nq;
       }
+      const int64_t h0 = h;
+      h += nq;
       if (khs.empty()) continue;
+      const size_t ntaps = khs.size();
+      if (pack) {
+        for (int q = 0; q < nq; ++q)
+          for (size_t j = 0; j < ntaps; ++j) {
+            const int64_t oh = group_ohs[q * g.kh + j];
+            int64_t& tag = ring_oh[oh % S];
+            if (tag == oh) continue;
+            tag = oh;
+            PackDyRow<T>(dyimg + oh * g.out_w * cop, g.out_w, cop, VL, kb0,
+                         kb1, ring.data() + (oh % S) * row_pk);
+          }
+      }
       for (int64_t w0 = 0; w0 < g.w; w0 += 64) {
         const int64_t nw = std::min<int64_t>(64, g.w - w0);
-        const T* xseg = ximg + (h * g.w + w0) * ci;
-        PositionMasks<T>(xseg, ci, nw, c0, c1, pm.data(), scratch.data());
         uint64_t anynz = 0;
-        for (int64_t c = 0; c < nc; ++c) anynz |= pm[c];
-        if (anynz == 0) continue;
-        // colmask[kw]: positions whose output column exists for filter
-        // column kw.
-        for (int64_t kw = 0; kw < g.kw; ++kw) {
-          uint64_t m = 0;
-          for (int64_t r = 0; r < nw; ++r) {
-            const int64_t num = w0 + r + g.pad_left - kw * g.dil_w;
-            if (num >= 0 && num % g.stride_w == 0 && num / g.stride_w < g.out_w)
-              m |= uint64_t{1} << r;
-          }
-          colmask[kw] = m;
+        for (int q = 0; q < nq; ++q) {
+          const T* xseg = ximg + ((h0 + q) * g.w + w0) * ci;
+          uint64_t* pq = pm.data() + q * nc;
+          PositionMasks<T>(xseg, ci, nw, c0, c1, pq, scratch.data());
+          for (int64_t c = 0; c < nc; ++c) anynz |= pq[c];
+          rows[q].xseg = xseg;
+          rows[q].pm = pq;
         }
+        if (anynz == 0) continue;
+        const uint64_t* colm = colmask.data() + (w0 / 64) * g.kw;
         // Passes: at stride 1 (width) up to 3 consecutive filter columns
         // (dy of column kw+1 is one pixel left of column kw's); otherwise
         // one column. Up to 3 filter rows each.
@@ -507,36 +643,36 @@ void FgradRows(const T* x, const Conv2DGeometry& g, const T* dyp,
           const int nk = static_cast<int>(std::min<int64_t>(kcols, g.kw - kw0));
           uint64_t interior = ~uint64_t{0}, any = 0;
           for (int k = 0; k < nk; ++k) {
-            interior &= colmask[kw0 + k];
-            any |= colmask[kw0 + k];
+            interior &= colm[kw0 + k];
+            any |= colm[kw0 + k];
           }
           if (any == 0) continue;
-          for (int64_t r = 0; r < nw; ++r) {
-            const int64_t num = w0 + r + g.pad_left - kw0 * g.dil_w;
-            ptab[r] = (g.stride_w == 1 ? num : (num >= 0 ? num / g.stride_w : 0)) * cop;
-          }
-          const int64_t kstep = g.dil_w * cop;
-          for (size_t a0 = 0; a0 < khs.size(); a0 += kMaxTapRows) {
+          const int64_t* pt = ptab.data() + ((w0 / 64) * g.kw + kw0) * 64;
+          const int64_t kstep = g.dil_w * pix;
+          for (size_t a0 = 0; a0 < ntaps; a0 += kMaxTapRows) {
             const int nr = static_cast<int>(
-                std::min<size_t>(kMaxTapRows, khs.size() - a0));
+                std::min<size_t>(kMaxTapRows, ntaps - a0));
             for (int64_t kb = kb0; kb < kb1; ++kb) {
               const int64_t k0 = kb * vecs * L;
-              const T* rowp[kMaxTapRows];
               T* dfp[kMaxTapRows];
               for (int a = 0; a < nr; ++a) {
-                rowp[a] = dyimg + ohs[a0 + a] * g.out_w * cop + k0;
                 dfp[a] = buf + (khs[a0 + a] * g.kw + kw0) * dfk + k0;
+                for (int q = 0; q < nq; ++q) {
+                  const int64_t oh = group_ohs[q * g.kh + a0 + a];
+                  rows[q].rowp[a] =
+                      pack ? ring.data() + (oh % S) * row_pk +
+                                 (kb - kb0) * g.out_w * VL
+                           : dyimg + oh * g.out_w * cop + k0;
+                }
               }
               const int64_t v = std::min<int64_t>(vecs, (cop - k0) / L);
               if (v == 2)
-                FgradPassDispatch<T, 2>(nr, nk, xseg, ci, pm.data(), c0, c1,
-                                        ptab.data(), rowp, kstep,
-                                        colmask.data() + kw0, interior, any,
+                FgradPassDispatch<T, 2>(nr, nk, rows, nq, ci, c0, c1, pt,
+                                        kstep, colm + kw0, interior, any,
                                         dfp, dfk, cop);
               else
-                FgradPassDispatch<T, 1>(nr, nk, xseg, ci, pm.data(), c0, c1,
-                                        ptab.data(), rowp, kstep,
-                                        colmask.data() + kw0, interior, any,
+                FgradPassDispatch<T, 1>(nr, nk, rows, nq, ci, c0, c1, pt,
+                                        kstep, colm + kw0, interior, any,
                                         dfp, dfk, cop);
             }
           }
@@ -595,11 +731,13 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
   const int64_t rows = n_images * g.out_h;
   // Input-channel chunk of a pass: the whole C_in when its filter slice
   // (C_in * KW * V vectors) fits in 48 KB, else multiples of 16 channels
-  // within 32 KB.
+  // within 48 KB (64 channels at V = 4 and KW = 3: a 64-bit mask per
+  // column; 32-channel chunks doubled the column loops and measured 3-18%
+  // slower on 28x28x128 and 7x7x512 layers).
   const int64_t per_chan = g.kw * blocks.vecs * L * sizeof(T);
   int64_t chunk = g.c_in;
   if (g.c_in * per_chan > 48 * 1024)
-    chunk = std::max<int64_t>(16, (32 * 1024 / per_chan) / 16 * 16);
+    chunk = std::max<int64_t>(16, (48 * 1024 / per_chan) / 16 * 16);
   // Rows per task: enough tiles (about 8) to reuse each pass's filter slice.
   const int64_t tiles = (g.out_w + 6) / 7;
   const int64_t group = std::max<int64_t>(1, std::min<int64_t>(8, (8 + tiles - 1) / tiles));
@@ -607,7 +745,7 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
   const int64_t cost =
       1 + group * g.out_w * g.kh * g.kw * (g.c_in / 2 + 1) * blocks.vecs * 2;
   pfor(blocks.count * groups, cost, [&](int64_t tb, int64_t te) {
-    std::vector<T> acc_buf;
+    AVector<T> acc_buf;
     for (int64_t t = tb; t < te; ++t) {
       const int64_t b = t / groups, q = t % groups;
       const int64_t r0 = q * group, r1 = std::min(rows, r0 + group);
@@ -640,7 +778,7 @@ void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
   const int64_t nkb = (cop / L + vecs - 1) / vecs;
   // dy rows must hold whole vectors: pad a copy when C_out is not a multiple
   // of the vector length (the listed images only).
-  std::vector<T> dy_pad;
+  AVector<T> dy_pad;
   const T* dyp = dy;
   bool dy_by_list = false;
   const int64_t opix = g.out_h * g.out_w;
@@ -660,7 +798,7 @@ void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
   const int64_t fsize = g.kh * g.kw * ci * cop;
   const int64_t blocks = FilterGradBlocks(g, n_images);
   const int64_t work = 1 + g.h * g.w * ci * g.kh * g.kw * cop / 8;
-  std::vector<T> buf;
+  AVector<T> buf;
   int64_t nbuf = 1;
   if (blocks >= 2) {
     // Fixed blocks of images, each with a private padded df.
@@ -676,8 +814,12 @@ void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
       }
     });
   } else {
-    // (input-channel group, output-channel block) tasks owning their slice.
-    buf.assign(fsize, T(0));
+    // (input-channel group, output-channel block) tasks owning their slice:
+    // of df itself when C_out needs no padding (nothing to copy or add
+    // afterwards), else of one padded buffer.
+    const bool in_place = cop == co;
+    if (!in_place) buf.assign(fsize, T(0));
+    T* out = in_place ? df : buf.data();
     const int64_t cg = 64, ngroups = (ci + cg - 1) / cg;
     pfor(ngroups * nkb, work * n_images / (ngroups * nkb) + 1,
          [&](int64_t tb, int64_t te) {
@@ -685,20 +827,20 @@ void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,
              const int64_t gq = t / nkb, kb = t % nkb;
              FgradRows<T>(x, g, dyp, dy_by_list, images, 0, n_images, gq * cg,
                           std::min(ci, (gq + 1) * cg), kb, kb + 1, cop, vecs,
-                          buf.data());
+                          out);
            }
          });
+    if (in_place) return;
   }
-  // df += sum of the buffers in block order (padding lanes dropped).
+  // df += the buffers in block order (padding lanes dropped): per element
+  // ((df + buf_0) + buf_1) + ..., vectorised over the output channels.
   const int64_t rows = g.kh * g.kw * ci;
   pfor(rows, co * nbuf + 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       T* d = df + r * co;
-      for (int64_t k = 0; k < co; ++k) {
-        T s = d[k];
-        for (int64_t blk = 0; blk < nbuf; ++blk)
-          s += buf[blk * fsize + r * cop + k];
-        d[k] = s;
+      for (int64_t blk = 0; blk < nbuf; ++blk) {
+        const T* src = buf.data() + blk * fsize + r * cop;
+        for (int64_t k = 0; k < co; ++k) d[k] += src[k];
       }
     }
   });

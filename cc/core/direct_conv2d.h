@@ -43,7 +43,7 @@ namespace tf_sparse_split {
 // multiplied into all the outputs of the tile it feeds (up to 3 x V
 // vectors per nonzero); otherwise output by output (V vectors per nonzero
 // and tap). The filter is repacked per call ([block][KH][C_in][KW][16V],
-// zero-padded lanes).
+// zero-padded lanes, 64-byte aligned).
 template <typename T>
 void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
                          const int64_t* images, int64_t n_images, T* y,
@@ -54,12 +54,16 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
 //   df[kh, kw, c, :] += x[images[i], h, w, c] * dy[images[i], oh, ow, :]
 // (accumulated into df: the caller zeroes it or puts the dense part there).
 // Per input row, a bitmask over positions is built for every input channel
-// from vector compares; for each channel the set bits are visited with the
-// df rows of up to 9 taps x 2 output-channel vectors in registers (dy rows
-// are read in place). Parallel either over fixed blocks of images, each
+// from vector compares; for each channel the set bits of a group of up to
+// three consecutive input rows are visited with the df rows of up to 9 taps
+// x 2 output-channel vectors in registers (one read-modify-write of df per
+// channel and group). dy rows are read in place when C_out fits one
+// 32-channel block, else from a ring of per-block contiguous copies (a
+// block's slice of a wide dy row would map to few L1 sets). Parallel either over fixed blocks of images, each
 // summing into a private copy of df that is added in block order, or --
 // when df is too large to copy or there are few images -- over (input
-// channel group, output-channel block) tasks that own their slice of df.
+// channel group, output-channel block) tasks that own their slice of df
+// (summed into df itself when C_out is a multiple of the vector length).
 // The choice depends on the sizes only (FilterGradBlocks).
 template <typename T>
 void DirectConv2DBackpropFilter(const T* x, const Conv2DGeometry& g,

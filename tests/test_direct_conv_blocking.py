@@ -1,0 +1,119 @@
+"""Blocking paths of the direct convolution kernels (cc/core/direct_conv2d.h)
+against the float64 references of test_direct_conv.py: the filter
+gradient's groups of consecutive input rows (one df read-modify-write per
+group), its ring of per-block contiguous dy rows (C_out wider than one
+32-channel block), the forward's one-pass tiles stored straight to y, and
+results that do not depend on the alignment of the caller's arrays."""
+
+import numpy as np
+import pytest
+
+from tf_sparse_split._loader import kernels
+from tf_sparse_split.testing import relative_error
+
+from test_direct_conv import _geometry, _sparse_x, ref_conv, ref_filter_grad
+
+K = kernels()
+
+# (n, h, w, c_in, c_out, kh, kw, strides, dilations, padding)
+CASES = [
+    (1, 1, 5, 3, 64, 3, 3, (1, 1), (1, 1), "SAME"),     # one row: no group
+    (2, 2, 6, 5, 64, 3, 3, (1, 1), (1, 1), "SAME"),     # H = 2
+    (2, 4, 9, 7, 96, 3, 3, (1, 1), (1, 1), "SAME"),     # 3 + 1 rows
+    (1, 5, 5, 8, 520, 3, 3, (1, 1), (1, 1), "SAME"),    # wide C_out, padded
+    (2, 10, 70, 6, 48, 3, 3, (1, 1), (1, 1), "SAME"),   # W > 64: 2 segments
+    (1, 12, 9, 4, 80, 7, 7, (1, 1), (2, 2), "SAME"),    # 7x7 dilated: 7 taps
+    (2, 11, 8, 5, 64, 3, 3, (3, 1), (1, 1), "VALID"),   # stride 3 in height
+    (2, 9, 9, 6, 64, 5, 5, (2, 2), (1, 2), "SAME"),     # stride + dilation
+    (3, 7, 7, 16, 33, 3, 3, (1, 1), (1, 1), (2, 0, 1, 2)),  # explicit pads
+]
+
+
+def _id(c):
+    n, h, w, ci, co, kh, kw, s, d, p = c
+    return f"{n}x{h}x{w}x{ci}-{kh}x{kw}x{co}-s{s[0]}{s[1]}-d{d[0]}{d[1]}-{p}"
+
+
+def _aligned(a, offset):
+    """A copy of `a` whose data start `offset` bytes past a 64-byte
+    boundary."""
+    buf = np.empty(a.nbytes + 128, dtype=np.uint8)
+    off = (-buf.ctypes.data) % 64 + offset
+    out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("sparsity", [0.0, 0.6])
+def test_filter_grad_blocking_matches_reference(case, sparsity):
+    n, h, w, ci, co, kh, kw, s, d, p = case
+    rng = np.random.default_rng(abs(hash((_id(case), sparsity, 2))) % 2**32)
+    _, oh, ow = _geometry((n, h, w, ci), kh, kw, s, d, p)
+    for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
+        x = _sparse_x((n, h, w, ci), sparsity, rng, dtype, relu=True)
+        dy = rng.standard_normal((n, oh, ow, co)).astype(dtype)
+        ref = ref_filter_grad(x, dy, kh, kw, s, d, p)
+        got = K.direct_conv2d_backprop_filter(x, dy, kh, kw, strides=s,
+                                              dilations=d, padding=p)
+        assert got.shape == ref.shape
+        assert relative_error(got, ref) <= tol, dtype
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_forward_blocking_matches_reference(case):
+    n, h, w, ci, co, kh, kw, s, d, p = case
+    rng = np.random.default_rng(abs(hash((_id(case), 3))) % 2**32)
+    for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
+        x = _sparse_x((n, h, w, ci), 0.55, rng, dtype)
+        f = rng.standard_normal((kh, kw, ci, co)).astype(dtype)
+        ref = ref_conv(x, f, s, d, p)
+        got = K.direct_conv2d(x, f, strides=s, dilations=d, padding=p)
+        assert got.shape == ref.shape
+        assert relative_error(got, ref) <= tol, dtype
+
+
+@pytest.mark.parametrize("shape, co", [((1, 14, 14, 24), 256),  # channel tasks
+                                       ((4, 8, 8, 16), 96),     # image blocks
+                                       ((2, 7, 7, 40), 520)])   # df too large
+def test_blocked_filter_grad_bits_do_not_depend_on_threads(shape, co):
+    rng = np.random.default_rng(11)
+    x = _sparse_x(shape, 0.6, rng, np.float32, relu=True)
+    dy = rng.standard_normal(shape[:3] + (co,)).astype(np.float32)
+    d1 = K.direct_conv2d_backprop_filter(x, dy, 3, 3, threads=1)
+    assert relative_error(d1, ref_filter_grad(x, dy, 3, 3, (1, 1), (1, 1),
+                                              "SAME")) <= 1e-5
+    for t in (2, 3):
+        np.testing.assert_array_equal(
+            K.direct_conv2d_backprop_filter(x, dy, 3, 3, threads=t), d1)
+
+
+@pytest.mark.parametrize("offset", [4, 16, 32])
+def test_results_do_not_depend_on_input_alignment(offset):
+    rng = np.random.default_rng(offset)
+    x = _sparse_x((2, 9, 11, 20), 0.5, rng, np.float32)
+    f = rng.standard_normal((3, 3, 20, 40)).astype(np.float32)
+    dy = rng.standard_normal((2, 9, 11, 40)).astype(np.float32)
+    y0 = K.direct_conv2d(_aligned(x, 0), _aligned(f, 0))
+    d0 = K.direct_conv2d_backprop_filter(_aligned(x, 0), _aligned(dy, 0), 3, 3)
+    np.testing.assert_array_equal(
+        K.direct_conv2d(_aligned(x, offset), _aligned(f, offset)), y0)
+    np.testing.assert_array_equal(
+        K.direct_conv2d_backprop_filter(_aligned(x, offset),
+                                        _aligned(dy, offset), 3, 3), d0)
+    assert relative_error(y0, ref_conv(x, f, (1, 1), (1, 1), "SAME")) <= 1e-5
+
+
+def test_nan_in_one_row_of_a_group_stays_in_its_taps():
+    # Rows 3, 4, 5 form one group; a NaN in row 4 reaches exactly the df
+    # entries of its channel that a dense filter gradient makes NaN.
+    rng = np.random.default_rng(5)
+    x = _sparse_x((1, 9, 8, 6), 0.5, rng, np.float32)
+    x[0, 4, 3, 2] = np.nan
+    dy = rng.standard_normal((1, 9, 8, 64)).astype(np.float32)
+    got = K.direct_conv2d_backprop_filter(x, dy, 3, 3)
+    ref = ref_filter_grad(x, dy, 3, 3, (1, 1), (1, 1), "SAME")
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert np.isnan(got[:, :, 2, :]).all()
+    fin = np.isfinite(ref)
+    assert relative_error(got[fin], ref[fin]) <= 1e-5
