@@ -1,0 +1,112 @@
+"""Bad inputs to the newest public APIs: the stride-1 input-gradient op's
+``input_sizes`` (non-integer dtypes, int64 values beyond int32), the
+top-level name of its wrapper, ``SparseSplitLSTM.set_rates`` with one good
+and one bad rate (nothing may change), and ``TimeBudgetCallback``'s
+``min_gain`` of the wrong type. Each must raise a clear error, never
+truncate or wrap a size or leave a half-applied change."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparse_split as tfss
+from tf_sparse_split.ops import conv2d as conv_ops
+
+bpi = conv_ops.sparse_split_conv2d_backprop_input
+
+
+def _operands(rng):
+    f = rng.standard_normal((3, 3, 4, 5)).astype(np.float32)
+    dy = rng.standard_normal((2, 8, 8, 5)).astype(np.float32)
+    dy[rng.random(dy.shape) < 0.6] = 0.0       # real zeros, not all zero
+    return f, dy
+
+
+def _reference(f, dy, sizes):
+    return tf.raw_ops.Conv2DBackpropInput(
+        input_sizes=sizes, filter=f.astype(np.float64),
+        out_backprop=dy.astype(np.float64), strides=[1, 1, 1, 1],
+        padding="SAME").numpy()
+
+
+def test_backprop_input_is_a_top_level_name():
+    assert tfss.sparse_split_conv2d_backprop_input is bpi
+    assert "sparse_split_conv2d_backprop_input" in tfss.__all__
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("sizes", [
+    [2, 8.5, 8, 4],                                   # a float list
+    np.array([2.0, 8.0, 8.0, 4.0], np.float32),       # float array
+    tf.constant([2.0, 8.0, 8.0, 4.0]),                # float tensor
+    tf.constant([True, True, True, True]),            # bool
+], ids=["float-list", "float-array", "float-tensor", "bool"])
+def test_backprop_input_rejects_non_integer_input_sizes(sizes):
+    f, dy = _operands(np.random.default_rng(0))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="input_sizes"):
+        bpi(sizes, f, dy, "SAME")
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("sizes", [
+    [2, 2**32 + 8, 8, 4],       # wraps to 8 in int32: the right shape
+    [2, 8, 8, 2**31 + 4],
+    [2, -(2**32) + 8, 8, 4],
+], ids=["h-wraps-to-8", "c-above-int32", "negative-wraps"])
+def test_backprop_input_rejects_int64_sizes_beyond_int32(sizes):
+    f, dy = _operands(np.random.default_rng(1))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="int32"):
+        bpi(np.array(sizes, np.int64), f, dy, "SAME")
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("threshold", [0.0, 1.0, "auto"])
+def test_backprop_input_int64_sizes_in_range(threshold):
+    f, dy = _operands(np.random.default_rng(2))
+    sizes = [2, 8, 8, 4]
+    want = _reference(f, dy, sizes)
+    for s in (np.array(sizes, np.int64), tf.constant(sizes, tf.int64)):
+        got = bpi(s, f, dy, "SAME", threshold=threshold).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("op_library")
+def test_backprop_input_int64_sizes_checked_in_tf_function():
+    f, dy = _operands(np.random.default_rng(3))
+
+    @tf.function(input_signature=[tf.TensorSpec([4], tf.int64)])
+    def g(s):
+        return bpi(s, f, dy, "SAME")
+
+    np.testing.assert_allclose(g(tf.constant([2, 8, 8, 4], tf.int64)),
+                               _reference(f, dy, [2, 8, 8, 4]),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="int32"):
+        g(tf.constant([2, 2**32 + 8, 8, 4], tf.int64))
+
+
+@pytest.mark.parametrize("pattern", ["subset", "row", "random"])
+@pytest.mark.parametrize("built", [False, True])
+def test_lstm_set_rates_changes_nothing_when_one_rate_is_bad(pattern,
+                                                             built):
+    layer = tfss.SparseSplitLSTM(8, dropout=0.25, recurrent_dropout=0.25,
+                                 pattern=pattern)
+    if built:
+        layer.build((None, 3, 4))
+    for bad in (1.2, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="recurrent_dropout"):
+            layer.set_rates(dropout=0.5, recurrent_dropout=bad)
+        assert layer.cell.dropout == 0.25
+        assert layer.cell.recurrent_dropout == 0.25
+    with pytest.raises(ValueError, match="dropout"):
+        layer.set_rates(dropout=1.0, recurrent_dropout=0.5)
+    assert layer.cell.recurrent_dropout == 0.25
+    if built:
+        assert float(layer.cell._rate("input")) == 0.25
+        assert float(layer.cell._rate("recurrent")) == 0.25
+
+
+@pytest.mark.parametrize("min_gain", [None, "a", [0.1], float("inf")])
+def test_time_budget_min_gain_of_wrong_type(min_gain):
+    with pytest.raises(ValueError, match="min_gain"):
+        tfss.TimeBudgetCallback(step_time=0.1, min_gain=min_gain)
