@@ -110,3 +110,25 @@ def test_lstm_set_rates_changes_nothing_when_one_rate_is_bad(pattern,
 def test_time_budget_min_gain_of_wrong_type(min_gain):
     with pytest.raises(ValueError, match="min_gain"):
         tfss.TimeBudgetCallback(step_time=0.1, min_gain=min_gain)
+
+
+@pytest.mark.usefixtures("op_library")
+def test_time_budget_epoch_line_has_no_dangling_separator(capsys):
+    """Without a held batch the verbose epoch line ends with the budget,
+    not with an empty '; ' field."""
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+        tfss.SparseSplitDense(32, activation="relu", name="h2"),
+        tfss.SparseSplitDense(4, name="out")])
+    model.compile("adam", "mse", jit_compile=False)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+    y = rng.standard_normal((64, 4)).astype(np.float32)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+        tfss.TimeBudgetCallback(step_time=1.0, verbose=1)])
+    lines = [l for l in capsys.readouterr().out.splitlines()
+             if l.startswith("TimeBudgetCallback: epoch 1:")]
+    assert len(lines) == 1
+    assert lines[0].rstrip().endswith("ms"), lines[0]
