@@ -205,7 +205,8 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     train = sub.add_parser(
-        "train", help="train an MLP (or --model cnn) with sparse-split layers",
+        "train",
+        help="train an MLP (or --model cnn|lstm) with sparse-split layers",
         description="Train a ReLU MLP with SparseSplitDense layers and the "
                     "threshold-tuning callback (or plain Dense with "
                     "--baseline, or both with --compare).")
