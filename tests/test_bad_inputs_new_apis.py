@@ -132,3 +132,32 @@ def test_time_budget_epoch_line_has_no_dangling_separator(capsys):
              if l.startswith("TimeBudgetCallback: epoch 1:")]
     assert len(lines) == 1
     assert lines[0].rstrip().endswith("ms"), lines[0]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["train", "--seed", "-1"], "--seed"),
+    (["train", "--seed", "x"], "--seed"),
+    (["profile", "m.keras", "--seed", "-3"], "--seed"),
+    (["train", "--dropout", "tile", "--tile-shape", "32,30"],
+     "--tile-shape"),
+    (["train", "--hidden", "64,48", "--dropout", "tile"], "--tile-shape"),
+])
+def test_cli_bad_seed_or_tile_is_a_usage_error(argv, flag, capsys):
+    """Exit code 2 and one error line before any data is loaded (a
+    negative seed used to fail in numpy after loading the data, a tile
+    that does not divide a hidden size when the model was built)."""
+    from tf_sparse_split.tools import cli
+
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert "data:" not in captured.out
+    assert flag in captured.err.strip().splitlines()[-1]
+
+
+def test_cli_tile_dividing_every_hidden_size_is_accepted():
+    from tf_sparse_split.tools import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "--hidden", "64,96", "--dropout",
+                              "tile", "--tile-shape", "8,32"])
+    cli._check_combinations(parser, args)   # no SystemExit
