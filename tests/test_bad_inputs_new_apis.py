@@ -55,8 +55,10 @@ def test_backprop_input_rejects_non_integer_input_sizes(sizes):
 ], ids=["h-wraps-to-8", "c-above-int32", "negative-wraps"])
 def test_backprop_input_rejects_int64_sizes_beyond_int32(sizes):
     f, dy = _operands(np.random.default_rng(1))
-    with pytest.raises(tf.errors.InvalidArgumentError, match="int32"):
-        bpi(np.array(sizes, np.int64), f, dy, "SAME")
+    for given in (np.array(sizes, np.int64), sizes, tuple(sizes),
+                  tf.constant(sizes, tf.int64)):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="int32"):
+            bpi(given, f, dy, "SAME")
 
 
 @pytest.mark.usefixtures("op_library")
@@ -65,7 +67,8 @@ def test_backprop_input_int64_sizes_in_range(threshold):
     f, dy = _operands(np.random.default_rng(2))
     sizes = [2, 8, 8, 4]
     want = _reference(f, dy, sizes)
-    for s in (np.array(sizes, np.int64), tf.constant(sizes, tf.int64)):
+    for s in (np.array(sizes, np.int64), tf.constant(sizes, tf.int64),
+              [np.int64(2), 8, 8, 4], tf.Variable(sizes, dtype=tf.int64)):
         got = bpi(s, f, dy, "SAME", threshold=threshold).numpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -83,6 +86,13 @@ def test_backprop_input_int64_sizes_checked_in_tf_function():
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(tf.errors.InvalidArgumentError, match="int32"):
         g(tf.constant([2, 2**32 + 8, 8, 4], tf.int64))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8, 8, 5])])
+    def h(d):       # a size from a tensor among Python ints
+        return bpi([tf.shape(d)[0], 8, 8, 4], f, d, "SAME")
+
+    np.testing.assert_allclose(h(dy), _reference(f, dy, [2, 8, 8, 4]),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("pattern", ["subset", "row", "random"])

@@ -379,7 +379,11 @@ def _input_sizes_int32(input_sizes):
     fits in int32 (checked at run time, a ``tf.debugging`` assertion, so a
     size is never wrapped into another one); other dtypes (float, bool)
     raise ``InvalidArgumentError`` rather than being truncated."""
-    if isinstance(input_sizes, (tf.Tensor, np.ndarray)):
+    if isinstance(input_sizes, (list, tuple)) and all(
+            isinstance(v, (int, float, np.number)) for v in input_sizes):
+        # Through numpy: TensorFlow would wrap a Python int beyond int32.
+        input_sizes = np.asarray(input_sizes)
+    if isinstance(input_sizes, (tf.Tensor, tf.Variable, np.ndarray)):
         sizes = tf.convert_to_tensor(input_sizes)
     else:
         try:
