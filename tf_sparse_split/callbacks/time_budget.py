@@ -770,7 +770,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             logs.update(entry)
         self.history.append(dict(entry))
         if self.verbose:
+            notes = [getattr(self, "_sens_note", "")]
+            if not self._warm:      # say why nothing has moved yet
+                notes.append(
+                    f"warm-up, step {self._step} of {self.warmup_steps}"
+                    if self._phase is None else "warm-up, probing a rate")
             print(f"TimeBudgetCallback: epoch {epoch + 1}: median step "
                   f"{step_time * 1e3:.2f} ms, budget {budget * 1e3:.2f} ms"
-                  + ("; " + note if (note := getattr(self, "_sens_note", ""))
-                     else ""), flush=True)
+                  + "".join("; " + n for n in notes if n), flush=True)
