@@ -174,3 +174,22 @@ def test_cli_tile_dividing_every_hidden_size_is_accepted():
     args = parser.parse_args(["train", "--hidden", "64,96", "--dropout",
                               "tile", "--tile-shape", "8,32"])
     cli._check_combinations(parser, args)   # no SystemExit
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("data", ["xy", "short-y", "empty", "scalar-y"])
+def test_latency_budget_bad_accuracy_data_before_any_change(data):
+    """Mismatched accuracy data is refused up front (it used to fail in a
+    numpy reshape after the first point had been timed)."""
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+        tfss.SparseSplitDense(32, activation="relu"),
+        tfss.SparseSplitDense(4)])
+    x = np.random.default_rng(6).random((32, 16)).astype(np.float32)
+    bad = {"xy": "xy", "short-y": (x, np.zeros(3, np.int64)),
+           "empty": (x[:0], np.zeros(0, np.int64)),
+           "scalar-y": (x, 3)}[data]
+    with pytest.raises(ValueError, match="accuracy_data"):
+        tfss.fit_latency_budget(model, 0.01, x, accuracy_data=bad)
