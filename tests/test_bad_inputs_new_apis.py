@@ -193,3 +193,23 @@ def test_latency_budget_bad_accuracy_data_before_any_change(data):
            "scalar-y": (x, 3)}[data]
     with pytest.raises(ValueError, match="accuracy_data"):
         tfss.fit_latency_budget(model, 0.01, x, accuracy_data=bad)
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("f_dtype,dy_dtype", [
+    ("float32", "float64"), ("float64", "float32"), ("bfloat16", "float32"),
+    ("float16", "float32"), ("bfloat16", "float16")])
+def test_backprop_input_numpy_dy_of_another_dtype_is_refused(f_dtype,
+                                                             dy_dtype):
+    """As the matmul and forward wrappers: an array keeps its dtype, so a
+    float64 dY is not silently rounded to the filter's float32 (or a
+    float32 one to bfloat16)."""
+    f, dy = _operands(np.random.default_rng(7))
+    filt = tf.cast(f, f_dtype)
+    dy_np = tf.cast(dy, dy_dtype).numpy()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="dtype"):
+        bpi([2, 8, 8, 4], filt, dy_np, "SAME")
+    # A Python list takes the filter's dtype.
+    got = bpi([2, 8, 8, 4], f, dy.tolist(), "SAME")
+    np.testing.assert_allclose(got, _reference(f, dy, [2, 8, 8, 4]),
+                               rtol=1e-5, atol=1e-5)

@@ -358,11 +358,11 @@ def sparse_split_conv2d_backprop_input(input_sizes, filters, out_backprop,
     lib = load_library()
     with tf.name_scope(name or "SparseSplitConv2DBackpropInput"):
         f = _conv_operand(filters, "filters")
-        dy = tf.convert_to_tensor(out_backprop, dtype_hint=f.dtype)
-        if dy.dtype != f.dtype:
-            raise invalid(
-                "sparse_split_conv2d_backprop_input: out_backprop has dtype "
-                f"{dy.dtype.name} but filters have {f.dtype.name}")
+        # An array or tensor keeps its dtype (a mismatch is an error, as in
+        # the matmul and forward wrappers); a Python list takes the filter's.
+        dy = operand_like(out_backprop, f,
+                          "sparse_split_conv2d_backprop_input",
+                          "out_backprop", "filters")
         sizes = _input_sizes_int32(input_sizes)
         dilations = _conv_list(dilations, "dilations")
         pad, explicit = _conv_padding(padding, explicit_paddings)
