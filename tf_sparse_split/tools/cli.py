@@ -466,9 +466,10 @@ def _check_combinations(parser, args):
             units = (args.tile_shape or (32, 32))[1]
             bad = [h for h in (args.hidden or DEFAULT_HIDDEN) if h % units]
             if bad:
-                parser.error(f"--tile-shape: {units} units per tile must "
-                             "divide every hidden size, not "
-                             + ", ".join(map(str, bad)))
+                parser.error(f"--tile-shape: {units} units per tile "
+                             "does not divide the hidden size(s) "
+                             + ",".join(map(str, bad)) + " (it must divide "
+                             "every one)")
         if given("step_budget") or given("time_budget"):
             flag = "--step-budget" if given("step_budget") else \
                 "--time-budget"
