@@ -558,7 +558,7 @@ def test_cli_build_mlp_places_dropout():
     # Flags that do not apply are usage errors (exit 2), checked at parsing.
     (["--dropout-rate", "0.3"], 2, "need --dropout"),
     (["--dropout", "row", "--tile-shape", "8,8"], 2, "needs --dropout tile"),
-    (["--dropout", "tile", "--tile-shape", "8,12"], 1, "does not divide"),
+    (["--dropout", "tile", "--tile-shape", "8,12"], 2, "does not divide"),
 ])
 def test_cli_dropout_bad_arguments(capsys, argv, rc, msg):
     from tf_sparse_split.tools import cli

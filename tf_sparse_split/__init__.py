@@ -6,7 +6,9 @@ Public API:
 
 * :func:`load_library` -- loads the compiled op library (lazily).
 * :func:`sparse_split_matmul` -- the ``SparseSplitMatMul`` op.
-* :func:`sparse_split_conv2d` -- the ``SparseSplitConv2D`` op (NHWC).
+* :func:`sparse_split_conv2d` -- the ``SparseSplitConv2D`` op (NHWC);
+  :func:`sparse_split_conv2d_backprop_input` -- its stride-1 input gradient
+  (``SparseSplitConv2DBackpropInput``).
 * :class:`SparseSplitLayer` -- base class of the sparse-split layers
   (threshold, statistics, serialization).
 * :class:`SparseSplitDense` -- drop-in for ``keras.layers.Dense``.
@@ -85,6 +87,7 @@ _PUBLIC = {
     "LibraryLoadError": "tf_sparse_split._loader",
     "sparse_split_matmul": "tf_sparse_split.ops",
     "sparse_split_conv2d": "tf_sparse_split.ops",
+    "sparse_split_conv2d_backprop_input": "tf_sparse_split.ops",
     "SparseSplitLayer": "tf_sparse_split.layers",
     "SparseSplitDense": "tf_sparse_split.layers",
     "SparseSplitConv2D": "tf_sparse_split.layers",

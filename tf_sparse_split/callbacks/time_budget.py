@@ -357,7 +357,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.min_samples = validate_int(min_samples, "min_samples", 2)
         self.update_every = validate_int(update_every, "update_every", 1)
         self.probe_steps = validate_int(probe_steps, "probe_steps", 2)
-        mg = float(min_gain) if not isinstance(min_gain, bool) else -1.0
+        try:
+            mg = float(min_gain) if not isinstance(min_gain, bool) else -1.0
+        except (TypeError, ValueError):
+            mg = float("nan")
         if not 0.0 <= mg < 0.5:
             raise ValueError("`min_gain` must be in [0, 0.5). Received: "
                              f"min_gain={min_gain!r}")
@@ -437,7 +440,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self._spe = params.get("steps") or None
         self._epochs = params.get("epochs") or None
         if self.kind != "step_time" and not self._spe:
-            raise ValueError(f"TimeBudgetCallback: a {self.kind} budget "
+            raise ValueError(f"TimeBudgetCallback: the {self.kind} budget "
                              "needs a known number of steps per epoch")
         self._knobs, self._lstm = self._discover()
         self._retraced = False
@@ -767,6 +770,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             logs.update(entry)
         self.history.append(dict(entry))
         if self.verbose:
+            notes = [getattr(self, "_sens_note", "")]
+            if not self._warm:      # say why nothing has moved yet
+                notes.append(
+                    f"warm-up, step {self._step} of {self.warmup_steps}"
+                    if self._phase is None else "warm-up, probing a rate")
             print(f"TimeBudgetCallback: epoch {epoch + 1}: median step "
-                  f"{step_time * 1e3:.2f} ms, budget {budget * 1e3:.2f} ms; "
-                  + getattr(self, "_sens_note", ""), flush=True)
+                  f"{step_time * 1e3:.2f} ms, budget {budget * 1e3:.2f} ms"
+                  + "".join("; " + n for n in notes if n), flush=True)

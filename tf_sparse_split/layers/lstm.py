@@ -364,12 +364,14 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
             reach with row/tile patterns.
         """
         retrace = False
-        for key, attr, value in (("input", "dropout", dropout),
-                                 ("recurrent", "recurrent_dropout",
-                                  recurrent_dropout)):
-            if value is None:
-                continue
-            v = validate_fraction(value, attr)
+        # Both rates are checked before either changes: a call that raises
+        # leaves the cell as it was.
+        checked = [(key, attr, validate_fraction(value, attr))
+                   for key, attr, value in (
+                       ("input", "dropout", dropout),
+                       ("recurrent", "recurrent_dropout", recurrent_dropout))
+                   if value is not None]
+        for key, attr, v in checked:
             old = float(getattr(self, attr))
             if v == old:
                 continue

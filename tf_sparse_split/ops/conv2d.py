@@ -324,7 +324,8 @@ def sparse_split_conv2d_backprop_input(input_sizes, filters, out_backprop,
     gives 0 on the sparse path.
 
     Args:
-      input_sizes: int32 ``[4]`` ``[N, H, W, C_in]``, the shape of ``x``.
+      input_sizes: int32 or int64 ``[4]`` ``[N, H, W, C_in]``, the shape of
+        ``x`` (int64 values must fit in int32).
       filters: ``[KH, KW, C_in, C_out]``, float32, float64, bfloat16 or
         float16.
       out_backprop: ``dY`` ``[N, OH, OW, C_out]`` of the same dtype.
@@ -349,21 +350,20 @@ def sparse_split_conv2d_backprop_input(input_sizes, filters, out_backprop,
     Raises:
       tf.errors.InvalidArgumentError: a dtype outside the four, differing
         between ``filters`` and ``out_backprop``; ``input_sizes`` not 4
-        non-negative ints; ranks other than 4; ``C_in`` of ``input_sizes``
+        non-negative ints (a float or bool dtype, int64 values beyond
+        int32); ranks other than 4; ``C_in`` of ``input_sizes``
         and ``filters`` differing; ``out_backprop`` not of the convolution's
         output shape; paddings beyond the dilated filter; a bad threshold.
     """
     lib = load_library()
     with tf.name_scope(name or "SparseSplitConv2DBackpropInput"):
         f = _conv_operand(filters, "filters")
-        dy = tf.convert_to_tensor(out_backprop, dtype_hint=f.dtype)
-        if dy.dtype != f.dtype:
-            raise invalid(
-                "sparse_split_conv2d_backprop_input: out_backprop has dtype "
-                f"{dy.dtype.name} but filters have {f.dtype.name}")
-        sizes = tf.convert_to_tensor(input_sizes, dtype_hint=tf.int32)
-        if sizes.dtype != tf.int32:
-            sizes = tf.cast(sizes, tf.int32)
+        # An array or tensor keeps its dtype (a mismatch is an error, as in
+        # the matmul and forward wrappers); a Python list takes the filter's.
+        dy = operand_like(out_backprop, f,
+                          "sparse_split_conv2d_backprop_input",
+                          "out_backprop", "filters")
+        sizes = _input_sizes_int32(input_sizes)
         dilations = _conv_list(dilations, "dilations")
         pad, explicit = _conv_padding(padding, explicit_paddings)
         _check_conv_attrs([1, 1, 1, 1], dilations, pad, explicit)
@@ -372,6 +372,41 @@ def sparse_split_conv2d_backprop_input(input_sizes, filters, out_backprop,
             padding=pad, explicit_paddings=explicit, dilations=dilations,
             full_stats=bool(return_stats if full_stats is None else full_stats))
     return (dx, stats) if return_stats else dx
+
+
+def _input_sizes_int32(input_sizes):
+    """``input_sizes`` as int32: int32 as given; int64 only when every value
+    fits in int32 (checked at run time, a ``tf.debugging`` assertion, so a
+    size is never wrapped into another one); other dtypes (float, bool)
+    raise ``InvalidArgumentError`` rather than being truncated."""
+    if isinstance(input_sizes, (list, tuple)) and all(
+            isinstance(v, (int, float, np.number)) for v in input_sizes):
+        # Through numpy: TensorFlow would wrap a Python int beyond int32.
+        input_sizes = np.asarray(input_sizes)
+    if isinstance(input_sizes, (tf.Tensor, tf.Variable, np.ndarray)):
+        sizes = tf.convert_to_tensor(input_sizes)
+    else:
+        try:
+            sizes = tf.convert_to_tensor(input_sizes, dtype_hint=tf.int32)
+        except (TypeError, ValueError) as e:
+            raise invalid("sparse_split_conv2d_backprop_input: input_sizes "
+                          f"must be 4 int32 or int64 values, got "
+                          f"{input_sizes!r} ({e})") from None
+    if sizes.dtype == tf.int32:
+        return sizes
+    if sizes.dtype != tf.int64:
+        raise invalid("sparse_split_conv2d_backprop_input: input_sizes must "
+                      f"be int32 or int64, got {sizes.dtype.name}")
+    lim = np.iinfo(np.int32)
+    msg = ("sparse_split_conv2d_backprop_input: input_sizes must fit in "
+           "int32")
+    with tf.control_dependencies([
+            tf.debugging.assert_less_equal(sizes, tf.constant(lim.max,
+                                                              tf.int64),
+                                           message=msg),
+            tf.debugging.assert_greater_equal(sizes, tf.constant(
+                lim.min, tf.int64), message=msg)]):
+        return tf.cast(sizes, tf.int32)
 
 
 def _attr_str(op, name):

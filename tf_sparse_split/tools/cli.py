@@ -205,7 +205,8 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     train = sub.add_parser(
-        "train", help="train an MLP (or --model cnn) with sparse-split layers",
+        "train",
+        help="train an MLP (or --model cnn|lstm) with sparse-split layers",
         description="Train a ReLU MLP with SparseSplitDense layers and the "
                     "threshold-tuning callback (or plain Dense with "
                     "--baseline, or both with --compare).")
@@ -226,7 +227,7 @@ def build_parser():
                             + ",".join(map(str, DEFAULT_HIDDEN)) + ")")
     train.add_argument("--lr", type=parse_positive_float, default=1e-3,
                        help="Adam learning rate (default 1e-3)")
-    train.add_argument("--seed", type=int, default=0,
+    train.add_argument("--seed", type=parse_nonnegative_int, default=0,
                        help="random seed (default 0)")
     train.add_argument(
         "--threshold", type=parse_threshold, default=None, metavar="T|auto",
@@ -357,7 +358,7 @@ def build_parser():
                       help="timed repetitions per op (median; default 10)")
     prof.add_argument("--signature", default=None,
                       help="SavedModel signature (default serving_default)")
-    prof.add_argument("--seed", type=int, default=0,
+    prof.add_argument("--seed", type=parse_nonnegative_int, default=0,
                       help="seed of the random inputs (default 0)")
     # Whole-model latency (tools/latency.py).
     prof.add_argument(
@@ -461,6 +462,14 @@ def _check_combinations(parser, args):
                              "--dropout")
         elif given("tile_shape") and args.dropout != "tile":
             parser.error("--tile-shape needs --dropout tile")
+        if args.dropout == "tile" and args.model == "mlp":
+            units = (args.tile_shape or (32, 32))[1]
+            bad = [h for h in (args.hidden or DEFAULT_HIDDEN) if h % units]
+            if bad:
+                parser.error(f"--tile-shape: {units} units per tile "
+                             "does not divide the hidden size(s) "
+                             + ",".join(map(str, bad)) + " (it must divide "
+                             "every one)")
         if given("step_budget") or given("time_budget"):
             flag = "--step-budget" if given("step_budget") else \
                 "--time-budget"

@@ -94,7 +94,8 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
 
     Raises:
       ValueError: a bad budget, level, rounds or warm-up, an empty sample,
-        or no activation to control.
+        ``accuracy_data`` not a pair of as many ``x`` as ``y``, or no
+        activation to control.
     """
     import keras
     import tensorflow as tf
@@ -112,6 +113,17 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
     x = tf.convert_to_tensor(sample)
     if x.shape.rank is None or x.shape.rank == 0 or int(tf.size(x)) == 0:
         raise ValueError("fit_latency_budget needs a non-empty sample batch")
+    if accuracy_data is not None:   # checked before any cutoff moves
+        try:
+            ax, ay = accuracy_data
+        except (TypeError, ValueError):
+            raise ValueError("`accuracy_data` must be a pair (x, y)") from None
+        nx, ny = np.shape(ax)[:1], np.shape(ay)[:1]
+        if not nx or not ny or nx != ny or nx[0] == 0:
+            raise ValueError(
+                "`accuracy_data` (x, y) must hold the same non-zero number "
+                f"of examples; got x of shape {np.shape(ax)} and y of shape "
+                f"{np.shape(ay)}")
     controls = _controls(model)
     if not controls:
         raise ValueError(

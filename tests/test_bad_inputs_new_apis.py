@@ -1,0 +1,215 @@
+"""Bad inputs to the newest public APIs: the stride-1 input-gradient op's
+``input_sizes`` (non-integer dtypes, int64 values beyond int32), the
+top-level name of its wrapper, ``SparseSplitLSTM.set_rates`` with one good
+and one bad rate (nothing may change), and ``TimeBudgetCallback``'s
+``min_gain`` of the wrong type. Each must raise a clear error, never
+truncate or wrap a size or leave a half-applied change."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sparse_split as tfss
+from tf_sparse_split.ops import conv2d as conv_ops
+
+bpi = conv_ops.sparse_split_conv2d_backprop_input
+
+
+def _operands(rng):
+    f = rng.standard_normal((3, 3, 4, 5)).astype(np.float32)
+    dy = rng.standard_normal((2, 8, 8, 5)).astype(np.float32)
+    dy[rng.random(dy.shape) < 0.6] = 0.0       # real zeros, not all zero
+    return f, dy
+
+
+def _reference(f, dy, sizes):
+    return tf.raw_ops.Conv2DBackpropInput(
+        input_sizes=sizes, filter=f.astype(np.float64),
+        out_backprop=dy.astype(np.float64), strides=[1, 1, 1, 1],
+        padding="SAME").numpy()
+
+
+def test_backprop_input_is_a_top_level_name():
+    assert tfss.sparse_split_conv2d_backprop_input is bpi
+    assert "sparse_split_conv2d_backprop_input" in tfss.__all__
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("sizes", [
+    [2, 8.5, 8, 4],                                   # a float list
+    np.array([2.0, 8.0, 8.0, 4.0], np.float32),       # float array
+    tf.constant([2.0, 8.0, 8.0, 4.0]),                # float tensor
+    tf.constant([True, True, True, True]),            # bool
+], ids=["float-list", "float-array", "float-tensor", "bool"])
+def test_backprop_input_rejects_non_integer_input_sizes(sizes):
+    f, dy = _operands(np.random.default_rng(0))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="input_sizes"):
+        bpi(sizes, f, dy, "SAME")
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("sizes", [
+    [2, 2**32 + 8, 8, 4],       # wraps to 8 in int32: the right shape
+    [2, 8, 8, 2**31 + 4],
+    [2, -(2**32) + 8, 8, 4],
+], ids=["h-wraps-to-8", "c-above-int32", "negative-wraps"])
+def test_backprop_input_rejects_int64_sizes_beyond_int32(sizes):
+    f, dy = _operands(np.random.default_rng(1))
+    for given in (np.array(sizes, np.int64), sizes, tuple(sizes),
+                  tf.constant(sizes, tf.int64)):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="int32"):
+            bpi(given, f, dy, "SAME")
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("threshold", [0.0, 1.0, "auto"])
+def test_backprop_input_int64_sizes_in_range(threshold):
+    f, dy = _operands(np.random.default_rng(2))
+    sizes = [2, 8, 8, 4]
+    want = _reference(f, dy, sizes)
+    for s in (np.array(sizes, np.int64), tf.constant(sizes, tf.int64),
+              [np.int64(2), 8, 8, 4], tf.Variable(sizes, dtype=tf.int64)):
+        got = bpi(s, f, dy, "SAME", threshold=threshold).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("op_library")
+def test_backprop_input_int64_sizes_checked_in_tf_function():
+    f, dy = _operands(np.random.default_rng(3))
+
+    @tf.function(input_signature=[tf.TensorSpec([4], tf.int64)])
+    def g(s):
+        return bpi(s, f, dy, "SAME")
+
+    np.testing.assert_allclose(g(tf.constant([2, 8, 8, 4], tf.int64)),
+                               _reference(f, dy, [2, 8, 8, 4]),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="int32"):
+        g(tf.constant([2, 2**32 + 8, 8, 4], tf.int64))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 8, 8, 5])])
+    def h(d):       # a size from a tensor among Python ints
+        return bpi([tf.shape(d)[0], 8, 8, 4], f, d, "SAME")
+
+    np.testing.assert_allclose(h(dy), _reference(f, dy, [2, 8, 8, 4]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", ["subset", "row", "random"])
+@pytest.mark.parametrize("built", [False, True])
+def test_lstm_set_rates_changes_nothing_when_one_rate_is_bad(pattern,
+                                                             built):
+    layer = tfss.SparseSplitLSTM(8, dropout=0.25, recurrent_dropout=0.25,
+                                 pattern=pattern)
+    if built:
+        layer.build((None, 3, 4))
+    for bad in (1.2, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="recurrent_dropout"):
+            layer.set_rates(dropout=0.5, recurrent_dropout=bad)
+        assert layer.cell.dropout == 0.25
+        assert layer.cell.recurrent_dropout == 0.25
+    with pytest.raises(ValueError, match="dropout"):
+        layer.set_rates(dropout=1.0, recurrent_dropout=0.5)
+    assert layer.cell.recurrent_dropout == 0.25
+    if built:
+        assert float(layer.cell._rate("input")) == 0.25
+        assert float(layer.cell._rate("recurrent")) == 0.25
+
+
+@pytest.mark.parametrize("min_gain", [None, "a", [0.1], float("inf")])
+def test_time_budget_min_gain_of_wrong_type(min_gain):
+    with pytest.raises(ValueError, match="min_gain"):
+        tfss.TimeBudgetCallback(step_time=0.1, min_gain=min_gain)
+
+
+@pytest.mark.usefixtures("op_library")
+def test_time_budget_epoch_line_has_no_dangling_separator(capsys):
+    """Without a held batch the verbose epoch line has no empty '; '
+    field, and during the warm-up it says that no decision is made yet."""
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+        tfss.SparseSplitDense(32, activation="relu", name="h2"),
+        tfss.SparseSplitDense(4, name="out")])
+    model.compile("adam", "mse", jit_compile=False)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+    y = rng.standard_normal((64, 4)).astype(np.float32)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+        tfss.TimeBudgetCallback(step_time=1.0, verbose=1)])
+    lines = [l for l in capsys.readouterr().out.splitlines()
+             if l.startswith("TimeBudgetCallback: epoch 1:")]
+    assert len(lines) == 1
+    # 4 steps of the 20-step warm-up: the line says so, and has no empty
+    # field.
+    assert lines[0].endswith("; warm-up, step 4 of 20"), lines[0]
+    assert "; ;" not in lines[0]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["train", "--seed", "-1"], "--seed"),
+    (["train", "--seed", "x"], "--seed"),
+    (["profile", "m.keras", "--seed", "-3"], "--seed"),
+    (["train", "--dropout", "tile", "--tile-shape", "32,30"],
+     "--tile-shape"),
+    (["train", "--hidden", "64,48", "--dropout", "tile"], "--tile-shape"),
+])
+def test_cli_bad_seed_or_tile_is_a_usage_error(argv, flag, capsys):
+    """Exit code 2 and one error line before any data is loaded (a
+    negative seed used to fail in numpy after loading the data, a tile
+    that does not divide a hidden size when the model was built)."""
+    from tf_sparse_split.tools import cli
+
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert "data:" not in captured.out
+    assert flag in captured.err.strip().splitlines()[-1]
+
+
+def test_cli_tile_dividing_every_hidden_size_is_accepted():
+    from tf_sparse_split.tools import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "--hidden", "64,96", "--dropout",
+                              "tile", "--tile-shape", "8,32"])
+    cli._check_combinations(parser, args)   # no SystemExit
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("data", ["xy", "short-y", "empty", "scalar-y"])
+def test_latency_budget_bad_accuracy_data_before_any_change(data):
+    """Mismatched accuracy data is refused up front (it used to fail in a
+    numpy reshape after the first point had been timed)."""
+    import keras
+
+    model = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+        tfss.SparseSplitDense(32, activation="relu"),
+        tfss.SparseSplitDense(4)])
+    x = np.random.default_rng(6).random((32, 16)).astype(np.float32)
+    bad = {"xy": "xy", "short-y": (x, np.zeros(3, np.int64)),
+           "empty": (x[:0], np.zeros(0, np.int64)),
+           "scalar-y": (x, 3)}[data]
+    with pytest.raises(ValueError, match="accuracy_data"):
+        tfss.fit_latency_budget(model, 0.01, x, accuracy_data=bad)
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("f_dtype,dy_dtype", [
+    ("float32", "float64"), ("float64", "float32"), ("bfloat16", "float32"),
+    ("float16", "float32"), ("bfloat16", "float16")])
+def test_backprop_input_numpy_dy_of_another_dtype_is_refused(f_dtype,
+                                                             dy_dtype):
+    """As the matmul and forward wrappers: an array keeps its dtype, so a
+    float64 dY is not silently rounded to the filter's float32 (or a
+    float32 one to bfloat16)."""
+    f, dy = _operands(np.random.default_rng(7))
+    filt = tf.cast(f, f_dtype)
+    dy_np = tf.cast(dy, dy_dtype).numpy()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="dtype"):
+        bpi([2, 8, 8, 4], filt, dy_np, "SAME")
+    # A Python list takes the filter's dtype.
+    got = bpi([2, 8, 8, 4], f, dy.tolist(), "SAME")
+    np.testing.assert_allclose(got, _reference(f, dy, [2, 8, 8, 4]),
+                               rtol=1e-5, atol=1e-5)
