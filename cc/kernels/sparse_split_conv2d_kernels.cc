@@ -293,6 +293,45 @@ absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
   return k->Init(ctx, tf::DEVICE_CPU, op, "", num_inputs, attrs);
 }
 
+// TF's gradient kernel `op` ("Conv2DBackpropFilter"/"Conv2DBackpropInput")
+// for the dense part of a gradient op. TF's Eigen kernels (float64; half
+// without AVX512_FP16) refuse dilations > 1 and oneDNN's refuses them with
+// EXPLICIT padding (tf.nn.conv2d has no gradient there in TF 2.21); the
+// sparse kernels handle any, so such calls run all-sparse. Fails the
+// construction only where no dilation excuses a missing kernel; returns
+// whether the dense part may run.
+bool InitGradientDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,
+                             const std::string& op, const ConvAttrs& a,
+                             TfKernel* k, bool* is_onednn) {
+  const absl::Status s = InitDenseKernel(ctx, dt, op, 3, a, k, is_onednn);
+  const bool dilated = a.dilations[1] > 1 || a.dilations[2] > 1;
+  if (!dilated && !s.ok()) {
+    ctx->CtxFailure(__FILE__, __LINE__, s);
+    return false;
+  }
+  return s.ok() && (!dilated || (*is_onednn && a.padding_code != 2));
+}
+
+// Reads an int32 vector of 4 non-negative sizes (`what`, laid out as
+// `layout`) into `shape`.
+absl::Status ReadSizes4(const tf::Tensor& sizes, const char* op,
+                        const char* what, const char* layout,
+                        tf::TensorShape* shape) {
+  if (!tf::TensorShapeUtils::IsVector(sizes.shape()) ||
+      sizes.NumElements() != 4)
+    return tf::errors::InvalidArgument(op, ": ", what,
+                                       " must be an int32 vector of 4 ",
+                                       layout, ", got shape ",
+                                       sizes.shape().DebugString());
+  auto sz = sizes.vec<tf::int32>();
+  for (int i = 0; i < 4; ++i)
+    if (sz(i) < 0)
+      return tf::errors::InvalidArgument(op, ": ", what, " must be >= 0, got ",
+                                         sz(i));
+  *shape = tf::TensorShape({sz(0), sz(1), sz(2), sz(3)});
+  return absl::OkStatus();
+}
+
 // TF's fused convolution act(conv2d(x, f) + bias) for the dense part of a
 // SparseSplitConv2D with a bias: the kernel TF's graph runs for Conv2D +
 // BiasAdd [+ Relu | Relu6] once Grappler's remapper has fused them --
@@ -1339,16 +1378,9 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
       : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, attrs_.Init(ctx, "SparseSplitConv2DBackpropFilter"));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("full_stats", &full_stats_));
-    const absl::Status s =
-        InitDenseKernel(ctx, tf::DataTypeToEnum<T>::value,
-                        "Conv2DBackpropFilter", 3, attrs_, &bf_, &bf_onednn_);
-    // TF's non-oneDNN CPU Conv2DBackpropFilter (float64) refuses dilations
-    // > 1; the sparse kernel handles any, so such calls run all-sparse.
-    const bool dilated = attrs_.dilations[1] > 1 || attrs_.dilations[2] > 1;
-    if (!dilated) OP_REQUIRES_OK(ctx, s);
-    // oneDNN's refuses dilations > 1 with EXPLICIT padding (as does
-    // tf.nn.conv2d's own gradient in TF 2.21).
-    dense_ok_ = s.ok() && (!dilated || (bf_onednn_ && attrs_.padding_code != 2));
+    dense_ok_ = InitGradientDenseKernel(ctx, tf::DataTypeToEnum<T>::value,
+                                        "Conv2DBackpropFilter", attrs_, &bf_,
+                                        &bf_onednn_);
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -1357,19 +1389,9 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     const tf::Tensor& sizes = ctx->input(1);
     const tf::Tensor& dy = ctx->input(2);
     OP_REQUIRES_OK(ctx, CheckInput(x, kOp));
-    OP_REQUIRES(ctx,
-                tf::TensorShapeUtils::IsVector(sizes.shape()) &&
-                    sizes.NumElements() == 4,
-                tf::errors::InvalidArgument(
-                    kOp, ": filter_sizes must be an int32 vector of 4 "
-                    "[KH, KW, C_in, C_out], got shape ",
-                    sizes.shape().DebugString()));
-    auto sz = sizes.vec<tf::int32>();
-    for (int i = 0; i < 4; ++i)
-      OP_REQUIRES(ctx, sz(i) >= 0,
-                  tf::errors::InvalidArgument(kOp, ": filter_sizes must be "
-                                              ">= 0, got ", sz(i)));
-    const tf::TensorShape fshape({sz(0), sz(1), sz(2), sz(3)});
+    tf::TensorShape fshape;
+    OP_REQUIRES_OK(ctx, ReadSizes4(sizes, kOp, "filter_sizes",
+                                   "[KH, KW, C_in, C_out]", &fshape));
     float thr_in;
     OP_REQUIRES_OK(ctx, CheckThreshold(ctx->input(3), kOp, &thr_in));
     Conv2DGeometry g;
@@ -1538,16 +1560,9 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
                     ", got [", attrs_.strides[0], ", ", attrs_.strides[1], ", ",
                     attrs_.strides[2], ", ", attrs_.strides[3], "]"));
     bool onednn = false;
-    const absl::Status s =
-        InitDenseKernel(ctx, tf::DataTypeToEnum<T>::value,
-                        "Conv2DBackpropInput", 3, attrs_, &bi_, &onednn);
-    // As for the filter gradient: TF's Eigen Conv2DBackpropInput (float64,
-    // half without AVX512_FP16) refuses dilations > 1 and oneDNN's refuses
-    // them with EXPLICIT padding (tf.nn.conv2d has no gradient there in TF
-    // 2.21); the sparse kernel handles any, so such calls run all-sparse.
-    const bool dilated = attrs_.dilations[1] > 1 || attrs_.dilations[2] > 1;
-    if (!dilated) OP_REQUIRES_OK(ctx, s);
-    dense_ok_ = s.ok() && (!dilated || (onednn && attrs_.padding_code != 2));
+    dense_ok_ = InitGradientDenseKernel(ctx, tf::DataTypeToEnum<T>::value,
+                                        "Conv2DBackpropInput", attrs_, &bi_,
+                                        &onednn);
   }
 
   void Compute(tf::OpKernelContext* ctx) override {
@@ -1555,18 +1570,9 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
     const tf::Tensor& sizes = ctx->input(0);
     const tf::Tensor& f = ctx->input(1);
     const tf::Tensor& dy = ctx->input(2);
-    OP_REQUIRES(ctx,
-                tf::TensorShapeUtils::IsVector(sizes.shape()) &&
-                    sizes.NumElements() == 4,
-                tf::errors::InvalidArgument(
-                    kOp, ": input_sizes must be an int32 vector of 4 "
-                    "[N, H, W, C_in], got shape ", sizes.shape().DebugString()));
-    auto sz = sizes.vec<tf::int32>();
-    for (int i = 0; i < 4; ++i)
-      OP_REQUIRES(ctx, sz(i) >= 0,
-                  tf::errors::InvalidArgument(kOp, ": input_sizes must be "
-                                              ">= 0, got ", sz(i)));
-    const tf::TensorShape xshape({sz(0), sz(1), sz(2), sz(3)});
+    tf::TensorShape xshape;
+    OP_REQUIRES_OK(ctx, ReadSizes4(sizes, kOp, "input_sizes",
+                                   "[N, H, W, C_in]", &xshape));
     OP_REQUIRES(ctx, f.dims() == 4,
                 tf::errors::InvalidArgument(
                     kOp, ": filter must be rank 4 [KH, KW, C_in, C_out] "
