@@ -797,24 +797,9 @@ absl::Status FinishIfEmpty(tf::OpKernelContext* ctx, const Conv2DGeometry& g,
 // (the pool hands the remaining blocks to whichever thread is free). The
 // kernels' results do not depend on the sharding (direct_conv2d.h).
 ParallelFor ConvParallelFor(tf::OpKernelContext* ctx) {
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [pool](int64_t total, int64_t cost,
-                const std::function<void(int64_t, int64_t)>& fn) {
-    if (total <= 0) return;
-    const int64_t threads = std::max(1, pool->NumThreads());
-    if (threads == 1 || total == 1 || static_cast<double>(total) * cost < 1e6) {
-      fn(0, total);
-      return;
-    }
-    const int64_t blocks = std::min<int64_t>(total, threads * 4);
-    const int64_t block = (total + blocks - 1) / blocks;
-    pool->ParallelFor(
-        total, ::tsl::thread::ThreadPool::SchedulingParams::Fixed(block), fn);
-  };
+  return TfParallelFor(ctx, 4);
 }
 
-// The steps both convolution ops take before their dense part: statistics,
-// the empty case, the analysis of x and the split decision.
 struct ConvSplit {
   SplitCall call;
   ConvAnalysis an;

@@ -12,14 +12,17 @@
 
 namespace tf_sparse_split {
 
-// Small loops run on the calling thread; larger ones are cut into one
-// contiguous block per pool thread (the kernels hand over equal-cost units,
-// and TF's adaptive sharding over-splits them, which costs balance on few
-// cores).
-inline ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
+// Small loops run on the calling thread; larger ones are cut into
+// `blocks_per_thread` contiguous blocks per pool thread (the kernels hand
+// over equal-cost units, and TF's adaptive sharding over-splits them, which
+// costs balance on few cores; more than one block per thread lets a free
+// thread take over the blocks of one that waits for its core).
+inline ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx,
+                                 int64_t blocks_per_thread = 1) {
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [pool](int64_t total, int64_t cost,
-                const std::function<void(int64_t, int64_t)>& fn) {
+  return [pool, blocks_per_thread](
+             int64_t total, int64_t cost,
+             const std::function<void(int64_t, int64_t)>& fn) {
     if (total <= 0) return;
     const int64_t threads = std::max(1, pool->NumThreads());
     // Small loops run inline: waking pool threads costs tens of
@@ -29,7 +32,8 @@ inline ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
       fn(0, total);
       return;
     }
-    const int64_t block = (total + threads - 1) / threads;
+    const int64_t blocks = std::min<int64_t>(total, threads * blocks_per_thread);
+    const int64_t block = (total + blocks - 1) / blocks;
     pool->ParallelFor(
         total, ::tsl::thread::ThreadPool::SchedulingParams::Fixed(block), fn);
   };
