@@ -1222,6 +1222,48 @@ struct ConvInputGradPaths : ConvSamples {
 
 }  // namespace
 
+// The dense part of a split convolution call over geometry `g` (the
+// convolution whose input `in` is split by `s`): with every image dense and
+// nothing compacted, `all_dense(&result)` runs TF's kernel on the op's own
+// inputs; otherwise the dense images of `in` are gathered, the filter `f`
+// restricted to the live channels by `compact_filter(&fc)` where `s`
+// compacts, and `paths.Dense` runs TF's kernel on them. The result is
+// output 0 when every image is dense; else `*out` is allocated (shape
+// `out_shape`, for the sparse part to fill) and the dense images are
+// scattered into it. `*out` stays null when every image is dense.
+template <typename T, typename Paths, typename AllDense, typename CompactFilter>
+absl::Status RunDensePart(tf::OpKernelContext* ctx, ConvSplit& s,
+                          const Conv2DGeometry& g, const tf::Tensor& in,
+                          const tf::Tensor& f, const tf::TensorShape& out_shape,
+                          Paths& paths, AllDense all_dense,
+                          CompactFilter compact_filter, tf::Tensor** out) {
+  *out = nullptr;
+  const int64_t rd = s.rd;
+  if (rd < g.n) TF_RETURN_IF_ERROR(ctx->allocate_output(0, out_shape, out));
+  if (rd == 0) return absl::OkStatus();
+  tf::Tensor result;
+  if (rd == g.n && !s.compact) {
+    TF_RETURN_IF_ERROR(all_dense(&result));
+  } else {
+    tf::Tensor ind, fc;
+    TF_RETURN_IF_ERROR(s.GatherDense<T>(ctx, in, g, &ind));
+    const tf::Tensor* fin = &f;
+    if (s.compact) {
+      TF_RETURN_IF_ERROR(compact_filter(&fc));
+      fin = &fc;
+    }
+    TF_RETURN_IF_ERROR(paths.Dense(ind, *fin, &result));
+  }
+  if (rd == g.n) {
+    ctx->set_output(0, result);
+  } else {
+    ScatterImages<CoreType<T>>(AsCore(result.flat<T>().data()), g,
+                               s.dense().data(), rd,
+                               AsCore((*out)->flat<T>().data()), s.pfor);
+  }
+  return absl::OkStatus();
+}
+
 template <typename T>
 class SparseSplitConv2DOp : public tf::OpKernel {
  public:
@@ -1302,38 +1344,25 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     }
     const T* xp = x.flat<T>().data();
     const T* fp = f.flat<T>().data();
-    const int64_t rd = s.rd, rs = s.rs, kc = s.kc;
+    const int64_t rs = s.rs, kc = s.kc;
 
     // --- Dense part: act(conv + bias) of TF's kernels, finished images. ----
     tf::Tensor* out = nullptr;
-    if (rd < g.n) OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
-    if (rd > 0) {
-      tf::Tensor result;
-      if (rd == g.n && !s.compact) {
-        // All dense: exactly TF's (fused) convolution on the op's inputs.
-        OP_REQUIRES_OK(ctx, paths.Dense(x, f, &result));
-      } else {
-        tf::Tensor xd, fc;
-        OP_REQUIRES_OK(ctx, s.GatherDense<T>(ctx, x, g, &xd));
-        const tf::Tensor* fin = &f;
-        if (s.compact) {
-          OP_REQUIRES_OK(ctx, ctx->allocate_temp(
-                                  x.dtype(), tf::TensorShape({g.kh, g.kw, kc, g.c_out}),
-                                  &fc));
-          GatherFilterChannels<CoreType<T>>(AsCore(fp), g, s.an.live.data(), kc,
-                                         AsCore(fc.flat<T>().data()));
-          fin = &fc;
-        }
-        OP_REQUIRES_OK(ctx, paths.Dense(xd, *fin, &result));
-      }
-      if (rd == g.n) {
-        ctx->set_output(0, result);
-      } else {
-        ScatterImages<CoreType<T>>(AsCore(result.flat<T>().data()), g,
-                                s.dense().data(), rd,
-                                AsCore(out->flat<T>().data()), s.pfor);
-      }
-    }
+    OP_REQUIRES_OK(
+        ctx, RunDensePart<T>(
+                 ctx, s, g, x, f, out_shape, paths,
+                 // All dense: exactly TF's (fused) convolution on the inputs.
+                 [&](tf::Tensor* result) { return paths.Dense(x, f, result); },
+                 [&](tf::Tensor* fc) {
+                   TF_RETURN_IF_ERROR(ctx->allocate_temp(
+                       x.dtype(), tf::TensorShape({g.kh, g.kw, kc, g.c_out}),
+                       fc));
+                   GatherFilterChannels<CoreType<T>>(
+                       AsCore(fp), g, s.an.live.data(), kc,
+                       AsCore(fc->flat<T>().data()));
+                   return absl::OkStatus();
+                 },
+                 &out));
     s.call.DenseDone();
 
     // --- Sparse part, then the epilogue on its images. ----------------------
@@ -1624,39 +1653,27 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
       s.call.Finish(0, 0);
       return;
     }
-    const int64_t rd = s.rd, rs = s.rs, kc = s.kc;
+    const int64_t rs = s.rs, kc = s.kc;
 
     // --- Dense part: TF's kernel on the dense images of dY, original F. ----
     tf::Tensor* out = nullptr;
-    if (rd < g.n) OP_REQUIRES_OK(ctx, ctx->allocate_output(0, xshape, &out));
-    if (rd > 0) {
-      tf::Tensor result;
-      if (rd == g.n && !s.compact) {
-        OP_REQUIRES_OK(ctx, bi_.Run(ctx, {&sizes, &f, &dy}, &result));
-      } else {
-        tf::Tensor dyd, fc;
-        OP_REQUIRES_OK(ctx, s.GatherDense<T>(ctx, dy, gt, &dyd));
-        const tf::Tensor* fin = &f;
-        if (s.compact) {
-          OP_REQUIRES_OK(ctx, ctx->allocate_temp(
-                                  f.dtype(),
-                                  tf::TensorShape({g.kh, g.kw, g.c_in, kc}),
-                                  &fc));
-          GatherFilterOutChannels<CoreType<T>>(
-              AsCore(f.flat<T>().data()), g.kh * g.kw * g.c_in, g.c_out,
-              s.an.live.data(), kc, AsCore(fc.flat<T>().data()), s.pfor);
-          fin = &fc;
-        }
-        OP_REQUIRES_OK(ctx, paths.Dense(dyd, *fin, &result));
-      }
-      if (rd == g.n) {
-        ctx->set_output(0, result);
-      } else {
-        ScatterImages<CoreType<T>>(AsCore(result.flat<T>().data()), gt,
-                                   s.dense().data(), rd,
-                                   AsCore(out->flat<T>().data()), s.pfor);
-      }
-    }
+    OP_REQUIRES_OK(
+        ctx, RunDensePart<T>(
+                 ctx, s, gt, dy, f, xshape, paths,
+                 [&](tf::Tensor* result) {
+                   return bi_.Run(ctx, {&sizes, &f, &dy}, result);
+                 },
+                 [&](tf::Tensor* fc) {
+                   TF_RETURN_IF_ERROR(ctx->allocate_temp(
+                       f.dtype(), tf::TensorShape({g.kh, g.kw, g.c_in, kc}),
+                       fc));
+                   GatherFilterOutChannels<CoreType<T>>(
+                       AsCore(f.flat<T>().data()), g.kh * g.kw * g.c_in,
+                       g.c_out, s.an.live.data(), kc,
+                       AsCore(fc->flat<T>().data()), s.pfor);
+                   return absl::OkStatus();
+                 },
+                 &out));
     s.call.DenseDone();
 
     // --- Sparse part: the forward sparse kernel on rot(F). -----------------
