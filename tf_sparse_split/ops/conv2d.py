@@ -450,17 +450,21 @@ def _transposed_paddings(kh, kw, dilations, padding, explicit):
 _GATHER_ROTATION_MAX = 1 << 16
 
 
+def _is_one_by_one(f):
+    """True for a filter of known shape ``[1, 1, C_in, C_out]``."""
+    return f.shape.is_fully_defined() and int(f.shape[0]) == 1 and \
+        int(f.shape[1]) == 1
+
+
 def _rotated_filter(f):
     """``[KH, KW, C_in, C_out] -> [KH, KW, C_out, C_in]``, rotated 180
     degrees in the spatial dimensions: the filter of the transposed
     convolution. The input gradient no longer needs it (its op rotates in
     the kernel, only for a sparse part); the filter gradient's transposed
     formulation rotates its result back with it. A 1x1 filter is only
-    transposed; up to
-    ``_GATHER_ROTATION_MAX`` values of known shape, one gather of a constant
-    permutation; else reverse + transpose."""
-    if f.shape.is_fully_defined() and int(f.shape[0]) == 1 and \
-            int(f.shape[1]) == 1:
+    transposed; up to ``_GATHER_ROTATION_MAX`` values of known shape, one
+    gather of a constant permutation; else reverse + transpose."""
+    if _is_one_by_one(f):
         return tf.transpose(f, [0, 1, 3, 2])
     if not f.shape.is_fully_defined() or \
             f.shape.num_elements() > _GATHER_ROTATION_MAX:
@@ -513,9 +517,10 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
     filter appears in the graph.
     A 1x1 filter at stride 1 is the product ``grad[N*H*W, C_out] @
     f[C_in, C_out]^T`` instead (``sparse_split_matmul`` with
-    ``transpose_b``: no rotated filter). Otherwise ``Conv2DBackpropInput`` (dense); with dilations > 1 in
-    float64 or with EXPLICIT padding, which TensorFlow 2.21's CPU kernel
-    refuses, an im2col formulation (slower, exact).
+    ``transpose_b``: no rotated filter). Otherwise ``Conv2DBackpropInput``
+    (dense); with dilations > 1 in float64 or with EXPLICIT padding, which
+    TensorFlow 2.21's CPU kernel refuses, an im2col formulation (slower,
+    exact).
 
     Returns:
       ``dX``, same shape and dtype as ``x``; with ``return_stats``,
@@ -525,8 +530,7 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
       None on the other paths.
     """
     tc = _transposed_conv(f, strides, dilations, padding, explicit)
-    if tc is not None and f.shape.is_fully_defined() and \
-            int(f.shape[0]) == 1 and int(f.shape[1]) == 1:
+    if tc is not None and _is_one_by_one(f):
         # A 1x1 convolution at stride 1 (no padding fits a 1x1 filter) is
         # the product grad[N*H*W, C_out] @ f[C_in, C_out]^T: the matmul op
         # skips grad's zero rows and columns, and needs no rotated filter.
