@@ -28,7 +28,6 @@ when absolute times move.
 import argparse
 import os
 import statistics
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -60,25 +59,13 @@ def _shaped(case, x):
     return x.reshape(-1, 28, 28, 1) if case == "cnn" else x
 
 
-def _p50_pair(f_plain, f_ours, x, rounds):
-    """Median seconds of each, calls alternating."""
-    a, b = [], []
-    for r in range(rounds):
-        for name, f, acc in ((("plain", f_plain, a), ("ours", f_ours, b))
-                             if r % 2 == 0 else
-                             (("ours", f_ours, b), ("plain", f_plain, a))):
-            t0 = time.perf_counter()
-            np.asarray(f(x))
-            acc.append(time.perf_counter() - t0)
-    return statistics.median(a), statistics.median(b)
-
-
 def run_case(case, args, data):
     import keras
     import tensorflow as tf
 
     import tf_sparse_split as tfss
     from tf_sparse_split.tools.plots import plot_latency_curve
+    from tf_sparse_split.tools.timing import interleaved_blocks
 
     (x, y), (xt, yt) = data
     x, xt = _shaped(case, x), _shaped(case, xt)
@@ -92,7 +79,12 @@ def run_case(case, args, data):
     f_conv = tf.function(lambda t: conv(t, training=False))
     for _ in range(5):
         np.asarray(f_plain(sample)), np.asarray(f_conv(sample))
-    p_plain, p_conv = _p50_pair(f_plain, f_conv, sample, args.rounds * 2)
+    # One call per block, the order alternating every round.
+    times = interleaved_blocks(
+        {"plain": lambda i: np.asarray(f_plain(sample)),
+         "ours": lambda i: np.asarray(f_conv(sample))},
+        rounds=args.rounds * 2, block=1)
+    p_plain, p_conv = (statistics.median(times[k]) for k in ("plain", "ours"))
     rows, last = [], None
     for frac in args.fractions:
         budget = frac * p_conv
