@@ -67,6 +67,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sparse_split as tfss
+from _common import write_report
 from tf_sparse_split import testing as T
 
 # name, N, H, W, C_in, C_out, K
@@ -540,10 +541,7 @@ def main(argv=None):
         table = markdown_natural(rows, args.rounds, header)
         print()
         print(table)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + "_natural.md", "w") as fh:
-            fh.write(table)
-        print(f"wrote {args.out}_natural.md")
+        write_report(args.out + "_natural.md", table)
         return 0
     if args.fused:
         rows = []
@@ -553,10 +551,7 @@ def main(argv=None):
         table = markdown_fused(rows, args.rounds, header)
         print()
         print(table)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + "_fused.md", "w") as fh:
-            fh.write(table)
-        print(f"wrote {args.out}_fused.md")
+        write_report(args.out + "_fused.md", table)
         return 0
     rows = []
     for shape in shapes:
@@ -566,11 +561,11 @@ def main(argv=None):
     table = markdown(rows, args.rounds, header)
     print()
     print(table)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".md", "w") as fh:
-        fh.write(table)
-    plot(rows, args.out + ".png")
-    print(f"wrote {args.out}.md and {args.out}.png")
+    def write_plot():
+        plot(rows, args.out + ".png")
+        return args.out + ".png"
+
+    write_report(args.out + ".md", table, also=write_plot)
     return 0
 
 
