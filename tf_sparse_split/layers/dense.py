@@ -16,7 +16,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_sparse_split.layers.base import SparseSplitLayer
+from tf_sparse_split.layers.activations import FATReLU
+from tf_sparse_split.layers.base import (SparseSplitLayer,
+                                         _is_training, _keras_call_training,
+                                         op_dtype_for)
 from tf_sparse_split.ops.matmul import sparse_split_matmul
 from tf_sparse_split.utils.deprecation import (RenamedAttributes,
                                                rename_config_key,
@@ -46,8 +49,11 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
     the matmul splits the rows of ``inputs`` by density (see the module
     docstring). The bias and a linear, ``"relu"`` or ``"relu6"`` activation
     run in the op's fused epilogue (one pass over the output rows, as Keras
-    ``Dense`` gets TF's fused MatMul + BiasAdd + Relu); other activations
-    run after the op (the bias is still fused). Inputs of rank > 2 ``[batch, ..., input_dim]`` are reshaped
+    ``Dense`` gets TF's fused MatMul + BiasAdd + Relu); a
+    :class:`~tf_sparse_split.layers.FATReLU` activation runs with the bias
+    in one ``BiasFatRelu`` pass after the op, forward and backward
+    (:meth:`FATReLU.bias_call`; CPU); other activations run after the op
+    (the bias is still fused). Inputs of rank > 2 ``[batch, ..., input_dim]`` are reshaped
     to ``[-1, input_dim]`` for the op and the output back to
     ``[batch, ..., units]``. A rank-2 ``tf.SparseTensor`` input is
     multiplied by the kernel rows of its live columns only, and the
@@ -221,9 +227,11 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
             x2d = x
         else:
             x2d = tf.reshape(x, [-1, input_dim])
-        fused = None if self.lora_enabled else _fused_activation(
-            self.activation)
-        y = self._split_product(x2d, kernel, fused, training)
+        fat = self._bias_fat_relu(out_dtype)
+        fused = None if self.lora_enabled or fat is not None else \
+            _fused_activation(self.activation)
+        y = self._split_product(x2d, kernel, fused, training,
+                                with_bias=fat is None)
         if self.lora_enabled:
             y = y + self._lora_product(x2d)
         if rank != 2:
@@ -232,18 +240,54 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
             y.set_shape(x.shape[:-1].concatenate([self.units]))
         if y.dtype != out_dtype:
             y = tf.cast(y, out_dtype)
+        if fat is not None:
+            return self._apply_bias_fat_relu(fat, y, training)
         if fused is None:
             y = self.activation(y)
         return y
 
-    def _split_product(self, x2d, kernel, fused, training):
+    def _bias_fat_relu(self, dtype):
+        """The layer's :class:`FATReLU` activation when its bias and the
+        FATReLU run as one ``BiasFatRelu`` pass after the op
+        (:meth:`FATReLU.bias_call`), else None.
+
+        That is the case for a bias, a FATReLU activation (what
+        :class:`~tf_sparse_split.callbacks.SparsityTargetCallback`
+        installs), an op kernel of ``BiasFatRelu`` in ``dtype`` (the output
+        dtype: float32, float64, bfloat16, float16) and no visible GPU (the
+        op has CPU kernels only; on a GPU the product's bias stays fused
+        and the FATReLU runs as TensorFlow ops there). The op's matmul then
+        has neither bias nor activation, and the FATReLU's separate passes
+        (compare, select, penalty sum; in training the gradient's add and
+        mask, the bias gradient's sum) become one forward and one backward
+        pass that also give the L1 penalty's sum and the bias gradient.
+        """
+        act = self.activation
+        if (self.bias is None or not isinstance(act, FATReLU)
+                or op_dtype_for("BiasFatRelu", dtype) != tf.as_dtype(dtype).name
+                or tf.config.list_logical_devices("GPU")):
+            return None
+        return act
+
+    def _apply_bias_fat_relu(self, fat, y, training):
+        """``fat(y + bias)`` by :meth:`FATReLU.bias_call` (its penalty and
+        cutoff tracking in training calls)."""
+        bias = tf.convert_to_tensor(self.bias)
+        if bias.dtype != y.dtype:
+            bias = tf.cast(bias, y.dtype)
+        if training is None:
+            training = _keras_call_training()
+        return fat.bias_call(y, bias, training=_is_training(training))
+
+    def _split_product(self, x2d, kernel, fused, training, with_bias=True):
         """``fused(x2d @ kernel + bias)`` ``[M, units]`` by the op, with the
         layer's threshold, ``heterogeneous`` and ``masked_input_grad``; the
         call's statistics are recorded (exact where the layer records
         them, :meth:`_records_stats`). ``fused`` is the op's activation
-        (``"relu"``, ``"relu6"``) or None (none fused)."""
+        (``"relu"``, ``"relu6"``) or None (none fused); ``with_bias``
+        False leaves the bias out of the op (added by the caller)."""
         bias = None
-        if self.bias is not None:
+        if self.bias is not None and with_bias:
             bias = tf.convert_to_tensor(self.bias)
             if bias.dtype != x2d.dtype:
                 bias = tf.cast(bias, x2d.dtype)
@@ -308,11 +352,16 @@ class SparseSplitDense(RenamedAttributes, SparseSplitLayer,
         kernel_live = tf.gather(kernel, live)
         x_c = tf.scatter_nd(tf.stack([inputs.indices[:, 0], pos], axis=1),
                             values, tf.stack([dense_shape[0], u_pad]))
-        fused = _fused_activation(self.activation)
-        y = self._split_product(x_c, kernel_live, fused, training)
+        fat = self._bias_fat_relu(out_dtype)
+        fused = None if fat is not None else _fused_activation(
+            self.activation)
+        y = self._split_product(x_c, kernel_live, fused, training,
+                                with_bias=fat is None)
         y.set_shape(inputs.shape[:-1].concatenate([self.units]))
         if y.dtype != out_dtype:
             y = tf.cast(y, out_dtype)
+        if fat is not None:
+            return self._apply_bias_fat_relu(fat, y, training)
         if fused is None:
             y = self.activation(y)
         return y
