@@ -41,7 +41,9 @@ compute in bfloat16/float16, Keras' ``LossScaleOptimizer`` under
 ``mixed_float16``), ours against plain ``keras.layers.Dense`` under the same
 policy with the same initial weights, timed by interleaved blocks of steps
 (:func:`tf_sparse_split.tools.train.train_step_times`; median and range of
-the per-round ratios; written to
+the per-round ratios; ``--clock cpu`` times the process's CPU seconds, all
+threads, instead of wall-clock seconds: far less disturbed by other jobs on
+a loaded machine; written to
 ``benchmarks/results/bench_train_step_policies.md``), in two states: *natural* sparsity (after
 ``--warmup`` steps of plain training) and after ``--induce-epochs`` epochs
 of ``SparsityTargetCallback(--target)`` on ``--induce-examples`` examples
@@ -51,15 +53,27 @@ where our step's time goes: per layer the dtype its op ran in and the op's
 own seconds per path (analysis, dense, sparse) in the last recorded call,
 from its statistics.
 
+Op profile (``--what ops``): the same pair's ``train_on_batch`` step under
+``--breakdown-policy``, natural and after the sparsity target as above,
+traced with ``tf.profiler`` in ``--ops-rounds`` interleaved rounds of
+``--ops-steps`` steps per model; per TensorFlow op type the median over
+rounds of its milliseconds per step (summed over the threads that ran it,
+so concurrent ops add up) and its executions per step, plain beside ours
+(written to ``benchmarks/results/bench_train_step_ops_<policy>.md``). It
+shows every op one step runs that the other does not (extra casts, the
+FATReLU's passes, the ops' analysis inside their own op time).
+
 Usage::
 
     python benchmarks/bench_train_step.py [--rounds 7] [--reps 5] [--warmup 20]
-    python benchmarks/bench_train_step.py --what policies [--rounds 8]
+    python benchmarks/bench_train_step.py --what policies [--rounds 8] [--clock cpu]
+    python benchmarks/bench_train_step.py --what ops --breakdown-policy mixed_bfloat16
 """
 
 import argparse
 import os
 import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -267,6 +281,124 @@ def _op_breakdown(model):
     return "; ".join(out)
 
 
+def _prepared_pair(state, x_all, y_all, args):
+    """``(plain, ours, rng)`` under the current policy: both after
+    ``--warmup`` steps (``state`` "natural"), or ours after the sparsity
+    target's induction and plain after the warm-up steps."""
+    plain, ours = _compiled_pair(args.seed)
+    rng = np.random.default_rng(args.seed)
+    if state == "natural":
+        for _ in range(args.warmup):
+            idx = rng.integers(0, len(x_all), BATCH)
+            for m in (plain, ours):
+                m.train_on_batch(x_all[idx], y_all[idx])
+        return plain, ours, rng
+    # Only ours is induced: the plain model's dense GEMMs cost the same
+    # whatever its activations, so it gets the natural row's warm-up steps.
+    n = min(args.induce_examples, len(x_all))
+    cb = tfss.SparsityTargetCallback(
+        args.target, warmup_epochs=0.0,
+        ramp_epochs=max(args.induce_epochs - 1, 1) / 2)
+    ours.fit(x_all[:n], y_all[:n], epochs=args.induce_epochs,
+             batch_size=BATCH, callbacks=[cb], verbose=0)
+    for _ in range(args.warmup):
+        idx = rng.integers(0, len(x_all), BATCH)
+        plain.train_on_batch(x_all[idx], y_all[idx])
+    return plain, ours, rng
+
+
+def _op_profile(model, xs, ys, steps, logdir):
+    """``{op type: (ms per step summed over threads, executions per
+    step)}`` of ``steps`` ``train_on_batch`` steps of ``model`` on the
+    batches ``xs``/``ys`` (cycled), from a ``tf.profiler`` trace (the host
+    plane's TensorFlow op events, named ``"node:type"``)."""
+    import glob
+    import shutil
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    for i in range(2):
+        model.train_on_batch(xs[i % len(xs)], ys[i % len(ys)])
+    shutil.rmtree(logdir, ignore_errors=True)
+    tf.profiler.experimental.start(logdir)
+    try:
+        for i in range(steps):
+            model.train_on_batch(xs[i % len(xs)], ys[i % len(ys)])
+    finally:
+        tf.profiler.experimental.stop()
+    space = xplane_pb2.XSpace()
+    path = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0]
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    out = {}
+    for plane in space.planes:
+        if plane.name != "/host:CPU":
+            continue
+        meta = plane.event_metadata
+        for line in plane.lines:
+            for ev in line.events:
+                name = meta[ev.metadata_id].name
+                if ":" not in name or name.startswith("$"):
+                    continue
+                typ = name.rsplit(":", 1)[1]
+                # Executor and runtime scopes ("ExecutorState::Process")
+                # are not ops; op types have no spaces.
+                if not typ or " " in typ or name.count("::"):
+                    continue
+                ms, n = out.get(typ, (0.0, 0))
+                out[typ] = (ms + ev.duration_ps / 1e9 / steps, n + 1)
+    return {k: (ms, n / steps) for k, (ms, n) in out.items()}
+
+
+def op_rows(x_all, y_all, args):
+    """The rows of the op-profile table (see the module docstring)."""
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for state in ("natural", f"target {args.target:g}"):
+            plain, ours, rng = _prepared_pair(state, x_all, y_all, args)
+            batches = [rng.choice(len(x_all), BATCH, replace=False)
+                       for _ in range(4)]
+            xs = [tf.constant(x_all[b]) for b in batches]
+            ys = [tf.constant(y_all[b]) for b in batches]
+            runs = {"plain": [], "ours": []}
+            models = [("plain", plain), ("ours", ours)]
+            for r in range(args.ops_rounds):
+                for name, m in rotated(models, r):
+                    runs[name].append(_op_profile(m, xs, ys, args.ops_steps,
+                                                  f"{tmp}/{name}"))
+            med = {}
+            for name, profiles in runs.items():
+                types = set().union(*profiles)
+                med[name] = {t: (statistics.median(p.get(t, (0.0, 0))[0]
+                                                   for p in profiles),
+                                 statistics.median(p.get(t, (0.0, 0))[1]
+                                                   for p in profiles))
+                             for t in types}
+            types = sorted(set(med["plain"]) | set(med["ours"]),
+                           key=lambda t: -max(med["plain"].get(t, (0, 0))[0],
+                                              med["ours"].get(t, (0, 0))[0]))
+            totals = {k: sum(v[0] for v in med[k].values()) for k in med}
+            for t in types:
+                (pm, pn), (om, on) = (med["plain"].get(t, (0.0, 0)),
+                                      med["ours"].get(t, (0.0, 0)))
+                if max(pm, om) < 0.005:
+                    continue
+                rows.append(f"| {state} | {t} | {pm:.3f} | {pn:g} | "
+                            f"{om:.3f} | {on:g} |")
+            rows.append(f"| {state} | **all ops** | **{totals['plain']:.2f}**"
+                        f" | | **{totals['ours']:.2f}** | |")
+            print("\n".join(rows[-3:]), flush=True)
+    return rows
+
+
+#: ``--clock``: wall-clock seconds, or the process's CPU seconds (all its
+#: threads: the work a step does, far less disturbed than its wall time
+#: by other jobs on a loaded machine; includes the thread pools' spinning).
+_CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def policy_rows(policies, x_all, y_all, args):
     """The rows of the dtype-policy table (see the module docstring)."""
     from tf_sparse_split.tools.train import train_step_times
@@ -277,31 +409,11 @@ def policy_rows(policies, x_all, y_all, args):
         for policy in policies:
             keras.mixed_precision.set_global_policy(policy)
             for state in ("natural", f"target {args.target:g}"):
-                plain, ours = _compiled_pair(args.seed)
-                rng = np.random.default_rng(args.seed)
-                if state == "natural":
-                    for _ in range(args.warmup):
-                        idx = rng.integers(0, len(x_all), BATCH)
-                        for m in (plain, ours):
-                            m.train_on_batch(x_all[idx], y_all[idx])
-                else:
-                    # Only ours is induced: the plain model's dense GEMMs
-                    # cost the same whatever its activations, so it gets
-                    # the natural row's warm-up steps.
-                    n = min(args.induce_examples, len(x_all))
-                    xs, ys = x_all[:n], y_all[:n]
-                    cb = tfss.SparsityTargetCallback(
-                        args.target, warmup_epochs=0.0,
-                        ramp_epochs=max(args.induce_epochs - 1, 1) / 2)
-                    ours.fit(xs, ys, epochs=args.induce_epochs,
-                             batch_size=BATCH, callbacks=[cb], verbose=0)
-                    for _ in range(args.warmup):
-                        idx = rng.integers(0, len(x_all), BATCH)
-                        plain.train_on_batch(x_all[idx], y_all[idx])
+                plain, ours, rng = _prepared_pair(state, x_all, y_all, args)
                 times, block = train_step_times(
                     {"plain": plain, "ours": ours}, x_all, y_all, BATCH,
                     rounds=args.policy_rounds, block=args.policy_block,
-                    rng=rng)
+                    rng=rng, clock=_CLOCKS[args.clock])
                 summ = speedup_summary(times, "ours", "plain")
                 rows.append(
                     f"| {policy} | {state} | "
@@ -335,9 +447,14 @@ def main(argv=None):
                    "--what policies; '' writes none)")
     p.add_argument("--breakdown-policy", default="float32",
                    help="Keras dtype policy of the part breakdown")
-    p.add_argument("--what", choices=("breakdown", "policies", "all"),
-                   default="all", help="the float32 part breakdown, the "
-                   "dtype-policy table, or both")
+    p.add_argument("--what", choices=("breakdown", "policies", "ops", "all"),
+                   default="all", help="the part breakdown, the "
+                   "dtype-policy table, both ('all'), or the op profile of "
+                   "--breakdown-policy ('ops', not part of 'all')")
+    p.add_argument("--ops-rounds", type=int, default=4,
+                   help="interleaved traced rounds per model (--what ops)")
+    p.add_argument("--ops-steps", type=int, default=15,
+                   help="traced steps per round (--what ops)")
     p.add_argument("--policies", default="float32,mixed_bfloat16,mixed_float16",
                    help="comma-separated Keras dtype policies")
     p.add_argument("--policy-rounds", type=int, default=8,
@@ -345,6 +462,9 @@ def main(argv=None):
     p.add_argument("--policy-block", type=int, default=None,
                    help="steps per timed block (default: sized from the "
                    "faster model's step)")
+    p.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
+                   help="what the policy table times: wall-clock seconds or "
+                   "the process's CPU seconds (under load)")
     p.add_argument("--target", type=float, default=0.9,
                    help="SparsityTargetCallback target of the induced rows")
     p.add_argument("--induce-epochs", type=int, default=3)
@@ -353,12 +473,39 @@ def main(argv=None):
     if args.out is None:
         args.out = str(HERE / "results" / (
             "bench_train_step_policies.md" if args.what == "policies"
-            else "bench_train_step.md"))
+            else f"bench_train_step_ops_{args.breakdown_policy}.md"
+            if args.what == "ops" else "bench_train_step.md"))
     tfss.load_library()
     tf.get_logger().setLevel("ERROR")  # one tf.function per part: no retracing notes
     keras.utils.set_random_seed(args.seed)
     x_all, y_all, data_desc = load_data(args.data)
     reports = []
+    if args.what == "ops":
+        old = keras.mixed_precision.global_policy()
+        keras.mixed_precision.set_global_policy(args.breakdown_policy)
+        try:
+            rows = op_rows(x_all, y_all, args)
+        finally:
+            keras.mixed_precision.set_global_policy(old)
+        md = markdown_table(
+            "| sparsity | op type | keras Dense: ms/step | runs/step | "
+            "SparseSplitDense: ms/step | runs/step |", rows,
+            f"Op profile of the training step (train_on_batch, "
+            f"{args.breakdown_policy}), MLP 784-2048-2048-10, batch {BATCH}, "
+            f"Adam, {data_desc}; natural sparsity after {args.warmup} steps "
+            f"and after {args.induce_epochs} epochs of "
+            f"SparsityTargetCallback({args.target:g}) (ours); tf.profiler "
+            f"traces of {args.ops_steps} steps per model in "
+            f"{args.ops_rounds} interleaved rounds, medians over rounds of "
+            "the milliseconds per step each op type ran, summed over the "
+            "threads (concurrent ops add up: the totals exceed the step's "
+            f"wall time); TensorFlow {tf.__version__}, {cpus_desc()}, library "
+            f"built with {build_info()['MARCH']}; load average "
+            f"{os.getloadavg()[0]:.1f} at the end (other jobs on the machine "
+            "inflate every time).")
+        print(md)
+        write_report(args.out, md)
+        return 0
     if args.what in ("policies", "all"):
         policies = [q.strip() for q in args.policies.split(",") if q.strip()]
         rows = policy_rows(policies, x_all, y_all, args)
@@ -372,7 +519,8 @@ def main(argv=None):
             f"after {args.warmup} steps, and after {args.induce_epochs} "
             f"epochs of SparsityTargetCallback({args.target:g}) on "
             f"{args.induce_examples} examples (ours); interleaved blocks "
-            f"(tools.train.train_step_times), medians; TensorFlow "
+            f"(tools.train.train_step_times), medians of "
+            f"{'CPU seconds of the process (all threads)' if args.clock == 'cpu' else 'wall-clock seconds'}; TensorFlow "
             f"{tf.__version__}, {cpus_desc()}, library built with "
             f"{build_info()['MARCH']}; load average {os.getloadavg()[0]:.1f} "
             "at the end (other jobs on the machine widen the range)."))
