@@ -136,15 +136,28 @@ def test_fatrelu_fused_with_bias_in_train_step(bf16_policy, rng):
                 op.outputs[0].shape.num_elements() <= 4096, op.name
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def _cutoff_in_gap(values, lo=0.05, hi=0.4):
+    """A cutoff in ``[lo, hi]`` halfway across the widest gap between the
+    sorted ``values`` there, and the gap's half-width: no value lies
+    within it, so rounding cannot move one across the cutoff."""
+    v = np.sort(values.ravel())
+    v = v[(v >= lo) & (v <= hi)]
+    gaps = np.diff(v)
+    i = int(np.argmax(gaps))
+    return float((v[i] + v[i + 1]) / 2), float(gaps[i] / 2)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16",
+                                    "mixed_float16"])
 def test_dense_fatrelu_matches_tf_expression(rng, policy):
     """SparseSplitDense(FATReLU) through BiasFatRelu: output, penalty and
-    gradients against Dense + where(x > cutoff) in TF ops."""
+    gradients against Dense + where(x > cutoff) in TF ops, with the cutoff
+    in a gap of the pre-activations (no value rounds across it)."""
     old = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(policy)
     try:
         dt = keras.mixed_precision.Policy(policy).compute_dtype
-        fat = tfss.FATReLU(cutoff=0.1, l1=0.5)
+        fat = tfss.FATReLU(l1=0.5)
         ours = tfss.SparseSplitDense(24, activation=fat)
         ref = keras.layers.Dense(24)
         x = tf.constant(np.abs(sparse_normal(rng, (13, 40), 0.7)), dt)
@@ -152,31 +165,37 @@ def test_dense_fatrelu_matches_tf_expression(rng, policy):
         ref.build(x.shape)
         ours.bias.assign(rng.normal(0.0, 0.1, 24).astype(np.float32))
         ref.set_weights([ours.kernel.numpy(), ours.bias.numpy()])
+        # The operands as both layers multiply them (rounded to dt).
+        k64, b64 = (np.asarray(tf.cast(tf.cast(v, dt), tf.float64))
+                    for v in (ours.kernel, ours.bias))
+        pre64 = np.asarray(tf.cast(x, tf.float64)) @ k64 + b64
+        cutoff, half_gap = _cutoff_in_gap(pre64)
+        tol = {"bfloat16": 2.0 ** -6, "float16": 2.0 ** -9}.get(dt, 1e-5)
+        # Both round the product and the bias add once each (< 2 ulps).
+        assert half_gap > tol / 4
+        fat.set_controls(cutoff=cutoff)
         with tf.GradientTape(persistent=True) as tape:
             y = ours(x, training=True)
             pre = ref(x)
-            cut = tf.cast(0.1, pre.dtype)
+            cut = tf.cast(fat.cutoff_var, pre.dtype)
             y_ref = tf.where(pre > cut, pre, tf.zeros_like(pre))
             pen_ref = 0.5 * tf.reduce_mean(tf.cast(y_ref, tf.float32))
             loss = tf.reduce_sum(tf.cast(y, tf.float32)) + fat.losses[-1]
             loss_ref = tf.reduce_sum(tf.cast(y_ref, tf.float32)) + pen_ref
         assert y.dtype == dt
-        assert np.count_nonzero(np.asarray(tf.cast(y, tf.float32))) < y.shape.num_elements()
-        pre32 = np.asarray(tf.cast(pre, tf.float32))
-        near = np.abs(pre32 - 0.1) < (0.05 if dt == "bfloat16" else 1e-6)
-        tol = 2.0 ** -6 if dt == "bfloat16" else 1e-5
-        yo, yr = (np.where(near, 0, np.asarray(tf.cast(t, tf.float32)))
-                  for t in (y, y_ref))
-        np.testing.assert_allclose(yo, yr, rtol=tol, atol=tol * np.abs(yr).max())
+        yo, yr = (np.asarray(tf.cast(t, tf.float32)) for t in (y, y_ref))
+        assert 0 < np.count_nonzero(yo) < yo.size
+        np.testing.assert_array_equal(yo > 0, yr > 0)
+        np.testing.assert_allclose(yo, yr, rtol=tol,
+                                   atol=tol * np.abs(yr).max())
         np.testing.assert_allclose(float(fat.losses[-1]), float(pen_ref),
                                    rtol=4 * tol)
-        if not near.any():
-            for a, b in zip(tape.gradient(loss, ours.trainable_variables),
-                            tape.gradient(loss_ref, ref.trainable_variables)):
-                assert a.dtype == "float32"
-                np.testing.assert_allclose(
-                    a.numpy(), b.numpy(), rtol=8 * tol,
-                    atol=8 * tol * float(np.abs(b.numpy()).max()))
+        for a, b in zip(tape.gradient(loss, ours.trainable_variables),
+                        tape.gradient(loss_ref, ref.trainable_variables)):
+            assert a.dtype == "float32"
+            np.testing.assert_allclose(
+                a.numpy(), b.numpy(), rtol=8 * tol,
+                atol=8 * tol * float(np.abs(b.numpy()).max()))
     finally:
         keras.mixed_precision.set_global_policy(old)
 
