@@ -921,3 +921,131 @@ def test_fit_controls_an_lstm_rate_measured_by_its_probe():
     after = [t["rates"][name] for t in cb.trace if t["step"] > 90]
     assert after and after[-1] < 0.45               # load, back after it
     assert f"{name}/budget_rate" in hist.history
+
+
+class CompileClock(FakeClock):
+    """FakeClock whose first training step also takes ``compile_s`` (the
+    tracing and the ops' calibration): a callback placed before
+    TimeBudgetCallback advances it at the first step's end."""
+
+    def __init__(self, seconds, compile_s):
+        super().__init__(seconds)
+        self.compile_s = compile_s
+
+    def callback(self):
+        import keras
+
+        clock = self
+
+        class _Compile(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if clock.compile_s:
+                    clock.t += clock.compile_s
+                    clock.compile_s = 0.0
+
+        return _Compile()
+
+
+@pytest.mark.parametrize("deadline, reachable", [(1.5, True), (0.9, False)])
+def test_fit_deadline_counts_the_first_step_and_logs_unreachable(
+        deadline, reachable):
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((128, 32)).astype("float32")
+    y = rng.integers(0, 10, 128)
+    # 8 steps per epoch, 2 epochs; every clock read advances 10 ms (a step
+    # measures 10 ms, the gap to the next one 10 ms), the first step 1 s
+    # more.
+    clock = CompileClock(0.01, 1.0)
+    cb = tfss.TimeBudgetCallback(deadline=deadline, warmup_steps=2,
+                                 min_samples=2, min_gain=0.0, clock=clock)
+    hist = _mlp().fit(x, y, batch_size=16, epochs=2, verbose=0,
+                      callbacks=[clock.callback(), cb])
+    budgets = [t["budget_s"] for t in cb.trace]
+    assert len(budgets) == 14          # steps after the warm-up
+    # The third step's budget: what is left of the deadline after the 1 s
+    # first step and two 10 ms steps with their reads (clock at
+    # on_train_begin, epoch begin, ...) over the 14 steps left, less the
+    # 13 gaps (10 ms, measured) before them.
+    first = cb.trace[0]
+    spent = 1.0 + 0.01 * 7             # 7 reads up to the third step's begin
+    assert first["budget_s"] == pytest.approx(
+        max((deadline - spent - 13 * 0.01) / 14, 0.0), abs=2e-3)
+    assert cb.elapsed_s == pytest.approx(clock.t - cb._t_begin, abs=0.011)
+    for key in ("budget/deadline_reachable", "budget/predicted_end_s"):
+        assert key in hist.history
+    if reachable:
+        # ~0.45 s for 14 steps of 10 ms and 13 gaps of 10 ms: slack, and
+        # the budget grows as the fast steps leave it.
+        assert all(b > 0.01 for b in budgets)
+        assert not cb.deadline_log
+        assert hist.history["budget/deadline_reachable"] == [1.0, 1.0]
+        assert cb.elapsed_s < deadline
+        # No sparsity spent: every target at its natural level.
+        assert cb.controller.targets == cb.controller.floors
+    else:
+        # Spent by the first step: budget 0, logged as unreachable once,
+        # with its predicted end, and the targets at the bounds' side.
+        assert all(b == 0.0 for b in budgets)
+        (step, ok, end, msg), = cb.deadline_log
+        assert not ok and end > deadline
+        assert "not reachable within max_sparsity=0.95" in msg
+        assert hist.history["budget/deadline_reachable"][-1] == 0.0
+        assert hist.history["budget/predicted_end_s"][0] > deadline
+        assert max(cb.controller.targets.values()) > 0.0
+
+
+def _cnn_with_channel_dropout():
+    import keras
+
+    import tf_sparse_split as tfss
+
+    model = keras.Sequential([
+        keras.Input((8, 8, 3)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu",
+                            name="c1"),
+        tfss.SensitivityAwareDropout(0.125, seed=3, name="sad"),
+        tfss.SparseSplitConv2D(8, 3, padding="same", activation="relu",
+                               name="c2"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(3, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    return model
+
+
+def test_fit_moves_a_channel_dropout_rate_without_retracing():
+    import keras
+
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((96, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, 96)
+    model = _cnn_with_channel_dropout()
+    # 10 ms measured against a 1 ms budget: unreachable, the activation
+    # target goes to its bound and then the channel rate rises (second
+    # tier), within [its floor 0.125, max_rate 0.5].
+    cb = tfss.TimeBudgetCallback(step_time=0.001, max_sparsity=0.8,
+                                 max_rate=0.5, warmup_steps=4, min_samples=3,
+                                 min_gain=0.0, clock=FakeClock(0.01))
+    functions = []
+
+    class Functions(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            functions.append(id(self.model.train_function))
+
+    hist = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                     callbacks=[cb, Functions()])
+    sad = model.get_layer("sad")
+    knob = cb.controller.rate_knobs["sad"]
+    assert knob.layer == "c2" and knob.compacts
+    rates = [t["rates"]["sad"] for t in cb.trace]
+    assert all(0.125 - 1e-9 <= r <= 0.5 + 1e-9 for r in rates)
+    assert max(rates) > 0.125 + 0.05
+    assert sad.num_drop == round(sad.rate * 16)
+    assert len(set(functions)) == 1          # moved without a retrace
+    assert "sad/budget_rate" in hist.history
+    # The zeros the layer measured include the dropped channels: the
+    # activation's share is taken out with the realized rate.
+    assert cb._knobs[0].dropouts == [sad]
