@@ -61,6 +61,7 @@ tenants' load, which is what the controller answers.
 
   python benchmarks/bench_budget.py [--quick] [--data DIR]
       [--cases mlp,cnn,load,deadline] [--match-tries N] [--match-tol F]
+      [--name REPORT.md]
 """
 
 import argparse
@@ -577,6 +578,9 @@ def main(argv=None):
                    help="TimeBudgetCallback warmup_steps (default 20; "
                         "--quick 12)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default=None,
+                   help="report file name in --out-dir (default "
+                        "bench_budget.md, --quick bench_budget_quick.md)")
     p.add_argument("--out-dir", default=os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
@@ -618,7 +622,8 @@ def main(argv=None):
             deadline_case(data["mlp"], args, report, pngs)
         else:
             raise SystemExit(f"unknown case {case!r}")
-    name = "bench_budget_quick.md" if args.quick else "bench_budget.md"
+    name = args.name or ("bench_budget_quick.md" if args.quick
+                         else "bench_budget.md")
     report.append("\nPlots: " + ", ".join(os.path.basename(p) for p in pngs)
                   + "\n")
     _common.write_report(os.path.join(args.out_dir, name), "\n".join(report))

@@ -574,7 +574,6 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             start=self._t_begin))
         self._recent = []           # recent timed steps (skew)
         self._deadline_ok = True
-        self._best_s = None
         self.elapsed_s = None
         self.deadline_log = []
         self._warm = False
@@ -595,7 +594,6 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self._plan is not None:
             self._plan.epoch_begin(self._t_epoch, epoch)
         self._epoch_steps = 0
-        self._epoch_step_s = 0.0
         self._epoch_times = []
         for k in self._knobs:
             k.epoch_zero = k.epoch_elems = 0.0
@@ -616,7 +614,6 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._plan.step_end(t_end)
         self._step += 1
         self._epoch_steps += 1
-        self._epoch_step_s += dt
         # The first step after a (re)trace includes the compilation.
         first = self._step == 1 or self._retraced
         self._retraced = False
@@ -814,7 +811,6 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self._plan is None:
             return
         best = d.best_s if math.isfinite(d.best_s) else d.measured_s
-        self._best_s = best
         end = self._plan.predicted_elapsed(now, best / self._skew())
         # The step budget is the time left over the steps left: when no
         # allocation within the bounds meets it, the deadline is missed.
