@@ -507,12 +507,12 @@ def deadline_case(data, args, report, pngs):
                  f"{logged[2]:.1f} s, step {logged[0]})" if not logged[1]
                  else f"reachable again at step {logged[0]}"))
         rows.append(
-            f"| {label} | {deadline:.2f} | {cb.elapsed_s:.2f} | "
+            f"| {label} | {deadline:.2f} |@WHERE@| {cb.elapsed_s:.2f} | "
             f"{cb.elapsed_s / deadline:.3f} | {wall:.2f} | "
             f"{wall / deadline:.3f} | {said} | {acc:.4f} | "
             f"{np.min(b) * 1e3:.1f}-{np.max(b) * 1e3:.1f} | "
             f"{np.median(st) * 1e3:.1f} | {_mean_target(later):.2f} |")
-        print(rows[-1], flush=True)
+        print(rows[-1].replace("|@WHERE@|", "|"), flush=True)
         notes.append(f"- {label} ({how}): " + (
             "; ".join(m for _, _, _, m in cb.deadline_log)
             if cb.deadline_log else "no deadline message (reachable)"))
@@ -524,6 +524,19 @@ def deadline_case(data, args, report, pngs):
                         f"s ({label}), under load")
             pngs.append(png)
     after = references("after")
+
+    def where(deadline):
+        """Where a deadline lay against the reference fits before and after
+        the deadline runs (the machine's speed moves between fits)."""
+        out = []
+        for r in (refs, after):
+            b, n = r["bounds"][0], r["natural"][0]
+            out.append("binding" if b <= deadline <= n else
+                       "generous" if deadline > n else "beyond the bounds")
+        return " / ".join(out)
+
+    rows = [r.replace(" |@WHERE@|", f" | {where(d)} |")
+            for r, d in zip(rows, [d for _, d, _ in deadlines])]
     report.append(
         f"\n### deadlines (mlp, {total} steps, {args.epochs} epochs)\n\n"
         f"Reference fits (seconds from on_train_begin to on_train_end; the "
@@ -537,11 +550,15 @@ def deadline_case(data, args, report, pngs):
         f"({after['bounds'][1]:.2f}) after, acc {refs['bounds'][2]:.4f}. "
         "The deadlines are set from the fits before (the machine's speed "
         "moves with the other tenants' load between fits: the after fits "
-        "show by how much). A deadline counts from the callback's "
+        "show by how much; 'binding': between the bounds and the natural "
+        "fit, 'generous': the natural fit ends in time, 'beyond the "
+        "bounds': not even the bounds fit does). A deadline counts from "
+        "the callback's "
         "on_train_begin to on_train_end; the fit call adds Keras' data "
         "adapter and symbolic build before on_train_begin.\n")
     report.append(_common.markdown_table(
-        "| deadline | s | fit s (on_train_begin..end) | / deadline | fit "
+        "| deadline | s | against the reference fits before / after | "
+        "fit s (on_train_begin..end) | / deadline | fit "
         "call s | / deadline | logged | test acc | step budget range ms | "
         "median step ms after epoch 1 | mean target |", rows))
     report.append("\nThe callback's deadline messages:\n\n" +
