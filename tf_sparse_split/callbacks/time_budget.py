@@ -362,7 +362,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     step seconds of the epoch, warm-up and compilation steps left out),
     ``budget/reachable`` (1/0, last decision), for ``epoch_time`` and
     ``deadline`` also ``budget/deadline_reachable`` (1/0: whether the
-    fastest allocation ends in time, at the latest check) and
+    latest decision's allocation meets the step budget re-planned from
+    the time left, i.e. whether the fit can still end in time) and
     ``budget/predicted_end_s`` (``deadline``: the fit's predicted seconds
     from ``on_train_begin`` at the epoch's median step; ``epoch_time``: the
     epoch's measured seconds), per layer ``name``:
@@ -480,6 +481,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.decisions = []
         self.trace = []
         self.history = []
+        self.elapsed_s = None
+        self.deadline_log = []
+        self._plan = None
         self._knobs = []
         self._lstm = []
         self._writer = None
