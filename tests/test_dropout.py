@@ -501,6 +501,93 @@ def test_sensitivity_gradient_and_serialization(tmp_path):
                                   layer.sensitivity.numpy())
 
 
+def test_sensitivity_set_rate_without_retrace():
+    """The dropped-channel count is a variable the compiled step reads:
+    set_rate moves it between calls of one traced function, 0 included."""
+    c = 16
+    layer = tfss.SensitivityAwareDropout(0.25, seed=6)
+    x = tf.constant(_positive((2, 3, 3, c)))
+    layer.build(x.shape)    # (variables created in a trace retrace it)
+    traces = []
+
+    @tf.function
+    def step(t):
+        traces.append(1)
+        return layer(t, training=True)
+
+    assert np.all(step(x).numpy() == 0, axis=(0, 1, 2)).sum() == 4
+    for rate, n in ((0.5, 8), (0.0, 0), (0.02, 0), (0.1, 2), (0.99, 15),
+                    (0.25, 4)):
+        layer.set_rate(rate)
+        assert layer.rate == rate and layer.num_drop == n
+        assert layer.realized_rate == n / c
+        y = step(x).numpy()
+        dropped = np.all(y == 0, axis=(0, 1, 2))
+        assert dropped.sum() == n
+        np.testing.assert_allclose(y[..., ~dropped],
+                                   x.numpy()[..., ~dropped] * c / (c - n),
+                                   rtol=1e-6)
+    assert len(traces) == 1
+    # Rate 0: the identity, and the scores still follow the input.
+    layer.rate = 0.0
+    before = int(layer.score_updates.numpy())
+    np.testing.assert_array_equal(step(x).numpy(), x.numpy())
+    assert int(layer.score_updates.numpy()) == before + 1
+    assert len(traces) == 1
+    with pytest.raises(ValueError, match="rate"):
+        layer.set_rate(1.0)
+    with pytest.raises(ValueError, match="rate"):
+        layer.set_rate(float("nan"))
+    # Before build only the value is stored.
+    fresh = tfss.SensitivityAwareDropout(0.5)
+    fresh.set_rate(0.25)
+    fresh.build((None, 2, 2, 8))
+    assert fresh.num_drop == 2 and int(fresh.num_drop_var.numpy()) == 2
+
+
+def test_sensitivity_dropped_set_is_the_top_k_of_the_perturbed_scores():
+    """The channels dropped are the num_drop largest of -log(s + eps) / T
+    plus the Gumbel noise the seed draws (what tf.math.top_k chose when
+    the count was fixed at build time)."""
+    c, n, seed = 12, 5, 9
+    rng = np.random.default_rng(3)
+    x = tf.constant((rng.random((2, 2, 2, c)) * np.linspace(0.01, 2, c)
+                     ).astype(np.float32))
+    layer = tfss.SensitivityAwareDropout(n / c, temperature=0.5, seed=seed)
+    layer(x, training=True)         # one score update
+    ref = keras.random.SeedGenerator(seed)
+    keras.random.uniform((c,), minval=1e-7, maxval=1.0, seed=ref)
+    for _ in range(4):
+        s = layer.sensitivity.numpy()
+        u = keras.random.uniform((c,), minval=1e-7, maxval=1.0, seed=ref)
+        z = -np.log(s + 1e-6) / 0.5 - np.log(-np.log(u.numpy()))
+        _, top = tf.math.top_k(tf.constant(z, tf.float32), k=n)
+        keep = layer.keep_mask().numpy()
+        assert set(np.flatnonzero(keep == 0)) == set(top.numpy())
+
+
+def test_sensitivity_rate_in_force_round_trips_and_old_configs_load(
+        tmp_path):
+    layer = tfss.SensitivityAwareDropout(0.25, seed=2)
+    model = keras.Sequential([keras.Input((3, 3, 16)), layer])
+    model(np.ones((1, 3, 3, 16), np.float32), training=True)
+    layer.set_rate(0.375)
+    model.save(tmp_path / "s.keras")
+    lb = keras.models.load_model(tmp_path / "s.keras").layers[0]
+    assert lb.rate == 0.375 and lb.num_drop == 6
+    assert lb.get_config() == layer.get_config()
+    np.testing.assert_array_equal(lb.sensitivity.numpy(),
+                                  layer.sensitivity.numpy())
+    lb.set_rate(0.5)
+    assert lb.num_drop == 8
+    # A config written before the count became a variable (the same keys).
+    old = {"name": "sad", "trainable": True, "dtype": "float32",
+           "rate": 0.25, "temperature": 1.0, "momentum": 0.9, "seed": 2}
+    restored = tfss.SensitivityAwareDropout.from_config(old)
+    restored.build((None, 4, 4, 8))
+    assert restored.num_drop == 2 and restored.rate == 0.25
+
+
 @pytest.mark.parametrize("kwargs, shape, match", [
     (dict(rate=1.0), (None, 4, 4, 8), "rate"),
     (dict(rate=0.5, temperature=0), (None, 4, 4, 8), "temperature"),

@@ -276,6 +276,220 @@ def test_deadline_arithmetic():
         B.step_budget("hours", 1.0)
 
 
+# ---------------------------------------------------------------------------
+# deadlines: the wall-time plan (tuning/deadline.py) on a fake clock
+# ---------------------------------------------------------------------------
+def test_wall_time_plan_arithmetic():
+    from tf_sparse_split.tuning.deadline import WallTimePlan
+
+    # 100 s for 2 epochs x 10 steps, from clock 0 (on_train_begin).
+    p = WallTimePlan("deadline", 100.0, steps_per_epoch=10, epochs=2)
+    p.epoch_begin(1.0, 0)
+    p.step_begin(1.0)
+    # Nothing outside the steps measured yet: the time left over 20 steps.
+    assert p.budget(1.0) == pytest.approx(99.0 / 20)
+    p.step_end(6.0)              # a slow first step (compilation): 5 s
+    p.step_begin(6.5)            # a 0.5 s gap
+    # 19 steps left (this one included), 8 gaps left in epoch 1 and 9 in
+    # epoch 2, two epoch ends (none measured: 0 s).
+    assert p.budget(6.5) == pytest.approx((93.5 - 17 * 0.5) / 19)
+    p.expect_epoch_end(2.0)      # e.g. the sensitivity probe
+    assert p.budget(6.5) == pytest.approx((93.5 - 17 * 0.5 - 2 * 2.0) / 19)
+    assert p.predicted_elapsed(6.5, 1.0) == pytest.approx(
+        6.5 + 19 + 17 * 0.5 + 2 * 2.0)
+    t = 6.5
+    for _ in range(8):           # the rest of epoch 1: 1 s steps, 0.5 gaps
+        p.step_end(t + 1.0)
+        t += 1.5
+        p.step_begin(t)
+    p.step_end(t + 1.0)
+    p.epoch_end(t + 1.0 + 0.25)  # validation: 0.25 s
+    assert p.tail_s == pytest.approx(0.25)
+    p.epoch_begin(t + 4.0, 1)
+    p.step_begin(t + 4.0)        # boundary: 3 s from the last step's end
+    assert p.boundary_s == pytest.approx(3.0)
+    assert p.gap_s == pytest.approx(0.5)
+    # 10 steps, 9 gaps and one end (the fit's) left.
+    left = 100.0 - (t + 4.0)
+    assert p.budget(t + 4.0) == pytest.approx((left - 9 * 0.5 - 3.0) / 10)
+    # Spent: 0.
+    assert p.budget(200.0) == 0.0
+
+
+def test_wall_time_plan_epoch_time_initial_epoch_and_errors():
+    from tf_sparse_split.tuning.deadline import (WallTimePlan,
+                                                 median_over_mean)
+
+    p = WallTimePlan("epoch_time", 10.0, steps_per_epoch=5)
+    p.epoch_begin(0.0)
+    p.step_begin(0.5)
+    assert p.budget(0.5) == pytest.approx(9.5 / 5)
+    p.step_end(1.5)
+    p.step_begin(1.6)
+    assert p.budget(1.6) == pytest.approx((10.0 - 1.6 - 3 * 0.1) / 4)
+    for i in range(3):
+        p.step_end(2.0 + i)
+        p.step_begin(2.1 + i)
+    p.step_end(5.0)
+    p.epoch_end(6.0)             # 1 s after the last step: the tail
+    p.epoch_begin(7.0)
+    p.step_begin(7.0)
+    assert p.budget(7.0) == pytest.approx((10.0 - 0.0 - 4 * p.gap_s - 1.0)
+                                          / 5)
+    # A fit resumed at initial_epoch=3 of 5: two epochs left.
+    d = WallTimePlan("deadline", 50.0, steps_per_epoch=4, epochs=5)
+    d.epoch_begin(0.0, 3)
+    d.step_begin(0.0)
+    assert d.budget(0.0) == pytest.approx(50.0 / 8)
+    with pytest.raises(ValueError):
+        WallTimePlan("step_time", 1.0, 10, 1)
+    with pytest.raises(ValueError):
+        WallTimePlan("deadline", 0.0, 10, 1)
+    with pytest.raises(ValueError):
+        WallTimePlan("deadline", float("nan"), 10, 1)
+    with pytest.raises(ValueError):
+        WallTimePlan("deadline", 5.0, 10)
+    with pytest.raises(ValueError):
+        WallTimePlan("epoch_time", 5.0, 0)
+    # One 1 s outlier among eight 10 ms steps: clipped at 0.5.
+    assert median_over_mean([0.01] * 7 + [1.0]) == 0.5
+    assert median_over_mean([0.01] * 5) == 1.0          # too few
+    times = [0.01] * 10 + [0.02] * 2
+    assert median_over_mean(times) == pytest.approx(0.01 / np.mean(times))
+
+
+def _simulate_fit(deadline, spe=60, epochs=5, compile_s=2.0, calib=(5, 0.05),
+                  head=0.3, gap=0.0015, tail=0.1, probe_s=0.2, warmup=20,
+                  seed=0, max_sparsity=0.95):
+    """A fit on a fake clock: a first step with the compilation
+    (``compile_s``), ``calib`` = (steps, extra seconds each) of
+    calibration after it, ``warmup`` steps at the natural sparsity, gaps
+    between steps (twice as long every 4th, the statistics reads), an
+    epoch end with validation (``tail``) and a sensitivity probe
+    (``probe_s``); the controller and the plan as TimeBudgetCallback
+    wires them. Returns ``(end clock, controller, plan, checks)``, checks
+    = ``(predicted elapsed at the fastest allocation, decision)`` per
+    decision."""
+    from tf_sparse_split.tuning.deadline import (WallTimePlan,
+                                                 median_over_mean)
+
+    c, plant, cur = _setup(max_sparsity=max_sparsity)
+    plant.rng = np.random.default_rng(seed)
+    plan = WallTimePlan("deadline", deadline, spe, epochs, start=0.0)
+    t, step, recent, checks = head, 0, [], []
+    for e in range(epochs):
+        plan.epoch_begin(t, e)
+        for i in range(spe):
+            if i:
+                t += gap * (2 if step % 4 == 0 else 1)
+            plan.step_begin(t)
+            b = plan.budget(t) * median_over_mean(recent[-32:])
+            st = plant.step(cur)
+            t += st + (compile_s if step == 0 else
+                       calib[1] if step <= calib[0] else 0.0)
+            plan.step_end(t)
+            step += 1
+            if step == 1:
+                continue
+            recent.append(st)
+            if step <= warmup:
+                continue
+            c.observe_step(st)
+            for n in cur:
+                c.set_actual(n, cur[n])
+            logged = len(c.log)
+            new = c.decide(b if b > 0 else 1e-12)
+            if len(c.log) > logged:
+                d = c.log[-1]
+                best = d.best_s if np.isfinite(d.best_s) else d.measured_s
+                checks.append((plan.predicted_elapsed(
+                    t, best / median_over_mean(recent[-32:])), d))
+            if new:
+                cur = new
+        t += tail
+        plan.epoch_end(t)
+        t += probe_s
+        plan.expect_epoch_end(probe_s)
+    return t, c, plan, checks
+
+
+def _fit_bounds(**kw):
+    """Wall seconds of the simulated fit at a budget that keeps the natural
+    sparsity and at one that runs at the bounds."""
+    natural, _, _, _ = _simulate_fit(1e6, **kw)
+    fastest, _, _, _ = _simulate_fit(1e-3, **kw)
+    return natural, fastest
+
+
+@pytest.mark.parametrize("compile_s,calib", [(2.0, (5, 0.05)),
+                                             (6.0, (20, 0.1))])
+@pytest.mark.parametrize("where", [0.25, 0.5, 0.75])
+def test_deadline_met_within_5_percent_with_a_slow_first_epoch(
+        compile_s, calib, where):
+    """A reachable deadline (between the fit at the bounds and at the
+    natural sparsity) is met within 5% either way, also when the first
+    epoch's compilation and calibration take a third of it."""
+    natural, fastest = _fit_bounds(compile_s=compile_s, calib=calib)
+    assert fastest < 0.7 * natural
+    deadline = fastest + where * (natural - fastest)
+    for seed in range(2):
+        end, c, _, checks = _simulate_fit(deadline, compile_s=compile_s,
+                                          calib=calib, seed=seed)
+        assert 0.95 <= end / deadline <= 1.05, (end, deadline)
+        # Reachable at every decision after the first epoch, and then
+        # predicted to end in time.
+        later = [(p, d) for p, d in checks if d.step > 60]
+        assert later and all(d.reachable for _, d in later)
+        assert all(p <= deadline * 1.03 for p, _ in later)
+
+
+def test_unreachable_deadline_is_reported_and_runs_at_the_bounds():
+    natural, fastest = _fit_bounds()
+    deadline = 0.85 * fastest
+    end, c, plan, checks = _simulate_fit(deadline)
+    # Found unreachable in the first epoch (once the step model has seen
+    # the bounds' effect), then at every decision predicted (at the
+    # fastest allocation) to end late, and within a few percent of where
+    # it did end.
+    assert any(not d.reachable for _, d in checks if d.step <= 60)
+    later = [(p, d) for p, d in checks if d.step > 60]
+    assert later and all(not d.reachable and p > deadline
+                         for p, d in later)
+    assert abs(checks[-1][0] - end) / end < 0.05
+    assert all(abs(v - 0.95) < 1e-9 for v in c.targets.values())
+    assert end == pytest.approx(fastest, rel=0.05)
+    assert plan.budget(end) == 0.0
+
+
+def test_generous_deadline_keeps_the_natural_sparsity():
+    natural, _ = _fit_bounds()
+    end, c, _, _ = _simulate_fit(1.2 * natural)
+    assert c.targets == {"a": 0.5, "b": 0.5}
+    assert end == pytest.approx(natural, rel=0.02)
+
+
+def test_compacting_rate_shrinks_the_dense_part():
+    """A channel dropout in front of a layer whose dense path wins: its
+    rate is predicted to save time only through the compaction of the
+    dropped channels (RateKnob.compacts)."""
+    cost = _cost(sparse_rate=1e9)          # the sparse path never wins
+    model = B.StepModel()
+    model.observe(cost.seconds(0.5), 3 * cost.seconds(0.5) + 0.004)
+    for compacts, saves in ((False, False), (True, True)):
+        knob = B.RateKnob(floor=0.0, upper=0.5, layer="a", compacts=compacts)
+        alloc = B.allocate({"a": cost}, {"a": 0.5}, {"a": 1.0}, 0.95,
+                           0.5 * (3 * cost.seconds(0.5) + 0.004), model,
+                           rates={"d": knob})
+        assert (alloc.rates["d"] > 0) == saves
+    assert cost.dense_seconds(0.5) < cost.dense_seconds()
+    assert cost.dense_seconds(10.0) == cost.dense_seconds()   # at most k
+    c = B.BudgetController(["a"], rates={"d": B.RateKnob(
+        floor=0.2, upper=0.5, layer="a", compacts=True)})
+    c.rates["d"] = 0.4
+    c.set_cost("a", cost)
+    assert c.rate_knobs["d"].measured_at == 0.4
+
+
 @pytest.mark.parametrize("kwargs", [
     {}, {"step_time": 0.1, "epoch_time": 2.0},
     {"step_time": 0.0}, {"step_time": -1.0}, {"step_time": float("nan")},
@@ -707,3 +921,131 @@ def test_fit_controls_an_lstm_rate_measured_by_its_probe():
     after = [t["rates"][name] for t in cb.trace if t["step"] > 90]
     assert after and after[-1] < 0.45               # load, back after it
     assert f"{name}/budget_rate" in hist.history
+
+
+class CompileClock(FakeClock):
+    """FakeClock whose first training step also takes ``compile_s`` (the
+    tracing and the ops' calibration): a callback placed before
+    TimeBudgetCallback advances it at the first step's end."""
+
+    def __init__(self, seconds, compile_s):
+        super().__init__(seconds)
+        self.compile_s = compile_s
+
+    def callback(self):
+        import keras
+
+        clock = self
+
+        class _Compile(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if clock.compile_s:
+                    clock.t += clock.compile_s
+                    clock.compile_s = 0.0
+
+        return _Compile()
+
+
+@pytest.mark.parametrize("deadline, reachable", [(1.5, True), (0.9, False)])
+def test_fit_deadline_counts_the_first_step_and_logs_unreachable(
+        deadline, reachable):
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((128, 32)).astype("float32")
+    y = rng.integers(0, 10, 128)
+    # 8 steps per epoch, 2 epochs; every clock read advances 10 ms (a step
+    # measures 10 ms, the gap to the next one 10 ms), the first step 1 s
+    # more.
+    clock = CompileClock(0.01, 1.0)
+    cb = tfss.TimeBudgetCallback(deadline=deadline, warmup_steps=2,
+                                 min_samples=2, min_gain=0.0, clock=clock)
+    hist = _mlp().fit(x, y, batch_size=16, epochs=2, verbose=0,
+                      callbacks=[clock.callback(), cb])
+    budgets = [t["budget_s"] for t in cb.trace]
+    assert len(budgets) == 14          # steps after the warm-up
+    # The third step's budget: what is left of the deadline after the 1 s
+    # first step and two 10 ms steps with their reads (clock at
+    # on_train_begin, epoch begin, ...) over the 14 steps left, less the
+    # 13 gaps (10 ms, measured) before them.
+    first = cb.trace[0]
+    spent = 1.0 + 0.01 * 7             # 7 reads up to the third step's begin
+    assert first["budget_s"] == pytest.approx(
+        max((deadline - spent - 13 * 0.01) / 14, 0.0), abs=2e-3)
+    assert cb.elapsed_s == pytest.approx(clock.t - cb._t_begin, abs=0.011)
+    for key in ("budget/deadline_reachable", "budget/predicted_end_s"):
+        assert key in hist.history
+    if reachable:
+        # ~0.45 s for 14 steps of 10 ms and 13 gaps of 10 ms: slack, and
+        # the budget grows as the fast steps leave it.
+        assert all(b > 0.01 for b in budgets)
+        assert not cb.deadline_log
+        assert hist.history["budget/deadline_reachable"] == [1.0, 1.0]
+        assert cb.elapsed_s < deadline
+        # No sparsity spent: every target at its natural level.
+        assert cb.controller.targets == cb.controller.floors
+    else:
+        # Spent by the first step: budget 0, logged as unreachable once,
+        # with its predicted end, and the targets at the bounds' side.
+        assert all(b == 0.0 for b in budgets)
+        (step, ok, end, msg), = cb.deadline_log
+        assert not ok and end > deadline
+        assert "not reachable within max_sparsity=0.95" in msg
+        assert hist.history["budget/deadline_reachable"][-1] == 0.0
+        assert hist.history["budget/predicted_end_s"][0] > deadline
+        assert max(cb.controller.targets.values()) > 0.0
+
+
+def _cnn_with_channel_dropout():
+    import keras
+
+    import tf_sparse_split as tfss
+
+    model = keras.Sequential([
+        keras.Input((8, 8, 3)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu",
+                            name="c1"),
+        tfss.SensitivityAwareDropout(0.125, seed=3, name="sad"),
+        tfss.SparseSplitConv2D(8, 3, padding="same", activation="relu",
+                               name="c2"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(3, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    return model
+
+
+def test_fit_moves_a_channel_dropout_rate_without_retracing():
+    import keras
+
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((96, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, 96)
+    model = _cnn_with_channel_dropout()
+    # 10 ms measured against a 1 ms budget: unreachable, the activation
+    # target goes to its bound and then the channel rate rises (second
+    # tier), within [its floor 0.125, max_rate 0.5].
+    cb = tfss.TimeBudgetCallback(step_time=0.001, max_sparsity=0.8,
+                                 max_rate=0.5, warmup_steps=4, min_samples=3,
+                                 min_gain=0.0, clock=FakeClock(0.01))
+    functions = []
+
+    class Functions(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            functions.append(id(self.model.train_function))
+
+    hist = model.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                     callbacks=[cb, Functions()])
+    sad = model.get_layer("sad")
+    knob = cb.controller.rate_knobs["sad"]
+    assert knob.layer == "c2" and knob.compacts
+    rates = [t["rates"]["sad"] for t in cb.trace]
+    assert all(0.125 - 1e-9 <= r <= 0.5 + 1e-9 for r in rates)
+    assert max(rates) > 0.125 + 0.05
+    assert sad.num_drop == round(sad.rate * 16)
+    assert len(set(functions)) == 1          # moved without a retrace
+    assert "sad/budget_rate" in hist.history
+    # The zeros the layer measured include the dropped channels: the
+    # activation's share is taken out with the realized rate.
+    assert cb._knobs[0].dropouts == [sad]

@@ -25,7 +25,17 @@ feeding ``L``, converted in place to a
   target. Its zeros add to ``L``'s input, so ``L``'s own cost predicts its
   effect (:func:`~tf_sparse_split.tuning.budget.combined_sparsity`); the
   activation target is then the activation's share of the zeros,
-  ``1 - (1 - measured) / (1 - rate)``.
+  ``1 - (1 - measured) / (1 - rate)``;
+* likewise the rate of a :class:`~tf_sparse_split.layers.
+  SensitivityAwareDropout` (channel dropout of NHWC feature maps, Song et
+  al., arXiv 2203.05705) between the activation and a sparse-split
+  convolution ``L``: its number of dropped channels is a variable the
+  compiled step reads (:meth:`~tf_sparse_split.layers.
+  SensitivityAwareDropout.set_rate`). Its dropped channels are all-zero
+  input channels that ``L``'s dense path compacts away, so ``L``'s
+  predicted dense part shrinks with the kept channels too
+  (``RateKnob.compacts``), and the rate counted is the realized one,
+  ``round(rate * channels) / channels``.
 
 And per :class:`~tf_sparse_split.layers.SparseSplitLSTM` (every one, or
 those named in ``layers``) with ``pattern`` ``"subset"`` or ``"row"``: its
@@ -71,6 +81,7 @@ from tf_sparse_split.callbacks._discovery import (_parent, fatrelu_for,
                                                   select_split_layers)
 from tf_sparse_split.callbacks.sparsity_target import _Control
 from tf_sparse_split.tuning import budget as _budget
+from tf_sparse_split.tuning.deadline import WallTimePlan, median_over_mean
 from tf_sparse_split.utils.validation import validate_int
 
 __all__ = ["TimeBudgetCallback", "SensitivityProbe", "layer_sensitivities"]
@@ -80,6 +91,9 @@ SENSITIVITY_DELTA = 0.05
 #: Rate added (or taken off at the top) by the warm-up probe of an LSTM
 #: rate.
 PROBE_DELTA = 0.2
+#: Recent timed steps whose median / mean ratio turns a wall-time step
+#: budget (a mean) into the median the controller measures.
+SKEW_WINDOW = 32
 
 
 class _Knob(_Control):
@@ -140,14 +154,35 @@ def _lstm_rates(lstm):
 
 
 def _dropouts_between(consumer, owner):
-    from tf_sparse_split.layers.dropout import ApproximateRandomDropout
+    """The rate-knob dropouts (ApproximateRandomDropout,
+    SensitivityAwareDropout) between an activation and its consumer."""
+    from tf_sparse_split.layers.dropout import (ApproximateRandomDropout,
+                                                SensitivityAwareDropout)
 
     out, node = [], _parent(consumer)
     while node is not None and node is not owner:
-        if isinstance(node, ApproximateRandomDropout):
+        if isinstance(node, (ApproximateRandomDropout,
+                             SensitivityAwareDropout)):
             out.append(node)
         node = _parent(node)
     return out
+
+
+def _compacts(dropout):
+    """Whether a dropout's zeros are whole input channels of the next
+    layer (compacted out of its dense path)."""
+    from tf_sparse_split.layers.dropout import SensitivityAwareDropout
+
+    return isinstance(dropout, SensitivityAwareDropout)
+
+
+def _realized(dropout, rate):
+    """The drop rate a dropout runs at when set to ``rate`` (a
+    SensitivityAwareDropout drops a whole number of channels)."""
+    channels = getattr(dropout, "channels", None)
+    if _compacts(dropout) and channels:
+        return min(int(round(rate * channels)), channels - 1) / channels
+    return rate
 
 
 def _loss_fn(model):
@@ -171,14 +206,26 @@ class SensitivityProbe:
         output the FATReLU produces (the FATReLU itself, or the layer it is
         the activation of).
 
+      clock: a function returning seconds (default ``time.perf_counter``),
+        for :attr:`steady_s`.
+
+    Attributes:
+      steady_s: seconds the latest :meth:`measure` took, less the tracing
+        of its functions on the first one (what each further measurement
+        costs; the deadline planning of :class:`TimeBudgetCallback` counts
+        it at every epoch end).
+
     Raises:
       ValueError: a model without a usable loss.
     """
 
-    def __init__(self, model, fats):
+    def __init__(self, model, fats, clock=time.perf_counter):
         import tensorflow as tf
 
         self.loss_fn = _loss_fn(model)
+        self.clock = clock
+        self.steady_s = 0.0
+        self._traced = False
         self.fats = list(fats)
         feats = keras.Model(model.inputs, [o.output for o, _ in self.fats])
         self._fwd = tf.function(lambda t: model(t, training=False))
@@ -203,12 +250,35 @@ class SensitivityProbe:
         import tensorflow as tf
 
         x = tf.convert_to_tensor(x)
+        calls = []
 
         def loss():
-            return float(np.mean(np.asarray(self.loss_fn(y, self._fwd(x)))))
+            t = self.clock()
+            v = float(np.mean(np.asarray(self.loss_fn(y, self._fwd(x)))))
+            calls.append(self.clock() - t)
+            return v
 
+        t_start = self.clock()
         base = loss()
+        t_act = self.clock()
         ys = self._act(x)
+        act_s = self.clock() - t_act
+        try:
+            sens, zeros = self._each(x, y, ys, base, loss, delta)
+        finally:
+            total = self.clock() - t_start
+            if not self._traced:
+                # The first measurement traces both functions: count their
+                # calls at the later calls' median instead.
+                typical = float(np.median(calls[1:])) if len(calls) > 1 \
+                    else min(calls[0], act_s)
+                total -= max(calls[0] - typical, 0.0) + \
+                    max(act_s - typical, 0.0)
+                self._traced = True
+            self.steady_s = max(total, 0.0)
+        return base, sens, zeros
+
+    def _each(self, x, y, ys, base, loss, delta):
         if not isinstance(ys, (list, tuple)):
             ys = [ys]
         sens, zeros = [], []
@@ -226,7 +296,7 @@ class SensitivityProbe:
                 sens.append((loss() - base) / delta)
             finally:
                 fat.cutoff_var.assign(old)
-        return base, sens, zeros
+        return sens, zeros
 
 
 def layer_sensitivities(model, fats, x, y, delta=SENSITIVITY_DELTA):
@@ -264,20 +334,39 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     time).
 
     Budgets (exactly one, seconds): ``step_time`` per training step;
-    ``epoch_time`` per epoch, turned at each decision into the step budget
-    ``(epoch_time - overhead - elapsed in the epoch) / steps left in the
-    epoch``; ``deadline`` for the whole ``fit`` from ``on_train_begin``,
-    ``(deadline - elapsed - overhead * epochs left) / steps left``. The
-    overhead is the measured time per epoch spent outside steps
-    (validation, epoch-end callbacks), 0 before the first epoch ends.
-    ``epoch_time`` and ``deadline`` need a known number of steps per epoch.
+    ``epoch_time`` per epoch (``on_epoch_begin`` to ``on_epoch_end``);
+    ``deadline`` for the whole ``fit``, counted from the start of this
+    callback's ``on_train_begin`` to ``on_train_end``. For the last two the
+    step budget is re-planned at every step from the wall time left over
+    the steps left (:class:`~tf_sparse_split.tuning.deadline.WallTimePlan`):
+    everything already spent is measured -- the compilation and the
+    sparse-split ops' calibration in the first steps, the warm-up at the
+    natural sparsity -- so a slow first epoch leaves a smaller budget to
+    the steps after it; what is still to come outside the steps (the gaps
+    between steps, the epoch ends with validation and this callback's
+    sensitivity probe) is predicted from what the fit has measured so far.
+    The wall time is met by the steps' mean, the controller measures their
+    median: the budget it is given is scaled by the recent steps' median /
+    mean. When even the fastest allocation within the bounds
+    (``Decision.best_s``) cannot end in time the callback logs it once
+    (``verbose``; :attr:`deadline_log`) and runs at the bounds; as long as
+    the deadline is reachable, steps faster than needed raise the budget
+    of the remaining ones, so sparsity falls again and the fit ends near
+    the deadline rather than well before it. ``epoch_time`` and
+    ``deadline`` need a known number of steps per epoch.
 
     Logs (``on_epoch_end``, for ``History``, the progress bar and
     ``keras.callbacks.TensorBoard`` placed after this callback):
     ``budget/step_budget`` (seconds; the median over the epoch's steps of
     the step budget in force), ``budget/step_time`` (median measured
     step seconds of the epoch, warm-up and compilation steps left out),
-    ``budget/reachable`` (1/0, last decision), per layer ``name``:
+    ``budget/reachable`` (1/0, last decision), for ``epoch_time`` and
+    ``deadline`` also ``budget/deadline_reachable`` (1/0: whether the
+    latest decision's allocation meets the step budget re-planned from
+    the time left, i.e. whether the fit can still end in time) and
+    ``budget/predicted_end_s`` (``deadline``: the fit's predicted seconds
+    from ``on_train_begin`` at the epoch's median step; ``epoch_time``: the
+    epoch's measured seconds), per layer ``name``:
     ``name/budget_target`` (sparsity target) and ``name/budget_sparsity``
     (zeros measured at its input over the epoch), and per rate knob
     ``name/budget_rate`` (a dropout layer's name, or ``lstm_name/dropout``
@@ -325,6 +414,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
       trace: one dict per timed step: ``step``, ``seconds``, ``budget_s``,
         ``targets`` (``{layer: sparsity}``), ``rates`` (``{layer: rate}``).
       history: one dict per epoch with the logged values.
+      elapsed_s: seconds from ``on_train_begin`` to ``on_train_end`` (after
+        the fit).
+      deadline_log: ``(step, reachable, predicted seconds, message)`` each
+        time the epoch time or deadline became unreachable (or reachable
+        again) at the fastest allocation.
 
     Raises:
       ValueError: bad arguments (none or several budgets, non-positive/NaN
@@ -387,6 +481,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.decisions = []
         self.trace = []
         self.history = []
+        self.elapsed_s = None
+        self.deadline_log = []
+        self._plan = None
         self._knobs = []
         self._lstm = []
         self._writer = None
@@ -436,6 +533,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
 
     # -- Keras hooks -------------------------------------------------------
     def on_train_begin(self, logs=None):
+        # The deadline counts from here: discovery, conversion and the
+        # recompilation it causes are part of the fit's time.
+        self._t_begin = self.clock()
         params = self.params or {}
         self._spe = params.get("steps") or None
         self._epochs = params.get("epochs") or None
@@ -456,7 +556,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             for d, r in zip(k.dropouts, k.rate_floor):
                 d.set_rate(r)
                 rate_knobs[d.name] = _budget.RateKnob(
-                    floor=r, upper=self.max_rate, layer=k.name)
+                    floor=r, upper=self.max_rate, layer=k.name,
+                    compacts=_compacts(d), measured_at=r)
         retrace = False
         for lr in self._lstm:
             lr.floor = self._floor_rate(lr.own_rate)
@@ -472,8 +573,13 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.decisions = self.controller.log
         self.trace, self.history = [], []
         self._step = 0
-        self._t_begin = self.clock()
-        self._epoch_overheads = []
+        self._plan = (None if self.kind == "step_time" else WallTimePlan(
+            self.kind, self.seconds, self._spe, self._epochs,
+            start=self._t_begin))
+        self._recent = []           # recent timed steps (skew)
+        self._deadline_ok = True
+        self.elapsed_s = None
+        self.deadline_log = []
         self._warm = False
         self._floor_sum = {k.name: [0.0, 0.0] for k in self._knobs}
         self._phase = None          # None: natural sparsity; else a probe
@@ -489,28 +595,36 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._t_epoch = self.clock()
+        if self._plan is not None:
+            self._plan.epoch_begin(self._t_epoch, epoch)
         self._epoch_steps = 0
-        self._epoch_step_s = 0.0
         self._epoch_times = []
         for k in self._knobs:
             k.epoch_zero = k.epoch_elems = 0.0
 
     def on_train_batch_begin(self, batch, logs=None):
-        # The budget in force for this step (time left over steps left,
-        # this one included).
-        self._budget_now = self._step_budget() if self.controller else 0.0
         self._t0 = self.clock()
+        # The budget in force for this step (for an epoch time or a
+        # deadline: the time left over the steps left, this one included).
+        if self._plan is not None:
+            self._plan.step_begin(self._t0)
+        self._budget_now = self._step_budget(self._t0) \
+            if self.controller else 0.0
 
     def on_train_batch_end(self, batch, logs=None):
-        dt = self.clock() - self._t0
+        t_end = self.clock()
+        dt = t_end - self._t0
+        if self._plan is not None:
+            self._plan.step_end(t_end)
         self._step += 1
         self._epoch_steps += 1
-        self._epoch_step_s += dt
         # The first step after a (re)trace includes the compilation.
         first = self._step == 1 or self._retraced
         self._retraced = False
         if not first:
             self._epoch_times.append(dt)
+            self._recent.append(dt)
+            self._recent = self._recent[-SKEW_WINDOW:]
         c = self.controller
         if self._step % self.update_every == 0:
             self._read_stats()
@@ -526,6 +640,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         new = c.decide(budget if budget > 0 else 1e-12)
         if len(c.log) > logged:
             self._on_decision(c.log[-1], new)
+            self._check_deadline(c.log[-1], t_end)
         if new is not None:
             self._apply(new)
         self.trace.append({"step": self._step, "seconds": dt,
@@ -552,7 +667,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             z, n = self._floor_sum[k.name]
             if n > 0:
                 c.set_floor(k.name, _budget.activation_sparsity(
-                    z / n, k.rate_floor))
+                    z / n, [_realized(d, r) for d, r in
+                            zip(k.dropouts, k.rate_floor)]))
         self._measure_sensitivity()
         # The natural phase's later half: the steps at the floor rates.
         t = self._phase_times[len(self._phase_times) // 2:]
@@ -616,7 +732,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                 # dropouts' zeros taken out).
                 measured = _budget.activation_sparsity(
                     k.window_zero / k.window_elems,
-                    [c.rates.get(d.name, d.rate) for d in k.dropouts])
+                    [_realized(d, c.rates.get(d.name, d.rate))
+                     for d in k.dropouts])
                 c.set_actual(k.name, measured)
                 target = c.targets[k.name]
                 if self._warm and self.gain > 0 and \
@@ -660,8 +777,12 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         x, y = self.sensitivity_data
         if self._probe is None:
             self._probe = SensitivityProbe(
-                self.model, [(k.owner, k.fat) for k in self._knobs])
+                self.model, [(k.owner, k.fat) for k in self._knobs],
+                clock=self.clock)
         base, sens, zeros = self._probe.measure(x, y)
+        if self._plan is not None:
+            # Repeated at every epoch end: part of each epoch boundary.
+            self._plan.expect_epoch_end(self._probe.steady_s)
         floor = max(1e-4 * abs(base), 1e-6)
         for k, s, z in zip(self._knobs, sens, zeros):
             # Measured where the layer is now (its output's zeros on the
@@ -672,16 +793,51 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                                f"{k.name} {max(s, floor):.3g}"
                                for k, s in zip(self._knobs, sens)))
 
-    def _step_budget(self):
-        now = self.clock()
-        overhead = (float(np.median(self._epoch_overheads))
-                    if self._epoch_overheads else 0.0)
-        return _budget.step_budget(
-            self.kind, self.seconds, steps_per_epoch=self._spe,
-            epochs=self._epochs, elapsed_total=now - self._t_begin,
-            elapsed_epoch=now - self._t_epoch,
-            steps_done_total=self._step, steps_done_epoch=self._epoch_steps,
-            overhead_per_epoch=overhead)
+    def _skew(self):
+        """:func:`~tf_sparse_split.tuning.deadline.median_over_mean` of the
+        recent timed steps."""
+        return median_over_mean(self._recent)
+
+    def _step_budget(self, now):
+        """The step budget in force at clock ``now`` (seconds; for an
+        epoch time or a deadline re-planned from the wall time left,
+        :class:`~tf_sparse_split.tuning.deadline.WallTimePlan`, as the
+        median step time that meets it)."""
+        if self._plan is None:
+            return self.seconds
+        return self._plan.budget(now) * self._skew()
+
+    def _check_deadline(self, d, now):
+        """Whether the epoch time or deadline can still be met: the
+        decision's allocation meets the re-planned step budget (when it
+        cannot, ``d.best_s`` is the fastest the bounds allow, and the
+        predicted end is taken there); logged when that changes."""
+        if self._plan is None:
+            return
+        best = d.best_s if math.isfinite(d.best_s) else d.measured_s
+        end = self._plan.predicted_elapsed(now, best / self._skew())
+        # The step budget is the time left over the steps left: when no
+        # allocation within the bounds meets it, the deadline is missed.
+        ok = bool(d.reachable)
+        if ok == self._deadline_ok:
+            return
+        self._deadline_ok = ok
+        what = ("deadline" if self.kind == "deadline" else
+                f"epoch time (epoch {self._epoch + 1})")
+        if ok:
+            msg = (f"TimeBudgetCallback: step {self._step}: the {what} of "
+                   f"{self.seconds:.2f} s is reachable again (predicted "
+                   f"{end:.2f} s at the fastest allocation)")
+        else:
+            msg = (f"TimeBudgetCallback: step {self._step}: the {what} of "
+                   f"{self.seconds:.2f} s is not reachable within "
+                   f"max_sparsity={self.max_sparsity} and max_rate="
+                   f"{self.max_rate}: at the fastest allocation "
+                   f"(predicted {best * 1e3:.2f} ms/step) it ends at about "
+                   f"{end:.2f} s; running at the bounds")
+        self.deadline_log.append((self._step, ok, end, msg))
+        if self.verbose:
+            print(msg, flush=True)
 
     def _rates(self):
         out = {d.name: d.rate for k in self._knobs for d in k.dropouts}
@@ -732,6 +888,15 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             for n, why in d.reasons.items():
                 print(f"  {n}: {why}", flush=True)
 
+    def on_train_end(self, logs=None):
+        if self.controller is None:
+            return
+        self.elapsed_s = self.clock() - self._t_begin
+        if self.kind == "deadline" and self.verbose:
+            print(f"TimeBudgetCallback: fit took {self.elapsed_s:.2f} s "
+                  f"from on_train_begin, deadline {self.seconds:.2f} s "
+                  f"({self.elapsed_s / self.seconds:.3f})", flush=True)
+
     def on_test_begin(self, logs=None):
         if self._knobs and self.controller is not None:
             self._read_stats()
@@ -742,10 +907,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         c = self.controller
+        now = self.clock()
+        if self._plan is not None:
+            self._plan.epoch_end(now)
         self._read_stats()
-        wall = self.clock() - self._t_epoch
-        if self._epoch_steps:
-            self._epoch_overheads.append(max(wall - self._epoch_step_s, 0.0))
         if self._warm:
             self._measure_sensitivity()
         step_time = (float(np.median(self._epoch_times))
@@ -754,11 +919,21 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         # (an epoch-time or deadline budget is recomputed at every step).
         first = self._step - self._epoch_steps
         mine = [t["budget_s"] for t in self.trace if t["step"] > first]
-        budget = float(np.median(mine)) if mine else self._step_budget()
+        budget = float(np.median(mine)) if mine else self._step_budget(now)
         entry = {"budget/step_budget": budget,
                  "budget/step_time": step_time,
                  "budget/reachable": float(c.log[-1].reachable
                                            if c.log else True)}
+        if self._plan is not None:
+            step = step_time if math.isfinite(step_time) else 0.0
+            if self.kind == "deadline":
+                # The fit's predicted wall time from on_train_begin at the
+                # epoch's median step (the epochs after this one included).
+                entry["budget/predicted_end_s"] = \
+                    self._plan.predicted_elapsed(now, step / self._skew())
+            else:
+                entry["budget/predicted_end_s"] = now - self._t_epoch
+            entry["budget/deadline_reachable"] = float(self._deadline_ok)
         for k in self._knobs:
             sp = (k.epoch_zero / k.epoch_elems if k.epoch_elems > 0
                   else float("nan"))

@@ -689,6 +689,17 @@ class SensitivityAwareDropout(keras.layers.Layer):
     all-zero columns of its im2col matrix, which a sparse-split convolution
     compacts away. At inference it is the identity.
 
+    The number of dropped channels lives in a non-trainable ``tf.Variable``
+    (``num_drop_var``, int32) that the compiled step reads, so
+    :meth:`set_rate` (or assigning ``rate``) takes effect at the next step
+    without retracing, from any rate to any other, 0 included (a callback
+    such as ``TimeBudgetCallback`` moves it between steps, as it does
+    :meth:`ApproximateRandomDropout.set_rate`). It is not a Keras weight:
+    ``get_config`` stores the rate in force, and ``.keras`` files keep
+    their layout (files saved before it load unchanged). The scores are
+    updated at every training call, also while no channel is dropped, so
+    they are current when the rate rises.
+
     Args:
       rate: fraction of channels to drop, in ``[0, 1)``.
       temperature: > 0 (default 1.0).
@@ -696,15 +707,20 @@ class SensitivityAwareDropout(keras.layers.Layer):
       seed: integer seed, or None.
       **kwargs: base ``Layer`` arguments.
 
+    Attributes:
+      num_drop: channels dropped per training call (int, after build).
+      realized_rate: ``num_drop / channels`` (after build; the rate before).
+
     Raises:
       ValueError: on bad arguments, or an input that is not rank 4 with a
-        known channel count.
+        known channel count (at build; also a positive ``rate`` that drops
+        no channel of the layer).
     """
 
     def __init__(self, rate, temperature=1.0, momentum=0.9, seed=None,
                  **kwargs):
         super().__init__(**kwargs)
-        self.rate = validate_fraction(rate, "rate")
+        self._rate = validate_fraction(rate, "rate")
         self.temperature = validate_positive_float(temperature, "temperature")
         self.momentum = validate_fraction(momentum, "momentum")
         if seed is not None:
@@ -712,6 +728,59 @@ class SensitivityAwareDropout(keras.layers.Layer):
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.sensitivity = None
+        self.num_drop_var = None
+        self.channels = None
+        self._num_drop = None
+
+    @property
+    def rate(self):
+        """The drop rate in force (Python float; :meth:`set_rate` changes
+        it)."""
+        return self._rate
+
+    @rate.setter
+    def rate(self, value):
+        self.set_rate(value)
+
+    @property
+    def num_drop(self):
+        """Channels dropped per training call (None before build)."""
+        return self._num_drop
+
+    @property
+    def realized_rate(self):
+        """The fraction of channels dropped, ``num_drop / channels`` (the
+        rate before build)."""
+        if self._num_drop is None:
+            return self._rate
+        return self._num_drop / self.channels
+
+    def _count(self, rate):
+        """Channels dropped at ``rate``: ``round(rate * channels)``, at most
+        ``channels - 1``."""
+        return min(int(round(rate * self.channels)), self.channels - 1)
+
+    def set_rate(self, rate):
+        """Changes the drop rate between training steps, without retracing.
+
+        The number of dropped channels becomes ``round(rate * channels)``
+        (at most ``channels - 1``), assigned to ``num_drop_var``, which the
+        compiled step reads; a rate below ``0.5 / channels`` drops none
+        (the layer is then the identity until the rate rises again). Before
+        the layer is built only the value is stored.
+
+        Args:
+          rate: drop rate in ``[0, 1)``.
+
+        Raises:
+          ValueError: a rate outside ``[0, 1)``.
+        """
+        rate = validate_fraction(rate, "rate")
+        self._rate = rate
+        if self.num_drop_var is None:
+            return
+        self._num_drop = self._count(rate)
+        self.num_drop_var.assign(self._num_drop)
 
     def build(self, input_shape):
         if len(input_shape) != 4 or input_shape[-1] is None:
@@ -719,12 +788,10 @@ class SensitivityAwareDropout(keras.layers.Layer):
                 "SensitivityAwareDropout expects NHWC input [batch, height, "
                 f"width, channels] with known channels, got {input_shape}")
         self.channels = int(input_shape[-1])
-        self.num_drop = int(round(self.rate * self.channels))
-        if self.num_drop >= self.channels:
-            self.num_drop = self.channels - 1
-        if self.rate > 0 and self.num_drop == 0:
+        n = self._count(self._rate)
+        if self._rate > 0 and n == 0:
             raise ValueError(
-                f"rate {self.rate} of {self.channels} channel(s) drops no "
+                f"rate {self._rate} of {self.channels} channel(s) drops no "
                 f"channel (round(rate * channels) = 0 after keeping at least "
                 f"one); use a higher rate or a layer with more channels")
         self.sensitivity = self.add_weight(
@@ -733,6 +800,11 @@ class SensitivityAwareDropout(keras.layers.Layer):
         self.score_updates = self.add_weight(
             name="score_updates", shape=(), dtype="int64",
             initializer="zeros", trainable=False, autocast=False)
+        with tf.init_scope():
+            self.num_drop_var = tf.Variable(n, dtype=tf.int32,
+                                            trainable=False,
+                                            name=f"{self.name}_num_drop")
+        self._num_drop = n
         self.built = True
 
     def compute_output_shape(self, input_shape):
@@ -740,28 +812,44 @@ class SensitivityAwareDropout(keras.layers.Layer):
 
     def keep_mask(self):
         """Draws the channel mask ``[channels]`` (1 = kept) from the
-        current scores; advances the seed state."""
+        current scores; advances the seed state. The ``num_drop_var``
+        channels with the largest ``-log(s + eps) / temperature + Gumbel``
+        are dropped (the same set ``top_k`` would choose)."""
         c = self.channels
-        if self.num_drop == 0:
-            return tf.ones([c], tf.float32)
+        n = tf.convert_to_tensor(self.num_drop_var)
         s = tf.convert_to_tensor(self.sensitivity)
         logits = -tf.math.log(s + 1e-6) / self.temperature
         logits = tf.where(self.score_updates > 0, logits, tf.zeros_like(s))
         u = keras.random.uniform((c,), minval=1e-7, maxval=1.0,
                                  seed=self.seed_generator)
         gumbel = -tf.math.log(-tf.math.log(u))
-        _, drop_idx = tf.math.top_k(logits + gumbel, k=self.num_drop)
-        dropped = tf.scatter_nd(drop_idx[:, None],
-                                tf.ones([self.num_drop], tf.float32), [c])
-        return 1.0 - dropped
+        # Rank of every channel in descending order of its perturbed logit
+        # (stable: ties go to the lower index, as top_k's): the first n
+        # ranks are dropped, n read from the variable at run time.
+        order = tf.argsort(logits + gumbel, direction="DESCENDING",
+                           stable=True)
+        rank = tf.scatter_nd(order[:, None], tf.range(c, dtype=tf.int32),
+                             [c])
+        return tf.cast(rank >= n, tf.float32)
 
     def call(self, inputs, training=False):
-        if not training or self.num_drop == 0:
+        if not training:
             return inputs
         x = tf.convert_to_tensor(inputs)
-        keep = self.keep_mask()
+        n = tf.convert_to_tensor(self.num_drop_var)
+        c = self.channels
+
+        def dropped():
+            keep = self.keep_mask()
+            scale = tf.cast(c, tf.float32) / tf.cast(c - n, tf.float32)
+            return x * tf.cast(keep * scale, x.dtype)[None, None, None, :]
+
+        # The count is read from its variable: a step traced at one rate
+        # runs at whatever rate set_rate() assigned since (0: identity).
+        y = tf.cond(n > 0, dropped, lambda: tf.identity(x))
         # In float32: a float16/bfloat16 mean over N*H*W values loses the
-        # small differences between channels (or overflows the sum).
+        # small differences between channels (or overflows the sum). The
+        # mask above used the previous calls' scores.
         batch_score = tf.reduce_mean(
             tf.abs(tf.cast(tf.stop_gradient(x), tf.float32)), axis=[0, 1, 2])
         m = self.momentum
@@ -770,8 +858,7 @@ class SensitivityAwareDropout(keras.layers.Layer):
                        batch_score)
         self.sensitivity.assign(new)
         self.score_updates.assign_add(1)
-        scale = self.channels / (self.channels - self.num_drop)
-        return x * tf.cast(keep * scale, x.dtype)[None, None, None, :]
+        return y
 
     def get_config(self):
         config = super().get_config()

@@ -11,6 +11,11 @@
 * :mod:`tf_sparse_split.tuning.cost_model` -- :class:`CostModel`, a
   least-squares fit of the two paths' lines to recorded statistics, for
   offline analysis (the tuner and the ops do not use it).
+* :mod:`tf_sparse_split.tuning.budget` -- the time-budget controller
+  behind :class:`~tf_sparse_split.callbacks.TimeBudgetCallback` (Sun &
+  Zhang 2019), and :mod:`tf_sparse_split.tuning.deadline` --
+  :class:`~tf_sparse_split.tuning.deadline.WallTimePlan`, its epoch-time
+  and deadline arithmetic on the fit's measured wall time.
 * :mod:`tf_sparse_split.tuning.pattern_search` --
   :func:`search_pattern_distribution` and :class:`PatternDistribution`, the
   pattern search of :class:`~tf_sparse_split.layers.ApproximateRandomDropout`.

@@ -206,13 +206,16 @@ class LayerCost:
             measured_s=term(_stats.TIME_DENSE) + term(_stats.TIME_SPARSE) +
             term(_stats.TIME_ANALYZE))
 
-    def dense_seconds(self):
+    def dense_seconds(self, live_scale=1.0):
         """The dense path's predicted seconds (inf when its rate is
-        unknown)."""
+        unknown), with the live columns ``k_live`` scaled by
+        ``live_scale`` (all-zero input channels a channel dropout adds,
+        compacted away; at most ``k / k_live``)."""
         if self.dense_rate <= 0:
             return math.inf
+        live = min(self.k_live * max(float(live_scale), 0.0), self.k)
         return self.dense_fixed_s + \
-            self.m * self.k_live * self.dense_flops_per_elem / self.dense_rate
+            self.m * live * self.dense_flops_per_elem / self.dense_rate
 
     def sparse_seconds(self, sparsity):
         """The sparse path's predicted seconds at ``sparsity`` (inf when its
@@ -229,12 +232,13 @@ class LayerCost:
         """Whether at least one path's rate is known."""
         return self.dense_rate > 0 or self.sparse_rate > 0
 
-    def seconds(self, sparsity):
-        """Predicted op seconds per call at input ``sparsity`` in [0, 1]."""
+    def seconds(self, sparsity, live_scale=1.0):
+        """Predicted op seconds per call at input ``sparsity`` in [0, 1]
+        (``live_scale``: :meth:`dense_seconds`)."""
         if not self.predicts:
             return self.measured_s
         s = min(max(float(sparsity), 0.0), 1.0)
-        return min(self.dense_seconds(), self.sparse_seconds(s))
+        return min(self.dense_seconds(live_scale), self.sparse_seconds(s))
 
 
 class StepModel:
@@ -422,12 +426,32 @@ class RateKnob:
         :class:`LayerCost` at :func:`combined_sparsity`), or None.
       cost: a :class:`RateCost` for a component no layer cost covers
         (None for a dropout in front of a controlled layer).
+      compacts: whether the dropped units are all-zero input channels of
+        ``layer`` that its dense path compacts away
+        (:class:`~tf_sparse_split.layers.SensitivityAwareDropout` before a
+        convolution): the layer's dense part is then predicted with its
+        live columns scaled by ``(1 - rate) / (1 - measured_at)``.
+      measured_at: the rate in force when ``layer``'s cost was last read
+        (kept by :meth:`BudgetController.set_cost`).
     """
 
     floor: float
     upper: float
     layer: str = None
     cost: RateCost = None
+    compacts: bool = False
+    measured_at: float = 0.0
+
+
+def _layer_seconds(cost, act, knobs, rates):
+    """A layer's predicted op seconds at activation sparsity ``act`` with
+    its attached rate knobs ``knobs`` (``{name: RateKnob}``) at ``rates``."""
+    live = 1.0
+    for r, k in knobs.items():
+        if k.compacts:
+            live *= (1.0 - rates[r]) / max(1.0 - k.measured_at, 1e-6)
+    return cost.seconds(combined_sparsity(act, [rates[r] for r in knobs]),
+                        live_scale=live)
 
 
 @dataclasses.dataclass
@@ -537,8 +561,9 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
                                            rates[r].cost is not None]
 
     def predicted(act, rt):
-        x = sum(costs[n].seconds(combined_sparsity(
-            act[n], [rt[r] for r in attached[n]])) for n in names)
+        x = sum(_layer_seconds(costs[n], act[n],
+                               {r: rates[r] for r in attached[n]}, rt)
+                for n in names)
         extra = sum(rates[r].cost.seconds(rt[r]) for r in rnames
                     if rates[r].cost is not None)
         return kappa * model.predict(x, extra)
@@ -651,7 +676,10 @@ def step_budget(kind, seconds, steps_per_epoch=None, epochs=None,
 
     ``overhead_per_epoch`` is the time of an epoch spent outside training
     steps (validation, callbacks at epoch end). A budget already spent
-    gives 0 (the caller then runs at the bounds and logs it).
+    gives 0 (the caller then runs at the bounds and logs it). The
+    arithmetic from given totals; :class:`~tf_sparse_split.tuning.deadline.
+    WallTimePlan` (what ``TimeBudgetCallback`` uses) measures the parts of
+    a fit's wall time outside its steps as the fit goes.
 
     Raises:
       ValueError: unknown ``kind``, or ``steps_per_epoch``/``epochs``
@@ -689,7 +717,10 @@ class Decision:
     ``kappa``, ``targets`` (``{layer: sparsity}``), ``reachable``,
     ``action`` (``"hold"``, ``"reallocate"``, ``"unreachable"``),
     ``reasons`` (``{layer or rate knob: text}``), ``rates`` (``{rate knob:
-    rate}``).
+    rate}``), ``best_s`` (predicted step seconds at the allocation aimed at,
+    before the limits on the change per decision: the fastest the bounds
+    allow when the budget is unreachable; NaN for a hold in the dead
+    band).
     """
 
     step: int
@@ -702,6 +733,7 @@ class Decision:
     action: str
     reasons: dict
     rates: dict = dataclasses.field(default_factory=dict)
+    best_s: float = math.nan
 
 
 class BudgetController:
@@ -809,8 +841,12 @@ class BudgetController:
         self._times = self._times[-self.window:]
 
     def set_cost(self, layer, cost):
-        """The layer's :class:`LayerCost` (refresh it from new statistics)."""
+        """The layer's :class:`LayerCost` (refresh it from new statistics,
+        recorded at the rates in force)."""
         self.costs[layer] = cost
+        for r, k in self.rate_knobs.items():
+            if k.layer == layer:
+                k.measured_at = self.rates[r]
 
     def set_rate_cost(self, name, cost):
         """The :class:`RateCost` of rate knob ``name`` (a component no
@@ -856,15 +892,12 @@ class BudgetController:
         samples."""
         return robust_step_time(self._times) if self._times else None
 
-    def _attached(self, layer, rates):
-        return [rates[r] for r, k in self.rate_knobs.items()
-                if k.layer == layer]
-
     def _x(self, targets, rates=None):
         rates = self.rates if rates is None else rates
-        return sum(self.costs[n].seconds(combined_sparsity(
-            targets[n], self._attached(n, rates)))
-            for n in self.layers if n in self.costs)
+        return sum(_layer_seconds(
+            self.costs[n], targets[n],
+            {r: k for r, k in self.rate_knobs.items() if k.layer == n},
+            rates) for n in self.layers if n in self.costs)
 
     def _extra(self, rates=None):
         rates = self.rates if rates is None else rates
@@ -981,7 +1014,7 @@ class BudgetController:
             action = "hold"
             reasons = {n: "allocation unchanged" for n in reasons}
         self._record(budget_s, m, predicted, kappa, action, alloc.reachable,
-                     reasons, new, new_rates)
+                     reasons, new, new_rates, best_s=alloc.predicted_s)
         self.targets = new
         self.rates = new_rates
         if changed:
@@ -992,9 +1025,10 @@ class BudgetController:
         return None
 
     def _record(self, budget, measured, predicted, kappa, action, reachable,
-                reasons, targets, rates):
+                reasons, targets, rates, best_s=math.nan):
         self.log.append(Decision(step=self.steps, budget_s=budget,
                                  measured_s=measured, predicted_s=predicted,
                                  kappa=kappa, targets=dict(targets),
                                  reachable=reachable, action=action,
-                                 reasons=dict(reasons), rates=dict(rates)))
+                                 reasons=dict(reasons), rates=dict(rates),
+                                 best_s=float(best_s)))

@@ -1,0 +1,253 @@
+"""Wall-time accounting of a ``fit`` for epoch-time and whole-fit deadline
+budgets: the arithmetic behind
+:class:`~tf_sparse_split.callbacks.TimeBudgetCallback`'s ``epoch_time`` and
+``deadline`` (R. Sun and L. Zhang, *Dynamic Sparse Method for Deep Learning
+Execution*, 2019: the user's demand is a time, the controller chooses the
+sparsity that meets it). Free of Keras and of any clock: the caller passes
+the clock readings, so it runs (and is tested) on a fake clock.
+
+A fit's wall time, from ``on_train_begin``, is
+
+    head (on_train_begin -> first step: whatever the other callbacks'
+          on_train_begin and the first epoch's begin cost)
+    + the steps (the first one with the tracing and compilation, the
+      sparse-split ops' first calls with their calibration)
+    + the gaps between one step's end and the next one's begin inside an
+      epoch (the callbacks' per-step work, the controller's statistics
+      reads)
+    + the epoch boundaries (an epoch's last step -> the next epoch's first
+      step: validation, epoch-end callbacks, the sensitivity probe), the
+      last one up to ``on_train_end``.
+
+Everything already spent is measured (``elapsed``), whatever it was: a slow
+first epoch (compilation, calibration, warm-up at the natural sparsity)
+only leaves less time to the steps after it. What is still to come is
+predicted from what the fit has shown so far: gaps by a trimmed mean of the
+recent ones (a one-off gap, such as the probe's first tracing, is not
+repeated), boundaries by the median of the measured ones (before the first
+has been seen, by what the caller knows it will spend at each epoch end,
+:meth:`WallTimePlan.expect_epoch_end`). The step budget is then re-planned
+at every step from the time left over the steps left:
+
+    deadline:   (deadline - elapsed - gaps_left * gap - ends_left * boundary)
+                / steps_left
+    epoch_time: (epoch_time - elapsed in the epoch - gaps_left_in_epoch *
+                gap - epoch_tail) / steps_left_in_epoch
+
+(``ends_left``: epoch ends still to come, the current one's included;
+``epoch_tail``: the part of an epoch after its last step, up to
+``on_epoch_end``). A budget that comes out <= 0 means the time is spent:
+the caller then runs at its bounds. :meth:`WallTimePlan.predicted_end`
+says when the fit (or the epoch) ends if the remaining steps take a given
+time, which tells whether a deadline is still reachable at the fastest
+setting.
+
+Units: seconds (clock readings in seconds of any origin).
+"""
+
+import math
+
+import numpy as np
+
+__all__ = ["WallTimePlan", "median_over_mean"]
+
+#: Gaps kept for the mean (the most recent ones).
+GAP_WINDOW = 64
+#: Share of the largest gaps left out of the mean (one-off work).
+GAP_TRIM = 0.05
+
+
+def _trimmed_mean(values, trim=GAP_TRIM):
+    v = np.sort(np.asarray(values, np.float64))
+    drop = int(math.floor(trim * len(v) + 0.5)) if len(v) >= 8 else 0
+    v = v[:len(v) - drop] if drop else v
+    return float(np.mean(v)) if len(v) else 0.0
+
+
+def median_over_mean(times, least=8):
+    """Median / mean of step times, clipped to ``[0.5, 1]`` (1 with fewer
+    than ``least`` finite positive values): a wall-time budget is met by
+    the steps' mean, a controller that measures their median (robust to
+    the two-speed noise of a shared machine) meets it when given the
+    budget times this ratio (under load the mean is the larger)."""
+    v = np.asarray([t for t in times if math.isfinite(t) and t > 0],
+                   np.float64)
+    if len(v) < least:
+        return 1.0
+    return float(np.clip(np.median(v) / np.mean(v), 0.5, 1.0))
+
+
+class WallTimePlan:
+    """Step budgets for an epoch time or a whole-fit deadline from the
+    fit's measured wall time (module docstring).
+
+    Call :meth:`epoch_begin`, :meth:`step_begin`, :meth:`step_end` and
+    :meth:`epoch_end` with the clock readings of those events (seconds),
+    and :meth:`budget` (at a step's begin) for the step budget in force.
+
+    Args:
+      kind: ``"epoch_time"`` or ``"deadline"``.
+      seconds: the epoch time, or the deadline counted from ``start``
+        (finite, > 0).
+      steps_per_epoch: steps per epoch (int >= 1).
+      epochs: epochs of the fit (int >= 1; needed for ``"deadline"``).
+      start: clock reading at ``on_train_begin`` (seconds).
+
+    Raises:
+      ValueError: unknown ``kind``, a non-positive or non-finite
+        ``seconds``, ``steps_per_epoch`` or (for a deadline) ``epochs``
+        missing or < 1.
+    """
+
+    def __init__(self, kind, seconds, steps_per_epoch, epochs=None,
+                 start=0.0):
+        if kind not in ("epoch_time", "deadline"):
+            raise ValueError(f"unknown budget kind {kind!r} (epoch_time or "
+                             "deadline)")
+        s = float(seconds)
+        if not math.isfinite(s) or s <= 0:
+            raise ValueError(f"`{kind}` must be a finite number of seconds "
+                             f"> 0. Received: {seconds!r}")
+        if not steps_per_epoch or int(steps_per_epoch) < 1:
+            raise ValueError(f"a {kind} budget needs the steps per epoch "
+                             "(a dataset of known length, or "
+                             "steps_per_epoch)")
+        if kind == "deadline" and (not epochs or int(epochs) < 1):
+            raise ValueError("a deadline needs the number of epochs")
+        self.kind, self.seconds = kind, s
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.epochs = int(epochs) if epochs else None
+        self.start = float(start)
+        self.steps_done = 0         # steps ended in the fit
+        self.epoch_steps = 0        # steps begun in the current epoch
+        self.epochs_ended = 0
+        self.epoch_start = self.start
+        self.gaps = []              # in-epoch gaps (recent)
+        self.boundaries = []        # last step end -> next epoch's first step
+        self.tails = []             # last step end -> on_epoch_end
+        self.expected_epoch_end_s = 0.0
+        self._last_end = None       # clock at the latest step's end
+        self._in_step = False
+        self._epoch_open = False
+        self._seen_epoch = False
+
+    # -- events ------------------------------------------------------------
+    def epoch_begin(self, t, epoch=None):
+        """An epoch begins at clock ``t``; ``epoch`` (its index, optional)
+        counts the epochs before the fit's first one (``initial_epoch``)
+        as done."""
+        if epoch is not None and not self._seen_epoch:
+            self.epochs_ended = max(int(epoch), self.epochs_ended)
+        self._seen_epoch = True
+        self.epoch_start = float(t)
+        self.epoch_steps = 0
+        self._epoch_open = True
+
+    def step_begin(self, t):
+        """A step begins at clock ``t`` (its gap or boundary is measured)."""
+        t = float(t)
+        self._epoch_open = True
+        if self._last_end is not None:
+            if self.epoch_steps == 0:
+                self.boundaries.append(max(t - self._last_end, 0.0))
+            else:
+                self.gaps.append(max(t - self._last_end, 0.0))
+                self.gaps = self.gaps[-GAP_WINDOW:]
+        self.epoch_steps += 1
+        self._in_step = True
+
+    def step_end(self, t):
+        """The step ends at clock ``t``."""
+        self._last_end = float(t)
+        self.steps_done += 1
+        self._in_step = False
+
+    def epoch_end(self, t):
+        """``on_epoch_end`` is reached at clock ``t``."""
+        if self._last_end is not None and self.epoch_steps:
+            self.tails.append(max(float(t) - self._last_end, 0.0))
+        self.epochs_ended += 1
+        self._epoch_open = False
+
+    def expect_epoch_end(self, seconds):
+        """Seconds the caller knows it will spend at every epoch end (e.g.
+        its sensitivity probe), the boundary's estimate until one has been
+        measured (and its floor after)."""
+        s = float(seconds)
+        self.expected_epoch_end_s = s if math.isfinite(s) and s > 0 else 0.0
+
+    # -- estimates -----------------------------------------------------------
+    @property
+    def gap_s(self):
+        """Predicted seconds between two steps of an epoch."""
+        return _trimmed_mean(self.gaps) if self.gaps else 0.0
+
+    @property
+    def tail_s(self):
+        """Predicted seconds from an epoch's last step to ``on_epoch_end``."""
+        return float(np.median(self.tails)) if self.tails else 0.0
+
+    @property
+    def boundary_s(self):
+        """Predicted seconds from an epoch's last step to the next epoch's
+        first step (or, for the last epoch, to the end of the fit)."""
+        if self.boundaries:
+            return max(float(np.median(self.boundaries)),
+                       self.expected_epoch_end_s)
+        return self.expected_epoch_end_s + self.tail_s
+
+    def _counts(self):
+        """``(steps_left, gaps_left, ends_left)`` of the fit (deadline) or
+        of the current epoch (epoch time); a step begun and not ended is
+        counted as left (its gap is spent)."""
+        spe = self.steps_per_epoch
+        if self._epoch_open:
+            if self._in_step:
+                steps = spe - self.epoch_steps + 1
+                gaps = spe - self.epoch_steps
+            else:
+                steps = spe - self.epoch_steps
+                gaps = steps - (1 if self.epoch_steps == 0 else 0)
+            steps, gaps, ends = max(steps, 0), max(gaps, 0), 1
+            later = self.epochs - self.epochs_ended - 1 if self.epochs \
+                else 0
+        else:
+            steps = gaps = ends = 0
+            later = self.epochs - self.epochs_ended if self.epochs else 0
+        if self.kind == "epoch_time":
+            return steps, gaps, ends
+        later = max(later, 0)
+        return steps + later * spe, gaps + later * (spe - 1), ends + later
+
+    def remaining_s(self, t):
+        """Seconds left (deadline or epoch time minus the elapsed) at clock
+        ``t`` (may be < 0)."""
+        t = float(t)
+        if self.kind == "deadline":
+            return self.seconds - (t - self.start)
+        return self.seconds - (t - self.epoch_start)
+
+    def budget(self, t):
+        """The step budget (seconds, >= 0; 0 when the time is spent) at
+        clock ``t`` for the step now beginning and the ones after it."""
+        steps, gaps, ends = self._counts()
+        if steps <= 0:
+            return max(self.remaining_s(t), 0.0)
+        end_s = self.boundary_s if self.kind == "deadline" else self.tail_s
+        left = self.remaining_s(t) - gaps * self.gap_s - ends * end_s
+        return max(left / steps, 0.0)
+
+    def predicted_end(self, t, step_s):
+        """The clock reading at which the fit (deadline) or the current
+        epoch (epoch time) is predicted to end when every remaining step
+        takes ``step_s`` seconds."""
+        steps, gaps, ends = self._counts()
+        end_s = self.boundary_s if self.kind == "deadline" else self.tail_s
+        return float(t) + steps * float(step_s) + gaps * self.gap_s + \
+            ends * end_s
+
+    def predicted_elapsed(self, t, step_s):
+        """:meth:`predicted_end` as seconds from ``start`` (deadline) or
+        from the epoch's begin (epoch time), to compare with ``seconds``."""
+        origin = self.start if self.kind == "deadline" else self.epoch_start
+        return self.predicted_end(t, step_s) - origin
