@@ -489,7 +489,8 @@ def main(argv=None):
                    help="comma-separated input sparsities in [0, 1]")
     p.add_argument("--shape", default=None,
                    help="one layer NxHxWxC_in->C_out (3x3 SAME) instead of "
-                        "the default shapes")
+                        "the default shapes (with --fused: instead of "
+                        "32x28x28x32->64)")
     p.add_argument("--natural", action="store_true",
                    help="time the layers of NATURAL_SHAPES at 50%% and 70%% "
                         "zeros, i.i.d. and ReLU-like (writes <out>_natural.md)")
@@ -547,6 +548,7 @@ def main(argv=None):
         rows = []
         for d in dtypes:
             rows += run_fused(args.rounds, dtype=d,
+                              shape=shapes[0] if args.shape else FUSED_SHAPE,
                               sparsities=sparsities or FUSED_SPARSITIES)
         table = markdown_fused(rows, args.rounds, header)
         print()

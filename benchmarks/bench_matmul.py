@@ -285,9 +285,24 @@ def main(argv=None):
                    help="comma-separated sparsities of the bfloat16/float16 "
                         "cases (default " +
                         ",".join(str(x) for x in LOW_PRECISION_SPARSITIES) + ")")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated MxKxN products to time instead of "
+                        "the default shapes (e.g. 1x2048x10,32x2048x2048: "
+                        "the small-batch inference layers), each at the "
+                        "--sparsities given (default 0 and 0.5)")
     args = p.parse_args(argv)
     tfss.load_library()
     from tf_sparse_split import _kernels
+
+    custom = []
+    if args.shapes:
+        try:
+            custom = [tuple(int(v) for v in sh.strip().split("x"))
+                      for sh in args.shapes.split(",") if sh.strip()]
+        except ValueError:
+            p.error(f"--shapes: not MxKxN: {args.shapes!r}")
+        if not custom or any(len(sh) != 3 or min(sh) < 1 for sh in custom):
+            p.error(f"--shapes: not MxKxN with sizes >= 1: {args.shapes!r}")
 
     dtypes = [tf.as_dtype(d.strip()) for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
@@ -299,7 +314,11 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     cases = []
     for dt in dtypes:
-        if args.quick:
+        if custom:
+            sps = (SMALL_SPARSITIES if args.sparsities is None else
+                   [float(x) for x in args.sparsities.split(",") if x.strip()])
+            cases += [(sh, sps, dt) for sh in custom]
+        elif args.quick:
             cases += [((256, 1024, 1024), [0.0, 0.9], dt)]
             if dt == tf.float32:
                 cases += [((128, 2048, 10), [0.0, 0.5], dt)]

@@ -473,3 +473,76 @@ def test_conv_filter_gradient_entry_and_its_flops(rw):
     (rec,) = rewrite.dry_run(g, min_flops=flops + 1)
     assert rec["action"] == "declined" and "min_flops" in rec["reason"], rec
     assert rewrite.dry_run(g, ops=("MatMul", "Conv2D")) == []  # not listed
+
+
+def _session_partition_ops(build, feed_shape):
+    """Runs the v1 graph ``build(x)`` once in a session (the pass and
+    Grappler act as in a tf.function) and returns ``{node name: (op,
+    fused_ops)}`` of the graph that ran, and the output."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, feed_shape, name="x")
+        y = build(x)
+    opts = tf.compat.v1.RunOptions(output_partition_graphs=True)
+    meta = tf.compat.v1.RunMetadata()
+    feed = np.random.default_rng(41).standard_normal(feed_shape).astype(
+        np.float32)
+    with tf.compat.v1.Session(graph=g) as sess:
+        out = sess.run(y, {x: feed}, options=opts, run_metadata=meta)
+    ran = {}
+    for pg in meta.partition_graphs:
+        for n in pg.node:
+            fused = [s.decode() for s in n.attr["fused_ops"].list.s]
+            ran[n.name] = (n.op, fused)
+    return ran, out
+
+
+def test_replaced_consumer_leaves_producer_relu_fusable(rw):
+    """relu(x @ w1 + b1) feeding a replaced MatMul: outside loops the
+    pass's threshold Const gets no control edge from that ReLU, so
+    Grappler's remapper still fuses MatMul + BiasAdd + Relu of the first
+    layer into one kernel (it declines activations with control fan-outs)
+    -- as in the graph without the pass."""
+    rng = np.random.default_rng(40)
+    w1 = rng.standard_normal((24, 32)).astype(np.float32)
+    b1 = rng.standard_normal(32).astype(np.float32)
+    w2 = rng.standard_normal((32, 8)).astype(np.float32)
+    b2 = rng.standard_normal(8).astype(np.float32)
+
+    def build(x):
+        h = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w1, name="mm1"), b1),
+                       name="h1")
+        return tf.nn.relu(tf.nn.bias_add(tf.matmul(h, w2, name="mm2"), b2),
+                          name="h2")
+
+    off, want = _session_partition_ops(build, [6, 24])
+    rw.log(clear=True)
+    rw._take_missed()   # the pass-off session graph: no warning wanted
+    rw.enable()
+    on, got = _session_partition_ops(build, [6, 24])
+    _assert_close(got, want)
+    (rec,) = _records()
+    assert rec["name"] == "mm2" and rec["kind"] == "fuse", rec
+    assert rec["threshold_anchor"] == "", rec
+    # The first layer ran as the same fused kernel with and without the pass.
+    assert "Relu" in off["h1"][1], off["h1"]
+    assert on["h1"] == off["h1"], (on["h1"], off["h1"])
+    assert on["h2"][0] == "TfSparseSplit>SparseSplitMatMul", on["h2"]
+
+
+def test_consts_anchored_in_loop_frames_only(rw):
+    """Inside a while loop the threshold Const keeps its control edge from
+    the activation's producer (its frame); the loop's rewrite is exact."""
+    rng = np.random.default_rng(42)
+    w = tf.constant(rng.standard_normal((12, 12)).astype(np.float32) * 0.4)
+
+    def body(x):
+        def step(i, h):
+            return i + 1, tf.matmul(tf.nn.relu(h, name="act"), w, name="mm")
+        return tf.while_loop(lambda i, h: i < 3, step, [0, x])[1]
+
+    x = _signed((5, 12), 43)
+    off, on = _off_then_on(rw, body, x)
+    _assert_close(on, off)
+    (rec,) = _records()
+    assert rec["threshold_anchor"].endswith("act"), rec

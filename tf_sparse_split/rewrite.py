@@ -421,7 +421,11 @@ def log(clear=False):
       ``mask`` the node masking it), ``unfused`` (why a following bias add
       or activation was not absorbed, or empty), ``dtype``, ``device``,
       ``assigned_device``, ``transpose_a``/``transpose_b`` (``"0"``/``"1"``),
-      ``threshold``, ``threshold_node``, and ``control_in``, ``control_out``,
+      ``threshold``, ``threshold_node``, ``threshold_anchor`` (the node
+      whose control edge keeps the new Consts in a while loop's frame; empty
+      in graphs without loops, where a control edge on the activation's
+      producer would stop Grappler from fusing it into its MatMul/Conv2D),
+      and ``control_in``, ``control_out``,
       ``data_out`` (comma-separated node names; ``data_out`` as
       ``consumer:input_index``).
     """

@@ -183,6 +183,12 @@ bool ChooseCompaction(const SplitShape& s, const CostTerms& t,
          PredictDenseSeconds(s, t, rows_dense, false) - min_gain_s;
 }
 
+double MinGainSeconds(const DecisionPolicy& policy, double all_dense_s) {
+  double rel = policy.min_gain_fraction * all_dense_s;
+  if (!(rel >= 0.0)) rel = policy.min_gain_s;  // NaN (0 * inf)
+  return std::min(policy.min_gain_s, std::max(policy.min_gain_floor_s, rel));
+}
+
 Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
                  const CostTerms& t, const DecisionPolicy& policy,
                  const Plan* previous) {
@@ -237,9 +243,10 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
                           previous->kind != PlanKind::kAllDense &&
                           previous->bucket >= 0 && previous->bucket <= b;
   // Entry into a plan with sparse rows: only for a safe predicted win.
+  const double min_gain = MinGainSeconds(policy, all_dense);
   const bool enters =
       times[pick] <= all_dense * (1.0 - policy.enter_margin) &&
-      times[pick] <= all_dense - policy.min_gain_s;
+      times[pick] <= all_dense - min_gain;
   if (!had_sparse) return enters ? best_plan : dense_plan;
   // The previous split, re-predicted on this call's rows.
   bool prev_compact = false;
@@ -247,7 +254,7 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
       BestOfCompaction(s, p, t, previous->bucket, policy.min_gain_s,
                        &prev_compact);
   if (!(t_prev <= all_dense * (1.0 - policy.stay_margin)) ||
-      !(t_prev <= all_dense - 0.5 * policy.min_gain_s)) {
+      !(t_prev <= all_dense - 0.5 * min_gain)) {
     // The kept plan no longer wins safely; switch only to a plan that
     // passes the entry test, else go dense.
     return enters ? best_plan : dense_plan;
@@ -363,8 +370,14 @@ AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
                          static_cast<double>(s.k);
   if (h.calls_since_full + 1 >= FullCountPeriod(count_s, dense_s, ap))
     return AnalysisMode::kFull;
-  if (MaxSavingSeconds(s, t, h.zero_row_frac, h.dead_col_frac) <
-      policy.min_gain_s)
+  // Sparse rows (zero rows among them) must save MinGainSeconds, a
+  // compaction min_gain_s (DecideSplit, ChooseCompaction): skip when
+  // neither can.
+  const double rows_save = MaxSavingSeconds(s, t, h.zero_row_frac, 0.0);
+  const double all_save =
+      MaxSavingSeconds(s, t, h.zero_row_frac, h.dead_col_frac);
+  if (rows_save < MinGainSeconds(policy, dense_s) &&
+      all_save < policy.min_gain_s)
     return AnalysisMode::kSkip;
   return AnalysisMode::kSample;
 }

@@ -140,7 +140,24 @@ struct DecisionPolicy {
   // save at least, whatever the fractions above: in tiny calls every path
   // is a few fixed costs and their differences are timing noise.
   double min_gain_s = kMinGainSeconds;
+  // For calls predicted under min_gain_s / min_gain_fraction all-dense (333
+  // us by default) the least saving of sparse rows is this fraction of the
+  // all-dense time instead, at least min_gain_floor_s (MinGainSeconds):
+  // 100 us would exceed any saving
+  // there, keeping a batch-1 convolution over a 79%-zero MNIST image dense
+  // although its sparse path ran 1.4x faster; predicted gains of 10-20%
+  // (the losses measured above) stay below it.
+  double min_gain_fraction = 0.3;
+  // ... but never less than this (seconds): in calls of a few tens of
+  // microseconds every path is a few fixed costs, and a predicted gain of
+  // a few microseconds is timing noise.
+  double min_gain_floor_s = 2e-5;
 };
+
+// The least saving (seconds) a plan with sparse rows must promise against
+// an all-dense call predicted at `all_dense_s`: min(min_gain_s,
+// max(min_gain_floor_s, min_gain_fraction * all_dense_s)).
+double MinGainSeconds(const DecisionPolicy& policy, double all_dense_s);
 
 // Predicted seconds of the dense part with `rows_dense` rows (compacted or
 // not) and of the sparse part with `rows_sparse` rows holding `nnz_sparse`.
@@ -196,9 +213,10 @@ CostTerms FitCalibration(const SplitShape& s, const CalibrationTimings& c);
 // dense GEMM itself. An automatic call therefore picks first how much to
 // count (ChooseAnalysis), from its family's terms and what the op's last
 // full count saw:
-//   kSkip:   no plan other than the plain all-dense one can save
-//            min_gain_s (MaxSavingSeconds), whatever the zeros: count
-//            nothing, run TF's GEMM;
+//   kSkip:   no plan other than the plain all-dense one can save its
+//            minimum (MaxSavingSeconds: sparse rows MinGainSeconds, a
+//            compaction min_gain_s), whatever the zeros: count nothing,
+//            run TF's GEMM;
 //   kSample: count a strided sample of the physical rows (SampleStride), and
 //            count fully only when the estimate is near the break-even of
 //            the decision (SampleSaysDense is false);

@@ -407,13 +407,16 @@ DecisionPolicy PolicyOf(const py::object& o) {
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"enter_margin", "stay_margin", "switch_margin", "tie_margin",
-                  "min_gain_s"},
+                  "min_gain_s", "min_gain_fraction", "min_gain_floor_s"},
               "policy");
   p.enter_margin = Get<double>(d, "enter_margin", p.enter_margin);
   p.stay_margin = Get<double>(d, "stay_margin", p.stay_margin);
   p.switch_margin = Get<double>(d, "switch_margin", p.switch_margin);
   p.tie_margin = Get<double>(d, "tie_margin", p.tie_margin);
   p.min_gain_s = Get<double>(d, "min_gain_s", p.min_gain_s);
+  p.min_gain_fraction =
+      Get<double>(d, "min_gain_fraction", p.min_gain_fraction);
+  p.min_gain_floor_s = Get<double>(d, "min_gain_floor_s", p.min_gain_floor_s);
   return p;
 }
 

@@ -1012,11 +1012,30 @@ std::string DeclineRecord(const Candidate& c, const std::string& fn) {
                       "\tfunction=", fn, "\treason=", c.reason);
 }
 
+// Whether `g` has a while loop's frames (an Enter node: functional loops
+// are lowered before the pass runs). Without one every node is in the root
+// frame, where a Const needs no control input.
+bool HasLoopFrames(const tf::Graph& g) {
+  for (const tf::Node* n : g.op_nodes()) {
+    if (n->IsEnter()) return true;
+  }
+  return false;
+}
+
 // Replaces the node named cand.name in `g` -- with the nodes it absorbs
 // (kFuse) -- by cand.target_def (the last node's name; devices, control
 // edges and consumers kept) plus a threshold Const; fills *record.
+//
+// anchor_consts: `g` has loop frames (HasLoopFrames), so the new Consts get
+// a control edge from a node of the replaced node's frame (the activation's
+// producer; the bias for its reshape). In a graph without loops they get
+// none: a control out-edge on the activation's producer (a Relu) stops
+// Grappler's remapper from fusing it with its own MatMul/Conv2D and bias
+// add (it declines activations with control fan-outs), so a replaced layer
+// would cost its predecessor a separate Relu pass.
 absl::Status ReplaceNode(tf::Graph* g, const Candidate& cand, float threshold,
-                         const std::string& fn, std::string* record) {
+                         bool anchor_consts, const std::string& fn,
+                         std::string* record) {
   std::unordered_map<std::string, tf::Node*> wanted;
   wanted[cand.name] = nullptr;
   for (const auto& name : cand.fused_names) wanted[name] = nullptr;
@@ -1107,11 +1126,12 @@ absl::Status ReplaceNode(tf::Graph* g, const Candidate& cand, float threshold,
   TF_RETURN_IF_ERROR(st);
   nn->set_assigned_device_name(assigned);
   c->set_assigned_device_name(assigned);
-  // Keeps the Consts in the activation's control-flow frame.
+  // Keeps the Consts in the activation's control-flow frame (only where
+  // there are frames: see anchor_consts).
   tf::Node* frame_anchor = cand.kind == Kind::kSddmm
                                ? extra.first
                                : data_in[e.activation_input].first;
-  g->AddControlEdge(frame_anchor, c);
+  if (anchor_consts) g->AddControlEdge(frame_anchor, c);
   if (cand.kind == Kind::kSddmm) {
     g->AddEdge(extra.first, extra.second, nn, 0);               // mask
     g->AddEdge(data_in[0].first, data_in[0].second, nn, 1);     // x = dY
@@ -1139,7 +1159,7 @@ absl::Status ReplaceNode(tf::Graph* g, const Candidate& cand, float threshold,
         tf::Node* s = g->AddNode(sdef, &st);
         TF_RETURN_IF_ERROR(st);
         s->set_assigned_device_name(assigned);
-        g->AddControlEdge(extra.first, s);
+        if (anchor_consts) g->AddControlEdge(extra.first, s);
         tf::NodeDef rdef;
         rdef.set_name(g->NewName(absl::StrCat(new_name, "/tfss_bias")));
         rdef.set_op("Reshape");
@@ -1187,7 +1207,9 @@ absl::Status ReplaceNode(tf::Graph* g, const Candidate& cand, float threshold,
       "\tdtype=", tf::DataTypeString(dt), "\tdevice=", requested,
       "\tassigned_device=", assigned, "\ttranspose_a=", ta ? 1 : 0,
       "\ttranspose_b=", tb ? 1 : 0, "\tthreshold=", threshold,
-      "\tthreshold_node=", c->name(), "\tcontrol_in=", absl::StrJoin(cins, ","),
+      "\tthreshold_node=", c->name(),
+      "\tthreshold_anchor=", anchor_consts ? frame_anchor->name() : "",
+      "\tcontrol_in=", absl::StrJoin(cins, ","),
       "\tcontrol_out=", absl::StrJoin(couts, ","),
       "\tdata_out=", absl::StrJoin(outs, ","));
   VLOG(1) << "tf_sparse_split rewrite: " << e.source_op << " '" << cand.name
@@ -1233,10 +1255,12 @@ absl::Status RunImpl(const tf::GraphOptimizationPassOptions& options,
   tf::CopyGraph(*g, copy.get());
   std::vector<std::string> done;
   std::map<std::string, int64_t> counted;
+  const bool anchor_consts = HasLoopFrames(*copy);
   for (const Candidate& c : cands) {
     if (!c.rewrite()) continue;
     std::string record;
-    TF_RETURN_IF_ERROR(ReplaceNode(copy.get(), c, cfg.threshold, fn, &record));
+    TF_RETURN_IF_ERROR(ReplaceNode(copy.get(), c, cfg.threshold,
+                                   anchor_consts, fn, &record));
     done.push_back(std::move(record));
     counted[c.entry->source_op] += 1;
   }

@@ -143,16 +143,19 @@ def decide(stats_vector, previous=None, policy=None):
     scaled to add up to ``stats.NNZ`` when that is finite), so the chosen
     threshold is a bin edge ``j / DENSITY_BINS``. The margins are the ops'
     (``DecisionPolicy``: enter 10%, stay 5%, switch 5%, ties to the plan
-    with the most dense rows, at least ``min_gain_s`` = 100 us saved) unless
-    ``policy`` gives others.
+    with the most dense rows, at least ``min_gain_s`` = 100 us saved, or
+    ``min_gain_fraction`` = 30% of the all-dense time where that is less,
+    never under ``min_gain_floor_s`` = 20 us)
+    unless ``policy`` gives others.
 
     Args:
       stats_vector: one call's statistics, or :func:`epoch_vector`'s.
       previous: the plan dict this function returned last for the same
         layer (hysteresis, as the op's ``PlanMemory``), or None.
       policy: None (the ops' margins) or a dict of ``enter_margin``,
-        ``stay_margin``, ``switch_margin``, ``tie_margin`` (fractions) and
-        ``min_gain_s`` (seconds).
+        ``stay_margin``, ``switch_margin``, ``tie_margin``,
+        ``min_gain_fraction`` (fractions), ``min_gain_s`` and
+        ``min_gain_floor_s`` (seconds).
 
     Returns:
       the plan dict (``kind``, ``bucket``, ``threshold`` in [0, 1],
