@@ -36,11 +36,20 @@ Usage::
 
 ``--quick``: ResNet50 at 32x32, batch 4, 2 rounds of 1 step, nothing
 written unless ``--out`` is given (a smoke test of the script).
+
+``--profile STEPS``: also traces ``STEPS`` training steps of each model
+with ``tf.profiler`` (after the timed rounds, plain then converted) and
+reports the host time per op type of each (milliseconds per step, summed
+over the op's executions; nested events, such as a function call and the
+ops inside it, each count) -- where the converted step gains and loses.
 """
 
 import argparse
+import collections
+import glob
 import os
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -119,6 +128,47 @@ def layer_rows(model):
     return rows
 
 
+def op_type_ms(step, steps):
+    """Host milliseconds per step by op type over ``steps`` calls of
+    ``step(i)``, from a ``tf.profiler`` trace (its XPlane: events named
+    ``name:type`` on the host plane's threads)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        for i in range(steps):
+            step(i)
+        tf.profiler.experimental.stop()
+        paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
+                          recursive=True)
+        space = xplane_pb2.XSpace()
+        with open(paths[0], "rb") as f:
+            space.ParseFromString(f.read())
+    total = collections.Counter()
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            for ev in line.events:
+                name = names.get(ev.metadata_id, "")
+                if ":" not in name:
+                    continue
+                total[name.rsplit(":", 1)[1]] += ev.duration_ps * 1e-9
+    return {k: v / steps for k, v in total.items()}
+
+
+def profile_rows(prof, top=40):
+    """Rows (op type, plain ms, converted ms, converted - plain) for the op
+    types with the most time in either step, largest first."""
+    plain, ours = prof["plain"], prof["converted"]
+    keys = sorted(set(plain) | set(ours),
+                  key=lambda k: -max(plain.get(k, 0.0), ours.get(k, 0.0)))
+    return [[k, f"{plain.get(k, 0.0):.2f}", f"{ours.get(k, 0.0):.2f}",
+             f"{ours.get(k, 0.0) - plain.get(k, 0.0):+.2f}"]
+            for k in keys[:top]]
+
+
 def run_model(name, args, x_all, y_all):
     size, batch = args.size, args.batch
     xs = images(x_all, size, batch * args.batches)
@@ -160,9 +210,14 @@ def run_model(name, args, x_all, y_all):
     tr = interleaved_blocks(steps, rounds=args.rounds, block=args.block)
     tr_s = speedup_summary(tr, "converted", "plain")
     cpu = {k: cpu_per_step(s, args.block) for k, s in steps.items()}
+    layers = layer_rows(ours)
+    prof = None
+    if args.profile:
+        prof = profile_rows({k: op_type_ms(s, args.profile)
+                             for k, s in steps.items()})
     return {"name": name, "train": tr_s, "infer": inf_s, "diff": diff,
-            "cpu": cpu, "layers": layer_rows(ours), "n_split": n_split,
-            "n_conv": n_conv}
+            "cpu": cpu, "layers": layers, "n_split": n_split,
+            "n_conv": n_conv, "profile": prof}
 
 
 def fmt(s):
@@ -191,6 +246,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="MNIST directory")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="trace STEPS training steps per model with "
+                        "tf.profiler and report host ms per op type")
     p.add_argument("--out", default=None,
                    help="markdown report (default "
                         "benchmarks/results/bench_applications.md; "
@@ -241,6 +299,12 @@ def main(argv=None):
                  table(["layer", "class", "input zeros",
                         "share of images sparse", "dense ms", "sparse ms",
                         "analysis ms", "calls"], r["layers"]), ""]
+        if r["profile"]:
+            text += [f"Host ms per training step by op type, {r['name']} "
+                     f"(tf.profiler, {args.profile} steps each; nested "
+                     "events each count):", "",
+                     table(["op type", "plain ms", "converted ms",
+                            "converted - plain"], r["profile"]), ""]
     report = "\n".join(text)
     print(report)
     write_report(out_path, report)
