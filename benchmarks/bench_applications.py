@@ -328,6 +328,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="MNIST directory")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--note", default="",
+                   help="a line added to the report (e.g. the load)")
     p.add_argument("--filter-grads", type=int, default=0, metavar="REPS",
                    help="time every convolution's filter + bias gradient, "
                         "ours against TF's, REPS interleaved calls")
@@ -376,7 +378,8 @@ def main(argv=None):
     text = [f"Standard BatchNorm architectures (keras.applications, "
             f"weights=None, {args.size}x{args.size}x3, batch {args.batch}), "
             f"float32; {tf_machine_desc(build_info())}; {data_desc}; "
-            f"{args.rounds} interleaved rounds x {args.block} steps.", "",
+            f"{args.rounds} interleaved rounds x {args.block} steps."
+            + (f" {args.note}" if args.note else ""), "",
             table(head, rows), ""]
     for r in results:
         text += [f"Per layer, {r['name']} (timed training steps; op "

@@ -130,11 +130,10 @@ def _assert_filter(df, x64, fshape, dy64, shape, dtype, rounds,
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_filter_and_bias_grad_match_float64_reference(dtype, shape):
-    """Every plan: all-dense (threshold 0; float32 SAME/VALID runs oneDNN's
-    fused kernel, EXPLICIT and the other dtypes TF's filter gradient plus
-    the bias pass), all-sparse (threshold 1), a split (threshold 0.5, with
-    an all-zero image of x whose dY still counts for the bias) and
-    automatic; dY dense and 90% zeros."""
+    """Every plan: all-dense (threshold 0: TF's filter gradient plus the
+    bias pass), all-sparse (threshold 1), a split (threshold 0.5, with an
+    all-zero image of x whose dY still counts for the bias) and automatic;
+    dY dense and 90% zeros."""
     rng = np.random.default_rng([len(str(shape)), dtype.size, 3])
     n, h, w, ci, kh, kw, co = shape[:7]
     fshape = [kh, kw, ci, co]
@@ -161,6 +160,32 @@ def test_filter_and_bias_grad_match_float64_reference(dtype, shape):
             _assert_bias(db, dy64, dtype)
             # TensorFlow's bias_add gradient of the same dY (float64).
             _assert_bias(tf.constant(tf_db), dy64, tf.float64)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_onednn_fused_kernel_mode(shape, monkeypatch):
+    """TFSS_CONV_BIAS_GRAD=fused (read when the op is created: a fresh
+    tf.function): the dense images' dF and db from oneDNN's fused kernel
+    where it exists (float32 SAME/VALID), the sparse images' db from the
+    pass; every plan against the float64 references."""
+    monkeypatch.setenv("TFSS_CONV_BIAS_GRAD", "fused")
+    dtype = tf.float32
+    rng = np.random.default_rng([len(str(shape)), 11])
+    n, h, w, ci, kh, kw, co = shape[:7]
+    fshape = [kh, kw, ci, co]
+    xn = random_sparse_images((n, h, w, ci), 0.6, rng, np.float64)
+    xn[0] = 0.0
+    xn[-1, 0, 0, 0] = 0.75
+    x, x64 = _rounded(xn, dtype)
+    dy, dy64 = _rounded(rng.uniform(-1, 1, _out_shape(shape)), dtype)
+    for thr in (0.0, 1.0, 0.5, -1.0):
+        fn = tf.function(lambda a, b, t=thr: _op(a, fshape, b, t, shape))
+        df, db, _ = fn(x, dy)
+        _assert_filter(df, x64, fshape, dy64, shape, dtype,
+                       rounds=1 if thr == 1.0 else 2,
+                       tf_result=None if thr == 1.0 else
+                       _tf_filter_grad(x, fshape, dy, shape))
+        _assert_bias(db, dy64, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)

@@ -175,13 +175,14 @@ filter_backprop as SparseSplitConv2DBackpropFilter, bias_backprop[c] = the
 sum of out_backprop[:, :, :, c] over N, OH, OW.
 
 The filter gradient splits the images of input as
-SparseSplitConv2DBackpropFilter does. The bias gradient: where the dense
-part runs oneDNN's fused kernel (_MklNativeConv2DBackpropFilterWithBias,
-checked when the op is created: float32 with oneDNN on, SAME/VALID
-padding), the dense images' part comes from that kernel, in the same pass
-as their filter gradient; every other image's dY (sparse images, or all of
-them where no fused kernel runs) is summed in one vectorised pass (float64
-for float64, float32 otherwise, deterministic block order).
+SparseSplitConv2DBackpropFilter does. The bias gradient is one vectorised
+pass over out_backprop (float64 for float64, float32 otherwise,
+deterministic block order). With TFSS_CONV_BIAS_GRAD=fused in the
+environment when the op is created, the dense images' part comes from
+oneDNN's fused kernel (_MklNativeConv2DBackpropFilterWithBias: float32
+with oneDNN on, SAME/VALID padding) instead, and the pass sums only the
+other images; not the default, as TensorFlow's plain filter gradient plus
+the pass was faster on every ResNet50 shape measured.
 
 T: float32, float64, bfloat16 or half. In bfloat16 and half the bias sum
   runs in float32 over all of out_backprop and is rounded once to T; the

@@ -614,13 +614,13 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
     threshold.
 
     With ``bias`` the branch over ``x`` is one
-    ``SparseSplitConv2DBackpropFilterWithBias`` op: its dense part runs
-    oneDNN's fused filter + bias gradient
-    (``_MklNativeConv2DBackpropFilterWithBias``, the kernel TensorFlow's
-    own graph runs for ``Conv2D + BiasAdd``; float32) and the rest of
-    ``grad`` is summed in one vectorised pass, so no separate
-    ``BiasAddGrad`` reads ``grad`` again. The branch over ``grad`` sums it
-    with ``BiasAddGrad`` (float32 for the 16-bit dtypes).
+    ``SparseSplitConv2DBackpropFilterWithBias`` op, which sums ``grad`` in
+    one vectorised pass of its own (no separate ``BiasAddGrad`` op;
+    ``TFSS_CONV_BIAS_GRAD=fused`` runs oneDNN's fused filter + bias
+    gradient ``_MklNativeConv2DBackpropFilterWithBias`` for the dense part
+    instead, the kernel TensorFlow's own graph runs for ``Conv2D +
+    BiasAdd``, measured slower). The branch over ``grad`` sums it with
+    ``BiasAddGrad`` (float32 for the 16-bit dtypes).
 
     Returns:
       ``dF`` ``[KH, KW, C_in, C_out]`` of ``x``'s dtype; with ``bias``,
