@@ -36,11 +36,29 @@ Usage::
 
 ``--quick``: ResNet50 at 32x32, batch 4, 2 rounds of 1 step, nothing
 written unless ``--out`` is given (a smoke test of the script).
+
+``--profile STEPS``: also traces ``STEPS`` training steps of each model
+with ``tf.profiler`` (after the timed rounds, plain then converted) and
+reports the host time per op type of each (milliseconds per step, summed
+over the op's executions; nested events, such as a function call and the
+ops inside it, each count) -- where the converted step gains and loses.
+
+``--filter-grads REPS``: per convolution of the plain model, its filter and
+bias gradient on the layer's real input (a training-mode forward pass of
+the plain model) and a dense random dY (as BatchNorm's backward pass makes
+it): ``SparseSplitConv2DBackpropFilterWithBias`` with the automatic
+threshold, as the converted model's gradient calls it, against
+TensorFlow's ``Conv2DBackpropFilter + BiasAddGrad`` (fused into oneDNN's
+``_MklNativeConv2DBackpropFilterWithBias`` as in the plain model's graph),
+``REPS`` interleaved calls each, medians.
 """
 
 import argparse
+import collections
+import glob
 import os
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -119,6 +137,116 @@ def layer_rows(model):
     return rows
 
 
+def op_type_ms(step, steps):
+    """Host milliseconds per step by op type over ``steps`` calls of
+    ``step(i)``, from a ``tf.profiler`` trace (its XPlane: events named
+    ``name:type`` on the host plane's threads)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        for i in range(steps):
+            step(i)
+        tf.profiler.experimental.stop()
+        paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
+                          recursive=True)
+        space = xplane_pb2.XSpace()
+        with open(paths[0], "rb") as f:
+            space.ParseFromString(f.read())
+    total = collections.Counter()
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            for ev in line.events:
+                name = names.get(ev.metadata_id, "")
+                if ":" not in name:
+                    continue
+                total[name.rsplit(":", 1)[1]] += ev.duration_ps * 1e-9
+    return {k: v / steps for k, v in total.items()}
+
+
+def profile_rows(prof, top=40):
+    """Rows (op type, plain ms, converted ms, converted - plain) for the op
+    types with the most time in either step, largest first."""
+    plain, ours = prof["plain"], prof["converted"]
+    keys = sorted(set(plain) | set(ours),
+                  key=lambda k: -max(plain.get(k, 0.0), ours.get(k, 0.0)))
+    return [[k, f"{plain.get(k, 0.0):.2f}", f"{ours.get(k, 0.0):.2f}",
+             f"{ours.get(k, 0.0) - plain.get(k, 0.0):+.2f}"]
+            for k in keys[:top]]
+
+
+def filter_grad_rows(model, x, reps):
+    """Rows (layer, input shape, filter, stride, input zeros, TF ms, ours ms,
+    TF / ours, share of images sparse) of every Conv2D of ``model`` (see
+    ``--filter-grads``) and the totals."""
+    from tf_sparse_split._loader import load_library
+    from tf_sparse_split.tuning import stats as S
+
+    lib = load_library()
+    convs = [layer for layer in model._flatten_layers(include_self=False,
+                                                      recursive=True)
+             if type(layer) is keras.layers.Conv2D and layer.use_bias]
+    if not convs:
+        return None
+    acts = keras.Model(model.input, [c.input for c in convs])(
+        x, training=True)
+    acts = acts if isinstance(acts, (list, tuple)) else [acts]
+    rng = np.random.default_rng(0)
+    rows, tot = [], [0.0, 0.0]
+    for layer, a in zip(convs, acts):
+        a = tf.constant(np.asarray(a))
+        k = layer.kernel
+        st = [1, layer.strides[0], layer.strides[1], 1]
+        pad = layer.padding.upper()
+        dy = tf.constant(rng.normal(size=tf.nn.conv2d(a, k, st, pad).shape)
+                         .astype(np.float32))
+        fs = tf.constant(list(k.shape), tf.int32)
+
+        @tf.function
+        def theirs(a, dy, fs=fs, st=st, pad=pad):
+            return (tf.raw_ops.Conv2DBackpropFilter(
+                input=a, filter_sizes=fs, out_backprop=dy, strides=st,
+                padding=pad), tf.raw_ops.BiasAddGrad(out_backprop=dy))
+
+        @tf.function
+        def ours(a, dy, fs=fs, st=st, pad=pad):
+            return lib.tf_sparse_split_sparse_split_conv2d_backprop_filter_with_bias(
+                a, fs, dy, tf.constant(-1.0), strides=st, padding=pad,
+                full_stats=False)
+
+        last = {}
+
+        def run_ours(i):
+            out = ours(a, dy)
+            out[0].numpy()
+            last["stats"] = out[2].numpy()
+
+        fns = {"tf": lambda i: theirs(a, dy)[0].numpy(), "ours": run_ours}
+        for f in fns.values():
+            for i in range(3):
+                f(i)
+        r = interleaved_blocks(fns, rounds=reps, block=1)
+        sp = speedup_summary(r, "ours", "tf")
+        st_ = last["stats"]
+        images = max(st_[S.ROWS_DENSE] + st_[S.ROWS_SPARSE], 1)
+        tot[0] += sp["reference_s"]
+        tot[1] += sp["ours_s"]
+        rows.append([layer.name, "x".join(str(d) for d in a.shape[1:]),
+                     f"{k.shape[0]}x{k.shape[1]}->{k.shape[3]}",
+                     str(layer.strides[0]),
+                     f"{float(np.mean(a.numpy() == 0)):.2f}",
+                     f"{sp['reference_s'] * 1e3:.2f}",
+                     f"{sp['ours_s'] * 1e3:.2f}", f"{sp['median']:.2f}",
+                     f"{st_[S.ROWS_SPARSE] / images:.2f}"])
+    rows.append(["total", "", "", "", "", f"{tot[0] * 1e3:.1f}",
+                 f"{tot[1] * 1e3:.1f}", f"{tot[0] / max(tot[1], 1e-12):.2f}",
+                 ""])
+    return rows
+
+
 def run_model(name, args, x_all, y_all):
     size, batch = args.size, args.batch
     xs = images(x_all, size, batch * args.batches)
@@ -160,9 +288,18 @@ def run_model(name, args, x_all, y_all):
     tr = interleaved_blocks(steps, rounds=args.rounds, block=args.block)
     tr_s = speedup_summary(tr, "converted", "plain")
     cpu = {k: cpu_per_step(s, args.block) for k, s in steps.items()}
+    layers = layer_rows(ours)
+    fg = None
+    if args.filter_grads:
+        fg = filter_grad_rows(plain, tf.constant(batches[0][0]),
+                              args.filter_grads)
+    prof = None
+    if args.profile:
+        prof = profile_rows({k: op_type_ms(s, args.profile)
+                             for k, s in steps.items()})
     return {"name": name, "train": tr_s, "infer": inf_s, "diff": diff,
-            "cpu": cpu, "layers": layer_rows(ours), "n_split": n_split,
-            "n_conv": n_conv}
+            "cpu": cpu, "layers": layers, "n_split": n_split,
+            "n_conv": n_conv, "profile": prof, "filter_grads": fg}
 
 
 def fmt(s):
@@ -191,6 +328,14 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="MNIST directory")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--note", default="",
+                   help="a line added to the report (e.g. the load)")
+    p.add_argument("--filter-grads", type=int, default=0, metavar="REPS",
+                   help="time every convolution's filter + bias gradient, "
+                        "ours against TF's, REPS interleaved calls")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="trace STEPS training steps per model with "
+                        "tf.profiler and report host ms per op type")
     p.add_argument("--out", default=None,
                    help="markdown report (default "
                         "benchmarks/results/bench_applications.md; "
@@ -233,7 +378,8 @@ def main(argv=None):
     text = [f"Standard BatchNorm architectures (keras.applications, "
             f"weights=None, {args.size}x{args.size}x3, batch {args.batch}), "
             f"float32; {tf_machine_desc(build_info())}; {data_desc}; "
-            f"{args.rounds} interleaved rounds x {args.block} steps.", "",
+            f"{args.rounds} interleaved rounds x {args.block} steps."
+            + (f" {args.note}" if args.note else ""), "",
             table(head, rows), ""]
     for r in results:
         text += [f"Per layer, {r['name']} (timed training steps; op "
@@ -241,6 +387,20 @@ def main(argv=None):
                  table(["layer", "class", "input zeros",
                         "share of images sparse", "dense ms", "sparse ms",
                         "analysis ms", "calls"], r["layers"]), ""]
+        if r["filter_grads"]:
+            text += [f"Filter + bias gradient per convolution, {r['name']} "
+                     f"(real layer inputs, dense random dY; "
+                     f"{args.filter_grads} interleaved calls, medians):", "",
+                     table(["layer", "input HxWxC", "filter", "stride",
+                            "input zeros", "TF ms", "ours ms",
+                            "TF / ours", "share of images sparse"],
+                           r["filter_grads"]), ""]
+        if r["profile"]:
+            text += [f"Host ms per training step by op type, {r['name']} "
+                     f"(tf.profiler, {args.profile} steps each; nested "
+                     "events each count):", "",
+                     table(["op type", "plain ms", "converted ms",
+                            "converted - plain"], r["profile"]), ""]
     report = "\n".join(text)
     print(report)
     write_report(out_path, report)

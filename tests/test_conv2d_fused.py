@@ -213,8 +213,8 @@ def test_gradient_of_unfused_call_has_no_bias_output(rng):
 
 def test_masked_gradient_goes_through_the_sparse_input_gradient():
     """The input gradient of a stride-1 fused call is the sparse-split
-    input-gradient op (of the ReLU-masked dY), and the filter gradient the
-    sparse filter-gradient op."""
+    input-gradient op (of the ReLU-masked dY), and the filter and bias
+    gradients one sparse filter-gradient op (no separate BiasAddGrad)."""
     @tf.function
     def grads(a, w, c):
         with tf.GradientTape() as tape:
@@ -230,7 +230,8 @@ def test_masked_gradient_goes_through_the_sparse_input_gradient():
     types = [op.type for op in g.get_operations()]
     assert types.count(OP) == 1
     assert "TfSparseSplit>SparseSplitConv2DBackpropInput" in types
-    assert "TfSparseSplit>SparseSplitConv2DBackpropFilter" in types
+    assert "TfSparseSplit>SparseSplitConv2DBackpropFilterWithBias" in types
+    assert "BiasAddGrad" not in types
     assert "Conv2DBackpropInput" not in types
     fused = [op for op in g.get_operations() if op.type == OP and
              op.get_attr("num_bias") == 1]

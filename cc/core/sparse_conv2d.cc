@@ -691,6 +691,49 @@ void ScatterImages(const T* src, const Conv2DGeometry& g,
   });
 }
 
+template <typename T>
+void ConvBiasGrad(const T* dy, const Conv2DGeometry& g, const int64_t* images,
+                  int64_t n_images, typename Accum<T>::type* db,
+                  const ParallelFor& pfor) {
+  using A = typename Accum<T>::type;
+  const int64_t c = g.c_out, pixels = g.out_h * g.out_w;
+  const int64_t rows = n_images * pixels;
+  if (c <= 0 || rows <= 0) return;
+  // About 2^16 values per block: few enough blocks that their partial sums
+  // cost little, enough that both cores share a ResNet-sized gradient.
+  const int64_t rows_per_block = std::max<int64_t>(1, (int64_t{1} << 16) / c);
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  std::vector<A> part(static_cast<size_t>(blocks * c), A(0));
+  pfor(blocks, rows_per_block * c, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(IsLowPrecision<T>::value ? c : 0);
+    for (int64_t blk = b; blk < e; ++blk) {
+      A* __restrict acc = part.data() + blk * c;
+      const int64_t r0 = blk * rows_per_block;
+      const int64_t r1 = std::min(rows, r0 + rows_per_block);
+      int64_t i = r0 / pixels, p = r0 % pixels;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t img = images ? images[i] : i;
+        const T* __restrict row = dy + (img * pixels + p) * c;
+        if constexpr (IsLowPrecision<T>::value) {
+          WidenToFloat(row, buf.data(), c);
+          const float* __restrict v = buf.data();
+          for (int64_t j = 0; j < c; ++j) acc[j] += v[j];
+        } else {
+          for (int64_t j = 0; j < c; ++j) acc[j] += row[j];
+        }
+        if (++p == pixels) {
+          p = 0;
+          ++i;
+        }
+      }
+    }
+  });
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const A* acc = part.data() + blk * c;
+    for (int64_t j = 0; j < c; ++j) db[j] += acc[j];
+  }
+}
+
 #define TFSS_INSTANTIATE_COUNT_COPY(T)                                        \
   template int64_t CountConvNonzeros<T>(const T*, const Conv2DGeometry&,      \
                                         int64_t*, int64_t*,                   \
@@ -708,7 +751,10 @@ void ScatterImages(const T* src, const Conv2DGeometry& g,
                                          const int64_t*, int64_t, T*, bool);  \
   template void ScatterImages<T>(const T*, const Conv2DGeometry&,             \
                                  const int64_t*, int64_t, T*,                 \
-                                 const ParallelFor&);
+                                 const ParallelFor&);                         \
+  template void ConvBiasGrad<T>(const T*, const Conv2DGeometry&,              \
+                                const int64_t*, int64_t,                      \
+                                typename Accum<T>::type*, const ParallelFor&);
 TFSS_INSTANTIATE_COUNT_COPY(float)
 TFSS_INSTANTIATE_COUNT_COPY(double)
 TFSS_INSTANTIATE_COUNT_COPY(bf16)

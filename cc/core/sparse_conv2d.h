@@ -184,6 +184,20 @@ void ScatterFilterChannels(const T* src, const Conv2DGeometry& g,
                            const int64_t* chans, int64_t n_chans, T* df,
                            bool overwrite);
 
+// Bias gradient of a convolution with a bias: db[c] += sum over the listed
+// images and their OH*OW output pixels of dy[image, oh, ow, c], for c in
+// [0, C_out). dy is [N, OH, OW, C_out] (g.n, g.out_h, g.out_w, g.c_out);
+// images[0..n_images) index its images (null: images 0..n_images-1). The
+// sum runs in Accum<T> (float32 for float32 and the 16-bit types, float64
+// for float64) over fixed blocks of pixels -- a number that depends on the
+// sizes only -- added into db in block order: deterministic whatever the
+// thread count. One read of the listed images of dy; the inner loop is a
+// vector add over C_out. Instantiated for float, double, bf16 and f16.
+template <typename T>
+void ConvBiasGrad(const T* dy, const Conv2DGeometry& g, const int64_t* images,
+                  int64_t n_images, typename Accum<T>::type* db,
+                  const ParallelFor& pfor);
+
 // Copies image i of src [n_images, OH, OW, C_out] to image images[i] of y.
 template <typename T>
 void ScatterImages(const T* src, const Conv2DGeometry& g,

@@ -59,13 +59,21 @@ class TfKernel {
   absl::Status Run(::tensorflow::OpKernelContext* ctx,
                    absl::Span<const ::tensorflow::Tensor* const> ins,
                    ::tensorflow::Tensor* out) const {
+    return RunOutputs(ctx, ins, {out});
+  }
+
+  // As Run, for a kernel with outs.size() outputs: *outs[i] = its output i.
+  absl::Status RunOutputs(
+      ::tensorflow::OpKernelContext* ctx,
+      absl::Span<const ::tensorflow::Tensor* const> ins,
+      absl::Span<::tensorflow::Tensor* const> outs) const {
     namespace tf = ::tensorflow;
     absl::InlinedVector<tf::TensorValue, kMaxInputs> inputs;
     for (const tf::Tensor* t : ins)
       inputs.emplace_back(const_cast<tf::Tensor*>(t));
     absl::InlinedVector<tf::AllocatorAttributes, kMaxInputs> in_attrs(
         ins.size());
-    tf::AllocatorAttributes out_attr;
+    absl::InlinedVector<tf::AllocatorAttributes, 2> out_attrs(outs.size());
     tf::OpKernelContext::Params p;
     p.device = ctx->device();
     p.op_kernel = kernel_.get();
@@ -74,17 +82,23 @@ class TfKernel {
     p.op_device_context = ctx->op_device_context();
     p.inputs = absl::MakeConstSpan(inputs);
     p.input_alloc_attrs = absl::MakeConstSpan(in_attrs);
-    p.output_attr_array = &out_attr;
+    p.output_attr_array = out_attrs.data();
     p.runner = ctx->runner();
     p.step_container = ctx->step_container();
     p.resource_manager = ctx->resource_manager();
     p.function_library = ctx->function_library();
     p.cancellation_manager = ctx->cancellation_manager();
     p.frame_iter = ctx->frame_iter();
-    tf::OpKernelContext sub(&p, 1);
+    tf::OpKernelContext sub(&p, static_cast<int>(outs.size()));
     kernel_->Compute(&sub);
     TF_RETURN_IF_ERROR(sub.status());
-    *out = *sub.mutable_output(0);
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const tf::Tensor* o = sub.mutable_output(static_cast<int>(i));
+      if (o == nullptr)
+        return absl::InternalError(
+            absl::StrCat(kernel_->name(), " did not set output ", i));
+      *outs[i] = *o;
+    }
     return absl::OkStatus();
   }
 

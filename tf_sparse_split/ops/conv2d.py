@@ -580,9 +580,23 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
 _CONVERT_FMA_PER_VALUE = 16.0
 
 
+def _bias_grad(grad):
+    """``sum(grad, axis=[0, 1, 2])`` of an NHWC gradient: TensorFlow's
+    one-pass ``BiasAddGrad`` for float32/float64 (a ``reduce_sum`` over
+    three axes took ~3x as long on a 128x8x8x64 gradient); summed in
+    float32 and rounded once for the 16-bit dtypes (a float16
+    ``reduce_sum`` over N*OH*OW values would lose digits at every step)."""
+    if grad.dtype in (tf.float32, tf.float64):
+        return tf.raw_ops.BiasAddGrad(out_backprop=grad, data_format="NHWC")
+    return tf.cast(tf.reduce_sum(tf.cast(grad, tf.float32), axis=[0, 1, 2]),
+                   grad.dtype)
+
+
 def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
-                       dilations, nnz_x=None, nnz_grad=None):
-    """Filter gradient ``dF = sum x (*) grad`` of ``conv2d(x, f)``.
+                       dilations, nnz_x=None, nnz_grad=None, bias=False):
+    """Filter gradient ``dF = sum x (*) grad`` of ``conv2d(x, f)`` and,
+    with ``bias``, the bias gradient ``db = sum(grad, axis=[0, 1, 2])``
+    computed with it.
 
     ``SparseSplitConv2DBackpropFilter`` over ``x``'s zeros (sparse work
     ``nnz(x) * KH*KW*C_out`` multiply-adds plus a CSR build reading all of
@@ -599,12 +613,29 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
     the shapes alone rule that branch out). That branch uses the automatic
     threshold.
 
+    With ``bias`` the branch over ``x`` is one
+    ``SparseSplitConv2DBackpropFilterWithBias`` op, which sums ``grad`` in
+    one vectorised pass of its own (no separate ``BiasAddGrad`` op;
+    ``TFSS_CONV_BIAS_GRAD=fused`` runs oneDNN's fused filter + bias
+    gradient ``_MklNativeConv2DBackpropFilterWithBias`` for the dense part
+    instead, the kernel TensorFlow's own graph runs for ``Conv2D +
+    BiasAdd``, measured slower). The branch over ``grad`` sums it with
+    ``BiasAddGrad`` (float32 for the 16-bit dtypes).
+
     Returns:
-      ``dF`` ``[KH, KW, C_in, C_out]`` of ``x``'s dtype.
+      ``dF`` ``[KH, KW, C_in, C_out]`` of ``x``'s dtype; with ``bias``,
+      ``(dF, db)``, ``db`` ``[C_out]``.
     """
     lib = load_library()
 
     def over_x():
+        if bias:
+            df, db, _ = \
+                lib.tf_sparse_split_sparse_split_conv2d_backprop_filter_with_bias(
+                    x, tf.shape(f), grad, threshold, strides=strides,
+                    padding=padding, explicit_paddings=explicit,
+                    dilations=dilations, full_stats=False)
+            return df, db
         return lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
             x, tf.shape(f), grad, threshold, strides=strides,
             padding=padding, explicit_paddings=explicit,
@@ -630,6 +661,8 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
             grad, [kh, kw, co, ci], x, tf.constant(-1.0, tf.float32),
             strides=[1, 1, 1, 1], padding=pad, explicit_paddings=pads,
             dilations=dilations, full_stats=False)[0]
+        if bias:
+            return _rotated_filter(g), _bias_grad(grad)
         return _rotated_filter(g)
 
     # A count the op skipped (its statistics' NNZ is NaN: the cost model
@@ -668,22 +701,11 @@ def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
     :func:`conv2d_input_grad` (a sparse-split forward convolution of the
     masked gradient at stride 1), the filter gradient
     :func:`conv2d_filter_grad` (over the zeros of ``x`` or, when sparser,
-    of the masked gradient) and the bias gradient (its sum over N, H, W)."""
+    of the masked gradient) and the bias gradient (its sum over N, H, W,
+    computed by the filter-gradient op)."""
     x, f, threshold = op.inputs[:3]
     has_bias = op.get_attr("num_bias") == 1
     grad = _activation_grad(_attr_str(op, "activation"), op.outputs[0], grad)
-    # The bias gradient: TF's one-pass BiasAddGrad for float32/float64 (a
-    # reduce_sum over three axes took ~3x as long on a 128x8x8x64
-    # gradient); summed in float32 for the 16-bit dtypes (one rounding; a
-    # float16 reduce_sum over N*OH*OW values would lose digits at every step).
-    grad_bias = []
-    if has_bias:
-        if grad.dtype in (tf.float32, tf.float64):
-            grad_bias = [tf.raw_ops.BiasAddGrad(out_backprop=grad,
-                                                data_format="NHWC")]
-        else:
-            grad_bias = [tf.cast(tf.reduce_sum(tf.cast(grad, tf.float32),
-                                               axis=[0, 1, 2]), grad.dtype)]
     strides = list(op.get_attr("strides"))
     dilations = list(op.get_attr("dilations"))
     padding = _attr_str(op, "padding")
@@ -699,7 +721,13 @@ def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
     nnz_grad = None
     if dx_stats is not None and not _is_graph_input(x):
         nnz_grad = dx_stats[_stats.NNZ]
+    # The bias gradient comes with the filter gradient (one op over x: the
+    # fused oneDNN kernel for the dense part), not from a BiasAddGrad pass.
     grad_f = conv2d_filter_grad(x, f, grad, threshold, strides, padding,
                                 explicit, dilations,
-                                op.outputs[1][_stats.NNZ], nnz_grad)
-    return [grad_x, grad_f, None] + grad_bias
+                                op.outputs[1][_stats.NNZ], nnz_grad,
+                                bias=has_bias)
+    if has_bias:
+        grad_f, grad_b = grad_f
+        return [grad_x, grad_f, None, grad_b]
+    return [grad_x, grad_f, None]
