@@ -213,3 +213,84 @@ def test_backprop_input_numpy_dy_of_another_dtype_is_refused(f_dtype,
     got = bpi([2, 8, 8, 4], f, dy.tolist(), "SAME")
     np.testing.assert_allclose(got, _reference(f, dy, [2, 8, 8, 4]),
                                rtol=1e-5, atol=1e-5)
+
+
+# -- WallTimePlan and TimeBudgetCallback arguments --------------------------
+from tf_sparse_split.tuning.deadline import WallTimePlan  # noqa: E402
+
+
+@pytest.mark.parametrize("seconds", [None, "abc", True, float("inf"),
+                                     float("-inf"), [5.0]])
+def test_wall_time_plan_rejects_non_numeric_seconds(seconds):
+    with pytest.raises(ValueError, match="`deadline`"):
+        WallTimePlan("deadline", seconds, 5, 2)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(steps_per_epoch=2.5), "steps_per_epoch"),   # was truncated to 2
+    (dict(steps_per_epoch=True), "steps_per_epoch"),
+    (dict(steps_per_epoch="x"), "steps_per_epoch"),
+    (dict(epochs=2.7), "epochs"),                     # was truncated to 2
+    (dict(epochs=True), "epochs"),
+    (dict(epochs="x"), "epochs"),
+    (dict(epochs=-1), "epochs"),
+    (dict(start=float("nan")), "start"),              # NaN budgets after
+    (dict(start=None), "start"),
+])
+def test_wall_time_plan_rejects_bad_counts_and_start(kw, name):
+    args = dict(kind="deadline", seconds=10.0, steps_per_epoch=5, epochs=2)
+    args.update(kw)
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        WallTimePlan(**args)
+
+
+def test_wall_time_plan_numpy_counts_and_passed_deadline():
+    p = WallTimePlan("deadline", 10.0, np.int64(5), np.int64(2), start=0.0)
+    assert (p.steps_per_epoch, p.epochs) == (5, 2)
+    p.epoch_begin(0.0, 0)
+    p.step_begin(20.0)                  # 10 s past the deadline
+    assert p.budget(20.0) == 0.0
+    assert p.predicted_elapsed(20.0, 0.1) > 10.0
+
+
+@pytest.mark.parametrize("gain", ["abc", None, float("inf"), -1.0, True])
+def test_time_budget_gain_of_the_wrong_type(gain):
+    with pytest.raises(ValueError, match="`gain`"):
+        tfss.TimeBudgetCallback(step_time=0.1, gain=gain)
+
+
+def test_time_budget_clock_must_be_callable():
+    with pytest.raises(ValueError, match="`clock`"):
+        tfss.TimeBudgetCallback(deadline=5.0, clock=3.0)
+
+
+# -- bench_train_step.py command line ----------------------------------------
+@pytest.mark.parametrize("argv, flag", [
+    (["--what", "ops", "--rounds", "0"], "--rounds"),
+    (["--what", "ops", "--ops-steps", "-2"], "--ops-steps"),
+    (["--ops-rounds", "x"], "--ops-rounds"),
+    (["--policy-block", "0"], "--policy-block"),
+    (["--target", "1.5"], "--target"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--clock", "gpu"], "--clock"),
+    (["--what", "opz"], "--what"),
+    (["--what", "ops", "--breakdown-policy", "bogus"], "--breakdown-policy"),
+    (["--policies", " , "], "--policies"),
+    (["--policies", "float32,bogus"], "--policies"),
+])
+def test_bench_train_step_refuses_bad_flags_before_running(argv, flag,
+                                                           capsys):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        mod = importlib.import_module("bench_train_step")
+    finally:
+        sys.path.remove(str(bench))
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err

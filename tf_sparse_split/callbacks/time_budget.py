@@ -422,7 +422,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
 
     Raises:
       ValueError: bad arguments (none or several budgets, non-positive/NaN
-        seconds, bounds out of range); at ``on_train_begin`` no controllable
+        seconds, bounds out of range, a ``gain`` that is not a finite
+        number >= 0, a ``clock`` that is not callable); at ``on_train_begin`` no controllable
         layer, a named layer that cannot be controlled, or an epoch/deadline
         budget without a known number of steps per epoch.
     """
@@ -459,7 +460,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             raise ValueError("`min_gain` must be in [0, 0.5). Received: "
                              f"min_gain={min_gain!r}")
         self.min_gain = mg
-        g = float(gain) if not isinstance(gain, bool) else float("nan")
+        try:
+            g = float(gain) if not isinstance(gain, bool) else float("nan")
+        except (TypeError, ValueError):
+            g = float("nan")
         if not math.isfinite(g) or g < 0:
             raise ValueError(f"`gain` must be >= 0. Received: gain={gain!r}")
         self.gain = g
@@ -476,6 +480,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                              f"verbose={verbose!r}")
         self.verbose = int(verbose)
         self.log_dir = log_dir
+        if not callable(clock):
+            raise ValueError("`clock` must be a function returning seconds. "
+                             f"Received: clock={clock!r}")
         self.clock = clock
         self.controller = None
         self.decisions = []
