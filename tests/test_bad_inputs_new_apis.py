@@ -294,3 +294,56 @@ def test_bench_train_step_refuses_bad_flags_before_running(argv, flag,
         mod.main(argv)
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+# -- dropout set_rate and scores ----------------------------------------------
+@pytest.mark.parametrize("cls", ["SensitivityAwareDropout",
+                                 "ApproximateRandomDropout"])
+def test_set_rate_refuses_a_symbolic_tensor_by_name(cls):
+    layer = getattr(tfss, cls)(0.25)
+    if cls == "SensitivityAwareDropout":
+        layer.build((None, 4, 4, 8))
+    else:
+        layer.build((None, 32))
+    before = layer.rate
+
+    @tf.function
+    def set_inside(r):
+        layer.set_rate(r)
+        return r
+
+    with pytest.raises(ValueError, match="symbolic tensor"):
+        set_inside(tf.constant(0.5))
+    assert layer.rate == before
+    layer.set_rate(tf.constant(0.5))          # an eager tensor is a number
+    assert layer.rate == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("rate", [1.0, 1.5, -0.1, float("nan"), True, None,
+                                  "x", [0.5]])
+def test_sensitivity_dropout_bad_rate_changes_nothing(rate):
+    d = tfss.SensitivityAwareDropout(0.25)
+    d.build((None, 4, 4, 8))
+    with pytest.raises(ValueError, match="`rate`"):
+        d.set_rate(rate)
+    with pytest.raises(ValueError, match="`rate`"):
+        d.rate = rate
+    assert (d.rate, d.num_drop, int(d.num_drop_var.numpy())) == (0.25, 2, 2)
+
+
+def test_sensitivity_dropout_nan_input_keeps_the_scores():
+    rng = np.random.default_rng(8)
+    d = tfss.SensitivityAwareDropout(0.25, seed=3)
+    x = np.abs(rng.standard_normal((2, 4, 4, 8))).astype(np.float32) + 0.1
+    d(x, training=True)
+    before = d.sensitivity.numpy().copy()
+    bad = x.copy()
+    bad[0, 0, 0, 2] = np.nan
+    bad[1, 1, 1, 5] = np.inf
+    d(bad, training=True)
+    after = d.sensitivity.numpy()
+    assert np.all(np.isfinite(after))
+    np.testing.assert_array_equal(after[[2, 5]], before[[2, 5]])
+    assert not np.array_equal(after[[0, 1]], before[[0, 1]])  # updated
+    y = d(x, training=True).numpy()     # still exactly 2 channels dropped
+    assert int((np.abs(y).sum(axis=(0, 1, 2)) == 0).sum()) == 2
