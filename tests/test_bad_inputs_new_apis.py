@@ -347,3 +347,64 @@ def test_sensitivity_dropout_nan_input_keeps_the_scores():
     assert not np.array_equal(after[[0, 1]], before[[0, 1]])  # updated
     y = d(x, training=True).numpy()     # still exactly 2 channels dropped
     assert int((np.abs(y).sum(axis=(0, 1, 2)) == 0).sum()) == 2
+
+
+# -- FATReLU (alone and fused with SparseSplitDense's bias) ------------------
+def _fat_dense(target, l1, seed):
+    layer = tfss.SparseSplitDense(
+        16, activation=tfss.FATReLU(target=target, l1=l1))
+    layer.build((None, 24))
+    rng = np.random.default_rng(seed)
+    layer.kernel.assign(np.abs(rng.standard_normal((24, 16))).astype(
+        np.float32) * 0.2)
+    return layer
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("target,l1", [(0.5, 0.0), (0.5, 1e-3), (0.0, 1e-3),
+                                       (0.0, 0.0)])
+@pytest.mark.parametrize("shape", [(0, 24), (0, 3, 24)])
+def test_fat_dense_empty_batch_in_training(target, l1, shape):
+    """A batch of 0 rows: an empty output, zero penalty (not 0/0), finite
+    gradients, the cutoff unchanged (no quantile to track; it used to fail
+    in the sampling with an InvalidArgumentError)."""
+    layer = _fat_dense(target, l1, 9)
+    layer.activation.cutoff_var.assign(0.25)
+    x = tf.zeros(shape)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+        loss = tf.reduce_sum(y) + tf.add_n(layer.losses)
+    grads = tape.gradient(loss, [x] + layer.trainable_weights)
+    assert y.shape == shape[:-1] + (16,)
+    assert [float(v) for v in layer.losses] == [0.0]
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+    assert float(layer.activation.cutoff_var.numpy()) == 0.25
+    f = tfss.FATReLU(target=target, l1=l1)
+    assert f(tf.zeros((0, 5)), training=True).shape == (0, 5)
+    assert [float(v) for v in f.losses] == [0.0]
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("fused", [True, False], ids=["dense", "alone"])
+def test_fat_relu_nan_input_keeps_a_finite_cutoff(fused):
+    """A NaN/Inf batch must not make the tracked cutoff NaN: x > NaN is
+    false, so every later output would be silently all zero."""
+    rng = np.random.default_rng(10)
+    x = np.abs(rng.standard_normal((64, 24))).astype(np.float32)
+    if fused:
+        layer = _fat_dense(0.5, 0.0, 11)
+        fat = layer.activation
+    else:
+        layer = fat = tfss.FATReLU(target=0.5)
+    layer(x, training=True)
+    before = float(fat.cutoff_var.numpy())
+    assert before > 0
+    bad = x.copy()
+    bad[:, 0] = np.nan
+    bad[:, 1] = np.inf
+    layer(bad, training=True)
+    after = float(fat.cutoff_var.numpy())
+    assert np.isfinite(after) and after > 0
+    y = np.asarray(layer(x))
+    assert np.mean(y == 0) < 0.95       # a NaN cutoff zeroes everything
