@@ -408,3 +408,42 @@ def test_fat_relu_nan_input_keeps_a_finite_cutoff(fused):
     assert np.isfinite(after) and after > 0
     y = np.asarray(layer(x))
     assert np.mean(y == 0) < 0.95       # a NaN cutoff zeroes everything
+
+
+# -- TimeBudgetCallback sensitivity_data --------------------------------------
+@pytest.mark.parametrize("data", [
+    (np.zeros((0, 32), np.float32), np.zeros(0, np.int64)),
+    (np.zeros((16, 32), np.float32), np.zeros(8, np.int64)),
+    ([[0.0] * 32] * 4, [1, 2]),
+], ids=["empty", "length-mismatch", "lists"])
+def test_time_budget_sensitivity_data_checked_at_construction(data):
+    with pytest.raises(ValueError, match="sensitivity_data"):
+        tfss.TimeBudgetCallback(step_time=0.01, sensitivity_data=data)
+
+
+@pytest.mark.usefixtures("op_library")
+def test_time_budget_sensitivity_data_shape_checked_before_training():
+    """A held batch of the wrong feature size fails at on_train_begin with
+    both shapes named, not after the warm-up deep inside the probe."""
+    import keras
+
+    model = keras.Sequential([keras.Input((32,)),
+                              keras.layers.Dense(16, activation="relu"),
+                              tfss.SparseSplitDense(4)])
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  jit_compile=False)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    y = rng.integers(0, 4, 64)
+    cb = tfss.TimeBudgetCallback(step_time=0.01,
+                                 sensitivity_data=(x[:16, :30], y[:16]))
+    seen = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    with pytest.raises(ValueError, match=r"\(16, 30\).*\(None, 32\)"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[cb, Count()])
+    assert seen == []

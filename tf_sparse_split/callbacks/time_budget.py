@@ -185,6 +185,37 @@ def _realized(dropout, rate):
     return rate
 
 
+def _batch_len(a):
+    """The leading dimension of an array or tensor (None when unknown or
+    not array-like, e.g. a dict of inputs)."""
+    shape = getattr(a, "shape", None)
+    if shape is None and isinstance(a, (list, tuple)):
+        shape = np.shape(a)
+    try:
+        n = shape[0] if shape is not None and len(shape) else None
+    except TypeError:
+        return None
+    return None if n is None else int(n)
+
+
+def _check_sensitivity_x(model, x):
+    """Raises ValueError when a single-input model's input shape does not
+    take the held batch ``x`` (checked at ``on_train_begin``, not after the
+    warm-up, where the probe would fail deep inside its traced call)."""
+    inputs = getattr(model, "inputs", None) or []
+    shape = getattr(x, "shape", None)
+    if len(inputs) != 1 or shape is None:
+        return
+    want = tuple(inputs[0].shape)[1:]
+    got = tuple(shape)[1:]
+    if len(want) != len(got) or any(
+            w is not None and g is not None and int(w) != int(g)
+            for w, g in zip(want, got)):
+        raise ValueError(
+            "TimeBudgetCallback: `sensitivity_data` x has shape "
+            f"{tuple(shape)}, the model takes {(None,) + want}")
+
+
 def _loss_fn(model):
     loss = getattr(model, "loss", None)
     if loss is None:
@@ -395,7 +426,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         measured step, in ``[0, 0.5)`` (default 0.01: sparsity that saves
         less than 1% of the step is not worth its accuracy).
       sensitivity_data: optional held batch ``(x, y)`` for the sensitivity
-        probe (module docstring).
+        probe (module docstring): as many targets as examples, at least
+        one; ``x`` of the model's input shape (checked at
+        ``on_train_begin``).
       min_samples: steps measured per decision (int >= 2; default 8).
       update_every: steps between reads of the layers' statistics (int >= 1;
         default 4; each read is a host read of three small variables per
@@ -474,6 +507,13 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                 raise ValueError("`sensitivity_data` must be a pair (x, y)"
                                  ) from None
             sensitivity_data = (sx, sy)
+            nx, ny = _batch_len(sx), _batch_len(sy)
+            if nx == 0 or ny == 0 or (nx is not None and ny is not None
+                                      and nx != ny):
+                raise ValueError(
+                    "`sensitivity_data` must be a non-empty batch (x, y) "
+                    f"with as many targets as examples. Received: {nx} "
+                    f"example(s) and {ny} target(s)")
         self.sensitivity_data = sensitivity_data
         if verbose not in (0, 1) or isinstance(verbose, (bool, float)):
             raise ValueError(f"`verbose` must be 0 or 1. Received: "
@@ -549,6 +589,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self.kind != "step_time" and not self._spe:
             raise ValueError(f"TimeBudgetCallback: the {self.kind} budget "
                              "needs a known number of steps per epoch")
+        if self.sensitivity_data is not None:
+            _check_sensitivity_x(self.model, self.sensitivity_data[0])
         self._knobs, self._lstm = self._discover()
         self._retraced = False
         rate_knobs = {}
