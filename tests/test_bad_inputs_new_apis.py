@@ -447,3 +447,30 @@ def test_time_budget_sensitivity_data_shape_checked_before_training():
         model.fit(x, y, batch_size=16, epochs=1, verbose=0,
                   callbacks=[cb, Count()])
     assert seen == []
+
+
+@pytest.mark.usefixtures("op_library")
+def test_time_budget_deadline_already_passed():
+    """A deadline spent before the first step: step budget 0, logged as
+    unreachable (``budget/deadline_reachable`` 0, a predicted end past the
+    deadline), the message giving the deadline's own value (not 0.00 s),
+    and the fit runs to its end."""
+    import keras
+
+    model = keras.Sequential([keras.Input((32,)),
+                              keras.layers.Dense(32, activation="relu"),
+                              tfss.SparseSplitDense(4)])
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  jit_compile=False)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((96, 32)).astype(np.float32)
+    y = rng.integers(0, 4, 96)
+    cb = tfss.TimeBudgetCallback(deadline=1e-3, warmup_steps=2,
+                                 min_samples=2)
+    h = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    assert h.history["budget/step_budget"] == [0.0, 0.0]
+    assert h.history["budget/deadline_reachable"][-1] == 0.0
+    assert all(v > 1e-3 for v in h.history["budget/predicted_end_s"])
+    assert cb.deadline_log and not cb.deadline_log[0][1]
+    assert "deadline of 0.001 s is not reachable" in cb.deadline_log[0][3]
+    assert len(h.history["loss"]) == 2

@@ -875,11 +875,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                 f"epoch time (epoch {self._epoch + 1})")
         if ok:
             msg = (f"TimeBudgetCallback: step {self._step}: the {what} of "
-                   f"{self.seconds:.2f} s is reachable again (predicted "
+                   f"{self.seconds:.3g} s is reachable again (predicted "
                    f"{end:.2f} s at the fastest allocation)")
         else:
             msg = (f"TimeBudgetCallback: step {self._step}: the {what} of "
-                   f"{self.seconds:.2f} s is not reachable within "
+                   f"{self.seconds:.3g} s is not reachable within "
                    f"max_sparsity={self.max_sparsity} and max_rate="
                    f"{self.max_rate}: at the fastest allocation "
                    f"(predicted {best * 1e3:.2f} ms/step) it ends at about "
@@ -943,7 +943,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.elapsed_s = self.clock() - self._t_begin
         if self.kind == "deadline" and self.verbose:
             print(f"TimeBudgetCallback: fit took {self.elapsed_s:.2f} s "
-                  f"from on_train_begin, deadline {self.seconds:.2f} s "
+                  f"from on_train_begin, deadline {self.seconds:.3g} s "
                   f"({self.elapsed_s / self.seconds:.3f})", flush=True)
 
     def on_test_begin(self, logs=None):
