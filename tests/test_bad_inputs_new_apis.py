@@ -474,3 +474,14 @@ def test_time_budget_deadline_already_passed():
     assert cb.deadline_log and not cb.deadline_log[0][1]
     assert "deadline of 0.001 s is not reachable" in cb.deadline_log[0][3]
     assert len(h.history["loss"]) == 2
+
+
+@pytest.mark.parametrize("log_dir", [5, b"logs", ["logs"]])
+def test_time_budget_log_dir_must_be_a_path(log_dir):
+    with pytest.raises(ValueError, match="`log_dir`"):
+        tfss.TimeBudgetCallback(step_time=0.1, log_dir=log_dir)
+
+
+def test_time_budget_log_dir_accepts_a_pathlib_path(tmp_path):
+    cb = tfss.TimeBudgetCallback(step_time=0.1, log_dir=tmp_path / "tb")
+    assert cb.log_dir == str(tmp_path / "tb")

@@ -68,6 +68,7 @@ allocation follows the time saved alone), which the log says.
 """
 
 import math
+import os
 import time
 
 import keras
@@ -456,7 +457,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     Raises:
       ValueError: bad arguments (none or several budgets, non-positive/NaN
         seconds, bounds out of range, a ``gain`` that is not a finite
-        number >= 0, a ``clock`` that is not callable); at ``on_train_begin`` no controllable
+        number >= 0, a ``clock`` that is not callable, a ``log_dir`` that
+        is not a path); at ``on_train_begin`` no controllable
         layer, a named layer that cannot be controlled, or an epoch/deadline
         budget without a known number of steps per epoch.
     """
@@ -519,7 +521,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             raise ValueError(f"`verbose` must be 0 or 1. Received: "
                              f"verbose={verbose!r}")
         self.verbose = int(verbose)
-        self.log_dir = log_dir
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise ValueError("`log_dir` must be a directory path or None. "
+                             f"Received: log_dir={log_dir!r}")
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
         if not callable(clock):
             raise ValueError("`clock` must be a function returning seconds. "
                              f"Received: clock={clock!r}")
