@@ -88,6 +88,8 @@ from tf_sparse_split._loader import build_info
 from tf_sparse_split.tools.datasets import load_digits, load_mnist
 from tf_sparse_split.ops.matmul import _dy_product
 from tf_sparse_split.ops.sddmm import sparse_split_sddmm
+from tf_sparse_split.tools.cli import (parse_nonnegative_int,
+                                       parse_positive_int, parse_rate)
 from tf_sparse_split.tools.models import build_mlp
 
 HERE = Path(__file__).resolve().parent
@@ -436,9 +438,9 @@ def _time(fn, args, reps):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--reps", type=int, default=5, help="calls per part per round")
-    p.add_argument("--warmup", type=int, default=20, help="training steps first")
+    p.add_argument("--rounds", type=parse_positive_int, default=7)
+    p.add_argument("--reps", type=parse_positive_int, default=5, help="calls per part per round")
+    p.add_argument("--warmup", type=parse_nonnegative_int, default=20, help="training steps first")
     p.add_argument("--data", default=None, help="MNIST IDX directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None,
@@ -451,25 +453,34 @@ def main(argv=None):
                    default="all", help="the part breakdown, the "
                    "dtype-policy table, both ('all'), or the op profile of "
                    "--breakdown-policy ('ops', not part of 'all')")
-    p.add_argument("--ops-rounds", type=int, default=4,
+    p.add_argument("--ops-rounds", type=parse_positive_int, default=4,
                    help="interleaved traced rounds per model (--what ops)")
-    p.add_argument("--ops-steps", type=int, default=15,
+    p.add_argument("--ops-steps", type=parse_positive_int, default=15,
                    help="traced steps per round (--what ops)")
     p.add_argument("--policies", default="float32,mixed_bfloat16,mixed_float16",
                    help="comma-separated Keras dtype policies")
-    p.add_argument("--policy-rounds", type=int, default=8,
+    p.add_argument("--policy-rounds", type=parse_positive_int, default=8,
                    help="interleaved rounds per policy table row")
-    p.add_argument("--policy-block", type=int, default=None,
+    p.add_argument("--policy-block", type=parse_positive_int, default=None,
                    help="steps per timed block (default: sized from the "
                    "faster model's step)")
     p.add_argument("--clock", choices=sorted(_CLOCKS), default="wall",
                    help="what the policy table times: wall-clock seconds or "
                    "the process's CPU seconds (under load)")
-    p.add_argument("--target", type=float, default=0.9,
+    p.add_argument("--target", type=parse_rate, default=0.9,
                    help="SparsityTargetCallback target of the induced rows")
-    p.add_argument("--induce-epochs", type=int, default=3)
-    p.add_argument("--induce-examples", type=int, default=6400)
+    p.add_argument("--induce-epochs", type=parse_positive_int, default=3)
+    p.add_argument("--induce-examples", type=parse_positive_int, default=6400)
     args = p.parse_args(argv)
+    policies = [q.strip() for q in args.policies.split(",") if q.strip()]
+    if not policies:
+        p.error("--policies: give at least one Keras dtype policy")
+    for flag, name in [("--breakdown-policy", args.breakdown_policy)] + [
+            ("--policies", q) for q in policies]:
+        try:
+            keras.DTypePolicy(name)
+        except ValueError as e:
+            p.error(f"{flag}: {e}")
     if args.out is None:
         args.out = str(HERE / "results" / (
             "bench_train_step_policies.md" if args.what == "policies"

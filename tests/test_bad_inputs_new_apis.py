@@ -213,3 +213,275 @@ def test_backprop_input_numpy_dy_of_another_dtype_is_refused(f_dtype,
     got = bpi([2, 8, 8, 4], f, dy.tolist(), "SAME")
     np.testing.assert_allclose(got, _reference(f, dy, [2, 8, 8, 4]),
                                rtol=1e-5, atol=1e-5)
+
+
+# -- WallTimePlan and TimeBudgetCallback arguments --------------------------
+from tf_sparse_split.tuning.deadline import WallTimePlan  # noqa: E402
+
+
+@pytest.mark.parametrize("seconds", [None, "abc", True, float("inf"),
+                                     float("-inf"), [5.0]])
+def test_wall_time_plan_rejects_non_numeric_seconds(seconds):
+    with pytest.raises(ValueError, match="`deadline`"):
+        WallTimePlan("deadline", seconds, 5, 2)
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(steps_per_epoch=2.5), "steps_per_epoch"),   # was truncated to 2
+    (dict(steps_per_epoch=True), "steps_per_epoch"),
+    (dict(steps_per_epoch="x"), "steps_per_epoch"),
+    (dict(epochs=2.7), "epochs"),                     # was truncated to 2
+    (dict(epochs=True), "epochs"),
+    (dict(epochs="x"), "epochs"),
+    (dict(epochs=-1), "epochs"),
+    (dict(start=float("nan")), "start"),              # NaN budgets after
+    (dict(start=None), "start"),
+])
+def test_wall_time_plan_rejects_bad_counts_and_start(kw, name):
+    args = dict(kind="deadline", seconds=10.0, steps_per_epoch=5, epochs=2)
+    args.update(kw)
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        WallTimePlan(**args)
+
+
+def test_wall_time_plan_numpy_counts_and_passed_deadline():
+    p = WallTimePlan("deadline", 10.0, np.int64(5), np.int64(2), start=0.0)
+    assert (p.steps_per_epoch, p.epochs) == (5, 2)
+    p.epoch_begin(0.0, 0)
+    p.step_begin(20.0)                  # 10 s past the deadline
+    assert p.budget(20.0) == 0.0
+    assert p.predicted_elapsed(20.0, 0.1) > 10.0
+
+
+@pytest.mark.parametrize("gain", ["abc", None, float("inf"), -1.0, True])
+def test_time_budget_gain_of_the_wrong_type(gain):
+    with pytest.raises(ValueError, match="`gain`"):
+        tfss.TimeBudgetCallback(step_time=0.1, gain=gain)
+
+
+def test_time_budget_clock_must_be_callable():
+    with pytest.raises(ValueError, match="`clock`"):
+        tfss.TimeBudgetCallback(deadline=5.0, clock=3.0)
+
+
+# -- bench_train_step.py command line ----------------------------------------
+@pytest.mark.parametrize("argv, flag", [
+    (["--what", "ops", "--rounds", "0"], "--rounds"),
+    (["--what", "ops", "--ops-steps", "-2"], "--ops-steps"),
+    (["--ops-rounds", "x"], "--ops-rounds"),
+    (["--policy-block", "0"], "--policy-block"),
+    (["--target", "1.5"], "--target"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--clock", "gpu"], "--clock"),
+    (["--what", "opz"], "--what"),
+    (["--what", "ops", "--breakdown-policy", "bogus"], "--breakdown-policy"),
+    (["--policies", " , "], "--policies"),
+    (["--policies", "float32,bogus"], "--policies"),
+])
+def test_bench_train_step_refuses_bad_flags_before_running(argv, flag,
+                                                           capsys):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        mod = importlib.import_module("bench_train_step")
+    finally:
+        sys.path.remove(str(bench))
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+# -- dropout set_rate and scores ----------------------------------------------
+@pytest.mark.parametrize("cls", ["SensitivityAwareDropout",
+                                 "ApproximateRandomDropout"])
+def test_set_rate_refuses_a_symbolic_tensor_by_name(cls):
+    layer = getattr(tfss, cls)(0.25)
+    if cls == "SensitivityAwareDropout":
+        layer.build((None, 4, 4, 8))
+    else:
+        layer.build((None, 32))
+    before = layer.rate
+
+    @tf.function
+    def set_inside(r):
+        layer.set_rate(r)
+        return r
+
+    with pytest.raises(ValueError, match="symbolic tensor"):
+        set_inside(tf.constant(0.5))
+    assert layer.rate == before
+    layer.set_rate(tf.constant(0.5))          # an eager tensor is a number
+    assert layer.rate == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("rate", [1.0, 1.5, -0.1, float("nan"), True, None,
+                                  "x", [0.5]])
+def test_sensitivity_dropout_bad_rate_changes_nothing(rate):
+    d = tfss.SensitivityAwareDropout(0.25)
+    d.build((None, 4, 4, 8))
+    with pytest.raises(ValueError, match="`rate`"):
+        d.set_rate(rate)
+    with pytest.raises(ValueError, match="`rate`"):
+        d.rate = rate
+    assert (d.rate, d.num_drop, int(d.num_drop_var.numpy())) == (0.25, 2, 2)
+
+
+def test_sensitivity_dropout_nan_input_keeps_the_scores():
+    rng = np.random.default_rng(8)
+    d = tfss.SensitivityAwareDropout(0.25, seed=3)
+    x = np.abs(rng.standard_normal((2, 4, 4, 8))).astype(np.float32) + 0.1
+    d(x, training=True)
+    before = d.sensitivity.numpy().copy()
+    bad = x.copy()
+    bad[0, 0, 0, 2] = np.nan
+    bad[1, 1, 1, 5] = np.inf
+    d(bad, training=True)
+    after = d.sensitivity.numpy()
+    assert np.all(np.isfinite(after))
+    np.testing.assert_array_equal(after[[2, 5]], before[[2, 5]])
+    assert not np.array_equal(after[[0, 1]], before[[0, 1]])  # updated
+    y = d(x, training=True).numpy()     # still exactly 2 channels dropped
+    assert int((np.abs(y).sum(axis=(0, 1, 2)) == 0).sum()) == 2
+
+
+# -- FATReLU (alone and fused with SparseSplitDense's bias) ------------------
+def _fat_dense(target, l1, seed):
+    layer = tfss.SparseSplitDense(
+        16, activation=tfss.FATReLU(target=target, l1=l1))
+    layer.build((None, 24))
+    rng = np.random.default_rng(seed)
+    layer.kernel.assign(np.abs(rng.standard_normal((24, 16))).astype(
+        np.float32) * 0.2)
+    return layer
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("target,l1", [(0.5, 0.0), (0.5, 1e-3), (0.0, 1e-3),
+                                       (0.0, 0.0)])
+@pytest.mark.parametrize("shape", [(0, 24), (0, 3, 24)])
+def test_fat_dense_empty_batch_in_training(target, l1, shape):
+    """A batch of 0 rows: an empty output, zero penalty (not 0/0), finite
+    gradients, the cutoff unchanged (no quantile to track; it used to fail
+    in the sampling with an InvalidArgumentError)."""
+    layer = _fat_dense(target, l1, 9)
+    layer.activation.cutoff_var.assign(0.25)
+    x = tf.zeros(shape)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, training=True)
+        loss = tf.reduce_sum(y) + tf.add_n(layer.losses)
+    grads = tape.gradient(loss, [x] + layer.trainable_weights)
+    assert y.shape == shape[:-1] + (16,)
+    assert [float(v) for v in layer.losses] == [0.0]
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+    assert float(layer.activation.cutoff_var.numpy()) == 0.25
+    f = tfss.FATReLU(target=target, l1=l1)
+    assert f(tf.zeros((0, 5)), training=True).shape == (0, 5)
+    assert [float(v) for v in f.losses] == [0.0]
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("fused", [True, False], ids=["dense", "alone"])
+def test_fat_relu_nan_input_keeps_a_finite_cutoff(fused):
+    """A NaN/Inf batch must not make the tracked cutoff NaN: x > NaN is
+    false, so every later output would be silently all zero."""
+    rng = np.random.default_rng(10)
+    x = np.abs(rng.standard_normal((64, 24))).astype(np.float32)
+    if fused:
+        layer = _fat_dense(0.5, 0.0, 11)
+        fat = layer.activation
+    else:
+        layer = fat = tfss.FATReLU(target=0.5)
+    layer(x, training=True)
+    before = float(fat.cutoff_var.numpy())
+    assert before > 0
+    bad = x.copy()
+    bad[:, 0] = np.nan
+    bad[:, 1] = np.inf
+    layer(bad, training=True)
+    after = float(fat.cutoff_var.numpy())
+    assert np.isfinite(after) and after > 0
+    y = np.asarray(layer(x))
+    assert np.mean(y == 0) < 0.95       # a NaN cutoff zeroes everything
+
+
+# -- TimeBudgetCallback sensitivity_data --------------------------------------
+@pytest.mark.parametrize("data", [
+    (np.zeros((0, 32), np.float32), np.zeros(0, np.int64)),
+    (np.zeros((16, 32), np.float32), np.zeros(8, np.int64)),
+    ([[0.0] * 32] * 4, [1, 2]),
+], ids=["empty", "length-mismatch", "lists"])
+def test_time_budget_sensitivity_data_checked_at_construction(data):
+    with pytest.raises(ValueError, match="sensitivity_data"):
+        tfss.TimeBudgetCallback(step_time=0.01, sensitivity_data=data)
+
+
+@pytest.mark.usefixtures("op_library")
+def test_time_budget_sensitivity_data_shape_checked_before_training():
+    """A held batch of the wrong feature size fails at on_train_begin with
+    both shapes named, not after the warm-up deep inside the probe."""
+    import keras
+
+    model = keras.Sequential([keras.Input((32,)),
+                              keras.layers.Dense(16, activation="relu"),
+                              tfss.SparseSplitDense(4)])
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  jit_compile=False)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    y = rng.integers(0, 4, 64)
+    cb = tfss.TimeBudgetCallback(step_time=0.01,
+                                 sensitivity_data=(x[:16, :30], y[:16]))
+    seen = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    with pytest.raises(ValueError, match=r"\(16, 30\).*\(None, 32\)"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[cb, Count()])
+    assert seen == []
+
+
+@pytest.mark.usefixtures("op_library")
+def test_time_budget_deadline_already_passed():
+    """A deadline spent before the first step: step budget 0, logged as
+    unreachable (``budget/deadline_reachable`` 0, a predicted end past the
+    deadline), the message giving the deadline's own value (not 0.00 s),
+    and the fit runs to its end."""
+    import keras
+
+    model = keras.Sequential([keras.Input((32,)),
+                              keras.layers.Dense(32, activation="relu"),
+                              tfss.SparseSplitDense(4)])
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  jit_compile=False)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((96, 32)).astype(np.float32)
+    y = rng.integers(0, 4, 96)
+    cb = tfss.TimeBudgetCallback(deadline=1e-3, warmup_steps=2,
+                                 min_samples=2)
+    h = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    assert h.history["budget/step_budget"] == [0.0, 0.0]
+    assert h.history["budget/deadline_reachable"][-1] == 0.0
+    assert all(v > 1e-3 for v in h.history["budget/predicted_end_s"])
+    assert cb.deadline_log and not cb.deadline_log[0][1]
+    assert "deadline of 0.001 s is not reachable" in cb.deadline_log[0][3]
+    assert len(h.history["loss"]) == 2
+
+
+@pytest.mark.parametrize("log_dir", [5, b"logs", ["logs"]])
+def test_time_budget_log_dir_must_be_a_path(log_dir):
+    with pytest.raises(ValueError, match="`log_dir`"):
+        tfss.TimeBudgetCallback(step_time=0.1, log_dir=log_dir)
+
+
+def test_time_budget_log_dir_accepts_a_pathlib_path(tmp_path):
+    cb = tfss.TimeBudgetCallback(step_time=0.1, log_dir=tmp_path / "tb")
+    assert cb.log_dir == str(tmp_path / "tb")

@@ -68,6 +68,7 @@ allocation follows the time saved alone), which the log says.
 """
 
 import math
+import os
 import time
 
 import keras
@@ -183,6 +184,37 @@ def _realized(dropout, rate):
     if _compacts(dropout) and channels:
         return min(int(round(rate * channels)), channels - 1) / channels
     return rate
+
+
+def _batch_len(a):
+    """The leading dimension of an array or tensor (None when unknown or
+    not array-like, e.g. a dict of inputs)."""
+    shape = getattr(a, "shape", None)
+    if shape is None and isinstance(a, (list, tuple)):
+        shape = np.shape(a)
+    try:
+        n = shape[0] if shape is not None and len(shape) else None
+    except TypeError:
+        return None
+    return None if n is None else int(n)
+
+
+def _check_sensitivity_x(model, x):
+    """Raises ValueError when a single-input model's input shape does not
+    take the held batch ``x`` (checked at ``on_train_begin``, not after the
+    warm-up, where the probe would fail deep inside its traced call)."""
+    inputs = getattr(model, "inputs", None) or []
+    shape = getattr(x, "shape", None)
+    if len(inputs) != 1 or shape is None:
+        return
+    want = tuple(inputs[0].shape)[1:]
+    got = tuple(shape)[1:]
+    if len(want) != len(got) or any(
+            w is not None and g is not None and int(w) != int(g)
+            for w, g in zip(want, got)):
+        raise ValueError(
+            "TimeBudgetCallback: `sensitivity_data` x has shape "
+            f"{tuple(shape)}, the model takes {(None,) + want}")
 
 
 def _loss_fn(model):
@@ -395,7 +427,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         measured step, in ``[0, 0.5)`` (default 0.01: sparsity that saves
         less than 1% of the step is not worth its accuracy).
       sensitivity_data: optional held batch ``(x, y)`` for the sensitivity
-        probe (module docstring).
+        probe (module docstring): as many targets as examples, at least
+        one; ``x`` of the model's input shape (checked at
+        ``on_train_begin``).
       min_samples: steps measured per decision (int >= 2; default 8).
       update_every: steps between reads of the layers' statistics (int >= 1;
         default 4; each read is a host read of three small variables per
@@ -422,7 +456,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
 
     Raises:
       ValueError: bad arguments (none or several budgets, non-positive/NaN
-        seconds, bounds out of range); at ``on_train_begin`` no controllable
+        seconds, bounds out of range, a ``gain`` that is not a finite
+        number >= 0, a ``clock`` that is not callable, a ``log_dir`` that
+        is not a path); at ``on_train_begin`` no controllable
         layer, a named layer that cannot be controlled, or an epoch/deadline
         budget without a known number of steps per epoch.
     """
@@ -459,7 +495,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             raise ValueError("`min_gain` must be in [0, 0.5). Received: "
                              f"min_gain={min_gain!r}")
         self.min_gain = mg
-        g = float(gain) if not isinstance(gain, bool) else float("nan")
+        try:
+            g = float(gain) if not isinstance(gain, bool) else float("nan")
+        except (TypeError, ValueError):
+            g = float("nan")
         if not math.isfinite(g) or g < 0:
             raise ValueError(f"`gain` must be >= 0. Received: gain={gain!r}")
         self.gain = g
@@ -470,12 +509,25 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                 raise ValueError("`sensitivity_data` must be a pair (x, y)"
                                  ) from None
             sensitivity_data = (sx, sy)
+            nx, ny = _batch_len(sx), _batch_len(sy)
+            if nx == 0 or ny == 0 or (nx is not None and ny is not None
+                                      and nx != ny):
+                raise ValueError(
+                    "`sensitivity_data` must be a non-empty batch (x, y) "
+                    f"with as many targets as examples. Received: {nx} "
+                    f"example(s) and {ny} target(s)")
         self.sensitivity_data = sensitivity_data
         if verbose not in (0, 1) or isinstance(verbose, (bool, float)):
             raise ValueError(f"`verbose` must be 0 or 1. Received: "
                              f"verbose={verbose!r}")
         self.verbose = int(verbose)
-        self.log_dir = log_dir
+        if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+            raise ValueError("`log_dir` must be a directory path or None. "
+                             f"Received: log_dir={log_dir!r}")
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        if not callable(clock):
+            raise ValueError("`clock` must be a function returning seconds. "
+                             f"Received: clock={clock!r}")
         self.clock = clock
         self.controller = None
         self.decisions = []
@@ -542,6 +594,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self.kind != "step_time" and not self._spe:
             raise ValueError(f"TimeBudgetCallback: the {self.kind} budget "
                              "needs a known number of steps per epoch")
+        if self.sensitivity_data is not None:
+            _check_sensitivity_x(self.model, self.sensitivity_data[0])
         self._knobs, self._lstm = self._discover()
         self._retraced = False
         rate_knobs = {}
@@ -826,11 +880,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                 f"epoch time (epoch {self._epoch + 1})")
         if ok:
             msg = (f"TimeBudgetCallback: step {self._step}: the {what} of "
-                   f"{self.seconds:.2f} s is reachable again (predicted "
+                   f"{self.seconds:.3g} s is reachable again (predicted "
                    f"{end:.2f} s at the fastest allocation)")
         else:
             msg = (f"TimeBudgetCallback: step {self._step}: the {what} of "
-                   f"{self.seconds:.2f} s is not reachable within "
+                   f"{self.seconds:.3g} s is not reachable within "
                    f"max_sparsity={self.max_sparsity} and max_rate="
                    f"{self.max_rate}: at the fastest allocation "
                    f"(predicted {best * 1e3:.2f} ms/step) it ends at about "
@@ -894,7 +948,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.elapsed_s = self.clock() - self._t_begin
         if self.kind == "deadline" and self.verbose:
             print(f"TimeBudgetCallback: fit took {self.elapsed_s:.2f} s "
-                  f"from on_train_begin, deadline {self.seconds:.2f} s "
+                  f"from on_train_begin, deadline {self.seconds:.3g} s "
                   f"({self.elapsed_s / self.seconds:.3f})", flush=True)
 
     def on_test_begin(self, logs=None):

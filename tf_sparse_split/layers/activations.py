@@ -25,6 +25,8 @@ current values; a callback changes them with ``.assign()``):
   ``T <- max(0, momentum * T + (1 - momentum) * q)``. Below the natural
   sparsity of the ReLU (``q <= 0``) the cutoff stays 0. The output then
   has about a fraction ``target`` of zeros whatever the scale of ``x``.
+  An empty input leaves the cutoff unchanged (and adds a zero penalty), as
+  does a call whose estimate is not finite (NaN/Inf in the input).
 
 Requires the TensorFlow backend of Keras 3.
 """
@@ -85,7 +87,7 @@ def _fat_relu_l1(x, t, l1):
     zero = tf.zeros([], x.dtype)
     y = tf.where(mask, x, zero)
     acc = l1.dtype
-    size = tf.cast(tf.size(x), acc)
+    size = tf.cast(tf.maximum(tf.size(x), 1), acc)   # empty x: penalty 0
     penalty = l1 * tf.reduce_sum(tf.cast(y, acc)) / size
 
     def grad(dy, dpenalty):
@@ -255,7 +257,8 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
             from tf_sparse_split.ops.fat_relu import bias_fat_relu
 
             y, total = bias_fat_relu(x, tf.zeros(tf.shape(x)[-1:], x.dtype), t)
-            size = tf.cast(tf.size(x), x.dtype)
+            # max(size, 1): an empty batch has a zero penalty, not 0 / 0.
+            size = tf.cast(tf.maximum(tf.size(x), 1), x.dtype)
             self.add_loss(tf.cast(tf.cast(l1, x.dtype) * total / size,
                                   tf.float32))
             self._track_quantile(x)
@@ -300,7 +303,7 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
                 # gradient reaches x through y's, the same mask).
                 total = tf.reduce_sum(tf.cast(y, acc))
             l1 = tf.cast(tf.convert_to_tensor(self.l1_var), acc)
-            size = tf.cast(tf.size(x), acc)
+            size = tf.cast(tf.maximum(tf.size(x), 1), acc)
             self.add_loss(tf.cast(l1 * tf.cast(total, acc) / size,
                                   tf.float32))
             self._track_quantile(x, bias)
@@ -327,10 +330,16 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
             mom = self.momentum
             old = tf.convert_to_tensor(self.cutoff_var)
             new = tf.maximum(mom * old + (1.0 - mom) * q, 0.0)
+            # A NaN/Inf input can make the sampled quantile NaN: the cutoff
+            # keeps its value (a NaN cutoff would zero every later output,
+            # as x > NaN is false, and stay NaN through the average).
+            new = tf.where(tf.math.is_finite(new), new, old)
             self.cutoff_var.assign(tf.reshape(new, []))
             return tf.constant(True)
 
-        tf.cond(target > 0.0, update, lambda: tf.constant(False))
+        # An empty input (a batch of 0 rows) has no quantile to track.
+        tf.cond(tf.logical_and(target > 0.0, tf.size(x) > 0), update,
+                lambda: tf.constant(False))
 
     def get_config(self):
         config = super().get_config()

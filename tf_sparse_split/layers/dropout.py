@@ -368,6 +368,21 @@ def check_pattern_groups(pattern_groups, pattern):
     return groups
 
 
+def _host_rate(rate):
+    """``validate_fraction(rate, "rate")`` for ``set_rate``, which runs on
+    the host between steps: a symbolic tensor (``set_rate`` called inside a
+    ``tf.function`` or a Keras model's ``call``) is refused with a message
+    that says so rather than as "not a number"."""
+    if tf.is_tensor(rate) and not hasattr(rate, "numpy"):
+        raise ValueError(
+            "`rate` must be a Python number or an eager tensor: set_rate() "
+            "assigns the layer's variables on the host between training "
+            "steps and cannot take a symbolic tensor (inside a tf.function, "
+            "assign the rate before the call). Received: "
+            f"rate={rate!r}")
+    return validate_fraction(rate, "rate")
+
+
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
 class ApproximateRandomDropout(keras.layers.Layer):
     """Approximate random dropout: row or tile patterns (module docstring).
@@ -505,7 +520,7 @@ class ApproximateRandomDropout(keras.layers.Layer):
             slots than the table was built with: rates up to
             ``max(0.95, rate at build)``).
         """
-        rate = validate_fraction(rate, "rate")
+        rate = _host_rate(rate)
         if not self.built:
             self._rate = rate
             return
@@ -698,7 +713,8 @@ class SensitivityAwareDropout(keras.layers.Layer):
     ``get_config`` stores the rate in force, and ``.keras`` files keep
     their layout (files saved before it load unchanged). The scores are
     updated at every training call, also while no channel is dropped, so
-    they are current when the rate rises.
+    they are current when the rate rises; a channel whose batch score is
+    NaN or Inf (a NaN/Inf input) keeps its previous score.
 
     Args:
       rate: fraction of channels to drop, in ``[0, 1)``.
@@ -770,12 +786,14 @@ class SensitivityAwareDropout(keras.layers.Layer):
         the layer is built only the value is stored.
 
         Args:
-          rate: drop rate in ``[0, 1)``.
+          rate: drop rate in ``[0, 1)`` (a Python number or an eager
+            scalar tensor).
 
         Raises:
-          ValueError: a rate outside ``[0, 1)``.
+          ValueError: a rate outside ``[0, 1)``, NaN, a bool, or a
+            symbolic tensor.
         """
-        rate = validate_fraction(rate, "rate")
+        rate = _host_rate(rate)
         self._rate = rate
         if self.num_drop_var is None:
             return
@@ -856,6 +874,9 @@ class SensitivityAwareDropout(keras.layers.Layer):
         new = tf.where(self.score_updates > 0,
                        m * self.sensitivity + (1.0 - m) * batch_score,
                        batch_score)
+        # A NaN/Inf input (a diverging step) must not poison the scores of
+        # every later call through the average: such channels keep theirs.
+        new = tf.where(tf.math.is_finite(batch_score), new, self.sensitivity)
         self.sensitivity.assign(new)
         self.score_updates.assign_add(1)
         return y

@@ -49,12 +49,30 @@ import math
 
 import numpy as np
 
+from tf_sparse_split.utils.validation import validate_int
+
 __all__ = ["WallTimePlan", "median_over_mean"]
 
 #: Gaps kept for the mean (the most recent ones).
 GAP_WINDOW = 64
 #: Share of the largest gaps left out of the mean (one-off work).
 GAP_TRIM = 0.05
+
+
+def _finite(value, name):
+    """``float(value)`` for a finite real number (not a bool), else a
+    ``ValueError`` naming ``name``."""
+    msg = (f"`{name}` must be a finite number of seconds. "
+           f"Received: {name}={value!r}")
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(msg)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(msg) from None
+    if not math.isfinite(v):
+        raise ValueError(msg)
+    return v
 
 
 def _trimmed_mean(values, trim=GAP_TRIM):
@@ -91,12 +109,13 @@ class WallTimePlan:
         (finite, > 0).
       steps_per_epoch: steps per epoch (int >= 1).
       epochs: epochs of the fit (int >= 1; needed for ``"deadline"``).
-      start: clock reading at ``on_train_begin`` (seconds).
+      start: clock reading at ``on_train_begin`` (seconds, finite).
 
     Raises:
-      ValueError: unknown ``kind``, a non-positive or non-finite
-        ``seconds``, ``steps_per_epoch`` or (for a deadline) ``epochs``
-        missing or < 1.
+      ValueError: unknown ``kind``; a ``seconds`` that is not a finite
+        number > 0 (a bool, None or text included); ``steps_per_epoch`` or
+        (for a deadline) ``epochs`` missing, not an integer or < 1; a
+        non-finite ``start``.
     """
 
     def __init__(self, kind, seconds, steps_per_epoch, epochs=None,
@@ -104,16 +123,20 @@ class WallTimePlan:
         if kind not in ("epoch_time", "deadline"):
             raise ValueError(f"unknown budget kind {kind!r} (epoch_time or "
                              "deadline)")
-        s = float(seconds)
-        if not math.isfinite(s) or s <= 0:
+        s = _finite(seconds, kind)
+        if s <= 0:
             raise ValueError(f"`{kind}` must be a finite number of seconds "
-                             f"> 0. Received: {seconds!r}")
-        if not steps_per_epoch or int(steps_per_epoch) < 1:
+                             f"> 0. Received: {kind}={seconds!r}")
+        if steps_per_epoch is None:
             raise ValueError(f"a {kind} budget needs the steps per epoch "
                              "(a dataset of known length, or "
                              "steps_per_epoch)")
-        if kind == "deadline" and (not epochs or int(epochs) < 1):
+        steps_per_epoch = validate_int(steps_per_epoch, "steps_per_epoch")
+        if kind == "deadline" and epochs is None:
             raise ValueError("a deadline needs the number of epochs")
+        if epochs is not None:
+            epochs = validate_int(epochs, "epochs")
+        start = _finite(start, "start")
         self.kind, self.seconds = kind, s
         self.steps_per_epoch = int(steps_per_epoch)
         self.epochs = int(epochs) if epochs else None
