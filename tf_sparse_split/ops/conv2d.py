@@ -721,8 +721,8 @@ def _sparse_split_conv2d_grad(op, grad, unused_grad_stats):
     nnz_grad = None
     if dx_stats is not None and not _is_graph_input(x):
         nnz_grad = dx_stats[_stats.NNZ]
-    # The bias gradient comes with the filter gradient (one op over x: the
-    # fused oneDNN kernel for the dense part), not from a BiasAddGrad pass.
+    # The bias gradient comes with the filter gradient (one op over x, which
+    # sums grad in one pass of its own), not from a BiasAddGrad pass.
     grad_f = conv2d_filter_grad(x, f, grad, threshold, strides, padding,
                                 explicit, dilations,
                                 op.outputs[1][_stats.NNZ], nnz_grad,
