@@ -626,9 +626,9 @@ def main(argv=None):
 
     report = [f"# bench_budget{' (--quick)' if args.quick else ''}\n",
               f"{_common.tf_machine_desc(tfss._loader.build_info())}"
-              f"; data: {desc}. Taken under load on a shared machine (the "
-              f"step times include the other tenants' load); TensorFlow "
-              f"{tf.__version__}.\n"]
+              f"; data: {desc}; load average {os.getloadavg()[0]:.1f} at "
+              f"the start (other jobs on the machine move the step times "
+              f"and widen the spread).\n"]
     pngs = []
     for case in cases:
         if case in ("mlp", "cnn"):
