@@ -369,7 +369,8 @@ def run_case(case, data, args, report, pngs):
         png = os.path.join(args.out_dir, f"bench_budget_{case}_{f:.2f}"
                            f"{'_quick' if args.quick else ''}.png")
         plot_budget(cb.trace, png, title=f"{case}, budget {f:.2f} x plain "
-                    f"step ({budget * 1e3:.1f} ms), under load")
+                    f"step ({budget * 1e3:.1f} ms), load average "
+                    f"{os.getloadavg()[0]:.1f}")
         pngs.append(png)
     after, _ = plain_step(case, x, y, args.batch, args.rounds, args.seed)
     report.append(
@@ -521,7 +522,8 @@ def deadline_case(data, args, report, pngs):
                            f"{'_quick' if args.quick else ''}.png")
         if cb.trace:
             plot_budget(cb.trace, png, title=f"mlp, deadline {deadline:.1f} "
-                        f"s ({label}), under load")
+                        f"s ({label}), load average "
+                        f"{os.getloadavg()[0]:.1f}")
             pngs.append(png)
     after = references("after")
 

@@ -1049,3 +1049,35 @@ def test_fit_moves_a_channel_dropout_rate_without_retracing():
     # The zeros the layer measured include the dropped channels: the
     # activation's share is taken out with the realized rate.
     assert cb._knobs[0].dropouts == [sad]
+
+
+def test_deadline_reachable_again_is_announced_only_once_it_holds():
+    """Becoming unreachable is logged at once; reachable again only after
+    DEADLINE_HOLD decisions in a row, so a predicted end hovering at the
+    deadline does not flip the message every few steps."""
+    import types
+
+    import tf_sparse_split as tfss
+    from tf_sparse_split.callbacks import time_budget as tb
+
+    cb = tfss.TimeBudgetCallback(deadline=10.0, verbose=0)
+
+    class Plan:
+        def predicted_elapsed(self, now, step_s):
+            return 10.0 + step_s
+
+    cb._plan, cb._skew = Plan(), lambda: 1.0
+    cb._deadline_ok, cb._deadline_flips, cb.deadline_log = True, 0, []
+    cb._step, cb._epoch = 0, 0
+    hold = tb.DEADLINE_HOLD
+    pattern = ([True] * 5 + [False] + [True] * (hold - 1) + [False]
+               + [True] * 4 + [False] * 2 + [True] * hold + [True] * 5)
+    for ok in pattern:
+        cb._step += 1
+        cb._check_deadline(types.SimpleNamespace(
+            reachable=ok, best_s=0.02, measured_s=0.02), 0.0)
+    assert [entry[1] for entry in cb.deadline_log] == [False, True]
+    assert cb.deadline_log[0][0] == 6
+    assert cb.deadline_log[1][0] == len(pattern) - 5
+    assert "reachable again" in cb.deadline_log[1][3]
+    assert cb._deadline_ok

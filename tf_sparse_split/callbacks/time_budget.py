@@ -96,6 +96,12 @@ PROBE_DELTA = 0.2
 #: budget (a mean) into the median the controller measures.
 SKEW_WINDOW = 32
 
+#: Consecutive decisions that must find an epoch time or deadline reachable
+#: before it is announced as reachable again (a predicted end within a few
+#: percent of the deadline would otherwise flip the message every few
+#: steps); becoming unreachable is announced at once.
+DEADLINE_HOLD = 10
+
 
 class _Knob(_Control):
     """A controlled activation (+ optional dropout layers) and its
@@ -451,8 +457,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
       elapsed_s: seconds from ``on_train_begin`` to ``on_train_end`` (after
         the fit).
       deadline_log: ``(step, reachable, predicted seconds, message)`` each
-        time the epoch time or deadline became unreachable (or reachable
-        again) at the fastest allocation.
+        time the epoch time or deadline became unreachable at the fastest
+        allocation (at once), or reachable again (after ``DEADLINE_HOLD``
+        decisions in a row found it so).
 
     Raises:
       ValueError: bad arguments (none or several budgets, non-positive/NaN
@@ -632,6 +639,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             start=self._t_begin))
         self._recent = []           # recent timed steps (skew)
         self._deadline_ok = True
+        self._deadline_flips = 0    # decisions disagreeing with it in a row
         self.elapsed_s = None
         self.deadline_log = []
         self._warm = False
@@ -874,7 +882,12 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         # allocation within the bounds meets it, the deadline is missed.
         ok = bool(d.reachable)
         if ok == self._deadline_ok:
+            self._deadline_flips = 0
             return
+        self._deadline_flips += 1
+        if ok and self._deadline_flips < DEADLINE_HOLD:
+            return
+        self._deadline_flips = 0
         self._deadline_ok = ok
         what = ("deadline" if self.kind == "deadline" else
                 f"epoch time (epoch {self._epoch + 1})")
