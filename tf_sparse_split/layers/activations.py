@@ -248,7 +248,6 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
         if not training:
             # x > T with T >= 0: also zeroes negatives, i.e. ReLU at T = 0.
             return tf.where(x > t, x, tf.zeros_like(x))
-        l1 = tf.convert_to_tensor(self.l1_var)
         if _fused_op_applies(x):
             # One pass forward and one backward (the fused op with a zero
             # bias) instead of Greater, SelectV2 and Sum, then AddV2 and
@@ -257,12 +256,10 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
             from tf_sparse_split.ops.fat_relu import bias_fat_relu
 
             y, total = bias_fat_relu(x, tf.zeros(tf.shape(x)[-1:], x.dtype), t)
-            # max(size, 1): an empty batch has a zero penalty, not 0 / 0.
-            size = tf.cast(tf.maximum(tf.size(x), 1), x.dtype)
-            self.add_loss(tf.cast(tf.cast(l1, x.dtype) * total / size,
-                                  tf.float32))
+            self._add_l1_penalty(x, total)
             self._track_quantile(x)
             return y
+        l1 = tf.convert_to_tensor(self.l1_var)
         y, penalty = _fat_relu_l1(x, t,
                                   tf.cast(l1, _penalty_dtype(x.dtype)))
         self.add_loss(tf.cast(penalty, tf.float32))
@@ -302,12 +299,19 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
                 # a large activation's sum exceeds: sum y in float32 (its
                 # gradient reaches x through y's, the same mask).
                 total = tf.reduce_sum(tf.cast(y, acc))
-            l1 = tf.cast(tf.convert_to_tensor(self.l1_var), acc)
-            size = tf.cast(tf.maximum(tf.size(x), 1), acc)
-            self.add_loss(tf.cast(l1 * tf.cast(total, acc) / size,
-                                  tf.float32))
+            self._add_l1_penalty(x, total)
             self._track_quantile(x, bias)
         return y
+
+    def _add_l1_penalty(self, x, total):
+        """Adds the L1 penalty ``l1 * total / size(x)`` as a float32 loss,
+        ``total`` being the sum of the output ``y`` (computed in
+        :func:`_penalty_dtype` of x's dtype); ``max(size, 1)``: an empty
+        batch has a zero penalty, not 0 / 0."""
+        acc = _penalty_dtype(x.dtype)
+        l1 = tf.cast(tf.convert_to_tensor(self.l1_var), acc)
+        size = tf.cast(tf.maximum(tf.size(x), 1), acc)
+        self.add_loss(tf.cast(l1 * tf.cast(total, acc) / size, tf.float32))
 
     def _track_quantile(self, x, bias=None):
         target = tf.convert_to_tensor(self.target_var)

@@ -383,8 +383,25 @@ def _host_rate(rate):
     return validate_fraction(rate, "rate")
 
 
+class _SettableRate:
+    """The ``rate`` property of a dropout layer whose rate changes between
+    training steps: reads ``_rate``, assigns through the layer's
+    ``set_rate`` (which validates it and updates what the compiled step
+    reads)."""
+
+    @property
+    def rate(self):
+        """The drop rate in force (Python float; :meth:`set_rate` changes
+        it)."""
+        return self._rate
+
+    @rate.setter
+    def rate(self, value):
+        self.set_rate(value)
+
+
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
-class ApproximateRandomDropout(keras.layers.Layer):
+class ApproximateRandomDropout(_SettableRate, keras.layers.Layer):
     """Approximate random dropout: row or tile patterns (module docstring).
 
     In training, each call draws one pattern ``(kind, p)`` from the
@@ -488,16 +505,6 @@ class ApproximateRandomDropout(keras.layers.Layer):
         if abs(total - 1.0) <= 1e-9:   # saved by get_config: keep the bits
             return out
         return [(k, p, prob / total) for k, p, prob in out]
-
-    @property
-    def rate(self):
-        """The drop rate in force (Python float; :meth:`set_rate` changes
-        it)."""
-        return self._rate
-
-    @rate.setter
-    def rate(self, value):
-        self.set_rate(value)
 
     def set_rate(self, rate):
         """Changes the drop rate between training steps, without retracing.
@@ -673,7 +680,7 @@ class ApproximateRandomDropout(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="tf_sparse_split")
-class SensitivityAwareDropout(keras.layers.Layer):
+class SensitivityAwareDropout(_SettableRate, keras.layers.Layer):
     """Drops whole input feature maps (channels) of an NHWC tensor,
     preferring channels of low sensitivity (after Z. Song et al., arXiv
     2203.05705).
@@ -747,16 +754,6 @@ class SensitivityAwareDropout(keras.layers.Layer):
         self.num_drop_var = None
         self.channels = None
         self._num_drop = None
-
-    @property
-    def rate(self):
-        """The drop rate in force (Python float; :meth:`set_rate` changes
-        it)."""
-        return self._rate
-
-    @rate.setter
-    def rate(self, value):
-        self.set_rate(value)
 
     @property
     def num_drop(self):
