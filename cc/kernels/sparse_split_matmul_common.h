@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -39,6 +40,33 @@ struct MatMulKernels {
     TF_RETURN_IF_ERROR(InitTfMatMul(ctx, device, dtype, false, tb, &gathered));
     return InitTfMatMul(ctx, device, dtype, false, false, &compacted);
   }
+};
+
+// The FamilyModel (cost_model.h) of an op instance's calls. The
+// process-wide registry (FamilyFor: a key vector built, a global mutex, a
+// map walk) is asked only when the call's sizes differ from the previous
+// call's -- a layer calls with the same shape step after step -- the
+// family op, dtype and transpose_b being fixed per op instance. Registry
+// entries live for the process, so the cached pointer stays valid.
+class FamilyCache {
+ public:
+  FamilyModel& Get(int64_t family_op, int64_t dtype, int64_t m, int64_t k,
+                   int64_t n, bool transpose_b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (model_ == nullptr || m != m_ || k != k_ || n != n_) {
+      model_ = &FamilyFor(
+          MatMulFamilyKey(family_op, dtype, m, k, n, transpose_b));
+      m_ = m;
+      k_ = k;
+      n_ = n;
+    }
+    return *model_;
+  }
+
+ private:
+  std::mutex mu_;
+  FamilyModel* model_ = nullptr;
+  int64_t m_ = -1, k_ = -1, n_ = -1;
 };
 
 // The dense part of a SparseSplitMatMul call, on CPU and GPU alike (`dev`

@@ -155,8 +155,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     ParallelFor pfor = TfParallelFor(ctx);
 
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
-    FamilyModel& family = FamilyFor(
-        MatMulFamilyKey(kFamilyMatMulCpu, dt, m, k, n, mm_.tb));
+    FamilyModel& family =
+        families_.Get(kFamilyMatMulCpu, dt, m, k, n, mm_.tb);
 
     // --- How much to count: everything, a sample, or nothing. -------------
     if (m > 0 && n > 0 && k > 0) {
@@ -226,10 +226,16 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       // written straight to) an output buffer of our own.
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     }
-    CpuDevice<T> dev{pfor};
-    OP_REQUIRES_OK(ctx, RunMatMulDensePart(ctx, mm_, a, b, m, n, rd, compact, kc,
-                                           dense_rows.data(), live_cols.data(),
-                                           dev, out));
+    if (rd == m && !compact) {
+      // Every row dense, nothing compacted: TF's MatMul on a and b as they
+      // are, on this op's context (TfKernel::RunOnContext).
+      OP_REQUIRES_OK(ctx, mm_.direct.RunOnContext(ctx));
+    } else {
+      CpuDevice<T> dev{pfor};
+      OP_REQUIRES_OK(ctx, RunMatMulDensePart(ctx, mm_, a, b, m, n, rd, compact,
+                                             kc, dense_rows.data(),
+                                             live_cols.data(), dev, out));
+    }
     call.DenseDone();
 
     // --- Sparse part. -------------------------------------------------------
@@ -275,11 +281,10 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     if (fused_.ok()) {
       TF_RETURN_IF_ERROR(RunFused(ctx, a, b));
     } else {
-      ParallelFor pfor = TfParallelFor(ctx);
-      CpuDevice<T> dev{pfor};
-      TF_RETURN_IF_ERROR(RunMatMulDensePart(ctx, mm_, a, b, m, n, m, false,
-                                            0, nullptr, nullptr, dev,
-                                            nullptr));
+      // TF's MatMul on this op's own context: a and b are its inputs 0
+      // and 1, its output 0 is ours (same dtype), as TfKernel::RunOnContext
+      // needs; no sub-context, no output copy.
+      TF_RETURN_IF_ERROR(mm_.direct.RunOnContext(ctx));
     }
     call->DenseDone();
     call->SparseDone();
@@ -291,6 +296,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
   MatMulKernels mm_;  // attrs and TF's MatMul kernels
   MatMulEpilogue epilogue_;
   TfKernel fused_;    // TF's _FusedMatMul (bias given, float32), else unset
+  FamilyCache families_;  // the cost-model family of the last call's sizes
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };

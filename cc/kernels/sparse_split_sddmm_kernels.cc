@@ -150,8 +150,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
     ParallelFor pfor = TfParallelFor(ctx);
 
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
-    FamilyModel& family =
-        FamilyFor(MatMulFamilyKey(kFamilySddmmCpu, dt, m, k, n, tb_));
+    FamilyModel& family = families_.Get(kFamilySddmmCpu, dt, m, k, n, tb_);
 
     // --- How much to count: everything, a sample, or nothing. -------------
     if (m > 0 && n > 0 && k > 0) {
@@ -259,6 +258,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
   bool tb_ = false;
   bool full_stats_ = true;
   TfKernel gemm_;
+  FamilyCache families_;  // the cost-model family of the last call's sizes
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };
 

@@ -582,10 +582,15 @@ class SplitCall {
     }
     // The call's cost problem and its family's terms as they stand after
     // this record (stats.h, kStatKLive .. kStatCalibrated): what the Python
-    // tuner decides and reports with.
-    if (family_ != nullptr)
+    // tuner decides and reports with. Only when a node reads the
+    // statistics: the terms cost a lock and two medians per call.
+    if (family_ != nullptr && stats_consumed())
       WriteCostStats(shape_, family_->Terms(), family_->calibrated(), stats_);
   }
+
+  // Whether the statistics go to the op's output (a node consumes them),
+  // not to the call's own buffer.
+  bool stats_consumed() const { return stats_ != local_stats_; }
 
   const SplitShape& shape() const { return shape_; }
 

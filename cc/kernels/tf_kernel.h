@@ -52,6 +52,20 @@ class TfKernel {
 
   bool ok() const { return kernel_ != nullptr; }
 
+  // Runs the kernel on the calling op's own context, with no sub-context:
+  // its inputs are ctx's first inputs, in order, and its output 0 is ctx's
+  // output 0 (allocated by the kernel; it must have ctx's output 0 dtype).
+  // For the all-dense call whose operands are the op's inputs as given:
+  // nothing is built per call (no Params, no sub-context, no output copy).
+  absl::Status RunOnContext(::tensorflow::OpKernelContext* ctx) const {
+    kernel_->Compute(ctx);
+    TF_RETURN_IF_ERROR(ctx->status());
+    if (ctx->mutable_output(0) == nullptr)
+      return absl::InternalError(
+          absl::StrCat(kernel_->name(), " did not set output 0"));
+    return absl::OkStatus();
+  }
+
   // Runs the kernel on `ins`; *out = its output 0 (a new tensor, enqueued on
   // the stream on a GPU). Per call this builds only the sub-context (no heap
   // allocation for up to kMaxInputs inputs): the kernel itself was created
