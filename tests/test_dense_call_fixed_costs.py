@@ -26,6 +26,7 @@ import tensorflow as tf
 from _helpers import sparse_normal
 
 import tf_sparse_split as tfss
+from tf_sparse_split.ops.sddmm import sparse_split_sddmm
 from tf_sparse_split.tuning import stats as S
 
 TOL = {tf.float32: (1e-5, 1e-4), tf.float64: (1e-12, 1e-10),
@@ -160,8 +161,8 @@ def test_one_op_instance_changing_shapes(op):
 
     @tf.function(input_signature=[spec, spec, spec])
     def sddmm(mask, x, w):
-        return tfss.sparse_split_sddmm(mask, x, w, -1.0, return_stats=True,
-                                       full_stats=False)
+        return sparse_split_sddmm(mask, x, w, -1.0, return_stats=True,
+                                  full_stats=False)
 
     for m, k in [(1, 33), (7, 33), (128, 33), (7, 33), (300, 65), (1, 65),
                  (128, 33), (7, 65)]:
