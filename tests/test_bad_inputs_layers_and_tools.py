@@ -34,7 +34,7 @@ def test_sddmm_transpose_b_must_be_a_bool(flag):
     mask, x, b = _sparse(rng, 6, 5), _sparse(rng, 6, 5), _sparse(rng, 5, 5)
     with pytest.raises(TypeError, match="transpose_b"):
         sparse_split_sddmm(mask, x, b, transpose_b=flag)
-    want = (mask != 0) * (x.astype(np.float64) @ b.astype(np.float64))
+    want = (mask != 0) * (x.astype(np.float64) @ b.astype(np.float64).T)
     for tb in (True, np.bool_(True)):
         np.testing.assert_allclose(
             sparse_split_sddmm(mask, x, b.T.copy(), transpose_b=tb), want,
