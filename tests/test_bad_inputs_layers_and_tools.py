@@ -102,6 +102,31 @@ def test_lstm_good_rates_are_kept():
     assert np.isfinite(y.numpy()).all()
 
 
+def test_lstm_inputs_with_no_features():
+    """The compacted loop's bias column (``ones_like(x[..., :1])``) was
+    empty for 0 features: a BatchMatMul shape error, where
+    ``keras.layers.LSTM`` runs (its output is then the bias' alone)."""
+    x = np.zeros((4, 3, 0), np.float32)
+    layer = tfss.SparseSplitLSTM(8, dropout=0.5, recurrent_dropout=0.5)
+    ref = keras.layers.LSTM(8)
+    layer(x, training=True)
+    ref(x)
+    layer.set_weights([np.asarray(w) for w in ref.get_weights()])
+    bias = np.random.default_rng(6).standard_normal(32).astype(np.float32)
+    layer.cell.bias.assign(bias)
+    ref.cell.bias.assign(bias)
+    # Recurrent dropout: compare with Keras' masks off, same realised
+    # state (zero input, so only the bias and the recurrence act).
+    got = layer(x, training=True)
+    assert got.shape == (4, 8) and np.isfinite(got.numpy()).all()
+    np.testing.assert_allclose(layer(x, training=False), ref(x), rtol=1e-6,
+                               atol=1e-6)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(x, training=True))
+    grads = tape.gradient(loss, layer.trainable_variables)
+    assert [tuple(g.shape) for g in grads] == [(0, 32), (8, 32), (32,)]
+
+
 def test_approximate_random_dropout_rank_1_input():
     layer = tfss.ApproximateRandomDropout(0.5)
     with pytest.raises(ValueError, match="rank >= 2"):
@@ -257,3 +282,51 @@ def test_fit_latency_budget_levels_not_a_sequence(levels):
     with pytest.raises(ValueError, match="levels"):
         tfss.fit_latency_budget(model, 1.0, x, levels=levels, rounds=1,
                                 warmup=1)
+
+
+@pytest.mark.usefixtures("op_library")
+def test_fit_latency_budget_labels_must_be_class_indices():
+    """Float labels of the input's shape failed deep inside with "cannot
+    reshape array of size ..."."""
+    model = _split_mlp()
+    x = np.random.default_rng(7).standard_normal((8, 8)).astype(np.float32)
+    for y in (x, np.zeros(8, np.float32), np.zeros((8, 2), np.int64)):
+        with pytest.raises(ValueError, match="labels"):
+            tfss.fit_latency_budget(model, 1.0, x, accuracy_data=(x, y),
+                                    rounds=1, warmup=1)
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("array, match", [
+    (np.ones((4, 8), np.int64), "dtype int64"),       # a graph error before
+    (np.zeros((0, 8), np.float32), "no examples"),    # timed nothing
+])
+def test_profile_input_that_is_not_float_examples(tmp_path, run_cli, array,
+                                                  match):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(4, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.save(tmp_path / "m.keras")
+    np.save(tmp_path / "x.npy", array)
+    rc, _, err = run_cli(["profile", str(tmp_path / "m.keras"), "--input",
+                          str(tmp_path / "x.npy"), "--repeats", "1"])
+    assert rc == 1 and match in err, err
+
+
+def test_cli_tensorflow_runtime_error_is_one_line(run_cli, monkeypatch):
+    """``train --hidden 2000000000`` ended in a ResourceExhaustedError
+    traceback; TensorFlow's run-time errors now end the run with one
+    line and exit code 1."""
+    from tf_sparse_split.tools import train
+
+    def oom(args, out):
+        raise tf.errors.ResourceExhaustedError(
+            None, None, "OOM when allocating tensor with shape[64,2000000000]")
+
+    monkeypatch.setattr(train, "train_command", oom)
+    rc, _, err = run_cli(["train", "--epochs", "1"])
+    assert rc == 1
+    assert err.strip().splitlines() == [
+        "tf-sparse-split: error: ResourceExhaustedError: OOM when allocating "
+        "tensor with shape[64,2000000000]"]

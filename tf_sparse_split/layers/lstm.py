@@ -739,7 +739,10 @@ class SparseSplitLSTM(keras.layers.LSTM):
             # The bias as one more input feature (a column of ones) of the
             # GEMM: no separate add over [G, T, R, 4U], and its gradient
             # comes out of the kernel gradient's GEMM.
-            xt = tf.concat([xt, tf.ones_like(xt[..., :1])], -1)
+            # (tf.ones, not ones_like(xt[..., :1]): that column is
+            # empty for inputs with no features.)
+            xt = tf.concat([xt, tf.ones(tf.concat(
+                [tf.shape(xt)[:-1], [1]], 0), xt.dtype)], -1)
             g_max = max(kernel.shape[0], bias.shape[0])
             kernel = tf.concat(
                 [tf.broadcast_to(w, tf.concat([[g_max], tf.shape(w)[1:]], 0))

@@ -615,6 +615,17 @@ def main(argv=None):
     except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"tf-sparse-split: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        # TensorFlow's run-time errors (out of memory for a huge --hidden,
+        # a model refusing the input) end the run with one line, not a
+        # traceback.
+        tf = sys.modules.get("tensorflow")
+        if tf is None or not isinstance(e, tf.errors.OpError):
+            raise
+        print(f"tf-sparse-split: error: {type(e).__name__}: "
+              f"{e.message.splitlines()[0] if e.message else e}",
+              file=sys.stderr)
+        return 1
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2
 

@@ -94,8 +94,8 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
 
     Raises:
       ValueError: a bad budget, level, rounds or warm-up, an empty sample
-        or one holding NaN/Inf,
-        ``accuracy_data`` not a pair of as many ``x`` as ``y``, or no
+        or one holding NaN/Inf, ``accuracy_data`` not a pair of as many
+        ``x`` as integer labels ``y``, or no
         activation to control.
     """
     import keras
@@ -137,6 +137,14 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
                 "`accuracy_data` (x, y) must hold the same non-zero number "
                 f"of examples; got x of shape {np.shape(ax)} and y of shape "
                 f"{np.shape(ay)}")
+        y_arr = np.asarray(ay)
+        if y_arr.size != nx[0] or not (
+                np.issubdtype(y_arr.dtype, np.integer) or
+                np.issubdtype(y_arr.dtype, np.bool_)):
+            raise ValueError(
+                "`accuracy_data` labels y must be one integer class per "
+                f"example ([n] or [n, 1]); got shape {y_arr.shape}, dtype "
+                f"{y_arr.dtype}")
     controls = _controls(model)
     if not controls:
         raise ValueError(
