@@ -330,3 +330,25 @@ def test_cli_tensorflow_runtime_error_is_one_line(run_cli, monkeypatch):
     assert err.strip().splitlines() == [
         "tf-sparse-split: error: ResourceExhaustedError: OOM when allocating "
         "tensor with shape[64,2000000000]"]
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("call, name", [
+    (lambda a, b: tfss.sparse_split_matmul(None, b), "a"),
+    (lambda a, b: tfss.sparse_split_matmul(a, None), "b"),
+    (lambda a, b: sparse_split_sddmm(None, a, b), "mask"),
+    (lambda a, b: sparse_split_sddmm(a, None, b), "x"),
+    (lambda a, b: tfss.sparse_split_conv2d(None, b[None, None], 1, "SAME"),
+     "input"),
+    (lambda a, b: tfss.sparse_split_conv2d(a[None, None], None, 1, "SAME"),
+     "filters"),
+    (lambda a, b: bias_fat_relu(None, b[0], 0.1), "x"),
+], ids=["matmul-a", "matmul-b", "sddmm-mask", "sddmm-x", "conv-input",
+        "conv-filters", "fat-relu-x"])
+def test_none_operand_names_the_argument(call, name):
+    """``convert_to_tensor(None)``'s ValueError named no argument."""
+    rng = np.random.default_rng(8)
+    a, b = _sparse(rng, 4, 5), _sparse(rng, 5, 5)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"{name} must be a .*got None"):
+        call(a, b)

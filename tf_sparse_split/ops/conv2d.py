@@ -27,6 +27,9 @@ CONV_DTYPES = (tf.float32, tf.float64, tf.bfloat16, tf.float16)
 
 def _conv_operand(value, name):
     """``value`` as a tensor of one of :data:`CONV_DTYPES`."""
+    if value is None:
+        raise invalid(f"sparse_split_conv2d: {name} must be a float32, "
+                      "float64, bfloat16 or float16 tensor, got None")
     t = tf.convert_to_tensor(value)
     if t.dtype not in CONV_DTYPES:
         raise invalid(
