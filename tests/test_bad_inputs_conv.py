@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sparse_split as tfss
-from tests._helpers import run_python
+from _helpers import run_python
 
 pytestmark = pytest.mark.usefixtures("op_library")
 
