@@ -66,20 +66,34 @@ def eligible_reason(layer):
     return f"{cls.__name__} is not keras.layers.Dense or keras.layers.Conv2D"
 
 
+def _is_rebuildable(model):
+    return isinstance(model, (keras.Sequential,
+                              keras.src.models.functional.Functional))
+
+
 def _check_model(model, what):
     if not isinstance(model, keras.Model):
         raise ValueError(f"{what} takes a keras.Model, got {type(model).__name__}")
-    if not isinstance(model, (keras.Sequential,)) and \
-            not isinstance(model, keras.src.models.functional.Functional):
+    # The model itself and every model nested in it (clone_model rebuilds
+    # nested models from their configs, which a subclassed one cannot
+    # give back: Keras' TypeError "Unable to revive model from config").
+    for m in [model] + [l for l in model._flatten_layers(include_self=False)
+                        if isinstance(l, keras.Model)]:
+        if not _is_rebuildable(m):
+            where = "" if m is model else f" (nested in {model.name!r})"
+            raise ValueError(
+                f"{what} supports Sequential and functional Keras models (and "
+                f"models nested in them); {type(m).__name__}{where} is a "
+                "subclassed model whose layers cannot be rebuilt one by one. "
+                "Build it as a functional model, or use SparseSplitDense/"
+                "SparseSplitConv2D in its code directly")
+    if not model.built:
         raise ValueError(
-            f"{what} supports Sequential and functional Keras models (and "
-            f"models nested in them); {type(model).__name__} is a subclassed "
-            "model whose layers cannot be rebuilt one by one. Build it as a "
-            "functional model, or use SparseSplitDense/SparseSplitConv2D in "
-            "its code directly")
+            f"{what}: the model {model.name!r} is not built; give it an "
+            "Input (or call it once) before converting it")
 
 
-def _filter(layer_filter):
+def _filter(layer_filter, model):
     if layer_filter is None:
         return lambda layer: True
     if callable(layer_filter):
@@ -92,6 +106,12 @@ def _filter(layer_filter):
         raise ValueError("layer_filter must be None, a callable taking a "
                          "layer, or a collection of layer names, got "
                          f"{layer_filter!r}") from None
+    # A misspelt name would otherwise convert nothing, silently.
+    known = {l.name for l in model._flatten_layers(include_self=False)}
+    unknown = sorted(str(n) for n in names - known)
+    if unknown:
+        raise ValueError(f"layer_filter names layers the model "
+                         f"{model.name!r} does not have: {unknown}")
     return lambda layer: layer.name in names
 
 
@@ -176,12 +196,14 @@ def sparse_split_model(model, layer_filter=None, threshold="auto"):
       new optimizer, no optimizer state) when ``model`` is compiled.
 
     Raises:
-      ValueError: a subclassed model, an unbuilt model, a bad threshold or
-        ``layer_filter``.
+      ValueError: a subclassed model (or one nested in ``model``), an
+        unbuilt model, a bad threshold or ``layer_filter`` (not a callable
+        or a collection of names, or naming a layer the model does not
+        have).
     """
     _check_model(model, "sparse_split_model")
     threshold = validate_threshold(threshold)
-    accept = _filter(layer_filter)
+    accept = _filter(layer_filter, model)
 
     def convert(layer):
         if eligible_reason(layer) is not None or not accept(layer):

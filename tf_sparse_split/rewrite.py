@@ -72,7 +72,9 @@ What the pass does:
   dilated filter's static extent).
 * It leaves alone -- and says why at ``VLOG(1)``
   (``TF_CPP_VMODULE=sparse_split_rewrite=1``) and in :func:`log` -- what it
-  cannot replace exactly: dtypes other than float32/float64, nodes on a
+  cannot replace exactly: dtypes the replacement op has no kernel for
+  (it takes float32, float64, bfloat16 and float16; not integer or
+  complex products), nodes on a
   device without a kernel of ours (GPU, TPU), nodes with no device on a
   machine with a GPU (the placer would put ``MatMul`` there), XLA-compiled
   functions (``jit_compile=True``, ``_XlaCompile``/``_xla*`` attributes),
@@ -114,6 +116,7 @@ import contextlib
 import threading
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
@@ -168,17 +171,31 @@ def _apply(cfg):
     return tuple(s.decode() for s in active.numpy())
 
 
+def _names_tuple(value, name):
+    """``value`` (a string or an iterable of them) as a tuple; a clear
+    ``ValueError`` naming the argument for None or a non-iterable."""
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of op type names, got "
+                         f"{value!r}") from None
+
+
 def _validate(threshold, min_flops, ops, producers):
     _threshold_value(threshold)
+    # A number, not a bool or numeric text (float(True) and float("10")
+    # would pass).
+    if isinstance(min_flops, (bool, np.bool_, str, bytes)):
+        raise ValueError(f"min_flops must be a number >= 0, got {min_flops!r}")
     try:
         min_flops = float(min_flops)
     except (TypeError, ValueError):
         raise ValueError(f"min_flops must be a number >= 0, got {min_flops!r}") from None
     if not min_flops >= 0:
         raise ValueError(f"min_flops must be >= 0, got {min_flops}")
-    if isinstance(ops, str):
-        ops = (ops,)
-    ops = tuple(ops)
+    ops = _names_tuple(ops, "ops")
     unknown = [o for o in ops if o not in SUPPORTED_OPS]
     if unknown or not ops:
         raise ValueError(f"ops must be a non-empty subset of {SUPPORTED_OPS}, "
@@ -188,8 +205,10 @@ def _validate(threshold, min_flops, ops, producers):
             raise ValueError("producers must be a sequence of op type names "
                              f"or 'any', got {producers!r}")
     else:
-        producers = tuple(producers)
-        if not producers or not all(isinstance(p, str) and p for p in producers):
+        producers = _names_tuple(producers, "producers")
+        # Names are op types: no tab (the pass's log is tab-separated).
+        if not producers or not all(isinstance(p, str) and p and "\t" not in p
+                                    for p in producers):
             raise ValueError("producers must be a non-empty sequence of op "
                              f"type names or 'any', got {producers!r}")
     return min_flops, ops, producers
@@ -232,7 +251,8 @@ def enable(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,
     Raises:
       ValueError: for a threshold above 1, NaN or a string other than
         ``"auto"``,
-        a negative ``min_flops``, unknown ``ops`` or malformed ``producers``.
+        a negative, NaN, bool or text ``min_flops``, unknown ``ops`` or
+        malformed ``producers`` (None, not a sequence of op type names).
       tf_sparse_split.LibraryLoadError: if the op library cannot be loaded.
     """
     min_flops, ops, producers = _validate(threshold, min_flops, ops, producers)

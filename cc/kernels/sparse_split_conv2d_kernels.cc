@@ -188,7 +188,7 @@ struct ConvAttrs {
       for (auto p : explicit_paddings)
         if (p < 0 || p > (int64_t{1} << 30))
           return tf::errors::InvalidArgument(
-              op, ": explicit_paddings must be >= 0, got ",
+              op, ": explicit_paddings must be in [0, 2^30], got ",
               list(explicit_paddings));
       if (explicit_paddings[0] || explicit_paddings[1] ||
           explicit_paddings[6] || explicit_paddings[7])
@@ -229,6 +229,19 @@ struct ConvAttrs {
     const int64_t pb = padding_code == 2 ? explicit_paddings[3] : 0;
     const int64_t pl = padding_code == 2 ? explicit_paddings[4] : 0;
     const int64_t pr = padding_code == 2 ? explicit_paddings[5] : 0;
+    // TensorFlow's CPU convolutions (the dense part) crash -- a
+    // floating-point exception or a segmentation fault, not an error -- on
+    // a dilated filter or a padded input side near 2^31 (e.g. dilations of
+    // 2^31 - 1 with SAME padding, or explicit paddings of 2^30 on each
+    // side), so sides beyond kMaxConvSide are refused first.
+    constexpr int64_t kMaxConvSide = int64_t{1} << 30;
+    const int64_t ek_h = (g->kh - 1) * g->dil_h + 1;  // kh, dil < 2^31
+    const int64_t ek_w = (g->kw - 1) * g->dil_w + 1;
+    if (ek_h > kMaxConvSide || ek_w > kMaxConvSide)
+      return tf::errors::InvalidArgument(
+          op, ": the dilated filter, (K - 1) * dilation + 1 = ", ek_h, "x",
+          ek_w, " (filter ", g->kh, "x", g->kw, ", dilations ", g->dil_h,
+          "x", g->dil_w, "), exceeds 2^30 per side; reduce the dilations");
     if (!ConvOutputSize(g->h, g->kh, g->stride_h, g->dil_h, padding_code, pt,
                         pb, &g->out_h, &g->pad_top, &err) ||
         !ConvOutputSize(g->w, g->kw, g->stride_w, g->dil_w, padding_code, pl,
@@ -238,6 +251,29 @@ struct ConvAttrs {
           ", filter ", g->kh, "x", g->kw, ", dilations ", g->dil_h, "x",
           g->dil_w, ", padding ", padding);
     }
+    // The padded input: explicit paddings as given; SAME's total as
+    // TensorFlow pads, max((out - 1) * stride + ek - in, 0).
+    auto padded = [&](int64_t in, int64_t out, int64_t stride, int64_t ek,
+                      int64_t before, int64_t after) {
+      if (padding_code == 2) return in + before + after;
+      if (padding_code == 1)
+        return in + std::max<int64_t>((out - 1) * stride + ek - in, 0);
+      return in;
+    };
+    const int64_t ph = padded(g->h, g->out_h, g->stride_h, ek_h, pt, pb);
+    const int64_t pw = padded(g->w, g->out_w, g->stride_w, ek_w, pl, pr);
+    if (ph > kMaxConvSide || pw > kMaxConvSide)
+      return tf::errors::InvalidArgument(
+          op, ": the padded input, ", ph, "x", pw, " (input ", g->h, "x",
+          g->w, ", padding ", padding, "), exceeds 2^30 per side; reduce the "
+          "explicit paddings or the dilations");
+    int64_t elems = 0;
+    if (__builtin_mul_overflow(g->n, g->out_h, &elems) ||
+        __builtin_mul_overflow(elems, g->out_w, &elems) ||
+        __builtin_mul_overflow(elems, g->c_out, &elems))
+      return tf::errors::InvalidArgument(
+          op, ": the output [N, OH, OW, C_out] = [", g->n, ", ", g->out_h,
+          ", ", g->out_w, ", ", g->c_out, "] has more than 2^63 values");
     return absl::OkStatus();
   }
 };
@@ -372,7 +408,15 @@ absl::Status ReadSizes4(const tf::Tensor& sizes, const char* op,
     if (sz(i) < 0)
       return tf::errors::InvalidArgument(op, ": ", what, " must be >= 0, got ",
                                          sz(i));
-  *shape = tf::TensorShape({sz(0), sz(1), sz(2), sz(3)});
+  // Not the CHECK-ing TensorShape constructor: sizes whose product
+  // overflows int64 (e.g. four of 2^31 - 1) are an error, not an abort.
+  const absl::Status built = tf::TensorShape::BuildTensorShape(
+      {int64_t{sz(0)}, int64_t{sz(1)}, int64_t{sz(2)}, int64_t{sz(3)}}, shape);
+  if (!built.ok())
+    return tf::errors::InvalidArgument(op, ": ", what, " [", sz(0), ", ",
+                                       sz(1), ", ", sz(2), ", ", sz(3),
+                                       "] has too many values: ",
+                                       built.message());
   return absl::OkStatus();
 }
 

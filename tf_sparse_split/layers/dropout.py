@@ -450,8 +450,10 @@ class ApproximateRandomDropout(_SettableRate, keras.layers.Layer):
     distribution in force, and ``.keras`` files keep their layout.
 
     Raises:
-      ValueError: bad rate, pattern or tile shape (a tile wider than the
-        layer or not dividing it is reported at build time).
+      ValueError: bad rate, pattern, tile shape or ``probabilities`` (not
+        ``[kind, period, probability]`` triples, a probability negative,
+        NaN or infinite); at build time, inputs of rank < 2 or a tile wider
+        than the layer or not dividing it.
     """
 
     def __init__(self, rate, pattern="row", tile_shape=None,
@@ -485,15 +487,29 @@ class ApproximateRandomDropout(_SettableRate, keras.layers.Layer):
     @staticmethod
     def _check_probabilities(probabilities):
         out = []
+        bad = ValueError(
+            "probabilities must be a list of [kind, period, probability]"
+            f" triples, got {probabilities!r}")
+        if isinstance(probabilities, (str, bytes)):
+            raise bad
         try:
-            for kind, p, prob in probabilities:
+            for triple in probabilities:
+                if isinstance(triple, (str, bytes)) or len(triple) != 3:
+                    raise bad
+                kind, p, prob = triple
                 if kind not in ("drop", "keep"):
                     raise ValueError(f"pattern kind must be 'drop' or 'keep',"
                                      f" got {kind!r}")
                 p = validate_int(p, "period", 2 if kind == "drop" else 1)
-                prob = float(prob)
-                if not prob >= 0:
-                    raise ValueError(f"probability must be >= 0, got {prob}")
+                try:
+                    prob = float(prob)
+                except ValueError:
+                    raise ValueError("probability must be a finite number "
+                                     f">= 0, got {prob!r}") from None
+                # An infinite entry would normalise to NaN probabilities.
+                if not 0 <= prob < float("inf"):
+                    raise ValueError("probability must be a finite number "
+                                     f">= 0, got {prob}")
                 out.append((kind, p, prob))
         except TypeError:
             raise ValueError(
@@ -559,6 +575,11 @@ class ApproximateRandomDropout(_SettableRate, keras.layers.Layer):
         return [("keep", 1)], np.ones(1), None
 
     def build(self, input_shape):
+        if len(input_shape) < 2:
+            raise ValueError(
+                "ApproximateRandomDropout needs inputs of rank >= 2 "
+                "([batch, ..., units]), got shape "
+                f"{tuple(input_shape)}")
         units = input_shape[-1]
         if units is None:
             raise ValueError("ApproximateRandomDropout needs a known last "
@@ -611,7 +632,14 @@ class ApproximateRandomDropout(_SettableRate, keras.layers.Layer):
 
     def keep_mask(self, batch_size=None):
         """Draws one training-step mask: float32 ``[1, units]`` (row) or
-        ``[batch_size, units]`` (tile); 1 = kept. Advances the seed state."""
+        ``[batch_size, units]`` (tile); 1 = kept. Advances the seed state.
+
+        Raises:
+          ValueError: tile patterns without ``batch_size``.
+        """
+        if self.pattern == "tile" and batch_size is None:
+            raise ValueError("keep_mask: tile patterns need `batch_size` "
+                             "(the rows of the mask)")
         return pattern_keep_mask(self._table, None, self._units,
                                  self.seed_generator, pattern=self.pattern,
                                  tile_shape=self.tile_shape,

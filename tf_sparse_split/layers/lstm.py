@@ -278,6 +278,12 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
                                  f"{tile_shape!r}")
             self.tile_shape = None
         self.max_period = validate_int(max_period, "max_period", 2)
+        # Rates in [0, 1), as set_rates takes them: keras.layers.LSTMCell
+        # clamps instead (dropout=1.0 gave NaN outputs here, -0.1 or NaN
+        # became 0 and True 1.0 without a word).
+        for attr in ("dropout", "recurrent_dropout"):
+            if attr in kwargs:
+                kwargs[attr] = validate_fraction(kwargs[attr], attr)
         super().__init__(units, **kwargs)
         self._distributions = {}
         self._tables = {}
@@ -559,6 +565,8 @@ class SparseSplitLSTM(keras.layers.LSTM):
 
     Raises:
       ValueError: bad ``pattern``, ``tile_shape``, ``max_period``,
+        ``dropout`` or ``recurrent_dropout`` (not a number in [0, 1):
+        ``keras.layers.LSTM`` clamps such rates instead),
         ``pattern_groups`` (not an int >= 1, or > 1 with ``pattern="tile"``
         or ``"random"``) or ``recurrent_group_share`` (not in [0, 1], or
         < 1 without ``pattern="subset"``), a tile not dividing the dimension it drops, or
@@ -731,7 +739,10 @@ class SparseSplitLSTM(keras.layers.LSTM):
             # The bias as one more input feature (a column of ones) of the
             # GEMM: no separate add over [G, T, R, 4U], and its gradient
             # comes out of the kernel gradient's GEMM.
-            xt = tf.concat([xt, tf.ones_like(xt[..., :1])], -1)
+            # (tf.ones, not ones_like(xt[..., :1]): that column is
+            # empty for inputs with no features.)
+            xt = tf.concat([xt, tf.ones(tf.concat(
+                [tf.shape(xt)[:-1], [1]], 0), xt.dtype)], -1)
             g_max = max(kernel.shape[0], bias.shape[0])
             kernel = tf.concat(
                 [tf.broadcast_to(w, tf.concat([[g_max], tf.shape(w)[1:]], 0))

@@ -39,6 +39,9 @@ def float_operand(value, op, name, dtypes=FLOAT_DTYPES):
         float64, got ..."`` (with ``" (or the 16-bit bfloat16 or float16)"``
         where those are allowed).
     """
+    if value is None:   # convert_to_tensor's message names no argument
+        raise invalid(f"{op}: {name} must be a {_names(dtypes)} tensor, "
+                      "got None")
     t = tf.convert_to_tensor(value)
     if t.dtype not in dtypes:
         raise invalid(f"{op}: {name} must be {_names(dtypes)}, got "
@@ -55,6 +58,9 @@ def operand_like(value, ref, op, name, ref_name):
       tf.errors.InvalidArgumentError: ``"{op}: {name} has dtype ... but
         {ref_name} has ..."``.
     """
+    if value is None:
+        raise invalid(f"{op}: {name} must be a tensor of {ref_name}'s dtype "
+                      f"{ref.dtype.name}, got None")
     t = (tf.convert_to_tensor(value) if hasattr(value, "dtype")
          else tf.convert_to_tensor(value, dtype_hint=ref.dtype))
     if t.dtype != ref.dtype:

@@ -1,6 +1,8 @@
 """``sparse_split_conv2d``: the ``SparseSplitConv2D`` op wrapper (NHWC) and
 its registered gradient."""
 
+import numbers
+
 import numpy as np
 import tensorflow as tf
 
@@ -25,6 +27,9 @@ CONV_DTYPES = (tf.float32, tf.float64, tf.bfloat16, tf.float16)
 
 def _conv_operand(value, name):
     """``value`` as a tensor of one of :data:`CONV_DTYPES`."""
+    if value is None:
+        raise invalid(f"sparse_split_conv2d: {name} must be a float32, "
+                      "float64, bfloat16 or float16 tensor, got None")
     t = tf.convert_to_tensor(value)
     if t.dtype not in CONV_DTYPES:
         raise invalid(
@@ -33,21 +38,63 @@ def _conv_operand(value, name):
     return t
 
 
+#: The largest stride, dilation or explicit padding the ops take (their
+#: attrs are int32; the C++ kernels refuse paddings above 2^30).
+_INT32_MAX = 2**31 - 1
+_MAX_EXPLICIT_PADDING = 2**30
+
+
+def _is_int(v):
+    """True for a Python or numpy integer (not a bool), or an integer
+    scalar tensor / array."""
+    if isinstance(v, (bool, np.bool_)):
+        return False
+    if isinstance(v, (numbers.Integral, np.integer)):
+        return True
+    dtype = getattr(v, "dtype", None)
+    return (dtype is not None and getattr(v, "ndim", None) == 0 and
+            tf.as_dtype(dtype).is_integer)
+
+
+def _int_entries(value, what, low, high):
+    """``value`` (an int or an iterable of ints; not a string) as a list of
+    Python ints in ``[low, high]``, else ``InvalidArgumentError`` naming
+    ``what`` (floats are refused, not truncated)."""
+    if isinstance(value, (str, bytes)) or value is None:
+        vals = None
+    elif _is_int(value):
+        vals = [value]
+    else:
+        try:
+            vals = list(value)
+        except TypeError:
+            vals = None
+    if vals is None or not all(_is_int(v) for v in vals):
+        raise invalid(f"sparse_split_conv2d: {what} must be ints, got "
+                      f"{value!r}")
+    vals = [int(v) for v in vals]
+    if any(not low <= v <= high for v in vals):
+        raise invalid(f"sparse_split_conv2d: {what} must be in [{low}, "
+                      f"{high}], got {vals}")
+    return vals
+
+
 def _conv_list(value, name):
     """strides / dilations as tf.nn.conv2d takes them (int, or 1, 2 or 4
     ints) -> the NHWC list of 4 ints."""
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         raise invalid(f"sparse_split_conv2d: {name} must be ints, got {value!r}")
-    if isinstance(value, (int,)) or (hasattr(value, "dtype") and
-                                     getattr(value, "ndim", 1) == 0):
+    if _is_int(value):
         v = int(value)
+        if not 0 < v <= _INT32_MAX:
+            raise invalid(f"sparse_split_conv2d: {name} must be positive "
+                          f"(at most 2^31 - 1), got {v}")
         return [1, v, v, 1]
-    try:
-        vals = [int(v) for v in value]
-    except (TypeError, ValueError):
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise invalid(
             f"sparse_split_conv2d: {name} must be an int or a list of 1, 2 or "
-            f"4 ints, got {value!r}") from None
+            f"4 ints, got {value!r}")
+    vals = _int_entries(value, name, -_INT32_MAX - 1, _INT32_MAX)
     if len(vals) == 1:
         return [1, vals[0], vals[0], 1]
     if len(vals) == 2:
@@ -65,12 +112,15 @@ def _conv_padding(padding, explicit_paddings):
             raise invalid("sparse_split_conv2d: give explicit paddings either "
                            "as the padding list or as explicit_paddings")
         try:
-            flat = [int(p) for pair in padding for p in pair]
-        except (TypeError, ValueError):
+            flat = [p for pair in padding for p in pair]
+        except TypeError:
+            flat = None
+        if flat is None or not all(_is_int(p) for p in flat):
             raise invalid(
-                "sparse_split_conv2d: explicit padding must be 4 pairs "
-                f"[[0, 0], [top, bottom], [left, right], [0, 0]], got {padding!r}"
-            ) from None
+                "sparse_split_conv2d: explicit padding must be 4 pairs of "
+                "ints [[0, 0], [top, bottom], [left, right], [0, 0]], got "
+                f"{padding!r}")
+        flat = [int(p) for p in flat]
         if len(padding) != 4 or len(flat) != 8:
             raise invalid(
                 "sparse_split_conv2d: explicit padding must be 4 pairs "
@@ -86,7 +136,8 @@ def _conv_padding(padding, explicit_paddings):
         if explicit_paddings is None:
             raise invalid("sparse_split_conv2d: padding 'EXPLICIT' needs "
                            "explicit_paddings (8 ints)")
-        flat = [int(p) for p in explicit_paddings]
+        flat = _int_entries(explicit_paddings, "explicit_paddings",
+                            -_INT32_MAX - 1, _INT32_MAX)
         return "EXPLICIT", flat
     if explicit_paddings:
         raise invalid(
@@ -111,6 +162,10 @@ def _check_conv_attrs(strides, dilations, padding, explicit):
         if any(p < 0 for p in explicit):
             raise invalid(
                 f"sparse_split_conv2d: explicit paddings must be >= 0, got {explicit}")
+        if any(p > _MAX_EXPLICIT_PADDING for p in explicit):
+            raise invalid(
+                "sparse_split_conv2d: explicit paddings must be at most 2^30, "
+                f"got {explicit}")
         if explicit[0] or explicit[1] or explicit[6] or explicit[7]:
             raise invalid(
                 "sparse_split_conv2d: explicit paddings on the batch and "
@@ -243,10 +298,13 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         float16, or differing between input, filters and bias,
         rank other than 4, ``C_in`` differing between input and filter
         (grouped convolution is not supported), strides/dilations not
-        positive or not 1 on the batch/channel dimensions, a bad padding
-        (unknown string, explicit list not 8 values / negative / nonzero on
-        N or C), an input smaller than the dilated filter with VALID
-        padding, a threshold above 1, NaN or not scalar, a ``bias`` that is
+        positive or not 1 on the batch/channel dimensions, strides,
+        dilations or explicit paddings that are not ints (floats, strings),
+        a bad padding (unknown string, explicit list not 8 values /
+        negative / above 2^30 / nonzero on N or C), an input smaller than
+        the dilated filter with VALID padding, a dilated filter side
+        ``(K - 1) * dilation + 1`` or a padded input side above 2^30
+        (TensorFlow's CPU kernel, the dense part, crashes there), a threshold above 1, NaN or not scalar, a ``bias`` that is
         not a vector ``[C_out]`` of the input's dtype.
       ValueError: an unknown ``activation``; shape errors detected while
         tracing a ``tf.function`` (shape inference).
@@ -257,11 +315,10 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     lib = load_library()
     with tf.name_scope(name or "SparseSplitConv2D"):
         x = _conv_operand(input, "input")
-        f = tf.convert_to_tensor(filters, dtype_hint=x.dtype)
-        if f.dtype != x.dtype:
-            raise invalid(
-                f"sparse_split_conv2d: filters have dtype {f.dtype.name} but "
-                f"input has {x.dtype.name}")
+        # An array or tensor keeps its dtype (a float64 filter with float32
+        # input is an error, not a silent cast); a Python list takes x's.
+        f = operand_like(filters, x, "sparse_split_conv2d", "filters",
+                         "input")
         for t, what in ((x, "input [N, H, W, C_in]"),
                         (f, "filters [KH, KW, C_in, C_out]")):
             if t.shape.rank is not None and t.shape.rank != 4:
@@ -351,7 +408,7 @@ def sparse_split_conv2d_backprop_input(input_sizes, filters, out_backprop,
       tf.errors.InvalidArgumentError: a dtype outside the four, differing
         between ``filters`` and ``out_backprop``; ``input_sizes`` not 4
         non-negative ints (a float or bool dtype, int64 values beyond
-        int32); ranks other than 4; ``C_in`` of ``input_sizes``
+        int32) or sizes whose product overflows int64; ranks other than 4; ``C_in`` of ``input_sizes``
         and ``filters`` differing; ``out_backprop`` not of the convolution's
         output shape; paddings beyond the dilated filter; a bad threshold.
     """

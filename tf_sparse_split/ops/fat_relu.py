@@ -1,6 +1,9 @@
 """``bias_fat_relu``: bias + FATReLU in one pass (the ``BiasFatRelu`` op)
 and its registered gradient (``BiasFatReluGrad``, one pass)."""
 
+import numbers
+
+import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
@@ -40,8 +43,10 @@ def bias_fat_relu(x, bias, cutoff=None, name=None, threshold=None):
     Raises:
       tf.errors.InvalidArgumentError: dtype not float32, float64, bfloat16
         or float16, or differing,
-        ``bias`` not ``[C]``, a cutoff that is negative, NaN or not a
-        scalar.
+        ``bias`` not ``[C]``, a ``cutoff`` that is negative, NaN, not a
+        scalar, a bool or not a number (named ``cutoff`` when its value is
+        known before the op runs; the kernel's own check of a symbolic
+        tensor names the op's input, ``threshold``).
       TypeError: no ``cutoff`` given, or both ``cutoff`` and ``threshold``.
     """
     cutoff = renamed_kwarg("bias_fat_relu", "threshold", "cutoff", threshold,
@@ -55,8 +60,42 @@ def bias_fat_relu(x, bias, cutoff=None, name=None, threshold=None):
         if bias.dtype != x.dtype:
             raise invalid(f"bias_fat_relu: bias has dtype {bias.dtype.name} "
                           f"but x has {x.dtype.name}")
-        t = tf.cast(tf.convert_to_tensor(cutoff), x.dtype)
+        t = tf.cast(_cutoff_operand(cutoff), x.dtype)
         return lib.tf_sparse_split_bias_fat_relu(x, bias, t)
+
+
+def _cutoff_operand(cutoff):
+    """``cutoff`` checked under its own name before the op (whose input,
+    and so whose kernel's message, is named ``threshold``): a real scalar
+    ``>= 0``, not NaN. A number, a numpy scalar or a tensor whose value is
+    known (eager, or a constant) is checked here; a symbolic tensor's value
+    by the kernel at run time (FATReLU passes its variable clamped to
+    ``>= 0``).
+
+    Raises:
+      tf.errors.InvalidArgumentError: a bool, a string or other non-number,
+        a non-scalar, a negative or NaN value.
+    """
+    msg = "bias_fat_relu: cutoff must be a real scalar >= 0 (not NaN), got"
+    if isinstance(cutoff, (bool, np.bool_, str, bytes)):
+        raise invalid(f"{msg} {cutoff!r}")
+    if isinstance(cutoff, (numbers.Real, np.number)):
+        value = float(cutoff)
+        if not value >= 0.0:
+            raise invalid(f"{msg} {cutoff!r}")
+        return tf.constant(value)
+    try:
+        t = tf.convert_to_tensor(cutoff)
+    except (TypeError, ValueError):
+        raise invalid(f"{msg} {cutoff!r}") from None
+    if not (t.dtype.is_floating or t.dtype.is_integer) or t.dtype.is_bool:
+        raise invalid(f"{msg} dtype {t.dtype.name}")
+    if t.shape.rank is not None and t.shape.rank != 0:
+        raise invalid(f"{msg} shape {t.shape}")
+    value = tf.get_static_value(t)
+    if value is not None and not float(value) >= 0.0:
+        raise invalid(f"{msg} {float(value)!r}")
+    return t
 
 
 @tf.RegisterGradient("TfSparseSplit>BiasFatRelu")

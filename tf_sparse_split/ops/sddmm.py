@@ -9,6 +9,7 @@ forward pass (R. Sun and L. Zhang, *Dynamic Sparse Method for Deep Learning
 Execution*, 2019).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sparse_split._loader import load_library
@@ -65,6 +66,7 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
         bfloat16 or float16, or differing between the inputs, a rank other than 2, sizes that do not
         match (``mask [M, K]``, ``x [M, N]``, ``op(b) [K, N]``), a
         non-scalar threshold or one above 1 or NaN.
+      TypeError: ``transpose_b`` not a bool.
       ValueError: rank/shape errors detected while tracing a
         ``tf.function`` (shape inference).
     """
@@ -74,6 +76,11 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
         mask = float_operand(mask, op, "mask", MATMUL_DTYPES)
         x = operand_like(x, mask, op, "x", "mask")
         b = operand_like(b, mask, op, "b", "mask")
+        # As sparse_split_matmul's transposes: a bool, not any truthy value
+        # (bool("no") is True).
+        if not isinstance(transpose_b, (bool, np.bool_)):
+            raise TypeError(f"{op}: transpose_b must be a bool, got "
+                            f"{transpose_b!r}")
         product, stats = lib.tf_sparse_split_sparse_split_sddmm(
             mask, x, b, as_threshold(threshold), transpose_b=bool(transpose_b),
             full_stats=bool(return_stats if full_stats is None else full_stats))

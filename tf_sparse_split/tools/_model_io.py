@@ -74,6 +74,8 @@ def input_from_args(args):
 
     Raises:
       FileNotFoundError: a missing input file.
+      ValueError: an input that is not a non-empty array of floats (an
+        integer array would fail inside the model's graph).
     """
     if args.input is None:
         return None, (f"random, relu(normal) with {args.input_sparsity:.2f} "
@@ -81,6 +83,13 @@ def input_from_args(args):
     if not os.path.isfile(args.input):
         raise FileNotFoundError(f"no such input file: {args.input}")
     x = np.load(args.input)
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ValueError(f"--input {args.input}: the array has dtype "
+                         f"{x.dtype}; give the model's float inputs (e.g. "
+                         "x.astype('float32'))")
+    if x.ndim == 0 or x.shape[0] == 0:
+        raise ValueError(f"--input {args.input}: no examples (shape "
+                         f"{x.shape})")
     return x, f"from {args.input}, {float(np.mean(x == 0)):.3f} zeros"
 
 

@@ -95,7 +95,8 @@ from tf_sparse_split.utils.validation import (validate_fraction, validate_int,
 
 __all__ = ["main", "build_parser", "parse_positive_int",
            "parse_nonnegative_int", "parse_int_list",
-           "parse_positive_float", "parse_threshold", "parse_rate",
+           "parse_positive_float", "parse_seed", "parse_threshold",
+           "parse_rate",
            "parse_tile_shape"]
 
 
@@ -126,8 +127,30 @@ def parse_nonnegative_int(text):
 
 
 def parse_positive_float(text):
-    """argparse type: a number > 0."""
-    return _checked(validate_positive_float, text, "value")
+    """argparse type: a finite number > 0 (``--lr``; inf would train to
+    NaN)."""
+    import math
+
+    value = _checked(validate_positive_float, text, "value")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(
+            f"`value` must be a finite number > 0. Received: value={text!r}")
+    return value
+
+
+#: The largest ``--seed``: Keras' and numpy's seeds are 32-bit.
+MAX_SEED = 2**32 - 1
+
+
+def parse_seed(text):
+    """argparse type: an integer in ``[0, 2^32 - 1]`` (what
+    ``keras.utils.set_random_seed`` takes)."""
+    value = _parse_int(text, 0)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"`value` must be <= 2**32 - 1 = {MAX_SEED}. Received: "
+            f"value={value}")
+    return value
 
 
 def parse_int_list(text):
@@ -227,7 +250,7 @@ def build_parser():
                             + ",".join(map(str, DEFAULT_HIDDEN)) + ")")
     train.add_argument("--lr", type=parse_positive_float, default=1e-3,
                        help="Adam learning rate (default 1e-3)")
-    train.add_argument("--seed", type=parse_nonnegative_int, default=0,
+    train.add_argument("--seed", type=parse_seed, default=0,
                        help="random seed (default 0)")
     train.add_argument(
         "--threshold", type=parse_threshold, default=None, metavar="T|auto",
@@ -358,7 +381,7 @@ def build_parser():
                       help="timed repetitions per op (median; default 10)")
     prof.add_argument("--signature", default=None,
                       help="SavedModel signature (default serving_default)")
-    prof.add_argument("--seed", type=parse_nonnegative_int, default=0,
+    prof.add_argument("--seed", type=parse_seed, default=0,
                       help="seed of the random inputs (default 0)")
     # Whole-model latency (tools/latency.py).
     prof.add_argument(
@@ -401,12 +424,25 @@ def _writable_dir_problem(path):
             return "is not writable"
         return None
     parent = os.path.dirname(path)
+    missing = [path]
     while not os.path.exists(parent):
+        missing.append(parent)
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"cannot be created: {parent!r} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"cannot be created: {parent!r} is not writable"
+    # The permission bits can say yes where creation fails (root on /proc,
+    # a read-only mount): create the directories and remove them again.
+    try:
+        os.makedirs(path)
+    except OSError as e:
+        return f"cannot be created: {e.strerror or e}"
+    for d in missing:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
     return None
 
 
@@ -578,6 +614,17 @@ def main(argv=None):
     # ImportError includes LibraryLoadError.
     except (FileNotFoundError, ValueError, ImportError) as e:
         print(f"tf-sparse-split: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        # TensorFlow's run-time errors (out of memory for a huge --hidden,
+        # a model refusing the input) end the run with one line, not a
+        # traceback.
+        tf = sys.modules.get("tensorflow")
+        if tf is None or not isinstance(e, tf.errors.OpError):
+            raise
+        print(f"tf-sparse-split: error: {type(e).__name__}: "
+              f"{e.message.splitlines()[0] if e.message else e}",
+              file=sys.stderr)
         return 1
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2

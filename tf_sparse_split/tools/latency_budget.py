@@ -93,8 +93,9 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
       ``chosen`` (index into ``points``), ``reachable``, ``budget_ms``.
 
     Raises:
-      ValueError: a bad budget, level, rounds or warm-up, an empty sample,
-        ``accuracy_data`` not a pair of as many ``x`` as ``y``, or no
+      ValueError: a bad budget, level, rounds or warm-up, an empty sample
+        or one holding NaN/Inf, ``accuracy_data`` not a pair of as many
+        ``x`` as integer labels ``y``, or no
         activation to control.
     """
     import keras
@@ -107,12 +108,24 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
     budget = _finite_positive(seconds, "seconds")
     rounds = validate_int(rounds, "rounds", 1)
     warmup = validate_int(warmup, "warmup", 1)
-    levels = sorted(float(v) for v in levels)
+    try:
+        if isinstance(levels, (str, bytes)):
+            raise TypeError
+        levels = sorted(float(v) for v in levels)
+    except (TypeError, ValueError):
+        raise ValueError("levels must be a sequence of fractions in (0, 1), "
+                         f"got {levels!r}") from None
     if not levels or any(not (0.0 < v < 1.0) for v in levels):
         raise ValueError(f"levels must be fractions in (0, 1), got {levels}")
     x = tf.convert_to_tensor(sample)
     if x.shape.rank is None or x.shape.rank == 0 or int(tf.size(x)) == 0:
         raise ValueError("fit_latency_budget needs a non-empty sample batch")
+    # The cutoffs are quantiles of the activations on the sample: a NaN
+    # there would make every cutoff NaN (a FATReLU that zeroes everything).
+    if x.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(x))):
+        raise ValueError("fit_latency_budget: `sample` holds NaN or Inf "
+                         "values; the cutoffs are quantiles of the "
+                         "activations on it")
     if accuracy_data is not None:   # checked before any cutoff moves
         try:
             ax, ay = accuracy_data
@@ -124,6 +137,14 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
                 "`accuracy_data` (x, y) must hold the same non-zero number "
                 f"of examples; got x of shape {np.shape(ax)} and y of shape "
                 f"{np.shape(ay)}")
+        y_arr = np.asarray(ay)
+        if y_arr.size != nx[0] or not (
+                np.issubdtype(y_arr.dtype, np.integer) or
+                np.issubdtype(y_arr.dtype, np.bool_)):
+            raise ValueError(
+                "`accuracy_data` labels y must be one integer class per "
+                f"example ([n] or [n, 1]); got shape {y_arr.shape}, dtype "
+                f"{y_arr.dtype}")
     controls = _controls(model)
     if not controls:
         raise ValueError(

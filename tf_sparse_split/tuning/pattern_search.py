@@ -76,16 +76,19 @@ def pattern_list(num_columns, max_period):
 
 def _pattern_rates(patterns, num_columns):
     """Per pattern: the realized drop fraction for each offset (array of
-    length p) over ``num_columns`` units."""
-    j = np.arange(num_columns)
+    length p) over ``num_columns`` units.
+
+    Counted, not masked: the units ``j < C`` with ``j = o (mod p)`` number
+    ``ceil((C - o) / p)`` for ``o < C`` (0 beyond), so the cost is the
+    number of offsets, not offsets times units (a mask per offset took 342 s
+    at rate 0.999 over 10,000 units, whose periods reach 2,000)."""
+    c = int(num_columns)
     out = []
     for kind, p in patterns:
-        rates = []
-        for o in range(p):
-            hit = ((j - o) % p) == 0
-            dropped = hit if kind == "drop" else ~hit
-            rates.append(dropped.mean())
-        out.append(np.array(rates))
+        o = np.arange(p)
+        hits = np.where(o < c, (c - o + p - 1) // p, 0)
+        dropped = hits if kind == "drop" else c - hits
+        out.append(dropped / float(c))
     return out
 
 
