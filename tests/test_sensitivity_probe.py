@@ -101,8 +101,29 @@ def test_overhead_accounting_adds_up():
     wall = time.perf_counter() - t0
     o = cb.overhead
     assert o["steps"] == 16
-    # One probe at the warm-up's end, one at each epoch end after it.
-    assert o["probes"] == 3
-    for key in ("step_s", "probe_s", "epoch_end_s"):
+    # One probe at the warm-up's end, one at each epoch end after it (run,
+    # or skipped when fewer than two layers' sparsity buys time).
+    assert o["probes"] + o["probes_skipped"] == 3
+    assert (o["probe_s"] > 0.0) == (o["probes"] > 0)
+    for key in ("step_s", "epoch_end_s"):
         assert 0.0 < o[key] < wall
     assert o["step_s"] + o["probe_s"] + o["epoch_end_s"] < wall
+
+
+def test_probe_skipped_when_one_layer_buys_time():
+    """With a min_gain no layer's predicted saving reaches, the probe
+    cannot change the allocation: never run, the log says why."""
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    y = rng.integers(0, 10, 64)
+    cb = tfss.TimeBudgetCallback(step_time=0.001, warmup_steps=2,
+                                 min_samples=2, min_gain=0.49,
+                                 sensitivity_data=(x[:32], y[:32]),
+                                 clock=_Clock())
+    _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    assert cb.overhead["probes"] == 0 and cb.overhead["probe_s"] == 0.0
+    assert cb.overhead["probes_skipped"] == 3
+    assert "not probed" in cb._sens_note
+    assert set(cb.controller.sensitivities) == {"h2", "out"}

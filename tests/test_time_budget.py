@@ -524,6 +524,19 @@ def test_controller_bad_arguments():
         B.robust_step_time([])
 
 
+def test_layers_that_buy_time():
+    c, plant, cur = _setup()
+    # Both layers' sparse paths win at high sparsity: both buy time (at a
+    # least gain of 1% of a 20 ms step).
+    assert c.layers_that_buy_time(0.02) == ["a", "b"]
+    # A sparse path 100x slower never wins: that layer buys nothing.
+    c.set_cost("b", _cost(n=1024, sparse_rate=1e9))
+    assert c.layers_that_buy_time(0.02) == ["a"]
+    # A least gain larger than any saving: none.
+    c.min_gain = 0.49
+    assert c.layers_that_buy_time(10.0) == []
+
+
 def test_unchanged_settings_are_rechecked_every_few_steps():
     """After a decision that changes nothing (a hold in the dead band),
     the next one waits for ``recheck`` new steps, not one."""

@@ -62,7 +62,11 @@ response): with ``sensitivity_data=(x, y)`` the callback evaluates the loss
 on that held batch (inference mode) with each controlled activation's
 cutoff raised, one at a time, to the quantile that adds ``0.05`` to its
 output's fraction of zeros; ``(loss - base loss) / 0.05`` is the layer's
-sensitivity. It is measured when the warm-up ends and at every epoch end.
+sensitivity. It is measured when the warm-up ends and at every epoch end,
+unless fewer than two controlled layers' sparsity is predicted to buy time
+(``BudgetController.layers_that_buy_time``): the sensitivities only weigh
+such layers against each other, so the probe could not change the
+allocation (it is skipped, and the log says so).
 Without a held batch every layer gets the same sensitivity (then the
 allocation follows the time saved alone), which the log says.
 """
@@ -105,7 +109,7 @@ DEADLINE_HOLD = 10
 
 def _new_overhead():
     return {"step_s": 0.0, "steps": 0, "probe_s": 0.0, "probes": 0,
-            "epoch_end_s": 0.0}
+            "probes_skipped": 0, "epoch_end_s": 0.0}
 
 
 class _Knob(_Control):
@@ -498,7 +502,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         ``step_s`` in its per-step hooks over ``steps`` steps (statistics
         reads, decisions, the trace; the probe excluded), ``probe_s`` in
         ``probes`` sensitivity probes (the first one with their tracing),
-        ``epoch_end_s`` in ``on_epoch_end`` (the probe excluded).
+        ``probes_skipped`` probes not run because fewer than two layers'
+        sparsity is predicted to buy time (then the sensitivities cannot
+        change the allocation), ``epoch_end_s`` in ``on_epoch_end`` (the
+        probe excluded).
       deadline_log: ``(step, reachable, predicted seconds, message)`` each
         time the epoch time or deadline became unreachable at the fastest
         allocation (at once), or reachable again (after ``DEADLINE_HOLD``
@@ -796,10 +803,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                 c.set_floor(k.name, _budget.activation_sparsity(
                     z / n, [_realized(d, r) for d, r in
                             zip(k.dropouts, k.rate_floor)]))
-        self._measure_sensitivity()
         # The natural phase's later half: the steps at the floor rates.
         t = self._phase_times[len(self._phase_times) // 2:]
         self._base_s = _budget.robust_step_time(t) if t else None
+        self._measure_sensitivity()
         self._phase = "natural-done"
 
     def _next_probe(self):
@@ -902,6 +909,25 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._sens_note = "no held batch: equal sensitivities"
             return
         x, y = self.sensitivity_data
+        step = c.measured() or self._base_s or 0.0
+        buy = c.layers_that_buy_time(step)
+        if len(buy) < 2 and len(self._knobs) > 1:
+            # The allocation weighs layers by sensitivity only between
+            # layers whose sparsity buys time: with one (or none) the
+            # probe cannot change its choice. Not probed (it costs a few
+            # steps' worth of forward passes at every epoch end).
+            for k in self._knobs:
+                if c.sensitivities.get(k.name) is None:
+                    c.set_sensitivity(k.name, 1.0)
+            if self._plan is not None:
+                self._plan.expect_epoch_end(0.0)
+            self.overhead["probes_skipped"] += 1
+            self._sens_note = (
+                "sensitivity not probed: " + (
+                    f"only {buy[0]}'s sparsity buys time"
+                    if buy else "no layer's sparsity buys time") +
+                " (predicted)")
+            return
         w = time.perf_counter()
         if self._probe is None:
             self._probe = SensitivityProbe(

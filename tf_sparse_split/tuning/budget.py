@@ -897,6 +897,33 @@ class BudgetController:
             v /= 1.0 + min((float(at) - floor) / span, 1.0)
         self.sensitivities[layer] = v
 
+    def layers_that_buy_time(self, measured_s):
+        """The layers whose sparsity, raised alone from the natural level
+        to ``max_sparsity`` (rates as in force), is predicted to save at
+        least half of ``min_gain * measured_s`` step seconds (``factor``
+        times the op seconds saved; a layer without a predicting cost is
+        left out). The allocation weighs the layers against each other by
+        their sensitivities only when two or more do: otherwise a
+        sensitivity probe cannot change what it chooses.
+
+        Args:
+          measured_s: the step seconds the saving is compared with.
+        """
+        out = []
+        m = float(measured_s) if measured_s else 0.0
+        for n in self.layers:
+            cost = self.costs.get(n)
+            if cost is None or not cost.predicts:
+                continue
+            knobs = {r: k for r, k in self.rate_knobs.items()
+                     if k.layer == n}
+            saving = self.model.factor * (
+                _layer_seconds(cost, self.floors[n], knobs, self.rates) -
+                _layer_seconds(cost, self.max_sparsity, knobs, self.rates))
+            if saving > 0 and saving >= 0.5 * self.min_gain * m:
+                out.append(n)
+        return out
+
     @property
     def samples(self):
         """Steps measured at the settings in force (after settling)."""
