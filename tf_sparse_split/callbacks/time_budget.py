@@ -103,8 +103,10 @@ SKEW_WINDOW = 32
 #: Consecutive decisions that must find an epoch time or deadline reachable
 #: before it is announced as reachable again (a predicted end within a few
 #: percent of the deadline would otherwise flip the message every few
-#: steps); becoming unreachable is announced at once.
-DEADLINE_HOLD = 10
+#: steps); becoming unreachable is announced at once. Decisions at
+#: unchanged settings come every ``BudgetController.recheck`` (4) steps:
+#: about 20 steps.
+DEADLINE_HOLD = 5
 
 
 def _new_overhead():
