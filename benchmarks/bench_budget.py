@@ -472,8 +472,9 @@ def run_case(case, data, args, report, pngs):
     report.append(_common.markdown_table(
         "| model | budget x plain | seeds | median / budget: median "
         "(range) | within +-5% | acc - fixed acc, points: mean +- sd "
-        "(range) | mean >= -0.3 | callback's own ms per step | probe s "
-        "per fit (probes) |", summary))
+        "(range) | mean >= -0.3 | callback's own ms per step (median over "
+        "seeds) | probe s per fit (median; probes run, first seed) |",
+        summary))
     report.append("\nPer run:\n")
     report.append(_common.markdown_table(
         "| model | budget x plain | seed | budget ms | step ms after epoch 1: "
