@@ -517,8 +517,48 @@ def test_controller_bad_arguments():
         B.BudgetController(["a"], max_sparsity=1.5)
     with pytest.raises(ValueError):
         B.BudgetController(["a"], min_samples=10, window=5)
+    for bad in (0, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="recheck"):
+            B.BudgetController(["a"], recheck=bad)
     with pytest.raises(ValueError):
         B.robust_step_time([])
+
+
+def test_layers_that_buy_time():
+    c, plant, cur = _setup()
+    # Both layers' sparse paths win at high sparsity: both buy time (at a
+    # least gain of 1% of a 20 ms step).
+    assert c.layers_that_buy_time(0.02) == ["a", "b"]
+    # A sparse path 100x slower never wins: that layer buys nothing.
+    c.set_cost("b", _cost(n=1024, sparse_rate=1e9))
+    assert c.layers_that_buy_time(0.02) == ["a"]
+    # A least gain larger than any saving: none.
+    c.min_gain = 0.49
+    assert c.layers_that_buy_time(10.0) == []
+
+
+def test_unchanged_settings_are_rechecked_every_few_steps():
+    """After a decision that changes nothing (a hold in the dead band),
+    the next one waits for ``recheck`` new steps, not one."""
+    c, plant, cur = _setup()
+    c.recheck = 4
+    for _ in range(c.settle + c.min_samples):
+        c.observe_step(0.05)
+    assert c.decide(0.05) is None and len(c.log) == 1
+    assert c.log[-1].action == "hold"
+    steps = []
+    for i in range(12):
+        c.observe_step(0.05)
+        c.decide(0.05)
+        steps.append(len(c.log))
+    assert steps == [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4]
+    # Steps far over the budget are still acted on, once the median of
+    # the recent ones has moved (robust: a few slow steps do not move it).
+    acted = []
+    for _ in range(12):
+        c.observe_step(0.2)
+        acted.append(c.decide(0.05) is not None)
+    assert any(acted) and not any(acted[:3])
 
 
 def test_waits_for_samples_and_ignores_bad_times():

@@ -62,7 +62,11 @@ response): with ``sensitivity_data=(x, y)`` the callback evaluates the loss
 on that held batch (inference mode) with each controlled activation's
 cutoff raised, one at a time, to the quantile that adds ``0.05`` to its
 output's fraction of zeros; ``(loss - base loss) / 0.05`` is the layer's
-sensitivity. It is measured when the warm-up ends and at every epoch end.
+sensitivity. It is measured when the warm-up ends and at every epoch end,
+unless fewer than two controlled layers' sparsity is predicted to buy time
+(``BudgetController.layers_that_buy_time``): the sensitivities only weigh
+such layers against each other, so the probe could not change the
+allocation (it is skipped, and the log says so).
 Without a held batch every layer gets the same sensitivity (then the
 allocation follows the time saved alone), which the log says.
 """
@@ -99,8 +103,15 @@ SKEW_WINDOW = 32
 #: Consecutive decisions that must find an epoch time or deadline reachable
 #: before it is announced as reachable again (a predicted end within a few
 #: percent of the deadline would otherwise flip the message every few
-#: steps); becoming unreachable is announced at once.
-DEADLINE_HOLD = 10
+#: steps); becoming unreachable is announced at once. Decisions at
+#: unchanged settings come every ``BudgetController.recheck`` (4) steps:
+#: about 20 steps.
+DEADLINE_HOLD = 5
+
+
+def _new_overhead():
+    return {"step_s": 0.0, "steps": 0, "probe_s": 0.0, "probes": 0,
+            "probes_skipped": 0, "epoch_end_s": 0.0}
 
 
 class _Knob(_Control):
@@ -265,9 +276,27 @@ class SensitivityProbe:
         self.steady_s = 0.0
         self._traced = False
         self.fats = list(fats)
-        feats = keras.Model(model.inputs, [o.output for o, _ in self.fats])
-        self._fwd = tf.function(lambda t: model(t, training=False))
-        self._act = tf.function(lambda t: feats(t, training=False))
+        loss_fn = self.loss_fn
+        outs = list(getattr(model, "outputs", None) or [])
+        ins = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+        if len(outs) == 1:
+            # One pass gives the base loss and the activations.
+            both = keras.Model(ins,
+                               outs + [o.output for o, _ in self.fats])
+            self._base = tf.function(lambda t, y: self._split(
+                loss_fn, both(t, training=False), y))
+        else:
+            feats = keras.Model(ins, [o.output for o, _ in self.fats])
+            self._base = tf.function(lambda t, y: (
+                _mean_loss(loss_fn, y, model(t, training=False)),
+                _as_list(feats(t, training=False))))
+        self._loss = tf.function(lambda t, y: _mean_loss(
+            loss_fn, y, model(t, training=False)))
+
+    @staticmethod
+    def _split(loss_fn, outs, y):
+        outs = _as_list(outs)
+        return _mean_loss(loss_fn, y, outs[0]), outs[1:]
 
     def measure(self, x, y, delta=SENSITIVITY_DELTA):
         """For each FATReLU in turn, the loss on ``(x, y)`` (inference
@@ -288,30 +317,32 @@ class SensitivityProbe:
         import tensorflow as tf
 
         x = tf.convert_to_tensor(x)
+        y = tf.convert_to_tensor(y)
         calls = []
 
         def loss():
             t = self.clock()
-            v = float(np.mean(np.asarray(self.loss_fn(y, self._fwd(x)))))
+            v = float(self._loss(x, y))
             calls.append(self.clock() - t)
             return v
 
         t_start = self.clock()
-        base = loss()
-        t_act = self.clock()
-        ys = self._act(x)
-        act_s = self.clock() - t_act
+        base, ys = self._base(x, y)
+        base = float(base)
+        base_s = self.clock() - t_start
         try:
             sens, zeros = self._each(x, y, ys, base, loss, delta)
         finally:
             total = self.clock() - t_start
             if not self._traced:
                 # The first measurement traces both functions: count their
-                # calls at the later calls' median instead.
+                # first calls at the later calls' median instead (the base
+                # pass also returns the activations: about one call).
                 typical = float(np.median(calls[1:])) if len(calls) > 1 \
-                    else min(calls[0], act_s)
-                total -= max(calls[0] - typical, 0.0) + \
-                    max(act_s - typical, 0.0)
+                    else (calls[0] if calls else base_s)
+                total -= max(base_s - typical, 0.0)
+                if calls:
+                    total -= max(calls[0] - typical, 0.0)
                 self._traced = True
             self.steady_s = max(total, 0.0)
         return base, sens, zeros
@@ -321,8 +352,10 @@ class SensitivityProbe:
             ys = [ys]
         sens, zeros = [], []
         for (owner, fat), a in zip(self.fats, ys):
-            a = np.asarray(a, np.float64).reshape(-1)
-            z = float(np.mean(a == 0.0))
+            # float32, as computed (a float64 copy doubled the quantile's
+            # cost on these 10^5-10^6 values).
+            a = np.asarray(a).reshape(-1)
+            z = float(np.count_nonzero(a == 0.0)) / max(a.size, 1)
             zeros.append(z)
             cut = float(np.quantile(a, min(z + delta, 0.999)))
             old = fat.cutoff
@@ -335,6 +368,16 @@ class SensitivityProbe:
             finally:
                 fat.cutoff_var.assign(old)
         return sens, zeros
+
+
+def _as_list(v):
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _mean_loss(loss_fn, y, pred):
+    import tensorflow as tf
+
+    return tf.reduce_mean(tf.cast(loss_fn(y, pred), tf.float32))
 
 
 def layer_sensitivities(model, fats, x, y, delta=SENSITIVITY_DELTA):
@@ -456,6 +499,15 @@ class TimeBudgetCallback(keras.callbacks.Callback):
       history: one dict per epoch with the logged values.
       elapsed_s: seconds from ``on_train_begin`` to ``on_train_end`` (after
         the fit).
+      overhead: the callback's own wall seconds in the fit (what it adds
+        to the fit besides the steps it times), ``time.perf_counter``:
+        ``step_s`` in its per-step hooks over ``steps`` steps (statistics
+        reads, decisions, the trace; the probe excluded), ``probe_s`` in
+        ``probes`` sensitivity probes (the first one with their tracing),
+        ``probes_skipped`` probes not run because fewer than two layers'
+        sparsity is predicted to buy time (then the sensitivities cannot
+        change the allocation), ``epoch_end_s`` in ``on_epoch_end`` (the
+        probe excluded).
       deadline_log: ``(step, reachable, predicted seconds, message)`` each
         time the epoch time or deadline became unreachable at the fastest
         allocation (at once), or reachable again (after ``DEADLINE_HOLD``
@@ -546,6 +598,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self._knobs = []
         self._lstm = []
         self._writer = None
+        self.overhead = _new_overhead()
 
     # -- discovery -----------------------------------------------------------
     def _discover(self):
@@ -642,6 +695,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self._deadline_flips = 0    # decisions disagreeing with it in a row
         self.elapsed_s = None
         self.deadline_log = []
+        self.overhead = _new_overhead()
         self._warm = False
         self._floor_sum = {k.name: [0.0, 0.0] for k in self._knobs}
         self._phase = None          # None: natural sparsity; else a probe
@@ -665,6 +719,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             k.epoch_zero = k.epoch_elems = 0.0
 
     def on_train_batch_begin(self, batch, logs=None):
+        w = time.perf_counter()
         self._t0 = self.clock()
         # The budget in force for this step (for an epoch time or a
         # deadline: the time left over the steps left, this one included).
@@ -672,8 +727,27 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._plan.step_begin(self._t0)
         self._budget_now = self._step_budget(self._t0) \
             if self.controller else 0.0
+        self._own("step_s", w)
+
+    def _own(self, key, since, probe_before=None):
+        """Adds the wall seconds since ``since`` (``time.perf_counter``)
+        to :attr:`overhead` ``[key]``, less the probe's seconds spent
+        since ``probe_before`` (counted under ``probe_s``)."""
+        o = self.overhead
+        spent = time.perf_counter() - since
+        if probe_before is not None:
+            spent -= o["probe_s"] - probe_before
+        o[key] += max(spent, 0.0)
 
     def on_train_batch_end(self, batch, logs=None):
+        w, probe = time.perf_counter(), self.overhead["probe_s"]
+        try:
+            self._batch_end()
+        finally:
+            self.overhead["steps"] += 1
+            self._own("step_s", w, probe)
+
+    def _batch_end(self):
         t_end = self.clock()
         dt = t_end - self._t0
         if self._plan is not None:
@@ -731,10 +805,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                 c.set_floor(k.name, _budget.activation_sparsity(
                     z / n, [_realized(d, r) for d, r in
                             zip(k.dropouts, k.rate_floor)]))
-        self._measure_sensitivity()
         # The natural phase's later half: the steps at the floor rates.
         t = self._phase_times[len(self._phase_times) // 2:]
         self._base_s = _budget.robust_step_time(t) if t else None
+        self._measure_sensitivity()
         self._phase = "natural-done"
 
     def _next_probe(self):
@@ -785,8 +859,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             if not self._warm and self._phase is None:
                 self._floor_sum[k.name][0] += dz
                 self._floor_sum[k.name][1] += de
-            total, calls = k.consumer.accumulated_stats_vector()
-            if calls > 0:
+            # read_new_stats has just read the totals: no second host read.
+            if k.seen_calls > 0:
                 c.set_cost(k.name, _budget.LayerCost.from_stats(
                     k.consumer.latest_stats_vector()))
             if k.window_elems > 0:
@@ -837,11 +911,35 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._sens_note = "no held batch: equal sensitivities"
             return
         x, y = self.sensitivity_data
+        step = c.measured() or self._base_s or 0.0
+        buy = c.layers_that_buy_time(step)
+        if len(buy) < 2 and len(self._knobs) > 1:
+            # The allocation weighs layers by sensitivity only between
+            # layers whose sparsity buys time: with one (or none) the
+            # probe cannot change its choice. Not probed (it costs a few
+            # steps' worth of forward passes at every epoch end).
+            for k in self._knobs:
+                if c.sensitivities.get(k.name) is None:
+                    c.set_sensitivity(k.name, 1.0)
+            if self._plan is not None:
+                self._plan.expect_epoch_end(0.0)
+            self.overhead["probes_skipped"] += 1
+            self._sens_note = (
+                "sensitivity not probed: " + (
+                    f"only {buy[0]}'s sparsity buys time"
+                    if buy else "no layer's sparsity buys time") +
+                " (predicted)")
+            return
+        w = time.perf_counter()
         if self._probe is None:
             self._probe = SensitivityProbe(
                 self.model, [(k.owner, k.fat) for k in self._knobs],
                 clock=self.clock)
-        base, sens, zeros = self._probe.measure(x, y)
+        try:
+            base, sens, zeros = self._probe.measure(x, y)
+        finally:
+            self.overhead["probe_s"] += time.perf_counter() - w
+            self.overhead["probes"] += 1
         if self._plan is not None:
             # Repeated at every epoch end: part of each epoch boundary.
             self._plan.expect_epoch_end(self._probe.steady_s)
@@ -973,6 +1071,13 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             k.skip_new_stats()
 
     def on_epoch_end(self, epoch, logs=None):
+        w, probe = time.perf_counter(), self.overhead["probe_s"]
+        try:
+            self._epoch_end(epoch, logs)
+        finally:
+            self._own("epoch_end_s", w, probe)
+
+    def _epoch_end(self, epoch, logs):
         c = self.controller
         now = self.clock()
         if self._plan is not None:

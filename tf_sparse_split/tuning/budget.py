@@ -771,6 +771,12 @@ class BudgetController:
         model's prediction at the settings in force (default 0.3) is taken
         as a change of the machine's speed: the model forgets its window
         (:meth:`StepModel.restart`).
+      recheck: new steps measured before the next decision when the last
+        one changed nothing (a hold in the dead band, or targets already
+        where the allocation wants them; int >= 1, default 4). The median
+        then still covers the last ``min_samples`` steps; deciding at
+        every step would re-run the allocation (about a millisecond of
+        Python on these machines) on a median that moved by one sample.
 
     Raises:
       ValueError: bad arguments.
@@ -778,7 +784,8 @@ class BudgetController:
 
     def __init__(self, layers, max_sparsity=0.95, step=0.05, min_samples=8,
                  settle=3, window=32, band=0.03, max_change=0.15, model=None,
-                 rates=None, max_rate_change=0.1, min_gain=0.01, shift=0.3):
+                 rates=None, max_rate_change=0.1, min_gain=0.01, shift=0.3,
+                 recheck=4):
         self.layers = list(layers)
         self.rate_knobs = dict(rates or {})
         if not self.layers and not self.rate_knobs:
@@ -806,6 +813,11 @@ class BudgetController:
             raise ValueError("`max_rate_change` must be > 0")
         self.min_gain = _fraction(min_gain, "min_gain", hi=0.5)
         self.shift = float(shift)
+        if isinstance(recheck, bool) or not isinstance(
+                recheck, (int, np.integer)) or recheck < 1:
+            raise ValueError(f"`recheck` must be an int >= 1. Received: "
+                             f"recheck={recheck!r}")
+        self.recheck = int(recheck)
         if not math.isfinite(self.shift) or self.shift <= 0:
             raise ValueError(f"`shift` must be > 0. Received: shift={shift!r}")
         for name, knob in self.rate_knobs.items():
@@ -824,6 +836,8 @@ class BudgetController:
         self.log = []
         self.steps = 0
         self._times = []        # steps since the last change
+        self._fresh = 0         # samples since the last decision
+        self._held = False      # the last decision changed nothing
         self._since_change = 0
         self._unreachable_logged = False
 
@@ -839,6 +853,7 @@ class BudgetController:
             return
         self._times.append(s)
         self._times = self._times[-self.window:]
+        self._fresh += 1
 
     def set_cost(self, layer, cost):
         """The layer's :class:`LayerCost` (refresh it from new statistics,
@@ -882,6 +897,33 @@ class BudgetController:
             v /= 1.0 + min((float(at) - floor) / span, 1.0)
         self.sensitivities[layer] = v
 
+    def layers_that_buy_time(self, measured_s):
+        """The layers whose sparsity, raised alone from the natural level
+        to ``max_sparsity`` (rates as in force), is predicted to save at
+        least half of ``min_gain * measured_s`` step seconds (``factor``
+        times the op seconds saved; a layer without a predicting cost is
+        left out). The allocation weighs the layers against each other by
+        their sensitivities only when two or more do: otherwise a
+        sensitivity probe cannot change what it chooses.
+
+        Args:
+          measured_s: the step seconds the saving is compared with.
+        """
+        out = []
+        m = float(measured_s) if measured_s else 0.0
+        for n in self.layers:
+            cost = self.costs.get(n)
+            if cost is None or not cost.predicts:
+                continue
+            knobs = {r: k for r, k in self.rate_knobs.items()
+                     if k.layer == n}
+            saving = self.model.factor * (
+                _layer_seconds(cost, self.floors[n], knobs, self.rates) -
+                _layer_seconds(cost, self.max_sparsity, knobs, self.rates))
+            if saving > 0 and saving >= 0.5 * self.min_gain * m:
+                out.append(n)
+        return out
+
     @property
     def samples(self):
         """Steps measured at the settings in force (after settling)."""
@@ -914,8 +956,11 @@ class BudgetController:
           Every decision taken is appended to :attr:`log` (a
           :class:`Decision`).
         """
-        if len(self._times) < self.min_samples:
+        if len(self._times) < self.min_samples or (
+                self._held and self._fresh < self.recheck):
             return None
+        self._fresh = 0
+        self._held = True
         budget_s = float(budget_s)
         m = self.measured()
         x_now = self._x({n: self.actual.get(n, self.targets[n])
@@ -1020,6 +1065,7 @@ class BudgetController:
         if changed:
             self._times = []
             self._since_change = 0
+            self._held = False
             return dict(new)
         self._times = self._times[-self.min_samples:]
         return None

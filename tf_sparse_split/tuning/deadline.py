@@ -24,10 +24,15 @@ first epoch (compilation, calibration, warm-up at the natural sparsity)
 only leaves less time to the steps after it. What is still to come is
 predicted from what the fit has shown so far: gaps by a trimmed mean of the
 recent ones (a one-off gap, such as the probe's first tracing, is not
-repeated), boundaries by the median of the measured ones (before the first
-has been seen, by what the caller knows it will spend at each epoch end,
-:meth:`WallTimePlan.expect_epoch_end`). The step budget is then re-planned
-at every step from the time left over the steps left:
+repeated), boundaries by the typical measured one (:func:`typical_end`: the
+lower median, the first epoch end left out while it is larger than every
+later one; before the first has been seen, what the caller knows it will
+spend at each epoch end, :meth:`WallTimePlan.expect_epoch_end`). An epoch
+end that costs more than predicted is paid once, where it happened (it is
+in the elapsed time), and not projected onto the ends still to come:
+projecting it made the step budget drop at one epoch end and jump back at
+the next (a plain median of two ends is their mean). The step budget is
+then re-planned at every step from the time left over the steps left:
 
     deadline:   (deadline - elapsed - gaps_left * gap - ends_left * boundary)
                 / steps_left
@@ -51,7 +56,7 @@ import numpy as np
 
 from tf_sparse_split.utils.validation import validate_int
 
-__all__ = ["WallTimePlan", "median_over_mean"]
+__all__ = ["WallTimePlan", "median_over_mean", "typical_end"]
 
 #: Gaps kept for the mean (the most recent ones).
 GAP_WINDOW = 64
@@ -80,6 +85,30 @@ def _trimmed_mean(values, trim=GAP_TRIM):
     drop = int(math.floor(trim * len(v) + 0.5)) if len(v) >= 8 else 0
     v = v[:len(v) - drop] if drop else v
     return float(np.mean(v)) if len(v) else 0.0
+
+
+def typical_end(seconds):
+    """The seconds predicted for each epoch end still to come from the ends
+    measured so far (seconds, in the order they happened; non-empty).
+
+    The lower median (an even count does not average in an outlier), of
+    all the measured ends, except that the first is left out while it is
+    larger than every later one: the first epoch end of a fit carries
+    one-off costs (the first validation's tracing, first calls of
+    epoch-end work) that are paid once and must not be projected onto the
+    later ends. Robust to one slow end in either direction: an end slowed
+    by a burst of load is paid where it happened, not expected again.
+
+    Raises:
+      ValueError: an empty sequence.
+    """
+    v = [max(float(b), 0.0) for b in seconds]
+    if not v:
+        raise ValueError("typical_end needs at least one measured end")
+    if len(v) > 1 and v[0] > max(v[1:]):
+        v = v[1:]
+    v.sort()
+    return v[(len(v) - 1) // 2]
 
 
 def median_over_mean(times, least=8):
@@ -207,15 +236,18 @@ class WallTimePlan:
 
     @property
     def tail_s(self):
-        """Predicted seconds from an epoch's last step to ``on_epoch_end``."""
-        return float(np.median(self.tails)) if self.tails else 0.0
+        """Predicted seconds from an epoch's last step to ``on_epoch_end``
+        (:func:`typical_end` of the measured ones)."""
+        return typical_end(self.tails) if self.tails else 0.0
 
     @property
     def boundary_s(self):
         """Predicted seconds from an epoch's last step to the next epoch's
-        first step (or, for the last epoch, to the end of the fit)."""
+        first step (or, for the last epoch, to the end of the fit):
+        :func:`typical_end` of the measured ones, at least what the caller
+        expects (:meth:`expect_epoch_end`)."""
         if self.boundaries:
-            return max(float(np.median(self.boundaries)),
+            return max(typical_end(self.boundaries),
                        self.expected_epoch_end_s)
         return self.expected_epoch_end_s + self.tail_s
 
