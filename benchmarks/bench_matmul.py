@@ -192,30 +192,34 @@ def run_case(m, k, n, sparsity, direction, reps, rng, dtype=tf.float32):
     }
 
 
-KERNEL_HEADER = ("| M x K x N | sparsity | nnz / k | tf.matmul bf16 (ms) | "
+KERNEL_HEADER = ("| M x K x N | direction | sparsity | nnz / k | tf.matmul bf16 (ms) | "
                  "packed kernel | direct kernel | per-call choice | "
                  "choice vs packed |")
 
 
-def kernel_row(m, k, n, sparsity, reps, rng):
+def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd"):
     """The bfloat16 CSR SpMM kernels against tf.matmul in bfloat16, same
     run: ``_kernels.lowp_spmm`` (count, CSR build and CsrSpmm of the op's
     sparse part; uint16 bit patterns in and out) with the packed kernel
-    (path 0), the direct one (path 1) and the per-call choice (path -1).
+    (path 0), the direct one (path 1) and the per-call choice (path -1);
+    ``direction`` "fwd": ``a [m, k] @ b [k, n]``, "grad": the weight
+    gradient ``a^T @ dY`` with ``dY [m, n]``.
     Returns the markdown row: tf.matmul's median ms and each kernel's
     speed-up over it (median of the per-round ratios, columns in a random
     order each round)."""
     from tf_sparse_split import _kernels
 
+    ta = direction == "grad"
     a = random_sparse((m, k), sparsity, rng, np.float32)
-    b = rng.standard_normal((k, n)).astype(np.float32)
+    b = rng.standard_normal((m if ta else k, n)).astype(np.float32)
     a_bits = _kernels.lowp_round(a, "bfloat16")
     b_bits = _kernels.lowp_round(b, "bfloat16")
     a_tf = tf.bitcast(tf.constant(a_bits), tf.bfloat16)
     b_tf = tf.bitcast(tf.constant(b_bits), tf.bfloat16)
-    dense = tf.function(lambda: tf.matmul(a_tf, b_tf))
+    dense = tf.function(lambda: tf.matmul(a_tf, b_tf, transpose_a=ta))
     fns = [lambda: dense().numpy()] + [
-        (lambda p=p: _kernels.lowp_spmm(a_bits, b_bits, "bfloat16", path=p))
+        (lambda p=p: _kernels.lowp_spmm(a_bits, b_bits, "bfloat16", ta,
+                                        path=p))
         for p in (0, 1, -1)]
     outs = [f() for f in fns[1:]]
     for o in outs[1:]:
@@ -232,7 +236,9 @@ def kernel_row(m, k, n, sparsity, reps, rng):
         return statistics.median(x / y for x, y in zip(times[base], times[col]))
 
     nnz = int(np.count_nonzero(a_bits & 0x7fff))
-    return (f"| {m}x{k}x{n} | {sparsity:.2f} | {nnz / k:.1f} | "
+    inner = m if ta else k
+    return (f"| {m}x{k}x{n} | {'a^T @ dY' if ta else 'a @ b'} | "
+            f"{sparsity:.2f} | {nnz / inner:.1f} | "
             f"{1e3 * statistics.median(times[0]):.3f} | {ratio(0, 1):.2f}x | "
             f"{ratio(0, 2):.2f}x | **{ratio(0, 3):.2f}x** | "
             f"{ratio(1, 3):.2f}x |")
@@ -340,7 +346,7 @@ def main(argv=None):
                    help="instead of the op table: the bfloat16 CSR SpMM "
                         "kernels (packed, direct, the per-call choice; "
                         "_kernels.lowp_spmm) against tf.matmul in "
-                        "bfloat16 on the forward product of --shapes "
+                        "bfloat16 on the --directions products of --shapes "
                         "(default 128x2048x2048,1024x4096x1024) at "
                         "--sparsities (default 0.9,0.95,0.98,0.99)")
     args = p.parse_args(argv)
@@ -428,16 +434,19 @@ def kernel_main(args, shapes):
     rng = np.random.default_rng(args.seed)
     rows = []
     print(KERNEL_HEADER, flush=True)
+    directions = [d.strip() for d in args.directions.split(",") if d.strip()]
     for m, k, n in shapes:
-        for sp in sps:
-            rows.append(kernel_row(m, k, n, sp, args.reps, rng))
-            print(rows[-1], flush=True)
+        for direction in directions:
+            for sp in sps:
+                rows.append(kernel_row(m, k, n, sp, args.reps, rng, direction))
+                print(rows[-1], flush=True)
     isa = _kernels.low_precision_isa()
     title = (f"bfloat16 CSR SpMM kernels (count + CSR build + CsrSpmm, "
              f"_kernels.lowp_spmm) against tf.matmul in bfloat16 (oneDNN; "
              f"amx_bf16={isa['amx_bf16']}), same run: speed-up "
              f"t(tf.matmul) / t(kernel), median of {args.reps} interleaved "
-             f"rounds' ratios; 'choice vs packed' = t(packed) / t(choice); "
+             f"rounds' ratios; nnz / k: nonzeros per column of op(a) (per "
+             f"row of b); 'choice vs packed' = t(packed) / t(choice); "
              f"instruction set {isa['active']}; "
              f"{tf_machine_desc(build_info())}.")
     print()

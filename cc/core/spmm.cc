@@ -144,22 +144,26 @@ Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
                                     int64_t nnz) {
   const int forced = forced_bf16_kernel.load(std::memory_order_relaxed);
   if (forced >= 0) return static_cast<Bf16SpmmKernel>(forced);
-  (void)n_rows;
-  // The packed kernel pays ~k * n per call (B widened into the pack, read
-  // in strided 256-byte panel rows) and then one memory-operand FMA per
-  // product; the direct kernel pays nothing per call but a shift or a mask
-  // per product and B's rows from L2 rather than L1 (about 2x the packed
-  // kernel's cost per product). So the direct kernel wins while B's rows
-  // meet few nonzeros each, nnz / k small. Measured (CPU seconds, 1 and 2
-  // threads, AVX-512): the two cross at nnz / k ~ 4.5 on 128x2048x2048
-  // (96.5% zeros) and 1024x4096x1024 (99.6%), ~9 on 256x1024x4096 and
-  // above 12 on 512x2048x512, where the packed kernel repacks B per row
-  // group; at nnz / k = 1 the direct kernel is 1.6-2.4x faster. A narrow
-  // output (n < 32 columns, one vector of bfloat16) keeps the packed kernel,
-  // whose narrow panels are vectorised.
+  // The packed kernel pays, per call, ~k * n (B widened into the pack, read
+  // in strided 256-byte panel rows) and ~n_rows * n (a float32 buffer of
+  // the whole output, fresh pages zero-filled by the OS, narrowed to
+  // bfloat16 at the end), then one memory-operand FMA per product. The
+  // direct kernel pays neither (it rounds each output row once, straight
+  // into c) but a shift or a mask per product and B's rows from L2 rather
+  // than L1: about twice the packed kernel's cost per product. So the direct
+  // kernel wins up to nnz ~ a k + b n_rows. Fitted to the crossovers
+  // measured (CPU seconds, 1 and 2 threads, AVX-512; rows x k x n, the
+  // nnz where the two tie): forward 128x2048x2048 ~9k (96.5% zeros),
+  // 1024x4096x1024 ~20k (99.5%), weight gradients a^T dY 2048x128x2048
+  // ~40k (85%), 4096x1024x1024 ~83k (98%), 2048x2048x2048 ~41k (99%). At
+  // 98-99% zeros the direct kernel was 1.3-2.4x faster, and the MLP's
+  // weight gradient (2048x128x2048) 1.2x at 90% zeros, 2x at 98%. A narrow
+  // output (n < 32 columns, one vector of bfloat16) keeps the packed
+  // kernel, whose narrow panels are vectorised.
   if (n < 32) return Bf16SpmmKernel::kPacked;
-  return nnz <= kDirectMaxNnzPerK * k ? Bf16SpmmKernel::kDirect
-                                      : Bf16SpmmKernel::kPacked;
+  return nnz <= kDirectNnzPerK * k + kDirectNnzPerRow * n_rows
+             ? Bf16SpmmKernel::kDirect
+             : Bf16SpmmKernel::kPacked;
 }
 
 void ForceBf16SpmmKernel(int kernel) {

@@ -37,18 +37,21 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
 
 // The two bfloat16 kernels of CsrSpmm (identical bits): kPacked widens
 // each K block of B into a float32 pack and runs memory-operand FMAs on it
-// (its cost has a k * n term whatever the sparsity); kDirect widens B's
+// (its cost has k * n and n_rows * n terms whatever the sparsity: the
+// pack, a float32 buffer of the output); kDirect widens B's
 // values in registers as each nonzero uses them (cost ~ nnz * n, about
 // twice the packed kernel's per product).
 enum class Bf16SpmmKernel { kPacked = 0, kDirect = 1 };
 
-// The mean number of nonzeros per column of op(a) (nnz / k) up to which the
-// direct kernel is taken.
-constexpr int64_t kDirectMaxNnzPerK = 4;
+// The direct kernel is taken up to nnz = kDirectNnzPerK * k +
+// kDirectNnzPerRow * n_rows nonzeros (fitted to measured crossovers, see
+// ChooseBf16SpmmKernel in spmm.cc).
+constexpr int64_t kDirectNnzPerK = 3;
+constexpr int64_t kDirectNnzPerRow = 16;
 
 // The kernel a bfloat16 CsrSpmm of n_rows x k (nnz nonzeros) times k x n
 // takes: forced (ForceBf16SpmmKernel), else kDirect for n >= 32 and
-// nnz <= kDirectMaxNnzPerK * k.
+// nnz <= kDirectNnzPerK * k + kDirectNnzPerRow * n_rows.
 Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
                                     int64_t nnz);
 
