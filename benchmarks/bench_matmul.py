@@ -49,6 +49,7 @@ Usage::
 import argparse
 import os
 import statistics
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -197,13 +198,15 @@ KERNEL_HEADER = ("| M x K x N | direction | sparsity | nnz / k | tf.matmul bf16 
                  "choice vs packed |")
 
 
-def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd"):
+def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
+               clock=time.perf_counter):
     """The bfloat16 CSR SpMM kernels against tf.matmul in bfloat16, same
     run: ``_kernels.lowp_spmm`` (count, CSR build and CsrSpmm of the op's
     sparse part; uint16 bit patterns in and out) with the packed kernel
     (path 0), the direct one (path 1) and the per-call choice (path -1);
     ``direction`` "fwd": ``a [m, k] @ b [k, n]``, "grad": the weight
-    gradient ``a^T @ dY`` with ``dY [m, n]``.
+    gradient ``a^T @ dY`` with ``dY [m, n]``; ``clock`` the timer
+    (``time.process_time``: CPU seconds of the process, all threads).
     Returns the markdown row: tf.matmul's median ms and each kernel's
     speed-up over it (median of the per-round ratios, columns in a random
     order each round)."""
@@ -230,7 +233,7 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd"):
     times = [[] for _ in fns]
     for _ in range(reps):
         for i in rng.permutation(len(fns)):
-            times[i].append(statistics.mean(call_times(fns[i], block)))
+            times[i].append(statistics.mean(call_times(fns[i], block, clock)))
 
     def ratio(base, col):
         return statistics.median(x / y for x, y in zip(times[base], times[col]))
@@ -349,6 +352,10 @@ def main(argv=None):
                         "bfloat16 on the --directions products of --shapes "
                         "(default 128x2048x2048,1024x4096x1024) at "
                         "--sparsities (default 0.9,0.95,0.98,0.99)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="--bf16-kernels: time wall-clock seconds or the "
+                        "process's CPU seconds (all threads; less disturbed "
+                        "by other jobs on a loaded machine)")
     args = p.parse_args(argv)
     tfss.load_library()
     from tf_sparse_split import _kernels
@@ -438,12 +445,16 @@ def kernel_main(args, shapes):
     for m, k, n in shapes:
         for direction in directions:
             for sp in sps:
-                rows.append(kernel_row(m, k, n, sp, args.reps, rng, direction))
+                rows.append(kernel_row(
+                    m, k, n, sp, args.reps, rng, direction,
+                    time.process_time if args.clock == "cpu"
+                    else time.perf_counter))
                 print(rows[-1], flush=True)
     isa = _kernels.low_precision_isa()
     title = (f"bfloat16 CSR SpMM kernels (count + CSR build + CsrSpmm, "
              f"_kernels.lowp_spmm) against tf.matmul in bfloat16 (oneDNN; "
-             f"amx_bf16={isa['amx_bf16']}), same run: speed-up "
+             f"amx_bf16={isa['amx_bf16']}), same run, "
+             f"{'CPU' if args.clock == 'cpu' else 'wall-clock'} seconds: speed-up "
              f"t(tf.matmul) / t(kernel), median of {args.reps} interleaved "
              f"rounds' ratios; nnz / k: nonzeros per column of op(a) (per "
              f"row of b); 'choice vs packed' = t(packed) / t(choice); "
