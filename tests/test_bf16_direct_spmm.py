@@ -149,3 +149,23 @@ def test_float16_ignores_the_path():
     outs = [kern.lowp_spmm(a16, b16, "float16", path=p) for p in (-1, 0, 1)]
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])
+
+
+def test_kernel_choice_rule():
+    """Direct up to nnz = 3 k + 16 n_rows with n >= 32 (the packed kernel's
+    per-call costs ~ k n for its pack and ~ n_rows n for its float32
+    output buffer), on the shapes the constants were fitted to."""
+    choose = _kernels().bf16_spmm_kernel
+    # forward 128x2048x2048 (batch 128): 8192 nonzeros (97% zeros) direct,
+    # 13107 (95%) packed
+    assert choose(128, 2048, 2048, 8192) == "direct"
+    assert choose(128, 2048, 2048, 13107) == "packed"
+    # weight gradient a^T dY of the same layer: 2048 rows, k = 128
+    assert choose(2048, 128, 2048, 26214) == "direct"     # 90% zeros
+    assert choose(2048, 128, 2048, 52429) == "packed"     # 80%
+    assert choose(10, 100, 2048, 3 * 100 + 16 * 10) == "direct"  # the edge
+    assert choose(10, 100, 2048, 3 * 100 + 16 * 10 + 1) == "packed"
+    assert choose(128, 2048, 31, 1) == "packed"             # narrow output
+    assert choose(128, 2048, 32, 1) == "direct"
+    with pytest.raises(ValueError):
+        choose(-1, 1, 1, 1)

@@ -1179,6 +1179,20 @@ void Bind(py::module_& mod) {
       "only; float16 always packs): -1 the kernel ChooseBf16SpmmKernel "
       "picks, 0 the packed kernel, 1 the direct kernel.");
   mod.def(
+      "bf16_spmm_kernel",
+      [](int64_t n_rows, int64_t k, int64_t n, int64_t nnz) {
+        if (n_rows < 0 || k < 0 || n < 0 || nnz < 0)
+          throw py::value_error("sizes and nnz must be >= 0");
+        return ChooseBf16SpmmKernel(n_rows, k, n, nnz) ==
+                       Bf16SpmmKernel::kDirect
+                   ? std::string("direct")
+                   : std::string("packed");
+      },
+      py::arg("n_rows"), py::arg("k"), py::arg("n"), py::arg("nnz"),
+      "The bfloat16 CsrSpmm kernel ('packed' or 'direct') a call of n_rows "
+      "CSR rows (nnz nonzeros) times a k x n matrix takes "
+      "(ChooseBf16SpmmKernel).");
+  mod.def(
       "lowp_sddmm",
       [](const U16& mask, const U16& x, const U16& y, const std::string& dtype,
          int isa, int threads) {
