@@ -209,7 +209,8 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     (``time.process_time``: CPU seconds of the process, all threads).
     Returns the markdown row: tf.matmul's median ms and each kernel's
     speed-up over it (median of the per-round ratios, columns in a random
-    order each round)."""
+    order each round). The kernels' times include allocating their numpy
+    output; TF's reuse its allocator's memory."""
     from tf_sparse_split import _kernels
 
     ta = direction == "grad"
@@ -220,7 +221,9 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     a_tf = tf.bitcast(tf.constant(a_bits), tf.bfloat16)
     b_tf = tf.bitcast(tf.constant(b_bits), tf.bfloat16)
     dense = tf.function(lambda: tf.matmul(a_tf, b_tf, transpose_a=ta))
-    fns = [lambda: dense().numpy()] + [
+    # tf.matmul's result stays a tensor (CPU execution is synchronous): a
+    # copy to numpy would add ~1 ms per 8 MB output to TF's column only.
+    fns = [dense] + [
         (lambda p=p: _kernels.lowp_spmm(a_bits, b_bits, "bfloat16", ta,
                                         path=p))
         for p in (0, 1, -1)]
