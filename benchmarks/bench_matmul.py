@@ -49,6 +49,7 @@ Usage::
 import argparse
 import os
 import statistics
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -192,6 +193,63 @@ def run_case(m, k, n, sparsity, direction, reps, rng, dtype=tf.float32):
     }
 
 
+KERNEL_HEADER = ("| M x K x N | direction | sparsity | nnz / k | tf.matmul bf16 (ms) | "
+                 "packed kernel | direct kernel | per-call choice | "
+                 "choice vs packed |")
+
+
+def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
+               clock=time.perf_counter):
+    """The bfloat16 CSR SpMM kernels against tf.matmul in bfloat16, same
+    run: ``_kernels.lowp_spmm`` (count, CSR build and CsrSpmm of the op's
+    sparse part; uint16 bit patterns in and out) with the packed kernel
+    (path 0), the direct one (path 1) and the per-call choice (path -1);
+    ``direction`` "fwd": ``a [m, k] @ b [k, n]``, "grad": the weight
+    gradient ``a^T @ dY`` with ``dY [m, n]``; ``clock`` the timer
+    (``time.process_time``: CPU seconds of the process, all threads).
+    Returns the markdown row: tf.matmul's median ms and each kernel's
+    speed-up over it (median of the per-round ratios, columns in a random
+    order each round). The kernels' times include allocating their numpy
+    output; TF's reuse its allocator's memory."""
+    from tf_sparse_split import _kernels
+
+    ta = direction == "grad"
+    a = random_sparse((m, k), sparsity, rng, np.float32)
+    b = rng.standard_normal((m if ta else k, n)).astype(np.float32)
+    a_bits = _kernels.lowp_round(a, "bfloat16")
+    b_bits = _kernels.lowp_round(b, "bfloat16")
+    a_tf = tf.bitcast(tf.constant(a_bits), tf.bfloat16)
+    b_tf = tf.bitcast(tf.constant(b_bits), tf.bfloat16)
+    dense = tf.function(lambda: tf.matmul(a_tf, b_tf, transpose_a=ta))
+    # tf.matmul's result stays a tensor (CPU execution is synchronous): a
+    # copy to numpy would add ~1 ms per 8 MB output to TF's column only.
+    fns = [dense] + [
+        (lambda p=p: _kernels.lowp_spmm(a_bits, b_bits, "bfloat16", ta,
+                                        path=p))
+        for p in (0, 1, -1)]
+    outs = [f() for f in fns[1:]]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])   # identical bits
+    for f in fns:
+        f()
+    block = max(1, min(32, int(5e-3 / median_time(fns[0], 5))))
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i in rng.permutation(len(fns)):
+            times[i].append(statistics.mean(call_times(fns[i], block, clock)))
+
+    def ratio(base, col):
+        return statistics.median(x / y for x, y in zip(times[base], times[col]))
+
+    nnz = int(np.count_nonzero(a_bits & 0x7fff))
+    inner = m if ta else k
+    return (f"| {m}x{k}x{n} | {'a^T @ dY' if ta else 'a @ b'} | "
+            f"{sparsity:.2f} | {nnz / inner:.1f} | "
+            f"{1e3 * statistics.median(times[0]):.3f} | {ratio(0, 1):.2f}x | "
+            f"{ratio(0, 2):.2f}x | **{ratio(0, 3):.2f}x** | "
+            f"{ratio(1, 3):.2f}x |")
+
+
 HEADER = ("| M x K x N | dtype | direction | sparsity | tf.matmul (ms) | a_is_sparse | "
           "ours auto | ours auto (spread) | ours auto vs a_is_sparse | ours auto, full stats | "
           "ours forced sparse | all-dense fused: TF fused (ms) | ours fused vs TF fused | "
@@ -290,6 +348,17 @@ def main(argv=None):
                         "the default shapes (e.g. 1x2048x10,32x2048x2048: "
                         "the small-batch inference layers), each at the "
                         "--sparsities given (default 0 and 0.5)")
+    p.add_argument("--bf16-kernels", action="store_true",
+                   help="instead of the op table: the bfloat16 CSR SpMM "
+                        "kernels (packed, direct, the per-call choice; "
+                        "_kernels.lowp_spmm) against tf.matmul in "
+                        "bfloat16 on the --directions products of --shapes "
+                        "(default 128x2048x2048,1024x4096x1024) at "
+                        "--sparsities (default 0.9,0.95,0.98,0.99)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="--bf16-kernels: time wall-clock seconds or the "
+                        "process's CPU seconds (all threads; less disturbed "
+                        "by other jobs on a loaded machine)")
     args = p.parse_args(argv)
     tfss.load_library()
     from tf_sparse_split import _kernels
@@ -304,6 +373,9 @@ def main(argv=None):
         if not custom or any(len(sh) != 3 or min(sh) < 1 for sh in custom):
             p.error(f"--shapes: not MxKxN with sizes >= 1: {args.shapes!r}")
 
+    if args.bf16_kernels:
+        return kernel_main(args, custom or [(128, 2048, 2048),
+                                            (1024, 4096, 1024)])
     dtypes = [tf.as_dtype(d.strip()) for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
         if d not in (tf.float32, tf.bfloat16, tf.float16):
@@ -360,6 +432,40 @@ def main(argv=None):
     png = os.path.splitext(args.out)[0] + ".png"
     write_report(args.out, to_markdown(rows, title),
                  also=lambda: png if plot(rows, png, title) else None)
+    return 0
+
+
+def kernel_main(args, shapes):
+    """``--bf16-kernels``: the kernel table (see :func:`kernel_row`)."""
+    from tf_sparse_split import _kernels
+
+    sps = ([0.9, 0.95, 0.98, 0.99] if args.sparsities is None else
+           [float(x) for x in args.sparsities.split(",") if x.strip()])
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    print(KERNEL_HEADER, flush=True)
+    directions = [d.strip() for d in args.directions.split(",") if d.strip()]
+    for m, k, n in shapes:
+        for direction in directions:
+            for sp in sps:
+                rows.append(kernel_row(
+                    m, k, n, sp, args.reps, rng, direction,
+                    time.process_time if args.clock == "cpu"
+                    else time.perf_counter))
+                print(rows[-1], flush=True)
+    isa = _kernels.low_precision_isa()
+    title = (f"bfloat16 CSR SpMM kernels (count + CSR build + CsrSpmm, "
+             f"_kernels.lowp_spmm) against tf.matmul in bfloat16 (oneDNN; "
+             f"amx_bf16={isa['amx_bf16']}), same run, "
+             f"{'CPU' if args.clock == 'cpu' else 'wall-clock'} seconds: speed-up "
+             f"t(tf.matmul) / t(kernel), median of {args.reps} interleaved "
+             f"rounds' ratios; nnz / k: nonzeros per column of op(a) (per "
+             f"row of b); 'choice vs packed' = t(packed) / t(choice); "
+             f"instruction set {isa['active']}; "
+             f"{tf_machine_desc(build_info())}.")
+    print()
+    print(title)
+    write_report(args.out, markdown_table(KERNEL_HEADER, rows, title))
     return 0
 
 

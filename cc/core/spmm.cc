@@ -5,6 +5,7 @@
 #include "cc/core/uninit_vector.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -73,6 +74,27 @@ template <typename T>
 void SpmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
                       int64_t n_rows, const T* b, int64_t k, int64_t n,
                       int64_t ldb, T* c, int64_t ldc, const ParallelFor& pfor) {
+  if constexpr (std::is_same<T, bf16>::value) {
+    if (ChooseBf16SpmmKernel(n_rows, k, n, csr.row_ptr[n_rows]) ==
+        Bf16SpmmKernel::kDirect) {
+      switch (LowPrecisionIsa()) {
+#if TFSS_SPMM_X86
+        case KernelIsa::kAvx512:
+          lp_avx512::DirectSpmmBf16(csr, out_rows, n_rows, b, k, n, ldb, c, ldc,
+                                    pfor);
+          return;
+        case KernelIsa::kAvx2:
+          lp_avx2::DirectSpmmBf16(csr, out_rows, n_rows, b, k, n, ldb, c, ldc,
+                                  pfor);
+          return;
+#endif
+        default:
+          lp_scalar::DirectSpmmBf16(csr, out_rows, n_rows, b, k, n, ldb, c, ldc,
+                                    pfor);
+          return;
+      }
+    }
+  }
   UninitVector<float> acc(static_cast<size_t>(n_rows) * n);
   std::vector<int64_t> ident(n_rows);
   for (int64_t r = 0; r < n_rows; ++r) ident[r] = r;
@@ -114,7 +136,40 @@ void SpmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
 }
 
 
+std::atomic<int> forced_bf16_kernel{-1};
+
 }  // namespace
+
+Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
+                                    int64_t nnz) {
+  const int forced = forced_bf16_kernel.load(std::memory_order_relaxed);
+  if (forced >= 0) return static_cast<Bf16SpmmKernel>(forced);
+  // The packed kernel pays, per call, ~k * n (B widened into the pack, read
+  // in strided 256-byte panel rows) and ~n_rows * n (a float32 buffer of
+  // the whole output, fresh pages zero-filled by the OS, narrowed to
+  // bfloat16 at the end), then one memory-operand FMA per product. The
+  // direct kernel pays neither (it rounds each output row once, straight
+  // into c) but a shift or a mask per product and B's rows from L2 rather
+  // than L1: about twice the packed kernel's cost per product. So the direct
+  // kernel wins up to nnz ~ a k + b n_rows. Fitted to the crossovers
+  // measured (CPU seconds, 1 and 2 threads, AVX-512; rows x k x n, the
+  // nnz where the two tie): forward 128x2048x2048 ~9k (96.5% zeros),
+  // 1024x4096x1024 ~20k (99.5%), weight gradients a^T dY 2048x128x2048
+  // ~40k (85%), 4096x1024x1024 ~83k (98%), 2048x2048x2048 ~41k (99%). At
+  // 98-99% zeros the direct kernel was 1.3-2.4x faster, and the MLP's
+  // weight gradient (2048x128x2048) 1.2x at 90% zeros, 2x at 98%. A narrow
+  // output (n < 32 columns, one vector of bfloat16) keeps the packed
+  // kernel, whose narrow panels are vectorised.
+  if (n < 32) return Bf16SpmmKernel::kPacked;
+  return nnz <= kDirectNnzPerK * k + kDirectNnzPerRow * n_rows
+             ? Bf16SpmmKernel::kDirect
+             : Bf16SpmmKernel::kPacked;
+}
+
+void ForceBf16SpmmKernel(int kernel) {
+  forced_bf16_kernel.store(kernel < 0 ? -1 : (kernel > 0 ? 1 : 0),
+                           std::memory_order_relaxed);
+}
 
 template <typename T>
 void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,

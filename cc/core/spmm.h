@@ -35,6 +35,31 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
              const T* b, int64_t k, int64_t n, int64_t ldb, T* c,
              int64_t ldc, const ParallelFor& pfor);
 
+// The two bfloat16 kernels of CsrSpmm (identical bits): kPacked widens
+// each K block of B into a float32 pack and runs memory-operand FMAs on it
+// (its cost has k * n and n_rows * n terms whatever the sparsity: the
+// pack, a float32 buffer of the output); kDirect widens B's
+// values in registers as each nonzero uses them (cost ~ nnz * n, about
+// twice the packed kernel's per product).
+enum class Bf16SpmmKernel { kPacked = 0, kDirect = 1 };
+
+// The direct kernel is taken up to nnz = kDirectNnzPerK * k +
+// kDirectNnzPerRow * n_rows nonzeros (fitted to measured crossovers, see
+// ChooseBf16SpmmKernel in spmm.cc).
+constexpr int64_t kDirectNnzPerK = 3;
+constexpr int64_t kDirectNnzPerRow = 16;
+
+// The kernel a bfloat16 CsrSpmm of n_rows x k (nnz nonzeros) times k x n
+// takes: forced (ForceBf16SpmmKernel), else kDirect for n >= 32 and
+// nnz <= kDirectNnzPerK * k + kDirectNnzPerRow * n_rows.
+Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
+                                    int64_t nnz);
+
+// Forces the bfloat16 kernel (0 packed, 1 direct); a negative value
+// restores the choice above. Not thread-safe with running kernels: for
+// tests and benchmarks.
+void ForceBf16SpmmKernel(int kernel);
+
 }  // namespace tf_sparse_split
 
 #endif  // TF_SPARSE_SPLIT_CC_CORE_SPMM_H_

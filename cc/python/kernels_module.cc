@@ -1092,9 +1092,15 @@ struct IsaScope {
   ~IsaScope() { ForceLowPrecisionIsa(-1); }
 };
 
+// Forces the bfloat16 CsrSpmm kernel for one call (ForceBf16SpmmKernel).
+struct Bf16KernelScope {
+  explicit Bf16KernelScope(int kernel) { ForceBf16SpmmKernel(kernel); }
+  ~Bf16KernelScope() { ForceBf16SpmmKernel(-1); }
+};
+
 template <typename S>
 py::array_t<uint16_t> SpmmT(const U16& a, const U16& b, bool ta, int isa,
-                            int threads) {
+                            int threads, int path) {
   if (a.ndim() != 2 || b.ndim() != 2)
     throw py::value_error("a and b must be 2-D");
   const int64_t pr = a.shape(0), pc = a.shape(1);
@@ -1104,6 +1110,7 @@ py::array_t<uint16_t> SpmmT(const U16& a, const U16& b, bool ta, int isa,
   {
     py::gil_scoped_release release;
     IsaScope scope(isa);
+    Bf16KernelScope kernel_scope(path);
     const ParallelFor pfor = ThreadFor(threads);
     const S* ap = reinterpret_cast<const S*>(a.data());
     std::vector<int64_t> rn(m), cn(k), rows(m);
@@ -1154,17 +1161,37 @@ void Bind(py::module_& mod) {
   mod.def(
       "lowp_spmm",
       [](const U16& a, const U16& b, const std::string& dtype, bool transpose_a,
-         int isa, int threads) {
-        return IsBf16(dtype) ? SpmmT<bf16>(a, b, transpose_a, isa, threads)
-                             : SpmmT<f16>(a, b, transpose_a, isa, threads);
+         int isa, int threads, int path) {
+        if (path < -1 || path > 1)
+          throw py::value_error("path must be -1 (automatic), 0 (packed) or "
+                                "1 (direct)");
+        return IsBf16(dtype)
+                   ? SpmmT<bf16>(a, b, transpose_a, isa, threads, path)
+                   : SpmmT<f16>(a, b, transpose_a, isa, threads, path);
       },
       py::arg("a"), py::arg("b"), py::arg("dtype"),
       py::arg("transpose_a") = false, py::arg("isa") = -1,
-      py::arg("threads") = 0,
+      py::arg("threads") = 0, py::arg("path") = -1,
       "op(a) @ b in bfloat16/float16 given as uint16 bit patterns (a [m,k], "
       "or [k,m] with transpose_a; b [k,n]): CountNonzeros + BuildCsr + "
       "CsrSpmm, float32 accumulation, one rounding. isa: -1 CPUID, 0 scalar, "
-      "1 AVX2, 2 AVX-512 (clamped to what the CPU has).");
+      "1 AVX2, 2 AVX-512 (clamped to what the CPU has). path (bfloat16 "
+      "only; float16 always packs): -1 the kernel ChooseBf16SpmmKernel "
+      "picks, 0 the packed kernel, 1 the direct kernel.");
+  mod.def(
+      "bf16_spmm_kernel",
+      [](int64_t n_rows, int64_t k, int64_t n, int64_t nnz) {
+        if (n_rows < 0 || k < 0 || n < 0 || nnz < 0)
+          throw py::value_error("sizes and nnz must be >= 0");
+        return ChooseBf16SpmmKernel(n_rows, k, n, nnz) ==
+                       Bf16SpmmKernel::kDirect
+                   ? std::string("direct")
+                   : std::string("packed");
+      },
+      py::arg("n_rows"), py::arg("k"), py::arg("n"), py::arg("nnz"),
+      "The bfloat16 CsrSpmm kernel ('packed' or 'direct') a call of n_rows "
+      "CSR rows (nnz nonzeros) times a k x n matrix takes "
+      "(ChooseBf16SpmmKernel).");
   mod.def(
       "lowp_sddmm",
       [](const U16& mask, const U16& x, const U16& y, const std::string& dtype,

@@ -66,6 +66,7 @@ class _Control:
         self.window_elems = 0.0
         self.epoch_zero = 0.0
         self.epoch_elems = 0.0
+        self.applied = None        # (l1, target) last assigned to fat
 
     def read_new_stats(self):
         """Adds the consumer's statistics since the last read to the
@@ -150,7 +151,11 @@ class SparsityTargetCallback(keras.callbacks.Callback):
       gain: feedback gain (>= 0; default 0.5; 0 = no feedback).
       update_every: steps between feedback updates (int >= 1; default 10).
       momentum: cutoff EMA momentum of the FATReLUs (in ``[0, 1)``,
-        default 0.9).
+        default 0.9), per training step.
+      track_every: steps between the FATReLUs' cutoff updates (int >= 1;
+        default 4): their ``track_every``, the momentum raised to that
+        power per update (same rate per step); the steps between skip the
+        quantile estimate.
       verbose: 0 or 1 (one line per controlled layer per epoch).
 
     Attributes:
@@ -168,7 +173,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
 
     def __init__(self, target_sparsity, layers=None, warmup_epochs=0.5,
                  ramp_epochs=1.0, l1=2.0, gain=0.5, update_every=10,
-                 momentum=0.9, verbose=0):
+                 momentum=0.9, verbose=0, track_every=4):
         super().__init__()
         self.target_sparsity = validate_fraction(target_sparsity,
                                                  "target_sparsity")
@@ -189,6 +194,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
         self.gain = validate_nonnegative_float(gain, "gain")
         self.update_every = validate_int(update_every, "update_every", 1)
         self.momentum = validate_fraction(momentum, "momentum")
+        self.track_every = validate_int(track_every, "track_every", 1)
         if verbose not in (0, 1) or isinstance(verbose, (bool, float)):
             raise ValueError(f"`verbose` must be 0 or 1. Received: "
                              f"verbose={verbose!r}")
@@ -220,7 +226,12 @@ class SparsityTargetCallback(keras.callbacks.Callback):
                 continue  # one activation feeding two layers: control once
             seen.add(id(owner))
             fat, changed = fatrelu_for(owner, kind)
+            # Python values read when the train function is traced: a
+            # change needs the function rebuilt.
+            changed = changed or (fat.momentum, fat.track_every) != (
+                self.momentum, self.track_every)
             fat.momentum = self.momentum
+            fat.track_every = self.track_every
             changed = mask_input_grad(layer) or changed
             converted = converted or changed
             controls.append(_Control(layer, owner, fat))
@@ -241,10 +252,16 @@ class SparsityTargetCallback(keras.callbacks.Callback):
         return float(np.clip((self._step - warm) / ramp, 0.0, 1.0))
 
     def _apply(self, r):
+        # Assigned only when they change (after the ramp they change only at
+        # a feedback update): each assign is a host-side op between steps.
         for c in self._controls:
             q = float(np.clip(r * self.target_sparsity + c.offset, 0.0, 0.999))
-            c.fat.l1_var.assign(r * self.l1 * c.l1_scale)
-            c.fat.target_var.assign(q if r > 0 else 0.0)
+            values = (r * self.l1 * c.l1_scale, q if r > 0 else 0.0)
+            if values == c.applied:
+                continue
+            c.fat.l1_var.assign(values[0])
+            c.fat.target_var.assign(values[1])
+            c.applied = values
 
     # -- Keras hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -263,6 +280,7 @@ class SparsityTargetCallback(keras.callbacks.Callback):
         for c in self._controls:
             if not resume:
                 c.offset, c.l1_scale = 0.0, 1.0
+            c.applied = None   # assign at the first _apply of every fit
             c.seen_total = None
             if c.consumer.threshold_var is not None:
                 c.read_new_stats()  # baseline of the counters

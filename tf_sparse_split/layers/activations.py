@@ -26,7 +26,12 @@ current values; a callback changes them with ``.assign()``):
   sparsity of the ReLU (``q <= 0``) the cutoff stays 0. The output then
   has about a fraction ``target`` of zeros whatever the scale of ``x``.
   An empty input leaves the cutoff unchanged (and adds a zero penalty), as
-  does a call whose estimate is not finite (NaN/Inf in the input).
+  does a call whose estimate is not finite (NaN/Inf in the input). With
+  ``track_every = k > 1`` only every k-th training call (the first one
+  included) estimates and moves the cutoff, with the momentum raised to the
+  k-th power, ``T <- momentum**k * T + (1 - momentum**k) * q``, so the
+  cutoff follows the quantile at the same rate per call while the other
+  calls skip the estimate's ~20 small ops (sampling, selection, update).
 
 Requires the TensorFlow backend of Keras 3.
 """
@@ -137,6 +142,9 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
       sample_size: int >= 16 (default 4096), values of the input sampled
         (uniformly at random, with replacement) per call for the quantile
         estimate.
+      track_every: int >= 1 (default 1), training calls per cutoff update
+        under quantile tracking (module docstring); a Python int, read when
+        a function is traced.
       threshold: deprecated alias of ``cutoff`` (same meaning; a
         ``DeprecationWarning``, as for the attributes ``threshold`` and
         ``threshold_var`` and ``set_controls(threshold=...)``), removed in
@@ -157,7 +165,8 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
 
     Raises:
       ValueError: on a negative/NaN cutoff or l1, a target or momentum
-        outside ``[0, 1)``, or a sample_size below 16.
+        outside ``[0, 1)``, a sample_size below 16 or a track_every below
+        1.
       TypeError: both ``cutoff`` and ``threshold`` given.
     """
 
@@ -166,7 +175,7 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
                            "threshold_var": "cutoff_var"}
 
     def __init__(self, cutoff=0.0, l1=0.0, target=0.0, momentum=0.9,
-                 sample_size=4096, threshold=None, **kwargs):
+                 sample_size=4096, threshold=None, track_every=1, **kwargs):
         cutoff = renamed_kwarg("FATReLU", "threshold", "cutoff", threshold,
                                cutoff, 0.0)
         super().__init__(**kwargs)
@@ -177,10 +186,12 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
         }
         self.momentum = validate_fraction(momentum, "momentum")
         self.sample_size = validate_int(sample_size, "sample_size", 16)
+        self.track_every = validate_int(track_every, "track_every", 1)
         self.supports_masking = True
         self.cutoff_var = None
         self.l1_var = None
         self.target_var = None
+        self._track_calls = None
         # Scalar state, independent of the input shape: created now so the
         # layer works as another layer's activation and after loading.
         self.build(None)
@@ -194,6 +205,13 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
                 autocast=False,
                 initializer=keras.initializers.Constant(self._init_values[key]))
             setattr(self, f"{key}_var", var)
+        # Training calls so far (for track_every): a plain tf.Variable, not
+        # a Keras weight, so the weight list (and .keras files) stay as
+        # they are; created outside any function being traced.
+        with tf.init_scope():
+            self._track_calls = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False,
+                name=f"{self.name}_track_calls")
         self.built = True
 
     def compute_output_shape(self, input_shape):
@@ -331,7 +349,7 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
                 b = tf.stop_gradient(tf.cast(bias, tf.float32))
                 values = values + tf.gather(b, idx % tf.size(b))
             q = tf.maximum(_order_statistic(values, target), 0.0)
-            mom = self.momentum
+            mom = self.momentum ** self.track_every
             old = tf.convert_to_tensor(self.cutoff_var)
             new = tf.maximum(mom * old + (1.0 - mom) * q, 0.0)
             # A NaN/Inf input can make the sampled quantile NaN: the cutoff
@@ -342,14 +360,20 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
             return tf.constant(True)
 
         # An empty input (a batch of 0 rows) has no quantile to track.
-        tf.cond(tf.logical_and(target > 0.0, tf.size(x) > 0), update,
-                lambda: tf.constant(False))
+        due = tf.logical_and(target > 0.0, tf.size(x) > 0)
+        if self.track_every > 1:
+            calls = self._track_calls.assign_add(
+                tf.constant(1, tf.int64), read_value=True)
+            due = tf.logical_and(
+                due, tf.equal((calls - 1) % self.track_every, 0))
+        tf.cond(due, update, lambda: tf.constant(False))
 
     def get_config(self):
         config = super().get_config()
         config.update({"cutoff": self.cutoff, "l1": self.l1,
                        "target": self.target, "momentum": self.momentum,
-                       "sample_size": self.sample_size})
+                       "sample_size": self.sample_size,
+                       "track_every": self.track_every})
         return config
 
     @classmethod
