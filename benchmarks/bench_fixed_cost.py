@@ -257,9 +257,11 @@ def main(argv=None):
             r = run_conv_case(*c, e, args.rounds, args.calls, rng)
             conv_rows.append(r)
             print(conv_row_markdown(r), flush=True)
-    title = (f"Kernel time of an all-dense SparseSplitMatMul / "
-             f"SparseSplitConv2D call (automatic threshold, full_stats=False) "
-             f"against TF's MatMul / (fused) Conv2D kernel on the same inputs, "
+    title = (f"Kernel time of a SparseSplitMatMul / SparseSplitConv2D call "
+             f"on operands without zeros (automatic threshold, "
+             f"full_stats=False; all-dense unless the cost model predicts the "
+             f"sparse kernel faster: column 'images dense') against TF's "
+             f"MatMul / (fused) Conv2D kernel on the same inputs, "
              f"from TF's profiler (executor time per kernel): "
              f"median of {args.calls} calls per column and round, {args.rounds} "
              f"interleaved rounds in a random order; ratio = median of the "
