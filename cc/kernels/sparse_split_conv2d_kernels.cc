@@ -594,6 +594,54 @@ SparseKernelChoice& ChoiceFor(const std::vector<int64_t>& key) {
   return *c;
 }
 
+// The cost-model family (FamilyFor) and sparse-kernel choice (ChoiceFor) of
+// an op instance's calls. The process-wide registries (a key vector built,
+// a global mutex, a map walk each -- several microseconds with the caches
+// cold, as they are between the calls of a Python loop) are asked only when
+// the call's geometry or family op differs from the previous call's; a
+// layer calls with the same shape step after step. Registry entries live
+// for the process, so the cached pointers stay valid.
+class ConvFamilyCache {
+ public:
+  FamilyModel& Family(FamilyOp op, tf::DataType dt, const Conv2DGeometry& g) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Refresh(op, dt, g);
+    return *family_;
+  }
+  SparseKernelChoice& Choice(FamilyOp op, tf::DataType dt,
+                             const Conv2DGeometry& g) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Refresh(op, dt, g);
+    return *choice_;
+  }
+
+ private:
+  static bool Same(const Conv2DGeometry& a, const Conv2DGeometry& b) {
+    return a.n == b.n && a.h == b.h && a.w == b.w && a.c_in == b.c_in &&
+           a.kh == b.kh && a.kw == b.kw && a.c_out == b.c_out &&
+           a.stride_h == b.stride_h && a.stride_w == b.stride_w &&
+           a.dil_h == b.dil_h && a.dil_w == b.dil_w &&
+           a.pad_top == b.pad_top && a.pad_left == b.pad_left &&
+           a.out_h == b.out_h && a.out_w == b.out_w;
+  }
+  void Refresh(FamilyOp op, tf::DataType dt, const Conv2DGeometry& g) {
+    if (family_ != nullptr && op == op_ && dt == dt_ && Same(g, g_)) return;
+    const std::vector<int64_t> key = FamilyKey(op, dt, g);
+    family_ = &FamilyFor(key);
+    choice_ = &ChoiceFor(key);
+    op_ = op;
+    dt_ = dt;
+    g_ = g;
+  }
+
+  std::mutex mu_;
+  FamilyModel* family_ = nullptr;
+  SparseKernelChoice* choice_ = nullptr;
+  FamilyOp op_{};
+  tf::DataType dt_ = tf::DT_INVALID;
+  Conv2DGeometry g_;
+};
+
 // Calibrates `choice` on the first images of x: run(direct, sample,
 // image_nnz) runs one kernel on the images of `sample` (a dim-0 slice of x
 // or a thinned copy of it).
@@ -923,12 +971,13 @@ struct ConvSplit {
   absl::Status Prepare(tf::OpKernelContext* ctx, const tf::Tensor& x,
                        const Conv2DGeometry& g, const tf::TensorShape& out_shape,
                        FamilyOp op, bool dense_allowed, Paths& paths,
-                       PlanMemory* plans, bool full_stats, bool* done) {
+                       PlanMemory* plans, ConvFamilyCache* families,
+                       bool full_stats, bool* done) {
     TF_RETURN_IF_ERROR(call.status());
     TF_RETURN_IF_ERROR(FinishIfEmpty<T>(ctx, g, out_shape, &call, done));
     if (*done) return absl::OkStatus();
     FamilyModel& family =
-        FamilyFor(FamilyKey(op, tf::DataTypeToEnum<T>::value, g));
+        families->Family(op, tf::DataTypeToEnum<T>::value, g);
     if (dense_allowed) {
       const SplitShape dense_shape = ConvSplitShape(g, g.c_in, true);
       const AnalysisMode mode =
@@ -1018,9 +1067,10 @@ absl::Status FamilySparseKernelChoice(tf::OpKernelContext* ctx, FamilyOp op,
                                       const tf::Tensor& x,
                                       const Conv2DGeometry& g, float thr_in,
                                       ConvSplit& s, RunKernel run,
+                                      ConvFamilyCache* families,
                                       SparseKernelChoice** out) {
   SparseKernelChoice& choice =
-      ChoiceFor(FamilyKey(op, tf::DataTypeToEnum<T>::value, g));
+      families->Choice(op, tf::DataTypeToEnum<T>::value, g);
   *out = &choice;
   if (!HasWork(g) || thr_in == 0.0f || SparseKernelOverride() != 0 ||
       choice.calibrated() || !s.call.status().ok()) {
@@ -1049,6 +1099,28 @@ struct ConvForwardPaths : ConvSamples {
   const tf::Tensor* bias;  // null without one
 
   bool use_fused() const { return bias != nullptr && fused.ok(); }
+
+  // act(conv2d(x, f) + bias) of TF's kernels on the op's own inputs, as
+  // output 0. Without a fused kernel, TF's Conv2D runs on the op's context
+  // (TfKernel::RunOnContext: x and f are inputs 0 and 1 of both ops) and
+  // the epilogue on its output in place. TF's fused kernel reads its bias as
+  // input 2, which is this op's threshold (the bias is input 3): it runs on
+  // a sub-context.
+  absl::Status DenseOnInputs() const {
+    if (use_fused()) {
+      tf::Tensor result;
+      TF_RETURN_IF_ERROR(fused.Run(ctx, {&x, &f, bias}, &result));
+      ctx->set_output(0, result);
+      return absl::OkStatus();
+    }
+    TF_RETURN_IF_ERROR(conv.RunOnContext(ctx));
+    tf::Tensor* out = ctx->mutable_output(0);
+    if (epilogue.active() && out->NumElements() > 0) {
+      epilogue.ApplyRows<T>(ctx, out->flat<T>().data(),
+                            out->NumElements() / g.c_out, g.c_out, pfor);
+    }
+    return absl::OkStatus();
+  }
 
   // act(conv2d(xin, fin) + bias) of TF's kernels into *result.
   absl::Status Dense(const tf::Tensor& xin, const tf::Tensor& fin,
@@ -1320,10 +1392,10 @@ struct ConvInputGradPaths : ConvSamples {
 
 // The dense part of a split convolution call over geometry `g` (the
 // convolution whose input `in` is split by `s`): with every image dense and
-// nothing compacted, `all_dense(&result)` runs TF's kernel on the op's own
-// inputs; otherwise the dense images of `in` are gathered, the filter `f`
-// restricted to the live channels by `compact_filter(&fc)` where `s`
-// compacts, and `paths.Dense` runs TF's kernel on them. The result is
+// nothing compacted, `all_dense()` runs TF's kernel on the op's own
+// inputs into output 0; otherwise the dense images of `in` are gathered,
+// the filter `f` restricted to the live channels by `compact_filter(&fc)`
+// where `s` compacts, and `paths.Dense` runs TF's kernel on them. The result is
 // output 0 when every image is dense; else `*out` is allocated (shape
 // `out_shape`, for the sparse part to fill) and the dense images are
 // scattered into it. `*out` stays null when every image is dense.
@@ -1337,10 +1409,9 @@ absl::Status RunDensePart(tf::OpKernelContext* ctx, ConvSplit& s,
   const int64_t rd = s.rd;
   if (rd < g.n) TF_RETURN_IF_ERROR(ctx->allocate_output(0, out_shape, out));
   if (rd == 0) return absl::OkStatus();
+  if (rd == g.n && !s.compact) return all_dense();
   tf::Tensor result;
-  if (rd == g.n && !s.compact) {
-    TF_RETURN_IF_ERROR(all_dense(&result));
-  } else {
+  {
     tf::Tensor ind, fc;
     TF_RETURN_IF_ERROR(s.GatherDense<T>(ctx, in, g, &ind));
     const tf::Tensor* fin = &f;
@@ -1414,17 +1485,16 @@ class SparseSplitConv2DOp : public tf::OpKernel {
           SparseForwardAny<T>(direct, xs.flat<T>().data(), gs, imgs.data(),
                               gs.n, nnz, f.flat<T>().data(), y.data(), s.pfor);
         },
-        &choice));
+        &families_, &choice));
     ConvForwardPaths<T> paths{{x, g, ctx, s.pfor}, f, conv_, epilogue_, fused_,
                               bias, choice};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
-                                     true, paths, &plans_, full_stats_, &done));
+                                     true, paths, &plans_, &families_,
+                                     full_stats_, &done));
     if (!done && s.dense_now) {
       // Counted a sample or nothing: exactly TF's (fused) convolution.
-      tf::Tensor result;
-      OP_REQUIRES_OK(ctx, paths.Dense(x, f, &result));
-      ctx->set_output(0, result);
+      OP_REQUIRES_OK(ctx, paths.DenseOnInputs());
       s.call.DenseDone();
       s.call.SparseDone();
       s.call.Finish(0, 0);
@@ -1448,7 +1518,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
         ctx, RunDensePart<T>(
                  ctx, s, g, x, f, out_shape, paths,
                  // All dense: exactly TF's (fused) convolution on the inputs.
-                 [&](tf::Tensor* result) { return paths.Dense(x, f, result); },
+                 [&]() { return paths.DenseOnInputs(); },
                  [&](tf::Tensor* fc) {
                    TF_RETURN_IF_ERROR(ctx->allocate_temp(
                        x.dtype(), tf::TensorShape({g.kh, g.kw, kc, g.c_out}),
@@ -1479,6 +1549,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
   TfKernel fused_;  // TF's fused conv + bias [+ relu]; !ok(): conv_ + epilogue
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
+  ConvFamilyCache families_;  // the family of the last call's geometry
 };
 
 template <typename T>
@@ -1578,13 +1649,13 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
                                  gs.n, nnz, dy.flat<T>().data(), df.data(),
                                  s.pfor);
         },
-        &choice));
+        &families_, &choice));
     ConvFilterGradPaths<T> paths{{x, g, ctx, s.pfor}, dy, bf_, choice};
     if (bias_fused_) paths.with_bias = &bfb_;
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, fshape, kFamilyConv2DFilterGrad,
-                                     dense_ok_, paths, &plans_, full_stats_,
-                                     &done));
+                                     dense_ok_, paths, &plans_, &families_,
+                                     full_stats_, &done));
     if (done) {
       // No filter gradient to compute (an empty dimension); dY may still
       // have values (e.g. C_in = 0).
@@ -1596,10 +1667,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     }
     if (s.dense_now) {
       // Counted a sample or nothing: exactly TF's (fused) filter gradient.
-      tf::Tensor result;
-      const tf::Tensor sizes_t = FilterSizes(g, g.c_in);
-      OP_REQUIRES_OK(ctx, run_dense(x, sizes_t, dy, &result));
-      ctx->set_output(0, result);
+      OP_REQUIRES_OK(ctx, RunDenseOnInputs(ctx, run_dense));
       if (with_bias_) {
         if (!bias_fused_) sum_bias(nullptr, g.n);
         OP_REQUIRES_OK(ctx, write_bias());
@@ -1616,11 +1684,14 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     tf::Tensor* out = nullptr;
     const bool sparse_adds = rs > 0 && s.call.split().nnz_sparse > 0;
     tf::Tensor result;  // the dense part's [KH, KW, kc, C_out]
+    bool on_inputs = false;  // output 0 set by TF's kernel on the inputs
     if (rd > 0) {
-      const tf::Tensor sizes_t = FilterSizes(g, kc);
       if (rd == g.n && !s.compact) {
-        OP_REQUIRES_OK(ctx, run_dense(x, sizes_t, dy, &result));
+        // rs == 0: the output is TF's filter gradient of the op's inputs.
+        OP_REQUIRES_OK(ctx, RunDenseOnInputs(ctx, run_dense));
+        on_inputs = true;
       } else {
+        const tf::Tensor sizes_t = FilterSizes(g, kc);
         tf::Tensor xd, dyd;
         OP_REQUIRES_OK(ctx, s.GatherDense<T>(ctx, x, g, &xd));
         const tf::Tensor* dyin = &dy;
@@ -1685,7 +1756,9 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
         return;
       }
     }
-    if (rd > 0) {
+    if (on_inputs) {
+      // Output 0 set above.
+    } else if (rd > 0) {
       if (!s.compact && rs == 0) {
         ctx->set_output(0, result);
       } else if (!s.compact) {
@@ -1720,6 +1793,23 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
   }
 
  private:
+  // TF's filter gradient of the op's own inputs as output 0: on this op's
+  // context (TfKernel::RunOnContext; input, filter_sizes, out_backprop are
+  // inputs 0..2 of both ops) unless the dense part is the fused filter +
+  // bias gradient, whose bias output goes through write_bias (run_dense on
+  // a sub-context).
+  template <typename RunDense>
+  absl::Status RunDenseOnInputs(tf::OpKernelContext* ctx,
+                                RunDense& run_dense) const {
+    if (!bias_fused_) return bf_.RunOnContext(ctx);
+    const tf::Tensor& x = ctx->input(0);
+    const tf::Tensor& dy = ctx->input(2);
+    tf::Tensor result;
+    TF_RETURN_IF_ERROR(run_dense(x, ctx->input(1), dy, &result));
+    ctx->set_output(0, result);
+    return absl::OkStatus();
+  }
+
   ConvAttrs attrs_;
   TfKernel bf_;
   TfKernel bfb_;  // oneDNN's fused filter + bias gradient (bias_fused_)
@@ -1727,6 +1817,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
   bool with_bias_ = false, bias_fused_ = false;
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
+  ConvFamilyCache families_;  // the family of the last call's geometry
 };
 
 // dX of a stride-1 convolution (SparseSplitConv2DBackpropInput; see the
@@ -1812,18 +1903,18 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
           SparseForwardAny<T>(direct, ys.flat<T>().data(), gs, imgs.data(),
                               gs.n, nnz, fr, dx.data(), s.pfor);
         },
-        &choice));
+        &families_, &choice));
     ConvInputGradPaths<T> paths{{dy, gt, ctx, s.pfor}, f, bi_, rot, choice};
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, dy, gt, xshape,
                                      kFamilyConv2DInputGrad, dense_ok_, paths,
-                                     &plans_, full_stats_, &done));
+                                     &plans_, &families_, full_stats_, &done));
     if (done) return;
     if (s.dense_now) {
-      // Counted a sample or nothing: exactly TF's Conv2DBackpropInput.
-      tf::Tensor result;
-      OP_REQUIRES_OK(ctx, bi_.Run(ctx, {&sizes, &f, &dy}, &result));
-      ctx->set_output(0, result);
+      // Counted a sample or nothing: exactly TF's Conv2DBackpropInput, on
+      // this op's context (input_sizes, filter, out_backprop are inputs
+      // 0..2 of both ops).
+      OP_REQUIRES_OK(ctx, bi_.RunOnContext(ctx));
       s.call.DenseDone();
       s.call.SparseDone();
       s.call.Finish(0, 0);
@@ -1836,9 +1927,7 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
     OP_REQUIRES_OK(
         ctx, RunDensePart<T>(
                  ctx, s, gt, dy, f, xshape, paths,
-                 [&](tf::Tensor* result) {
-                   return bi_.Run(ctx, {&sizes, &f, &dy}, result);
-                 },
+                 [&]() { return bi_.RunOnContext(ctx); },
                  [&](tf::Tensor* fc) {
                    TF_RETURN_IF_ERROR(ctx->allocate_temp(
                        f.dtype(), tf::TensorShape({g.kh, g.kw, g.c_in, kc}),
@@ -1873,6 +1962,7 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
   bool dense_ok_ = true;
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
+  ConvFamilyCache families_;  // the family of the last call's geometry
 };
 
 #define TFSS_REGISTER_CPU(T)                                                \
