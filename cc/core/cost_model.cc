@@ -302,8 +302,12 @@ bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
   Plan best_plan;
   const bool has_best = BestSparsePlan(s, p, t, policy, &best_plan, &best);
   if (decided.kind == PlanKind::kAllDense) {
-    if (!has_best) return false;
-    *other = best_plan;
+    // Every row sparse: a split that sends a few rows sparse (the best plan
+    // with sparse rows when the sparse terms look slow) measures mostly
+    // fixed costs, not the sparse path's rate.
+    const int b = p.buckets();
+    if (!has_best || b < 0) return false;
+    *other = MakePlan(s, p, b, false, PredictPlanSeconds(s, p, t, b, false));
   } else {
     *other = MakePlan(s, p, -1, dense_compact, all_dense);
   }
@@ -532,7 +536,6 @@ void FamilyModel::Recalibrate(const CostTerms& t) {
   calibrated_ = true;
   dense_ratio_ = MedianWindow();
   sparse_ratio_ = MedianWindow();
-  dense_last_ = sparse_last_ = -1;
 }
 
 bool RecalibrationDue(double calibrated_density, double density,
@@ -595,7 +598,6 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
                          double nnz_sparse, double sparse_seconds,
                          bool dense_one_time) {
   std::lock_guard<std::mutex> lock(mu_);
-  ++records_;
   bool dense_recorded = false;
   if (rows_dense > 0.0 && dense_seconds > 0.0) {
     if (!base_.dense_known()) {
@@ -606,10 +608,7 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
     } else if (!dense_one_time) {
       const double pred = PredictDenseSeconds(s, base_, rows_dense, compact);
       if (pred > 0.0) {
-        if (dense_last_ >= 0 && records_ - dense_last_ > kStaleRecords)
-          dense_ratio_ = MedianWindow();
         dense_ratio_.Add(dense_seconds / pred);
-        dense_last_ = records_;
         dense_recorded = true;
       }
     }
@@ -620,12 +619,7 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
     } else {
       const double pred =
           PredictSparseSeconds(s, base_, rows_sparse, nnz_sparse);
-      if (pred > 0.0) {
-        if (sparse_last_ >= 0 && records_ - sparse_last_ > kStaleRecords)
-          sparse_ratio_ = MedianWindow();
-        sparse_ratio_.Add(sparse_seconds / pred);
-        sparse_last_ = records_;
-      }
+      if (pred > 0.0) sparse_ratio_.Add(sparse_seconds / pred);
     }
   }
   return dense_recorded;

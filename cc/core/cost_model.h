@@ -25,7 +25,7 @@
 // per problem family from the best of a few timings, then scaled by the
 // median of the last calls' measured/predicted ratios. Those ratios correct
 // only a path that runs, so an op instance whose plan stays on one side
-// re-times the other side's best plan now and then when it is predicted
+// re-times the other side's plan now and then when it is predicted
 // close (RetimePolicy, PlanMemory::DecideAndRetime).
 //
 // The ops use it through cc/kernels/split_runtime.h; Python reaches it
@@ -189,12 +189,13 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
                  const CostTerms& t, const DecisionPolicy& policy,
                  const Plan* previous);
 
-// The best plan of the other side of `decided` (a DecideSplit result): for a
-// plan with sparse rows, the all-dense plan with its compaction choice; for
-// the all-dense plan, the fastest plan with sparse rows (DecideSplit's tie
-// rule). Its predicted_s is set, all_dense_s and best_sparse_s as in
+// The plan of the other side of `decided` (a DecideSplit result) that a
+// re-time runs: for a plan with sparse rows, the all-dense plan with its
+// compaction choice; for the all-dense plan, every row sparse (a split that
+// sends a few rows sparse would time mostly fixed costs, not the sparse
+// path's rate). Its predicted_s is set, all_dense_s and best_sparse_s as in
 // DecideSplit. False when there is none (terms unknown, no dense path, no
-// candidate with sparse rows).
+// row with nonzeros).
 bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
                    const CostTerms& t, const DecisionPolicy& policy,
                    const Plan& decided, Plan* other);
@@ -209,7 +210,7 @@ bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
 // where a 16 MB hidden layer evicts the weights between calls) -- nothing
 // corrects them and the op keeps the slower path for good. So an op
 // instance whose decided plan stays on one side (all-dense, or a plan with
-// sparse rows) while the other side's best plan (OtherSidePlan) is
+// sparse rows) while the other side's plan (OtherSidePlan) is
 // predicted at most `max_ratio` times slower runs that plan for one call
 // now and then, and its measured time enters the family's ratios: the
 // first time `first_period` automatic decisions after the side last
@@ -220,7 +221,10 @@ bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
 // hold at most log2(c / first_period + 1) + c / max_period re-times.
 // Deterministic: a call counter, no randomness.
 struct RetimePolicy {
-  double max_ratio = 2.0;
+  // 3x, not less: the second dense call of a shape can still run 2x its
+  // steady time (a converted MLP's output layer: 139 us, then 63 us), and a
+  // path estimated beyond max_ratio is never timed again.
+  double max_ratio = 3.0;
   int64_t first_period = 4;
   int64_t max_period = 256;
 };
@@ -235,7 +239,7 @@ struct RetimeState {
 };
 
 // Counts one decision on `side` (0 all-dense, 1 sparse rows) and returns
-// whether it re-times the other side; `close`: the other side's best plan
+// whether it re-times the other side; `close`: the other side's plan
 // exists and is predicted within max_ratio. A change of side restarts the
 // schedule at first_period. first_period <= 0 disables re-timing.
 bool RetimeDue(RetimeState* st, int side, bool close, const RetimePolicy& rp);
@@ -395,24 +399,17 @@ class FamilyModel {
   // Records one call's measured part times against the base prediction.
   // A path whose base terms are unknown is initialised from its
   // observation (a rate through the origin): the GPU kernel learns this way.
-  // Two rules keep one-time costs and stale regimes out of the ratios:
-  //  - `dense_one_time`: the caller knows the dense time holds a one-time
-  //    cost and it is not recorded on a known dense path (the ops pass the
-  //    first all-dense call of each op instance at each shape,
-  //    PlanMemory::NoteDenseShape: it pays TF's oneDNN primitive creation
-  //    for that shape -- measured 1655 us against 570 us later at
-  //    32 x 453 -> 2048, 195 us against 15-46 us at 32 x 2048 -> 10 --
-  //    which later calls of the shape do not pay);
-  //  - a path's ratios are forgotten when its last observation is more than
-  //    kStaleRecords records of the family old: they describe the path as
-  //    it ran in another regime (earlier shapes, cache state, one-time
-  //    costs), and the window would otherwise need 8 new observations --
-  //    re-times are rare -- before its median follows the present.
-  // Returns whether the dense observation entered the ratios.
+  // `dense_one_time`: the caller knows the dense time holds a one-time
+  // cost, and it is not recorded on a known dense path (the ops pass the
+  // first all-dense call of each op instance at each shape,
+  // PlanMemory::NoteDenseShape: it pays TF's oneDNN primitive creation for
+  // that shape -- measured 1655 us against 570 us later at 32 x 453 ->
+  // 2048, 195 us against 15-46 us at 32 x 2048 -> 10 -- which later calls
+  // of the shape do not pay). Returns whether the dense observation
+  // entered the ratios.
   bool Record(const SplitShape& s, double rows_dense, bool compact,
               double dense_seconds, double rows_sparse, double nnz_sparse,
               double sparse_seconds, bool dense_one_time = false);
-  static constexpr int64_t kStaleRecords = 32;
   // Records one full count of `elems` values that took `seconds`.
   void RecordCount(double elems, double seconds);
   // Median seconds per counted value of the last full counts (0: none).
@@ -423,8 +420,6 @@ class FamilyModel {
   bool calibrated_ = false;
   CostTerms base_;
   MedianWindow dense_ratio_, sparse_ratio_, count_per_elem_;
-  int64_t records_ = 0;                     // Record() calls
-  int64_t dense_last_ = -1, sparse_last_ = -1;  // records_ at the last ratio
 };
 
 // When a calibrated family times its paths again (SplitCall::Decide). Terms
@@ -492,7 +487,7 @@ class PlanMemory {
               const CostTerms& t, const DecisionPolicy& policy);
   // Decide, then the re-time rule (RetimeDue, OtherSidePlan): returns the
   // plan to run on this call -- the decided plan, or on a re-time the other
-  // side's best plan (*retimed true). The decided plan is remembered either
+  // side's plan (*retimed true). The decided plan is remembered either
   // way (the hysteresis never sees a re-time); *decided (may be null)
   // receives it.
   Plan DecideAndRetime(const SplitShape& s, const DensityProfile& p,

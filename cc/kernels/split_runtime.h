@@ -496,7 +496,7 @@ class SplitCall {
                                                shape, density, timings,
                                                fitted);
       }
-      // The decided plan, or now and then the other side's best plan
+      // The decided plan, or now and then the other side's plan
       // (PlanMemory::DecideAndRetime): its time corrects the family's
       // terms for a path that stopped running.
       const DensityProfile profile =

@@ -967,9 +967,8 @@ void BindAnalysis(py::module_& mod) {
           },
           py::arg("shape"), py::arg("profile"), py::arg("terms"),
           py::arg("decided"), py::arg("policy") = py::none(),
-          "The best plan of the other side of `decided` (all-dense for a plan "
-          "with sparse rows, the fastest plan with sparse rows for all-dense), "
-          "or None.");
+          "The plan a re-time of `decided` runs (OtherSidePlan): all-dense "
+          "for a plan with sparse rows, every row sparse for all-dense; or None.");
   mem.attr("remember_all_dense") = py::cpp_function(
       [](PlanMemory& m) { m.RememberAllDense(); }, py::is_method(mem));
   mem.attr("history") = py::cpp_function(
