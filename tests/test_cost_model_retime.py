@@ -145,6 +145,25 @@ def test_all_dense_plan_retimes_every_row_sparse():
                    for _ in range(40))
 
 
+def test_tiny_all_dense_calls_are_not_retimed():
+    """A call predicted a few microseconds all-dense can never save the
+    least gain (20 us) with sparse rows: re-timing its sparse path would
+    change nothing."""
+    m, k, n = 16, 32, 16
+    rows = _uniform(m, k, 0.1)
+    shape = K.matmul_split_shape(m, k, k, n)
+    prof = _profile(rows, k)
+    terms = _terms(dense_fixed_s=3e-6, dense_rate=1e10, sparse_fixed_s=2e-6,
+                   sparse_rate=1e9)
+    mem = K.SplitPlanMemory()
+    for _ in range(40):
+        r = mem.decide_and_retime(shape, prof, terms)
+        assert r["decided"]["kind"] == "all_dense" and not r["retimed"]
+    assert r["decided"]["all_dense_s"] < 2e-5
+    other = K.other_side_plan(shape, prof, terms, r["decided"])
+    assert other["predicted_s"] < 3 * r["decided"]["predicted_s"]
+
+
 def test_change_of_side_restarts_the_schedule():
     shape, prof, sparse_terms = _sparse_winning_case(1.5)
     dense_terms = dict(sparse_terms, sparse_rate=sparse_terms["sparse_rate"] / 2)

@@ -693,8 +693,14 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
   if (decided != nullptr) *decided = plan;
   *retimed = false;
   Plan other;
+  // An all-dense call predicted under its least saving (MinGainSeconds)
+  // can never enter a plan with sparse rows, whatever the sparse terms:
+  // timing its sparse path would change nothing.
+  const bool can_leave = plan.kind != PlanKind::kAllDense ||
+                         plan.all_dense_s >
+                             MinGainSeconds(policy, plan.all_dense_s);
   const bool close =
-      OtherSidePlan(s, p, t, policy, plan, &other) &&
+      can_leave && OtherSidePlan(s, p, t, policy, plan, &other) &&
       plan.predicted_s > 0.0 &&
       other.predicted_s <= rp.max_ratio * plan.predicted_s;
   const int side = plan.kind == PlanKind::kAllDense ? 0 : 1;

@@ -219,7 +219,9 @@ bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
 // every path (the threshold changes speed only); a re-time costs at most
 // (max_ratio - 1) of one call as predicted, and c decisions on one side
 // hold at most log2(c / first_period + 1) + c / max_period re-times.
-// Deterministic: a call counter, no randomness.
+// Deterministic: a call counter, no randomness. An all-dense call
+// predicted under its least saving (MinGainSeconds: a few tens of
+// microseconds) is never re-timed: no sparse terms could make it leave.
 struct RetimePolicy {
   // 3x, not less: the second dense call of a shape can still run 2x its
   // steady time (a converted MLP's output layer: 139 us, then 63 us), and a
