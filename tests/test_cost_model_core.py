@@ -103,7 +103,8 @@ def test_predicted_time_of_a_split_by_hand():
     rows[20], nnz[20] = 5, 5 * 40    # 5 dense rows
     # bucket 2: rows of buckets 0..2 sparse; compacted dense part.
     got = K.predict_plan_seconds(shape, (rows, nnz), terms, 2, True)
-    dense = 1e-5 + 5 * k_live * 2 * n / 1e9 + 1e-9 * (
+    # The fixed term scales with the columns multiplied (k_live of k).
+    dense = 1e-5 * k_live / k + 5 * k_live * 2 * n / 1e9 + 1e-9 * (
         5 * k_live + k_live * n + 5 * n)
     sparse = 2e-5 + 1e-9 * 3 * k + 12 * 2 * n / 5e8
     assert got == pytest.approx(dense + sparse, rel=1e-12)

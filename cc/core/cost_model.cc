@@ -145,7 +145,12 @@ double PredictDenseSeconds(const SplitShape& s, const CostTerms& t,
   if (compact) copied += static_cast<double>(s.k_live) * s.weight_elems_per_col;
   if (split) copied += rows_dense * s.row_copy_elems;
   const double rate = t.dense_rate > 0.0 ? t.dense_rate : 1.0;
-  return t.dense_fixed_s + flops / rate + copied * t.copy_s_per_elem;
+  // The fixed term is the read of op(b) at small m: k_live of its k rows
+  // when compacting (see the header).
+  const double fixed =
+      compact && s.k > 0 ? t.dense_fixed_s * kc / static_cast<double>(s.k)
+                         : t.dense_fixed_s;
+  return fixed + flops / rate + copied * t.copy_s_per_elem;
 }
 
 double PredictSparseSeconds(const SplitShape& s, const CostTerms& t,
@@ -189,6 +194,46 @@ double MinGainSeconds(const DecisionPolicy& policy, double all_dense_s) {
   return std::min(policy.min_gain_s, std::max(policy.min_gain_floor_s, rel));
 }
 
+namespace {
+
+// The fastest plan with sparse rows; among those within tie_margin of it,
+// the one with the most dense rows (the smallest bucket). *best: the
+// fastest time (inf when there is no candidate); false when none.
+bool BestSparsePlan(const SplitShape& s, const DensityProfile& p,
+                    const CostTerms& t, const DecisionPolicy& policy,
+                    Plan* plan, double* best_s) {
+  const int b = p.buckets();
+  *best_s = kInf;
+  if (b < 0) return false;
+  std::vector<double> times(b + 1, kInf);
+  std::vector<char> packs(b + 1, 0);
+  double best = kInf;
+  double prev_rows = -1.0;
+  for (int j = 0; j <= b; ++j) {
+    double rows, nnz;
+    SparseShare(p, j, &rows, &nnz);
+    if (rows <= 0.0 || rows == prev_rows) continue;  // same split as j-1
+    prev_rows = rows;
+    bool c = false;
+    times[j] = BestOfCompaction(s, p, t, j, policy.min_gain_s, &c);
+    packs[j] = c;
+    best = std::min(best, times[j]);
+  }
+  *best_s = best;
+  if (!(best < kInf)) return false;
+  int pick = -1;
+  for (int j = 0; j <= b; ++j) {
+    if (times[j] <= best * (1.0 + policy.tie_margin)) {
+      pick = j;
+      break;
+    }
+  }
+  *plan = MakePlan(s, p, pick, packs[pick], times[pick]);
+  return true;
+}
+
+}  // namespace
+
 Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
                  const CostTerms& t, const DecisionPolicy& policy,
                  const Plan* previous) {
@@ -210,32 +255,12 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   dense_plan.best_sparse_s = kInf;
   if (!t.dense_known() || !t.sparse_known() || b < 0) return dense_plan;
 
-  // The fastest plan with sparse rows; among those within tie_margin of it,
-  // the one with the most dense rows (the smallest bucket).
-  std::vector<double> times(b + 1, kInf);
-  std::vector<char> packs(b + 1, 0);
   double best = kInf;
-  double prev_rows = -1.0;
-  for (int j = 0; j <= b; ++j) {
-    double rows, nnz;
-    SparseShare(p, j, &rows, &nnz);
-    if (rows <= 0.0 || rows == prev_rows) continue;  // same split as j-1
-    prev_rows = rows;
-    bool c = false;
-    times[j] = BestOfCompaction(s, p, t, j, policy.min_gain_s, &c);
-    packs[j] = c;
-    best = std::min(best, times[j]);
-  }
+  Plan best_plan;
+  const bool has_best = BestSparsePlan(s, p, t, policy, &best_plan, &best);
   dense_plan.best_sparse_s = best;
-  if (!(best < kInf)) return dense_plan;
-  int pick = -1;
-  for (int j = 0; j <= b; ++j) {
-    if (times[j] <= best * (1.0 + policy.tie_margin)) {
-      pick = j;
-      break;
-    }
-  }
-  Plan best_plan = MakePlan(s, p, pick, packs[pick], times[pick]);
+  if (!has_best) return dense_plan;
+  const double t_best = best_plan.predicted_s;
   best_plan.all_dense_s = all_dense;
   best_plan.best_sparse_s = best;
 
@@ -245,8 +270,8 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   // Entry into a plan with sparse rows: only for a safe predicted win.
   const double min_gain = MinGainSeconds(policy, all_dense);
   const bool enters =
-      times[pick] <= all_dense * (1.0 - policy.enter_margin) &&
-      times[pick] <= all_dense - min_gain;
+      t_best <= all_dense * (1.0 - policy.enter_margin) &&
+      t_best <= all_dense - min_gain;
   if (!had_sparse) return enters ? best_plan : dense_plan;
   // The previous split, re-predicted on this call's rows.
   bool prev_compact = false;
@@ -259,11 +284,54 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
     // passes the entry test, else go dense.
     return enters ? best_plan : dense_plan;
   }
-  if (times[pick] < t_prev * (1.0 - policy.switch_margin)) return best_plan;
+  if (t_best < t_prev * (1.0 - policy.switch_margin)) return best_plan;
   Plan kept = MakePlan(s, p, previous->bucket, prev_compact, t_prev);
   kept.all_dense_s = all_dense;
   kept.best_sparse_s = best;
   return kept;
+}
+
+bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
+                   const CostTerms& t, const DecisionPolicy& policy,
+                   const Plan& decided, Plan* other) {
+  if (!s.dense_allowed || !t.dense_known() || !t.sparse_known()) return false;
+  bool dense_compact = false;
+  const double all_dense =
+      BestOfCompaction(s, p, t, -1, policy.min_gain_s, &dense_compact);
+  double best = kInf;
+  Plan best_plan;
+  const bool has_best = BestSparsePlan(s, p, t, policy, &best_plan, &best);
+  if (decided.kind == PlanKind::kAllDense) {
+    // Every row sparse: a split that sends a few rows sparse (the best plan
+    // with sparse rows when the sparse terms look slow) measures mostly
+    // fixed costs, not the sparse path's rate.
+    const int b = p.buckets();
+    if (!has_best || b < 0) return false;
+    *other = MakePlan(s, p, b, false, PredictPlanSeconds(s, p, t, b, false));
+  } else {
+    *other = MakePlan(s, p, -1, dense_compact, all_dense);
+  }
+  other->all_dense_s = all_dense;
+  other->best_sparse_s = best;
+  return true;
+}
+
+bool RetimeDue(RetimeState* st, int side, bool close, const RetimePolicy& rp) {
+  if (side != st->side) {
+    st->side = side;
+    st->calls_on_side = 0;
+    st->period = rp.first_period;
+    st->next_retime = rp.first_period;
+  }
+  ++st->calls_on_side;
+  if (!close || rp.first_period <= 0 || st->calls_on_side < st->next_retime)
+    return false;
+  st->period = std::max<int64_t>(
+      1, std::min<int64_t>(2 * st->period, std::max(rp.max_period,
+                                                    rp.first_period)));
+  st->next_retime = st->calls_on_side + st->period;
+  ++st->retimes;
+  return true;
 }
 
 namespace {
@@ -339,7 +407,8 @@ double MaxSavingSeconds(const SplitShape& s, const CostTerms& t,
   const double live =
       (1.0 - z) * m * std::max(0.0, row_s - t.convert_s_per_elem * k);
   save += std::max(0.0, live - t.sparse_fixed_s);
-  if (s.can_compact) save += d * m * row_s;
+  // Compaction also shrinks the dense fixed term (PredictDenseSeconds).
+  if (s.can_compact) save += d * (m * row_s + t.dense_fixed_s);
   return std::min(PredictDenseSeconds(s, t, m, false), save);
 }
 
@@ -444,6 +513,11 @@ double MedianWindow::Median(double if_empty) const {
   return med;
 }
 
+double MedianWindow::Min(double if_empty) const {
+  if (values_.empty()) return if_empty;
+  return *std::min_element(values_.begin(), values_.end());
+}
+
 bool FamilyModel::calibrated() const {
   std::lock_guard<std::mutex> lock(mu_);
   return calibrated_;
@@ -506,7 +580,11 @@ bool CountCallRecalibrationDue(FamilyCalibrationRecord* family,
 CostTerms FamilyModel::Terms() const {
   std::lock_guard<std::mutex> lock(mu_);
   CostTerms t = base_;
-  const double sd = dense_ratio_.Median(1.0), ss = sparse_ratio_.Median(1.0);
+  // The median, or the smallest of fewer than 3 ratios (see the header).
+  auto robust = [](const MedianWindow& w) {
+    return w.size() < 3 ? w.Min(1.0) : w.Median(1.0);
+  };
+  const double sd = robust(dense_ratio_), ss = robust(sparse_ratio_);
   t.dense_fixed_s *= sd;
   if (t.dense_rate > 0.0) t.dense_rate /= sd;
   t.sparse_fixed_s *= ss;
@@ -515,18 +593,24 @@ CostTerms FamilyModel::Terms() const {
   return t;
 }
 
-void FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
+bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
                          double dense_seconds, double rows_sparse,
-                         double nnz_sparse, double sparse_seconds) {
+                         double nnz_sparse, double sparse_seconds,
+                         bool dense_one_time) {
   std::lock_guard<std::mutex> lock(mu_);
+  bool dense_recorded = false;
   if (rows_dense > 0.0 && dense_seconds > 0.0) {
     if (!base_.dense_known()) {
       const double kc = compact ? s.k_live : s.k;
       const double flops = rows_dense * kc * s.dense_flops_per_elem;
       if (flops > 0.0) base_.dense_rate = flops / dense_seconds;
-    } else {
+      dense_recorded = flops > 0.0;
+    } else if (!dense_one_time) {
       const double pred = PredictDenseSeconds(s, base_, rows_dense, compact);
-      if (pred > 0.0) dense_ratio_.Add(dense_seconds / pred);
+      if (pred > 0.0) {
+        dense_ratio_.Add(dense_seconds / pred);
+        dense_recorded = true;
+      }
     }
   }
   if (rows_sparse > 0.0 && nnz_sparse > 0.0 && sparse_seconds > 0.0) {
@@ -538,6 +622,7 @@ void FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
       if (pred > 0.0) sparse_ratio_.Add(sparse_seconds / pred);
     }
   }
+  return dense_recorded;
 }
 
 void FamilyModel::RecordCount(double elems, double seconds) {
@@ -594,6 +679,50 @@ Plan PlanMemory::Decide(const SplitShape& s, const DensityProfile& p,
   last_ = plan;
   has_last_ = true;
   return plan;
+}
+
+Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
+                                 const CostTerms& t,
+                                 const DecisionPolicy& policy,
+                                 const RetimePolicy& rp, bool* retimed,
+                                 Plan* decided) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Plan plan = DecideSplit(s, p, t, policy, has_last_ ? &last_ : nullptr);
+  last_ = plan;
+  has_last_ = true;
+  if (decided != nullptr) *decided = plan;
+  *retimed = false;
+  Plan other;
+  // An all-dense call predicted under its least saving (MinGainSeconds)
+  // can never enter a plan with sparse rows, whatever the sparse terms:
+  // timing its sparse path would change nothing.
+  const bool can_leave = plan.kind != PlanKind::kAllDense ||
+                         plan.all_dense_s >
+                             MinGainSeconds(policy, plan.all_dense_s);
+  const bool close =
+      can_leave && OtherSidePlan(s, p, t, policy, plan, &other) &&
+      plan.predicted_s > 0.0 &&
+      other.predicted_s <= rp.max_ratio * plan.predicted_s;
+  const int side = plan.kind == PlanKind::kAllDense ? 0 : 1;
+  if (!RetimeDue(&retime_, side, close, rp)) return plan;
+  *retimed = true;
+  return other;
+}
+
+bool PlanMemory::NoteDenseShape(int64_t m, int64_t kc, bool compact) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::vector<int64_t> shape = {m, kc, compact ? 1 : 0};
+  if (std::find(dense_shapes_.begin(), dense_shapes_.end(), shape) !=
+          dense_shapes_.end() ||
+      static_cast<int>(dense_shapes_.size()) >= kShapesRemembered)
+    return false;
+  dense_shapes_.push_back(shape);
+  return true;
+}
+
+RetimeState PlanMemory::retime_state() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return retime_;
 }
 
 FamilyModel& FamilyFor(const std::vector<int64_t>& key) {

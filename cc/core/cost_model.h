@@ -6,8 +6,10 @@
 // dense kernel, the others to a sparse kernel. This header predicts the time
 // of each choice from a few measured terms and picks the fastest plan:
 //
-//   dense part  = dense_fixed_s + flops_dense / dense_rate
+//   dense part  = dense_fixed_s * (kc / k) + flops_dense / dense_rate
 //                 + copy_s_per_elem * (gathered + scattered elements)
+//                 (kc: the columns the dense GEMM multiplies, k_live when
+//                 compacting, else k)
 //   sparse part = sparse_fixed_s + convert_s_per_elem * rows_sparse * k
 //                 + useful_flops_sparse / sparse_rate
 //   call        = dense part + sparse part   (heterogeneous: the max of the
@@ -21,7 +23,10 @@
 // margin (hysteresis): the same shape and sparsity give the same plan call
 // after call and run after run. Rates are robust estimates: calibrated once
 // per problem family from the best of a few timings, then scaled by the
-// median of the last calls' measured/predicted ratios.
+// median of the last calls' measured/predicted ratios. Those ratios correct
+// only a path that runs, so an op instance whose plan stays on one side
+// re-times the other side's plan now and then when it is predicted
+// close (RetimePolicy, PlanMemory::DecideAndRetime).
 //
 // The ops use it through cc/kernels/split_runtime.h; Python reaches it
 // through the pybind11 module (tf_sparse_split._kernels: decide_split,
@@ -161,6 +166,12 @@ double MinGainSeconds(const DecisionPolicy& policy, double all_dense_s);
 
 // Predicted seconds of the dense part with `rows_dense` rows (compacted or
 // not) and of the sparse part with `rows_sparse` rows holding `nnz_sparse`.
+// The dense fixed term scales with the columns the GEMM multiplies (k_live
+// of k when compacting): calibration fits it as the intercept of the dense
+// time against rows, and at small m that intercept is the read of op(b)'s
+// k x n values, which compaction shrinks to k_live x n (measured at
+// 32 x 784 -> 2048 with 331 dead columns: 604 us fitted on all columns, the
+// compacted GEMM ran in 570 us with its weight gather).
 double PredictDenseSeconds(const SplitShape& s, const CostTerms& t,
                            double rows_dense, bool compact);
 double PredictSparseSeconds(const SplitShape& s, const CostTerms& t,
@@ -177,6 +188,63 @@ double PredictPlanSeconds(const SplitShape& s, const DensityProfile& p,
 Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
                  const CostTerms& t, const DecisionPolicy& policy,
                  const Plan* previous);
+
+// The plan of the other side of `decided` (a DecideSplit result) that a
+// re-time runs: for a plan with sparse rows, the all-dense plan with its
+// compaction choice; for the all-dense plan, every row sparse (a split that
+// sends a few rows sparse would time mostly fixed costs, not the sparse
+// path's rate). Its predicted_s is set, all_dense_s and best_sparse_s as in
+// DecideSplit. False when there is none (terms unknown, no dense path, no
+// row with nonzeros).
+bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
+                   const CostTerms& t, const DecisionPolicy& policy,
+                   const Plan& decided, Plan* other);
+
+// ---- Re-timing the path that stopped running --------------------------------
+//
+// The measured/predicted ratios (FamilyModel) correct only the path that
+// runs. When the terms overestimate the path that is not taken -- its few
+// observations held a oneDNN primitive creation or a burst of load, or the
+// calibration timed the other path with its operand warm in cache (the
+// sparse path of 32 x 784 -> 2048 timed 322 us there and 685 us in the model,
+// where a 16 MB hidden layer evicts the weights between calls) -- nothing
+// corrects them and the op keeps the slower path for good. So an op
+// instance whose decided plan stays on one side (all-dense, or a plan with
+// sparse rows) while the other side's plan (OtherSidePlan) is
+// predicted at most `max_ratio` times slower runs that plan for one call
+// now and then, and its measured time enters the family's ratios: the
+// first time `first_period` automatic decisions after the side last
+// changed, then after periods doubling up to `max_period` for as long as
+// the side stays (the re-timed plan kept losing). The result is the same on
+// every path (the threshold changes speed only); a re-time costs at most
+// (max_ratio - 1) of one call as predicted, and c decisions on one side
+// hold at most log2(c / first_period + 1) + c / max_period re-times.
+// Deterministic: a call counter, no randomness. An all-dense call
+// predicted under its least saving (MinGainSeconds: a few tens of
+// microseconds) is never re-timed: no sparse terms could make it leave.
+struct RetimePolicy {
+  // 3x, not less: the second dense call of a shape can still run 2x its
+  // steady time (a converted MLP's output layer: 139 us, then 63 us), and a
+  // path estimated beyond max_ratio is never timed again.
+  double max_ratio = 3.0;
+  int64_t first_period = 4;
+  int64_t max_period = 256;
+};
+
+// The re-time schedule of one op instance.
+struct RetimeState {
+  int side = -1;              // 0: all-dense, 1: sparse rows, -1: no call yet
+  int64_t calls_on_side = 0;  // decisions since the side last changed
+  int64_t next_retime = 0;    // calls_on_side of the next re-time
+  int64_t period = 0;         // the current period
+  int64_t retimes = 0;        // re-times so far (all sides)
+};
+
+// Counts one decision on `side` (0 all-dense, 1 sparse rows) and returns
+// whether it re-times the other side; `close`: the other side's plan
+// exists and is predicted within max_ratio. A change of side restarts the
+// schedule at first_period. first_period <= 0 disables re-timing.
+bool RetimeDue(RetimeState* st, int side, bool close, const RetimePolicy& rp);
 
 // Whether the dense part of `rows_dense` rows should compact the all-zero
 // columns: by predicted time (saving at least min_gain_s) when the terms are
@@ -304,6 +372,7 @@ class MedianWindow {
   explicit MedianWindow(int capacity = 15) : capacity_(capacity) {}
   void Add(double v);
   double Median(double if_empty) const;
+  double Min(double if_empty) const;
   int size() const { return static_cast<int>(values_.size()); }
 
  private:
@@ -323,14 +392,26 @@ class FamilyModel {
   // Replaces the base terms by a new calibration and forgets the measured
   // ratios (they scaled the old terms); the counting cost is kept.
   void Recalibrate(const CostTerms& t);
-  // Base terms scaled by the recent measured/predicted medians.
+  // Base terms scaled by the recent measured/predicted ratios of each path:
+  // their median, or the smallest while a path has fewer than 3 (as
+  // calibration keeps the best of its timings: one slow call -- a burst of
+  // load, a one-time cost -- must not make a path that rarely runs look
+  // several times slower until it runs again).
   CostTerms Terms() const;
   // Records one call's measured part times against the base prediction.
   // A path whose base terms are unknown is initialised from its
   // observation (a rate through the origin): the GPU kernel learns this way.
-  void Record(const SplitShape& s, double rows_dense, bool compact,
+  // `dense_one_time`: the caller knows the dense time holds a one-time
+  // cost, and it is not recorded on a known dense path (the ops pass the
+  // first all-dense call of each op instance at each shape,
+  // PlanMemory::NoteDenseShape: it pays TF's oneDNN primitive creation for
+  // that shape -- measured 1655 us against 570 us later at 32 x 453 ->
+  // 2048, 195 us against 15-46 us at 32 x 2048 -> 10 -- which later calls
+  // of the shape do not pay). Returns whether the dense observation
+  // entered the ratios.
+  bool Record(const SplitShape& s, double rows_dense, bool compact,
               double dense_seconds, double rows_sparse, double nnz_sparse,
-              double sparse_seconds);
+              double sparse_seconds, bool dense_one_time = false);
   // Records one full count of `elems` values that took `seconds`.
   void RecordCount(double elems, double seconds);
   // Median seconds per counted value of the last full counts (0: none).
@@ -406,6 +487,23 @@ class PlanMemory {
   // DecideSplit against the remembered plan; remembers the result.
   Plan Decide(const SplitShape& s, const DensityProfile& p,
               const CostTerms& t, const DecisionPolicy& policy);
+  // Decide, then the re-time rule (RetimeDue, OtherSidePlan): returns the
+  // plan to run on this call -- the decided plan, or on a re-time the other
+  // side's plan (*retimed true). The decided plan is remembered either
+  // way (the hysteresis never sees a re-time); *decided (may be null)
+  // receives it.
+  Plan DecideAndRetime(const SplitShape& s, const DensityProfile& p,
+                       const CostTerms& t, const DecisionPolicy& policy,
+                       const RetimePolicy& rp, bool* retimed,
+                       Plan* decided = nullptr);
+  // This op instance's re-time schedule.
+  RetimeState retime_state();
+  // Whether this is the op instance's first all-dense call at (m, columns
+  // multiplied kc, compacted) -- its time holds a one-time cost
+  // (FamilyModel::Record) -- remembering it; at most kShapesRemembered
+  // shapes are remembered, later new ones count as seen.
+  bool NoteDenseShape(int64_t m, int64_t kc, bool compact);
+  static constexpr int kShapesRemembered = 64;
   // Remembers an all-dense plan taken without a full count.
   void RememberAllDense();
 
@@ -429,6 +527,8 @@ class PlanMemory {
   Plan last_;
   AnalysisHistory history_;
   OpCalibrationRecord calibration_;
+  RetimeState retime_;
+  std::vector<std::vector<int64_t>> dense_shapes_;  // all-dense shapes run
 };
 
 // Process-wide family models, keyed by whatever identifies a problem

@@ -37,6 +37,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <vector>
 
 #include "cc/core/cost_model.h"
@@ -495,9 +496,46 @@ class SplitCall {
                                                shape, density, timings,
                                                fitted);
       }
-      const Plan plan = memory->Decide(
-          shape, ProfileFromRowNnz(row_nnz, shape.m, shape.k, kDecisionBuckets),
-          family->Terms(), DecisionPolicy());
+      // The decided plan, or now and then the other side's plan
+      // (PlanMemory::DecideAndRetime): its time corrects the family's
+      // terms for a path that stopped running.
+      const DensityProfile profile =
+          ProfileFromRowNnz(row_nnz, shape.m, shape.k, kDecisionBuckets);
+      const CostTerms terms = family->Terms();
+      Plan decided;
+      const Plan plan =
+          memory->DecideAndRetime(shape, profile, terms, DecisionPolicy(),
+                                  RetimePolicy(), &retimed_, &decided);
+      memory_ = memory;
+      if (retimed_) {
+        VLOG(1) << "tf_sparse_split retime family " << family << " op "
+                << memory << " m " << shape.m << " k " << shape.k
+                << " k_live " << shape.k_live << " | decided "
+                << static_cast<int>(decided.kind) << " thr "
+                << decided.threshold << " compact " << decided.compact
+                << " predicted " << decided.predicted_s << " | runs "
+                << static_cast<int>(plan.kind) << " thr " << plan.threshold
+                << " compact " << plan.compact << " predicted "
+                << plan.predicted_s;
+      }
+      if (VLOG_IS_ON(2)) {
+        // The call's density profile (bucket:rows:nnz), for recordings.
+        std::ostringstream os;
+        for (int j = 0; j <= profile.buckets(); ++j)
+          if (profile.rows[j] > 0.0)
+            os << " " << j << ":" << profile.rows[j] << ":" << profile.nnz[j];
+        VLOG(2) << "tf_sparse_split decide family " << family << " op "
+                << memory << " m " << shape.m << " k " << shape.k
+                << " k_live " << shape.k_live << " n "
+                << shape.weight_elems_per_col << " terms "
+                << terms.dense_fixed_s << " " << terms.dense_rate << " "
+                << terms.sparse_fixed_s << " " << terms.convert_s_per_elem
+                << " " << terms.sparse_rate << " " << terms.copy_s_per_elem
+                << " decided " << static_cast<int>(decided.kind) << " "
+                << decided.predicted_s << " " << decided.all_dense_s << " "
+                << decided.best_sparse_s << " retimed " << retimed_
+                << " profile" << os.str();
+      }
       thr = plan.threshold;
       all_dense = plan.kind == PlanKind::kAllDense;
       // What this full count saw, for the next calls' ChooseAnalysis.
@@ -550,6 +588,8 @@ class SplitCall {
   int64_t rows_sparse() const { return split_.sparse_rows.size(); }
   bool compact() const { return compact_; }
   double threshold() const { return threshold_; }
+  // Whether this call runs a re-timed plan (PlanMemory::DecideAndRetime).
+  bool retimed() const { return retimed_; }
   void set_compact(bool c) { compact_ = c; }
 
   void DenseDone() { dense_done_ = Clock::now(); }
@@ -577,8 +617,26 @@ class SplitCall {
     stats_[kStatThreshold] = threshold_;
     stats_[kStatNnzSparse] = split_.nnz_sparse;
     if (family_ != nullptr && !std::isnan(dense_s) && !std::isnan(sparse_s)) {
-      family_->Record(shape_, rows_dense(), compact_, dense_s, rows_sparse(),
-                      split_.nnz_sparse, sparse_s);
+      // The op's first all-dense call at a shape pays TF's primitive
+      // creation for it: kept out of the ratios (FamilyModel::Record).
+      const bool one_time =
+          memory_ != nullptr && rows_dense() > 0 && rows_dense() == shape_.m &&
+          memory_->NoteDenseShape(shape_.m, compact_ ? shape_.k_live : shape_.k,
+                                  compact_);
+      const bool dense_recorded =
+          family_->Record(shape_, rows_dense(), compact_, dense_s,
+                          rows_sparse(), split_.nnz_sparse, sparse_s, one_time);
+      // One line per automatic call at VLOG level 2 (the path it ran and
+      // its part times): the recordings of tests/data are made of these.
+      VLOG(2) << "tf_sparse_split call family " << family_ << " op "
+              << memory_ << " m " << shape_.m << " k " << shape_.k
+              << " k_live " << shape_.k_live << " rows_dense " << rows_dense()
+              << " rows_sparse " << rows_sparse() << " compact " << compact_
+              << " nnz_sparse " << split_.nnz_sparse << " dense_s " << dense_s
+              << " sparse_s " << sparse_s << " analyze_s "
+              << Seconds(start_, analyzed_) << " retimed " << retimed_
+              << " dense_recorded " << dense_recorded << " analysis "
+              << stats_[kStatAnalysis];
     }
     // The call's cost problem and its family's terms as they stand after
     // this record (stats.h, kStatKLive .. kStatCalibrated): what the Python
@@ -604,6 +662,7 @@ class SplitCall {
     compact_ = false;
     nnz_estimate_ = nnz_estimate;
     stats_[kStatAnalysis] = analysis;
+    memory_ = memory;
     memory->RememberAllDense();
     memory->RecordAnalysis(false, 0.0, 0.0);
     analyzed_ = Clock::now();
@@ -621,6 +680,8 @@ class SplitCall {
   bool compact_ = false;
   double count_s_per_elem_ = 0.0;
   double nnz_estimate_ = 0.0;
+  bool retimed_ = false;           // this call runs a re-timed plan
+  PlanMemory* memory_ = nullptr;   // the op's memory (automatic calls)
 };
 
 }  // namespace tf_sparse_split

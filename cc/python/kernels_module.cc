@@ -420,6 +420,21 @@ DecisionPolicy PolicyOf(const py::object& o) {
   return p;
 }
 
+RetimePolicy RetimePolicyOf(const py::object& o) {
+  RetimePolicy p;
+  if (o.is_none()) return p;
+  const py::dict d = o.cast<py::dict>();
+  RequireKeys(d, {"max_ratio", "first_period", "max_period"}, "retime_policy");
+  p.max_ratio = Get<double>(d, "max_ratio", p.max_ratio);
+  p.first_period = Get<int64_t>(d, "first_period", p.first_period);
+  p.max_period = Get<int64_t>(d, "max_period", p.max_period);
+  if (!(p.max_ratio >= 0.0) || !std::isfinite(p.max_ratio))
+    throw py::value_error("retime_policy max_ratio must be finite and >= 0");
+  if (p.max_period < 1)
+    throw py::value_error("retime_policy max_period must be >= 1");
+  return p;
+}
+
 const char* KindName(PlanKind k) {
   switch (k) {
     case PlanKind::kAllDense: return "all_dense";
@@ -596,13 +611,18 @@ void BindCostModel(py::module_& mod) {
       .def("terms", [](const FamilyModel& f) { return DictOf(f.Terms()); })
       .def("record",
            [](FamilyModel& f, const py::dict& shape, double rows_dense, bool compact,
-              double dense_s, double rows_sparse, double nnz_sparse, double sparse_s) {
-             f.Record(ShapeOf(shape), rows_dense, compact, dense_s, rows_sparse,
-                      nnz_sparse, sparse_s);
+              double dense_s, double rows_sparse, double nnz_sparse, double sparse_s,
+              bool dense_one_time) {
+             return f.Record(ShapeOf(shape), rows_dense, compact, dense_s,
+                             rows_sparse, nnz_sparse, sparse_s, dense_one_time);
            },
            py::arg("shape"), py::arg("rows_dense"), py::arg("compact"),
            py::arg("dense_s"), py::arg("rows_sparse"), py::arg("nnz_sparse"),
-           py::arg("sparse_s"));
+           py::arg("sparse_s"), py::arg("dense_one_time") = false,
+           "Records one call's part times (seconds) against the base "
+           "prediction; returns whether the dense time entered the ratios "
+           "(not when dense_one_time: the time holds a one-time cost, see "
+           "FamilyModel::Record).");
   py::class_<PlanMemory>(mod, "SplitPlanMemory",
                          "The last plan of one op instance (hysteresis).")
       .def(py::init<>())
@@ -885,6 +905,70 @@ void BindAnalysis(py::module_& mod) {
       },
       py::is_method(mem), py::arg("full"), py::arg("zero_row_frac") = 0.0,
       py::arg("dead_col_frac") = 0.0);
+  mem.attr("decide_and_retime") = py::cpp_function(
+      [](PlanMemory& m, const py::dict& shape, const py::tuple& profile,
+         const py::dict& terms, const py::object& policy,
+         const py::object& retime_policy) {
+        bool retimed = false;
+        Plan decided;
+        const Plan run = m.DecideAndRetime(
+            ShapeOf(shape), ProfileOf(profile), TermsOf(terms),
+            PolicyOf(policy), RetimePolicyOf(retime_policy), &retimed,
+            &decided);
+        py::dict d;
+        d["plan"] = DictOf(run);
+        d["decided"] = DictOf(decided);
+        d["retimed"] = retimed;
+        return d;
+      },
+      py::is_method(mem), py::arg("shape"), py::arg("profile"),
+      py::arg("terms"), py::arg("policy") = py::none(),
+      py::arg("retime_policy") = py::none(),
+      "The ops' decision with re-timing (PlanMemory::DecideAndRetime): "
+      "{'plan': the plan to run now, 'decided': the decided plan (remembered), "
+      "'retimed': whether 'plan' is the other side's re-timed plan}.");
+  mem.attr("retime_state") = py::cpp_function(
+      [](PlanMemory& m) {
+        const RetimeState st = m.retime_state();
+        py::dict d;
+        d["side"] = st.side;
+        d["calls_on_side"] = st.calls_on_side;
+        d["next_retime"] = st.next_retime;
+        d["period"] = st.period;
+        d["retimes"] = st.retimes;
+        return d;
+      },
+      py::is_method(mem),
+      "This op instance's re-time schedule: side (0 all-dense, 1 sparse rows, "
+      "-1 none), calls_on_side, next_retime, period, retimes.");
+  mem.attr("note_dense_shape") = py::cpp_function(
+      [](PlanMemory& m, int64_t rows, int64_t kc, bool compact) {
+        return m.NoteDenseShape(rows, kc, compact);
+      },
+      py::is_method(mem), py::arg("m"), py::arg("kc"), py::arg("compact"),
+      "Whether this is the op's first all-dense call at (m, kc, compact), "
+      "remembering it (what the ops pass record() as dense_one_time).");
+  mod.def("retime_policy_defaults", [] {
+    const RetimePolicy p;
+    py::dict d;
+    d["max_ratio"] = p.max_ratio;
+    d["first_period"] = p.first_period;
+    d["max_period"] = p.max_period;
+    return d;
+  }, "The RetimePolicy the ops use.");
+  mod.def("other_side_plan",
+          [](const py::dict& shape, const py::tuple& profile, const py::dict& terms,
+             const py::dict& decided, const py::object& policy) -> py::object {
+            Plan other;
+            if (!OtherSidePlan(ShapeOf(shape), ProfileOf(profile), TermsOf(terms),
+                               PolicyOf(policy), PlanOf(decided), &other))
+              return py::none();
+            return DictOf(other);
+          },
+          py::arg("shape"), py::arg("profile"), py::arg("terms"),
+          py::arg("decided"), py::arg("policy") = py::none(),
+          "The plan a re-time of `decided` runs (OtherSidePlan): all-dense "
+          "for a plan with sparse rows, every row sparse for all-dense; or None.");
   mem.attr("remember_all_dense") = py::cpp_function(
       [](PlanMemory& m) { m.RememberAllDense(); }, py::is_method(mem));
   mem.attr("history") = py::cpp_function(
