@@ -483,6 +483,10 @@ def test_compacting_rate_shrinks_the_dense_part():
         assert (alloc.rates["d"] > 0) == saves
     assert cost.dense_seconds(0.5) < cost.dense_seconds()
     assert cost.dense_seconds(10.0) == cost.dense_seconds()   # at most k
+    # The fixed term scales with the live columns, as the op's model does.
+    flops = cost.m * 0.5 * cost.k * cost.dense_flops_per_elem
+    assert cost.dense_seconds(0.5) == pytest.approx(
+        0.5 * cost.dense_fixed_s + flops / cost.dense_rate, rel=1e-12)
     c = B.BudgetController(["a"], rates={"d": B.RateKnob(
         floor=0.2, upper=0.5, layer="a", compacts=True)})
     c.rates["d"] = 0.4

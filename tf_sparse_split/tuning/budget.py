@@ -143,7 +143,9 @@ def validate_budget_args(step_time=None, epoch_time=None, deadline=None,
 class LayerCost:
     """Predicted forward op seconds of one layer against its input sparsity.
 
-    ``dense = dense_fixed_s + m * k_live * dense_flops_per_elem / dense_rate``
+    ``dense = dense_fixed_s * k_live / k + m * k_live * dense_flops_per_elem
+    / dense_rate`` (the fixed term scaled as the op scales it when
+    compacting)
     ``sparse(s) = sparse_fixed_s + convert_s_per_elem * m * k
     + (1 - s) * m * k * sparse_flops_per_nnz / sparse_rate``
     and the op runs the cheaper: ``seconds(s) = min(dense, sparse(s))`` (the
@@ -214,7 +216,11 @@ class LayerCost:
         if self.dense_rate <= 0:
             return math.inf
         live = min(self.k_live * max(float(live_scale), 0.0), self.k)
-        return self.dense_fixed_s + \
+        # As in the op's model: with columns compacted away, the fixed
+        # term (the read of the weights at small m) covers the live ones.
+        fixed = self.dense_fixed_s * (live / self.k if 0 < live < self.k
+                                      else 1.0)
+        return fixed + \
             self.m * live * self.dense_flops_per_elem / self.dense_rate
 
     def sparse_seconds(self, sparsity):
