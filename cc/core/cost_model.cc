@@ -711,7 +711,7 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
 
 bool PlanMemory::NoteDenseShape(int64_t m, int64_t kc, bool compact) {
   std::lock_guard<std::mutex> lock(mu_);
-  const std::vector<int64_t> shape = {m, kc, compact ? 1 : 0};
+  const std::array<int64_t, 3> shape = {m, kc, compact ? 1 : 0};
   if (std::find(dense_shapes_.begin(), dense_shapes_.end(), shape) !=
           dense_shapes_.end() ||
       static_cast<int>(dense_shapes_.size()) >= kShapesRemembered)

@@ -34,6 +34,7 @@
 #ifndef TF_SPARSE_SPLIT_CC_CORE_COST_MODEL_H_
 #define TF_SPARSE_SPLIT_CC_CORE_COST_MODEL_H_
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -528,7 +529,7 @@ class PlanMemory {
   AnalysisHistory history_;
   OpCalibrationRecord calibration_;
   RetimeState retime_;
-  std::vector<std::vector<int64_t>> dense_shapes_;  // all-dense shapes run
+  std::vector<std::array<int64_t, 3>> dense_shapes_;  // all-dense shapes run
 };
 
 // Process-wide family models, keyed by whatever identifies a problem

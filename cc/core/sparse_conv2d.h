@@ -40,6 +40,15 @@ struct Conv2DGeometry {
   int64_t dil_h = 1, dil_w = 1;
   int64_t pad_top = 0, pad_left = 0;       // zero rows/cols before the input
   int64_t out_h = 0, out_w = 0;            // output [n, out_h, out_w, c_out]
+
+  // Every field equal (a field added above must be added here too).
+  bool operator==(const Conv2DGeometry& o) const {
+    return n == o.n && h == o.h && w == o.w && c_in == o.c_in &&
+           kh == o.kh && kw == o.kw && c_out == o.c_out &&
+           stride_h == o.stride_h && stride_w == o.stride_w &&
+           dil_h == o.dil_h && dil_w == o.dil_w && pad_top == o.pad_top &&
+           pad_left == o.pad_left && out_h == o.out_h && out_w == o.out_w;
+  }
 };
 
 // Output size and leading padding of one spatial dimension, as TensorFlow

@@ -616,16 +616,8 @@ class ConvFamilyCache {
   }
 
  private:
-  static bool Same(const Conv2DGeometry& a, const Conv2DGeometry& b) {
-    return a.n == b.n && a.h == b.h && a.w == b.w && a.c_in == b.c_in &&
-           a.kh == b.kh && a.kw == b.kw && a.c_out == b.c_out &&
-           a.stride_h == b.stride_h && a.stride_w == b.stride_w &&
-           a.dil_h == b.dil_h && a.dil_w == b.dil_w &&
-           a.pad_top == b.pad_top && a.pad_left == b.pad_left &&
-           a.out_h == b.out_h && a.out_w == b.out_w;
-  }
   void Refresh(FamilyOp op, tf::DataType dt, const Conv2DGeometry& g) {
-    if (family_ != nullptr && op == op_ && dt == dt_ && Same(g, g_)) return;
+    if (family_ != nullptr && op == op_ && dt == dt_ && g == g_) return;
     const std::vector<int64_t> key = FamilyKey(op, dt, g);
     family_ = &FamilyFor(key);
     choice_ = &ChoiceFor(key);

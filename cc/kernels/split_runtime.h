@@ -588,8 +588,6 @@ class SplitCall {
   int64_t rows_sparse() const { return split_.sparse_rows.size(); }
   bool compact() const { return compact_; }
   double threshold() const { return threshold_; }
-  // Whether this call runs a re-timed plan (PlanMemory::DecideAndRetime).
-  bool retimed() const { return retimed_; }
   void set_compact(bool c) { compact_ = c; }
 
   void DenseDone() { dense_done_ = Clock::now(); }
