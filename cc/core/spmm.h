@@ -35,27 +35,61 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
              const T* b, int64_t k, int64_t n, int64_t ldb, T* c,
              int64_t ldc, const ParallelFor& pfor);
 
-// The two bfloat16 kernels of CsrSpmm (identical bits): kPacked widens
-// each K block of B into a float32 pack and runs memory-operand FMAs on it
-// (its cost has k * n and n_rows * n terms whatever the sparsity: the
-// pack, a float32 buffer of the output); kDirect widens B's
-// values in registers as each nonzero uses them (cost ~ nnz * n, about
-// twice the packed kernel's per product).
-enum class Bf16SpmmKernel { kPacked = 0, kDirect = 1 };
+// The bfloat16 kernels of CsrSpmm. kPacked widens each K block of B into
+// a float32 pack and runs memory-operand FMAs on it (its cost has k * n and
+// n_rows * n terms whatever the sparsity: the pack, a float32 buffer of the
+// output); kDirect widens B's values in registers as each nonzero uses them
+// (cost ~ nnz * n, about twice the packed kernel's per product); kDot
+// (AVX512_BF16 only, see Bf16DotAvailable) is the direct kernel with the
+// nonzeros of a row taken two at a time: one vdpbf16ps multiplies a pair of
+// nonzeros by the word-interleaved pair of their rows of B (32 products
+// into 16 float32 lanes), about 1.3x the direct kernel's products per
+// cycle. kPacked and kDirect give identical bits; kDot gives the same bits
+// except where a value, product or partial sum is a float32 denormal
+// (below 2^-126 in magnitude), which vdpbf16ps flushes to zero (DAZ/FTZ):
+// it adds each pair's products in ascending k, one rounding each, as the
+// fused multiply-adds of the other two do.
+// kDotPacked is kDot reading B from a per-tile L1 copy of each K block
+// (128 columns x 128 rows of B, 32 KB, copied once per row group) instead
+// of from B's rows in L2: worth its copy where each row of B serves
+// several nonzeros of a row group.
+enum class Bf16SpmmKernel { kPacked = 0, kDirect = 1, kDot = 2, kDotPacked = 3 };
 
 // The direct kernel is taken up to nnz = kDirectNnzPerK * k +
 // kDirectNnzPerRow * n_rows nonzeros (fitted to measured crossovers, see
-// ChooseBf16SpmmKernel in spmm.cc).
+// Bf16SpmmKernelRule in spmm.cc).
 constexpr int64_t kDirectNnzPerK = 3;
 constexpr int64_t kDirectNnzPerRow = 16;
+// Where the CPU has the dot kernels: kPacked above a density (nnz /
+// (n_rows * k)) of 1 / kDotMaxDensityInv, kDotPacked from a density of
+// 1 / kDotPackedMinDensityInv (two nonzeros per row per 128-row pack), else
+// kDot.
+constexpr int64_t kDotMaxDensityInv = 2;
+constexpr int64_t kDotPackedMinDensityInv = 64;
+
+// True where the dot kernel can run: the CPU has AVX512_BF16 (CPUID leaf 7
+// subleaf 1, EAX bit 5) and the AVX-512 copy of the 16-bit kernels is the
+// active one (LowPrecisionIsa; forcing a lower path turns it off), and the
+// library was compiled with a compiler that knows the instruction.
+bool Bf16DotAvailable();
+
+// The rule of ChooseBf16SpmmKernel for a CPU with (dot = true) or without
+// the dot kernels, never forced: for n < 32 kPacked; with dot, kPacked for
+// nnz > n_rows * k / kDotMaxDensityInv, kDotPacked for nnz >= n_rows * k /
+// kDotPackedMinDensityInv, else kDot; without, kDirect for nnz <=
+// kDirectNnzPerK * k + kDirectNnzPerRow * n_rows, else kPacked.
+Bf16SpmmKernel Bf16SpmmKernelRule(int64_t n_rows, int64_t k, int64_t n,
+                                  int64_t nnz, bool dot);
 
 // The kernel a bfloat16 CsrSpmm of n_rows x k (nnz nonzeros) times k x n
-// takes: forced (ForceBf16SpmmKernel), else kDirect for n >= 32 and
-// nnz <= kDirectNnzPerK * k + kDirectNnzPerRow * n_rows.
+// takes: forced (ForceBf16SpmmKernel; a forced kDot or kDotPacked where
+// Bf16DotAvailable() is false runs kDirect), else
+// Bf16SpmmKernelRule(..., Bf16DotAvailable()).
 Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
                                     int64_t nnz);
 
-// Forces the bfloat16 kernel (0 packed, 1 direct); a negative value
+// Forces the bfloat16 kernel (0 packed, 1 direct, 2 dot, 3 dot packed); a
+// negative value
 // restores the choice above. Not thread-safe with running kernels: for
 // tests and benchmarks.
 void ForceBf16SpmmKernel(int kernel);

@@ -1246,9 +1246,15 @@ void Bind(py::module_& mod) {
       "lowp_spmm",
       [](const U16& a, const U16& b, const std::string& dtype, bool transpose_a,
          int isa, int threads, int path) {
-        if (path < -1 || path > 1)
-          throw py::value_error("path must be -1 (automatic), 0 (packed) or "
-                                "1 (direct)");
+        if (path < -1 || path > 3)
+          throw py::value_error("path must be -1 (automatic), 0 (packed), "
+                                "1 (direct), 2 (dot) or 3 (dot packed)");
+        if (path >= 2 && !Cpu().avx512bf16)
+          throw py::value_error("paths 2 and 3 (the dot kernels) need "
+                                "AVX512_BF16, which this CPU lacks");
+        if (path >= 2 && isa < 0 && !Bf16DotAvailable())
+          throw py::value_error("paths 2 and 3 (the dot kernels) are not "
+                                "compiled in this build");
         return IsBf16(dtype)
                    ? SpmmT<bf16>(a, b, transpose_a, isa, threads, path)
                    : SpmmT<f16>(a, b, transpose_a, isa, threads, path);
@@ -1261,21 +1267,43 @@ void Bind(py::module_& mod) {
       "CsrSpmm, float32 accumulation, one rounding. isa: -1 CPUID, 0 scalar, "
       "1 AVX2, 2 AVX-512 (clamped to what the CPU has). path (bfloat16 "
       "only; float16 always packs): -1 the kernel ChooseBf16SpmmKernel "
-      "picks, 0 the packed kernel, 1 the direct kernel.");
+      "picks, 0 the packed kernel, 1 the direct kernel, 2 the dot kernel, "
+      "3 the dot kernel with B copied to L1 per block (vdpbf16ps; "
+      "ValueError where the CPU lacks AVX512_BF16; with isa forced below "
+      "AVX-512 they run that copy's direct kernel).");
+  mod.def("bf16_dot_available", &Bf16DotAvailable,
+          "Whether the bfloat16 dot kernels (AVX512_BF16 vdpbf16ps) can run "
+          "here: CPUID has AVX512_BF16, the AVX-512 copy is active and the "
+          "compiler knew the instruction.");
   mod.def(
       "bf16_spmm_kernel",
-      [](int64_t n_rows, int64_t k, int64_t n, int64_t nnz) {
+      [](int64_t n_rows, int64_t k, int64_t n, int64_t nnz,
+         py::object dot) {
         if (n_rows < 0 || k < 0 || n < 0 || nnz < 0)
           throw py::value_error("sizes and nnz must be >= 0");
-        return ChooseBf16SpmmKernel(n_rows, k, n, nnz) ==
-                       Bf16SpmmKernel::kDirect
-                   ? std::string("direct")
-                   : std::string("packed");
+        const Bf16SpmmKernel kernel =
+            dot.is_none()
+                ? ChooseBf16SpmmKernel(n_rows, k, n, nnz)
+                : Bf16SpmmKernelRule(n_rows, k, n, nnz, dot.cast<bool>());
+        switch (kernel) {
+          case Bf16SpmmKernel::kDirect:
+            return std::string("direct");
+          case Bf16SpmmKernel::kDot:
+            return std::string("dot");
+          case Bf16SpmmKernel::kDotPacked:
+            return std::string("dot_packed");
+          default:
+            return std::string("packed");
+        }
       },
       py::arg("n_rows"), py::arg("k"), py::arg("n"), py::arg("nnz"),
-      "The bfloat16 CsrSpmm kernel ('packed' or 'direct') a call of n_rows "
-      "CSR rows (nnz nonzeros) times a k x n matrix takes "
-      "(ChooseBf16SpmmKernel).");
+      py::arg("dot") = py::none(),
+      "The bfloat16 CsrSpmm kernel ('packed', 'direct', 'dot' or "
+      "'dot_packed') a call of "
+      "n_rows CSR rows (nnz nonzeros) times a k x n matrix takes: on this "
+      "CPU (dot=None: ChooseBf16SpmmKernel), or by the rule for a CPU with "
+      "(dot=True) or without (dot=False) the dot kernel "
+      "(Bf16SpmmKernelRule).");
   mod.def(
       "lowp_sddmm",
       [](const U16& mask, const U16& x, const U16& y, const std::string& dtype,
@@ -1321,6 +1349,7 @@ void Bind(py::module_& mod) {
         d["avx512bf16"] = c.avx512bf16;
         d["avx512fp16"] = c.avx512fp16;
         d["amx_bf16"] = c.amx_bf16;
+        d["bf16_spmm_dot"] = Bf16DotAvailable();
         return d;
       },
       "The instruction-set path of the bfloat16/float16 sparse kernels on "
