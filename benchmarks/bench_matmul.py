@@ -194,8 +194,10 @@ def run_case(m, k, n, sparsity, direction, reps, rng, dtype=tf.float32):
 
 
 KERNEL_HEADER = ("| M x K x N | direction | sparsity | nnz / k | tf.matmul bf16 (ms) | "
-                 "packed kernel | direct kernel | per-call choice | "
-                 "choice vs packed |")
+                 "packed kernel | direct kernel | dot kernel | dot packed kernel | "
+                 "per-call choice (kernel) | choice vs packed | choice vs direct |")
+
+_KERNEL_PATHS = {"packed": 0, "direct": 1, "dot": 2, "dot_packed": 3}
 
 
 def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
@@ -203,8 +205,10 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     """The bfloat16 CSR SpMM kernels against tf.matmul in bfloat16, same
     run: ``_kernels.lowp_spmm`` (count, CSR build and CsrSpmm of the op's
     sparse part; uint16 bit patterns in and out) with the packed kernel
-    (path 0), the direct one (path 1) and the per-call choice (path -1);
-    ``direction`` "fwd": ``a [m, k] @ b [k, n]``, "grad": the weight
+    (path 0), the direct one (path 1), the AVX512_BF16 dot kernels (path 2:
+    B in place, path 3: B copied to L1 per block; '--' where the CPU lacks
+    AVX512_BF16) and the per-call choice (path -1, with the kernel it
+    took); ``direction`` "fwd": ``a [m, k] @ b [k, n]``, "grad": the weight
     gradient ``a^T @ dY`` with ``dY [m, n]``; ``clock`` the timer
     (``time.process_time``: CPU seconds of the process, all threads).
     Returns the markdown row: tf.matmul's median ms and each kernel's
@@ -221,15 +225,19 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     a_tf = tf.bitcast(tf.constant(a_bits), tf.bfloat16)
     b_tf = tf.bitcast(tf.constant(b_bits), tf.bfloat16)
     dense = tf.function(lambda: tf.matmul(a_tf, b_tf, transpose_a=ta))
+    dot = bool(_kernels.bf16_dot_available())
+    paths = [0, 1] + ([2, 3] if dot else []) + [-1]
     # tf.matmul's result stays a tensor (CPU execution is synchronous): a
     # copy to numpy would add ~1 ms per 8 MB output to TF's column only.
     fns = [dense] + [
         (lambda p=p: _kernels.lowp_spmm(a_bits, b_bits, "bfloat16", ta,
                                         path=p))
-        for p in (0, 1, -1)]
+        for p in paths]
     outs = [f() for f in fns[1:]]
     for o in outs[1:]:
-        np.testing.assert_array_equal(o, outs[0])   # identical bits
+        # identical bits (the dot kernels' flush of denormals cannot act:
+        # normal-range inputs)
+        np.testing.assert_array_equal(o, outs[0])
     for f in fns:
         f()
     block = max(1, min(32, int(5e-3 / median_time(fns[0], 5))))
@@ -243,11 +251,17 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
 
     nnz = int(np.count_nonzero(a_bits & 0x7fff))
     inner = m if ta else k
+    rows_ = k if ta else m
+    choice = _kernels.bf16_spmm_kernel(rows_, inner, n, nnz)
+    col = {p: 1 + i for i, p in enumerate(paths)}
+    dots = (f"{ratio(0, col[2]):.2f}x | {ratio(0, col[3]):.2f}x" if dot
+            else "-- | --")
     return (f"| {m}x{k}x{n} | {'a^T @ dY' if ta else 'a @ b'} | "
             f"{sparsity:.2f} | {nnz / inner:.1f} | "
-            f"{1e3 * statistics.median(times[0]):.3f} | {ratio(0, 1):.2f}x | "
-            f"{ratio(0, 2):.2f}x | **{ratio(0, 3):.2f}x** | "
-            f"{ratio(1, 3):.2f}x |")
+            f"{1e3 * statistics.median(times[0]):.3f} | {ratio(0, col[0]):.2f}x | "
+            f"{ratio(0, col[1]):.2f}x | {dots} | **{ratio(0, col[-1]):.2f}x** "
+            f"({choice}) | {ratio(col[0], col[-1]):.2f}x | "
+            f"{ratio(col[1], col[-1]):.2f}x |")
 
 
 HEADER = ("| M x K x N | dtype | direction | sparsity | tf.matmul (ms) | a_is_sparse | "
@@ -350,7 +364,9 @@ def main(argv=None):
                         "--sparsities given (default 0 and 0.5)")
     p.add_argument("--bf16-kernels", action="store_true",
                    help="instead of the op table: the bfloat16 CSR SpMM "
-                        "kernels (packed, direct, the per-call choice; "
+                        "kernels (packed, direct, the AVX512_BF16 dot "
+                        "kernels where the CPU has them, the per-call "
+                        "choice; "
                         "_kernels.lowp_spmm) against tf.matmul in "
                         "bfloat16 on the --directions products of --shapes "
                         "(default 128x2048x2048,1024x4096x1024) at "
@@ -460,8 +476,10 @@ def kernel_main(args, shapes):
              f"{'CPU' if args.clock == 'cpu' else 'wall-clock'} seconds: speed-up "
              f"t(tf.matmul) / t(kernel), median of {args.reps} interleaved "
              f"rounds' ratios; nnz / k: nonzeros per column of op(a) (per "
-             f"row of b); 'choice vs packed' = t(packed) / t(choice); "
-             f"instruction set {isa['active']}; "
+             f"row of b); 'choice vs packed' = t(packed) / t(choice), "
+             f"'choice vs direct' = t(direct) / t(choice); instruction sets: "
+             f"packed and direct kernels {isa['active']}, dot kernels "
+             f"{'avx512bf16 (vdpbf16ps)' if isa['bf16_spmm_dot'] else 'not available (no AVX512_BF16)'}; "
              f"{tf_machine_desc(build_info())}.")
     print()
     print(title)

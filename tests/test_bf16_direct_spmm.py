@@ -133,7 +133,7 @@ def test_path_argument_checked():
     kern = _kernels()
     a = _bits(np.eye(4))
     with pytest.raises(ValueError, match="path"):
-        kern.lowp_spmm(a, a, "bfloat16", path=2)
+        kern.lowp_spmm(a, a, "bfloat16", path=4)
     with pytest.raises(ValueError, match="path"):
         kern.lowp_spmm(a, a, "bfloat16", path=-2)
 
@@ -152,10 +152,12 @@ def test_float16_ignores_the_path():
 
 
 def test_kernel_choice_rule():
-    """Direct up to nnz = 3 k + 16 n_rows with n >= 32 (the packed kernel's
-    per-call costs ~ k n for its pack and ~ n_rows n for its float32
-    output buffer), on the shapes the constants were fitted to."""
-    choose = _kernels().bf16_spmm_kernel
+    """Without the dot kernels (dot=False): direct up to nnz = 3 k +
+    16 n_rows with n >= 32 (the packed kernel's per-call costs ~ k n for its
+    pack and ~ n_rows n for its float32 output buffer), on the shapes the
+    constants were fitted to."""
+    import functools
+    choose = functools.partial(_kernels().bf16_spmm_kernel, dot=False)
     # forward 128x2048x2048 (batch 128): 8192 nonzeros (97% zeros) direct,
     # 13107 (95%) packed
     assert choose(128, 2048, 2048, 8192) == "direct"

@@ -46,7 +46,8 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
 // into 16 float32 lanes), about 1.3x the direct kernel's products per
 // cycle. kPacked and kDirect give identical bits; kDot gives the same bits
 // except where a value, product or partial sum is a float32 denormal
-// (below 2^-126 in magnitude), which vdpbf16ps flushes to zero (DAZ/FTZ):
+// (below 2^-126 in magnitude), which vdpbf16ps flushes to zero (DAZ/FTZ)
+// whatever MXCSR says (the FMA kernels follow the thread's MXCSR):
 // it adds each pair's products in ascending k, one rounding each, as the
 // fused multiply-adds of the other two do.
 // kDotPacked is kDot reading B from a per-tile L1 copy of each K block
