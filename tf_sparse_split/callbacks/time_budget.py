@@ -432,13 +432,27 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     sensitivity probe) is predicted from what the fit has measured so far.
     The wall time is met by the steps' mean, the controller measures their
     median: the budget it is given is scaled by the recent steps' median /
-    mean. When even the fastest allocation within the bounds
-    (``Decision.best_s``) cannot end in time the callback logs it once
-    (``verbose``; :attr:`deadline_log`) and runs at the bounds; as long as
-    the deadline is reachable, steps faster than needed raise the budget
-    of the remaining ones, so sparsity falls again and the fit ends near
-    the deadline rather than well before it. ``epoch_time`` and
-    ``deadline`` need a known number of steps per epoch.
+    mean. A step short of the allocation is time lost for good, so the
+    first move from the natural sparsity goes to the allocation at once
+    (``BudgetController.decide(jump=True)``; later rises stay limited to
+    ``max_change`` per decision, so that a burst of load does not send the
+    targets to the bounds each time). When even the fastest allocation
+    within the bounds (``Decision.best_s``) cannot end in time -- its
+    predicted end, with the steps a change takes to act (the FATReLU
+    cutoff's moving average, about ``momentum / (1 - momentum)`` steps) at
+    the recent steps' time, is after the deadline -- the callback logs it
+    once (``verbose``; :attr:`deadline_log`) and runs at the bounds; as
+    long as the deadline is reachable, steps faster than needed raise the
+    budget of the remaining ones, so sparsity falls again and the fit ends
+    near the deadline rather than well before it. Falls are judged against
+    a cautious budget (``fall_budget_s``): the epoch ends still to come at
+    the mean of the measured ones (``WallTimePlan.cautious_boundary_s``;
+    an end can stall for seconds when the next epoch's first batch waits
+    on the input pipeline under load, and such stalls come again), the
+    steps' median / mean of the whole fit where it is below the recent
+    one's; sparsity given back on a prediction that turns out short
+    cannot be bought back at the bounds. ``epoch_time`` and ``deadline``
+    need a known number of steps per epoch.
 
     Logs (``on_epoch_end``, for ``History``, the progress bar and
     ``keras.callbacks.TensorBoard`` placed after this callback):

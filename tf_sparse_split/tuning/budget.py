@@ -53,8 +53,9 @@ The pieces, each a small class or function:
   the budget, re-allocation from the layers' natural sparsity each time it
   is left (so sparsity falls again when the machine gets faster), limits
   on the change per decision (a fall: half a rise; no limit on rises for
-  a deadline, whose steps short of the allocation are lost time), no move
-  against the
+  the first move of a deadline from the natural sparsity, whose steps short
+  of the allocation are lost time; falls judged against a cautious budget
+  where the caller gives one), no move against the
   measurement (over the budget no target falls, under it none rises), and
   a log of each decision with its reasons.
 * :func:`step_budget` -- an epoch time or a deadline for the whole fit
@@ -974,7 +975,10 @@ class BudgetController:
             deadline or an epoch time, where the steps run short of the
             allocation while a ramp climbs to it are time lost for good
             (the steps after them have less time each); falls stay
-            limited.
+            limited. ``TimeBudgetCallback`` jumps from the natural
+            sparsity (:attr:`at_floors`) only: a jump at every burst of
+            load would send the targets to the bounds each time, and they
+            fall at half the rate.
           fall_budget_s: optional cautious step budget (seconds, at most
             ``budget_s``): under ``budget_s`` the targets fall only as far
             as this budget allows, and hold while the measured steps are

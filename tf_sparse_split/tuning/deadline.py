@@ -45,7 +45,15 @@ then re-planned at every step from the time left over the steps left:
 the caller then runs at its bounds. :meth:`WallTimePlan.predicted_end`
 says when the fit (or the epoch) ends if the remaining steps take a given
 time, which tells whether a deadline is still reachable at the fastest
-setting.
+setting; both can count the first steps left at another time (``lag_steps``
+at ``lag_step_s``: the steps a change decided now takes to act run at the
+settings in force). A cautious budget (``budget(..., cautious=True)``)
+predicts each epoch end still to come at the mean of every measured one
+(:attr:`WallTimePlan.cautious_boundary_s`), for a controller to judge
+falls by: on a shared machine an epoch end can stall for seconds (the next
+epoch's first batch waiting on the input pipeline), such stalls come
+again, and sparsity given back on a short prediction cannot be bought back
+at the bounds.
 
 Units: seconds (clock readings in seconds of any origin).
 """
