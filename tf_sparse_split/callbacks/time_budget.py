@@ -450,8 +450,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     an end can stall for seconds when the next epoch's first batch waits
     on the input pipeline under load, and such stalls come again), the
     steps' median / mean of the whole fit where it is below the recent
-    one's; sparsity given back on a prediction that turns out short
-    cannot be bought back at the bounds. ``epoch_time`` and ``deadline``
+    one's (sparsity given back on a prediction that turns out short
+    cannot be bought back at the bounds), and may then be as large as
+    rises. ``epoch_time`` and ``deadline``
     need a known number of steps per epoch.
 
     Logs (``on_epoch_end``, for ``History``, the progress bar and

@@ -55,9 +55,9 @@ The pieces, each a small class or function:
   on the change per decision (a fall: half a rise; no limit on rises for
   the first move of a deadline from the natural sparsity, whose steps short
   of the allocation are lost time; falls judged against a cautious budget
-  where the caller gives one), no move against the
-  measurement (over the budget no target falls, under it none rises), and
-  a log of each decision with its reasons.
+  where the caller gives one, and then as large as rises), no move against
+  the measurement (over the budget no target falls, under it none rises),
+  and a log of each decision with its reasons.
 * :func:`step_budget` -- an epoch time or a deadline for the whole fit
   turned into a step budget for the remaining steps.
 
@@ -984,7 +984,9 @@ class BudgetController:
             as this budget allows, and hold while the measured steps are
             within its dead band (a deadline whose budget rests on
             predicted epoch ends: sparsity given back on a prediction that
-            turns out short cannot be bought back at the bounds).
+            turns out short cannot be bought back at the bounds). With it,
+            a fall may be as large as a rise (``max_change``): the cautious
+            budget keeps it short.
 
         Returns:
           ``{layer: sparsity}`` to apply (with :attr:`rates`), or None
@@ -1046,9 +1048,10 @@ class BudgetController:
         # Rises are limited to max_change per decision (none with
         # ``jump``), falls to half of it (a fall that overshoots breaks the
         # budget; one that is short only leaves a little accuracy for the
-        # next decision).
+        # next decision) -- to all of it under a cautious budget, which
+        # already keeps the falls short of what the plain budget allows.
         rise = math.inf if jump else 1.0
-        fall = 0.5
+        fall = 1.0 if fall_budget_s is not None else 0.5
         new, new_rates = {}, dict(self.rates)
         for n in self.layers:
             want = alloc.targets.get(n, self.floors[n])
