@@ -77,6 +77,12 @@ tenants' load, which is what the controller answers.
   python benchmarks/bench_budget.py [--quick] [--data DIR]
       [--cases mlp,cnn,load,deadline] [--seeds N] [--match-tries N]
       [--match-tol F] [--no-channel-dropout] [--name REPORT.md]
+      [--record FITS.json]
+
+``--record``: the deadline case's fits (step seconds, epoch ends, the
+layers' cost terms) as a replay record for ``tests/test_budget_replay.py``
+(``tests/data/budget_deadline_fits.json`` is one, from a run under heavy
+load).
 """
 
 import argparse
@@ -185,6 +191,56 @@ class FitTimer:
         return _F()
 
 
+class Recorder:
+    """Keras callback: the clock at each step's begin and end and at each
+    epoch end; :meth:`entry` turns them into a replay record (step
+    seconds, epoch-end seconds from an epoch's last step to the next
+    epoch's first step or to on_train_end, seconds before the first
+    step) in the layout of ``tests/data/budget_deadline_fits.json``."""
+
+    def __new__(cls):
+        import keras
+
+        class _R(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.ev = []
+
+            def on_train_begin(self, logs=None):
+                self.ev = [("tb", time.perf_counter())]
+
+            def on_train_batch_begin(self, batch, logs=None):
+                self.ev.append(("sb", time.perf_counter()))
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.ev.append(("se", time.perf_counter()))
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.ev.append(("ee", time.perf_counter()))
+
+            def on_train_end(self, logs=None):
+                self.ev.append(("te", time.perf_counter()))
+
+            def entry(self, cb):
+                ev = self.ev
+                sb = [t for k, t in ev if k == "sb"]
+                se = [t for k, t in ev if k == "se"]
+                ends = []
+                for i, (k, t) in enumerate(ev):
+                    if k == "ee":
+                        last = max(u for kk, u in ev[:i] if kk == "se")
+                        nxt = [u for kk, u in ev[i:] if kk in ("sb", "te")]
+                        ends.append(round(nxt[0] - last, 4))
+                names = list(cb.trace[0]["targets"]) if cb.trace else []
+                return {"step_s": [round(b - a, 5) for a, b in zip(sb, se)],
+                        "epoch_end_s": ends,
+                        "head_s": round(sb[0] - ev[0][1], 4) if sb else 0.0,
+                        "targets": [round(t["targets"][names[0]], 4)
+                                    for t in cb.trace] if names else []}
+
+        return _R()
+
+
 class LoadInjector:
     """Keras callback: a busy process pinned to one core from step
     ``start`` to step ``stop`` (counted from the fit's first step)."""
@@ -232,7 +288,11 @@ def plain_step(case, x, y, batch, rounds, seed):
 
 
 def budget_run(case, x, y, xt, yt, budget, args, extra=None, kind="step_time",
-               seed=None):
+               seed=None, record=None):
+    """A fit under TimeBudgetCallback; ``record``: a name under which the
+    fit's replay record goes into ``args.records`` (``--record``)."""
+    import dataclasses
+
     import tf_sparse_split as tfss
 
     model = _build(case, True, args.seed if seed is None else seed,
@@ -241,10 +301,20 @@ def budget_run(case, x, y, xt, yt, budget, args, extra=None, kind="step_time",
                                  warmup_steps=args.warmup,
                                  sensitivity_data=(x[:512], y[:512]))
     cbs = [cb, tfss.SplitThresholdCallback()] + list(extra or [])
+    rec = Recorder() if record and args.record else None
+    if rec is not None:
+        cbs.append(rec)
     t0 = time.perf_counter()
     model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0,
               shuffle=True, callbacks=cbs)
     args.last_fit_s = time.perf_counter() - t0
+    if rec is not None:
+        args.records[record] = rec.entry(cb)
+        if "costs" not in args.records and cb.controller.costs:
+            args.records["costs"] = {
+                n: dataclasses.asdict(c)
+                for n, c in cb.controller.costs.items()}
+            args.records["floors"] = dict(cb.controller.floors)
     _, acc = model.evaluate(xt, yt, batch_size=512, verbose=0)
     return model, cb, float(acc)
 
@@ -666,7 +736,9 @@ def deadline_case(data, args, report, pngs):
         # compilation.
         out = {}
         for name, step in (("natural", 10.0), ("bounds", 1e-6)):
-            _, cb, acc = budget_run("mlp", x, y, xt, yt, step, args)
+            _, cb, acc = budget_run(
+                "mlp", x, y, xt, yt, step, args,
+                record=name + ("" if when == "before" else "2"))
             out[name] = (cb.elapsed_s, args.last_fit_s, acc)
             o = cb.overhead
             print(f"deadline ({when}): sparse-split fit at the {name} "
@@ -693,7 +765,8 @@ def deadline_case(data, args, report, pngs):
     rows, notes = [], []
     for label, deadline, how in deadlines:
         _, cb, acc = budget_run("mlp", x, y, xt, yt, deadline, args,
-                                kind="deadline")
+                                kind="deadline",
+                                record="deadline " + label)
         wall = args.last_fit_s
         b = np.array([t["budget_s"] for t in cb.trace]) if cb.trace else \
             np.zeros(1)
@@ -809,6 +882,12 @@ def main(argv=None):
                    help="TimeBudgetCallback warmup_steps (default 20; "
                         "--quick 12)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--record", default=None,
+                   help="deadline case: write the reference and deadline "
+                        "fits' step seconds, epoch ends and the layers' "
+                        "cost terms to this JSON file (the layout of "
+                        "tests/data/budget_deadline_fits.json, replayed by "
+                        "tests/test_budget_replay.py)")
     p.add_argument("--name", default=None,
                    help="report file name in --out-dir (default "
                         "bench_budget.md, --quick bench_budget_quick.md)")
@@ -826,6 +905,7 @@ def main(argv=None):
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     os.makedirs(args.out_dir, exist_ok=True)
     args.plain_step, args.natural_step = {}, {}
+    args.records = {}
     train, test, desc = _common.load_mnist_or_digits(args.data)
     if "digits" in desc and not args.quick:
         print(f"skipped: the full benchmark needs MNIST ({desc})")
@@ -860,6 +940,16 @@ def main(argv=None):
     report.append("\nPlots: " + ", ".join(os.path.basename(p) for p in pngs)
                   + "\n")
     _common.write_report(os.path.join(args.out_dir, name), "\n".join(report))
+    if args.record and args.records:
+        import json
+
+        spe = int(np.ceil(len(data["mlp"][0][0]) / args.batch))
+        args.records.update(
+            note=f"{desc}; batch {args.batch}; load average "
+                 f"{os.getloadavg()[0]:.1f} at the end",
+            steps_per_epoch=spe, epochs=args.epochs)
+        with open(args.record, "w") as f:
+            json.dump(args.records, f, separators=(",", ":"), default=float)
     return 0
 
 

@@ -162,3 +162,57 @@ def test_steady_steps_predicted_end_is_the_real_end(ends):
         plan.epoch_end(t + 0.3 * ends[e])
         t += ends[e]
     assert abs(predicted - t) <= abs(ends[-1] - min(ends)) + 1e-9
+
+
+def _plan_with_ends(ends, step=0.03):
+    """A plan after ``len(ends)`` epochs of constant steps whose epoch ends
+    took ``ends`` seconds; returns ``(plan, clock)`` at the next epoch's
+    first step."""
+    plan = WallTimePlan("deadline", 100.0, SPE, EPOCHS, start=0.0)
+    t = 0.0
+    for e, end in enumerate(ends):
+        plan.epoch_begin(t, e)
+        for i in range(SPE):
+            if i:
+                t += GAP
+            plan.step_begin(t)
+            t += step
+            plan.step_end(t)
+        plan.epoch_end(t)
+        t += end
+    plan.epoch_begin(t, len(ends))
+    plan.step_begin(t)                 # the last end is measured here
+    return plan, t
+
+
+def test_cautious_boundary_is_the_mean_of_every_end():
+    # A first end that stalled (the input pipeline under load): the lower
+    # median leaves it out, the cautious estimate expects it again.
+    plan, t = _plan_with_ends([2.0, 0.1])
+    assert plan.boundary_s == pytest.approx(0.1)
+    assert plan.cautious_boundary_s == pytest.approx(1.05)
+    plain, cautious = plan.budget(t), plan.budget(t, cautious=True)
+    # Three ends to come: 3 * 0.95 s less over the 189 steps left.
+    assert plain - cautious == pytest.approx(3 * 0.95 / (3 * SPE), rel=1e-6)
+    # Never below the plain estimate.
+    plan, _ = _plan_with_ends([0.3, 0.3, 0.0])
+    assert plan.cautious_boundary_s == pytest.approx(plan.boundary_s)
+
+
+def test_lagging_steps_in_the_budget_and_predicted_end():
+    plan, t = _plan_with_ends([0.2])
+    steps = (EPOCHS - 1) * SPE
+    plain = plan.budget(t)
+    # Ten steps at the plain budget: the same budget.
+    assert plan.budget(t, 10, plain) == pytest.approx(plain)
+    # Ten slow steps first: the steps after them have less each.
+    slow = plan.budget(t, 10, 2 * plain)
+    assert slow == pytest.approx((plain * steps - 10 * 2 * plain) /
+                                 (steps - 10))
+    end = plan.predicted_end(t, 0.02)
+    assert plan.predicted_end(t, 0.02, 10, 0.05) == pytest.approx(
+        end + 10 * 0.03)
+    # At most a quarter of the steps left lag; no lag without a time.
+    assert plan.predicted_end(t, 0.02, 10 ** 6, 0.05) == pytest.approx(
+        end + (steps // 4) * 0.03)
+    assert plan.budget(t, 10, 0.0) == pytest.approx(plain)

@@ -1107,10 +1107,11 @@ def test_deadline_reachable_again_is_announced_only_once_it_holds():
     cb = tfss.TimeBudgetCallback(deadline=10.0, verbose=0)
 
     class Plan:
-        def predicted_elapsed(self, now, step_s):
+        def predicted_elapsed(self, now, step_s, *lag):
             return 10.0 + step_s
 
     cb._plan, cb._skew = Plan(), lambda: 1.0
+    cb._recent, cb._lag_steps = [], 0
     cb._deadline_ok, cb._deadline_flips, cb.deadline_log = True, 0, []
     cb._step, cb._epoch = 0, 0
     hold = tb.DEADLINE_HOLD
@@ -1125,3 +1126,86 @@ def test_deadline_reachable_again_is_announced_only_once_it_holds():
     assert cb.deadline_log[1][0] == len(pattern) - 5
     assert "reachable again" in cb.deadline_log[1][3]
     assert cb._deadline_ok
+
+
+def _at_natural(budget_frac=0.4):
+    """A controller at the natural sparsity after enough steps, and the
+    budget it is asked to meet (a fraction of the measured step)."""
+    c, plant, cur = _setup()
+    plant.noise = plant.outliers = 0.0
+    for _ in range(12):
+        c.observe_step(plant.step(cur))
+    return c, plant, budget_frac * plant.step(cur)
+
+
+def test_jump_moves_from_the_natural_sparsity_to_the_allocation_at_once():
+    c, _, budget = _at_natural()
+    assert c.at_floors
+    new = c.decide(budget)
+    assert max(v - 0.5 for v in new.values()) <= c.max_change + 1e-9
+    c2, _, budget = _at_natural()
+    new2 = c2.decide(budget, jump=True)
+    assert max(v - 0.5 for v in new2.values()) > c2.max_change + 0.1
+    assert not c2.at_floors
+    # The targets where the allocation aimed (unreachable: the bounds of
+    # the layers that buy time).
+    assert new2 == pytest.approx(c2.log[-1].targets)
+
+
+def test_falls_are_judged_on_the_cautious_budget():
+    c, plant, _ = _at_natural()
+    top = {n: 0.95 for n in c.layers}
+    c.targets = dict(top)
+    c._times = []
+    for _ in range(12):
+        c.observe_step(plant.step(top))
+    m = plant.step(top)
+    # Far under the plain budget, within the dead band of the cautious
+    # one: held.
+    assert c.decide(2 * m, fall_budget_s=1.02 * m) is None
+    assert c.log[-1].action == "hold"
+    assert "cautious" in next(iter(c.log[-1].reasons.values()))
+    assert c.targets == top
+    # Under the cautious budget too: the targets fall, as far as that
+    # budget allows and no further than the plain one would have them.
+    c2, plant, _ = _at_natural()
+    c2.targets = dict(top)
+    for _ in range(12):
+        c2.observe_step(m)
+    c3, _, _ = _at_natural()
+    c3.targets = dict(top)
+    for _ in range(12):
+        c3.observe_step(m)
+    cautious = c2.decide(2 * m, fall_budget_s=1.3 * m)
+    plain = c3.decide(2 * m)
+    assert cautious is not None and plain is not None
+    assert all(plain[n] <= cautious[n] + 1e-9 <= top[n] + 2e-9
+               for n in top)
+    assert sum(plain.values()) < sum(cautious.values()) < sum(top.values())
+
+
+def test_deadline_verdict_counts_the_fastest_allocation_end():
+    """An allocation that misses the dead band's aim (``reachable`` False)
+    while the fastest allocation still ends before the deadline is not
+    announced as unreachable; one that ends after it is."""
+    import types
+
+    import tf_sparse_split as tfss
+
+    cb = tfss.TimeBudgetCallback(deadline=10.0, verbose=0)
+
+    class Plan:
+        def predicted_elapsed(self, now, step_s, *lag):
+            return 9.0 + 100 * step_s
+
+    cb._plan, cb._skew = Plan(), lambda: 1.0
+    cb._deadline_ok, cb._deadline_flips, cb.deadline_log = True, 0, []
+    cb._step, cb._epoch = 1, 0
+    cb._recent, cb._lag_steps = [], 0
+    cb._check_deadline(types.SimpleNamespace(
+        reachable=False, best_s=0.009, measured_s=0.02), 0.0)
+    assert cb._deadline_ok and not cb.deadline_log      # ends at 9.9 s
+    cb._check_deadline(types.SimpleNamespace(
+        reachable=False, best_s=0.011, measured_s=0.02), 0.0)
+    assert not cb._deadline_ok                          # ends at 10.1 s
+    assert cb.deadline_log[-1][2] == pytest.approx(10.1)

@@ -99,6 +99,10 @@ PROBE_DELTA = 0.2
 #: Recent timed steps whose median / mean ratio turns a wall-time step
 #: budget (a mean) into the median the controller measures.
 SKEW_WINDOW = 32
+#: Timed steps whose median / mean ratio, where below the recent one's,
+#: scales the budget the targets may fall to (bursts of load seen earlier
+#: in the fit may come again).
+LONG_SKEW_WINDOW = 1024
 
 #: Consecutive decisions that must find an epoch time or deadline reachable
 #: before it is announced as reachable again (a predicted end within a few
@@ -428,13 +432,28 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     sensitivity probe) is predicted from what the fit has measured so far.
     The wall time is met by the steps' mean, the controller measures their
     median: the budget it is given is scaled by the recent steps' median /
-    mean. When even the fastest allocation within the bounds
-    (``Decision.best_s``) cannot end in time the callback logs it once
-    (``verbose``; :attr:`deadline_log`) and runs at the bounds; as long as
-    the deadline is reachable, steps faster than needed raise the budget
-    of the remaining ones, so sparsity falls again and the fit ends near
-    the deadline rather than well before it. ``epoch_time`` and
-    ``deadline`` need a known number of steps per epoch.
+    mean. A step short of the allocation is time lost for good, so the
+    first move from the natural sparsity goes to the allocation at once
+    (``BudgetController.decide(jump=True)``; later rises stay limited to
+    ``max_change`` per decision, so that a burst of load does not send the
+    targets to the bounds each time). When even the fastest allocation
+    within the bounds (``Decision.best_s``) cannot end in time -- its
+    predicted end, with the steps a change takes to act (the FATReLU
+    cutoff's moving average, about ``momentum / (1 - momentum)`` steps) at
+    the recent steps' time, is after the deadline -- the callback logs it
+    once (``verbose``; :attr:`deadline_log`) and runs at the bounds; as
+    long as the deadline is reachable, steps faster than needed raise the
+    budget of the remaining ones, so sparsity falls again and the fit ends
+    near the deadline rather than well before it. Falls are judged against
+    a cautious budget (``fall_budget_s``): the epoch ends still to come at
+    the mean of the measured ones (``WallTimePlan.cautious_boundary_s``;
+    an end can stall for seconds when the next epoch's first batch waits
+    on the input pipeline under load, and such stalls come again), the
+    steps' median / mean of the whole fit where it is below the recent
+    one's (sparsity given back on a prediction that turns out short
+    cannot be bought back at the bounds), and may then be as large as
+    rises. ``epoch_time`` and ``deadline``
+    need a known number of steps per epoch.
 
     Logs (``on_epoch_end``, for ``History``, the progress bar and
     ``keras.callbacks.TensorBoard`` placed after this callback):
@@ -691,6 +710,11 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self.kind, self.seconds, self._spe, self._epochs,
             start=self._t_begin))
         self._recent = []           # recent timed steps (skew)
+        self._all_times = []        # timed steps (cautious skew)
+        self._fall_budget_now = None
+        moms = [float(k.fat.momentum) for k in self._knobs]
+        self._lag_steps = int(round(max(
+            [m / (1.0 - m) for m in moms if 0.0 <= m < 1.0] or [0.0])))
         self._deadline_ok = True
         self._deadline_flips = 0    # decisions disagreeing with it in a row
         self.elapsed_s = None
@@ -727,6 +751,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._plan.step_begin(self._t0)
         self._budget_now = self._step_budget(self._t0) \
             if self.controller else 0.0
+        self._fall_budget_now = self._step_budget(self._t0, cautious=True) \
+            if self.controller and self._plan is not None else None
         self._own("step_s", w)
 
     def _own(self, key, since, probe_before=None):
@@ -761,6 +787,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             self._epoch_times.append(dt)
             self._recent.append(dt)
             self._recent = self._recent[-SKEW_WINDOW:]
+            self._all_times.append(dt)
+            self._all_times = self._all_times[-LONG_SKEW_WINDOW:]
         c = self.controller
         if self._step % self.update_every == 0:
             self._read_stats()
@@ -773,7 +801,14 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             c.observe_step(dt)
         budget = self._budget_now
         logged = len(c.log)
-        new = c.decide(budget if budget > 0 else 1e-12)
+        # A deadline's or an epoch time's steps short of the allocation
+        # are time lost for good: from the natural sparsity the targets
+        # go to the allocation at once (later rises stay limited: a burst
+        # of load would otherwise send them to the bounds each time, and
+        # falls are slower).
+        new = c.decide(budget if budget > 0 else 1e-12,
+                       jump=self._plan is not None and c.at_floors,
+                       fall_budget_s=self._fall_budget_now)
         if len(c.log) > logged:
             self._on_decision(c.log[-1], new)
             self._check_deadline(c.log[-1], t_end)
@@ -958,14 +993,33 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         recent timed steps."""
         return median_over_mean(self._recent)
 
-    def _step_budget(self, now):
+    def _lag(self):
+        """``(steps, seconds per step)``: the steps a change decided now
+        takes to act (the FATReLU cutoffs follow their targets with a
+        moving average of momentum ``mu``: about ``mu / (1 - mu)`` steps'
+        worth of the change is missing) and the recent steps' mean, what
+        those steps are predicted to take (``(0, 0.0)`` before any timed
+        step)."""
+        if not self._recent or not self._lag_steps:
+            return 0, 0.0
+        return self._lag_steps, float(np.mean(
+            self._recent[-self.min_samples:]))
+
+    def _step_budget(self, now, cautious=False):
         """The step budget in force at clock ``now`` (seconds; for an
         epoch time or a deadline re-planned from the wall time left,
         :class:`~tf_sparse_split.tuning.deadline.WallTimePlan`, as the
-        median step time that meets it)."""
+        median step time that meets it). ``cautious``:
+        the budget the targets may fall to (the epoch ends still to come at
+        the mean of the measured ones, ``WallTimePlan.cautious_boundary_s``,
+        and the steps' median / mean of the whole fit where it is below the
+        recent one's: bursts of load seen earlier may come again)."""
         if self._plan is None:
             return self.seconds
-        return self._plan.budget(now) * self._skew()
+        skew = self._skew()
+        if cautious:
+            skew = min(skew, median_over_mean(self._all_times))
+        return self._plan.budget(now, cautious=cautious) * skew
 
     def _check_deadline(self, d, now):
         """Whether the epoch time or deadline can still be met: the
@@ -975,10 +1029,14 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self._plan is None:
             return
         best = d.best_s if math.isfinite(d.best_s) else d.measured_s
-        end = self._plan.predicted_elapsed(now, best / self._skew())
+        end = self._plan.predicted_elapsed(now, best / self._skew(),
+                                           *self._lag())
         # The step budget is the time left over the steps left: when no
-        # allocation within the bounds meets it, the deadline is missed.
-        ok = bool(d.reachable)
+        # allocation within the bounds meets it, the deadline is missed --
+        # unless the fastest allocation still ends in time (the allocation
+        # aims a dead band inside the budget; the time the sparsity already
+        # bought is in the elapsed seconds).
+        ok = bool(d.reachable) or end <= self.seconds
         if ok == self._deadline_ok:
             self._deadline_flips = 0
             return

@@ -52,9 +52,12 @@ The pieces, each a small class or function:
   them, the first ``settle`` after a change left out), a dead band around
   the budget, re-allocation from the layers' natural sparsity each time it
   is left (so sparsity falls again when the machine gets faster), limits
-  on the change per decision (a fall: half a rise), no move against the
-  measurement (over the budget no target falls, under it none rises), and
-  a log of each decision with its reasons.
+  on the change per decision (a fall: half a rise; no limit on rises for
+  the first move of a deadline from the natural sparsity, whose steps short
+  of the allocation are lost time; falls judged against a cautious budget
+  where the caller gives one, and then as large as rises), no move against
+  the measurement (over the budget no target falls, under it none rises),
+  and a log of each decision with its reasons.
 * :func:`step_budget` -- an epoch time or a deadline for the whole fit
   turned into a step budget for the remaining steps.
 
@@ -931,6 +934,15 @@ class BudgetController:
         return out
 
     @property
+    def at_floors(self):
+        """Whether every target and rate is at its floor (the natural
+        sparsity and the user's rates: nothing bought yet)."""
+        return all(self.targets[n] <= self.floors[n] + 1e-9
+                   for n in self.layers) and all(
+            self.rates[r] <= float(k.floor) + 1e-9
+            for r, k in self.rate_knobs.items())
+
+    @property
     def samples(self):
         """Steps measured at the settings in force (after settling)."""
         return len(self._times)
@@ -953,8 +965,28 @@ class BudgetController:
                    self.rate_knobs.items() if k.cost is not None)
 
     # -- decision ------------------------------------------------------------
-    def decide(self, budget_s):
+    def decide(self, budget_s, jump=False, fall_budget_s=None):
         """Decides, if enough steps were measured since the last change.
+
+        Args:
+          budget_s: the step budget (seconds).
+          jump: lift the limit on rises (``max_change``, ``max_rate_change``
+            per decision): the targets go to the allocation at once. For a
+            deadline or an epoch time, where the steps run short of the
+            allocation while a ramp climbs to it are time lost for good
+            (the steps after them have less time each); falls stay
+            limited. ``TimeBudgetCallback`` jumps from the natural
+            sparsity (:attr:`at_floors`) only: a jump at every burst of
+            load would send the targets to the bounds each time, and they
+            fall at half the rate.
+          fall_budget_s: optional cautious step budget (seconds, at most
+            ``budget_s``): under ``budget_s`` the targets fall only as far
+            as this budget allows, and hold while the measured steps are
+            within its dead band (a deadline whose budget rests on
+            predicted epoch ends: sparsity given back on a prediction that
+            turns out short cannot be bought back at the bounds). With it,
+            a fall may be as large as a rise (``max_change``): the cautious
+            budget keeps it short.
 
         Returns:
           ``{layer: sparsity}`` to apply (with :attr:`rates`), or None
@@ -990,9 +1022,20 @@ class BudgetController:
         if not costs and not rate_knobs:
             return None
         lo, hi = budget_s * (1 - 2 * self.band), budget_s * (1 + self.band)
+        cautious = False
+        if fall_budget_s is not None and m < lo and \
+                float(fall_budget_s) < budget_s:
+            # Under the budget the targets would fall: judged against the
+            # cautious budget instead (no rise: m < lo of the plain one).
+            budget_s = max(float(fall_budget_s), 0.0)
+            lo = min(budget_s * (1 - 2 * self.band), lo)
+            hi = max(budget_s * (1 + self.band), m)
+            cautious = True
         if lo <= m <= hi:
+            why = ("within the dead band of the cautious budget"
+                   if cautious else "within the dead band")
             self._record(budget_s, m, pred_now * kappa, kappa, "hold", True,
-                         {n: "within the dead band" for n in self.layers},
+                         {n: why for n in self.layers},
                          self.targets, self.rates)
             self._times = self._times[-self.min_samples:]
             return None
@@ -1002,27 +1045,35 @@ class BudgetController:
                          self.max_sparsity, goal, self.model, kappa=kappa,
                          step=self.step, rates=rate_knobs,
                          min_saving_s=self.min_gain * m)
-        # Rises are limited to max_change per decision, falls to half of
-        # it (a fall that overshoots breaks the budget; one that is short
-        # only leaves a little accuracy for the next decision).
+        # Rises are limited to max_change per decision (none with
+        # ``jump``), falls to half of it (a fall that overshoots breaks the
+        # budget; one that is short only leaves a little accuracy for the
+        # next decision) -- to all of it under a cautious budget, which
+        # already keeps the falls short of what the plain budget allows.
+        rise = math.inf if jump else 1.0
+        fall = 1.0 if fall_budget_s is not None else 0.5
         new, new_rates = {}, dict(self.rates)
         for n in self.layers:
             want = alloc.targets.get(n, self.floors[n])
             old = self.targets[n]
-            delta = float(np.clip(want - old, -0.5 * self.max_change,
-                                  self.max_change))
+            delta = float(np.clip(want - old, -fall * self.max_change,
+                                  rise * self.max_change))
             new[n] = float(np.clip(old + delta, self.floors[n],
                                    self.max_sparsity))
         act_rising = any(new[n] > self.targets[n] + 1e-9
                          for n in self.layers)
+        act_short = any(new[n] < alloc.targets.get(n, self.floors[n]) - 1e-9
+                        for n in self.layers)
         for r, k in rate_knobs.items():
             want = alloc.rates.get(r, k.floor)
             old = self.rates[r]
-            delta = float(np.clip(want - old, -0.5 * self.max_rate_change,
-                                  self.max_rate_change))
-            if delta > 0 and act_rising:
+            delta = float(np.clip(want - old,
+                                  -fall * self.max_rate_change,
+                                  rise * self.max_rate_change))
+            if delta > 0 and (act_short if jump else act_rising):
                 # Second tier: a rate rises only once the activation
-                # targets have reached their allocation.
+                # targets have reached their allocation (with ``jump`` in
+                # the same decision).
                 delta = 0.0
             new_rates[r] = float(np.clip(old + delta, k.floor, k.upper))
         if any(new_rates[r] < self.rates[r] - 1e-9 for r in new_rates):

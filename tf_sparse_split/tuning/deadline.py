@@ -45,7 +45,15 @@ then re-planned at every step from the time left over the steps left:
 the caller then runs at its bounds. :meth:`WallTimePlan.predicted_end`
 says when the fit (or the epoch) ends if the remaining steps take a given
 time, which tells whether a deadline is still reachable at the fastest
-setting.
+setting; both can count the first steps left at another time (``lag_steps``
+at ``lag_step_s``: the steps a change decided now takes to act run at the
+settings in force). A cautious budget (``budget(..., cautious=True)``)
+predicts each epoch end still to come at the mean of every measured one
+(:attr:`WallTimePlan.cautious_boundary_s`), for a controller to judge
+falls by: on a shared machine an epoch end can stall for seconds (the next
+epoch's first batch waiting on the input pipeline), such stalls come
+again, and sparsity given back on a short prediction cannot be bought back
+at the bounds.
 
 Units: seconds (clock readings in seconds of any origin).
 """
@@ -251,6 +259,22 @@ class WallTimePlan:
                        self.expected_epoch_end_s)
         return self.expected_epoch_end_s + self.tail_s
 
+    @property
+    def cautious_boundary_s(self):
+        """A cautious prediction of each epoch end still to come: the mean
+        of every measured end (the first one included), at least
+        :attr:`boundary_s`. On a shared machine an epoch end can stall for
+        seconds (the next epoch's first batch waits on the input pipeline
+        under load), and such stalls come again: the lower median then
+        predicts the cheap ends only. What a controller gives back on the
+        strength of a prediction (sparsity lowered because the budget looks
+        generous) cannot be bought back at the bounds when the prediction
+        was short, so falls are planned on this estimate, rises on
+        :attr:`boundary_s`."""
+        if not self.boundaries:
+            return self.boundary_s
+        return max(float(np.mean(self.boundaries)), self.boundary_s)
+
     def _counts(self):
         """``(steps_left, gaps_left, ends_left)`` of the fit (deadline) or
         of the current epoch (epoch time); a step begun and not ended is
@@ -282,27 +306,56 @@ class WallTimePlan:
             return self.seconds - (t - self.start)
         return self.seconds - (t - self.epoch_start)
 
-    def budget(self, t):
+    def _lag(self, steps, lag_steps, lag_step_s):
+        """The lagging steps counted (at most a quarter of ``steps``: near
+        the end a lag over most of the steps left would hand all their
+        slack to the last few) and their seconds (``(0, 0.0)`` without a
+        usable lag)."""
+        try:
+            n = int(lag_steps)
+            s = float(lag_step_s)
+        except (TypeError, ValueError):
+            return 0, 0.0
+        if n <= 0 or not math.isfinite(s) or s <= 0:
+            return 0, 0.0
+        n = min(n, steps // 4)
+        return (n, n * s) if n > 0 else (0, 0.0)
+
+    def budget(self, t, lag_steps=0, lag_step_s=0.0, cautious=False):
         """The step budget (seconds, >= 0; 0 when the time is spent) at
-        clock ``t`` for the step now beginning and the ones after it."""
+        clock ``t`` for the step now beginning and the ones after it.
+
+        With ``lag_steps`` > 0 the next ``lag_steps`` steps are taken to
+        run at ``lag_step_s`` seconds each (what the settings in force
+        give: a change decided now takes that long to act, e.g. a FATReLU
+        cutoff following its target with a moving average), and the
+        budget is that of the steps after them: a ramp's cost is planned
+        for, not found later as a deadline missed. At ``lag_step_s`` equal
+        to the plain budget it is the plain budget. ``cautious``: the epoch
+        ends still to come at :attr:`cautious_boundary_s` (a deadline)."""
         steps, gaps, ends = self._counts()
         if steps <= 0:
             return max(self.remaining_s(t), 0.0)
         end_s = self.boundary_s if self.kind == "deadline" else self.tail_s
+        if cautious and self.kind == "deadline":
+            end_s = self.cautious_boundary_s
         left = self.remaining_s(t) - gaps * self.gap_s - ends * end_s
-        return max(left / steps, 0.0)
+        n, spent = self._lag(steps, lag_steps, lag_step_s)
+        return max((left - spent) / (steps - n), 0.0)
 
-    def predicted_end(self, t, step_s):
+    def predicted_end(self, t, step_s, lag_steps=0, lag_step_s=0.0):
         """The clock reading at which the fit (deadline) or the current
         epoch (epoch time) is predicted to end when every remaining step
-        takes ``step_s`` seconds."""
+        takes ``step_s`` seconds (the first ``lag_steps`` of them
+        ``lag_step_s``, as in :meth:`budget`)."""
         steps, gaps, ends = self._counts()
         end_s = self.boundary_s if self.kind == "deadline" else self.tail_s
-        return float(t) + steps * float(step_s) + gaps * self.gap_s + \
-            ends * end_s
+        n, spent = self._lag(steps, lag_steps, lag_step_s)
+        return float(t) + spent + (steps - n) * float(step_s) + \
+            gaps * self.gap_s + ends * end_s
 
-    def predicted_elapsed(self, t, step_s):
+    def predicted_elapsed(self, t, step_s, lag_steps=0, lag_step_s=0.0):
         """:meth:`predicted_end` as seconds from ``start`` (deadline) or
         from the epoch's begin (epoch time), to compare with ``seconds``."""
         origin = self.start if self.kind == "deadline" else self.epoch_start
-        return self.predicted_end(t, step_s) - origin
+        return self.predicted_end(t, step_s, lag_steps, lag_step_s) - origin
