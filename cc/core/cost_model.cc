@@ -322,6 +322,7 @@ bool RetimeDue(RetimeState* st, int side, bool close, const RetimePolicy& rp) {
     st->calls_on_side = 0;
     st->period = rp.first_period;
     st->next_retime = rp.first_period;
+    st->other_runs = 0;
   }
   ++st->calls_on_side;
   if (!close || rp.first_period <= 0 || st->calls_on_side < st->next_retime)
@@ -493,49 +494,53 @@ bool SampleSaysDense(const SplitShape& s_est, const DensityProfile& p_est,
 
 void MedianWindow::Add(double v) {
   if (!(v > 0.0) || !std::isfinite(v)) return;
-  if (static_cast<int>(values_.size()) < capacity_) {
-    values_.push_back(v);
-  } else {
-    values_[next_] = v;
-  }
+  values_[next_] = v;
+  if (size_ < capacity_) ++size_;
   next_ = (next_ + 1) % capacity_;
 }
 
 double MedianWindow::Median(double if_empty) const {
-  if (values_.empty()) return if_empty;
-  std::vector<double> v = values_;
-  const size_t mid = v.size() / 2;
-  std::nth_element(v.begin(), v.begin() + mid, v.end());
+  if (size_ == 0) return if_empty;
+  std::array<double, kMaxCapacity> v = values_;
+  const int mid = size_ / 2;
+  std::nth_element(v.begin(), v.begin() + mid, v.begin() + size_);
   double med = v[mid];
-  if (v.size() % 2 == 0) {
+  if (size_ % 2 == 0) {
     med = 0.5 * (med + *std::max_element(v.begin(), v.begin() + mid));
   }
   return med;
 }
 
 double MedianWindow::Min(double if_empty) const {
-  if (values_.empty()) return if_empty;
-  return *std::min_element(values_.begin(), values_.end());
+  if (size_ == 0) return if_empty;
+  return *std::min_element(values_.begin(), values_.begin() + size_);
+}
+
+FamilyModel::Snapshot FamilyModel::Get() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hot_;
 }
 
 bool FamilyModel::calibrated() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return calibrated_;
+  return hot_.calibrated;
 }
 
 void FamilyModel::SetCalibration(const CostTerms& t) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (calibrated_) return;
+  if (hot_.calibrated) return;
   base_ = t;
-  calibrated_ = true;
+  hot_.calibrated = true;
+  Refresh();
 }
 
 void FamilyModel::Recalibrate(const CostTerms& t) {
   std::lock_guard<std::mutex> lock(mu_);
   base_ = t;
-  calibrated_ = true;
+  hot_.calibrated = true;
   dense_ratio_ = MedianWindow();
   sparse_ratio_ = MedianWindow();
+  Refresh();
 }
 
 bool RecalibrationDue(double calibrated_density, double density,
@@ -577,8 +582,7 @@ bool CountCallRecalibrationDue(FamilyCalibrationRecord* family,
   return true;
 }
 
-CostTerms FamilyModel::Terms() const {
-  std::lock_guard<std::mutex> lock(mu_);
+void FamilyModel::Refresh() {
   CostTerms t = base_;
   // The median, or the smallest of fewer than 3 ratios (see the header).
   auto robust = [](const MedianWindow& w) {
@@ -590,7 +594,13 @@ CostTerms FamilyModel::Terms() const {
   t.sparse_fixed_s *= ss;
   t.convert_s_per_elem *= ss;
   if (t.sparse_rate > 0.0) t.sparse_rate /= ss;
-  return t;
+  hot_.terms = t;
+  hot_.count_s_per_elem = count_per_elem_.Median(0.0);
+}
+
+CostTerms FamilyModel::Terms() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hot_.terms;
 }
 
 bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
@@ -613,15 +623,21 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
       }
     }
   }
+  bool sparse_recorded = false;
   if (rows_sparse > 0.0 && nnz_sparse > 0.0 && sparse_seconds > 0.0) {
     if (!base_.sparse_known()) {
       base_.sparse_rate = nnz_sparse * s.sparse_flops_per_nnz / sparse_seconds;
+      sparse_recorded = true;
     } else {
       const double pred =
           PredictSparseSeconds(s, base_, rows_sparse, nnz_sparse);
-      if (pred > 0.0) sparse_ratio_.Add(sparse_seconds / pred);
+      if (pred > 0.0) {
+        sparse_ratio_.Add(sparse_seconds / pred);
+        sparse_recorded = true;
+      }
     }
   }
+  if (dense_recorded || sparse_recorded) Refresh();
   return dense_recorded;
 }
 
@@ -629,17 +645,25 @@ void FamilyModel::RecordCount(double elems, double seconds) {
   if (!(elems > 0.0) || !(seconds > 0.0)) return;
   std::lock_guard<std::mutex> lock(mu_);
   count_per_elem_.Add(seconds / elems);
+  hot_.count_s_per_elem = count_per_elem_.Median(0.0);
 }
 
 double FamilyModel::CountSecondsPerElem() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return count_per_elem_.Median(0.0);
+  return hot_.count_s_per_elem;
 }
 
 void PlanMemory::RememberAllDense() {
   std::lock_guard<std::mutex> lock(mu_);
   last_ = Plan();
   has_last_ = true;
+}
+
+void PlanMemory::NoteAllDenseWithoutCount() {
+  std::lock_guard<std::mutex> lock(mu_);
+  last_ = Plan();
+  has_last_ = true;
+  ++history_.calls_since_full;
 }
 
 AnalysisMode PlanMemory::ChooseAnalysis(const SplitShape& s,
@@ -687,11 +711,24 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
                                  const RetimePolicy& rp, bool* retimed,
                                  Plan* decided) {
   std::lock_guard<std::mutex> lock(mu_);
-  const Plan plan = DecideSplit(s, p, t, policy, has_last_ ? &last_ : nullptr);
+  const Plan fresh = DecideSplit(s, p, t, policy, has_last_ ? &last_ : nullptr);
+  *retimed = false;
+  const int fresh_side = fresh.kind == PlanKind::kAllDense ? 0 : 1;
+  if (has_last_ && retime_.side >= 0 && fresh_side != retime_.side &&
+      rp.first_period > 0 && retime_.other_runs < rp.confirm_runs) {
+    // A change of side not yet confirmed by enough runs of the new side:
+    // run it as a re-time (its time enters the ratios), keep the plan.
+    ++retime_.other_runs;
+    ++retime_.confirmations;
+    ++retime_.calls_on_side;
+    if (decided != nullptr) *decided = last_;
+    *retimed = true;
+    return fresh;
+  }
+  const Plan plan = fresh;
   last_ = plan;
   has_last_ = true;
   if (decided != nullptr) *decided = plan;
-  *retimed = false;
   Plan other;
   // An all-dense call predicted under its least saving (MinGainSeconds)
   // can never enter a plan with sparse rows, whatever the sparse terms:
@@ -705,6 +742,7 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
       other.predicted_s <= rp.max_ratio * plan.predicted_s;
   const int side = plan.kind == PlanKind::kAllDense ? 0 : 1;
   if (!RetimeDue(&retime_, side, close, rp)) return plan;
+  ++retime_.other_runs;
   *retimed = true;
   return other;
 }
@@ -712,11 +750,11 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
 bool PlanMemory::NoteDenseShape(int64_t m, int64_t kc, bool compact) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::array<int64_t, 3> shape = {m, kc, compact ? 1 : 0};
-  if (std::find(dense_shapes_.begin(), dense_shapes_.end(), shape) !=
-          dense_shapes_.end() ||
-      static_cast<int>(dense_shapes_.size()) >= kShapesRemembered)
+  const auto end = dense_shapes_.begin() + dense_shape_count_;
+  if (std::find(dense_shapes_.begin(), end, shape) != end ||
+      dense_shape_count_ >= kShapesRemembered)
     return false;
-  dense_shapes_.push_back(shape);
+  dense_shapes_[dense_shape_count_++] = shape;
   return true;
 }
 

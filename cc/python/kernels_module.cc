@@ -424,10 +424,12 @@ RetimePolicy RetimePolicyOf(const py::object& o) {
   RetimePolicy p;
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
-  RequireKeys(d, {"max_ratio", "first_period", "max_period"}, "retime_policy");
+  RequireKeys(d, {"max_ratio", "first_period", "max_period", "confirm_runs"},
+              "retime_policy");
   p.max_ratio = Get<double>(d, "max_ratio", p.max_ratio);
   p.first_period = Get<int64_t>(d, "first_period", p.first_period);
   p.max_period = Get<int64_t>(d, "max_period", p.max_period);
+  p.confirm_runs = Get<int64_t>(d, "confirm_runs", p.confirm_runs);
   if (!(p.max_ratio >= 0.0) || !std::isfinite(p.max_ratio))
     throw py::value_error("retime_policy max_ratio must be finite and >= 0");
   if (p.max_period < 1)
@@ -936,11 +938,15 @@ void BindAnalysis(py::module_& mod) {
         d["next_retime"] = st.next_retime;
         d["period"] = st.period;
         d["retimes"] = st.retimes;
+        d["other_runs"] = st.other_runs;
+        d["confirmations"] = st.confirmations;
         return d;
       },
       py::is_method(mem),
       "This op instance's re-time schedule: side (0 all-dense, 1 sparse rows, "
-      "-1 none), calls_on_side, next_retime, period, retimes.");
+      "-1 none), calls_on_side, next_retime, period, retimes, other_runs "
+      "(calls that ran the other side since the side began), confirmations "
+      "(runs that confirmed a change of side, RetimePolicy::confirm_runs).");
   mem.attr("note_dense_shape") = py::cpp_function(
       [](PlanMemory& m, int64_t rows, int64_t kc, bool compact) {
         return m.NoteDenseShape(rows, kc, compact);
@@ -954,6 +960,7 @@ void BindAnalysis(py::module_& mod) {
     d["max_ratio"] = p.max_ratio;
     d["first_period"] = p.first_period;
     d["max_period"] = p.max_period;
+    d["confirm_runs"] = p.confirm_runs;
     return d;
   }, "The RetimePolicy the ops use.");
   mod.def("other_side_plan",
