@@ -267,19 +267,21 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   const bool had_sparse = previous != nullptr &&
                           previous->kind != PlanKind::kAllDense &&
                           previous->bucket >= 0 && previous->bucket <= b;
-  // Entry into a plan with sparse rows: only for a safe predicted win.
+  // Entry into a plan with sparse rows: only for a safe predicted win,
+  // its analysis included (DecisionPolicy::analysis_s).
   const double min_gain = MinGainSeconds(policy, all_dense);
+  const double analysis = std::max(0.0, policy.analysis_s);
   const bool enters =
-      t_best <= all_dense * (1.0 - policy.enter_margin) &&
-      t_best <= all_dense - min_gain;
+      t_best + analysis <= all_dense * (1.0 - policy.enter_margin) &&
+      t_best + analysis <= all_dense - min_gain;
   if (!had_sparse) return enters ? best_plan : dense_plan;
   // The previous split, re-predicted on this call's rows.
   bool prev_compact = false;
   const double t_prev =
       BestOfCompaction(s, p, t, previous->bucket, policy.min_gain_s,
                        &prev_compact);
-  if (!(t_prev <= all_dense * (1.0 - policy.stay_margin)) ||
-      !(t_prev <= all_dense - 0.5 * min_gain)) {
+  if (!(t_prev + analysis <= all_dense * (1.0 - policy.stay_margin)) ||
+      !(t_prev + analysis <= all_dense - 0.5 * min_gain)) {
     // The kept plan no longer wins safely; switch only to a plan that
     // passes the entry test, else go dense.
     return enters ? best_plan : dense_plan;
@@ -582,19 +584,26 @@ bool CountCallRecalibrationDue(FamilyCalibrationRecord* family,
   return true;
 }
 
-void FamilyModel::Refresh() {
-  CostTerms t = base_;
-  // The median, or the smallest of fewer than 3 ratios (see the header).
-  auto robust = [](const MedianWindow& w) {
-    return w.size() < 3 ? w.Min(1.0) : w.Median(1.0);
-  };
-  const double sd = robust(dense_ratio_), ss = robust(sparse_ratio_);
+namespace {
+
+CostTerms Scaled(const CostTerms& base, double sd, double ss) {
+  CostTerms t = base;
   t.dense_fixed_s *= sd;
   if (t.dense_rate > 0.0) t.dense_rate /= sd;
   t.sparse_fixed_s *= ss;
   t.convert_s_per_elem *= ss;
   if (t.sparse_rate > 0.0) t.sparse_rate /= ss;
-  hot_.terms = t;
+  return t;
+}
+
+}  // namespace
+
+void FamilyModel::Refresh() {
+  // The median, or the smallest of fewer than 3 ratios (see the header).
+  auto robust = [](const MedianWindow& w) {
+    return w.size() < 3 ? w.Min(1.0) : w.Median(1.0);
+  };
+  hot_.terms = Scaled(base_, robust(dense_ratio_), robust(sparse_ratio_));
   hot_.count_s_per_elem = count_per_elem_.Median(0.0);
 }
 

@@ -383,6 +383,7 @@ class SplitCall {
     terms_ = snap.terms;
     have_terms_ = true;
     count_s_per_elem_ = snap.count_s_per_elem;
+    cheap_analysis_ = !full_stats;
     return memory->ChooseAnalysis(shape, terms_, DecisionPolicy(), ap,
                                   count_s_per_elem_, full_stats);
   }
@@ -516,8 +517,15 @@ class SplitCall {
       have_terms_ = true;
       const CostTerms& terms = terms_;
       Plan decided;
+      // A plan with sparse rows counts every value on every call; an op
+      // that may count cheaply counts (almost) nothing while all-dense.
+      DecisionPolicy policy;
+      if (cheap_analysis_ && count_s_per_elem_ > 0.0)
+        policy.analysis_s = count_s_per_elem_ *
+                            static_cast<double>(shape.m) *
+                            static_cast<double>(shape.k);
       const Plan plan =
-          memory->DecideAndRetime(shape, profile, terms, DecisionPolicy(),
+          memory->DecideAndRetime(shape, profile, terms, policy,
                                   RetimePolicy(), &retimed_, &decided);
       memory_ = memory;
       if (retimed_) {
@@ -663,7 +671,7 @@ class SplitCall {
     // The call's cost problem and its family's terms as they stand after
     // this record (stats.h, kStatKLive .. kStatCalibrated): what the Python
     // tuner decides and reports with. Only when a node reads the
-    // statistics: the terms cost a lock and two medians per call.
+    // statistics (the terms are kept computed: one lock).
     if (family_ != nullptr && stats_consumed()) {
       const FamilyModel::Snapshot snap = family_->Get();
       WriteCostStats(shape_, snap.terms, snap.calibrated, stats_);
@@ -706,6 +714,7 @@ class SplitCall {
   CostTerms terms_;          // the family's terms as this call read them
   bool have_terms_ = false;  // terms_ set (read once per call)
   bool dense_now_ = false;   // all dense without a count (SetAllDense)
+  bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
   bool retimed_ = false;           // this call runs a re-timed plan
   PlanMemory* memory_ = nullptr;   // the op's memory (automatic calls)
 };

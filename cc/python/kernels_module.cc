@@ -407,7 +407,8 @@ DecisionPolicy PolicyOf(const py::object& o) {
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"enter_margin", "stay_margin", "switch_margin", "tie_margin",
-                  "min_gain_s", "min_gain_fraction", "min_gain_floor_s"},
+                  "min_gain_s", "min_gain_fraction", "min_gain_floor_s",
+                  "analysis_s"},
               "policy");
   p.enter_margin = Get<double>(d, "enter_margin", p.enter_margin);
   p.stay_margin = Get<double>(d, "stay_margin", p.stay_margin);
@@ -417,6 +418,9 @@ DecisionPolicy PolicyOf(const py::object& o) {
   p.min_gain_fraction =
       Get<double>(d, "min_gain_fraction", p.min_gain_fraction);
   p.min_gain_floor_s = Get<double>(d, "min_gain_floor_s", p.min_gain_floor_s);
+  p.analysis_s = Get<double>(d, "analysis_s", p.analysis_s);
+  if (!(p.analysis_s >= 0.0) || !std::isfinite(p.analysis_s))
+    throw py::value_error("policy analysis_s must be finite and >= 0");
   return p;
 }
 
@@ -611,6 +615,7 @@ void BindCostModel(py::module_& mod) {
            [](FamilyModel& f, const py::dict& t) { f.SetCalibration(TermsOf(t)); },
            py::arg("terms"))
       .def("terms", [](const FamilyModel& f) { return DictOf(f.Terms()); })
+
       .def("record",
            [](FamilyModel& f, const py::dict& shape, double rows_dense, bool compact,
               double dense_s, double rows_sparse, double nnz_sparse, double sparse_s,
