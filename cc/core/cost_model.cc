@@ -451,6 +451,14 @@ AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
   if (rows_save < MinGainSeconds(policy, dense_s) &&
       all_save < policy.min_gain_s)
     return AnalysisMode::kSkip;
+  // Samples that kept saying all-dense come further apart (doubling up to
+  // max_sample_period calls); the calls between count nothing.
+  if (h.samples_dense > 0 && ap.max_sample_period > 1) {
+    const int64_t period = std::min<int64_t>(
+        ap.max_sample_period,
+        int64_t{1} << std::min<int64_t>(h.samples_dense, 30));
+    if (h.calls_since_sample + 1 < period) return AnalysisMode::kSkip;
+  }
   return AnalysisMode::kSample;
 }
 
@@ -668,11 +676,17 @@ void PlanMemory::RememberAllDense() {
   has_last_ = true;
 }
 
-void PlanMemory::NoteAllDenseWithoutCount() {
+void PlanMemory::NoteAllDenseWithoutCount(bool sampled) {
   std::lock_guard<std::mutex> lock(mu_);
   last_ = Plan();
   has_last_ = true;
   ++history_.calls_since_full;
+  if (sampled) {
+    ++history_.samples_dense;
+    history_.calls_since_sample = 0;
+  } else {
+    ++history_.calls_since_sample;
+  }
 }
 
 AnalysisMode PlanMemory::ChooseAnalysis(const SplitShape& s,
@@ -695,8 +709,11 @@ void PlanMemory::RecordAnalysis(bool full, double zero_row_frac,
     history_.calls_since_full = 0;
     history_.zero_row_frac = zero_row_frac;
     history_.dead_col_frac = dead_col_frac;
+    history_.samples_dense = 0;
+    history_.calls_since_sample = 0;
   } else {
     ++history_.calls_since_full;
+    ++history_.calls_since_sample;
   }
 }
 

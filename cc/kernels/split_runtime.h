@@ -695,7 +695,7 @@ class SplitCall {
     nnz_estimate_ = nnz_estimate;
     stats_[kStatAnalysis] = analysis;
     memory_ = memory;
-    memory->NoteAllDenseWithoutCount();
+    memory->NoteAllDenseWithoutCount(analysis == kAnalysisSampled);
     analyzed_ = Clock::now();
   }
 

@@ -700,7 +700,7 @@ AnalysisPolicy AnalysisPolicyOf(const py::object& o) {
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"min_period", "max_period", "full_budget", "sample_budget",
-                  "min_sample_rows", "near_margin"},
+                  "min_sample_rows", "near_margin", "max_sample_period"},
               "analysis policy");
   p.min_period = Get<int>(d, "min_period", p.min_period);
   p.max_period = Get<int>(d, "max_period", p.max_period);
@@ -708,18 +708,22 @@ AnalysisPolicy AnalysisPolicyOf(const py::object& o) {
   p.sample_budget = Get<double>(d, "sample_budget", p.sample_budget);
   p.min_sample_rows = Get<int64_t>(d, "min_sample_rows", p.min_sample_rows);
   p.near_margin = Get<double>(d, "near_margin", p.near_margin);
+  p.max_sample_period =
+      Get<int>(d, "max_sample_period", p.max_sample_period);
   return p;
 }
 
 AnalysisHistory HistoryOf(const py::dict& d) {
   RequireKeys(d, {"seen_full", "calls_since_full", "zero_row_frac",
-                  "dead_col_frac"},
+                  "dead_col_frac", "samples_dense", "calls_since_sample"},
               "history");
   AnalysisHistory h;
   h.seen_full = Get<bool>(d, "seen_full", false);
   h.calls_since_full = Get<int64_t>(d, "calls_since_full", 0);
   h.zero_row_frac = Get<double>(d, "zero_row_frac", 0.0);
   h.dead_col_frac = Get<double>(d, "dead_col_frac", 0.0);
+  h.samples_dense = Get<int64_t>(d, "samples_dense", 0);
+  h.calls_since_sample = Get<int64_t>(d, "calls_since_sample", 0);
   return h;
 }
 
@@ -729,6 +733,8 @@ py::dict DictOf(const AnalysisHistory& h) {
   d["calls_since_full"] = h.calls_since_full;
   d["zero_row_frac"] = h.zero_row_frac;
   d["dead_col_frac"] = h.dead_col_frac;
+  d["samples_dense"] = h.samples_dense;
+  d["calls_since_sample"] = h.calls_since_sample;
   return d;
 }
 
@@ -882,6 +888,7 @@ void BindAnalysis(py::module_& mod) {
     d["sample_budget"] = p.sample_budget;
     d["min_sample_rows"] = p.min_sample_rows;
     d["near_margin"] = p.near_margin;
+    d["max_sample_period"] = p.max_sample_period;
     return d;
   }, "The AnalysisPolicy the ops use.");
   auto fam = py::reinterpret_borrow<py::object>(mod.attr("SplitFamilyModel"));
