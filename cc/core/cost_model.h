@@ -312,7 +312,9 @@ CostTerms FitCalibration(const SplitShape& s, const CalibrationTimings& c);
 //            run TF's GEMM;
 //   kSample: count a strided sample of the physical rows (SampleStride), and
 //            count fully only when the estimate is near the break-even of
-//            the decision (SampleSaysDense is false);
+//            the decision (SampleSaysDense is false); samples that keep
+//            saying all-dense come further apart (the calls between count
+//            nothing: AnalysisPolicy::max_sample_period);
 //   kFull:   count everything (the first calls, after a plan with sparse
 //            rows or compaction, every AnalysisPolicy period-th call so the
 //            statistics and the model stay fresh, explicit thresholds,
