@@ -15,6 +15,11 @@ median kernel times (microseconds), their median per-round ratio
 ``t(TF MatMul) / t(ours)`` with its range, and the op's own analysis time
 (statistics ``TIME_ANALYZE``, from a separate function that reads them).
 
+``--dtypes`` and ``--sparsities`` give the products' dtype and the fraction
+of zeros in ``a`` (default float32 without zeros): a product whose count is
+skipped runs all-dense whatever its zeros, so what it pays beyond TF's kernel
+is the decision alone.
+
 Convolutions (``--convs``, NxHxWxC_inxC_out, 3x3 filter, SAME padding,
 stride 1; default: the two convolutions of ``bench_inference.py``'s
 cnn-small at batch 1, 32 and 256, and a ResNet-sized 32x56x56x64x64): ``SparseSplitConv2D`` with bias + ReLU (the inference form
@@ -25,6 +30,7 @@ which Grappler's remapper fuses into TF's ``_FusedConv2D`` (oneDNN's
 Usage::
 
     python benchmarks/bench_fixed_cost.py [--shapes 128x2048x10,512x2048x1]
+        [--dtypes float32,bfloat16] [--sparsities 0,0.99]
         [--convs 32x28x28x1x16,32x14x14x16x32] [--epilogues bias_relu,none]
         [--rounds 9] [--calls 60] [--out FILE]
 """
@@ -83,10 +89,15 @@ def _kernel_times(fn, args, calls, name_part):
     return out
 
 
-def run_case(m, k, n, direction, rounds, calls, rng):
+def run_case(m, k, n, direction, rounds, calls, rng, dtype=tf.float32,
+             sparsity=0.0):
+    """One product op(a) [m, k] x [k, n] in `dtype` (a with about `sparsity`
+    zeros; a^T dY for direction "grad"), ours against tf.matmul."""
     ta = direction == "grad"
-    a = tf.constant(random_sparse((m, k), 0.0, rng, np.float32))
-    y = tf.constant(rng.standard_normal((m if ta else k, n)).astype(np.float32))
+    a = tf.cast(tf.constant(random_sparse((m, k), sparsity, rng, np.float32)),
+                dtype)
+    y = tf.cast(tf.constant(
+        rng.standard_normal((m if ta else k, n)).astype(np.float32)), dtype)
 
     @tf.function
     def dense(x, w):
@@ -105,7 +116,8 @@ def run_case(m, k, n, direction, rounds, calls, rng):
 
     cols = {"tf": (dense, "MatMul"), "ours": (ours, "SparseSplitMatMul")}
     r = _interleaved(cols, ours_stats, (a, y), rounds, calls, rng)
-    r.update({"shape": f"{m}x{k}x{n}", "direction": direction})
+    r.update({"shape": f"{m}x{k}x{n}", "direction": direction,
+              "dtype": tf.as_dtype(dtype).name, "sparsity": sparsity})
     return r
 
 
@@ -184,14 +196,15 @@ def conv_row_markdown(r):
             f"{r['dense_us']:.1f} | {r['mode']} | {r['dense_frac']:.2f} |")
 
 
-HEADER = ("| M x K x N | direction | TF MatMul kernel (us) | ours kernel (us) | "
+HEADER = ("| M x K x N | dtype | sparsity | direction | TF MatMul kernel (us) | ours kernel (us) | "
           "TF / ours (median) | spread | ours: analysis (us) | ours: dense "
           "part (us) | analysis (most calls) |")
 
 
 def row_markdown(r):
     lo, hi = r["spread"]
-    return (f"| {r['shape']} | {'a @ b' if r['direction'] == 'fwd' else 'a^T @ dY'} | "
+    return (f"| {r['shape']} | {r['dtype']} | {r['sparsity']:.2f} | "
+            f"{'a @ b' if r['direction'] == 'fwd' else 'a^T @ dY'} | "
             f"{r['tf_us']:.1f} | {r['ours_us']:.1f} | **{r['ratio']:.3f}x** | "
             f"{lo:.2f}..{hi:.2f} | {r['analyze_us']:.1f} | {r['dense_us']:.1f} | "
             f"{r['mode']} |")
@@ -203,6 +216,12 @@ def main(argv=None):
                    help="comma-separated MxKxN products (default %(default)s)")
     p.add_argument("--directions", default="fwd,grad",
                    help="fwd (a @ b), grad (a^T @ dY) or both")
+    p.add_argument("--dtypes", default="float32",
+                   help="comma-separated dtypes of the products (float32, "
+                        "bfloat16, float16, float64; default %(default)s)")
+    p.add_argument("--sparsities", default="0",
+                   help="comma-separated fractions of zeros in a, each in "
+                        "[0, 1) (default %(default)s: no zeros)")
     p.add_argument("--convs", default=DEFAULT_CONVS,
                    help="comma-separated NxHxWxC_inxC_out convolutions (3x3, "
                         "SAME, stride 1); empty for none (default %(default)s)")
@@ -236,6 +255,20 @@ def main(argv=None):
     directions = [d.strip() for d in args.directions.split(",") if d.strip()]
     if not directions or not set(directions) <= {"fwd", "grad"}:
         p.error("--directions: fwd and/or grad")
+    try:
+        dtypes = [tf.as_dtype(d.strip()) for d in args.dtypes.split(",")
+                  if d.strip()]
+    except TypeError:
+        p.error(f"--dtypes: unknown dtype in {args.dtypes!r}")
+    if not dtypes or not set(dtypes) <= {tf.float32, tf.bfloat16, tf.float16,
+                                         tf.float64}:
+        p.error("--dtypes: float32, bfloat16, float16 and/or float64")
+    try:
+        sparsities = [float(v) for v in args.sparsities.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--sparsities: not numbers: {args.sparsities!r}")
+    if not sparsities or not all(0.0 <= v < 1.0 for v in sparsities):
+        p.error("--sparsities: fractions in [0, 1)")
     if args.rounds < 1 or args.calls < 1:
         p.error("--rounds and --calls must be >= 1")
     tfss.load_library()
@@ -246,10 +279,13 @@ def main(argv=None):
     if shapes:
         print(HEADER, flush=True)
     for m, k, n in shapes:
-        for d in directions:
-            r = run_case(m, k, n, d, args.rounds, args.calls, rng)
-            rows.append(r)
-            print(row_markdown(r), flush=True)
+        for dt in dtypes:
+            for sp in sparsities:
+                for d in directions:
+                    r = run_case(m, k, n, d, args.rounds, args.calls, rng,
+                                 dt, sp)
+                    rows.append(r)
+                    print(row_markdown(r), flush=True)
     if convs:
         print(CONV_HEADER, flush=True)
     for c in convs:
@@ -258,7 +294,8 @@ def main(argv=None):
             conv_rows.append(r)
             print(conv_row_markdown(r), flush=True)
     title = (f"Kernel time of a SparseSplitMatMul / SparseSplitConv2D call "
-             f"on operands without zeros (automatic threshold, "
+             f"on operands without zeros (products: with the 'sparsity' "
+             f"column's fraction of zeros in a; automatic threshold, "
              f"full_stats=False; all-dense unless the cost model predicts the "
              f"sparse kernel faster: column 'images dense') against TF's "
              f"MatMul / (fused) Conv2D kernel on the same inputs, "

@@ -90,6 +90,39 @@ def test_large_problem_samples_instead_of_skipping():
                              COUNT_S) == "sample"
 
 
+def test_samples_that_keep_saying_dense_come_further_apart():
+    """After s samples in a row said all-dense, the next comes
+    min(2^s, max_sample_period = 16) calls after the last and the calls
+    between count nothing; a full count (the history's reset) starts over,
+    and the full-count period still wins."""
+    assert DEFAULT["max_sample_period"] == 16
+    shape = K.matmul_split_shape(1024, 4096, 4096, 1024)
+
+    def mode(samples, since, **kw):
+        return K.choose_analysis(
+            shape, _terms(), _history(samples_dense=samples,
+                                      calls_since_sample=since, **kw),
+            ALL_DENSE, COUNT_S)
+
+    assert mode(0, 0) == "sample"
+    for s, period in ((1, 2), (2, 4), (3, 8), (4, 16), (9, 16)):
+        assert [mode(s, c) for c in range(period)] == \
+            ["skip"] * (period - 1) + ["sample"], s
+    assert mode(4, 3, calls_since_full=10_000) == "full"
+    off = dict(DEFAULT, max_sample_period=1)
+    assert K.choose_analysis(
+        shape, _terms(), _history(samples_dense=5, calls_since_sample=0),
+        ALL_DENSE, COUNT_S, analysis_policy=off) == "sample"
+    # The op's memory: an accepted sample counts, a full count resets.
+    mem = K.SplitPlanMemory()
+    mem.record_analysis(True)
+    assert mem.history()["samples_dense"] == 0
+    mem.record_analysis(False)
+    assert mem.history()["calls_since_sample"] == 1
+    mem.record_analysis(True)
+    assert mem.history()["calls_since_sample"] == 0
+
+
 # -- when the full count is kept ------------------------------------------------
 
 @pytest.mark.parametrize("case", [

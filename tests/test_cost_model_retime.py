@@ -64,7 +64,8 @@ def _sparse_winning_case(dense_over_sparse):
 def test_defaults_are_the_documented_ones():
     assert K.retime_policy_defaults() == {"max_ratio": 3.0,
                                           "first_period": 4,
-                                          "max_period": 256}
+                                          "max_period": 256,
+                                          "confirm_runs": 3}
 
 
 def test_retimes_follow_a_doubling_period_and_stay_bounded():
@@ -175,6 +176,83 @@ def test_change_of_side_restarts_the_schedule():
     assert r["decided"]["kind"] == "all_dense"
     st = mem.retime_state()
     assert st["side"] == 0 and st["calls_on_side"] == 1 and st["period"] == 4
+
+
+def test_a_change_of_side_waits_for_runs_of_the_new_side():
+    """A decision that changes side is confirmed by runs of the new side
+    (RetimePolicy.confirm_runs, 3): with no re-time of the other side since
+    the side began, the first three calls that decide the change run the
+    new side's plan as re-times and the old plan stays decided; the fourth
+    takes the change. A side change the re-times already measured often
+    enough is taken at once (test_change_of_side_restarts_the_schedule)."""
+    shape, prof, sparse_terms = _sparse_winning_case(1.5)
+    dense_terms = dict(sparse_terms, sparse_rate=sparse_terms["sparse_rate"] / 2)
+    mem = K.SplitPlanMemory()
+    for _ in range(3):  # before the first re-time (call 4)
+        r = mem.decide_and_retime(shape, prof, sparse_terms)
+        assert r["decided"]["kind"] != "all_dense" and not r["retimed"]
+    seen = []
+    for _ in range(4):
+        r = mem.decide_and_retime(shape, prof, dense_terms)
+        seen.append((r["decided"]["kind"] != "all_dense", r["plan"]["kind"],
+                     r["retimed"]))
+    assert seen[:3] == [(True, "all_dense", True)] * 3
+    assert seen[3] == (False, "all_dense", False)
+    st = mem.retime_state()
+    assert st["side"] == 0 and st["confirmations"] == 3
+    assert st["other_runs"] == 0 and st["calls_on_side"] == 1
+    # A change that the next call takes back is never taken: one call
+    # deciding dense (run as a re-time), then sparse again.
+    mem = K.SplitPlanMemory()
+    for _ in range(3):
+        mem.decide_and_retime(shape, prof, sparse_terms)
+    r = mem.decide_and_retime(shape, prof, dense_terms)
+    assert r["retimed"] and r["decided"]["kind"] != "all_dense"
+    for _ in range(20):
+        r = mem.decide_and_retime(shape, prof, sparse_terms)
+        assert r["decided"]["kind"] != "all_dense"
+    assert mem.retime_state()["side"] == 1
+    # confirm_runs 0: the change is taken at once.
+    mem = K.SplitPlanMemory()
+    now = {"max_ratio": 3.0, "first_period": 4, "max_period": 256,
+           "confirm_runs": 0}
+    for _ in range(3):
+        mem.decide_and_retime(shape, prof, sparse_terms, retime_policy=now)
+    r = mem.decide_and_retime(shape, prof, dense_terms, retime_policy=now)
+    assert r["decided"]["kind"] == "all_dense" and not r["retimed"]
+
+
+def test_one_fast_retimed_observation_does_not_flip_the_plan():
+    """The failure the confirmation guards against, on a family model: an
+    op decided all-dense, whose every-row-sparse re-time runs once in a
+    quiet moment (0.6x its steady time), would flip to the sparse side on
+    that single observation (a path with fewer than 3 ratios counts by its
+    smallest); the confirming runs see the steady time, the median of three
+    decides and the plan stays all-dense."""
+    m, k, n = 256, 1024, 1024
+    rows = _uniform(m, k, 0.1)
+    shape = K.matmul_split_shape(m, k, k, n)
+    prof = _profile(rows, k)
+    dense_s = 2.0 * m * k * n / 1e11
+    # Sparse predicted 1.3x the dense call; truly 1.3x, once 0.6x.
+    base = _terms(sparse_rate=2.0 * rows.sum() * n / (1.3 * dense_s))
+    fam = K.SplitFamilyModel()
+    fam.set_calibration(base)
+    mem = K.SplitPlanMemory()
+    kinds = []
+    fast_once = True
+    for i in range(40):
+        r = mem.decide_and_retime(shape, prof, fam.terms())
+        plan = r["plan"]
+        kinds.append(r["decided"]["kind"])
+        if plan["kind"] == "all_dense":
+            fam.record(shape, m, False, dense_s, 0, 0, 0)
+        else:
+            t = 1.3 * dense_s * (0.6 if fast_once else 1.0)
+            fast_once = False
+            fam.record(shape, 0, False, 0, m, float(rows.sum()), t)
+    assert set(kinds) == {"all_dense"}, kinds
+    assert mem.retime_state()["confirmations"] >= 1
 
 
 def test_other_side_plan_none_without_terms_or_dense_path():
@@ -339,7 +417,7 @@ class _Recorded:
         return steady[(i - len(seq)) % len(steady)]
 
 
-def _replay(fam, repeat=4, retime_policy=None):
+def _replay(fam, repeat=4, retime_policy=None, with_state=False):
     """Replays a recorded family `repeat` times over its recorded op order:
     decide_and_retime on each call's profile with the family's terms, the
     recorded seconds of the path the plan takes, record. Returns per call
@@ -369,6 +447,9 @@ def _replay(fam, repeat=4, retime_policy=None):
                          nnz_sparse, sparse_s, dense_one_time=one_time)
             out.append((c["op"], key, 0 if r["decided"]["kind"] == "all_dense"
                         else 1, r["retimed"], dense_s + sparse_s))
+    if with_state:
+        return rec, out, {op: mem.retime_state()["confirmations"]
+                          for op, mem in mems.items()}
     return rec, out
 
 
@@ -436,7 +517,7 @@ def test_replay_converges_to_the_faster_recorded_path(recording, name):
 @pytest.mark.parametrize("name", LAYERS)
 def test_replay_retimes_stay_bounded(recording, name):
     fam = _families(recording)[name]
-    rec, out = _replay(fam)
+    rec, out, confirmations = _replay(fam, with_state=True)
     for op in {o for o, *_ in out}:
         seq = [(side, retimed) for o, _, side, retimed, _ in out if o == op]
         # The bound per run of decisions on one side (RetimePolicy).
@@ -447,7 +528,14 @@ def test_replay_retimes_stay_bounded(recording, name):
                 run = 0
             run += 1
             prev = side
-        assert sum(r for _, r in seq) <= bound, op
+        # Confirming runs of a change of side (RetimePolicy.confirm_runs)
+        # come on top of the schedule's re-times: at most confirm_runs per
+        # side the op was decided on.
+        changes = sum(a != b for (a, _), (b, _) in zip(seq, seq[1:]))
+        confirm = K.retime_policy_defaults()["confirm_runs"]
+        conf = confirmations[op]
+        assert sum(r for _, r in seq) <= bound + conf, op
+        assert conf <= confirm * (changes + 1), (op, conf)
     # What the re-timed calls cost beyond the fastest recorded path: a few
     # percent of the replayed time.
     best = min(rec.median(key) for key in rec.keys())

@@ -172,3 +172,73 @@ def test_small_call_with_a_possible_win_is_sampled_not_skipped():
         "sample"
     assert K.choose_analysis(shape, terms, history, all_dense, 1e-10,
                              policy=ABSOLUTE_ONLY) == "skip"
+
+
+# -- the analysis a plan with sparse rows pays -------------------------------
+
+# A 128 x 2048 -> 10 bfloat16 product at 99% zeros (one nonzero in 100,
+# 2638 in 128 rows of 1498 live columns), from the op's VLOG lines: the
+# terms after its second dense call (144 us, 2x its steady time) and after
+# its first re-time of the dense path (66 us).
+_BF16_SHAPE = dict(m=128, k=2048, k_live=1498, n=10)
+_BF16_PROFILE = [(1, 128, 2638)]
+_BF16_TERMS_SLOW_DENSE = (0.0, 3.63254e10, 8.64433e-06, 1.64283e-10,
+                          7.53416e09, 4.41757e-10)
+_BF16_TERMS_STEADY = (0.0, 7.92479e10, 8.04925e-06, 1.52973e-10, 8.09116e09,
+                      4.41757e-10)
+# Its full count: 32-43 us per call where the sparse plan ran (statistics
+# TIME_ANALYZE), about 1.4e-10 s per value.
+_BF16_COUNT_S = 1.4e-10 * 128 * 2048
+
+
+def _bf16_case(terms):
+    from tf_sparse_split import _kernels as K
+
+    shape = K.matmul_split_shape(**_BF16_SHAPE)
+    rows = np.zeros(33)
+    nnz = np.zeros(33)
+    for j, r, z in _BF16_PROFILE:
+        rows[j], nnz[j] = r, z
+    names = ("dense_fixed_s", "dense_rate", "sparse_fixed_s",
+             "convert_s_per_elem", "sparse_rate", "copy_s_per_elem")
+    t = dict(zip(names, terms), heterogeneous=False)
+    return shape, (rows, nnz), t
+
+
+def test_sparse_plan_pays_its_count_in_the_decision():
+    """An op that may count cheaply (full_stats false) counts nothing while
+    all-dense but every value on every call of a plan with sparse rows:
+    SplitCall::Decide charges that count (DecisionPolicy.analysis_s) to
+    those plans. On the recorded bfloat16 product the all-sparse plan,
+    entered on a slow dense observation, is kept on the parts' times alone
+    (55 us against 66 us dense: within the 5% stay margin) although with its
+    count it is slower than the dense call; charged, the op goes back to
+    all-dense. The count does not stop a plan that wins by more."""
+    from tf_sparse_split import _kernels as K
+
+    shape, prof, slow = _bf16_case(_BF16_TERMS_SLOW_DENSE)
+    _, _, steady = _bf16_case(_BF16_TERMS_STEADY)
+    charged = {"analysis_s": _BF16_COUNT_S}
+    kinds = {}
+    for name, policy in (("parts", None), ("charged", charged)):
+        mem = K.SplitPlanMemory()
+        first = mem.decide(shape, prof, slow, policy)
+        later = [mem.decide(shape, prof, steady, policy)["kind"]
+                 for _ in range(5)]
+        kinds[name] = (first["kind"], later)
+    # The slow dense observation makes the sparse plan enter either way ...
+    assert kinds["parts"][0] != "all_dense"
+    assert kinds["charged"][0] != "all_dense"
+    # ... the parts' times keep it, its count sends it back.
+    assert set(kinds["parts"][1]) == {"all_sparse"}
+    assert set(kinds["charged"][1]) == {"all_dense"}
+    # analysis_s 0 is the default, and a plan that wins by far still enters.
+    assert K.decide_split(shape, prof, steady)["kind"] == K.decide_split(
+        shape, prof, steady, policy={"analysis_s": 0.0})["kind"]
+    fast = dict(steady, sparse_rate=10 * steady["sparse_rate"],
+                convert_s_per_elem=steady["convert_s_per_elem"] / 10,
+                sparse_fixed_s=1e-6)
+    assert K.decide_split(shape, prof, fast,
+                          policy=charged)["kind"] != "all_dense"
+    with pytest.raises(ValueError):
+        K.decide_split(shape, prof, steady, policy={"analysis_s": -1.0})

@@ -184,3 +184,96 @@ def test_one_op_instance_changing_shapes(op):
         assert (stats[S.M], stats[S.K], stats[S.N]) == sizes
         assert stats[S.ROWS_DENSE] + stats[S.ROWS_SPARSE] == m
         assert stats[S.CALIBRATED] == 1.0
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("epilogue", ["none", "bias_relu"])
+def test_calls_without_a_count_describe_every_row_dense(ta, epilogue):
+    """A call that counts nothing or a sample (ANALYSIS skipped / sampled)
+    runs TF's kernel on the op's inputs and builds no row lists
+    (SplitCall::SkipAnalysis / AcceptSample): its statistics must still say
+    every row dense, none sparse, nothing compacted, the threshold 0, and
+    its product must be the reference, call after call (a 16 x 64 x 4
+    product: the count is skipped after the first call; with 99% zeros
+    too, where a full count would see dead columns). float32: in bfloat16
+    oneDNN's kernel at this size runs ~10x its calibrated time inside a
+    graph and the op rightly leaves the dense path."""
+    dtype = tf.float32
+    rng = np.random.default_rng(21)
+    m, k, n = 16, 64, 4
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    kw = {}
+    if epilogue == "bias_relu":
+        kw = dict(bias=tf.cast(tf.constant(bias), dtype), activation="relu")
+    w = tf.cast(tf.constant(b), dtype)
+
+    @tf.function
+    def cheap(x):
+        return tfss.sparse_split_matmul(x, w, -1.0, transpose_a=ta,
+                                        return_stats=True, full_stats=False,
+                                        **kw)
+
+    rtol, atol = TOL[dtype]
+    without_count = 0
+    for zeros in (0.5, 0.99):
+        a = sparse_normal(rng, (m, k), zeros)
+        a[0, 0] = 1.0  # a real nonzero
+        ac = tf.cast(tf.constant(a), dtype)
+        a64 = tf.cast(ac, tf.float64).numpy()
+        want = a64 @ tf.cast(w, tf.float64).numpy()
+        if epilogue == "bias_relu":
+            want = np.maximum(
+                want + tf.cast(kw["bias"], tf.float64).numpy(), 0.0)
+        x = tf.constant(tf.transpose(ac).numpy()) if ta else ac
+        for _ in range(12):
+            got, stats = cheap(x)
+            np.testing.assert_allclose(tf.cast(got, tf.float64).numpy(), want,
+                                       rtol=rtol, atol=atol)
+            st = stats.numpy()
+            assert (st[S.M], st[S.K], st[S.N]) == (m, k, n)
+            if st[S.ANALYSIS] == S.ANALYSIS_FULL:
+                assert st[S.NNZ] == np.count_nonzero(a64)
+                continue
+            without_count += 1
+            assert st[S.ROWS_DENSE] == m and st[S.ROWS_SPARSE] == 0
+            assert st[S.NNZ_SPARSE] == 0 and st[S.ZERO_COLS_SKIPPED] == 0
+            assert st[S.THRESHOLD] == 0.0
+            # The cost problem is still written (a node reads the vector).
+            assert st[S.K_LIVE] == k and st[S.CALIBRATED] == 1.0
+    assert without_count >= 12
+
+
+def test_family_model_reads_are_snapshots_of_its_records():
+    """FamilyModel keeps its scaled terms and counting cost computed after
+    every record (what a call reads under one lock): terms() and
+    count_seconds_per_elem() equal the medians of the records at every
+    step, over more records than its window holds (the last 15)."""
+    from tf_sparse_split import _kernels as K
+
+    fam = K.SplitFamilyModel()
+    assert fam.count_seconds_per_elem() == 0.0
+    base = dict(dense_fixed_s=1e-5, dense_rate=1e11, sparse_fixed_s=2e-5,
+                convert_s_per_elem=1e-10, sparse_rate=5e10,
+                copy_s_per_elem=1e-10, heterogeneous=False)
+    fam.set_calibration(base)
+    shape = K.matmul_split_shape(64, 512, 512, 256)
+    pred = base["dense_fixed_s"] + 2.0 * 64 * 512 * 256 / base["dense_rate"]
+    rng = np.random.default_rng(2)
+    ratios, counts = [], []
+    for i in range(40):
+        r = float(rng.uniform(0.5, 3.0))
+        ratios.append(r)
+        fam.record(shape, 64, False, r * pred, 0, 0, 0)
+        c = float(rng.uniform(1e-10, 5e-10))
+        counts.append(c)
+        fam.record_count(1e6, c * 1e6)
+        window = ratios[-15:]
+        want = min(window) if len(window) < 3 else float(np.median(window))
+        t = fam.terms()
+        assert np.isclose(t["dense_rate"], base["dense_rate"] / want)
+        assert np.isclose(t["dense_fixed_s"], base["dense_fixed_s"] * want)
+        # The sparse path never ran: its terms are the calibration's.
+        assert t["sparse_rate"] == base["sparse_rate"]
+        assert np.isclose(fam.count_seconds_per_elem(),
+                          float(np.median(counts[-15:])))

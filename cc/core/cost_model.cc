@@ -267,19 +267,21 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   const bool had_sparse = previous != nullptr &&
                           previous->kind != PlanKind::kAllDense &&
                           previous->bucket >= 0 && previous->bucket <= b;
-  // Entry into a plan with sparse rows: only for a safe predicted win.
+  // Entry into a plan with sparse rows: only for a safe predicted win,
+  // its analysis included (DecisionPolicy::analysis_s).
   const double min_gain = MinGainSeconds(policy, all_dense);
+  const double analysis = std::max(0.0, policy.analysis_s);
   const bool enters =
-      t_best <= all_dense * (1.0 - policy.enter_margin) &&
-      t_best <= all_dense - min_gain;
+      t_best + analysis <= all_dense * (1.0 - policy.enter_margin) &&
+      t_best + analysis <= all_dense - min_gain;
   if (!had_sparse) return enters ? best_plan : dense_plan;
   // The previous split, re-predicted on this call's rows.
   bool prev_compact = false;
   const double t_prev =
       BestOfCompaction(s, p, t, previous->bucket, policy.min_gain_s,
                        &prev_compact);
-  if (!(t_prev <= all_dense * (1.0 - policy.stay_margin)) ||
-      !(t_prev <= all_dense - 0.5 * min_gain)) {
+  if (!(t_prev + analysis <= all_dense * (1.0 - policy.stay_margin)) ||
+      !(t_prev + analysis <= all_dense - 0.5 * min_gain)) {
     // The kept plan no longer wins safely; switch only to a plan that
     // passes the entry test, else go dense.
     return enters ? best_plan : dense_plan;
@@ -322,6 +324,7 @@ bool RetimeDue(RetimeState* st, int side, bool close, const RetimePolicy& rp) {
     st->calls_on_side = 0;
     st->period = rp.first_period;
     st->next_retime = rp.first_period;
+    st->other_runs = 0;
   }
   ++st->calls_on_side;
   if (!close || rp.first_period <= 0 || st->calls_on_side < st->next_retime)
@@ -448,6 +451,14 @@ AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
   if (rows_save < MinGainSeconds(policy, dense_s) &&
       all_save < policy.min_gain_s)
     return AnalysisMode::kSkip;
+  // Samples that kept saying all-dense come further apart (doubling up to
+  // max_sample_period calls); the calls between count nothing.
+  if (h.samples_dense > 0 && ap.max_sample_period > 1) {
+    const int64_t period = std::min<int64_t>(
+        ap.max_sample_period,
+        int64_t{1} << std::min<int64_t>(h.samples_dense, 30));
+    if (h.calls_since_sample + 1 < period) return AnalysisMode::kSkip;
+  }
   return AnalysisMode::kSample;
 }
 
@@ -493,49 +504,53 @@ bool SampleSaysDense(const SplitShape& s_est, const DensityProfile& p_est,
 
 void MedianWindow::Add(double v) {
   if (!(v > 0.0) || !std::isfinite(v)) return;
-  if (static_cast<int>(values_.size()) < capacity_) {
-    values_.push_back(v);
-  } else {
-    values_[next_] = v;
-  }
+  values_[next_] = v;
+  if (size_ < capacity_) ++size_;
   next_ = (next_ + 1) % capacity_;
 }
 
 double MedianWindow::Median(double if_empty) const {
-  if (values_.empty()) return if_empty;
-  std::vector<double> v = values_;
-  const size_t mid = v.size() / 2;
-  std::nth_element(v.begin(), v.begin() + mid, v.end());
+  if (size_ == 0) return if_empty;
+  std::array<double, kMaxCapacity> v = values_;
+  const int mid = size_ / 2;
+  std::nth_element(v.begin(), v.begin() + mid, v.begin() + size_);
   double med = v[mid];
-  if (v.size() % 2 == 0) {
+  if (size_ % 2 == 0) {
     med = 0.5 * (med + *std::max_element(v.begin(), v.begin() + mid));
   }
   return med;
 }
 
 double MedianWindow::Min(double if_empty) const {
-  if (values_.empty()) return if_empty;
-  return *std::min_element(values_.begin(), values_.end());
+  if (size_ == 0) return if_empty;
+  return *std::min_element(values_.begin(), values_.begin() + size_);
+}
+
+FamilyModel::Snapshot FamilyModel::Get() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hot_;
 }
 
 bool FamilyModel::calibrated() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return calibrated_;
+  return hot_.calibrated;
 }
 
 void FamilyModel::SetCalibration(const CostTerms& t) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (calibrated_) return;
+  if (hot_.calibrated) return;
   base_ = t;
-  calibrated_ = true;
+  hot_.calibrated = true;
+  Refresh();
 }
 
 void FamilyModel::Recalibrate(const CostTerms& t) {
   std::lock_guard<std::mutex> lock(mu_);
   base_ = t;
-  calibrated_ = true;
+  hot_.calibrated = true;
   dense_ratio_ = MedianWindow();
   sparse_ratio_ = MedianWindow();
+  Refresh();
 }
 
 bool RecalibrationDue(double calibrated_density, double density,
@@ -577,20 +592,32 @@ bool CountCallRecalibrationDue(FamilyCalibrationRecord* family,
   return true;
 }
 
-CostTerms FamilyModel::Terms() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  CostTerms t = base_;
-  // The median, or the smallest of fewer than 3 ratios (see the header).
-  auto robust = [](const MedianWindow& w) {
-    return w.size() < 3 ? w.Min(1.0) : w.Median(1.0);
-  };
-  const double sd = robust(dense_ratio_), ss = robust(sparse_ratio_);
+namespace {
+
+CostTerms Scaled(const CostTerms& base, double sd, double ss) {
+  CostTerms t = base;
   t.dense_fixed_s *= sd;
   if (t.dense_rate > 0.0) t.dense_rate /= sd;
   t.sparse_fixed_s *= ss;
   t.convert_s_per_elem *= ss;
   if (t.sparse_rate > 0.0) t.sparse_rate /= ss;
   return t;
+}
+
+}  // namespace
+
+void FamilyModel::Refresh() {
+  // The median, or the smallest of fewer than 3 ratios (see the header).
+  auto robust = [](const MedianWindow& w) {
+    return w.size() < 3 ? w.Min(1.0) : w.Median(1.0);
+  };
+  hot_.terms = Scaled(base_, robust(dense_ratio_), robust(sparse_ratio_));
+  hot_.count_s_per_elem = count_per_elem_.Median(0.0);
+}
+
+CostTerms FamilyModel::Terms() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hot_.terms;
 }
 
 bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
@@ -613,15 +640,21 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
       }
     }
   }
+  bool sparse_recorded = false;
   if (rows_sparse > 0.0 && nnz_sparse > 0.0 && sparse_seconds > 0.0) {
     if (!base_.sparse_known()) {
       base_.sparse_rate = nnz_sparse * s.sparse_flops_per_nnz / sparse_seconds;
+      sparse_recorded = true;
     } else {
       const double pred =
           PredictSparseSeconds(s, base_, rows_sparse, nnz_sparse);
-      if (pred > 0.0) sparse_ratio_.Add(sparse_seconds / pred);
+      if (pred > 0.0) {
+        sparse_ratio_.Add(sparse_seconds / pred);
+        sparse_recorded = true;
+      }
     }
   }
+  if (dense_recorded || sparse_recorded) Refresh();
   return dense_recorded;
 }
 
@@ -629,17 +662,31 @@ void FamilyModel::RecordCount(double elems, double seconds) {
   if (!(elems > 0.0) || !(seconds > 0.0)) return;
   std::lock_guard<std::mutex> lock(mu_);
   count_per_elem_.Add(seconds / elems);
+  hot_.count_s_per_elem = count_per_elem_.Median(0.0);
 }
 
 double FamilyModel::CountSecondsPerElem() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return count_per_elem_.Median(0.0);
+  return hot_.count_s_per_elem;
 }
 
 void PlanMemory::RememberAllDense() {
   std::lock_guard<std::mutex> lock(mu_);
   last_ = Plan();
   has_last_ = true;
+}
+
+void PlanMemory::NoteAllDenseWithoutCount(bool sampled) {
+  std::lock_guard<std::mutex> lock(mu_);
+  last_ = Plan();
+  has_last_ = true;
+  ++history_.calls_since_full;
+  if (sampled) {
+    ++history_.samples_dense;
+    history_.calls_since_sample = 0;
+  } else {
+    ++history_.calls_since_sample;
+  }
 }
 
 AnalysisMode PlanMemory::ChooseAnalysis(const SplitShape& s,
@@ -662,8 +709,11 @@ void PlanMemory::RecordAnalysis(bool full, double zero_row_frac,
     history_.calls_since_full = 0;
     history_.zero_row_frac = zero_row_frac;
     history_.dead_col_frac = dead_col_frac;
+    history_.samples_dense = 0;
+    history_.calls_since_sample = 0;
   } else {
     ++history_.calls_since_full;
+    ++history_.calls_since_sample;
   }
 }
 
@@ -687,11 +737,24 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
                                  const RetimePolicy& rp, bool* retimed,
                                  Plan* decided) {
   std::lock_guard<std::mutex> lock(mu_);
-  const Plan plan = DecideSplit(s, p, t, policy, has_last_ ? &last_ : nullptr);
+  const Plan fresh = DecideSplit(s, p, t, policy, has_last_ ? &last_ : nullptr);
+  *retimed = false;
+  const int fresh_side = fresh.kind == PlanKind::kAllDense ? 0 : 1;
+  if (has_last_ && retime_.side >= 0 && fresh_side != retime_.side &&
+      rp.first_period > 0 && retime_.other_runs < rp.confirm_runs) {
+    // A change of side not yet confirmed by enough runs of the new side:
+    // run it as a re-time (its time enters the ratios), keep the plan.
+    ++retime_.other_runs;
+    ++retime_.confirmations;
+    ++retime_.calls_on_side;
+    if (decided != nullptr) *decided = last_;
+    *retimed = true;
+    return fresh;
+  }
+  const Plan plan = fresh;
   last_ = plan;
   has_last_ = true;
   if (decided != nullptr) *decided = plan;
-  *retimed = false;
   Plan other;
   // An all-dense call predicted under its least saving (MinGainSeconds)
   // can never enter a plan with sparse rows, whatever the sparse terms:
@@ -705,6 +768,7 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
       other.predicted_s <= rp.max_ratio * plan.predicted_s;
   const int side = plan.kind == PlanKind::kAllDense ? 0 : 1;
   if (!RetimeDue(&retime_, side, close, rp)) return plan;
+  ++retime_.other_runs;
   *retimed = true;
   return other;
 }
@@ -712,11 +776,11 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
 bool PlanMemory::NoteDenseShape(int64_t m, int64_t kc, bool compact) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::array<int64_t, 3> shape = {m, kc, compact ? 1 : 0};
-  if (std::find(dense_shapes_.begin(), dense_shapes_.end(), shape) !=
-          dense_shapes_.end() ||
-      static_cast<int>(dense_shapes_.size()) >= kShapesRemembered)
+  const auto end = dense_shapes_.begin() + dense_shape_count_;
+  if (std::find(dense_shapes_.begin(), end, shape) != end ||
+      dense_shape_count_ >= kShapesRemembered)
     return false;
-  dense_shapes_.push_back(shape);
+  dense_shapes_[dense_shape_count_++] = shape;
   return true;
 }
 

@@ -158,6 +158,17 @@ struct DecisionPolicy {
   // microseconds every path is a few fixed costs, and a predicted gain of
   // a few microseconds is timing noise.
   double min_gain_floor_s = 2e-5;
+  // Seconds of analysis a plan with sparse rows pays per call that the
+  // all-dense plan does not (0: none): an op that may count cheaply
+  // (full_stats false) counts nothing or a small sample while it stays
+  // all-dense (ChooseAnalysis), but every value on every call of a plan
+  // with sparse rows -- SplitCall::Decide sets it to the family's full
+  // count time. Added to those plans' predictions in the entry and stay
+  // tests (not to predicted_s: that is the parts' time). Measured: a
+  // 128 x 2048 -> 10 bfloat16 product at 99% zeros entered the all-sparse
+  // plan (parts predicted 58 us against 66-79 us dense) and ran at
+  // 0.41-0.57x of TF's kernel, its full count taking 30-40 us per call.
+  double analysis_s = 0.0;
 };
 
 // The least saving (seconds) a plan with sparse rows must promise against
@@ -230,6 +241,16 @@ struct RetimePolicy {
   double max_ratio = 3.0;
   int64_t first_period = 4;
   int64_t max_period = 256;
+  // A change of side is taken only once the side it changes to has run at
+  // least this many calls since the current side began (re-times, or the
+  // confirming runs below), each recorded before the decision: until then
+  // a call whose decision changes side runs the new side's plan as a
+  // re-time and the remembered plan stays. Three, because a path with
+  // fewer than 3 ratios counts by its smallest (FamilyModel::Terms): from
+  // the third run on the median of its observations decides, so one fast
+  // re-timed observation cannot flip the plan alone. A right change costs
+  // nothing (the confirming calls run the new side). 0 or 1: at once.
+  int64_t confirm_runs = 3;
 };
 
 // The re-time schedule of one op instance.
@@ -239,6 +260,9 @@ struct RetimeState {
   int64_t next_retime = 0;    // calls_on_side of the next re-time
   int64_t period = 0;         // the current period
   int64_t retimes = 0;        // re-times so far (all sides)
+  int64_t other_runs = 0;     // calls that ran the other side since `side`
+                              // began (re-times and confirming runs)
+  int64_t confirmations = 0;  // confirming runs so far (all sides)
 };
 
 // Counts one decision on `side` (0 all-dense, 1 sparse rows) and returns
@@ -288,7 +312,9 @@ CostTerms FitCalibration(const SplitShape& s, const CalibrationTimings& c);
 //            run TF's GEMM;
 //   kSample: count a strided sample of the physical rows (SampleStride), and
 //            count fully only when the estimate is near the break-even of
-//            the decision (SampleSaysDense is false);
+//            the decision (SampleSaysDense is false); samples that keep
+//            saying all-dense come further apart (the calls between count
+//            nothing: AnalysisPolicy::max_sample_period);
 //   kFull:   count everything (the first calls, after a plan with sparse
 //            rows or compaction, every AnalysisPolicy period-th call so the
 //            statistics and the model stay fresh, explicit thresholds,
@@ -311,6 +337,14 @@ struct AnalysisPolicy {
   // or compaction comes within this fraction of the entry test (the enter
   // margin is lowered by it and min_gain_s halved).
   double near_margin = 0.25;
+  // After s samples in a row said all-dense (since the last full count),
+  // the next sample comes min(2^s, max_sample_period) calls after the last
+  // one and the calls between count nothing: a layer that stays dense pays
+  // its sample's fixed costs (column counts, the decision on the estimate:
+  // 14-43 us a call measured, against a 0.5% budget) on a sixteenth of its
+  // calls, and a change of its zeros is still seen within 16 calls (or at
+  // the next full count). 1: a sample on every such call.
+  int max_sample_period = 16;
 };
 
 // What an op instance's last full count saw, and calls since.
@@ -319,6 +353,8 @@ struct AnalysisHistory {
   int64_t calls_since_full = 0;
   double zero_row_frac = 0.0;  // all-zero rows of op(a) / m
   double dead_col_frac = 0.0;  // all-zero columns of op(a) / k
+  int64_t samples_dense = 0;   // samples in a row that said all-dense
+  int64_t calls_since_sample = 0;  // calls since the last of them
 };
 
 // Upper bound of the seconds any plan other than plain all-dense can save
@@ -367,26 +403,45 @@ bool SampleSaysDense(const SplitShape& s_est, const DensityProfile& p_est,
                      const CostTerms& t, const DecisionPolicy& policy,
                      const AnalysisPolicy& ap);
 
-// The last `capacity` values, and their median.
+// The last `capacity` values (at most kMaxCapacity), and their median. The
+// values live in the object itself: adding one, or taking the median or the
+// smallest, allocates nothing.
 class MedianWindow {
  public:
-  explicit MedianWindow(int capacity = 15) : capacity_(capacity) {}
+  static constexpr int kMaxCapacity = 15;
+  explicit MedianWindow(int capacity = kMaxCapacity)
+      : capacity_(capacity < 1 ? 1
+                  : capacity > kMaxCapacity ? kMaxCapacity : capacity) {}
   void Add(double v);
   double Median(double if_empty) const;
   double Min(double if_empty) const;
-  int size() const { return static_cast<int>(values_.size()); }
+  int size() const { return size_; }
 
  private:
   int capacity_;
   int next_ = 0;
-  std::vector<double> values_;
+  int size_ = 0;
+  std::array<double, kMaxCapacity> values_{};
 };
 
 // The measured terms of one problem family (thread-safe): calibrated base
 // terms and the median ratio measured/predicted of each path over the last
 // calls, which scales the base terms.
-class FamilyModel {
+//
+// What a call reads -- whether the family is calibrated, its scaled terms
+// and its counting cost -- is kept computed (after every change, under the
+// lock) in the first bytes of the object, so that one lock and two cache
+// lines serve a call's decision (Snapshot): no median is taken and nothing
+// is allocated per call.
+class alignas(64) FamilyModel {
  public:
+  // calibrated(), Terms() and CountSecondsPerElem() of one moment.
+  struct Snapshot {
+    bool calibrated = false;
+    CostTerms terms;
+    double count_s_per_elem = 0.0;
+  };
+  Snapshot Get() const;
   bool calibrated() const;
   // Sets the base terms once (later calls keep the first calibration).
   void SetCalibration(const CostTerms& t);
@@ -419,8 +474,11 @@ class FamilyModel {
   double CountSecondsPerElem() const;
 
  private:
+  // Recomputes hot_ from base_ and the windows (mu_ held).
+  void Refresh();
+
   mutable std::mutex mu_;
-  bool calibrated_ = false;
+  Snapshot hot_;  // what calls read, kept current by Refresh
   CostTerms base_;
   MedianWindow dense_ratio_, sparse_ratio_, count_per_elem_;
 };
@@ -492,7 +550,10 @@ class PlanMemory {
   // plan to run on this call -- the decided plan, or on a re-time the other
   // side's plan (*retimed true). The decided plan is remembered either
   // way (the hysteresis never sees a re-time); *decided (may be null)
-  // receives it.
+  // receives it. A decision that changes side is confirmed first
+  // (RetimePolicy::confirm_runs): until the new side has run that many
+  // calls since the current side began, the call runs the new decision's
+  // plan as a re-time and the previous plan stays decided.
   Plan DecideAndRetime(const SplitShape& s, const DensityProfile& p,
                        const CostTerms& t, const DecisionPolicy& policy,
                        const RetimePolicy& rp, bool* retimed,
@@ -507,6 +568,11 @@ class PlanMemory {
   static constexpr int kShapesRemembered = 64;
   // Remembers an all-dense plan taken without a full count.
   void RememberAllDense();
+  // RememberAllDense and RecordAnalysis(false) under one lock: what an
+  // automatic call that runs all-dense on a sample (`sampled`: a sample
+  // that said all-dense, AnalysisPolicy::max_sample_period) or no count
+  // notes.
+  void NoteAllDenseWithoutCount(bool sampled = false);
 
   // ChooseAnalysis against this op's history and last plan.
   AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
@@ -523,13 +589,17 @@ class PlanMemory {
   OpCalibrationRecord* calibration_record() { return &calibration_; }
 
  private:
+  // What an all-dense call reads and writes first (the lock, the last plan,
+  // the analysis history), then the rest; the shapes seen live in the
+  // object, so no call allocates.
   std::mutex mu_;
   bool has_last_ = false;
-  Plan last_;
   AnalysisHistory history_;
-  OpCalibrationRecord calibration_;
+  Plan last_;
   RetimeState retime_;
-  std::vector<std::array<int64_t, 3>> dense_shapes_;  // all-dense shapes run
+  OpCalibrationRecord calibration_;
+  int dense_shape_count_ = 0;
+  std::array<std::array<int64_t, 3>, kShapesRemembered> dense_shapes_{};
 };
 
 // Process-wide family models, keyed by whatever identifies a problem

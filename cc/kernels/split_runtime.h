@@ -374,11 +374,17 @@ class SplitCall {
   AnalysisMode ChooseAnalysis(const SplitShape& shape, FamilyModel* family,
                               PlanMemory* memory, bool full_stats,
                               const AnalysisPolicy& ap = AnalysisPolicy()) {
-    if (!automatic() || family == nullptr || memory == nullptr ||
-        !family->calibrated())
+    if (!automatic() || family == nullptr || memory == nullptr)
       return AnalysisMode::kFull;
-    count_s_per_elem_ = family->CountSecondsPerElem();
-    return memory->ChooseAnalysis(shape, family->Terms(), DecisionPolicy(), ap,
+    // One read of the family for the whole analysis choice (its terms are
+    // kept computed: FamilyModel::Snapshot).
+    const FamilyModel::Snapshot snap = family->Get();
+    if (!snap.calibrated) return AnalysisMode::kFull;
+    terms_ = snap.terms;
+    have_terms_ = true;
+    count_s_per_elem_ = snap.count_s_per_elem;
+    cheap_analysis_ = !full_stats;
+    return memory->ChooseAnalysis(shape, terms_, DecisionPolicy(), ap,
                                   count_s_per_elem_, full_stats);
   }
 
@@ -389,7 +395,8 @@ class SplitCall {
                           int64_t phys_rows, int64_t phys_cols,
                           const AnalysisPolicy& ap = AnalysisPolicy()) const {
     const double dense_s = PredictDenseSeconds(
-        shape, family->Terms(), static_cast<double>(shape.m), false);
+        shape, have_terms_ ? terms_ : family->Terms(),
+        static_cast<double>(shape.m), false);
     return SampleStride(phys_rows, phys_cols, dense_s, count_s_per_elem_, ap);
   }
 
@@ -414,8 +421,11 @@ class SplitCall {
     const DensityProfile p =
         EstimateProfile(c.row_nnz.data(), c.rows, c.k_counted, shape.m,
                         shape.k, kDecisionBuckets);
-    if (!SampleSaysDense(est, p, family->Terms(), DecisionPolicy(), ap))
-      return false;
+    if (!have_terms_) {
+      terms_ = family->Terms();
+      have_terms_ = true;
+    }
+    if (!SampleSaysDense(est, p, terms_, DecisionPolicy(), ap)) return false;
     const double scale =
         static_cast<double>(shape.m) / static_cast<double>(c.rows);
     for (int64_t i = 0; i < c.rows; ++i)
@@ -501,10 +511,21 @@ class SplitCall {
       // terms for a path that stopped running.
       const DensityProfile profile =
           ProfileFromRowNnz(row_nnz, shape.m, shape.k, kDecisionBuckets);
-      const CostTerms terms = family->Terms();
+      // Read once (after any calibration above): the decision and the
+      // compaction (Apply) use the same terms.
+      terms_ = family->Terms();
+      have_terms_ = true;
+      const CostTerms& terms = terms_;
       Plan decided;
+      // A plan with sparse rows counts every value on every call; an op
+      // that may count cheaply counts (almost) nothing while all-dense.
+      DecisionPolicy policy;
+      if (cheap_analysis_ && count_s_per_elem_ > 0.0)
+        policy.analysis_s = count_s_per_elem_ *
+                            static_cast<double>(shape.m) *
+                            static_cast<double>(shape.k);
       const Plan plan =
-          memory->DecideAndRetime(shape, profile, terms, DecisionPolicy(),
+          memory->DecideAndRetime(shape, profile, terms, policy,
                                   RetimePolicy(), &retimed_, &decided);
       memory_ = memory;
       if (retimed_) {
@@ -567,10 +588,15 @@ class SplitCall {
     // Compaction: by the cost model for an automatic threshold; by a fixed
     // rule of the zero pattern for a given one (the same input then always
     // takes the same path, whatever the timings).
-    const CostTerms terms =
-        automatic() && family_ != nullptr && family_->calibrated()
-            ? family_->Terms()
-            : CostTerms();
+    CostTerms terms;
+    if (automatic() && family_ != nullptr) {
+      if (have_terms_) {
+        terms = terms_;
+      } else {
+        const FamilyModel::Snapshot snap = family_->Get();
+        if (snap.calibrated) terms = snap.terms;
+      }
+    }
     compact_ = ChooseCompaction(shape_, terms,
                                 static_cast<double>(split_.dense_rows.size()));
     analyzed_ = Clock::now();
@@ -583,8 +609,14 @@ class SplitCall {
     family_ = family;
   }
 
+  // The row split. After SkipAnalysis / AcceptSample (every row dense, no
+  // count) its row lists are empty: no index vector is built for a call
+  // that runs TF's kernel on the op's inputs; rows_dense() is m.
   const RowSplit& split() const { return split_; }
-  int64_t rows_dense() const { return split_.dense_rows.size(); }
+  int64_t rows_dense() const {
+    return dense_now_ ? shape_.m
+                      : static_cast<int64_t>(split_.dense_rows.size());
+  }
   int64_t rows_sparse() const { return split_.sparse_rows.size(); }
   bool compact() const { return compact_; }
   double threshold() const { return threshold_; }
@@ -639,9 +671,11 @@ class SplitCall {
     // The call's cost problem and its family's terms as they stand after
     // this record (stats.h, kStatKLive .. kStatCalibrated): what the Python
     // tuner decides and reports with. Only when a node reads the
-    // statistics: the terms cost a lock and two medians per call.
-    if (family_ != nullptr && stats_consumed())
-      WriteCostStats(shape_, family_->Terms(), family_->calibrated(), stats_);
+    // statistics (the terms are kept computed: one lock).
+    if (family_ != nullptr && stats_consumed()) {
+      const FamilyModel::Snapshot snap = family_->Get();
+      WriteCostStats(shape_, snap.terms, snap.calibrated, stats_);
+    }
   }
 
   // Whether the statistics go to the op's output (a node consumes them),
@@ -655,14 +689,13 @@ class SplitCall {
                    PlanMemory* memory, double analysis, double nnz_estimate) {
     shape_ = shape;
     family_ = family;
-    AllRowsDense(shape.m, &split_);
+    dense_now_ = true;  // every row dense: no row lists (rows_dense())
     threshold_ = 0.0;
     compact_ = false;
     nnz_estimate_ = nnz_estimate;
     stats_[kStatAnalysis] = analysis;
     memory_ = memory;
-    memory->RememberAllDense();
-    memory->RecordAnalysis(false, 0.0, 0.0);
+    memory->NoteAllDenseWithoutCount(analysis == kAnalysisSampled);
     analyzed_ = Clock::now();
   }
 
@@ -678,6 +711,10 @@ class SplitCall {
   bool compact_ = false;
   double count_s_per_elem_ = 0.0;
   double nnz_estimate_ = 0.0;
+  CostTerms terms_;          // the family's terms as this call read them
+  bool have_terms_ = false;  // terms_ set (read once per call)
+  bool dense_now_ = false;   // all dense without a count (SetAllDense)
+  bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
   bool retimed_ = false;           // this call runs a re-timed plan
   PlanMemory* memory_ = nullptr;   // the op's memory (automatic calls)
 };

@@ -407,7 +407,8 @@ DecisionPolicy PolicyOf(const py::object& o) {
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"enter_margin", "stay_margin", "switch_margin", "tie_margin",
-                  "min_gain_s", "min_gain_fraction", "min_gain_floor_s"},
+                  "min_gain_s", "min_gain_fraction", "min_gain_floor_s",
+                  "analysis_s"},
               "policy");
   p.enter_margin = Get<double>(d, "enter_margin", p.enter_margin);
   p.stay_margin = Get<double>(d, "stay_margin", p.stay_margin);
@@ -417,6 +418,9 @@ DecisionPolicy PolicyOf(const py::object& o) {
   p.min_gain_fraction =
       Get<double>(d, "min_gain_fraction", p.min_gain_fraction);
   p.min_gain_floor_s = Get<double>(d, "min_gain_floor_s", p.min_gain_floor_s);
+  p.analysis_s = Get<double>(d, "analysis_s", p.analysis_s);
+  if (!(p.analysis_s >= 0.0) || !std::isfinite(p.analysis_s))
+    throw py::value_error("policy analysis_s must be finite and >= 0");
   return p;
 }
 
@@ -424,10 +428,12 @@ RetimePolicy RetimePolicyOf(const py::object& o) {
   RetimePolicy p;
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
-  RequireKeys(d, {"max_ratio", "first_period", "max_period"}, "retime_policy");
+  RequireKeys(d, {"max_ratio", "first_period", "max_period", "confirm_runs"},
+              "retime_policy");
   p.max_ratio = Get<double>(d, "max_ratio", p.max_ratio);
   p.first_period = Get<int64_t>(d, "first_period", p.first_period);
   p.max_period = Get<int64_t>(d, "max_period", p.max_period);
+  p.confirm_runs = Get<int64_t>(d, "confirm_runs", p.confirm_runs);
   if (!(p.max_ratio >= 0.0) || !std::isfinite(p.max_ratio))
     throw py::value_error("retime_policy max_ratio must be finite and >= 0");
   if (p.max_period < 1)
@@ -609,6 +615,7 @@ void BindCostModel(py::module_& mod) {
            [](FamilyModel& f, const py::dict& t) { f.SetCalibration(TermsOf(t)); },
            py::arg("terms"))
       .def("terms", [](const FamilyModel& f) { return DictOf(f.Terms()); })
+
       .def("record",
            [](FamilyModel& f, const py::dict& shape, double rows_dense, bool compact,
               double dense_s, double rows_sparse, double nnz_sparse, double sparse_s,
@@ -693,7 +700,7 @@ AnalysisPolicy AnalysisPolicyOf(const py::object& o) {
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"min_period", "max_period", "full_budget", "sample_budget",
-                  "min_sample_rows", "near_margin"},
+                  "min_sample_rows", "near_margin", "max_sample_period"},
               "analysis policy");
   p.min_period = Get<int>(d, "min_period", p.min_period);
   p.max_period = Get<int>(d, "max_period", p.max_period);
@@ -701,18 +708,22 @@ AnalysisPolicy AnalysisPolicyOf(const py::object& o) {
   p.sample_budget = Get<double>(d, "sample_budget", p.sample_budget);
   p.min_sample_rows = Get<int64_t>(d, "min_sample_rows", p.min_sample_rows);
   p.near_margin = Get<double>(d, "near_margin", p.near_margin);
+  p.max_sample_period =
+      Get<int>(d, "max_sample_period", p.max_sample_period);
   return p;
 }
 
 AnalysisHistory HistoryOf(const py::dict& d) {
   RequireKeys(d, {"seen_full", "calls_since_full", "zero_row_frac",
-                  "dead_col_frac"},
+                  "dead_col_frac", "samples_dense", "calls_since_sample"},
               "history");
   AnalysisHistory h;
   h.seen_full = Get<bool>(d, "seen_full", false);
   h.calls_since_full = Get<int64_t>(d, "calls_since_full", 0);
   h.zero_row_frac = Get<double>(d, "zero_row_frac", 0.0);
   h.dead_col_frac = Get<double>(d, "dead_col_frac", 0.0);
+  h.samples_dense = Get<int64_t>(d, "samples_dense", 0);
+  h.calls_since_sample = Get<int64_t>(d, "calls_since_sample", 0);
   return h;
 }
 
@@ -722,6 +733,8 @@ py::dict DictOf(const AnalysisHistory& h) {
   d["calls_since_full"] = h.calls_since_full;
   d["zero_row_frac"] = h.zero_row_frac;
   d["dead_col_frac"] = h.dead_col_frac;
+  d["samples_dense"] = h.samples_dense;
+  d["calls_since_sample"] = h.calls_since_sample;
   return d;
 }
 
@@ -875,6 +888,7 @@ void BindAnalysis(py::module_& mod) {
     d["sample_budget"] = p.sample_budget;
     d["min_sample_rows"] = p.min_sample_rows;
     d["near_margin"] = p.near_margin;
+    d["max_sample_period"] = p.max_sample_period;
     return d;
   }, "The AnalysisPolicy the ops use.");
   auto fam = py::reinterpret_borrow<py::object>(mod.attr("SplitFamilyModel"));
@@ -936,11 +950,15 @@ void BindAnalysis(py::module_& mod) {
         d["next_retime"] = st.next_retime;
         d["period"] = st.period;
         d["retimes"] = st.retimes;
+        d["other_runs"] = st.other_runs;
+        d["confirmations"] = st.confirmations;
         return d;
       },
       py::is_method(mem),
       "This op instance's re-time schedule: side (0 all-dense, 1 sparse rows, "
-      "-1 none), calls_on_side, next_retime, period, retimes.");
+      "-1 none), calls_on_side, next_retime, period, retimes, other_runs "
+      "(calls that ran the other side since the side began), confirmations "
+      "(runs that confirmed a change of side, RetimePolicy::confirm_runs).");
   mem.attr("note_dense_shape") = py::cpp_function(
       [](PlanMemory& m, int64_t rows, int64_t kc, bool compact) {
         return m.NoteDenseShape(rows, kc, compact);
@@ -954,6 +972,7 @@ void BindAnalysis(py::module_& mod) {
     d["max_ratio"] = p.max_ratio;
     d["first_period"] = p.first_period;
     d["max_period"] = p.max_period;
+    d["confirm_runs"] = p.confirm_runs;
     return d;
   }, "The RetimePolicy the ops use.");
   mod.def("other_side_plan",
