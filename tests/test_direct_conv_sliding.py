@@ -84,6 +84,24 @@ def test_sliding_and_tiled_kernels_agree(case, monkeypatch):
     np.testing.assert_array_equal(_forward(x, f, s, d, p), sliding)
 
 
+def test_tiled_kernel_variable_selects_another_summation_order(monkeypatch):
+    # 33 input channels x 9 taps per output: the sliding kernel sums in
+    # passes of 16 channels, the tiled one channel by channel per tap, so
+    # in float32 some of the 12 x 65 x 5 outputs round differently -- the
+    # variable really switches kernels (both within float rounding of the
+    # float64 reference).
+    rng = np.random.default_rng(11)
+    x = _sparse_x((1, 5, 12, 33), 0.3, rng, np.float32)
+    f = rng.standard_normal((3, 3, 33, 65)).astype(np.float32)
+    ref = ref_conv(x, f, (1, 1), (1, 1), "SAME")
+    sliding = K.direct_conv2d(x, f)
+    monkeypatch.setenv("TFSS_DIRECT_FWD_KERNEL", "tiles")
+    tiled = K.direct_conv2d(x, f)
+    assert not np.array_equal(sliding, tiled)
+    assert relative_error(sliding, ref) <= 1e-5
+    assert relative_error(tiled, ref) <= 1e-5
+
+
 def _same_nonfinite(got, ref):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))

@@ -522,16 +522,17 @@ TFSS_INLINE void SlideStep(const T* const* xr, int64_t nkh, int64_t chunk,
 }
 
 // One output row of one pass (xr: the input rows of the pass's filter
-// rows, null where the row is padding). Step t of the sweep is input column
-// j = t - pl and completes output o = t - 2 (rotation t mod 3); the steps
-// with both inside the row run unchecked, three at a time.
+// rows, null where the row is padding; at least one is not). Step t of the
+// sweep is input column j = t - pl and completes output o = t - 2
+// (rotation t mod 3); the steps with both inside the row run unchecked,
+// three at a time.
 template <typename T, int V, bool First, bool Full>
 void SlideRow(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
               const Conv2DGeometry& g, const T* wq, T* yrow, int64_t kn) {
   using Vt = typename DVec<T>::V;
   // xoff[bit]: offset of the bit's value from xbase (+ column * C_in).
   int64_t xoff[64];
-  const T* xbase = nullptr;
+  const T* xbase = nullptr;  // the first row that is not padding
   for (int64_t kl = 0; kl < nkh; ++kl)
     if (xr[kl] != nullptr && xbase == nullptr) xbase = xr[kl];
   for (int64_t kl = 0; kl < nkh; ++kl)
@@ -629,7 +630,14 @@ void SlideRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
           any |= ok;
         }
         T* yrow = y + (img * g.out_h + oh) * g.out_w * g.c_out + k0;
-        if (!any && !first) continue;  // nothing to add
+        if (!any) {
+          // Every filter row of the pass is padding: nothing to add, and
+          // zeros on the first pass.
+          if (first)
+            for (int64_t ow = 0; ow < g.out_w; ++ow)
+              std::fill_n(yrow + ow * g.c_out, kn, T(0));
+          continue;
+        }
         SlideRowBy<T, V>(first, kn == V * L, xr, plan.nkh, plan.chunk, cn, g,
                          wq, yrow, kn);
       }
