@@ -51,10 +51,14 @@ sample or nothing.
 32x28x28x128->128, 1x14x14x256->256 at batch 1, 32x7x7x512->512) at 50%
 and 70% zeros, i.i.d. and ReLU-like, all-sparse and automatic, with
 wall-clock and process-CPU ratios; written to ``<out>_natural.md``.
+``--layers 0,2`` picks some of them; ``--ab-tiles`` adds, in the same
+interleaved rounds, the all-sparse forward with the direct kernel's tiled
+forward (``TFSS_DIRECT_FWD_KERNEL=tiles``) in place of its sliding-window
+one: the before/after of that kernel in one process.
 
 Usage: ``python benchmarks/bench_conv2d.py [--rounds 7] [--all-shapes]
-[--natural] [--fused] [--dtypes float32,bfloat16] [--sparsities 0,0.5,0.9]
-[--record-family PATH]``
+[--natural [--layers 0,1] [--ab-tiles]] [--fused] [--dtypes float32,bfloat16]
+[--sparsities 0,0.5,0.9] [--record-family PATH]``
 """
 
 import argparse
@@ -117,8 +121,27 @@ def make_input(shape, sparsity, rng, dist="iid"):
     return T.random_sparse_images(shape, sparsity, rng)
 
 
+def _with_tiled_forward(fn):
+    """fn run with the direct forward's tiled kernel (TFSS_DIRECT_FWD_KERNEL
+    =tiles, read by the kernel on every call) instead of the sliding-window
+    one: the before/after A/B of --ab-tiles in one process."""
+    def run(x):
+        old = os.environ.get("TFSS_DIRECT_FWD_KERNEL")
+        os.environ["TFSS_DIRECT_FWD_KERNEL"] = "tiles"
+        try:
+            y = fn(x)
+            y.numpy()
+        finally:
+            if old is None:
+                del os.environ["TFSS_DIRECT_FWD_KERNEL"]
+            else:
+                os.environ["TFSS_DIRECT_FWD_KERNEL"] = old
+        return y
+    return run
+
+
 def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
-              sparsities=SPARSITIES, dist="iid"):
+              sparsities=SPARSITIES, dist="iid", ab_tiles=False):
     name, n, h, w, ci, co, k = shape
     lib = tfss.load_library()
     rng = np.random.default_rng(0)
@@ -143,6 +166,10 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
             lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
                 x, fsize, dy, 1.0, strides=strides, padding="SAME")[0]),
     }
+    variants = VARIANTS
+    if ab_tiles:
+        fns["tiles_fwd"] = _with_tiled_forward(fns["sparse_fwd"])
+        variants = VARIANTS + ("tiles_fwd",)
     rows = []
     for sp in sparsities:
         x = tf.cast(make_input((n, h, w, ci), sp, rng, dist), dt)
@@ -151,13 +178,13 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
             err = _error_vs(fns[b](x), fns[a](x))
             assert err < _CHECK_TOL[dtype], (name, dtype, sp, b, err)
         reps = {v: _calls_per_round(lambda v=v: fns[v](x).numpy())
-                for v in VARIANTS}
+                for v in variants}
         # Wall-clock and process CPU seconds per call (under load the CPU
         # time of this process is the steadier measure of the work).
-        times = {v: [] for v in VARIANTS}
-        cpu = {v: [] for v in VARIANTS}
+        times = {v: [] for v in variants}
+        cpu = {v: [] for v in variants}
         for r in range(rounds):
-            order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+            order = variants if r % 2 == 0 else variants[::-1]
             for v in order:
                 t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(reps[v]):
@@ -169,7 +196,9 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
         for kind in ("fwd", "dF"):
             for key, t in (("", times), ("cpu_", cpu)):
                 tf_t = t[f"tf_{kind}"]
-                for v in ("auto", "sparse"):
+                for v in ("auto", "sparse", "tiles"):
+                    if f"{v}_{kind}" not in t:
+                        continue
                     per_round = [a / b for a, b in zip(tf_t, t[f"{v}_{kind}"])]
                     ratio[f"{key}{v}_{kind}"] = (statistics.median(per_round),
                                                  min(per_round), max(per_round))
@@ -184,7 +213,9 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
               f" | dF tf {row['tf_dF_ms']:7.2f} ms auto "
               f"{ratio['auto_dF'][0]:5.2f}x [{ratio['auto_dF'][1]:.2f}-"
               f"{ratio['auto_dF'][2]:.2f}] sparse {ratio['sparse_dF'][0]:5.2f}x"
-              f" (cpu {ratio['cpu_sparse_dF'][0]:5.2f}x)",
+              f" (cpu {ratio['cpu_sparse_dF'][0]:5.2f}x)" +
+              (f" | fwd tiled kernel {ratio['tiles_fwd'][0]:5.2f}x (cpu "
+               f"{ratio['cpu_tiles_fwd'][0]:5.2f}x)" if ab_tiles else ""),
               file=out, flush=True)
     return rows
 
@@ -416,12 +447,15 @@ def markdown_natural(rows, rounds, header):
     ops, wall-clock and process-CPU ratios."""
     def f(r):
         return f"{r[0]:.2f} [{r[1]:.2f}-{r[2]:.2f}]"
+    ab = bool(rows) and "tiles_fwd" in rows[0]
     lines = [
         header, "",
         "| layer | zeros | sparsity | tf.nn.conv2d (ms) | fwd all-sparse | "
         "fwd all-sparse, CPU | fwd auto | Conv2DBackpropFilter (ms) | "
-        "dF all-sparse | dF all-sparse, CPU | dF auto |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "dF all-sparse | dF all-sparse, CPU | dF auto |" +
+        (" fwd all-sparse, tiled kernel | tiled, CPU |" if ab else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" +
+        ("---:|---:|" if ab else ""),
     ]
     for r in rows:
         lines.append(
@@ -429,7 +463,8 @@ def markdown_natural(rows, rounds, header):
             f"{r['tf_fwd_ms']:.2f} | {f(r['sparse_fwd'])} | "
             f"{f(r['cpu_sparse_fwd'])} | {f(r['auto_fwd'])} | "
             f"{r['tf_dF_ms']:.2f} | {f(r['sparse_dF'])} | "
-            f"{f(r['cpu_sparse_dF'])} | {f(r['auto_dF'])} |")
+            f"{f(r['cpu_sparse_dF'])} | {f(r['auto_dF'])} |" +
+            (f" {f(r['tiles_fwd'])} | {f(r['cpu_tiles_fwd'])} |" if ab else ""))
     lines += ["", f"Ratios are TF time / our time (> 1: ours faster), through "
               f"the ops with TF's thread pool: median [min-max] over {rounds} "
               "interleaved rounds of wall-clock seconds per call, and (CPU) "
@@ -438,6 +473,11 @@ def markdown_natural(rows, rounds, header):
               "or ReLU-like ('relu': max(z - q, 0) of a Gaussian z, q its "
               "sparsity quantile). 'all-sparse': threshold=1 (every image "
               "through the sparse kernel the op picks); 'auto': threshold=-1."]
+    if ab:
+        lines[-1] += (" 'tiled kernel': the all-sparse forward with "
+                      "TFSS_DIRECT_FWD_KERNEL=tiles (the direct kernel's tiled "
+                      "forward instead of its sliding-window one), in the same "
+                      "rounds.")
     return "\n".join(lines) + "\n"
 
 
@@ -494,6 +534,13 @@ def main(argv=None):
     p.add_argument("--natural", action="store_true",
                    help="time the layers of NATURAL_SHAPES at 50%% and 70%% "
                         "zeros, i.i.d. and ReLU-like (writes <out>_natural.md)")
+    p.add_argument("--ab-tiles", action="store_true",
+                   help="with --natural: also time the all-sparse forward "
+                        "with the direct kernel's tiled forward "
+                        "(TFSS_DIRECT_FWD_KERNEL=tiles), in the same rounds")
+    p.add_argument("--layers", default=None,
+                   help="with --natural: comma-separated indices into "
+                        "NATURAL_SHAPES (default: all)")
     p.add_argument("--fused", action="store_true",
                    help="time the fused bias + relu layer instead (writes "
                         "<out>_fused.md)")
@@ -535,10 +582,14 @@ def main(argv=None):
         return 0
     if args.natural:
         rows = []
-        for shape in ([shapes[0]] if args.shape else NATURAL_SHAPES):
+        layers = NATURAL_SHAPES
+        if args.layers:
+            layers = [NATURAL_SHAPES[int(i)] for i in args.layers.split(",")]
+        for shape in ([shapes[0]] if args.shape else layers):
             for dist in ("iid", "relu"):
                 rows += run_shape(shape, args.rounds, dist=dist,
-                                  sparsities=sparsities or NATURAL_SPARSITIES)
+                                  sparsities=sparsities or NATURAL_SPARSITIES,
+                                  ab_tiles=args.ab_tiles)
         table = markdown_natural(rows, args.rounds, header)
         print()
         print(table)

@@ -3,8 +3,11 @@
 #include "cc/core/simd_vec.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <new>
 #include <vector>
 
@@ -14,6 +17,7 @@
 #endif
 
 #define TFSS_INLINE inline __attribute__((always_inline))
+#define TFSS_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace tf_sparse_split {
 
@@ -59,6 +63,19 @@ TFSS_INLINE DVec<double>::V Bcast<double>(double x) {
   return reinterpret_cast<DVec<double>::V>(_mm512_set1_pd(x));
 }
 #endif
+
+// Calls f(std::integral_constant<int, I>) for I = 0 .. N-1, unrolled in the
+// source: accumulator arrays indexed only by such constants are kept in
+// registers (GCC scalarises them before its loop unrolling runs, so an
+// array indexed by a loop variable stays in memory across loops).
+template <typename F, int... I>
+TFSS_INLINE void UnrollImpl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+TFSS_INLINE void Unroll(F&& f) {
+  UnrollImpl(f, std::make_integer_sequence<int, N>{});
+}
 
 // Bit c of the result: p[c] != 0 (NaN counts as nonzero), c < n <= 64.
 template <typename T>
@@ -330,6 +347,299 @@ void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
                 StoreV(ab + (b * V + v) * L, acc[b][v]);
           }
         }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward, sliding window (KW == 3, stride 1 and dilation 1 in width).
+//
+// One output row of one channel block is swept left to right over the
+// input columns j. Input column j feeds outputs j + pl - kw (kw = 0, 1, 2),
+// so three output pixels of V vectors each (3V accumulators) live in
+// registers as a ring: after column j, output j + pl - 2 has all its
+// contributions of the pass and leaves the ring (stored, or added to y),
+// and its slot starts the next output at zero. No output tile has edges:
+// every nonzero of an interior column feeds all 3V accumulators.
+//
+// A pass covers a group of up to kSlideRows filter rows and a chunk of
+// input channels (a multiple of 16) whose packed filter slice
+// [filter row][channel][kw][V*lanes] stays in L1 (<= 36 KB at V = 4); the
+// nonzeros of the column's pixels in all the filter rows of the pass are
+// one bitmask (bit = filter row * chunk + channel, <= 64 bits), visited by
+// one bit-scan loop (tzcnt / clear lowest bit). Each nonzero is one
+// broadcast and 3V multiply-adds whose filter vectors are contiguous.
+// Passes after the first add their sums to y (fixed pass order, so the bits
+// do not depend on the thread count).
+
+constexpr int kSlideRows = 3;
+
+template <typename T>
+struct SlidePlan {
+  static constexpr int L = DVec<T>::kLanes;
+  int64_t vecs = 1;    // vectors per full block (<= 4)
+  int64_t count = 0;   // channel blocks
+  int64_t nkh = 1;     // filter rows per pass
+  int64_t ngroups = 1; // filter-row groups
+  int64_t chunk = 16;  // input channels per pass (multiple of 16)
+  int64_t nchunks = 1;
+  std::vector<int64_t> offset;  // packed offset of each block
+  AVector<T> packed;
+
+  int64_t Vecs(int64_t b, const Conv2DGeometry& g) const {
+    const int64_t total_vecs = (g.c_out + L - 1) / L;
+    return std::min<int64_t>(vecs, total_vecs - b * vecs);
+  }
+  // Values of one pass slice of a block of v vectors.
+  int64_t Slice(int64_t v) const { return nkh * chunk * 3 * v * L; }
+
+  void Build(const T* f, const Conv2DGeometry& g) {
+    const int64_t co = g.c_out, ci = g.c_in;
+    const int64_t total_vecs = (co + L - 1) / L;
+    vecs = std::min<int64_t>(4, std::max<int64_t>(1, total_vecs));
+    count = (total_vecs + vecs - 1) / vecs;
+    nkh = std::min<int64_t>(kSlideRows, g.kh);
+    ngroups = (g.kh + nkh - 1) / nkh;
+    // bits = nkh * chunk <= 64; slice nkh * chunk * 3 * vecs vectors of
+    // 64 bytes <= 36 KB (576 vectors).
+    const int64_t by_bits = 64 / nkh;
+    const int64_t by_l1 = 576 / (nkh * 3 * vecs);
+    chunk = std::max<int64_t>(16, std::min(by_bits, by_l1) / 16 * 16);
+    nchunks = (ci + chunk - 1) / chunk;
+    offset.assign(count + 1, 0);
+    for (int64_t b = 0; b < count; ++b)
+      offset[b + 1] = offset[b] + ngroups * nchunks * Slice(Vecs(b, g));
+    packed.assign(offset[count], T(0));
+    for (int64_t b = 0; b < count; ++b) {
+      const int64_t v = Vecs(b, g), vl = v * L;
+      const int64_t k0 = b * vecs * L;
+      const int64_t kn = std::min<int64_t>(co - k0, vl);
+      for (int64_t kg = 0; kg < ngroups; ++kg)
+        for (int64_t q = 0; q < nchunks; ++q) {
+          T* dst = packed.data() + offset[b] + (kg * nchunks + q) * Slice(v);
+          for (int64_t kl = 0; kl < nkh; ++kl) {
+            const int64_t kh = kg * nkh + kl;
+            if (kh >= g.kh) continue;
+            for (int64_t cl = 0; cl < chunk; ++cl) {
+              const int64_t c = q * chunk + cl;
+              if (c >= ci) break;
+              for (int64_t kw = 0; kw < 3; ++kw)
+                std::memcpy(dst + ((kl * chunk + cl) * 3 + kw) * vl,
+                            f + ((kh * g.kw + kw) * ci + c) * co + k0,
+                            sizeof(T) * kn);
+            }
+          }
+        }
+    }
+  }
+};
+
+// Loads the first n (< lanes) values of p into a vector, the rest zero.
+template <typename T>
+TFSS_INLINE typename DVec<T>::V LoadPart(const T* p, int64_t n) {
+  T tmp[DVec<T>::kLanes] = {};
+  std::memcpy(tmp, p, sizeof(T) * n);
+  return LoadV<typename DVec<T>::V>(tmp);
+}
+
+// One output pixel leaves the ring: lanes [0, kn) of acc to yo (First: the
+// first pass) or added to them (Full: kn == V * lanes); acc restarts at 0.
+template <typename T, int V, bool First, bool Full>
+TFSS_INLINE void SlideFlush(typename DVec<T>::V (&acc)[V], T* yo, int64_t kn) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  if (Full) {
+    Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+      if (First)
+        StoreV(yo + v * L, acc[v]);
+      else
+        StoreV(yo + v * L, acc[v] + LoadV<Vt>(yo + v * L));
+    });
+  } else {
+    for (int v = 0; v < V; ++v) {
+      const int64_t n = kn - v * L;
+      if (n <= 0) break;
+      Vt s = acc[v];
+      if (!First)
+        s += n >= L ? LoadV<Vt>(yo + v * L) : LoadPart<T>(yo + v * L, n);
+      StorePart<T>(yo + v * L, s, n);
+    }
+  }
+  Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[v] = Vt{}; });
+}
+
+// Column j of the sweep, ring rotation R = (j + pl) mod 3: slot R takes
+// kw = 0, slot (R + 2) % 3 kw = 1, slot (R + 1) % 3 kw = 2 (and leaves the
+// ring afterwards as output o = j + pl - 2). Checked: j may lie outside the
+// input and o outside the output row (the sweep's first and last columns).
+template <typename T, int V, int R, bool Checked, bool First, bool Full>
+TFSS_INLINE void SlideStep(const T* const* xr, int64_t nkh, int64_t chunk,
+                           int64_t cn, int64_t ci, int64_t j, int64_t w_in,
+                           int64_t o, int64_t ow_n, const T* wq, T* yrow,
+                           int64_t co, int64_t kn, const T* xbase,
+                           const int64_t* xoff,
+                           typename DVec<T>::V (&acc)[3][V]) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  constexpr int RW = 3 * V * L;  // packed values per (filter row, channel)
+  constexpr int S0 = R, S1 = (R + 2) % 3, S2 = (R + 1) % 3;
+  if (!Checked || (j >= 0 && j < w_in)) {
+    // Bit kl * chunk + c: channel c of the pass in filter row kl.
+    uint64_t m = 0;
+    const int64_t jc = j * ci;
+    if (cn == 16) {
+      for (int64_t kl = 0; kl < nkh; ++kl)
+        if (xr[kl] != nullptr)
+          m |= NonzeroMask<T>(xr[kl] + jc, 16) << (kl * chunk);
+    } else {
+      for (int64_t kl = 0; kl < nkh; ++kl) {
+        if (xr[kl] == nullptr) continue;
+        for (int64_t c = 0; c < cn; c += 16)
+          m |= NonzeroMask<T>(xr[kl] + jc + c, std::min<int64_t>(16, cn - c))
+               << (kl * chunk + c);
+      }
+    }
+    const T* xj = xbase + jc;
+    while (m) {
+      const int64_t b = __builtin_ctzll(m);
+      m &= m - 1;
+      const Vt xv = Bcast<T>(xj[xoff[b]]);
+      const T* wr = wq + b * RW;
+      asm("" : "+r"(wr));  // base + offset addressing (see FwdColumnS1)
+      Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+        acc[S0][v] += xv * LoadV<Vt>(wr + v * L);
+        acc[S1][v] += xv * LoadV<Vt>(wr + (V + v) * L);
+        acc[S2][v] += xv * LoadV<Vt>(wr + (2 * V + v) * L);
+      });
+    }
+  }
+  if (!Checked || (o >= 0 && o < ow_n)) {
+    SlideFlush<T, V, First, Full>(acc[S2], yrow + o * co, kn);
+  } else {
+    Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[S2][v] = Vt{}; });
+  }
+}
+
+// One output row of one pass (xr: the input rows of the pass's filter
+// rows, null where the row is padding; at least one is not). Step t of the
+// sweep is input column j = t - pl and completes output o = t - 2
+// (rotation t mod 3); the steps with both inside the row run unchecked,
+// three at a time.
+template <typename T, int V, bool First, bool Full>
+void SlideRow(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
+              const Conv2DGeometry& g, const T* wq, T* yrow, int64_t kn) {
+  using Vt = typename DVec<T>::V;
+  // xoff[bit]: offset of the bit's value from xbase (+ column * C_in).
+  int64_t xoff[64];
+  const T* xbase = nullptr;  // the first row that is not padding
+  for (int64_t kl = 0; kl < nkh; ++kl)
+    if (xr[kl] != nullptr && xbase == nullptr) xbase = xr[kl];
+  for (int64_t kl = 0; kl < nkh; ++kl)
+    for (int64_t c = 0; c < chunk; ++c)
+      xoff[kl * chunk + c] = xr[kl] != nullptr ? (xr[kl] - xbase) + c : 0;
+  Vt acc[3][V];
+  Unroll<3>([&](auto s) TFSS_INLINE_LAMBDA {
+    Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[s][v] = Vt{}; });
+  });
+  const int64_t pl = g.pad_left, steps = g.out_w + 2;
+  const int64_t ci = g.c_in, w_in = g.w, ow_n = g.out_w, co = g.c_out;
+  const int64_t t_lo = std::max<int64_t>(pl, 2);
+  const int64_t t_hi = std::min<int64_t>(w_in + pl, ow_n + 2);
+  auto checked = [&](int64_t t) TFSS_INLINE_LAMBDA {
+    const int64_t j = t - pl, o = t - 2;
+    switch (t % 3) {
+      case 0:
+        SlideStep<T, V, 0, true, First, Full>(xr, nkh, chunk, cn, ci, j, w_in,
+                                              o, ow_n, wq, yrow, co, kn, xbase,
+                                              xoff, acc);
+        break;
+      case 1:
+        SlideStep<T, V, 1, true, First, Full>(xr, nkh, chunk, cn, ci, j, w_in,
+                                              o, ow_n, wq, yrow, co, kn, xbase,
+                                              xoff, acc);
+        break;
+      default:
+        SlideStep<T, V, 2, true, First, Full>(xr, nkh, chunk, cn, ci, j, w_in,
+                                              o, ow_n, wq, yrow, co, kn, xbase,
+                                              xoff, acc);
+        break;
+    }
+  };
+  int64_t t = 0;
+  for (; t < steps && (t < t_lo || t % 3 != 0); ++t) checked(t);
+  for (; t + 3 <= t_hi; t += 3) {
+    SlideStep<T, V, 0, false, First, Full>(xr, nkh, chunk, cn, ci, t - pl,
+                                           w_in, t - 2, ow_n, wq, yrow, co, kn,
+                                           xbase, xoff, acc);
+    SlideStep<T, V, 1, false, First, Full>(xr, nkh, chunk, cn, ci, t + 1 - pl,
+                                           w_in, t - 1, ow_n, wq, yrow, co, kn,
+                                           xbase, xoff, acc);
+    SlideStep<T, V, 2, false, First, Full>(xr, nkh, chunk, cn, ci, t + 2 - pl,
+                                           w_in, t, ow_n, wq, yrow, co, kn,
+                                           xbase, xoff, acc);
+  }
+  for (; t < steps; ++t) checked(t);
+}
+
+template <typename T, int V>
+void SlideRowBy(bool first, bool full, const T* const* xr, int64_t nkh,
+                int64_t chunk, int64_t cn, const Conv2DGeometry& g,
+                const T* wq, T* yrow, int64_t kn) {
+  if (full) {
+    if (first)
+      SlideRow<T, V, true, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+    else
+      SlideRow<T, V, false, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+  } else {
+    if (first)
+      SlideRow<T, V, true, false>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+    else
+      SlideRow<T, V, false, false>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+  }
+}
+
+// Output rows [r0, r1) of the list (row r: image r / OH of the list, output
+// row r % OH) of channel block b: passes over (filter-row group, channel
+// chunk), each over every row of the range.
+template <typename T, int V>
+void SlideRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
+               int64_t r0, int64_t r1, const SlidePlan<T>& plan, int64_t b,
+               T* y) {
+  constexpr int L = DVec<T>::kLanes;
+  const int64_t k0 = b * plan.vecs * L;
+  const int64_t kn = std::min<int64_t>(g.c_out - k0, V * L);
+  const T* wb = plan.packed.data() + plan.offset[b];
+  const int64_t slice = plan.Slice(V);
+  const T* xr[kSlideRows];
+  for (int64_t kg = 0; kg < plan.ngroups; ++kg) {
+    for (int64_t q = 0; q < plan.nchunks; ++q) {
+      const bool first = kg == 0 && q == 0;
+      const int64_t c0 = q * plan.chunk;
+      const int64_t cn = std::min(plan.chunk, g.c_in - c0);
+      const T* wq = wb + (kg * plan.nchunks + q) * slice;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r / g.out_h, oh = r % g.out_h;
+        const int64_t img = images ? images[i] : i;
+        bool any = false;
+        for (int64_t kl = 0; kl < plan.nkh; ++kl) {
+          const int64_t kh = kg * plan.nkh + kl;
+          const int64_t h = oh * g.stride_h - g.pad_top + kh * g.dil_h;
+          const bool ok = kh < g.kh && h >= 0 && h < g.h;
+          xr[kl] = ok ? x + (img * g.h + h) * g.w * g.c_in + c0 : nullptr;
+          any |= ok;
+        }
+        T* yrow = y + (img * g.out_h + oh) * g.out_w * g.c_out + k0;
+        if (!any) {
+          // Every filter row of the pass is padding: nothing to add, and
+          // zeros on the first pass.
+          if (first)
+            for (int64_t ow = 0; ow < g.out_w; ++ow)
+              std::fill_n(yrow + ow * g.c_out, kn, T(0));
+          continue;
+        }
+        SlideRowBy<T, V>(first, kn == V * L, xr, plan.nkh, plan.chunk, cn, g,
+                         wq, yrow, kn);
       }
     }
   }
@@ -703,6 +1013,11 @@ bool DirectPredictedFaster(const SparseKernelRate& direct,
   return direct.Seconds(values, nnz) <= csr.Seconds(values, nnz);
 }
 
+bool DirectForwardSlidingEnabled() {
+  const char* v = std::getenv("TFSS_DIRECT_FWD_KERNEL");
+  return v == nullptr || std::string(v) != "tiles";
+}
+
 bool DirectConv2DUsesAvx512() {
 #ifdef TFSS_DIRECT_AVX512
   return true;
@@ -725,10 +1040,37 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
     }
     return;
   }
-  FwdBlocks<T> blocks;
-  blocks.Build(f, g);
   constexpr int L = DVec<T>::kLanes;
   const int64_t rows = n_images * g.out_h;
+  if (g.kw == 3 && g.stride_w == 1 && g.dil_w == 1 &&
+      DirectForwardSlidingEnabled()) {
+    SlidePlan<T> plan;
+    plan.Build(f, g);
+    // Rows per task: about 224 output pixels (a pass's filter slice is
+    // loaded into L1 once per task and pass), fewer when that leaves
+    // under 16 tasks.
+    int64_t group = std::max<int64_t>(1, (224 + g.out_w - 1) / g.out_w);
+    group = std::max<int64_t>(
+        1, std::min(group, rows * plan.count / 16));
+    const int64_t groups = (rows + group - 1) / group;
+    const int64_t cost = 1 + group * g.out_w * g.kh * 3 *
+                                 (g.c_in / 2 + 1) * plan.vecs * 2;
+    pfor(plan.count * groups, cost, [&](int64_t tb, int64_t te) {
+      for (int64_t t = tb; t < te; ++t) {
+        const int64_t b = t / groups, q = t % groups;
+        const int64_t r0 = q * group, r1 = std::min(rows, r0 + group);
+        switch (plan.Vecs(b, g)) {
+          case 4: SlideRows<T, 4>(x, g, images, r0, r1, plan, b, y); break;
+          case 3: SlideRows<T, 3>(x, g, images, r0, r1, plan, b, y); break;
+          case 2: SlideRows<T, 2>(x, g, images, r0, r1, plan, b, y); break;
+          default: SlideRows<T, 1>(x, g, images, r0, r1, plan, b, y); break;
+        }
+      }
+    });
+    return;
+  }
+  FwdBlocks<T> blocks;
+  blocks.Build(f, g);
   // Input-channel chunk of a pass: the whole C_in when its filter slice
   // (C_in * KW * V vectors) fits in 48 KB, else multiples of 16 channels
   // within 48 KB (64 channels at V = 4 and KW = 3: a 64-bit mask per
