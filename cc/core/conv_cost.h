@@ -40,6 +40,17 @@ std::vector<int64_t> ConvFamilyKey(int64_t op, int64_t dtype,
 SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
                           bool dense_allowed);
 
+// How many of a convolution op instance's first all-dense calls at each
+// shape stay out of its family's measured/predicted ratios
+// (PlanMemory::NoteDenseShape; the matmul ops keep only the first out).
+// oneDNN's convolution runs its first calls after the primitive's creation
+// well above its steady time -- at 32x28x28x1 -> 16 (bias + relu): 1036,
+// 553, 4301, 644, then 285-310 us (steady 250-300 us) -- and three such
+// calls, with the sparse path known only from its calibration, made the
+// ratios' median send every image to the sparse path, 1.35x slower, where
+// it stayed (the dense path re-timed too rarely to bring the median back).
+constexpr int64_t kConvDenseOneTimeCalls = 4;
+
 }  // namespace tf_sparse_split
 
 #endif  // TF_SPARSE_SPLIT_CC_CORE_CONV_COST_H_

@@ -499,11 +499,15 @@ class PlanMemory {
                        Plan* decided = nullptr);
   // This op instance's re-time schedule.
   RetimeState retime_state();
-  // Whether this is the op instance's first all-dense call at (m, columns
-  // multiplied kc, compacted) -- its time holds a one-time cost
-  // (FamilyModel::Record) -- remembering it; at most kShapesRemembered
-  // shapes are remembered, later new ones count as seen.
-  bool NoteDenseShape(int64_t m, int64_t kc, bool compact);
+  // Whether this is one of the op instance's first `one_time_calls`
+  // all-dense calls at (m, columns multiplied kc, compacted) -- its time
+  // holds a one-time cost (FamilyModel::Record) -- counting it; at most
+  // kShapesRemembered shapes are remembered, later new ones count as seen.
+  // The default, 1, is the call that creates TF's oneDNN primitive; the
+  // convolutions pass more (kConvDenseOneTimeCalls of conv_cost.h: their
+  // next calls still run up to 2x their steady time).
+  bool NoteDenseShape(int64_t m, int64_t kc, bool compact,
+                      int64_t one_time_calls = 1);
   static constexpr int kShapesRemembered = 64;
   // Remembers an all-dense plan taken without a full count.
   void RememberAllDense();
@@ -529,7 +533,8 @@ class PlanMemory {
   AnalysisHistory history_;
   OpCalibrationRecord calibration_;
   RetimeState retime_;
-  std::vector<std::array<int64_t, 3>> dense_shapes_;  // all-dense shapes run
+  // All-dense shapes run: (m, kc, compact, calls so far).
+  std::vector<std::array<int64_t, 4>> dense_shapes_;
 };
 
 // Process-wide family models, keyed by whatever identifies a problem

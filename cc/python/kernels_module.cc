@@ -648,6 +648,7 @@ void BindConvCost(py::module_& mod) {
     g.c_out = c_out, g.out_h = out_h, g.out_w = out_w;
     return g;
   };
+  mod.attr("conv_dense_one_time_calls") = kConvDenseOneTimeCalls;
   mod.def("conv_split_shape",
           [geometry](int64_t n, int64_t h, int64_t w, int64_t c_in,
                      int64_t c_live, int64_t kh, int64_t kw, int64_t c_out,
@@ -942,12 +943,16 @@ void BindAnalysis(py::module_& mod) {
       "This op instance's re-time schedule: side (0 all-dense, 1 sparse rows, "
       "-1 none), calls_on_side, next_retime, period, retimes.");
   mem.attr("note_dense_shape") = py::cpp_function(
-      [](PlanMemory& m, int64_t rows, int64_t kc, bool compact) {
-        return m.NoteDenseShape(rows, kc, compact);
+      [](PlanMemory& m, int64_t rows, int64_t kc, bool compact,
+         int64_t one_time_calls) {
+        return m.NoteDenseShape(rows, kc, compact, one_time_calls);
       },
       py::is_method(mem), py::arg("m"), py::arg("kc"), py::arg("compact"),
-      "Whether this is the op's first all-dense call at (m, kc, compact), "
-      "remembering it (what the ops pass record() as dense_one_time).");
+      py::arg("one_time_calls") = 1,
+      "Whether this is one of the op's first one_time_calls all-dense calls "
+      "at (m, kc, compact), counting it (what the ops pass record() as "
+      "dense_one_time; the convolutions pass conv_dense_one_time_calls, a "
+      "re-timed call 1).");
   mod.def("retime_policy_defaults", [] {
     const RetimePolicy p;
     py::dict d;
