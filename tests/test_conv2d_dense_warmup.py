@@ -7,10 +7,12 @@ convolution of benchmarks/bench_inference.py's small CNN at batch 32 -- on
 an input with no zeros, made by tests/data/record_conv_warmup.py under
 load: the family's calibration timings and every call's path and part
 seconds of an op instance with the automatic threshold, then the part
-seconds of instances forced all-dense and all-sparse in the same process.
-Forced, TF's kernel is faster by 15-35%; yet with the code before the
-fix the automatic op ran most of its calls on the sparse path (0.70-0.84x
-of TF's kernel in benchmarks/bench_fixed_cost.py). The recordings show
+seconds of instances forced all-dense and all-sparse in the same process;
+three were made with the library before the convolutions kept their first
+four dense calls per shape out of the ratios, three with it. Forced, TF's
+kernel is faster by more than 10% on every recording; yet before the fix
+the automatic op ran most of its calls on the sparse path (0.70-0.84x of
+TF's kernel in benchmarks/bench_fixed_cost.py). The recordings show
 why: oneDNN runs the first calls after creating its primitive for a shape
 far above its steady time (the op kept only the first out of its family's
 ratios), so three slow early dense calls against a sparse path known only

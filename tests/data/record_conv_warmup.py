@@ -104,7 +104,6 @@ def main(argv=None):
     data["recordings"].append(rec)
     with open(a.out, "w") as fh:
         json.dump(data, fh, indent=1)
-    print(tfss.__file__)
     print(json.dumps({k: rec[k] for k in ("conv", "calibration")}))
     print("auto paths:", "".join("D" if c["rows_dense"] else "S"
                                  for c in rec["auto_calls"]))
