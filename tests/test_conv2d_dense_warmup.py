@@ -27,6 +27,14 @@ path, then the forced instances' (cycled). With the convolutions' count of
 one-time dense calls (conv_dense_one_time_calls; a re-timed call keeps only
 its first out) the plan settles all-dense on every recording; with the
 matmul's count (1) the same replays spend most of their calls sparse.
+
+Isolated dense re-times among sparse calls still ran 1.5-10x the dense
+kernel's steady time in benchmarks/bench_fixed_cost.py, so a family that
+calibrated to the sparse plan could stay there; hence the zero-free rule
+(conv_sparse_rows_allowed): an input with at least 95% nonzeros runs
+images sparse only where both the calibration's own terms and the
+ratio-scaled ones predict the sparse plan 1.5x faster -- batch 1, where oneDNN's per-call cost dominates (the
+recorded 1x28x28x1 -> 16 calls under "zero_free_batch_1"), not batch 32.
 """
 
 import itertools
@@ -40,7 +48,9 @@ from _helpers import kernels_or_skip
 
 K = kernels_or_skip()
 DATA = Path(__file__).resolve().parent / "data" / "conv_dense_warmup_calls.json"
-RECORDINGS = json.loads(DATA.read_text())["recordings"]
+_DATA = json.loads(DATA.read_text())
+RECORDINGS = _DATA["recordings"]
+BATCH_1 = _DATA["zero_free_batch_1"]
 CALLS = 200
 
 
@@ -63,8 +73,9 @@ def _sequences(rec):
             itertools.chain(sparse, itertools.cycle(rec["forced_sparse_s"])))
 
 
-def _replay(rec, one_time_calls, calls=CALLS):
-    """The path ("dense"/"sparse") of each replayed call."""
+def _replay(rec, one_time_calls, calls=CALLS, zero_free_rule=False):
+    """The path ("dense"/"sparse") of each replayed call; zero_free_rule:
+    sparse plans the convolutions' zero-free rule vetoes run all-dense."""
     shape, profile, n, k = _problem(rec)
     family = K.SplitFamilyModel()
     family.set_calibration(K.fit_calibration(shape, rec["calibration"]))
@@ -73,7 +84,9 @@ def _replay(rec, one_time_calls, calls=CALLS):
     paths = []
     for _ in range(calls):
         r = memory.decide_and_retime(shape, profile, family.terms())
-        if r["plan"]["kind"] == "all_dense":
+        veto = zero_free_rule and not K.conv_sparse_rows_allowed(
+            shape, profile, family.base_terms(), family.terms(), 1.0)
+        if r["plan"]["kind"] == "all_dense" or veto:
             one_time = memory.note_dense_shape(
                 n, k, False, 1 if r["retimed"] else one_time_calls)
             family.record(shape, n, False, next(dense), 0, 0, 0.0, one_time)
@@ -149,3 +162,91 @@ def test_matmul_count_reproduces_the_fault():
     showing it)."""
     worst = max(_replay(rec, 1).count("sparse") for rec in RECORDINGS)
     assert worst > CALLS // 2
+
+
+# -- the zero-free rule (cc/core/conv_cost.h ConvSparseRowsAllowed) ---------
+
+def test_zero_free_rule_constants():
+    assert K.conv_zero_free_density == 0.95
+    assert K.conv_zero_free_min_speedup == 1.5
+
+
+def _calibration_burst(cal):
+    """Whether the full dense sample ran over twice the quarter sample's
+    time per image (a burst of load: noise only inflates)."""
+    per_full = cal["dense_full_s"] / cal["rows_full"]
+    per_part = cal["dense_part_s"] / cal["rows_part"]
+    return per_full > 2.0 * per_part
+
+
+@pytest.mark.parametrize("index", range(len(RECORDINGS)))
+def test_zero_free_rule_keeps_batch_32_dense(index):
+    """At 32x28x28x1 -> 16 (where the forced dense kernel is faster) the
+    rule vetoes sparse images of a zero-free input on every calibration
+    without a burst, and on every recording the replay runs the sparse
+    path at most until the dense path's first recorded observations
+    (one recording's calibration timed its dense sample in a burst, 2.7 ms
+    for a 0.3 ms call), never after."""
+    rec = RECORDINGS[index]
+    shape, profile, _, _ = _problem(rec)
+    base = K.fit_calibration(shape, rec["calibration"])
+    if not _calibration_burst(rec["calibration"]):
+        assert not K.conv_sparse_rows_allowed(shape, profile, base, base, 1.0)
+    for count in (1, K.conv_dense_one_time_calls):
+        paths = _replay(rec, count, zero_free_rule=True)
+        assert paths[20:].count("sparse") == 0, (count, paths)
+        assert paths.count("sparse") <= 15, (count, paths)
+
+
+@pytest.mark.parametrize("index", range(len(BATCH_1)))
+def test_zero_free_rule_keeps_the_batch_1_win(index):
+    """At batch 1 the direct kernel beats oneDNN's on the same work (its
+    time is mostly per call): recorded forced medians at 1x28x28x1 -> 16
+    without zeros, and the rule lets the calibrated family go sparse."""
+    rec = BATCH_1[index]
+    d = statistics.median(rec["forced_dense_s"])
+    s = statistics.median(rec["forced_sparse_s"])
+    assert s * 1.5 <= d, (d, s)
+    shape, profile, _, _ = _problem(rec)
+    base = K.fit_calibration(shape, rec["calibration"])
+    assert K.conv_sparse_rows_allowed(shape, profile, base, base, 1.0)
+    assert "sparse" in _replay(rec, K.conv_dense_one_time_calls, calls=20,
+                               zero_free_rule=True)
+
+
+def test_zero_free_rule_leaves_inputs_with_zeros_alone():
+    """Below the density limit the rule allows anything (the cost model
+    decides); unknown terms at density 1 allow nothing."""
+    rec = RECORDINGS[0]
+    shape, profile, _, _ = _problem(rec)
+    base = K.fit_calibration(shape, rec["calibration"])
+    for density in (0.0, 0.2, 0.6, 0.9499):
+        assert K.conv_sparse_rows_allowed(shape, profile, base, base, density)
+    unknown = {key: 0.0 for key in base}
+    unknown["heterogeneous"] = False
+    assert not K.conv_sparse_rows_allowed(shape, profile, unknown, unknown,
+                                          1.0)
+    # A calibration that found the sparse path 2x faster on the same work
+    # allows it; 1.2x does not.
+    for factor, allowed in ((2.0, True), (1.2, False)):
+        cal = dict(rec["calibration"])
+        cal["dense_full_s"] = factor * cal["sparse_full_s"]
+        cal["dense_part_s"] = factor * cal["sparse_part_s"]
+        t = K.fit_calibration(shape, cal)
+        assert K.conv_sparse_rows_allowed(shape, profile, t, t, 1.0) is allowed
+    # Either set of terms alone cannot allow it: measured ratios that make
+    # the dense path look 3x slower leave a 1.2x calibration vetoed, and a
+    # 2x calibration is vetoed once the dense path ran as fast as sparse.
+    cal = dict(rec["calibration"])
+    cal["dense_full_s"] = 1.2 * cal["sparse_full_s"]
+    cal["dense_part_s"] = 1.2 * cal["sparse_part_s"]
+    t = K.fit_calibration(shape, cal)
+    slow_dense = dict(t, dense_rate=t["dense_rate"] / 3.0,
+                      dense_fixed_s=3.0 * t["dense_fixed_s"])
+    assert not K.conv_sparse_rows_allowed(shape, profile, t, slow_dense, 1.0)
+    cal["dense_full_s"] = 2.0 * cal["sparse_full_s"]
+    cal["dense_part_s"] = 2.0 * cal["sparse_part_s"]
+    t = K.fit_calibration(shape, cal)
+    fast_dense = dict(t, dense_rate=t["dense_rate"] * 2.0,
+                      dense_fixed_s=t["dense_fixed_s"] / 2.0)
+    assert not K.conv_sparse_rows_allowed(shape, profile, t, fast_dense, 1.0)

@@ -51,6 +51,36 @@ SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
 // it stayed (the dense path re-timed too rarely to bring the median back).
 constexpr int64_t kConvDenseOneTimeCalls = 4;
 
+// The zero-free rule of the convolutions: an input this dense (nnz / (m k)
+// >= kConvZeroFreeDensity) has too few zeros for the sparse kernels to skip
+// work, so sending its images to them can win only where they beat
+// oneDNN's kernel on the same work -- at batch 1, where oneDNN's per-call
+// cost dominates (1x28x28x1 -> 16 without zeros: 24 us against 102 us),
+// not at batch 32 (32x28x28x1 -> 16: 390 against 290 us). Calibrating and
+// re-timing both paths under load cannot tell those apart reliably: the
+// dense path's early calls and its isolated re-times among sparse calls
+// ran 1.5-10x its steady time, and families calibrated or drifted to the
+// all-sparse plan at batch 32 (0.65-0.84x of TF's kernel). So such a call
+// runs images sparse only when the family's calibration terms (not scaled
+// by the measured ratios) and its current terms (scaled by them) both
+// predict its all-sparse plan at least kConvZeroFreeMinSpeedup times
+// faster than its all-dense plan on the call's own profile: the slower
+// sparse and the faster dense prediction of the two are compared, so a
+// burst of load in the calibration's dense timing (2.7 ms for a 0.3 ms
+// call) is overruled once the dense path has run, and slow dense re-times
+// cannot make a sparse plan look safe while the calibration says
+// otherwise.
+constexpr double kConvZeroFreeDensity = 0.95;
+constexpr double kConvZeroFreeMinSpeedup = 1.5;
+
+// Whether a call of shape `s`, profile `p` and density nnz / (m k) =
+// `density` may run images on the sparse path under the zero-free rule,
+// with the family's calibration terms `base` and current terms `current`
+// (unknown terms: no).
+bool ConvSparseRowsAllowed(const SplitShape& s, const DensityProfile& p,
+                           const CostTerms& base, const CostTerms& current,
+                           double density);
+
 }  // namespace tf_sparse_split
 
 #endif  // TF_SPARSE_SPLIT_CC_CORE_CONV_COST_H_

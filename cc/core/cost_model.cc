@@ -586,6 +586,11 @@ bool CountCallRecalibrationDue(FamilyCalibrationRecord* family,
   return true;
 }
 
+CostTerms FamilyModel::BaseTerms() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return base_;
+}
+
 CostTerms FamilyModel::Terms() const {
   std::lock_guard<std::mutex> lock(mu_);
   CostTerms t = base_;

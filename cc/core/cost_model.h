@@ -399,6 +399,9 @@ class FamilyModel {
   // load, a one-time cost -- must not make a path that rarely runs look
   // several times slower until it runs again).
   CostTerms Terms() const;
+  // The calibration's terms, unscaled by the measured ratios (zero terms
+  // before calibration).
+  CostTerms BaseTerms() const;
   // Records one call's measured part times against the base prediction.
   // A path whose base terms are unknown is initialised from its
   // observation (a rate through the origin): the GPU kernel learns this way.

@@ -1047,9 +1047,23 @@ struct ConvSplit {
     an.Run<T>(x.flat<T>().data(), g, pfor);
     if (call.automatic())
       call.CountDone(&family, static_cast<double>(g.n) * g.h * g.w * g.c_in);
-    TF_RETURN_IF_ERROR(call.Decide<T>(
-        ctx, paths, ConvSplitShape(g, an.c_live, dense_allowed),
-        an.image_nnz.data(), &family, plans, pfor));
+    const SplitShape shape = ConvSplitShape(g, an.c_live, dense_allowed);
+    TF_RETURN_IF_ERROR(call.Decide<T>(ctx, paths, shape, an.image_nnz.data(),
+                                      &family, plans, pfor));
+    // The zero-free rule (conv_cost.h): an input without (enough) zeros
+    // goes sparse only where calibration found the sparse kernels much
+    // faster on the same work.
+    if (call.automatic() && dense_allowed && call.rows_sparse() > 0) {
+      const double density =
+          static_cast<double>(an.nnz) /
+          (static_cast<double>(g.n) * static_cast<double>(g.h * g.w * g.c_in));
+      if (!ConvSparseRowsAllowed(
+              shape,
+              ProfileFromRowNnz(an.image_nnz.data(), g.n, shape.k,
+                                kDecisionBuckets),
+              family.BaseTerms(), family.Terms(), density))
+        call.VetoSparseRows();
+    }
     rd = call.rows_dense();
     rs = call.rows_sparse();
     compact = call.compact();

@@ -584,6 +584,21 @@ class SplitCall {
     return absl::OkStatus();
   }
 
+  // Runs this call all-dense after Decide chose sparse rows (an op's own
+  // rule vetoes them: the convolutions' zero-free rule, conv_cost.h): every
+  // row dense, threshold 0, compaction chosen as Apply does; the op's
+  // memory remembers the all-dense plan (its hysteresis and analysis
+  // choice then start from it). The statistics' histogram stays.
+  void VetoSparseRows() {
+    AllRowsDense(shape_.m, &split_);
+    threshold_ = 0.0;
+    const CostTerms terms =
+        family_ != nullptr && family_->calibrated() ? family_->Terms()
+                                                    : CostTerms();
+    compact_ = ChooseCompaction(shape_, terms, static_cast<double>(shape_.m));
+    if (memory_ != nullptr) memory_->RememberAllDense();
+  }
+
   // For Apply() without Decide(): the call's shape and family.
   void SetProblem(const SplitShape& shape, FamilyModel* family) {
     shape_ = shape;

@@ -609,6 +609,9 @@ void BindCostModel(py::module_& mod) {
            [](FamilyModel& f, const py::dict& t) { f.SetCalibration(TermsOf(t)); },
            py::arg("terms"))
       .def("terms", [](const FamilyModel& f) { return DictOf(f.Terms()); })
+      .def("base_terms",
+           [](const FamilyModel& f) { return DictOf(f.BaseTerms()); },
+           "The calibration's terms, unscaled by the measured ratios.")
       .def("record",
            [](FamilyModel& f, const py::dict& shape, double rows_dense, bool compact,
               double dense_s, double rows_sparse, double nnz_sparse, double sparse_s,
@@ -649,6 +652,22 @@ void BindConvCost(py::module_& mod) {
     return g;
   };
   mod.attr("conv_dense_one_time_calls") = kConvDenseOneTimeCalls;
+  mod.attr("conv_zero_free_density") = kConvZeroFreeDensity;
+  mod.attr("conv_zero_free_min_speedup") = kConvZeroFreeMinSpeedup;
+  mod.def("conv_sparse_rows_allowed",
+          [](const py::dict& shape, const py::tuple& profile,
+             const py::dict& base_terms, const py::dict& terms,
+             double density) {
+            return ConvSparseRowsAllowed(ShapeOf(shape), ProfileOf(profile),
+                                         TermsOf(base_terms), TermsOf(terms),
+                                         density);
+          },
+          py::arg("shape"), py::arg("profile"), py::arg("base_terms"),
+          py::arg("terms"), py::arg("density"),
+          "The convolutions' zero-free rule (cc/core/conv_cost.h "
+          "ConvSparseRowsAllowed): whether a call of this shape, profile and "
+          "density (nnz / (m k)) may run images sparse, given its family's "
+          "calibration terms and current (ratio-scaled) terms.");
   mod.def("conv_split_shape",
           [geometry](int64_t n, int64_t h, int64_t w, int64_t c_in,
                      int64_t c_live, int64_t kh, int64_t kw, int64_t c_out,
