@@ -33,7 +33,7 @@ kernel's steady time in benchmarks/bench_fixed_cost.py, so a family that
 calibrated to the sparse plan could stay there; hence the zero-free rule
 (conv_sparse_rows_allowed): an input with at least 95% nonzeros runs
 images sparse only where both the calibration's own terms and the
-ratio-scaled ones predict the sparse plan 1.5x faster -- batch 1, where oneDNN's per-call cost dominates (the
+ratio-scaled ones predict the sparse plan 1.25x faster -- batch 1, where oneDNN's per-call cost dominates (the
 recorded 1x28x28x1 -> 16 calls under "zero_free_batch_1"), not batch 32.
 """
 
@@ -168,7 +168,7 @@ def test_matmul_count_reproduces_the_fault():
 
 def test_zero_free_rule_constants():
     assert K.conv_zero_free_density == 0.95
-    assert K.conv_zero_free_min_speedup == 1.5
+    assert K.conv_zero_free_min_speedup == 1.25
 
 
 def _calibration_burst(cal):
@@ -183,19 +183,22 @@ def _calibration_burst(cal):
 def test_zero_free_rule_keeps_batch_32_dense(index):
     """At 32x28x28x1 -> 16 (where the forced dense kernel is faster) the
     rule vetoes sparse images of a zero-free input on every calibration
-    without a burst, and on every recording the replay runs the sparse
-    path at most until the dense path's first recorded observations
+    without a burst that timed the sparse sample less than 1.25x faster,
+    and on every recording the replay runs the sparse path at most until
+    the dense path's first recorded observations overrule the calibration
     (one recording's calibration timed its dense sample in a burst, 2.7 ms
     for a 0.3 ms call), never after."""
     rec = RECORDINGS[index]
     shape, profile, _, _ = _problem(rec)
     base = K.fit_calibration(shape, rec["calibration"])
-    if not _calibration_burst(rec["calibration"]):
+    cal = rec["calibration"]
+    if (not _calibration_burst(cal) and cal["dense_full_s"] <
+            K.conv_zero_free_min_speedup * cal["sparse_full_s"]):
         assert not K.conv_sparse_rows_allowed(shape, profile, base, base, 1.0)
     for count in (1, K.conv_dense_one_time_calls):
         paths = _replay(rec, count, zero_free_rule=True)
-        assert paths[20:].count("sparse") == 0, (count, paths)
-        assert paths.count("sparse") <= 15, (count, paths)
+        assert paths[30:].count("sparse") == 0, (count, paths)
+        assert paths.count("sparse") <= 30, (count, paths)
 
 
 @pytest.mark.parametrize("index", range(len(BATCH_1)))
@@ -227,19 +230,19 @@ def test_zero_free_rule_leaves_inputs_with_zeros_alone():
     assert not K.conv_sparse_rows_allowed(shape, profile, unknown, unknown,
                                           1.0)
     # A calibration that found the sparse path 2x faster on the same work
-    # allows it; 1.2x does not.
-    for factor, allowed in ((2.0, True), (1.2, False)):
+    # allows it; 1.1x does not.
+    for factor, allowed in ((2.0, True), (1.1, False)):
         cal = dict(rec["calibration"])
         cal["dense_full_s"] = factor * cal["sparse_full_s"]
         cal["dense_part_s"] = factor * cal["sparse_part_s"]
         t = K.fit_calibration(shape, cal)
         assert K.conv_sparse_rows_allowed(shape, profile, t, t, 1.0) is allowed
     # Either set of terms alone cannot allow it: measured ratios that make
-    # the dense path look 3x slower leave a 1.2x calibration vetoed, and a
+    # the dense path look 3x slower leave a 1.1x calibration vetoed, and a
     # 2x calibration is vetoed once the dense path ran as fast as sparse.
     cal = dict(rec["calibration"])
-    cal["dense_full_s"] = 1.2 * cal["sparse_full_s"]
-    cal["dense_part_s"] = 1.2 * cal["sparse_part_s"]
+    cal["dense_full_s"] = 1.1 * cal["sparse_full_s"]
+    cal["dense_part_s"] = 1.1 * cal["sparse_part_s"]
     t = K.fit_calibration(shape, cal)
     slow_dense = dict(t, dense_rate=t["dense_rate"] / 3.0,
                       dense_fixed_s=3.0 * t["dense_fixed_s"])

@@ -1029,10 +1029,26 @@ struct ConvSplit {
           const int64_t stride = call.SampleStrideFor(
               dense_shape, &family, g.n * g.h * g.w, g.c_in);
           SampledCounts sc;
-          const bool dense =
+          const bool sampled =
               stride > 1 &&
-              ConvSample<T>(x.flat<T>().data(), g, stride, pfor, &sc) > 1 &&
-              call.AcceptSample(dense_shape, sc, &family, plans);
+              ConvSample<T>(x.flat<T>().data(), g, stride, pfor, &sc) > 1;
+          bool dense =
+              sampled && call.AcceptSample(dense_shape, sc, &family, plans);
+          if (sampled && !dense && !call.stats_consumed()) {
+            // A zero-free input the zero-free rule would veto anyway
+            // (conv_cost.h): no full count, no decision, TF's kernel.
+            const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
+            const double density_est = sc.nnz_est / std::max(1.0, values);
+            if (density_est >= kConvZeroFreeDensity &&
+                !ConvSparseRowsAllowed(
+                    dense_shape,
+                    EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted,
+                                    g.n, dense_shape.k, kDecisionBuckets),
+                    family.BaseTerms(), family.Terms(), density_est)) {
+              call.SkipAnalysis(dense_shape, &family, plans);
+              dense = true;
+            }
+          }
           throttle->NoteSample(dense);
         }
       }
