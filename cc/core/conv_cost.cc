@@ -37,4 +37,18 @@ SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
   return s;
 }
 
+bool ConvSparseRowsAllowed(const SplitShape& s, const DensityProfile& p,
+                           const CostTerms& base, const CostTerms& current,
+                           double density) {
+  if (!(density >= kConvZeroFreeDensity)) return true;  // NaN: allowed
+  for (const CostTerms* t : {&base, &current})
+    if (!t->dense_known() || !t->sparse_known()) return false;
+  const double dense = std::min(PredictPlanSeconds(s, p, base, -1, false),
+                                PredictPlanSeconds(s, p, current, -1, false));
+  const double sparse =
+      std::max(PredictPlanSeconds(s, p, base, p.buckets(), false),
+               PredictPlanSeconds(s, p, current, p.buckets(), false));
+  return sparse * kConvZeroFreeMinSpeedup <= dense;
+}
+
 }  // namespace tf_sparse_split

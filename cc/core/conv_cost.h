@@ -40,6 +40,50 @@ std::vector<int64_t> ConvFamilyKey(int64_t op, int64_t dtype,
 SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
                           bool dense_allowed);
 
+// How many of a convolution op instance's first all-dense calls at each
+// shape stay out of its family's measured/predicted ratios
+// (PlanMemory::NoteDenseShape; the matmul ops keep only the first out).
+// oneDNN's convolution runs its first calls after the primitive's creation
+// well above its steady time -- at 32x28x28x1 -> 16 (bias + relu): 1036,
+// 553, 4301, 644, then 285-310 us (steady 250-300 us) -- and three such
+// calls, with the sparse path known only from its calibration, made the
+// ratios' median send every image to the sparse path, 1.35x slower, where
+// it stayed (the dense path re-timed too rarely to bring the median back).
+constexpr int64_t kConvDenseOneTimeCalls = 4;
+
+// The zero-free rule of the convolutions: an input this dense (nnz / (m k)
+// >= kConvZeroFreeDensity) has too few zeros for the sparse kernels to skip
+// work, so sending its images to them can win only where they beat
+// oneDNN's kernel on the same work -- at batch 1, where oneDNN's per-call
+// cost dominates (1x28x28x1 -> 16 without zeros: 24 us against 102 us),
+// not at batch 32 (32x28x28x1 -> 16: 390 against 290 us). Calibrating and
+// re-timing both paths under load cannot tell those apart reliably: the
+// dense path's early calls and its isolated re-times among sparse calls
+// ran 1.5-10x its steady time, and families calibrated or drifted to the
+// all-sparse plan at batch 32 (0.65-0.84x of TF's kernel). So such a call
+// runs images sparse only when the family's calibration terms (not scaled
+// by the measured ratios) and its current terms (scaled by them) both
+// predict its all-sparse plan at least kConvZeroFreeMinSpeedup times
+// faster than its all-dense plan on the call's own profile: the slower
+// sparse and the faster dense prediction of the two are compared, so a
+// burst of load in the calibration's dense timing (2.7 ms for a 0.3 ms
+// call) is overruled once the dense path has run, and slow dense re-times
+// cannot make a sparse plan look safe while the calibration says
+// otherwise.
+constexpr double kConvZeroFreeDensity = 0.95;
+// 1.25: the zero-free 1x28x28x1 -> 64 call's sparse kernel ran 1.8x
+// faster than oneDNN's, and 1.5 vetoed it in two of three processes
+// under load (its calibration saw 1.4-1.6x).
+constexpr double kConvZeroFreeMinSpeedup = 1.25;
+
+// Whether a call of shape `s`, profile `p` and density nnz / (m k) =
+// `density` may run images on the sparse path under the zero-free rule,
+// with the family's calibration terms `base` and current terms `current`
+// (unknown terms: no).
+bool ConvSparseRowsAllowed(const SplitShape& s, const DensityProfile& p,
+                           const CostTerms& base, const CostTerms& current,
+                           double density);
+
 }  // namespace tf_sparse_split
 
 #endif  // TF_SPARSE_SPLIT_CC_CORE_CONV_COST_H_

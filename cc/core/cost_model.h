@@ -454,6 +454,9 @@ class alignas(64) FamilyModel {
   // load, a one-time cost -- must not make a path that rarely runs look
   // several times slower until it runs again).
   CostTerms Terms() const;
+  // The calibration's terms, unscaled by the measured ratios (zero terms
+  // before calibration).
+  CostTerms BaseTerms() const;
   // Records one call's measured part times against the base prediction.
   // A path whose base terms are unknown is initialised from its
   // observation (a rate through the origin): the GPU kernel learns this way.
@@ -560,11 +563,15 @@ class PlanMemory {
                        Plan* decided = nullptr);
   // This op instance's re-time schedule.
   RetimeState retime_state();
-  // Whether this is the op instance's first all-dense call at (m, columns
-  // multiplied kc, compacted) -- its time holds a one-time cost
-  // (FamilyModel::Record) -- remembering it; at most kShapesRemembered
-  // shapes are remembered, later new ones count as seen.
-  bool NoteDenseShape(int64_t m, int64_t kc, bool compact);
+  // Whether this is one of the op instance's first `one_time_calls`
+  // all-dense calls at (m, columns multiplied kc, compacted) -- its time
+  // holds a one-time cost (FamilyModel::Record) -- counting it; at most
+  // kShapesRemembered shapes are remembered, later new ones count as seen.
+  // The default, 1, is the call that creates TF's oneDNN primitive; the
+  // convolutions pass more (kConvDenseOneTimeCalls of conv_cost.h: their
+  // next calls still run up to 2x their steady time).
+  bool NoteDenseShape(int64_t m, int64_t kc, bool compact,
+                      int64_t one_time_calls = 1);
   static constexpr int kShapesRemembered = 64;
   // Remembers an all-dense plan taken without a full count.
   void RememberAllDense();
@@ -598,8 +605,9 @@ class PlanMemory {
   Plan last_;
   RetimeState retime_;
   OpCalibrationRecord calibration_;
+  // All-dense shapes run: (m, kc, compact, calls so far).
   int dense_shape_count_ = 0;
-  std::array<std::array<int64_t, 3>, kShapesRemembered> dense_shapes_{};
+  std::array<std::array<int64_t, 4>, kShapesRemembered> dense_shapes_{};
 };
 
 // Process-wide family models, keyed by whatever identifies a problem

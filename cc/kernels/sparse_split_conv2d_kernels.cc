@@ -928,6 +928,49 @@ ParallelFor ConvParallelFor(tf::OpKernelContext* ctx) {
   return TfParallelFor(ctx, 4);
 }
 
+// The strided samples an op instance leaves out while its samples keep
+// saying "every image dense" (thread-safe; one per op instance). A sample
+// costs a pass over every stride-th pixel plus the estimate and the
+// relaxed decision: 12-21 us per call at 32x14x14x16 -> 32, 32-57 us at
+// 256x14x14x16 -> 32 (1-4% of the all-dense call, under load), against
+// 5-13 us for a call that counts nothing. After `run` samples in a row
+// that kept every image dense, the next min(kMaxSkipped, run / 4) calls
+// whose analysis would be a sample count nothing instead (as
+// SplitCall::SkipAnalysis: TF's kernel at once, kStatNnz NaN), so that a
+// layer that stays dense pays about one sample in nine calls; a sample
+// that does not keep every image dense, or a call that runs sparse images
+// or compacts, restarts the count (the next calls sample again). Only for
+// calls whose statistics no node reads (inference graphs, the gradient
+// products): a consumer of kStatNnz keeps its estimate on every call. The
+// periodic full counts (AnalysisPolicy) are unchanged.
+class SampleThrottle {
+ public:
+  static constexpr int64_t kMaxSkipped = 8;
+  // Whether this call, whose analysis would be a sample, counts nothing.
+  bool SkipThisSample() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (skip_ <= 0) return false;
+    --skip_;
+    return true;
+  }
+  // A sample that kept every image dense (`dense`) or did not.
+  void NoteSample(bool dense) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!dense) {
+      run_ = skip_ = 0;
+      return;
+    }
+    ++run_;
+    skip_ = std::min<int64_t>(kMaxSkipped, run_ / 4);
+  }
+  // A call that ran sparse images or compacted: sample again.
+  void Restart() { NoteSample(false); }
+
+ private:
+  std::mutex mu_;
+  int64_t run_ = 0, skip_ = 0;
+};
+
 struct ConvSplit {
   SplitCall call;
   ConvAnalysis an;
@@ -948,7 +991,10 @@ struct ConvSplit {
             int stats_output = 1)
       : call(ctx, stats_output, g.n, g.h * g.w * g.c_in, g.kh * g.kw * g.c_out,
              threshold),
-        pfor(ConvParallelFor(ctx)) {}
+        pfor(ConvParallelFor(ctx)) {
+    // oneDNN's first calls of a shape run well above its steady time.
+    call.set_dense_one_time_calls(kConvDenseOneTimeCalls);
+  }
 
   // Sets *done when nothing is left to do (an empty problem: output 0 of
   // `out_shape` zeroed and statistics written).
@@ -964,7 +1010,7 @@ struct ConvSplit {
                        const Conv2DGeometry& g, const tf::TensorShape& out_shape,
                        FamilyOp op, bool dense_allowed, Paths& paths,
                        PlanMemory* plans, ConvFamilyCache* families,
-                       bool full_stats, bool* done) {
+                       bool full_stats, SampleThrottle* throttle, bool* done) {
     TF_RETURN_IF_ERROR(call.status());
     TF_RETURN_IF_ERROR(FinishIfEmpty<T>(ctx, g, out_shape, &call, done));
     if (*done) return absl::OkStatus();
@@ -977,12 +1023,34 @@ struct ConvSplit {
       if (mode == AnalysisMode::kSkip) {
         call.SkipAnalysis(dense_shape, &family, plans);
       } else if (mode == AnalysisMode::kSample) {
-        const int64_t stride = call.SampleStrideFor(
-            dense_shape, &family, g.n * g.h * g.w, g.c_in);
-        SampledCounts sc;
-        if (stride > 1 &&
-            ConvSample<T>(x.flat<T>().data(), g, stride, pfor, &sc) > 1)
-          call.AcceptSample(dense_shape, sc, &family, plans);
+        if (!call.stats_consumed() && throttle->SkipThisSample()) {
+          call.SkipAnalysis(dense_shape, &family, plans);
+        } else {
+          const int64_t stride = call.SampleStrideFor(
+              dense_shape, &family, g.n * g.h * g.w, g.c_in);
+          SampledCounts sc;
+          const bool sampled =
+              stride > 1 &&
+              ConvSample<T>(x.flat<T>().data(), g, stride, pfor, &sc) > 1;
+          bool dense =
+              sampled && call.AcceptSample(dense_shape, sc, &family, plans);
+          if (sampled && !dense && !call.stats_consumed()) {
+            // A zero-free input the zero-free rule would veto anyway
+            // (conv_cost.h): no full count, no decision, TF's kernel.
+            const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
+            const double density_est = sc.nnz_est / std::max(1.0, values);
+            if (density_est >= kConvZeroFreeDensity &&
+                !ConvSparseRowsAllowed(
+                    dense_shape,
+                    EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted,
+                                    g.n, dense_shape.k, kDecisionBuckets),
+                    family.BaseTerms(), family.Terms(), density_est)) {
+              call.SkipAnalysis(dense_shape, &family, plans);
+              dense = true;
+            }
+          }
+          throttle->NoteSample(dense);
+        }
       }
       if (call.dense_without_count()) {
         dense_now = true;
@@ -995,13 +1063,28 @@ struct ConvSplit {
     an.Run<T>(x.flat<T>().data(), g, pfor);
     if (call.automatic())
       call.CountDone(&family, static_cast<double>(g.n) * g.h * g.w * g.c_in);
-    TF_RETURN_IF_ERROR(call.Decide<T>(
-        ctx, paths, ConvSplitShape(g, an.c_live, dense_allowed),
-        an.image_nnz.data(), &family, plans, pfor));
+    const SplitShape shape = ConvSplitShape(g, an.c_live, dense_allowed);
+    TF_RETURN_IF_ERROR(call.Decide<T>(ctx, paths, shape, an.image_nnz.data(),
+                                      &family, plans, pfor));
+    // The zero-free rule (conv_cost.h): an input without (enough) zeros
+    // goes sparse only where calibration found the sparse kernels much
+    // faster on the same work.
+    if (call.automatic() && dense_allowed && call.rows_sparse() > 0) {
+      const double density =
+          static_cast<double>(an.nnz) /
+          (static_cast<double>(g.n) * static_cast<double>(g.h * g.w * g.c_in));
+      if (!ConvSparseRowsAllowed(
+              shape,
+              ProfileFromRowNnz(an.image_nnz.data(), g.n, shape.k,
+                                kDecisionBuckets),
+              family.BaseTerms(), family.Terms(), density))
+        call.VetoSparseRows();
+    }
     rd = call.rows_dense();
     rs = call.rows_sparse();
     compact = call.compact();
     kc = compact ? an.c_live : g.c_in;
+    if (rs > 0 || compact) throttle->Restart();
     return absl::OkStatus();
   }
 
@@ -1483,7 +1566,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
                                      true, paths, &plans_, &families_,
-                                     full_stats_, &done));
+                                     full_stats_, &throttle_, &done));
     if (!done && s.dense_now) {
       // Counted a sample or nothing: exactly TF's (fused) convolution.
       OP_REQUIRES_OK(ctx, paths.DenseOnInputs());
@@ -1541,6 +1624,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
   TfKernel fused_;  // TF's fused conv + bias [+ relu]; !ok(): conv_ + epilogue
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
+  SampleThrottle throttle_;  // samples left out while they say dense
   ConvFamilyCache families_;  // the family of the last call's geometry
 };
 
@@ -1647,7 +1731,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, fshape, kFamilyConv2DFilterGrad,
                                      dense_ok_, paths, &plans_, &families_,
-                                     full_stats_, &done));
+                                     full_stats_, &throttle_, &done));
     if (done) {
       // No filter gradient to compute (an empty dimension); dY may still
       // have values (e.g. C_in = 0).
@@ -1809,6 +1893,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
   bool with_bias_ = false, bias_fused_ = false;
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
+  SampleThrottle throttle_;  // samples left out while they say dense
   ConvFamilyCache families_;  // the family of the last call's geometry
 };
 
@@ -1900,7 +1985,8 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, dy, gt, xshape,
                                      kFamilyConv2DInputGrad, dense_ok_, paths,
-                                     &plans_, &families_, full_stats_, &done));
+                                     &plans_, &families_, full_stats_,
+                                     &throttle_, &done));
     if (done) return;
     if (s.dense_now) {
       // Counted a sample or nothing: exactly TF's Conv2DBackpropInput, on
@@ -1954,6 +2040,7 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
   bool dense_ok_ = true;
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
+  SampleThrottle throttle_;  // samples left out while they say dense
   ConvFamilyCache families_;  // the family of the last call's geometry
 };
 

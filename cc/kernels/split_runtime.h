@@ -94,13 +94,20 @@ namespace split_runtime_internal {
 // Times every function of `fns` once per round, round after round, and
 // keeps each one's best wall-clock seconds in best[i]. Interleaving makes a
 // burst of load on the (shared) machine hit all of them alike instead of
-// biasing one path. Three rounds, two when a round takes over 50 ms, one
-// over 300 ms: the calibration must stay cheap.
+// biasing one path. The first round holds the one-time costs (TF's oneDNN
+// primitive creation for each sample shape, the first touch of fresh
+// buffers), so the number of rounds is chosen from the second: three more
+// rounds, two when it takes over 50 ms, one over 300 ms (the calibration
+// must stay cheap). Choosing from the first round left two rounds in all
+// at a 32x28x28x1 -> 16 convolution (primitive creation made the first
+// round ~100 ms): the dense path was timed on its second run, 1.5-1.9x its
+// steady time, while the sparse path, with nothing to create, was timed at
+// 1.1x, and the family took the sparse plan, 1.3x slower.
 inline absl::Status BestSecondsInterleaved(
     const std::vector<std::function<absl::Status()>>& fns,
     std::vector<double>* best) {
   best->assign(fns.size(), 1e30);
-  int rounds = 3;
+  int rounds = 2;
   for (int round = 0; round < rounds; ++round) {
     const auto r0 = Clock::now();
     for (size_t i = 0; i < fns.size(); ++i) {
@@ -108,9 +115,9 @@ inline absl::Status BestSecondsInterleaved(
       TF_RETURN_IF_ERROR(fns[i]());
       (*best)[i] = std::min((*best)[i], Seconds(t0, Clock::now()));
     }
-    if (round == 0) {
+    if (round == 1) {
       const double took = Seconds(r0, Clock::now());
-      rounds = took > 0.3 ? 1 : took > 0.05 ? 2 : 3;
+      rounds = took > 0.3 ? 2 : took > 0.05 ? 3 : 4;
     }
   }
   return absl::OkStatus();
@@ -603,6 +610,21 @@ class SplitCall {
     return absl::OkStatus();
   }
 
+  // Runs this call all-dense after Decide chose sparse rows (an op's own
+  // rule vetoes them: the convolutions' zero-free rule, conv_cost.h): every
+  // row dense, threshold 0, compaction chosen as Apply does; the op's
+  // memory remembers the all-dense plan (its hysteresis and analysis
+  // choice then start from it). The statistics' histogram stays.
+  void VetoSparseRows() {
+    AllRowsDense(shape_.m, &split_);
+    threshold_ = 0.0;
+    const CostTerms terms =
+        family_ != nullptr && family_->calibrated() ? family_->Terms()
+                                                    : CostTerms();
+    compact_ = ChooseCompaction(shape_, terms, static_cast<double>(shape_.m));
+    if (memory_ != nullptr) memory_->RememberAllDense();
+  }
+
   // For Apply() without Decide(): the call's shape and family.
   void SetProblem(const SplitShape& shape, FamilyModel* family) {
     shape_ = shape;
@@ -621,6 +643,13 @@ class SplitCall {
   bool compact() const { return compact_; }
   double threshold() const { return threshold_; }
   void set_compact(bool c) { compact_ = c; }
+
+  // How many of the op instance's first all-dense calls at each shape hold
+  // one-time costs and stay out of the family's ratios (default 1: the
+  // primitive creation; PlanMemory::NoteDenseShape). A re-timed all-dense
+  // call counts only the first.
+  void set_dense_one_time_calls(int64_t calls) { dense_one_time_calls_ = calls; }
+  int64_t dense_one_time_calls() const { return dense_one_time_calls_; }
 
   void DenseDone() { dense_done_ = Clock::now(); }
   void SparseDone() { sparse_done_ = Clock::now(); }
@@ -648,11 +677,13 @@ class SplitCall {
     stats_[kStatNnzSparse] = split_.nnz_sparse;
     if (family_ != nullptr && !std::isnan(dense_s) && !std::isnan(sparse_s)) {
       // The op's first all-dense call at a shape pays TF's primitive
-      // creation for it: kept out of the ratios (FamilyModel::Record).
+      // creation for it: kept out of the ratios (FamilyModel::Record), as
+      // are its next ones up to dense_one_time_calls() (a re-time: only
+      // the first).
       const bool one_time =
           memory_ != nullptr && rows_dense() > 0 && rows_dense() == shape_.m &&
           memory_->NoteDenseShape(shape_.m, compact_ ? shape_.k_live : shape_.k,
-                                  compact_);
+                                  compact_, retimed_ ? 1 : dense_one_time_calls_);
       const bool dense_recorded =
           family_->Record(shape_, rows_dense(), compact_, dense_s,
                           rows_sparse(), split_.nnz_sparse, sparse_s, one_time);
@@ -716,6 +747,7 @@ class SplitCall {
   bool dense_now_ = false;   // all dense without a count (SetAllDense)
   bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
   bool retimed_ = false;           // this call runs a re-timed plan
+  int64_t dense_one_time_calls_ = 1;
   PlanMemory* memory_ = nullptr;   // the op's memory (automatic calls)
 };
 

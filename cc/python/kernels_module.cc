@@ -615,7 +615,9 @@ void BindCostModel(py::module_& mod) {
            [](FamilyModel& f, const py::dict& t) { f.SetCalibration(TermsOf(t)); },
            py::arg("terms"))
       .def("terms", [](const FamilyModel& f) { return DictOf(f.Terms()); })
-
+      .def("base_terms",
+           [](const FamilyModel& f) { return DictOf(f.BaseTerms()); },
+           "The calibration's terms, unscaled by the measured ratios.")
       .def("record",
            [](FamilyModel& f, const py::dict& shape, double rows_dense, bool compact,
               double dense_s, double rows_sparse, double nnz_sparse, double sparse_s,
@@ -655,6 +657,23 @@ void BindConvCost(py::module_& mod) {
     g.c_out = c_out, g.out_h = out_h, g.out_w = out_w;
     return g;
   };
+  mod.attr("conv_dense_one_time_calls") = kConvDenseOneTimeCalls;
+  mod.attr("conv_zero_free_density") = kConvZeroFreeDensity;
+  mod.attr("conv_zero_free_min_speedup") = kConvZeroFreeMinSpeedup;
+  mod.def("conv_sparse_rows_allowed",
+          [](const py::dict& shape, const py::tuple& profile,
+             const py::dict& base_terms, const py::dict& terms,
+             double density) {
+            return ConvSparseRowsAllowed(ShapeOf(shape), ProfileOf(profile),
+                                         TermsOf(base_terms), TermsOf(terms),
+                                         density);
+          },
+          py::arg("shape"), py::arg("profile"), py::arg("base_terms"),
+          py::arg("terms"), py::arg("density"),
+          "The convolutions' zero-free rule (cc/core/conv_cost.h "
+          "ConvSparseRowsAllowed): whether a call of this shape, profile and "
+          "density (nnz / (m k)) may run images sparse, given its family's "
+          "calibration terms and current (ratio-scaled) terms.");
   mod.def("conv_split_shape",
           [geometry](int64_t n, int64_t h, int64_t w, int64_t c_in,
                      int64_t c_live, int64_t kh, int64_t kw, int64_t c_out,
@@ -960,12 +979,16 @@ void BindAnalysis(py::module_& mod) {
       "(calls that ran the other side since the side began), confirmations "
       "(runs that confirmed a change of side, RetimePolicy::confirm_runs).");
   mem.attr("note_dense_shape") = py::cpp_function(
-      [](PlanMemory& m, int64_t rows, int64_t kc, bool compact) {
-        return m.NoteDenseShape(rows, kc, compact);
+      [](PlanMemory& m, int64_t rows, int64_t kc, bool compact,
+         int64_t one_time_calls) {
+        return m.NoteDenseShape(rows, kc, compact, one_time_calls);
       },
       py::is_method(mem), py::arg("m"), py::arg("kc"), py::arg("compact"),
-      "Whether this is the op's first all-dense call at (m, kc, compact), "
-      "remembering it (what the ops pass record() as dense_one_time).");
+      py::arg("one_time_calls") = 1,
+      "Whether this is one of the op's first one_time_calls all-dense calls "
+      "at (m, kc, compact), counting it (what the ops pass record() as "
+      "dense_one_time; the convolutions pass conv_dense_one_time_calls, a "
+      "re-timed call 1).");
   mod.def("retime_policy_defaults", [] {
     const RetimePolicy p;
     py::dict d;
