@@ -47,6 +47,7 @@ from bench_fixed_cost import _kernel_times
 from tf_sparse_split import _kernels
 from tf_sparse_split._loader import build_info
 from tf_sparse_split.testing import random_sparse
+from tf_sparse_split.tools.cli import parse_positive_int, parse_rate
 from tf_sparse_split.tuning import stats as S
 
 HEADER = ("| sparsity | kernel | tf.matmul bf16 (ms) | op forced sparse | "
@@ -146,17 +147,23 @@ def run_row(m, k, n, sparsity, direction, rounds, calls, rng):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="128x2048x2048", help="MxKxN")
-    p.add_argument("--sparsities", default="0.9,0.95,0.98")
+    p.add_argument("--sparsities", default="0.9,0.95,0.98",
+                   help="fractions of zeros of a, comma-separated, in [0, 1)")
     p.add_argument("--direction", choices=("fwd", "grad"), default="fwd")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--rounds", type=parse_positive_int, default=7)
+    p.add_argument("--calls", type=parse_positive_int, default=20,
+                   help="calls per column per round")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="")
+    p.add_argument("--out", default="", help="report file ('': none)")
     args = p.parse_args(argv)
-    m, k, n = (int(x) for x in args.shape.split("x"))
+    try:
+        m, k, n = (parse_positive_int(x) for x in args.shape.split("x"))
+        sparsities = [parse_rate(x) for x in args.sparsities.split(",")]
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        p.error(f"--shape MxKxN of positive integers, --sparsities in [0, 1): {e}")
     rng = np.random.default_rng(args.seed)
     rows = []
-    for s in (float(x) for x in args.sparsities.split(",")):
+    for s in sparsities:
         rows.append(run_row(m, k, n, s, args.direction, args.rounds,
                             args.calls, rng))
         print(rows[-1], flush=True)
