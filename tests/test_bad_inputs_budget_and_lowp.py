@@ -306,3 +306,17 @@ def test_conv2d_16_bit_input_grad_with_nan_filter(dtype):
     assert fin.any()
     assert np.abs(dx[fin] - exact[fin]).max() / np.abs(exact[fin]).max() \
         <= TOL[dtype]
+
+
+def test_time_budget_verbose_line_says_why_sensitivities_are_equal(capsys):
+    model = _mlp()
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  jit_compile=False)
+    x, y = _data()
+    cb = tfss.TimeBudgetCallback(step_time=0.01, warmup_steps=2,
+                                 min_samples=2, verbose=1)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    out = capsys.readouterr().out
+    assert "no sensitivity_data: every layer taken as equally sensitive" \
+        in out, out
+    assert "held batch" not in out

@@ -960,7 +960,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self.sensitivity_data is None:
             for k in self._knobs:
                 c.set_sensitivity(k.name, 1.0)
-            self._sens_note = "no held batch: equal sensitivities"
+            self._sens_note = ("no sensitivity_data: every layer taken as "
+                               "equally sensitive")
             return
         x, y = self.sensitivity_data
         step = c.measured() or self._base_s or 0.0
