@@ -17,7 +17,8 @@ def test_target_sparsity_mlp_compare(run_cli):
     assert rc == 0, out
     # Per-epoch lines of the induced model show the FATReLU controls.
     assert re.search(r"  hidden_2: (dense|split|sparse|auto): \d+% zeros[^\n]*"
-                     r"; FATReLU cutoff \d+\.\d{4}, l1 ", out), out
+                     r"; FATReLU cutoff \d+\.\d{4}, L1 activity penalty ",
+                     out), out
     assert "  hidden_1: " in out
     assert "FATReLU" not in out.split("  hidden_1: ")[1].split(
         "\n")[0]  # fed by the pixels: not controlled

@@ -166,8 +166,15 @@ def select_split_layers(model, selection, caller):
     by_name = {l.name: l for l in found}
     out = []
     for item in selection:
-        if isinstance(item, SparseSplitLayer):
+        if isinstance(item, SparseSplitLayer) and any(
+                item is l for l in found):
             out.append(item)
+        elif isinstance(item, SparseSplitLayer):
+            # A layer of another model: its statistics would never move.
+            raise ValueError(
+                f"{caller}: layer {item.name!r} is not in the model (a layer "
+                "of another model?); the model's sparse-split layers are "
+                f"{sorted(by_name)}")
         elif isinstance(item, str) and item in by_name:
             out.append(by_name[item])
         else:

@@ -537,8 +537,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         seconds, bounds out of range, a ``gain`` that is not a finite
         number >= 0, a ``clock`` that is not callable, a ``log_dir`` that
         is not a path); at ``on_train_begin`` no controllable
-        layer, a named layer that cannot be controlled, or an epoch/deadline
-        budget without a known number of steps per epoch.
+        layer, a named layer that cannot be controlled, an epoch/deadline
+        budget without a known number of steps per epoch, or a model
+        compiled with ``steps_per_execution`` > 1 (the callback times and
+        steers every single step).
     """
 
     def __init__(self, step_time=None, epoch_time=None, deadline=None,
@@ -667,6 +669,21 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         # The deadline counts from here: discovery, conversion and the
         # recompilation it causes are part of the fit's time.
         self._t_begin = self.clock()
+        spe = getattr(self.model, "steps_per_execution", 1)
+        try:
+            spe = int(spe.numpy() if hasattr(spe, "numpy") else spe)
+        except (TypeError, ValueError):
+            spe = 1
+        if spe > 1:
+            # Keras calls the batch hooks once per execution: every "step"
+            # timed here would be spe steps, so a step budget would be
+            # compared with spe steps' time and a plan would count spe
+            # times too few steps.
+            raise ValueError(
+                f"TimeBudgetCallback: the model is compiled with "
+                f"steps_per_execution={spe}; the callback times every step "
+                "and moves the sparsity between steps, so compile with "
+                "steps_per_execution=1")
         params = self.params or {}
         self._spe = params.get("steps") or None
         self._epochs = params.get("epochs") or None
@@ -943,7 +960,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         if self.sensitivity_data is None:
             for k in self._knobs:
                 c.set_sensitivity(k.name, 1.0)
-            self._sens_note = "no held batch: equal sensitivities"
+            self._sens_note = ("no sensitivity_data: every layer taken as "
+                               "equally sensitive")
             return
         x, y = self.sensitivity_data
         step = c.measured() or self._base_s or 0.0

@@ -85,7 +85,11 @@ def _median_time(fn, repeats):
     import tensorflow as tf
 
     graph_fn = tf.function(fn)
-    graph_fn().numpy()  # trace, warm-up (and the op's calibration for 'auto')
+    # Trace, warm-up (and the op's calibration for 'auto'); a few calls, as
+    # the first op of a process stays slow for more than one (seen: 8x on
+    # the first node with --repeats 3).
+    for _ in range(3):
+        graph_fn().numpy()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -87,8 +87,9 @@ def epoch_printer(epochs, layer_names, out):
                     continue
                 fat = logs.get(f"{name}/fat_cutoff")
                 fat_text = ("" if fat is None else
-                            f"; FATReLU cutoff {fat:.4f}, l1 "
-                            f"{logs.get(f'{name}/l1', 0.0):.3g}")
+                            f"; FATReLU cutoff {fat:.4f}, L1 activity "
+                            f"penalty {logs.get(f'{name}/l1', 0.0):.3g} x "
+                            "mean |activation|")
                 print(f"  {name}: {describe_split(sp, th)}{fat_text}",
                       file=out, flush=True)
 
@@ -385,7 +386,8 @@ def _steady(times):
 def _time_label(result):
     n = len(result["epoch_times"])
     if result.get("steady_state"):
-        return (f"steady state: mean of epochs 2-{n}; epoch 1, with tracing: "
+        which = "epoch 2" if n == 2 else f"mean of epochs 2-{n}"
+        return (f"steady state: {which}; epoch 1, with tracing: "
                 f"{result['epoch_times'][0]:.2f} s")
     return "1 epoch, includes tracing; use --epochs 2+ for a steady-state time"
 

@@ -80,6 +80,8 @@ __all__ = ["LayerCost", "StepModel", "Allocation", "allocate",
 
 def _finite_positive(value, name):
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError   # float("0.1") would accept text
         v = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"`{name}` must be a number of seconds. "
@@ -92,6 +94,8 @@ def _finite_positive(value, name):
 
 def _fraction(value, name, lo=0.0, hi=1.0, hi_open=True):
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         v = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"`{name}` must be a number in [{lo}, {hi}). "
