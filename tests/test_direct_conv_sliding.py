@@ -15,7 +15,7 @@ import pytest
 from tf_sparse_split._loader import kernels
 from tf_sparse_split.testing import relative_error
 
-from test_direct_conv import _geometry, _sparse_x, ref_conv
+from test_direct_conv import _geometry, _same_nonfinite, _sparse_x, ref_conv
 
 K = kernels()
 
@@ -100,14 +100,6 @@ def test_tiled_kernel_variable_selects_another_summation_order(monkeypatch):
     assert not np.array_equal(sliding, tiled)
     assert relative_error(sliding, ref) <= 1e-5
     assert relative_error(tiled, ref) <= 1e-5
-
-
-def _same_nonfinite(got, ref):
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
-    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))
-    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
-    fin = np.isfinite(ref)
-    assert relative_error(got[fin], ref[fin]) <= 1e-5
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
