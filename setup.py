@@ -34,6 +34,11 @@ Environment variables:
   ``-DGOOGLE_CUDA=1`` (which enables the GPU kernels in
   ``cc/kernels/*_gpu.cc``). ``CUDA_HOME`` (default: the directory above nvcc's
   ``bin``) gives the CUDA headers and ``libcudart``.
+* ``TFSS_BUILD_JOBS``: how many sources compile at once (default: the CPUs
+  this process may use). A rebuild in the same folder
+  (``python setup.py build_ext --inplace``) recompiles only the sources
+  newer than their objects, all of them when a header under ``cc/`` or
+  the compiler arguments changed.
 """
 
 import glob
@@ -280,10 +285,96 @@ class BuildExt(build_ext):
         # One temporary folder per extension, so their objects never mix.
         build_temp = self.build_temp
         self.build_temp = os.path.join(build_temp, ext.name.rsplit(".", 1)[-1])
+        _parallel_compile(self.compiler, self.build_temp)
         try:
             super().build_extension(ext)
         finally:
             self.build_temp = build_temp
+
+
+def _build_jobs():
+    """TFSS_BUILD_JOBS (default: the CPUs this process may use)."""
+    raw = os.environ.get("TFSS_BUILD_JOBS", "").strip()
+    if raw:
+        try:
+            jobs = int(raw)
+        except ValueError:
+            _fail(f"TFSS_BUILD_JOBS must be a positive integer, got {raw!r}.")
+        if jobs < 1:
+            _fail(f"TFSS_BUILD_JOBS must be a positive integer, got {raw!r}.")
+        return jobs
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _newest_header_mtime():
+    """The newest modification time of the headers and included sources
+    under cc/ (any of them may be included by any source)."""
+    paths = (glob.glob(os.path.join(HERE, "cc", "**", "*.h"), recursive=True)
+             + glob.glob(os.path.join(HERE, "cc", "**", "*.inc"), recursive=True))
+    return max((os.path.getmtime(p) for p in paths), default=0.0)
+
+
+def _parallel_compile(compiler, build_temp):
+    """Replaces ``compiler.compile`` (distutils' CCompiler, the same steps)
+    by one that compiles the sources of an extension on ``_build_jobs()``
+    threads, and reuses an object left in ``build_temp`` by an earlier build
+    when it is newer than its source and than every header under cc/ and
+    was compiled with the same command-line arguments (a stamp file per
+    folder); a fresh ``pip install`` builds in a fresh folder and compiles
+    everything."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    if getattr(compiler, "_tfss_parallel", False):
+        compiler._tfss_build_temp = build_temp
+        return
+    compiler._tfss_parallel = True
+    compiler._tfss_build_temp = build_temp
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None,
+                debug=0, extra_preargs=None, extra_postargs=None,
+                depends=None):
+        macros, objects, extra, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+        stamp = os.path.join(compiler._tfss_build_temp, "tfss_compile_args.json")
+        args_now = json.dumps([list(cc_args), list(extra or []),
+                               list(pp_opts or []), compiler.compiler_so])
+        try:
+            with open(stamp) as f:
+                same_args = f.read() == args_now
+        except OSError:
+            same_args = False
+        headers = _newest_header_mtime()
+
+        def fresh(obj, src):
+            if not same_args or not os.path.exists(obj):
+                return False
+            made = os.path.getmtime(obj)
+            return made > os.path.getmtime(src) and made > headers
+
+        todo = [o for o in objects if not fresh(o, build[o][0])]
+        if len(todo) < len(objects):
+            print(f"tf_sparse_split: {len(objects) - len(todo)} object(s) "
+                  "up to date, not recompiled", flush=True)
+
+        def one(obj):
+            src, ext = build[obj]
+            compiler._compile(obj, src, ext, cc_args, extra, pp_opts)
+
+        jobs = min(_build_jobs(), max(1, len(todo)))
+        with ThreadPoolExecutor(jobs) as pool:
+            for _ in pool.map(one, todo):  # re-raises a compiler error
+                pass
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(args_now)
+        return objects
+
+    compiler.compile = compile
 
 
 def _sources(*patterns):
