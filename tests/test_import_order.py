@@ -128,3 +128,37 @@ def test_profile_command_reads_a_sparse_split_keras_file(runs):
     split_nodes = [ln for ln in r.stdout.splitlines()
                    if "TfSparseSplit>SparseSplit" in ln]
     assert len(split_nodes) == 2, r.stdout
+
+
+#: First uses of the lazy public names that import TensorFlow from inside a
+#: module of the package (``tf_sparse_split.ops.matmul`` imports it at its
+#: top): the layers must still be registered, once that module is complete.
+FIRST_USES = ["tfss.sparse_split_matmul", "tfss.sparse_split_conv2d",
+              "tfss.testing", "tfss.rewrite", "tfss.load_library()",
+              "tfss.sparse_split_model", "tfss.SparseSplitDense"]
+
+FIRST_USE = textwrap.dedent("""
+    import sys
+    import tf_sparse_split as tfss
+    assert "tensorflow" not in sys.modules
+    {use}
+    assert "tensorflow" in sys.modules
+    # Registered by the import that brought TensorFlow in, before any
+    # explicit import of keras or of the layers.
+    assert "tf_sparse_split.layers" in sys.modules, "layers not imported"
+    import keras
+    for name in ("SparseSplitDense", "SparseSplitConv2D", "FATReLU"):
+        cls = keras.saving.get_registered_object("tf_sparse_split>" + name)
+        assert cls is not None and cls.__name__ == name, name
+    assert tfss.library_error is None, tfss.library_error
+    print("REGISTERED")
+    """)
+
+
+@pytest.mark.parametrize("use", FIRST_USES)
+def test_first_use_of_a_public_name_registers_the_layers(use):
+    # -W error: a failed registration is a RuntimeWarning, here an error.
+    r = _run([sys.executable, "-W", "error::RuntimeWarning", "-c",
+              FIRST_USE.format(use=use)])
+    assert r.returncode == 0 and "REGISTERED" in r.stdout, r.stderr[-3000:]
+    assert "could not register" not in r.stderr

@@ -54,7 +54,11 @@ while importing, long before it imports Keras) is never executed and uses up
 nothing; once both registrations are made the finder returns None at
 once. ``import keras`` runs inside ``import tensorflow`` (and the reverse),
 so the layers are imported only when neither package is still
-initialising. Importing the layers directly (``tfss.SparseSplitDense``)
+initialising, nor any module of this package: the first use of
+``tfss.sparse_split_matmul`` imports TensorFlow from inside
+``tf_sparse_split.ops.matmul``, and the layers, which import that module,
+are then registered when its execution ends (the finder watches this
+package's modules until they are). Importing the layers directly (``tfss.SparseSplitDense``)
 registers them too. If the op library is not built the import still
 succeeds; the :class:`LibraryLoadError` (with the rebuild command) is kept
 in ``library_error`` and raised by the first call that needs the library.
@@ -149,12 +153,14 @@ def _ready(name):
     return module is not None and not getattr(spec, "_initializing", False)
 
 
-def _register():
+def _register(finished=None):
     """Makes the registrations whose packages are ready (idempotent): the
     op library once TensorFlow is imported, the Keras layers once TensorFlow
     and Keras are. An unbuilt or damaged library is remembered in
     :data:`library_error`, not raised; a failure to import the layers is a
-    ``RuntimeWarning`` (it must not break the user's import)."""
+    ``RuntimeWarning`` (it must not break the user's import). ``finished``:
+    the module whose execution just ended (the finder's call), still
+    flagged as initialising."""
     global library_error
     if _claim("ops", "tensorflow"):
         from tf_sparse_split._loader import LibraryLoadError, load_library
@@ -166,12 +172,28 @@ def _register():
         except Exception as e:  # never break the user's import
             warnings.warn(f"tf_sparse_split could not load its op library: "
                           f"{e}", RuntimeWarning, stacklevel=2)
-    if _claim("keras", "tensorflow", "keras"):
+    if not _submodule_initializing(finished) and _claim("keras", "tensorflow",
+                                                 "keras"):
         try:
             importlib.import_module("tf_sparse_split.layers")
         except Exception as e:  # never break the user's `import keras`
             warnings.warn(f"tf_sparse_split could not register its Keras "
                           f"layers: {e}", RuntimeWarning, stacklevel=2)
+
+
+def _submodule_initializing(finished=None):
+    """Whether a module of this package (not the package itself) is still
+    executing: the first use of a public name (``tfss.sparse_split_matmul``)
+    imports TensorFlow from inside ``tf_sparse_split.ops.matmul``, and the
+    layers imported then would find that module half-initialised. The
+    registration waits for the end of its execution (the finder calls
+    :func:`_register` again)."""
+    prefix = __name__ + "."
+    for name, module in list(sys.modules.items()):
+        if name.startswith(prefix) and name != finished and getattr(
+                getattr(module, "__spec__", None), "_initializing", False):
+            return True
+    return False
 
 
 def _claim(registration, *packages):
@@ -188,7 +210,10 @@ def _claim(registration, *packages):
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Calls :func:`_register` each time the execution of the
-    ``tensorflow`` or ``keras`` package finishes. Finds nothing itself: it
+    ``tensorflow`` or ``keras`` package finishes, and, until the layers are
+    registered, each time one of this package's modules finishes (a
+    registration deferred by :func:`_submodule_initializing`). Finds
+    nothing itself: it
     returns the spec the finders after it return, with the loader's
     ``exec_module`` wrapped. Looking a spec up without executing it
     (``importlib.util.find_spec``) changes nothing."""
@@ -197,7 +222,9 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         self._busy = threading.local()
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _PACKAGES or len(_done) == 2 or \
+        watched = fullname in _PACKAGES or (
+            fullname.startswith(__name__ + ".") and "keras" not in _done)
+        if not watched or len(_done) == 2 or \
                 getattr(self._busy, "on", False):
             return None
         self._busy.on = True
@@ -216,8 +243,9 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
             finally:
                 if vars(loader).get("exec_module") is exec_then_register:
                     del loader.exec_module  # back to the class's method
-            _executed.add(fullname)
-            _register()
+            if fullname in _PACKAGES:
+                _executed.add(fullname)
+            _register(fullname)
 
         exec_then_register._tfss_wrapped = True
         try:
