@@ -128,10 +128,13 @@ def test_cpu_fallback_is_identical(threshold, ta, tb, mode, fresh_warning_state)
     assert s1[S.HETEROGENEOUS] == S.HETERO_CPU_FALLBACK
     # Same split decisions (rows, nnz) with and without the flag; the
     # automatic threshold decides from the op's own measured timings, so two
-    # calls may differ there and only the shapes are compared.
+    # calls may differ in their plan (rows, skipped columns) there, but both
+    # count every value (return_stats asks for exact statistics).
     for i in ((S.NNZ, S.ZERO_COLS_SKIPPED, S.M, S.K, S.N) if threshold >= 0
-              else (S.M, S.K, S.N)):
+              else (S.NNZ, S.M, S.K, S.N)):
         assert s1[i] == s0[i]
+    assert s0[S.ANALYSIS] == s1[S.ANALYSIS] == S.ANALYSIS_FULL
+    assert s0[S.NNZ] == np.count_nonzero(a)
     if threshold >= 0:
         for i in (S.ROWS_DENSE, S.ROWS_SPARSE, S.NNZ_SPARSE):
             assert s1[i] == s0[i]
