@@ -278,26 +278,6 @@ struct ConvAttrs {
   }
 };
 
-
-// Whether TF runs its oneDNN convolutions in dtype dt on this CPU, as its
-// graph rewrite does (CPUID, read at run time): float32 always (oneDNN on);
-// bfloat16 with AVX-512F (oneDNN's bf16 kernels: native AVX512_BF16 / AMX
-// where present, emulated on AVX-512F otherwise); half only with
-// AVX512_FP16. Elsewhere TF's Eigen kernels run that dtype.
-bool OneDnnRunsDtype(tf::DataType dt) {
-  if (!OneDnnEnabled()) return dt == tf::DT_FLOAT;
-  switch (dt) {
-    case tf::DT_FLOAT:
-      return true;
-    case tf::DT_BFLOAT16:
-      return Cpu().avx512f;
-    case tf::DT_HALF:
-      return Cpu().avx512fp16;
-    default:
-      return false;
-  }
-}
-
 // Creates TF's kernel for `op` (oneDNN's labelled "_MklNative<op>" where
 // OneDnnRunsDtype, else the plain one).
 absl::Status InitDenseKernel(tf::OpKernelConstruction* ctx, tf::DataType dt,

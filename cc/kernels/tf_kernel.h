@@ -11,11 +11,14 @@
 #include <string>
 #include <vector>
 
+#include <exception>
+
 #include "absl/container/inlined_vector.h"
 #include "absl/types/span.h"
 #include "tensorflow/core/framework/node_def_util.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "cc/core/low_precision.h"
 
 namespace tf_sparse_split {
 
@@ -58,7 +61,7 @@ class TfKernel {
   // For the all-dense call whose operands are the op's inputs as given:
   // nothing is built per call (no Params, no sub-context, no output copy).
   absl::Status RunOnContext(::tensorflow::OpKernelContext* ctx) const {
-    kernel_->Compute(ctx);
+    TF_RETURN_IF_ERROR(Compute(ctx));
     TF_RETURN_IF_ERROR(ctx->status());
     if (ctx->mutable_output(0) == nullptr)
       return absl::InternalError(
@@ -104,7 +107,7 @@ class TfKernel {
     p.cancellation_manager = ctx->cancellation_manager();
     p.frame_iter = ctx->frame_iter();
     tf::OpKernelContext sub(&p, static_cast<int>(outs.size()));
-    kernel_->Compute(&sub);
+    TF_RETURN_IF_ERROR(Compute(&sub));
     TF_RETURN_IF_ERROR(sub.status());
     for (size_t i = 0; i < outs.size(); ++i) {
       const tf::Tensor* o = sub.mutable_output(static_cast<int>(i));
@@ -117,6 +120,23 @@ class TfKernel {
   }
 
  private:
+  // The kernel's Compute, with a C++ exception thrown inside it (oneDNN
+  // throws dnnl::error for a primitive this CPU cannot run) returned as an
+  // error status: let through, it would unwind into TensorFlow's executor
+  // and abort the process.
+  absl::Status Compute(::tensorflow::OpKernelContext* ctx) const {
+    try {
+      kernel_->Compute(ctx);
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat(
+          kernel_->name(), " (", kernel_->type_string(), ") threw: ", e.what()));
+    } catch (...) {
+      return absl::InternalError(absl::StrCat(
+          kernel_->name(), " (", kernel_->type_string(), ") threw"));
+    }
+    return absl::OkStatus();
+  }
+
   static constexpr int kMaxInputs = 4;
   std::unique_ptr<::tensorflow::OpKernel> kernel_;
 };
@@ -130,6 +150,28 @@ inline bool OneDnnEnabled() {
   return !(v == "0" || v == "false" || v == "False" || v == "FALSE");
 }
 
+// Whether TF runs its oneDNN kernels (MatMul, convolutions and their fused
+// forms) in dtype dt on this CPU, as its graph rewrite does (CPUID, read at
+// run time): float32 always (oneDNN on); bfloat16 with AVX-512F (oneDNN's
+// bf16 kernels: native AVX512_BF16 / AMX where present, emulated on
+// AVX-512F otherwise); half only with AVX512_FP16 (on AVX-512 CPUs without
+// it, e.g. AMD Zen 4, oneDNN's half matmul primitive throws). Elsewhere
+// TF's Eigen kernels run that dtype.
+inline bool OneDnnRunsDtype(::tensorflow::DataType dt) {
+  namespace tf = ::tensorflow;
+  if (!OneDnnEnabled()) return dt == tf::DT_FLOAT;
+  switch (dt) {
+    case tf::DT_FLOAT:
+      return true;
+    case tf::DT_BFLOAT16:
+      return Cpu().avx512f;
+    case tf::DT_HALF:
+      return Cpu().avx512fp16;
+    default:
+      return false;
+  }
+}
+
 // The attrs of TF's MatMul-family kernels: T, transpose_a, transpose_b.
 inline void AddMatMulAttrs(::tensorflow::DataType dtype, bool ta, bool tb,
                            ::tensorflow::NodeDef* def) {
@@ -140,14 +182,15 @@ inline void AddMatMulAttrs(::tensorflow::DataType dtype, bool ta, bool tb,
 
 // TF's MatMul kernel for op(a) * op(b) on `device_type`: on the CPU with
 // oneDNN on, the oneDNN kernel "_MklMatMul" that tf.matmul runs in graphs
-// where it exists for the dtype, else the plain "MatMul".
+// where it exists for the dtype and this CPU runs it (OneDnnRunsDtype),
+// else the plain "MatMul" (Eigen), as TF's own graph does.
 inline absl::Status InitTfMatMul(::tensorflow::OpKernelConstruction* ctx,
                                  const ::tensorflow::DeviceType& device_type,
                                  ::tensorflow::DataType dtype, bool ta, bool tb,
                                  TfKernel* kernel) {
   namespace tf = ::tensorflow;
   auto attrs = [&](tf::NodeDef* def) { AddMatMulAttrs(dtype, ta, tb, def); };
-  if (device_type == tf::DEVICE_CPU && OneDnnEnabled() &&
+  if (device_type == tf::DEVICE_CPU && OneDnnRunsDtype(dtype) &&
       kernel->Init(ctx, device_type, "_MklMatMul", "MklNameChangeOp", 2, attrs)
           .ok()) {
     return absl::OkStatus();
@@ -159,7 +202,8 @@ inline absl::Status InitTfMatMul(::tensorflow::OpKernelConstruction* ctx,
 // tf.nn.relu(tf.matmul(a, b) + bias) runs in a graph once Grappler's
 // remapper has fused it into "_FusedMatMul" -- with oneDNN on, the layout
 // pass renames that to "_MklNativeFusedMatMul" (label "MklNameChangeOp"),
-// else the Eigen "_FusedMatMul". Both take (a, b, bias) and exist on the CPU
+// else (or where this CPU does not run oneDNN in the dtype, OneDnnRunsDtype)
+// the Eigen "_FusedMatMul". Both take (a, b, bias) and exist on the CPU
 // for float32, bfloat16 and half in TF 2.21 (not float64: there TF's graph
 // runs MatMul, BiasAdd and Relu). `fused_ops` is {"BiasAdd"} or {"BiasAdd",
 // "Relu"} / {"BiasAdd", "Relu6"}. An error (no such kernel) leaves *kernel
@@ -176,7 +220,7 @@ inline absl::Status InitTfFusedMatMul(
     tf::AddNodeAttr("num_args", 1, def);
     tf::AddNodeAttr("fused_ops", fused_ops, def);
   };
-  if (device_type == tf::DEVICE_CPU && OneDnnEnabled() &&
+  if (device_type == tf::DEVICE_CPU && OneDnnRunsDtype(dtype) &&
       kernel->Init(ctx, device_type, "_MklNativeFusedMatMul",
                    "MklNameChangeOp", 3, attrs)
           .ok()) {
