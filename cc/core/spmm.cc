@@ -234,11 +234,12 @@ Bf16SpmmKernel Bf16SpmmKernelRule(int64_t n_rows, int64_t k, int64_t n,
   // FMA takes both 256-bit pipes, vdpbf16ps zmm issues every cycle)
   // vdpbf16ps adds about 2x the FMA's products per second
   // (Bf16DotRateRatio), and the packed dot kernel beat the float32 packed
-  // one at every density measured (wall ms, one thread, loaded machine;
-  // packed / dot packed): forward 1024x4096x1024 at 50% zeros 80 / 51,
-  // 70% 61 / 49, 128x2048x2048 at 50% 8.9 / 5.6, 70% 6.6 / 3.8 (all in
-  // benchmarks/results/bench_matmul_bf16_kernels_zen4_under_load.md). So
-  // where the measured ratio reaches kDotDenseMinRateRatio, the packed
+  // one at every density measured (wall-clock, one thread, loaded machine;
+  // t(packed) / t(dot packed), same rounds): at 0 / 50 / 70% zeros forward
+  // 1024x4096x1024 1.32 / 1.58 / 1.27x, its a^T dY 1.50 / 1.83 / 1.48x,
+  // forward 128x2048x2048 1.0 / 1.28 / 1.65x, its a^T dY 1.80 / 1.64 /
+  // 1.88x (benchmarks/results/bench_matmul_bf16_kernels_zen4_under_load.md).
+  // So where the measured ratio reaches kDotDenseMinRateRatio, the packed
   // dot kernel also takes densities above 1/2.
   if (n < 32) return Bf16SpmmKernel::kPacked;
   if (dot) {
