@@ -1363,7 +1363,7 @@ void Bind(py::module_& mod) {
   mod.def("bf16_dot_rate_ratio", &Bf16DotRateRatio,
           "Products per second of vdpbf16ps over those of a float32 FMA "
           "(512-bit) on this CPU, measured once per process (~0.1 ms): about "
-          "0.5 on Sapphire Rapids, 2 on Zen 4; 0.0 where the dot kernels "
+          "2 on Zen 4, ~0.5 expected on Sapphire Rapids; 0.0 where the dot kernels "
           "cannot run (bf16_dot_available() false).");
   mod.def(
       "lowp_sddmm",
