@@ -201,7 +201,7 @@ _KERNEL_PATHS = {"packed": 0, "direct": 1, "dot": 2, "dot_packed": 3}
 
 
 def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
-               clock=time.perf_counter):
+               clock=time.perf_counter, threads=1):
     """The bfloat16 CSR SpMM kernels against tf.matmul in bfloat16, same
     run: ``_kernels.lowp_spmm`` (count, CSR build and CsrSpmm of the op's
     sparse part; uint16 bit patterns in and out) with the packed kernel
@@ -210,7 +210,8 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     AVX512_BF16) and the per-call choice (path -1, with the kernel it
     took); ``direction`` "fwd": ``a [m, k] @ b [k, n]``, "grad": the weight
     gradient ``a^T @ dY`` with ``dY [m, n]``; ``clock`` the timer
-    (``time.process_time``: CPU seconds of the process, all threads).
+    (``time.process_time``: CPU seconds of the process, all threads);
+    ``threads`` the kernels' threads (TF's matmul runs on its own pool).
     Returns the markdown row: tf.matmul's median ms and each kernel's
     speed-up over it (median of the per-round ratios, columns in a random
     order each round). The kernels' times include allocating their numpy
@@ -231,7 +232,7 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     # copy to numpy would add ~1 ms per 8 MB output to TF's column only.
     fns = [dense] + [
         (lambda p=p: _kernels.lowp_spmm(a_bits, b_bits, "bfloat16", ta,
-                                        path=p))
+                                        threads=threads, path=p))
         for p in paths]
     outs = [f() for f in fns[1:]]
     for o in outs[1:]:
@@ -371,6 +372,9 @@ def main(argv=None):
                         "bfloat16 on the --directions products of --shapes "
                         "(default 128x2048x2048,1024x4096x1024) at "
                         "--sparsities (default 0.9,0.95,0.98,0.99)")
+    p.add_argument("--kernel-threads", type=int, default=1,
+                   help="--bf16-kernels: threads of the kernels (default 1; "
+                        "TF's matmul uses its intra-op pool)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="--bf16-kernels: time wall-clock seconds or the "
                         "process's CPU seconds (all threads; less disturbed "
@@ -390,6 +394,11 @@ def main(argv=None):
             p.error(f"--shapes: not MxKxN with sizes >= 1: {args.shapes!r}")
 
     if args.bf16_kernels:
+        if args.kernel_threads < 1:
+            p.error("--kernel-threads must be >= 1")
+        if not set(d.strip() for d in args.directions.split(",")
+                   if d.strip()) <= {"fwd", "grad"}:
+            p.error("--directions: fwd and/or grad")
         return kernel_main(args, custom or [(128, 2048, 2048),
                                             (1024, 4096, 1024)])
     dtypes = [tf.as_dtype(d.strip()) for d in args.dtypes.split(",") if d.strip()]
@@ -467,12 +476,14 @@ def kernel_main(args, shapes):
                 rows.append(kernel_row(
                     m, k, n, sp, args.reps, rng, direction,
                     time.process_time if args.clock == "cpu"
-                    else time.perf_counter))
+                    else time.perf_counter, args.kernel_threads))
                 print(rows[-1], flush=True)
     isa = _kernels.low_precision_isa()
     title = (f"bfloat16 CSR SpMM kernels (count + CSR build + CsrSpmm, "
              f"_kernels.lowp_spmm) against tf.matmul in bfloat16 (oneDNN; "
-             f"amx_bf16={isa['amx_bf16']}), same run, "
+             f"amx_bf16={isa['amx_bf16']}; vdpbf16ps / FMA products per "
+             f"second {_kernels.bf16_dot_rate_ratio():.2f}), kernels on "
+             f"{args.kernel_threads} thread(s), same run, "
              f"{'CPU' if args.clock == 'cpu' else 'wall-clock'} seconds: speed-up "
              f"t(tf.matmul) / t(kernel), median of {args.reps} interleaved "
              f"rounds' ratios; nnz / k: nonzeros per column of op(a) (per "

@@ -13,6 +13,8 @@ choice rule (``_kernels.bf16_spmm_kernel(..., dot=True|False)``) is tested
 everywhere.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -215,24 +217,70 @@ def test_availability_follows_cpuid():
 
 
 def test_choice_rule_with_dot():
-    """With the dot kernels: packed above density 1/2, dot packed from
-    density 1/64, dot below; narrow outputs (n < 32) packed. The measured
-    crossovers (spmm.cc) on the MLP's shapes."""
-    choose = _kernels().bf16_spmm_kernel
+    """With the dot kernels on a CPU whose vdpbf16ps adds half the float32
+    FMA's products per second (dot_rate_ratio 0.5, Sapphire Rapids): packed
+    above density 1/2, dot packed from density 1/64, dot below; narrow
+    outputs (n < 32) packed. The measured crossovers (spmm.cc) on the MLP's
+    shapes."""
+    choose = functools.partial(_kernels().bf16_spmm_kernel, dot=True,
+                               dot_rate_ratio=0.5)
     rows, k, n = 128, 2048, 2048            # forward, batch 128
     dense = rows * k
-    assert choose(rows, k, n, dense // 2 + 1, dot=True) == "packed"
-    assert choose(rows, k, n, dense // 2, dot=True) == "dot_packed"
-    assert choose(rows, k, n, int(0.1 * dense), dot=True) == "dot_packed"
-    assert choose(rows, k, n, dense // 64, dot=True) == "dot_packed"
-    assert choose(rows, k, n, dense // 64 - 1, dot=True) == "dot"
-    assert choose(rows, k, n, int(0.01 * dense), dot=True) == "dot"
+    assert choose(rows, k, n, dense // 2 + 1) == "packed"
+    assert choose(rows, k, n, dense) == "packed"
+    assert choose(rows, k, n, dense // 2) == "dot_packed"
+    assert choose(rows, k, n, int(0.1 * dense)) == "dot_packed"
+    assert choose(rows, k, n, dense // 64) == "dot_packed"
+    assert choose(rows, k, n, dense // 64 - 1) == "dot"
+    assert choose(rows, k, n, int(0.01 * dense)) == "dot"
     # weight gradient a^T dY: 2048 rows, k = 128
-    assert choose(2048, 128, 2048, 26214, dot=True) == "dot_packed"   # 90%
-    assert choose(2048, 128, 2048, 2621, dot=True) == "dot"           # 99%
-    assert choose(128, 2048, 31, 100, dot=True) == "packed"
-    assert choose(128, 2048, 32, 100, dot=True) == "dot"
-    assert choose(0, 0, 64, 0, dot=True) in ("dot", "dot_packed")
+    assert choose(2048, 128, 2048, 26214) == "dot_packed"   # 90%
+    assert choose(2048, 128, 2048, 2621) == "dot"           # 99%
+    assert choose(128, 2048, 31, 100) == "packed"
+    assert choose(128, 2048, 32, 100) == "dot"
+    assert choose(0, 0, 64, 0) in ("dot", "dot_packed")
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.99, 1.0, 2.1])
+def test_choice_rule_follows_the_dot_rate(ratio):
+    """Where vdpbf16ps adds at least the FMA's products per second
+    (dot_rate_ratio >= 1: Zen 4 measured ~2) the packed dot kernel also
+    takes densities above 1/2; the sparse end of the rule and narrow
+    outputs do not depend on the ratio."""
+    choose = functools.partial(_kernels().bf16_spmm_kernel, dot=True,
+                               dot_rate_ratio=ratio)
+    rows, k, n = 1024, 4096, 1024
+    dense = rows * k
+    above_half = "dot_packed" if ratio >= 1.0 else "packed"
+    for nnz in (dense // 2 + 1, int(0.7 * dense), dense):
+        assert choose(rows, k, n, nnz) == above_half, nnz
+    assert choose(rows, k, n, dense // 2) == "dot_packed"
+    assert choose(rows, k, n, dense // 20) == "dot_packed"     # 95% zeros
+    assert choose(rows, k, n, dense // 100) == "dot"           # 99% zeros
+    assert choose(rows, k, 31, dense) == "packed"
+    assert choose(rows, k, 31, 10) == "packed"
+
+
+def test_dot_rate_ratio_of_this_cpu():
+    """The measured ratio: 0 without the dot kernels, else positive and the
+    same on every call (measured once per process); dot=True without a
+    ratio is the rule at this CPU's ratio."""
+    kern = _kernels()
+    ratio = kern.bf16_dot_rate_ratio()
+    assert ratio == kern.bf16_dot_rate_ratio()
+    if not _has_dot():
+        assert ratio == 0.0
+    else:
+        assert 0.0 < ratio < 100.0
+    for nnz in (1000, 26214, 131072, 200000, 262144):
+        assert (kern.bf16_spmm_kernel(128, 2048, 2048, nnz, dot=True)
+                == kern.bf16_spmm_kernel(128, 2048, 2048, nnz, dot=True,
+                                         dot_rate_ratio=ratio))
+    with pytest.raises(ValueError, match="dot_rate_ratio"):
+        kern.bf16_spmm_kernel(128, 2048, 2048, 10, dot=True,
+                              dot_rate_ratio=-1.0)
+    with pytest.raises(ValueError, match="dot_rate_ratio"):
+        kern.bf16_spmm_kernel(128, 2048, 2048, 10, dot_rate_ratio=1.0)
 
 
 def test_choice_rule_without_dot():

@@ -139,4 +139,6 @@ def test_kernel_choice_of_the_mlp_products():
     for sparsity, want in ((0.90, "dot_packed"), (0.95, "dot_packed"),
                            (0.98, "dot_packed"), (0.995, "dot")):
         nnz = int(round(128 * 2048 * (1 - sparsity)))
-        assert choose(128, 2048, 2048, nnz, dot=True) == want, sparsity
+        for ratio in (0.5, 2.0):   # Sapphire Rapids, Zen 4
+            assert choose(128, 2048, 2048, nnz, dot=True,
+                          dot_rate_ratio=ratio) == want, (sparsity, ratio)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -184,8 +185,19 @@ bool Bf16DotAvailable() {
 #endif
 }
 
+double Bf16DotRateRatio() {
+#if TFSS_SPMM_HAVE_DOT
+  if (!Bf16DotAvailable()) return 0.0;
+  static const double ratio = lp_avx512bf16::DotToFmaRateRatio();
+  return ratio;
+#else
+  return 0.0;
+#endif
+}
+
 Bf16SpmmKernel Bf16SpmmKernelRule(int64_t n_rows, int64_t k, int64_t n,
-                                  int64_t nnz, bool dot) {
+                                  int64_t nnz, bool dot,
+                                  double dot_rate_ratio) {
   // The packed kernel pays, per call, ~k * n (B widened into the pack, read
   // in strided 256-byte panel rows) and ~n_rows * n (a float32 buffer of
   // the whole output, fresh pages zero-filled by the OS, narrowed to
@@ -217,11 +229,25 @@ Bf16SpmmKernel Bf16SpmmKernelRule(int64_t n_rows, int64_t k, int64_t n,
   // above that; the float32 packed kernel only at 50% zeros and denser
   // (its memory-operand FMAs run twice vdpbf16ps's products per cycle from
   // L1).
+  //
+  // That last edge is the CPU's: on Zen 4 (AVX512_BF16, no AMX; a 512-bit
+  // FMA takes both 256-bit pipes, vdpbf16ps zmm issues every cycle)
+  // vdpbf16ps adds about 2x the FMA's products per second
+  // (Bf16DotRateRatio), and the packed dot kernel beat the float32 packed
+  // one at every density measured (wall-clock, one thread, loaded machine;
+  // t(packed) / t(dot packed), same rounds): at 0 / 50 / 70% zeros forward
+  // 1024x4096x1024 1.32 / 1.58 / 1.27x, its a^T dY 1.50 / 1.83 / 1.48x,
+  // forward 128x2048x2048 1.0 / 1.28 / 1.65x, its a^T dY 1.80 / 1.64 /
+  // 1.88x (benchmarks/results/bench_matmul_bf16_kernels_zen4_under_load.md).
+  // So where the measured ratio reaches kDotDenseMinRateRatio, the packed
+  // dot kernel also takes densities above 1/2.
   if (n < 32) return Bf16SpmmKernel::kPacked;
   if (dot) {
     const double dense = static_cast<double>(n_rows) * static_cast<double>(k);
     const double z = static_cast<double>(nnz);
-    if (z * kDotMaxDensityInv > dense) return Bf16SpmmKernel::kPacked;
+    if (z * kDotMaxDensityInv > dense &&
+        !(dot_rate_ratio >= kDotDenseMinRateRatio))
+      return Bf16SpmmKernel::kPacked;
     return z * kDotPackedMinDensityInv >= dense ? Bf16SpmmKernel::kDotPacked
                                                 : Bf16SpmmKernel::kDot;
   }
@@ -240,7 +266,9 @@ Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
                ? Bf16SpmmKernel::kDirect
                : f;
   }
-  return Bf16SpmmKernelRule(n_rows, k, n, nnz, Bf16DotAvailable());
+  const bool dot = Bf16DotAvailable();
+  return Bf16SpmmKernelRule(n_rows, k, n, nnz, dot,
+                            dot ? Bf16DotRateRatio() : 0.0);
 }
 
 void ForceBf16SpmmKernel(int kernel) {

@@ -62,11 +62,14 @@ enum class Bf16SpmmKernel { kPacked = 0, kDirect = 1, kDot = 2, kDotPacked = 3 }
 constexpr int64_t kDirectNnzPerK = 3;
 constexpr int64_t kDirectNnzPerRow = 16;
 // Where the CPU has the dot kernels: kPacked above a density (nnz /
-// (n_rows * k)) of 1 / kDotMaxDensityInv, kDotPacked from a density of
-// 1 / kDotPackedMinDensityInv (two nonzeros per row per 128-row pack), else
-// kDot.
+// (n_rows * k)) of 1 / kDotMaxDensityInv unless vdpbf16ps runs at least
+// kDotDenseMinRateRatio times the FMA's products per second (then kDotPacked
+// at any density from 1 / kDotPackedMinDensityInv), kDotPacked from a
+// density of 1 / kDotPackedMinDensityInv (two nonzeros per row per 128-row
+// pack), else kDot.
 constexpr int64_t kDotMaxDensityInv = 2;
 constexpr int64_t kDotPackedMinDensityInv = 64;
+constexpr double kDotDenseMinRateRatio = 1.0;
 
 // True where the dot kernel can run: the CPU has AVX512_BF16 (CPUID leaf 7
 // subleaf 1, EAX bit 5) and the AVX-512 copy of the 16-bit kernels is the
@@ -74,18 +77,28 @@ constexpr int64_t kDotPackedMinDensityInv = 64;
 // library was compiled with a compiler that knows the instruction.
 bool Bf16DotAvailable();
 
+// Products per second of vdpbf16ps (zmm) over those of a float32 FMA (zmm)
+// on this CPU, measured once per process by two register-only throughput
+// loops (about 0.1 ms on first use; the fastest of 7 alternating rounds of
+// each): 2.0 on Zen 4, about 0.5 expected on Sapphire Rapids. 0 where
+// Bf16DotAvailable() is false.
+double Bf16DotRateRatio();
+
 // The rule of ChooseBf16SpmmKernel for a CPU with (dot = true) or without
-// the dot kernels, never forced: for n < 32 kPacked; with dot, kPacked for
-// nnz > n_rows * k / kDotMaxDensityInv, kDotPacked for nnz >= n_rows * k /
+// the dot kernels, never forced; dot_rate_ratio is Bf16DotRateRatio() of
+// the CPU (used only with dot): for n < 32 kPacked; with dot, kPacked for
+// nnz > n_rows * k / kDotMaxDensityInv when dot_rate_ratio <
+// kDotDenseMinRateRatio, kDotPacked for nnz >= n_rows * k /
 // kDotPackedMinDensityInv, else kDot; without, kDirect for nnz <=
 // kDirectNnzPerK * k + kDirectNnzPerRow * n_rows, else kPacked.
 Bf16SpmmKernel Bf16SpmmKernelRule(int64_t n_rows, int64_t k, int64_t n,
-                                  int64_t nnz, bool dot);
+                                  int64_t nnz, bool dot,
+                                  double dot_rate_ratio);
 
 // The kernel a bfloat16 CsrSpmm of n_rows x k (nnz nonzeros) times k x n
 // takes: forced (ForceBf16SpmmKernel; a forced kDot or kDotPacked where
 // Bf16DotAvailable() is false runs kDirect), else
-// Bf16SpmmKernelRule(..., Bf16DotAvailable()).
+// Bf16SpmmKernelRule(..., Bf16DotAvailable(), Bf16DotRateRatio()).
 Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
                                     int64_t nnz);
 

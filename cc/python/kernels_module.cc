@@ -1320,13 +1320,24 @@ void Bind(py::module_& mod) {
   mod.def(
       "bf16_spmm_kernel",
       [](int64_t n_rows, int64_t k, int64_t n, int64_t nnz,
-         py::object dot) {
+         py::object dot, py::object dot_rate_ratio) {
         if (n_rows < 0 || k < 0 || n < 0 || nnz < 0)
           throw py::value_error("sizes and nnz must be >= 0");
+        if (dot.is_none() && !dot_rate_ratio.is_none())
+          throw py::value_error("dot_rate_ratio needs dot=True or False");
+        double ratio = 0.0;
+        if (!dot_rate_ratio.is_none()) {
+          ratio = dot_rate_ratio.cast<double>();
+          if (!(ratio >= 0.0))
+            throw py::value_error("dot_rate_ratio must be >= 0");
+        } else if (!dot.is_none() && dot.cast<bool>()) {
+          ratio = Bf16DotRateRatio();
+        }
         const Bf16SpmmKernel kernel =
             dot.is_none()
                 ? ChooseBf16SpmmKernel(n_rows, k, n, nnz)
-                : Bf16SpmmKernelRule(n_rows, k, n, nnz, dot.cast<bool>());
+                : Bf16SpmmKernelRule(n_rows, k, n, nnz, dot.cast<bool>(),
+                                     ratio);
         switch (kernel) {
           case Bf16SpmmKernel::kDirect:
             return std::string("direct");
@@ -1339,13 +1350,21 @@ void Bind(py::module_& mod) {
         }
       },
       py::arg("n_rows"), py::arg("k"), py::arg("n"), py::arg("nnz"),
-      py::arg("dot") = py::none(),
+      py::arg("dot") = py::none(), py::arg("dot_rate_ratio") = py::none(),
       "The bfloat16 CsrSpmm kernel ('packed', 'direct', 'dot' or "
       "'dot_packed') a call of "
       "n_rows CSR rows (nnz nonzeros) times a k x n matrix takes: on this "
       "CPU (dot=None: ChooseBf16SpmmKernel), or by the rule for a CPU with "
       "(dot=True) or without (dot=False) the dot kernel "
-      "(Bf16SpmmKernelRule).");
+      "(Bf16SpmmKernelRule), whose vdpbf16ps runs dot_rate_ratio times the "
+      "float32 FMA's products per second (None: this CPU's "
+      "bf16_dot_rate_ratio()). ValueError on negative sizes or ratio, or a "
+      "ratio without dot.");
+  mod.def("bf16_dot_rate_ratio", &Bf16DotRateRatio,
+          "Products per second of vdpbf16ps over those of a float32 FMA "
+          "(512-bit) on this CPU, measured once per process (~0.1 ms): about "
+          "2 on Zen 4, ~0.5 expected on Sapphire Rapids; 0.0 where the dot kernels "
+          "cannot run (bf16_dot_available() false).");
   mod.def(
       "lowp_sddmm",
       [](const U16& mask, const U16& x, const U16& y, const std::string& dtype,
