@@ -90,7 +90,8 @@ NATURAL_SHAPES = [
     ("32x7x7x512->512 3x3", 32, 7, 7, 512, 512, 3),
 ]
 NATURAL_SPARSITIES = [0.5, 0.7]
-VARIANTS = ("tf_fwd", "auto_fwd", "sparse_fwd", "tf_dF", "auto_dF", "sparse_dF")
+VARIANTS = ("tf_fwd", "auto_fwd", "sparse_fwd", "dense_fwd", "tf_dF",
+            "auto_dF", "sparse_dF", "dense_dF")
 
 
 def _calls_per_round(fn, target_s=0.05):
@@ -156,6 +157,8 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
             x, f, 1, "SAME", threshold=-1.0)),
         "sparse_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
             x, f, 1, "SAME", threshold=1.0)),
+        "dense_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
+            x, f, 1, "SAME", threshold=0.0)),
         "tf_dF": tf.function(lambda x: tf.raw_ops.Conv2DBackpropFilter(
             input=x, filter_sizes=fsize, out_backprop=dy, strides=strides,
             padding="SAME")),
@@ -165,6 +168,9 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
         "sparse_dF": tf.function(
             lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
                 x, fsize, dy, 1.0, strides=strides, padding="SAME")[0]),
+        "dense_dF": tf.function(
+            lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+                x, fsize, dy, 0.0, strides=strides, padding="SAME")[0]),
     }
     variants = VARIANTS
     if ab_tiles:
@@ -196,7 +202,7 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
         for kind in ("fwd", "dF"):
             for key, t in (("", times), ("cpu_", cpu)):
                 tf_t = t[f"tf_{kind}"]
-                for v in ("auto", "sparse", "tiles"):
+                for v in ("auto", "sparse", "dense", "tiles"):
                     if f"{v}_{kind}" not in t:
                         continue
                     per_round = [a / b for a, b in zip(tf_t, t[f"{v}_{kind}"])]
@@ -210,10 +216,12 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
               f"{ratio['auto_fwd'][0]:5.2f}x [{ratio['auto_fwd'][1]:.2f}-"
               f"{ratio['auto_fwd'][2]:.2f}] sparse {ratio['sparse_fwd'][0]:5.2f}x"
               f" (cpu {ratio['cpu_sparse_fwd'][0]:5.2f}x)"
+              f" dense {ratio['dense_fwd'][0]:5.2f}x"
               f" | dF tf {row['tf_dF_ms']:7.2f} ms auto "
               f"{ratio['auto_dF'][0]:5.2f}x [{ratio['auto_dF'][1]:.2f}-"
               f"{ratio['auto_dF'][2]:.2f}] sparse {ratio['sparse_dF'][0]:5.2f}x"
-              f" (cpu {ratio['cpu_sparse_dF'][0]:5.2f}x)" +
+              f" (cpu {ratio['cpu_sparse_dF'][0]:5.2f}x)"
+              f" dense {ratio['dense_dF'][0]:5.2f}x" +
               (f" | fwd tiled kernel {ratio['tiles_fwd'][0]:5.2f}x (cpu "
                f"{ratio['cpu_tiles_fwd'][0]:5.2f}x)" if ab_tiles else ""),
               file=out, flush=True)
