@@ -3,8 +3,8 @@
 Times, in one process and interleaved round by round, TensorFlow's ops
 (``tf.nn.conv2d`` forward, ``tf.raw_ops.Conv2DBackpropFilter`` filter
 gradient; oneDNN on x86 CPUs) against ours with the automatic threshold
-(the cost model of cc/core/cost_model.h) and forced all-sparse (threshold
-1.0), all inside ``tf.function``, on inputs with a given fraction of exact
+(the cost model of cc/core/cost_model.h), forced all-sparse (threshold
+1.0) and forced all-dense (threshold 0.0), all inside ``tf.function``, on inputs with a given fraction of exact
 zeros scattered uniformly. Each round times every variant once (several
 calls each); the table gives the median over rounds of TF time / our time
 (> 1: ours faster) and the spread (min-max over rounds) of the auto ratio.
@@ -459,19 +459,22 @@ def markdown_natural(rows, rounds, header):
     lines = [
         header, "",
         "| layer | zeros | sparsity | tf.nn.conv2d (ms) | fwd all-sparse | "
-        "fwd all-sparse, CPU | fwd auto | Conv2DBackpropFilter (ms) | "
-        "dF all-sparse | dF all-sparse, CPU | dF auto |" +
+        "fwd all-sparse, CPU | fwd all-dense | fwd auto | "
+        "Conv2DBackpropFilter (ms) | dF all-sparse | dF all-sparse, CPU | "
+        "dF all-dense | dF auto |" +
         (" fwd all-sparse, tiled kernel | tiled, CPU |" if ab else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" +
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" +
         ("---:|---:|" if ab else ""),
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['dist']} | {r['sparsity']:.0%} | "
             f"{r['tf_fwd_ms']:.2f} | {f(r['sparse_fwd'])} | "
-            f"{f(r['cpu_sparse_fwd'])} | {f(r['auto_fwd'])} | "
+            f"{f(r['cpu_sparse_fwd'])} | {f(r['dense_fwd'])} | "
+            f"{f(r['auto_fwd'])} | "
             f"{r['tf_dF_ms']:.2f} | {f(r['sparse_dF'])} | "
-            f"{f(r['cpu_sparse_dF'])} | {f(r['auto_dF'])} |" +
+            f"{f(r['cpu_sparse_dF'])} | {f(r['dense_dF'])} | "
+            f"{f(r['auto_dF'])} |" +
             (f" {f(r['tiles_fwd'])} | {f(r['cpu_tiles_fwd'])} |" if ab else ""))
     lines += ["", f"Ratios are TF time / our time (> 1: ours faster), through "
               f"the ops with TF's thread pool: median [min-max] over {rounds} "
@@ -480,7 +483,8 @@ def markdown_natural(rows, rounds, header):
               "stride 1. Zeros i.i.d. ('iid', testing.random_sparse_images) "
               "or ReLU-like ('relu': max(z - q, 0) of a Gaussian z, q its "
               "sparsity quantile). 'all-sparse': threshold=1 (every image "
-              "through the sparse kernel the op picks); 'auto': threshold=-1."]
+              "through the sparse kernel the op picks); 'all-dense': "
+              "threshold=0; 'auto': threshold=-1."]
     if ab:
         lines[-1] += (" 'tiled kernel': the all-sparse forward with "
                       "TFSS_DIRECT_FWD_KERNEL=tiles (the direct kernel's tiled "
