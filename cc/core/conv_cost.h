@@ -56,14 +56,14 @@ constexpr int64_t kConvDenseOneTimeCalls = 4;
 // full-batch run of a path after the family's calibration holds one-time
 // costs of its own (buffers of the full batch; the dense path's primitive
 // creation is kept out by kConvDenseOneTimeCalls, the sparse path's first
-// calls are not): at 32x56x56x64 -> 64 with 50% zeros the calibrating
-// call's sparse part ran 62-106 ms against 57 ms for the next ones (the
-// all-dense calls 65 ms), and with its one ratio deciding alone the op
-// left the sparse plan its calibration chose, ran three confirming dense
-// calls and stayed all-dense -- the sparse path re-timed only every few
-// full counts -- for 15 to over 30 calls (0.92-0.98x of TF's kernel where
-// forced all-sparse read 1.02-1.09x). Held for three runs, the side's
-// median decides, as the confirmation does for the side it changes to.
+// calls are not): at 32x56x56x64 -> 64 with 50% zeros under load the
+// calibrating call's sparse part ran 62-159 ms where the same process's
+// forced all-sparse calls took 57-89 ms (medians), and with its one ratio
+// deciding alone the op left the sparse plan its calibration chose, ran
+// three confirming dense calls and stayed all-dense for most of the next
+// 15-30 calls (tests/test_conv2d_side_hold.py). Held for three runs, the
+// side's own median decides, as the confirmation does for the side it
+// changes to.
 constexpr int64_t kConvHoldRuns = 3;
 
 // The re-time policy of the convolution ops: the default with
