@@ -28,7 +28,9 @@ DecisionPolicy.analysis_s). With the convolutions' re-time policy
 longer sends the plan dense alone; the margins (10% to enter a sparse plan,
 plus its full count) still keep most replays dense where the sparse path
 is under ~12% faster. The analysis replay then checks that such an
-all-dense op backs off its full counts (note_sampled_full_stayed_dense).
+all-dense op backs off its full counts (note_sampled_full_stayed_dense)
+and still re-times its sparse path on the same calls as when every call
+decided (note_dense_call_without_decision, retime_falls_due).
 """
 
 import itertools
@@ -278,3 +280,52 @@ def test_full_counts_back_off_while_dense(index):
     dense = statistics.median(rec["forced_dense_s"])
     count = _analysis_s(rec)
     assert count * new.count("full") / len(new) < 0.005 * dense
+
+
+def _retime_calls(rec, backoff, calls=120):
+    """The calls (0-based) on which a replayed all-dense op re-times its
+    sparse path, on the recording's calibration terms (constant: nothing
+    recorded). backoff: the op's count back-off with the re-time schedule
+    kept in calls (note_dense_call_without_decision, a full count where
+    retime_falls_due); else every call counts fully and decides."""
+    shape, profile, n, k, _ = _problem(rec)
+    terms = K.fit_calibration(shape, rec["calibration"])
+    count_s = _analysis_s(rec) / (n * k)
+    policy = {"analysis_s": count_s * n * k}
+    memory = K.SplitPlanMemory()
+    out = []
+    for i in range(calls):
+        mode = "full"
+        if backoff and i > 0:
+            mode = memory.choose_analysis(shape, terms, count_s)
+            if mode != "full" and memory.retime_falls_due():
+                mode = "full"
+        if mode == "skip":
+            memory.remember_all_dense()
+            memory.record_analysis(False)
+            memory.note_dense_call_without_decision()
+            continue
+        before = memory.history()["samples_dense"]
+        r = memory.decide_and_retime(shape, profile, terms, policy,
+                                     K.conv_retime_policy())
+        memory.record_analysis(True)
+        assert r["decided"]["kind"] == "all_dense"
+        if r["retimed"]:
+            out.append(i)
+        elif backoff and (mode == "sample" or before > 0):
+            memory.note_sampled_full_stayed_dense(before)
+    return out
+
+
+def test_backoff_keeps_the_retime_schedule_in_calls():
+    """With the count back-off most all-dense calls decide nothing; they
+    still count in the re-time schedule, so the sparse path is re-timed on
+    the same calls as when every call decided (4, 8, 16, 32 calls apart)."""
+    dense_first = [r for r in RECORDINGS
+                   if r["auto_calls"][0]["rows_dense"] > 0 and _near(r)]
+    assert dense_first
+    for rec in dense_first:
+        every = _retime_calls(rec, backoff=False)
+        backed = _retime_calls(rec, backoff=True)
+        assert len(every) >= 4, every
+        assert backed[:4] == every[:4], (every, backed)

@@ -737,6 +737,17 @@ void PlanMemory::NoteSampledFullStayedDense(int64_t samples_dense) {
   history_.calls_since_sample = 0;
 }
 
+void PlanMemory::NoteDenseCallWithoutDecision() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (retime_.side == 0) ++retime_.calls_on_side;
+}
+
+bool PlanMemory::RetimeFallsDue() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return retime_.side == 0 && retime_.next_retime > 0 &&
+         retime_.calls_on_side + 1 == retime_.next_retime;
+}
+
 AnalysisHistory PlanMemory::history() {
   std::lock_guard<std::mutex> lock(mu_);
   return history_;

@@ -610,6 +610,15 @@ class PlanMemory {
   // sample asks for the full count, and an op kept all-dense by the
   // decision's margins otherwise counted every value on every call.
   void NoteSampledFullStayedDense(int64_t samples_dense);
+  // A call of the all-dense side that ran without a decision (a sample or
+  // nothing counted) counts in the re-time schedule as a decision that
+  // re-timed nothing (RetimeState::calls_on_side), so that the back-off
+  // does not stretch the schedule; the caller counts fully on the call at
+  // which a re-time falls due (RetimeFallsDue). The convolutions use it.
+  void NoteDenseCallWithoutDecision();
+  // Whether the next decision on the all-dense side is the one a re-time
+  // falls due on (calls_on_side + 1 == next_retime).
+  bool RetimeFallsDue();
   AnalysisHistory history();
 
   // This op instance's record of the recalibration rule (guarded by the

@@ -979,8 +979,14 @@ struct ConvSplit {
     int64_t samples_dense_before = 0;
     if (dense_allowed) {
       const SplitShape dense_shape = ConvSplitShape(g, g.c_in, true);
-      const AnalysisMode mode =
+      AnalysisMode mode =
           call.ChooseAnalysis(dense_shape, &family, plans, full_stats);
+      // The back-off leaves most all-dense calls without a decision; they
+      // count in the re-time schedule, and the call a re-time falls due on
+      // counts fully (a re-time needs the decision).
+      if (mode != AnalysisMode::kFull && call.automatic() &&
+          plans->RetimeFallsDue())
+        mode = AnalysisMode::kFull;
       if (mode != AnalysisMode::kSkip)
         samples_dense_before = plans->history().samples_dense;
       if (mode == AnalysisMode::kSkip) {
@@ -1014,6 +1020,7 @@ struct ConvSplit {
         sample_asked_full = !call.dense_without_count();
       }
       if (call.dense_without_count()) {
+        plans->NoteDenseCallWithoutDecision();
         dense_now = true;
         rd = g.n;
         rs = 0;

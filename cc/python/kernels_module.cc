@@ -1039,6 +1039,15 @@ void BindAnalysis(py::module_& mod) {
       "After a full count a sample asked for decided all-dense: one more "
       "all-dense sample for the back-off, from samples_dense "
       "(PlanMemory::NoteSampledFullStayedDense).");
+  mem.attr("note_dense_call_without_decision") = py::cpp_function(
+      [](PlanMemory& m) { m.NoteDenseCallWithoutDecision(); },
+      py::is_method(mem),
+      "An all-dense call without a decision counts in the re-time schedule "
+      "(PlanMemory::NoteDenseCallWithoutDecision).");
+  mem.attr("retime_falls_due") = py::cpp_function(
+      [](PlanMemory& m) { return m.RetimeFallsDue(); }, py::is_method(mem),
+      "Whether the next all-dense decision is due to re-time "
+      "(PlanMemory::RetimeFallsDue).");
   mem.attr("remember_all_dense") = py::cpp_function(
       [](PlanMemory& m) { m.RememberAllDense(); }, py::is_method(mem));
   mem.attr("history") = py::cpp_function(
