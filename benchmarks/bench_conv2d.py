@@ -3,8 +3,8 @@
 Times, in one process and interleaved round by round, TensorFlow's ops
 (``tf.nn.conv2d`` forward, ``tf.raw_ops.Conv2DBackpropFilter`` filter
 gradient; oneDNN on x86 CPUs) against ours with the automatic threshold
-(the cost model of cc/core/cost_model.h) and forced all-sparse (threshold
-1.0), all inside ``tf.function``, on inputs with a given fraction of exact
+(the cost model of cc/core/cost_model.h), forced all-sparse (threshold
+1.0) and forced all-dense (threshold 0.0), all inside ``tf.function``, on inputs with a given fraction of exact
 zeros scattered uniformly. Each round times every variant once (several
 calls each); the table gives the median over rounds of TF time / our time
 (> 1: ours faster) and the spread (min-max over rounds) of the auto ratio.
@@ -90,7 +90,8 @@ NATURAL_SHAPES = [
     ("32x7x7x512->512 3x3", 32, 7, 7, 512, 512, 3),
 ]
 NATURAL_SPARSITIES = [0.5, 0.7]
-VARIANTS = ("tf_fwd", "auto_fwd", "sparse_fwd", "tf_dF", "auto_dF", "sparse_dF")
+VARIANTS = ("tf_fwd", "auto_fwd", "sparse_fwd", "dense_fwd", "tf_dF",
+            "auto_dF", "sparse_dF", "dense_dF")
 
 
 def _calls_per_round(fn, target_s=0.05):
@@ -156,6 +157,8 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
             x, f, 1, "SAME", threshold=-1.0)),
         "sparse_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
             x, f, 1, "SAME", threshold=1.0)),
+        "dense_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
+            x, f, 1, "SAME", threshold=0.0)),
         "tf_dF": tf.function(lambda x: tf.raw_ops.Conv2DBackpropFilter(
             input=x, filter_sizes=fsize, out_backprop=dy, strides=strides,
             padding="SAME")),
@@ -165,6 +168,9 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
         "sparse_dF": tf.function(
             lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
                 x, fsize, dy, 1.0, strides=strides, padding="SAME")[0]),
+        "dense_dF": tf.function(
+            lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+                x, fsize, dy, 0.0, strides=strides, padding="SAME")[0]),
     }
     variants = VARIANTS
     if ab_tiles:
@@ -196,7 +202,7 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
         for kind in ("fwd", "dF"):
             for key, t in (("", times), ("cpu_", cpu)):
                 tf_t = t[f"tf_{kind}"]
-                for v in ("auto", "sparse", "tiles"):
+                for v in ("auto", "sparse", "dense", "tiles"):
                     if f"{v}_{kind}" not in t:
                         continue
                     per_round = [a / b for a, b in zip(tf_t, t[f"{v}_{kind}"])]
@@ -210,10 +216,12 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
               f"{ratio['auto_fwd'][0]:5.2f}x [{ratio['auto_fwd'][1]:.2f}-"
               f"{ratio['auto_fwd'][2]:.2f}] sparse {ratio['sparse_fwd'][0]:5.2f}x"
               f" (cpu {ratio['cpu_sparse_fwd'][0]:5.2f}x)"
+              f" dense {ratio['dense_fwd'][0]:5.2f}x"
               f" | dF tf {row['tf_dF_ms']:7.2f} ms auto "
               f"{ratio['auto_dF'][0]:5.2f}x [{ratio['auto_dF'][1]:.2f}-"
               f"{ratio['auto_dF'][2]:.2f}] sparse {ratio['sparse_dF'][0]:5.2f}x"
-              f" (cpu {ratio['cpu_sparse_dF'][0]:5.2f}x)" +
+              f" (cpu {ratio['cpu_sparse_dF'][0]:5.2f}x)"
+              f" dense {ratio['dense_dF'][0]:5.2f}x" +
               (f" | fwd tiled kernel {ratio['tiles_fwd'][0]:5.2f}x (cpu "
                f"{ratio['cpu_tiles_fwd'][0]:5.2f}x)" if ab_tiles else ""),
               file=out, flush=True)
@@ -451,19 +459,22 @@ def markdown_natural(rows, rounds, header):
     lines = [
         header, "",
         "| layer | zeros | sparsity | tf.nn.conv2d (ms) | fwd all-sparse | "
-        "fwd all-sparse, CPU | fwd auto | Conv2DBackpropFilter (ms) | "
-        "dF all-sparse | dF all-sparse, CPU | dF auto |" +
+        "fwd all-sparse, CPU | fwd all-dense | fwd auto | "
+        "Conv2DBackpropFilter (ms) | dF all-sparse | dF all-sparse, CPU | "
+        "dF all-dense | dF auto |" +
         (" fwd all-sparse, tiled kernel | tiled, CPU |" if ab else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" +
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" +
         ("---:|---:|" if ab else ""),
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['dist']} | {r['sparsity']:.0%} | "
             f"{r['tf_fwd_ms']:.2f} | {f(r['sparse_fwd'])} | "
-            f"{f(r['cpu_sparse_fwd'])} | {f(r['auto_fwd'])} | "
+            f"{f(r['cpu_sparse_fwd'])} | {f(r['dense_fwd'])} | "
+            f"{f(r['auto_fwd'])} | "
             f"{r['tf_dF_ms']:.2f} | {f(r['sparse_dF'])} | "
-            f"{f(r['cpu_sparse_dF'])} | {f(r['auto_dF'])} |" +
+            f"{f(r['cpu_sparse_dF'])} | {f(r['dense_dF'])} | "
+            f"{f(r['auto_dF'])} |" +
             (f" {f(r['tiles_fwd'])} | {f(r['cpu_tiles_fwd'])} |" if ab else ""))
     lines += ["", f"Ratios are TF time / our time (> 1: ours faster), through "
               f"the ops with TF's thread pool: median [min-max] over {rounds} "
@@ -472,7 +483,8 @@ def markdown_natural(rows, rounds, header):
               "stride 1. Zeros i.i.d. ('iid', testing.random_sparse_images) "
               "or ReLU-like ('relu': max(z - q, 0) of a Gaussian z, q its "
               "sparsity quantile). 'all-sparse': threshold=1 (every image "
-              "through the sparse kernel the op picks); 'auto': threshold=-1."]
+              "through the sparse kernel the op picks); 'all-dense': "
+              "threshold=0; 'auto': threshold=-1."]
     if ab:
         lines[-1] += (" 'tiled kernel': the all-sparse forward with "
                       "TFSS_DIRECT_FWD_KERNEL=tiles (the direct kernel's tiled "

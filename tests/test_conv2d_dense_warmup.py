@@ -21,7 +21,8 @@ dense path was re-timed too rarely to bring the median back.
 
 A replay feeds the recorded seconds, in recorded order, back through
 SplitFamilyModel, SplitPlanMemory.decide_and_retime and note_dense_shape
-as the op does (every call decided on a full count): the calibration's
+as the op does (every call decided on a full count, with the
+convolutions' re-time policy, conv_retime_policy): the calibration's
 terms from fit_calibration, the automatic instance's observations of each
 path, then the forced instances' (cycled). With the convolutions' count of
 one-time dense calls (conv_dense_one_time_calls; a re-timed call keeps only
@@ -83,7 +84,8 @@ def _replay(rec, one_time_calls, calls=CALLS, zero_free_rule=False):
     dense, sparse = _sequences(rec)
     paths = []
     for _ in range(calls):
-        r = memory.decide_and_retime(shape, profile, family.terms())
+        r = memory.decide_and_retime(shape, profile, family.terms(),
+                                     retime_policy=K.conv_retime_policy())
         veto = zero_free_rule and not K.conv_sparse_rows_allowed(
             shape, profile, family.base_terms(), family.terms(), 1.0)
         if r["plan"]["kind"] == "all_dense" or veto:

@@ -1,7 +1,7 @@
 """SparseSplitConv2D with bias + relu under the automatic threshold, call
-after call: the calibration, the one-time dense calls, the re-times and,
-where no node reads the statistics, the samples the op leaves out
-(SampleThrottle) all change which path a call takes, never its answer.
+after call: the calibration, the one-time dense calls, the re-times, the
+held changes of side and the calls that count a sample or nothing (the
+sample back-off) all change which path a call takes, never its answer.
 Every call is checked against ``relu(conv2d(x, w) + b)`` in float64 (the
 inference graph's fused Conv2D + BiasAdd + Relu), on inputs without zeros,
 with natural CNN sparsity (60% zeros) and with all-zero images among

@@ -65,7 +65,8 @@ def test_defaults_are_the_documented_ones():
     assert K.retime_policy_defaults() == {"max_ratio": 3.0,
                                           "first_period": 4,
                                           "max_period": 256,
-                                          "confirm_runs": 3}
+                                          "confirm_runs": 3,
+                                          "hold_runs": 0}
 
 
 def test_retimes_follow_a_doubling_period_and_stay_bounded():

@@ -37,6 +37,12 @@ SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
   return s;
 }
 
+RetimePolicy ConvRetimePolicy() {
+  RetimePolicy p;
+  p.hold_runs = kConvHoldRuns;
+  return p;
+}
+
 bool ConvSparseRowsAllowed(const SplitShape& s, const DensityProfile& p,
                            const CostTerms& base, const CostTerms& current,
                            double density) {

@@ -51,6 +51,25 @@ SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
 // it stayed (the dense path re-timed too rarely to bring the median back).
 constexpr int64_t kConvDenseOneTimeCalls = 4;
 
+// How many calls an op instance's plan runs on a side before a decision may
+// leave it (RetimePolicy::hold_runs; the matmul ops hold none). The first
+// full-batch run of a path after the family's calibration holds one-time
+// costs of its own (buffers of the full batch; the dense path's primitive
+// creation is kept out by kConvDenseOneTimeCalls, the sparse path's first
+// calls are not): at 32x56x56x64 -> 64 with 50% zeros under load the
+// calibrating call's sparse part ran 62-159 ms where the same process's
+// forced all-sparse calls took 57-89 ms (medians), and with its one ratio
+// deciding alone the op left the sparse plan its calibration chose, ran
+// three confirming dense calls and stayed all-dense for most of the next
+// 15-30 calls (tests/test_conv2d_side_hold.py). Held for three runs, the
+// side's own median decides, as the confirmation does for the side it
+// changes to.
+constexpr int64_t kConvHoldRuns = 3;
+
+// The re-time policy of the convolution ops: the default with
+// hold_runs = kConvHoldRuns.
+RetimePolicy ConvRetimePolicy();
+
 // The zero-free rule of the convolutions: an input this dense (nnz / (m k)
 // >= kConvZeroFreeDensity) has too few zeros for the sparse kernels to skip
 // work, so sending its images to them can win only where they beat

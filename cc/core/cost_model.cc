@@ -731,6 +731,23 @@ void PlanMemory::RecordAnalysis(bool full, double zero_row_frac,
   }
 }
 
+void PlanMemory::NoteSampledFullStayedDense(int64_t samples_dense) {
+  std::lock_guard<std::mutex> lock(mu_);
+  history_.samples_dense = std::max<int64_t>(0, samples_dense) + 1;
+  history_.calls_since_sample = 0;
+}
+
+void PlanMemory::NoteDenseCallWithoutDecision() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (retime_.side == 0) ++retime_.calls_on_side;
+}
+
+bool PlanMemory::RetimeFallsDue() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return retime_.side == 0 && retime_.next_retime > 0 &&
+         retime_.calls_on_side + 1 == retime_.next_retime;
+}
+
 AnalysisHistory PlanMemory::history() {
   std::lock_guard<std::mutex> lock(mu_);
   return history_;
@@ -754,6 +771,16 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
   const Plan fresh = DecideSplit(s, p, t, policy, has_last_ ? &last_ : nullptr);
   *retimed = false;
   const int fresh_side = fresh.kind == PlanKind::kAllDense ? 0 : 1;
+  if (has_last_ && retime_.side >= 0 && fresh_side != retime_.side &&
+      rp.first_period > 0 && retime_.side_runs < rp.hold_runs) {
+    // A change of side before the current side's own plan ran hold_runs
+    // calls: run the remembered plan again (its time enters the ratios).
+    ++retime_.side_runs;
+    ++retime_.holds;
+    ++retime_.calls_on_side;
+    if (decided != nullptr) *decided = last_;
+    return last_;
+  }
   if (has_last_ && retime_.side >= 0 && fresh_side != retime_.side &&
       rp.first_period > 0 && retime_.other_runs < rp.confirm_runs) {
     // A change of side not yet confirmed by enough runs of the new side:
@@ -781,7 +808,14 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
       plan.predicted_s > 0.0 &&
       other.predicted_s <= rp.max_ratio * plan.predicted_s;
   const int side = plan.kind == PlanKind::kAllDense ? 0 : 1;
-  if (!RetimeDue(&retime_, side, close, rp)) return plan;
+  // The runs that confirmed a change of side are the new side's first.
+  const int64_t carried = side != retime_.side ? retime_.other_runs : -1;
+  const bool due = RetimeDue(&retime_, side, close, rp);
+  if (carried >= 0) retime_.side_runs = carried;
+  if (!due) {
+    ++retime_.side_runs;
+    return plan;
+  }
   ++retime_.other_runs;
   *retimed = true;
   return other;

@@ -251,6 +251,16 @@ struct RetimePolicy {
   // re-timed observation cannot flip the plan alone. A right change costs
   // nothing (the confirming calls run the new side). 0 or 1: at once.
   int64_t confirm_runs = 3;
+  // A side is left only after its own plan ran at least this many calls
+  // since the side began (the confirming runs of the change that began it
+  // included): until then a call whose decision changes side runs the
+  // remembered plan (not a re-time; the decision is not remembered).
+  // The mirror of confirm_runs for the side being left: its first runs are
+  // judged by the smallest of fewer than 3 ratios, so one slow first call
+  // (the first full-batch run of a path after calibration) must not flip
+  // the plan alone. 0 (the default, the matmul ops): no hold; the
+  // convolutions hold (ConvRetimePolicy, conv_cost.h).
+  int64_t hold_runs = 0;
 };
 
 // The re-time schedule of one op instance.
@@ -263,6 +273,9 @@ struct RetimeState {
   int64_t other_runs = 0;     // calls that ran the other side since `side`
                               // began (re-times and confirming runs)
   int64_t confirmations = 0;  // confirming runs so far (all sides)
+  int64_t side_runs = 0;      // calls that ran `side`'s plan since it began
+                              // (the confirming runs of the change included)
+  int64_t holds = 0;          // changes of side held (hold_runs; all sides)
 };
 
 // Counts one decision on `side` (0 all-dense, 1 sparse rows) and returns
@@ -589,6 +602,23 @@ class PlanMemory {
   // Records the outcome of one automatic call's analysis: a full count
   // (with its all-zero row and column fractions) or not.
   void RecordAnalysis(bool full, double zero_row_frac, double dead_col_frac);
+  // After a full count that a sample asked for (SampleSaysDense false)
+  // decided all-dense again: counts it as one more sample that said
+  // all-dense, so that the back-off (AnalysisPolicy::max_sample_period)
+  // goes on from `samples_dense`, the count the full count reset
+  // (RecordAnalysis). The convolutions call it: near the break-even every
+  // sample asks for the full count, and an op kept all-dense by the
+  // decision's margins otherwise counted every value on every call.
+  void NoteSampledFullStayedDense(int64_t samples_dense);
+  // A call of the all-dense side that ran without a decision (a sample or
+  // nothing counted) counts in the re-time schedule as a decision that
+  // re-timed nothing (RetimeState::calls_on_side), so that the back-off
+  // does not stretch the schedule; the caller counts fully on the call at
+  // which a re-time falls due (RetimeFallsDue). The convolutions use it.
+  void NoteDenseCallWithoutDecision();
+  // Whether the next decision on the all-dense side is the one a re-time
+  // falls due on (calls_on_side + 1 == next_retime).
+  bool RetimeFallsDue();
   AnalysisHistory history();
 
   // This op instance's record of the recalibration rule (guarded by the

@@ -908,49 +908,6 @@ ParallelFor ConvParallelFor(tf::OpKernelContext* ctx) {
   return TfParallelFor(ctx, 4);
 }
 
-// The strided samples an op instance leaves out while its samples keep
-// saying "every image dense" (thread-safe; one per op instance). A sample
-// costs a pass over every stride-th pixel plus the estimate and the
-// relaxed decision: 12-21 us per call at 32x14x14x16 -> 32, 32-57 us at
-// 256x14x14x16 -> 32 (1-4% of the all-dense call, under load), against
-// 5-13 us for a call that counts nothing. After `run` samples in a row
-// that kept every image dense, the next min(kMaxSkipped, run / 4) calls
-// whose analysis would be a sample count nothing instead (as
-// SplitCall::SkipAnalysis: TF's kernel at once, kStatNnz NaN), so that a
-// layer that stays dense pays about one sample in nine calls; a sample
-// that does not keep every image dense, or a call that runs sparse images
-// or compacts, restarts the count (the next calls sample again). Only for
-// calls whose statistics no node reads (inference graphs, the gradient
-// products): a consumer of kStatNnz keeps its estimate on every call. The
-// periodic full counts (AnalysisPolicy) are unchanged.
-class SampleThrottle {
- public:
-  static constexpr int64_t kMaxSkipped = 8;
-  // Whether this call, whose analysis would be a sample, counts nothing.
-  bool SkipThisSample() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (skip_ <= 0) return false;
-    --skip_;
-    return true;
-  }
-  // A sample that kept every image dense (`dense`) or did not.
-  void NoteSample(bool dense) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!dense) {
-      run_ = skip_ = 0;
-      return;
-    }
-    ++run_;
-    skip_ = std::min<int64_t>(kMaxSkipped, run_ / 4);
-  }
-  // A call that ran sparse images or compacted: sample again.
-  void Restart() { NoteSample(false); }
-
- private:
-  std::mutex mu_;
-  int64_t run_ = 0, skip_ = 0;
-};
-
 struct ConvSplit {
   SplitCall call;
   ConvAnalysis an;
@@ -974,6 +931,8 @@ struct ConvSplit {
         pfor(ConvParallelFor(ctx)) {
     // oneDNN's first calls of a shape run well above its steady time.
     call.set_dense_one_time_calls(kConvDenseOneTimeCalls);
+    // A side is left only on a few of its own runs (conv_cost.h).
+    call.set_retime_policy(ConvRetimePolicy());
   }
 
   // Sets *done when nothing is left to do (an empty problem: output 0 of
@@ -990,49 +949,58 @@ struct ConvSplit {
                        const Conv2DGeometry& g, const tf::TensorShape& out_shape,
                        FamilyOp op, bool dense_allowed, Paths& paths,
                        PlanMemory* plans, ConvFamilyCache* families,
-                       bool full_stats, SampleThrottle* throttle, bool* done) {
+                       bool full_stats, bool* done) {
     TF_RETURN_IF_ERROR(call.status());
     TF_RETURN_IF_ERROR(FinishIfEmpty<T>(ctx, g, out_shape, &call, done));
     if (*done) return absl::OkStatus();
     FamilyModel& family =
         families->Family(op, tf::DataTypeToEnum<T>::value, g);
+    bool sample_asked_full = false;  // a sample led to the full count
+    int64_t samples_dense_before = 0;
     if (dense_allowed) {
       const SplitShape dense_shape = ConvSplitShape(g, g.c_in, true);
-      const AnalysisMode mode =
+      AnalysisMode mode =
           call.ChooseAnalysis(dense_shape, &family, plans, full_stats);
+      // The back-off leaves most all-dense calls without a decision; they
+      // count in the re-time schedule, and the call a re-time falls due on
+      // counts fully (a re-time needs the decision).
+      if (mode != AnalysisMode::kFull && call.automatic() &&
+          plans->RetimeFallsDue())
+        mode = AnalysisMode::kFull;
+      if (mode != AnalysisMode::kSkip)
+        samples_dense_before = plans->history().samples_dense;
       if (mode == AnalysisMode::kSkip) {
         call.SkipAnalysis(dense_shape, &family, plans);
+      } else if (mode == AnalysisMode::kFull) {
+        // A periodic full count amid the back-off continues it.
+        sample_asked_full = samples_dense_before > 0;
       } else if (mode == AnalysisMode::kSample) {
-        if (!call.stats_consumed() && throttle->SkipThisSample()) {
-          call.SkipAnalysis(dense_shape, &family, plans);
-        } else {
-          const int64_t stride = call.SampleStrideFor(
-              dense_shape, &family, g.n * g.h * g.w, g.c_in);
-          SampledCounts sc;
-          const bool sampled =
-              stride > 1 &&
-              ConvSample<T>(x.flat<T>().data(), g, stride, pfor, &sc) > 1;
-          bool dense =
-              sampled && call.AcceptSample(dense_shape, sc, &family, plans);
-          if (sampled && !dense && !call.stats_consumed()) {
-            // A zero-free input the zero-free rule would veto anyway
-            // (conv_cost.h): no full count, no decision, TF's kernel.
-            const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
-            const double density_est = sc.nnz_est / std::max(1.0, values);
-            if (density_est >= kConvZeroFreeDensity &&
-                !ConvSparseRowsAllowed(
-                    dense_shape,
-                    EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted,
-                                    g.n, dense_shape.k, kDecisionBuckets),
-                    family.BaseTerms(), family.Terms(), density_est)) {
-              call.SkipAnalysis(dense_shape, &family, plans);
-              dense = true;
-            }
+        const int64_t stride = call.SampleStrideFor(
+            dense_shape, &family, g.n * g.h * g.w, g.c_in);
+        SampledCounts sc;
+        const bool sampled =
+            stride > 1 &&
+            ConvSample<T>(x.flat<T>().data(), g, stride, pfor, &sc) > 1;
+        const bool dense =
+            sampled && call.AcceptSample(dense_shape, sc, &family, plans);
+        if (sampled && !dense && !call.stats_consumed()) {
+          // A zero-free input the zero-free rule would veto anyway
+          // (conv_cost.h): no full count, no decision, TF's kernel.
+          const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
+          const double density_est = sc.nnz_est / std::max(1.0, values);
+          if (density_est >= kConvZeroFreeDensity &&
+              !ConvSparseRowsAllowed(
+                  dense_shape,
+                  EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted,
+                                  g.n, dense_shape.k, kDecisionBuckets),
+                  family.BaseTerms(), family.Terms(), density_est)) {
+            call.SkipAnalysis(dense_shape, &family, plans);
           }
-          throttle->NoteSample(dense);
         }
+        sample_asked_full = !call.dense_without_count();
       }
       if (call.dense_without_count()) {
+        plans->NoteDenseCallWithoutDecision();
         dense_now = true;
         rd = g.n;
         rs = 0;
@@ -1064,7 +1032,13 @@ struct ConvSplit {
     rs = call.rows_sparse();
     compact = call.compact();
     kc = compact ? an.c_live : g.c_in;
-    if (rs > 0 || compact) throttle->Restart();
+    // A sample asked for this full count (or it is a periodic one amid the
+    // back-off) and the decision stayed all-dense: the next samples back
+    // off as after a sample that said all-dense (the full counts near the
+    // break-even cost 2-4% of a dense call that TF's kernel does not pay;
+    // at 32x56x56x64 -> 64, 1.5-2 ms a call).
+    if (sample_asked_full && rs == 0 && !compact)
+      plans->NoteSampledFullStayedDense(samples_dense_before);
     return absl::OkStatus();
   }
 
@@ -1546,7 +1520,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
                                      true, paths, &plans_, &families_,
-                                     full_stats_, &throttle_, &done));
+                                     full_stats_, &done));
     if (!done && s.dense_now) {
       // Counted a sample or nothing: exactly TF's (fused) convolution.
       OP_REQUIRES_OK(ctx, paths.DenseOnInputs());
@@ -1604,7 +1578,6 @@ class SparseSplitConv2DOp : public tf::OpKernel {
   TfKernel fused_;  // TF's fused conv + bias [+ relu]; !ok(): conv_ + epilogue
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
-  SampleThrottle throttle_;  // samples left out while they say dense
   ConvFamilyCache families_;  // the family of the last call's geometry
 };
 
@@ -1711,7 +1684,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     bool done = false;
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, fshape, kFamilyConv2DFilterGrad,
                                      dense_ok_, paths, &plans_, &families_,
-                                     full_stats_, &throttle_, &done));
+                                     full_stats_, &done));
     if (done) {
       // No filter gradient to compute (an empty dimension); dY may still
       // have values (e.g. C_in = 0).
@@ -1873,7 +1846,6 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
   bool with_bias_ = false, bias_fused_ = false;
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
-  SampleThrottle throttle_;  // samples left out while they say dense
   ConvFamilyCache families_;  // the family of the last call's geometry
 };
 
@@ -1966,7 +1938,7 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, dy, gt, xshape,
                                      kFamilyConv2DInputGrad, dense_ok_, paths,
                                      &plans_, &families_, full_stats_,
-                                     &throttle_, &done));
+                                     &done));
     if (done) return;
     if (s.dense_now) {
       // Counted a sample or nothing: exactly TF's Conv2DBackpropInput, on
@@ -2020,7 +1992,6 @@ class SparseSplitConv2DBackpropInputOp : public tf::OpKernel {
   bool dense_ok_ = true;
   bool full_stats_ = true;
   PlanMemory plans_;  // this op's last plan (hysteresis)
-  SampleThrottle throttle_;  // samples left out while they say dense
   ConvFamilyCache families_;  // the family of the last call's geometry
 };
 

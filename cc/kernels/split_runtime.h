@@ -533,7 +533,7 @@ class SplitCall {
                             static_cast<double>(shape.k);
       const Plan plan =
           memory->DecideAndRetime(shape, profile, terms, policy,
-                                  RetimePolicy(), &retimed_, &decided);
+                                  retime_policy_, &retimed_, &decided);
       memory_ = memory;
       if (retimed_) {
         VLOG(1) << "tf_sparse_split retime family " << family << " op "
@@ -649,6 +649,9 @@ class SplitCall {
   // primitive creation; PlanMemory::NoteDenseShape). A re-timed all-dense
   // call counts only the first.
   void set_dense_one_time_calls(int64_t calls) { dense_one_time_calls_ = calls; }
+  // The re-time rule's policy of the op (default RetimePolicy(); the
+  // convolutions hold a side for a few runs, ConvRetimePolicy).
+  void set_retime_policy(const RetimePolicy& rp) { retime_policy_ = rp; }
   int64_t dense_one_time_calls() const { return dense_one_time_calls_; }
 
   void DenseDone() { dense_done_ = Clock::now(); }
@@ -748,6 +751,7 @@ class SplitCall {
   bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
   bool retimed_ = false;           // this call runs a re-timed plan
   int64_t dense_one_time_calls_ = 1;
+  RetimePolicy retime_policy_;
   PlanMemory* memory_ = nullptr;   // the op's memory (automatic calls)
 };
 

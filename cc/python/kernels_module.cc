@@ -428,12 +428,14 @@ RetimePolicy RetimePolicyOf(const py::object& o) {
   RetimePolicy p;
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
-  RequireKeys(d, {"max_ratio", "first_period", "max_period", "confirm_runs"},
+  RequireKeys(d, {"max_ratio", "first_period", "max_period", "confirm_runs",
+                  "hold_runs"},
               "retime_policy");
   p.max_ratio = Get<double>(d, "max_ratio", p.max_ratio);
   p.first_period = Get<int64_t>(d, "first_period", p.first_period);
   p.max_period = Get<int64_t>(d, "max_period", p.max_period);
   p.confirm_runs = Get<int64_t>(d, "confirm_runs", p.confirm_runs);
+  p.hold_runs = Get<int64_t>(d, "hold_runs", p.hold_runs);
   if (!(p.max_ratio >= 0.0) || !std::isfinite(p.max_ratio))
     throw py::value_error("retime_policy max_ratio must be finite and >= 0");
   if (p.max_period < 1)
@@ -658,6 +660,7 @@ void BindConvCost(py::module_& mod) {
     return g;
   };
   mod.attr("conv_dense_one_time_calls") = kConvDenseOneTimeCalls;
+  mod.attr("conv_hold_runs") = kConvHoldRuns;
   mod.attr("conv_zero_free_density") = kConvZeroFreeDensity;
   mod.attr("conv_zero_free_min_speedup") = kConvZeroFreeMinSpeedup;
   mod.def("conv_sparse_rows_allowed",
@@ -971,13 +974,18 @@ void BindAnalysis(py::module_& mod) {
         d["retimes"] = st.retimes;
         d["other_runs"] = st.other_runs;
         d["confirmations"] = st.confirmations;
+        d["side_runs"] = st.side_runs;
+        d["holds"] = st.holds;
         return d;
       },
       py::is_method(mem),
       "This op instance's re-time schedule: side (0 all-dense, 1 sparse rows, "
       "-1 none), calls_on_side, next_retime, period, retimes, other_runs "
       "(calls that ran the other side since the side began), confirmations "
-      "(runs that confirmed a change of side, RetimePolicy::confirm_runs).");
+      "(runs that confirmed a change of side, RetimePolicy::confirm_runs), "
+      "side_runs (calls that ran the side's plan since it began, its "
+      "confirming runs included), holds (changes of side held, "
+      "RetimePolicy::hold_runs).");
   mem.attr("note_dense_shape") = py::cpp_function(
       [](PlanMemory& m, int64_t rows, int64_t kc, bool compact,
          int64_t one_time_calls) {
@@ -996,8 +1004,20 @@ void BindAnalysis(py::module_& mod) {
     d["first_period"] = p.first_period;
     d["max_period"] = p.max_period;
     d["confirm_runs"] = p.confirm_runs;
+    d["hold_runs"] = p.hold_runs;
     return d;
-  }, "The RetimePolicy the ops use.");
+  }, "The RetimePolicy the matmul ops use (the default).");
+  mod.def("conv_retime_policy", [] {
+    const RetimePolicy p = ConvRetimePolicy();
+    py::dict d;
+    d["max_ratio"] = p.max_ratio;
+    d["first_period"] = p.first_period;
+    d["max_period"] = p.max_period;
+    d["confirm_runs"] = p.confirm_runs;
+    d["hold_runs"] = p.hold_runs;
+    return d;
+  }, "The RetimePolicy the convolution ops use (ConvRetimePolicy, "
+     "conv_cost.h: the default with hold_runs = conv_hold_runs).");
   mod.def("other_side_plan",
           [](const py::dict& shape, const py::tuple& profile, const py::dict& terms,
              const py::dict& decided, const py::object& policy) -> py::object {
@@ -1011,6 +1031,23 @@ void BindAnalysis(py::module_& mod) {
           py::arg("decided"), py::arg("policy") = py::none(),
           "The plan a re-time of `decided` runs (OtherSidePlan): all-dense "
           "for a plan with sparse rows, every row sparse for all-dense; or None.");
+  mem.attr("note_sampled_full_stayed_dense") = py::cpp_function(
+      [](PlanMemory& m, int64_t samples_dense) {
+        m.NoteSampledFullStayedDense(samples_dense);
+      },
+      py::is_method(mem), py::arg("samples_dense"),
+      "After a full count a sample asked for decided all-dense: one more "
+      "all-dense sample for the back-off, from samples_dense "
+      "(PlanMemory::NoteSampledFullStayedDense).");
+  mem.attr("note_dense_call_without_decision") = py::cpp_function(
+      [](PlanMemory& m) { m.NoteDenseCallWithoutDecision(); },
+      py::is_method(mem),
+      "An all-dense call without a decision counts in the re-time schedule "
+      "(PlanMemory::NoteDenseCallWithoutDecision).");
+  mem.attr("retime_falls_due") = py::cpp_function(
+      [](PlanMemory& m) { return m.RetimeFallsDue(); }, py::is_method(mem),
+      "Whether the next all-dense decision is due to re-time "
+      "(PlanMemory::RetimeFallsDue).");
   mem.attr("remember_all_dense") = py::cpp_function(
       [](PlanMemory& m) { m.RememberAllDense(); }, py::is_method(mem));
   mem.attr("history") = py::cpp_function(

@@ -1,5 +1,8 @@
 """Records the calls of one SparseSplitConv2D (bias + relu, 3x3 SAME) on an
-input without zeros, for tests/test_conv2d_dense_warmup.py.
+input without zeros, for tests/test_conv2d_dense_warmup.py (with
+``--sparsity 0.5 --plain --interleave``: zeros scattered i.i.d., no bias
+or activation, the forced instances called alternately, for
+tests/test_conv2d_side_hold.py).
 
 In one process: an op instance with the automatic threshold called
 ``--auto`` times (its calibration and every call's path and part seconds,
@@ -11,7 +14,7 @@ JSON file's "recordings":
 
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=split_runtime=2 \\
       python tests/data/record_conv_warmup.py 32x28x28x1x16 out.json \\
-      "description" [--auto 30 --forced 60 --seed 0]
+      "description" [--auto 30 --forced 60 --seed 0] [--sparsity 0.5 --plain --interleave]
 """
 
 import argparse
@@ -43,6 +46,7 @@ def _calls(lines):
                     "rows_sparse": int(f["rows_sparse"]),
                     "dense_s": float(f["dense_s"]),
                     "sparse_s": float(f["sparse_s"]),
+                    "analyze_s": float(f.get("analyze_s", "nan")),
                     "retimed": f["retimed"] == "true",
                     "dense_recorded": f["dense_recorded"] == "true"})
     return out
@@ -56,6 +60,14 @@ def main(argv=None):
     p.add_argument("--auto", type=int, default=30)
     p.add_argument("--forced", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sparsity", type=float, default=0.0,
+                   help="fraction of exact zeros, scattered i.i.d. (default "
+                        "0: none)")
+    p.add_argument("--interleave", action="store_true",
+                   help="call the forced instances alternately, not one "
+                        "after the other")
+    p.add_argument("--plain", action="store_true",
+                   help="the convolution alone (no bias, no activation)")
     a = p.parse_args(argv)
     n, h, w, ci, co = (int(v) for v in a.conv.split("x"))
     # The VLOG lines go to fd 2: capture it in a file while the op runs.
@@ -69,12 +81,19 @@ def main(argv=None):
         from tf_sparse_split.tuning import stats as S
 
         rng = np.random.default_rng(a.seed)
-        x = tf.constant(rng.standard_normal((n, h, w, ci)).astype(np.float32))
+        x = rng.standard_normal((n, h, w, ci)).astype(np.float32)
+        if a.sparsity > 0.0:
+            x[rng.random(x.shape) < a.sparsity] = 0.0
+        x = tf.constant(x)
         f = tf.constant((rng.standard_normal((3, 3, ci, co)) /
                          np.sqrt(9 * ci)).astype(np.float32))
         b = tf.constant(rng.standard_normal(co).astype(np.float32))
 
         def make():
+            if a.plain:
+                return tf.function(lambda x, f, b, t: tfss.sparse_split_conv2d(
+                    x, f, 1, "SAME", threshold=t, full_stats=False,
+                    return_stats=True)[1])
             return tf.function(lambda x, f, b, t: tfss.sparse_split_conv2d(
                 x, f, 1, "SAME", threshold=t, full_stats=False, bias=b,
                 activation="relu", return_stats=True)[1])
@@ -83,17 +102,31 @@ def main(argv=None):
         for _ in range(a.auto):
             auto(x, f, b, tf.constant(-1.0)).numpy()
         forced = {}
-        for name, t in (("dense", 0.0), ("sparse", 1.0)):
-            fn = make()
-            st = [fn(x, f, b, tf.constant(t)).numpy() for _ in range(a.forced)]
+        if a.interleave:
+            # Both forced instances call by call (dense, sparse, dense, ...):
+            # the two paths' seconds under the same load.
+            fns = {"dense": (make(), 0.0), "sparse": (make(), 1.0)}
+            st = {"dense": [], "sparse": []}
+            for _ in range(a.forced):
+                for name, (fn, t) in fns.items():
+                    st[name].append(fn(x, f, b, tf.constant(t)).numpy())
+        else:
+            st = {}
+            for name, t in (("dense", 0.0), ("sparse", 1.0)):
+                fn = make()
+                st[name] = [fn(x, f, b, tf.constant(t)).numpy()
+                            for _ in range(a.forced)]
+        for name in ("dense", "sparse"):
             forced[name] = [float(s[S.TIME_DENSE if name == "dense"
-                                    else S.TIME_SPARSE]) for s in st]
+                                    else S.TIME_SPARSE]) for s in st[name]]
     finally:
         os.dup2(saved, 2)
     log.seek(0)
     lines = log.read().splitlines()
     cal = [_calibration(l) for l in lines if " calibration family " in l]
     rec = {"description": a.description, "conv": [n, h, w, ci, co],
+           "sparsity": a.sparsity, "plain": a.plain,
+           "interleaved": a.interleave,
            "calibration": cal[0], "auto_calls": _calls(lines)[:a.auto],
            "forced_dense_s": forced["dense"],
            "forced_sparse_s": forced["sparse"]}
