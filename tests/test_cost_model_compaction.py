@@ -83,7 +83,9 @@ def test_compact_scale_multiplies_only_compacted_parts():
     assert K.predict_plan_seconds(shape, prof, scaled, -1, False) == plain
     assert math.isclose(K.predict_plan_seconds(shape, prof, scaled, -1, True),
                         0.5 * packed)
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
+    unscaled = dict(terms, compact_scale=0.0)
+    assert K.predict_plan_seconds(shape, prof, unscaled, -1, True) == packed
+    for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             K.predict_plan_seconds(shape, prof, dict(terms, compact_scale=bad),
                                    -1, True)

@@ -383,9 +383,9 @@ CostTerms TermsOf(const py::dict& d) {
   t.sparse_rate = Get<double>(d, "sparse_rate", 0.0);
   t.copy_s_per_elem = Get<double>(d, "copy_s_per_elem", 0.0);
   t.heterogeneous = Get<bool>(d, "heterogeneous", false);
-  t.compact_scale = Get<double>(d, "compact_scale", 1.0);
-  if (!(t.compact_scale > 0.0) || !std::isfinite(t.compact_scale))
-    throw py::value_error("compact_scale must be finite and > 0");
+  t.compact_scale = Get<double>(d, "compact_scale", 1.0);  // 0: unscaled
+  if (!(t.compact_scale >= 0.0) || !std::isfinite(t.compact_scale))
+    throw py::value_error("compact_scale must be finite and >= 0");
   for (double v : {t.dense_fixed_s, t.dense_rate, t.sparse_fixed_s,
                    t.convert_s_per_elem, t.sparse_rate, t.copy_s_per_elem})
     if (!(v >= 0.0) || !std::isfinite(v))
