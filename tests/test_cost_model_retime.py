@@ -303,10 +303,13 @@ def test_first_all_dense_call_of_a_shape_is_kept_out_of_the_ratios():
     assert not fam.record(shape, m, True, 10 * pred, 0, 0, 0,
                           dense_one_time=first)
     assert fam.terms()["dense_rate"] == base["dense_rate"]
-    # The same op's next call at the shape counts; another op's first not.
+    assert fam.terms()["compact_scale"] == 1.0
+    # The same op's next call at the shape counts (a compacted part: in the
+    # compacted parts' own scale); another op's first not.
     assert not op_a.note_dense_shape(m, k_live, True)
     assert fam.record(shape, m, True, 1.1 * pred, 0, 0, 0)
-    assert math.isclose(fam.terms()["dense_rate"], base["dense_rate"] / 1.1)
+    assert math.isclose(fam.terms()["compact_scale"], 1.1)
+    assert fam.terms()["dense_rate"] == base["dense_rate"]
     assert op_b.note_dense_shape(m, k_live, True)
     # Another compaction (kc) or no compaction is another shape.
     assert op_a.note_dense_shape(m, 1500, True)

@@ -150,7 +150,9 @@ double PredictDenseSeconds(const SplitShape& s, const CostTerms& t,
   const double fixed =
       compact && s.k > 0 ? t.dense_fixed_s * kc / static_cast<double>(s.k)
                          : t.dense_fixed_s;
-  return fixed + flops / rate + copied * t.copy_s_per_elem;
+  const double seconds = fixed + flops / rate + copied * t.copy_s_per_elem;
+  return compact && t.compact_scale > 0.0 ? seconds * t.compact_scale
+                                          : seconds;
 }
 
 double PredictSparseSeconds(const SplitShape& s, const CostTerms& t,
@@ -370,6 +372,12 @@ void TwoPointFit(double x0, double y0, double x1, double y1, double* slope,
 
 }  // namespace
 
+int64_t CalibrationCopyRows(int64_t k, int64_t rows_full) {
+  const int64_t half = std::max<int64_t>(1, k / 2);
+  return std::max<int64_t>(std::max<int64_t>(1, rows_full),
+                           (kCalibrationCopyElems + half - 1) / half);
+}
+
 CostTerms FitCalibration(const SplitShape& s, const CalibrationTimings& c) {
   CostTerms t;
   const double k = static_cast<double>(std::max<int64_t>(s.k, 1));
@@ -559,6 +567,7 @@ void FamilyModel::Recalibrate(const CostTerms& t) {
   hot_.calibrated = true;
   dense_ratio_ = MedianWindow();
   sparse_ratio_ = MedianWindow();
+  compact_ratio_ = MedianWindow();
   Refresh();
 }
 
@@ -626,6 +635,7 @@ void FamilyModel::Refresh() {
     return w.size() < 3 ? w.Min(1.0) : w.Median(1.0);
   };
   hot_.terms = Scaled(base_, robust(dense_ratio_), robust(sparse_ratio_));
+  hot_.terms.compact_scale = robust(compact_ratio_);
   hot_.count_s_per_elem = count_per_elem_.Median(0.0);
 }
 
@@ -646,7 +656,19 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
       const double flops = rows_dense * kc * s.dense_flops_per_elem;
       if (flops > 0.0) base_.dense_rate = flops / dense_seconds;
       dense_recorded = flops > 0.0;
-    } else if (!dense_one_time) {
+    } else if (dense_one_time) {
+      // Kept out (see the header).
+    } else if (compact) {
+      // Against the terms as they stand (dense ratio applied), without
+      // the compacted parts' own scale.
+      CostTerms now = hot_.terms;
+      now.compact_scale = 1.0;
+      const double pred = PredictDenseSeconds(s, now, rows_dense, true);
+      if (pred > 0.0) {
+        compact_ratio_.Add(dense_seconds / pred);
+        dense_recorded = true;
+      }
+    } else {
       const double pred = PredictDenseSeconds(s, base_, rows_dense, compact);
       if (pred > 0.0) {
         dense_ratio_.Add(dense_seconds / pred);

@@ -103,6 +103,18 @@ struct CostTerms {
   double sparse_rate = 0.0;         // useful sparse flop/s (0: unknown)
   double copy_s_per_elem = 0.0;     // gathers and scatters
   bool heterogeneous = false;       // the two parts overlap (max, not sum)
+  // Multiplies the predicted seconds of a dense part that compacts
+  // (PredictDenseSeconds): the median of such parts' measured / predicted
+  // (FamilyModel), 1 until one ran. Its own scale, not the dense ratio:
+  // at small m the compacted GEMM reads the gathered rows of op(b) from
+  // cache while the plain one reads op(b) from memory. One window held
+  // both at 1 x 784 -> 2048 (164 live columns): the compacted GEMV
+  // (predicted 36 us + 190 us of gathers) ran in 240 us, ratio 1.06, the
+  // plain one (predicted 170 us) in 500 us, ratio 3.0; the median moved
+  // with the plan it came from and the compaction choice with it, the
+  // plain GEMV (2.1x slower) running half the calls. Not in the
+  // statistics vector (ReadCostStats gives 1).
+  double compact_scale = 1.0;
 
   bool dense_known() const { return dense_rate > 0.0; }
   bool sparse_known() const { return sparse_rate > 0.0; }
@@ -306,6 +318,21 @@ struct CalibrationTimings {
   double copy_elems = 0, copy_s = 0;
 };
 
+// Values the calibration's copy timing gathers at least (2^16). The copy
+// term is a per-value cost: timed on the few hundred values of a one-row
+// sample (a 1 x 784 product: 392 values in 0.41 us) it was mostly the
+// gather's fixed cost (the thread pool's dispatch), 1.0-1.7 ns a value
+// against 0.56 ns on 12544 values or more; at batch 1 that priced the
+// compaction's gather of the live rows of op(b) (164 x 2048 values) at 350
+// us, and the dense GEMV over all 784 rows of op(b) ran instead of the
+// compacted one, 1.3x slower.
+constexpr int64_t kCalibrationCopyElems = int64_t{1} << 16;
+
+// Rows of k values (k >= 1) the calibration's copy timing gathers every
+// other column of: at least `rows_full` (the sample's rows) and enough for
+// kCalibrationCopyElems values; rows past the sample repeat its rows.
+int64_t CalibrationCopyRows(int64_t k, int64_t rows_full);
+
 // Fits CostTerms to calibration timings (two-point line fits, every term
 // kept >= 0; a fit that noise makes negative falls back to a line through
 // the origin). Uses s.k, s.dense_flops_per_elem, s.sparse_flops_per_nnz.
@@ -470,7 +497,10 @@ class alignas(64) FamilyModel {
   // The calibration's terms, unscaled by the measured ratios (zero terms
   // before calibration).
   CostTerms BaseTerms() const;
-  // Records one call's measured part times against the base prediction.
+  // Records one call's measured part times against the base prediction:
+  // a dense part that compacted against the prediction of the terms as
+  // they stand (compact_scale 1) into its own window (CostTerms::
+  // compact_scale), any other dense part into the dense ratios.
   // A path whose base terms are unknown is initialised from its
   // observation (a rate through the origin): the GPU kernel learns this way.
   // `dense_one_time`: the caller knows the dense time holds a one-time
@@ -497,6 +527,7 @@ class alignas(64) FamilyModel {
   Snapshot hot_;  // what calls read, kept current by Refresh
   CostTerms base_;
   MedianWindow dense_ratio_, sparse_ratio_, count_per_elem_;
+  MedianWindow compact_ratio_;  // compacted dense parts (compact_scale)
 };
 
 // When a calibrated family times its paths again (SplitCall::Decide). Terms

@@ -299,20 +299,33 @@ absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
   const tf::Tensor part = sample.Slice(0, rows_part);
   // Gathers and scatters: timed as a gather of every other column (the
   // compaction's indexed copy, slower than a row copy: erring towards the
-  // plain dense path).
+  // plain dense path), of at least kCalibrationCopyElems values
+  // (CalibrationCopyRows: the sample's rows repeated), so that the copy's
+  // fixed cost is not counted per value.
   const int64_t half = std::max<int64_t>(1, k / 2);
-  c.copy_elems = static_cast<double>(rows_full) * half;
-  tf::Tensor copy;
+  const int64_t copy_rows = CalibrationCopyRows(k, rows_full);
+  c.copy_elems = static_cast<double>(copy_rows) * half;
+  tf::Tensor copy, copy_src;
   TF_RETURN_IF_ERROR(ctx->allocate_temp(
-      sample.dtype(), tf::TensorShape({rows_full, half}), &copy));
+      sample.dtype(), tf::TensorShape({copy_rows, half}), &copy));
+  const T* copy_from = sample.flat<T>().data();
+  if (copy_rows > rows_full) {
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(
+        sample.dtype(), tf::TensorShape({copy_rows * k}), &copy_src));
+    T* dst = copy_src.flat<T>().data();
+    for (int64_t r = 0; r < copy_rows; ++r)
+      std::copy(copy_from + (r % rows_full) * k,
+                copy_from + (r % rows_full + 1) * k, dst + r * k);
+    copy_from = dst;
+  }
   std::vector<std::function<absl::Status()>> fns = {
       [&] { return op.RunSparse(sample, nnz_full.data()); },
       [&] { return op.RunSparse(thin, nnz_thin.data()); },
       [&] { return op.RunSparse(part, nnz_full.data()); },
       [&] {
-        const T* x = sample.flat<T>().data();
+        const T* x = copy_from;
         T* y = copy.flat<T>().data();
-        pfor(rows_full, 2 * half, [&](int64_t b, int64_t e) {
+        pfor(copy_rows, 2 * half, [&](int64_t b, int64_t e) {
           for (int64_t r = b; r < e; ++r)
             for (int64_t j = 0; j < half; ++j)
               y[r * half + j] = x[r * k + std::min(2 * j, k - 1)];

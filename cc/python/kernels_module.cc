@@ -373,7 +373,7 @@ py::dict DictOf(const SplitShape& s) {
 CostTerms TermsOf(const py::dict& d) {
   RequireKeys(d, {"dense_fixed_s", "dense_rate", "sparse_fixed_s",
                   "convert_s_per_elem", "sparse_rate", "copy_s_per_elem",
-                  "heterogeneous"},
+                  "heterogeneous", "compact_scale"},
               "terms");
   CostTerms t;
   t.dense_fixed_s = Get<double>(d, "dense_fixed_s", 0.0);
@@ -383,6 +383,9 @@ CostTerms TermsOf(const py::dict& d) {
   t.sparse_rate = Get<double>(d, "sparse_rate", 0.0);
   t.copy_s_per_elem = Get<double>(d, "copy_s_per_elem", 0.0);
   t.heterogeneous = Get<bool>(d, "heterogeneous", false);
+  t.compact_scale = Get<double>(d, "compact_scale", 1.0);  // 0: unscaled
+  if (!(t.compact_scale >= 0.0) || !std::isfinite(t.compact_scale))
+    throw py::value_error("compact_scale must be finite and >= 0");
   for (double v : {t.dense_fixed_s, t.dense_rate, t.sparse_fixed_s,
                    t.convert_s_per_elem, t.sparse_rate, t.copy_s_per_elem})
     if (!(v >= 0.0) || !std::isfinite(v))
@@ -399,6 +402,7 @@ py::dict DictOf(const CostTerms& t) {
   d["sparse_rate"] = t.sparse_rate;
   d["copy_s_per_elem"] = t.copy_s_per_elem;
   d["heterogeneous"] = t.heterogeneous;
+  d["compact_scale"] = t.compact_scale;
   return d;
 }
 
@@ -584,6 +588,17 @@ void BindCostModel(py::module_& mod) {
           py::arg("shape"), py::arg("timings"),
           "Cost terms fitted to one calibration's timings (what an op does on its "
           "first automatic call).");
+  mod.def("calibration_copy_rows",
+          [](int64_t k, int64_t rows_full) {
+            if (k < 1 || rows_full < 0)
+              throw py::value_error("calibration_copy_rows: need k >= 1 and "
+                                    "rows_full >= 0");
+            return CalibrationCopyRows(k, rows_full);
+          },
+          py::arg("k"), py::arg("rows_full"),
+          "Rows of k values the calibration's copy timing gathers every other "
+          "column of (at least rows_full, and at least 2^16 values).");
+  mod.attr("CALIBRATION_COPY_ELEMS") = kCalibrationCopyElems;
   mod.def("cost_problem_from_stats",
           [](const Arr<double>& stats) {
             if (stats.ndim() != 1 || stats.size() != kNumStats)
