@@ -356,6 +356,16 @@ SplitShape ShapeOf(const py::dict& d) {
   return s;
 }
 
+py::dict RetimeDictOf(const RetimePolicy& p) {
+  py::dict d;
+  d["max_ratio"] = p.max_ratio;
+  d["first_period"] = p.first_period;
+  d["max_period"] = p.max_period;
+  d["confirm_runs"] = p.confirm_runs;
+  d["hold_runs"] = p.hold_runs;
+  return d;
+}
+
 py::dict DictOf(const SplitShape& s) {
   py::dict d;
   d["m"] = s.m;
@@ -1012,26 +1022,10 @@ void BindAnalysis(py::module_& mod) {
       "at (m, kc, compact), counting it (what the ops pass record() as "
       "dense_one_time; the convolutions pass conv_dense_one_time_calls, a "
       "re-timed call 1).");
-  mod.def("retime_policy_defaults", [] {
-    const RetimePolicy p;
-    py::dict d;
-    d["max_ratio"] = p.max_ratio;
-    d["first_period"] = p.first_period;
-    d["max_period"] = p.max_period;
-    d["confirm_runs"] = p.confirm_runs;
-    d["hold_runs"] = p.hold_runs;
-    return d;
-  }, "The RetimePolicy the matmul ops use (the default).");
-  mod.def("conv_retime_policy", [] {
-    const RetimePolicy p = ConvRetimePolicy();
-    py::dict d;
-    d["max_ratio"] = p.max_ratio;
-    d["first_period"] = p.first_period;
-    d["max_period"] = p.max_period;
-    d["confirm_runs"] = p.confirm_runs;
-    d["hold_runs"] = p.hold_runs;
-    return d;
-  }, "The RetimePolicy the convolution ops use (ConvRetimePolicy, "
+  mod.def("retime_policy_defaults", [] { return RetimeDictOf(RetimePolicy()); },
+          "The RetimePolicy the matmul ops use (the default).");
+  mod.def("conv_retime_policy", [] { return RetimeDictOf(ConvRetimePolicy()); },
+          "The RetimePolicy the convolution ops use (ConvRetimePolicy, "
      "conv_cost.h: the default with hold_runs = conv_hold_runs).");
   mod.def("other_side_plan",
           [](const py::dict& shape, const py::tuple& profile, const py::dict& terms,
