@@ -87,6 +87,7 @@ from tf_sparse_split.callbacks._discovery import (_parent, fatrelu_for,
 from tf_sparse_split.callbacks.sparsity_target import _Control
 from tf_sparse_split.tuning import budget as _budget
 from tf_sparse_split.tuning.deadline import WallTimePlan, median_over_mean
+from tf_sparse_split.utils.tracing import function_per_instance
 from tf_sparse_split.utils.validation import validate_int
 
 __all__ = ["TimeBudgetCallback", "SensitivityProbe", "layer_sensitivities"]
@@ -273,8 +274,6 @@ class SensitivityProbe:
     """
 
     def __init__(self, model, fats, clock=time.perf_counter):
-        import tensorflow as tf
-
         self.loss_fn = _loss_fn(model)
         self.clock = clock
         self.steady_s = 0.0
@@ -287,14 +286,14 @@ class SensitivityProbe:
             # One pass gives the base loss and the activations.
             both = keras.Model(ins,
                                outs + [o.output for o, _ in self.fats])
-            self._base = tf.function(lambda t, y: self._split(
+            self._base = function_per_instance(lambda t, y: self._split(
                 loss_fn, both(t, training=False), y))
         else:
             feats = keras.Model(ins, [o.output for o, _ in self.fats])
-            self._base = tf.function(lambda t, y: (
+            self._base = function_per_instance(lambda t, y: (
                 _mean_loss(loss_fn, y, model(t, training=False)),
                 _as_list(feats(t, training=False))))
-        self._loss = tf.function(lambda t, y: _mean_loss(
+        self._loss = function_per_instance(lambda t, y: _mean_loss(
             loss_fn, y, model(t, training=False)))
 
     @staticmethod

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from tf_sparse_split.tuning.tuner import is_chief
+from tf_sparse_split.utils.tracing import function_per_instance
 
 __all__ = ["STRATEGIES", "make_strategy", "strategy_scope", "is_chief",
            "worker_label", "weights_fingerprint", "run_multi_worker"]
@@ -119,7 +120,7 @@ def _evaluate(model, x, y, batch_size):
     import keras
     import tensorflow as tf
 
-    predict = tf.function(lambda t: model(t, training=False))
+    predict = function_per_instance(lambda t: model(t, training=False))
     losses, correct = [], 0
     for i in range(0, len(x), batch_size):
         p = predict(tf.constant(x[i:i + batch_size]))

@@ -30,6 +30,7 @@ from tf_sparse_split.tools._model_io import (input_from_args, model_kind,
                                              random_input, restore_rewrite,
                                              select_signature,
                                              stop_recording_stats)
+from tf_sparse_split.utils.tracing import function_per_instance
 
 __all__ = ["convert_to_sparse_split", "end_to_end_latency", "format_latency",
            "latency_command"]
@@ -97,10 +98,8 @@ def convert_to_sparse_split(model, threshold=-1.0):
 
 
 def _keras_fn(model):
-    import tensorflow as tf
-
     stop_recording_stats(model)
-    return tf.function(lambda x: model(x, training=False))
+    return function_per_instance(lambda x: model(x, training=False))
 
 
 def _saved_model_fn(path, signature):

@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from tf_sparse_split.utils.tracing import function_per_instance
+
 __all__ = ["fit_latency_budget", "format_latency_budget",
            "latency_budget_command", "DEFAULT_LEVELS"]
 
@@ -155,9 +157,9 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
     fats = [fat for _, _, fat in controls]
     names = [owner.name for _, owner, _ in controls]
     original = [fat.cutoff for fat in fats]
-    fwd = tf.function(lambda t: model(t, training=False))
+    fwd = function_per_instance(lambda t: model(t, training=False))
     feats = keras.Model(model.inputs, [o.output for _, o, _ in controls])
-    act = tf.function(lambda t: feats(t, training=False))
+    act = function_per_instance(lambda t: feats(t, training=False))
 
     def activations():
         ys = act(x)

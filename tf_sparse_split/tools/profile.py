@@ -27,6 +27,7 @@ from tf_sparse_split.tools._model_io import (input_from_args, model_kind,
                                              random_input, restore_rewrite,
                                              select_signature,
                                              stop_recording_stats)
+from tf_sparse_split.utils.tracing import function_per_instance
 
 __all__ = ["profile_model", "load_model_function", "NodeProfile",
            "format_report", "profile_command"]
@@ -70,8 +71,9 @@ def load_model_function(path, signature=None):
         # has no variables to update, so profiling runs them without it.
         stop_recording_stats(model)
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in model.inputs]
-        fn = tf.function(lambda *xs: model(list(xs) if len(xs) > 1 else xs[0],
-                                           training=False))
+        fn = function_per_instance(
+            lambda *xs: model(list(xs) if len(xs) > 1 else xs[0],
+                              training=False))
         return (fn.get_concrete_function(*specs), f"Keras model {model.name!r}",
                 model)
     loaded = tf.saved_model.load(path)
@@ -82,9 +84,7 @@ def load_model_function(path, signature=None):
 def _median_time(fn, repeats):
     """Median seconds of ``fn().numpy()`` with ``fn`` run as a tf.function
     (as in a model's graph: no eager Python overhead on either side)."""
-    import tensorflow as tf
-
-    graph_fn = tf.function(fn)
+    graph_fn = function_per_instance(fn)
     # Trace, warm-up (and the op's calibration for 'auto'); a few calls, as
     # the first op of a process stays slow for more than one (seen: 8x on
     # the first node with --repeats 3).
@@ -113,12 +113,12 @@ def _end_to_end(frozen, inputs, repeats):
     # timings) are not the user's: no "instantiated while off" warning.
     rewrite._take_missed()
     with rewrite.enabled(threshold=previous["threshold"]):
-        split = tf.function(lambda: frozen(*args))
+        split = function_per_instance(lambda: frozen(*args))
         split()  # first call: instantiated (and rewritten) now
     if previous["enabled"]:
         rewrite.disable()
     try:
-        plain = tf.function(lambda: frozen(*args))
+        plain = function_per_instance(lambda: frozen(*args))
         plain()
     finally:
         restore_rewrite(previous)

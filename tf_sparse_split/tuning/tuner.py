@@ -112,6 +112,7 @@ import tensorflow as tf
 from tf_sparse_split.tuning import op_model as _op_model
 from tf_sparse_split.tuning import stats as _stats
 from tf_sparse_split.tuning.op_model import DENSE, SPARSE
+from tf_sparse_split.utils.tracing import function_per_instance
 from tf_sparse_split.utils.validation import validate_int
 
 __all__ = ["ThresholdTuner", "find_split_layers", "is_split_layer",
@@ -418,7 +419,7 @@ class ThresholdTuner:
 
         if self.num_replicas == 1:
             return local_stats
-        return tf.function(lambda: self._replicated(local_stats))
+        return function_per_instance(lambda: self._replicated(local_stats))
 
     def _read(self, states):
         """One host read of ``states``' statistics: dict state ->
