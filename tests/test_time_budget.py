@@ -1212,3 +1212,76 @@ def test_deadline_verdict_counts_the_fastest_allocation_end():
         reachable=False, best_s=0.011, measured_s=0.02), 0.0)
     assert not cb._deadline_ok                          # ends at 10.1 s
     assert cb.deadline_log[-1][2] == pytest.approx(10.1)
+
+
+class PhaseClock(FakeClock):
+    """A FakeClock whose reads advance ``slow`` seconds from training step
+    ``slow_from`` on (counted by :meth:`callback`, placed before the
+    TimeBudgetCallback), ``seconds`` before it."""
+
+    def __init__(self, seconds, slow, slow_from):
+        super().__init__(seconds)
+        self.fast, self.slow, self.slow_from = seconds, slow, slow_from
+        self.steps = 0
+
+    def callback(self):
+        import keras
+
+        clock = self
+
+        class _Count(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                clock.steps += 1
+                clock.seconds = (clock.slow if clock.steps >= clock.slow_from
+                                 else clock.fast)
+
+        return _Count()
+
+
+@pytest.mark.parametrize("final_settings", ["last_epoch", "last"])
+def test_a_burst_in_the_last_steps_does_not_set_the_trained_cutoffs(
+        final_settings):
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((256, 32)).astype("float32")
+    y = rng.integers(0, 10, 256)
+    model = _mlp()
+    # 3 epochs x 16 steps; 1 ms steps against a 5 ms budget (natural
+    # sparsity) until the last 8 steps, which take 50 ms: the targets rise
+    # there, after most of the last epoch ran at the natural sparsity.
+    clock = PhaseClock(0.001, 0.05, slow_from=41)
+    cb = tfss.TimeBudgetCallback(step_time=0.005, warmup_steps=4,
+                                 min_samples=2, update_every=1, min_gain=0.0,
+                                 final_settings=final_settings, clock=clock)
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0,
+              callbacks=[clock.callback(), cb])
+    floors = cb.controller.floors
+
+    def above(t):
+        return any(v > floors[n] + 0.01 for n, v in t["targets"].items())
+
+    assert any(above(t) for t in cb.trace if t["step"] >= 41), \
+        "the burst must raise a target"
+    assert not any(above(t) for t in cb.trace if t["step"] < 41)
+    if final_settings == "last":
+        assert cb.settled == {}
+        assert any(k.fat.target > 0.0 for k in cb._knobs)
+        return
+    reads = [r for st, r in cb._settings_trace if st > 32]
+    assert len(reads) >= 16
+    for k in cb._knobs:
+        cuts = sorted(r[k.name][0] for r in reads)
+        assert cb.settled[k.name]["cutoff"] == pytest.approx(
+            cuts[(len(cuts) - 1) // 2])
+        assert k.fat.cutoff == pytest.approx(cb.settled[k.name]["cutoff"])
+        # most of the last epoch ran at the natural sparsity (cutoff 0)
+        assert k.fat.cutoff == 0.0 and k.fat.target == 0.0
+    assert any(cb.settled[k.name]["last_target"] > 0.0 for k in cb._knobs)
+
+
+def test_final_settings_is_checked():
+    import tf_sparse_split as tfss
+
+    with pytest.raises(ValueError, match="final_settings"):
+        tfss.TimeBudgetCallback(step_time=1, final_settings="median")
