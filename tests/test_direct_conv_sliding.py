@@ -4,7 +4,8 @@ the pybind11 module, against the float64 reference of test_direct_conv.py
 and against the tiled kernel (TFSS_DIRECT_FWD_KERNEL=tiles): partial input
 channel chunks (C_in not a multiple of 16), partial output vectors (C_out
 not a multiple of 16), several 64-channel output blocks, filter-row groups
-(KH > 3), row strides and dilations, explicit paddings that put the first
+(KH > 3), one filter row a pass from output width 14 on (the 48-channel
+chunks), row strides and dilations, explicit paddings that put the first
 or last input column outside every window, narrow rows, batch 1, NaN/Inf
 in the input and in the filter, and bits that do not depend on the thread
 count."""
@@ -37,7 +38,10 @@ CASES = [
     (2, 7, 9, 8, 16, 3, (1, 1), (1, 1), (0, 2, 2, 0)),   # pad_left 2: column 0 unseen at right
     (2, 7, 9, 8, 16, 3, (1, 1), (1, 1), (1, 0, 0, 2)),   # pad_left 0, pad_right 2
     (2, 5, 6, 3, 5, 3, (1, 1), (1, 1), (2, 2, 3, 3)),    # pads wider than the filter
-    (1, 14, 14, 70, 72, 3, (1, 1), (1, 1), "SAME"),      # batch 1, 5 chunks
+    (1, 14, 14, 70, 72, 3, (1, 1), (1, 1), "SAME"),      # batch 1, one row: 48 + 22 channels
+    (2, 6, 14, 100, 40, 5, (1, 1), (1, 1), "SAME"),      # one row a pass, KH 5: 48 + 48 + 4
+    (1, 9, 16, 20, 17, 3, (2, 1), (1, 1), "VALID"),      # out_w 14: one row, row stride 2
+    (2, 5, 13, 33, 20, 3, (1, 1), (1, 1), "SAME"),       # out_w 13: three rows a pass
 ]
 
 
@@ -135,7 +139,8 @@ def test_sliding_inf_filter_times_zero_input_is_skipped():
 
 @pytest.mark.parametrize("shape, co", [((3, 9, 20, 40), 80),   # 3 chunks x 2 blocks
                                        ((1, 14, 14, 33), 64),  # batch 1
-                                       ((5, 4, 30, 16), 7)])   # few rows per task
+                                       ((5, 4, 30, 16), 7),    # few rows per task
+                                       ((2, 8, 9, 40), 80)])   # three rows a pass
 def test_sliding_bits_do_not_depend_on_thread_count(shape, co):
     rng = np.random.default_rng(10)
     x = _sparse_x(shape, 0.5, rng, np.float32)

@@ -51,6 +51,20 @@ SplitShape ConvSplitShape(const Conv2DGeometry& g, int64_t c_live,
 // it stayed (the dense path re-timed too rarely to bring the median back).
 constexpr int64_t kConvDenseOneTimeCalls = 4;
 
+// How many of a convolution op instance's first calls with sparse images at
+// each batch size stay out of its family's sparse ratios
+// (PlanMemory::NoteSparseShape; the matmul ops keep none out). That call is
+// the sparse path's first full-batch run after the calibration's small
+// samples -- the calibrating call itself when the calibration chose the
+// sparse path, else the first re-time -- and ran well above the path's
+// steady time: 32x56x56x64 -> 64 at 50% zeros under load, 58 ms against
+// 23-25 ms for the next re-times, and 62-159 ms in calibrating calls
+// against 57-89 ms forced all-sparse (medians). Entering the ratios, that
+// one slow observation decided alone while it was the only one (the
+// smallest of fewer than 3 counts): the op stayed all-dense until the next
+// re-time, or left the sparse plan its calibration chose.
+constexpr int64_t kConvSparseOneTimeCalls = 1;
+
 // How many calls an op instance's plan runs on a side before a decision may
 // leave it (RetimePolicy::hold_runs; the matmul ops hold none). The first
 // full-batch run of a path after the family's calibration holds one-time

@@ -647,7 +647,7 @@ CostTerms FamilyModel::Terms() const {
 bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
                          double dense_seconds, double rows_sparse,
                          double nnz_sparse, double sparse_seconds,
-                         bool dense_one_time) {
+                         bool dense_one_time, bool sparse_one_time) {
   std::lock_guard<std::mutex> lock(mu_);
   bool dense_recorded = false;
   if (rows_dense > 0.0 && dense_seconds > 0.0) {
@@ -681,6 +681,8 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
     if (!base_.sparse_known()) {
       base_.sparse_rate = nnz_sparse * s.sparse_flops_per_nnz / sparse_seconds;
       sparse_recorded = true;
+    } else if (sparse_one_time) {
+      // Kept out (see the header).
     } else {
       const double pred =
           PredictSparseSeconds(s, base_, rows_sparse, nnz_sparse);
@@ -843,10 +845,21 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
   return other;
 }
 
+bool PlanMemory::NoteSparseShape(int64_t m, int64_t one_time_calls) {
+  if (one_time_calls <= 0) return false;
+  // Kept among the dense shapes under the key (m, -1, 2), which no
+  // all-dense call has (its kc >= 0, compact 0 or 1).
+  return NoteShape(m, -1, 2, one_time_calls);
+}
+
 bool PlanMemory::NoteDenseShape(int64_t m, int64_t kc, bool compact,
                                 int64_t one_time_calls) {
+  return NoteShape(m, kc, compact ? 1 : 0, one_time_calls);
+}
+
+bool PlanMemory::NoteShape(int64_t m, int64_t kc, int64_t c,
+                           int64_t one_time_calls) {
   std::lock_guard<std::mutex> lock(mu_);
-  const int64_t c = compact ? 1 : 0;
   for (int i = 0; i < dense_shape_count_; ++i) {
     auto& e = dense_shapes_[i];
     if (e[0] == m && e[1] == kc && e[2] == c) {

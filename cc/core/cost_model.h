@@ -509,11 +509,14 @@ class alignas(64) FamilyModel {
   // PlanMemory::NoteDenseShape: it pays TF's oneDNN primitive creation for
   // that shape -- measured 1655 us against 570 us later at 32 x 453 ->
   // 2048, 195 us against 15-46 us at 32 x 2048 -> 10 -- which later calls
-  // of the shape do not pay). Returns whether the dense observation
-  // entered the ratios.
+  // of the shape do not pay). `sparse_one_time`: likewise for the sparse
+  // time on a known sparse path (the convolutions pass their first call
+  // with sparse rows at each batch size, PlanMemory::NoteSparseShape).
+  // Returns whether the dense observation entered the ratios.
   bool Record(const SplitShape& s, double rows_dense, bool compact,
               double dense_seconds, double rows_sparse, double nnz_sparse,
-              double sparse_seconds, bool dense_one_time = false);
+              double sparse_seconds, bool dense_one_time = false,
+              bool sparse_one_time = false);
   // Records one full count of `elems` values that took `seconds`.
   void RecordCount(double elems, double seconds);
   // Median seconds per counted value of the last full counts (0: none).
@@ -616,6 +619,12 @@ class PlanMemory {
   // next calls still run up to 2x their steady time).
   bool NoteDenseShape(int64_t m, int64_t kc, bool compact,
                       int64_t one_time_calls = 1);
+  // The same for the op instance's calls that run sparse rows at m rows
+  // (whatever their split): whether this is one of the first
+  // `one_time_calls` of them, counting it (0: never; kept in the same
+  // kShapesRemembered entries). The convolutions pass
+  // kConvSparseOneTimeCalls (conv_cost.h).
+  bool NoteSparseShape(int64_t m, int64_t one_time_calls);
   static constexpr int kShapesRemembered = 64;
   // Remembers an all-dense plan taken without a full count.
   void RememberAllDense();
@@ -666,7 +675,10 @@ class PlanMemory {
   Plan last_;
   RetimeState retime_;
   OpCalibrationRecord calibration_;
-  // All-dense shapes run: (m, kc, compact, calls so far).
+  // NoteDenseShape / NoteSparseShape on the key (m, kc, c).
+  bool NoteShape(int64_t m, int64_t kc, int64_t c, int64_t one_time_calls);
+  // All-dense shapes run: (m, kc, compact, calls so far); the calls with
+  // sparse rows: (m, -1, 2, calls so far).
   int dense_shape_count_ = 0;
   std::array<std::array<int64_t, 4>, kShapesRemembered> dense_shapes_{};
 };

@@ -43,8 +43,9 @@ namespace tf_sparse_split {
 // three output pixels its current input column feeds in registers (3 x V
 // vectors, V <= 4), so every nonzero of an interior column is one
 // broadcast and 3V multiply-adds, with no tile edges. The work runs in
-// passes over (up to 3 filter rows, 16 input channels) whose packed filter
-// slice ([row][channel][kw][16V], <= 36 KB) stays in L1; the nonzeros of
+// passes over (up to 3 filter rows, 16 input channels; from output width
+// 14 on, 1 filter row and up to 48 channels) whose packed filter slice
+// ([row][channel][kw][16V], <= 36 KB) stays in cache; the nonzeros of
 // the pass's input pixels under a column are one bitmask (<= 48 bits)
 // visited by one bit-scan loop; passes after the first add into y (in a
 // fixed order). Single-thread kernel time at 50% zeros, measured under

@@ -931,6 +931,8 @@ struct ConvSplit {
         pfor(ConvParallelFor(ctx)) {
     // oneDNN's first calls of a shape run well above its steady time.
     call.set_dense_one_time_calls(kConvDenseOneTimeCalls);
+    // Nor does the sparse path's first full-batch run (conv_cost.h).
+    call.set_sparse_one_time_calls(kConvSparseOneTimeCalls);
     // A side is left only on a few of its own runs (conv_cost.h).
     call.set_retime_policy(ConvRetimePolicy());
   }

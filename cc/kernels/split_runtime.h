@@ -662,6 +662,10 @@ class SplitCall {
   // primitive creation; PlanMemory::NoteDenseShape). A re-timed all-dense
   // call counts only the first.
   void set_dense_one_time_calls(int64_t calls) { dense_one_time_calls_ = calls; }
+  // How many of the op instance's first calls with sparse rows at each m
+  // stay out of the family's sparse ratios (default 0: none;
+  // PlanMemory::NoteSparseShape).
+  void set_sparse_one_time_calls(int64_t calls) { sparse_one_time_calls_ = calls; }
   // The re-time rule's policy of the op (default RetimePolicy(); the
   // convolutions hold a side for a few runs, ConvRetimePolicy).
   void set_retime_policy(const RetimePolicy& rp) { retime_policy_ = rp; }
@@ -700,9 +704,14 @@ class SplitCall {
           memory_ != nullptr && rows_dense() > 0 && rows_dense() == shape_.m &&
           memory_->NoteDenseShape(shape_.m, compact_ ? shape_.k_live : shape_.k,
                                   compact_, retimed_ ? 1 : dense_one_time_calls_);
-      const bool dense_recorded =
-          family_->Record(shape_, rows_dense(), compact_, dense_s,
-                          rows_sparse(), split_.nnz_sparse, sparse_s, one_time);
+      // Likewise the op's first calls with sparse rows at m (the
+      // convolutions': sparse_one_time_calls_).
+      const bool sparse_one_time =
+          memory_ != nullptr && rows_sparse() > 0 &&
+          memory_->NoteSparseShape(shape_.m, sparse_one_time_calls_);
+      const bool dense_recorded = family_->Record(
+          shape_, rows_dense(), compact_, dense_s, rows_sparse(),
+          split_.nnz_sparse, sparse_s, one_time, sparse_one_time);
       // One line per automatic call at VLOG level 2 (the path it ran and
       // its part times): the recordings of tests/data are made of these.
       VLOG(2) << "tf_sparse_split call family " << family_ << " op "
@@ -712,7 +721,8 @@ class SplitCall {
               << " nnz_sparse " << split_.nnz_sparse << " dense_s " << dense_s
               << " sparse_s " << sparse_s << " analyze_s "
               << Seconds(start_, analyzed_) << " retimed " << retimed_
-              << " dense_recorded " << dense_recorded << " analysis "
+              << " dense_recorded " << dense_recorded << " sparse_one_time "
+              << sparse_one_time << " analysis "
               << stats_[kStatAnalysis];
     }
     // The call's cost problem and its family's terms as they stand after
@@ -764,6 +774,7 @@ class SplitCall {
   bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
   bool retimed_ = false;           // this call runs a re-timed plan
   int64_t dense_one_time_calls_ = 1;
+  int64_t sparse_one_time_calls_ = 0;
   RetimePolicy retime_policy_;
   PlanMemory* memory_ = nullptr;   // the op's memory (automatic calls)
 };

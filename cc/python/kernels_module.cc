@@ -648,17 +648,20 @@ void BindCostModel(py::module_& mod) {
       .def("record",
            [](FamilyModel& f, const py::dict& shape, double rows_dense, bool compact,
               double dense_s, double rows_sparse, double nnz_sparse, double sparse_s,
-              bool dense_one_time) {
+              bool dense_one_time, bool sparse_one_time) {
              return f.Record(ShapeOf(shape), rows_dense, compact, dense_s,
-                             rows_sparse, nnz_sparse, sparse_s, dense_one_time);
+                             rows_sparse, nnz_sparse, sparse_s, dense_one_time,
+                             sparse_one_time);
            },
            py::arg("shape"), py::arg("rows_dense"), py::arg("compact"),
            py::arg("dense_s"), py::arg("rows_sparse"), py::arg("nnz_sparse"),
            py::arg("sparse_s"), py::arg("dense_one_time") = false,
+           py::arg("sparse_one_time") = false,
            "Records one call's part times (seconds) against the base "
            "prediction; returns whether the dense time entered the ratios "
            "(not when dense_one_time: the time holds a one-time cost, see "
-           "FamilyModel::Record).");
+           "FamilyModel::Record; sparse_one_time keeps the sparse time out "
+           "likewise).");
   py::class_<PlanMemory>(mod, "SplitPlanMemory",
                          "The last plan of one op instance (hysteresis).")
       .def(py::init<>())
@@ -685,6 +688,7 @@ void BindConvCost(py::module_& mod) {
     return g;
   };
   mod.attr("conv_dense_one_time_calls") = kConvDenseOneTimeCalls;
+  mod.attr("conv_sparse_one_time_calls") = kConvSparseOneTimeCalls;
   mod.attr("conv_hold_runs") = kConvHoldRuns;
   mod.attr("conv_zero_free_density") = kConvZeroFreeDensity;
   mod.attr("conv_zero_free_min_speedup") = kConvZeroFreeMinSpeedup;
@@ -1022,6 +1026,15 @@ void BindAnalysis(py::module_& mod) {
       "at (m, kc, compact), counting it (what the ops pass record() as "
       "dense_one_time; the convolutions pass conv_dense_one_time_calls, a "
       "re-timed call 1).");
+  mem.attr("note_sparse_shape") = py::cpp_function(
+      [](PlanMemory& m, int64_t rows, int64_t one_time_calls) {
+        return m.NoteSparseShape(rows, one_time_calls);
+      },
+      py::is_method(mem), py::arg("m"), py::arg("one_time_calls"),
+      "Whether this is one of the op's first one_time_calls calls with "
+      "sparse rows at m rows, counting it (what the ops pass record() as "
+      "sparse_one_time; the convolutions pass conv_sparse_one_time_calls, "
+      "the matmul ops 0: never).");
   mod.def("retime_policy_defaults", [] { return RetimeDictOf(RetimePolicy()); },
           "The RetimePolicy the matmul ops use (the default).");
   mod.def("conv_retime_policy", [] { return RetimeDictOf(ConvRetimePolicy()); },
