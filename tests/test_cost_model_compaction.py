@@ -223,3 +223,73 @@ def test_one_row_copy_term_priced_the_compaction_out(name):
         run, _ = _replay(d["families"][name], terms=old["terms"])
         late = Counter(run[len(run) // 2:])
         assert late[(1, 0, True)] <= 0.1 * sum(late.values()), late
+
+
+# -- the row-copy term ------------------------------------------------------
+
+def test_row_copy_term_is_fitted_from_its_timing():
+    shape = K.matmul_split_shape(1, 2048, 2048, 2048, weight_rows=True)
+    assert shape["weight_run_elems"] == 2048
+    assert K.matmul_split_shape(1, 2048, 2048, 2048)["weight_run_elems"] == 0
+    cal = _data()["row_copy_calibration"]["2048x2048"]
+    t = K.fit_calibration(shape, dict(
+        rows_full=1, rows_part=1, dense_full_s=1e-3, dense_part_s=1e-3,
+        nnz_full=643, nnz_thin=81, nnz_part=643, sparse_full_s=2e-3,
+        sparse_thin_s=1e-3, sparse_part_s=2e-3, copy_elems=cal["copy_elems"],
+        copy_s=cal["copy_s"], row_copy_elems=cal["row_copy_elems"],
+        row_copy_s=cal["row_copy_s"]))
+    assert math.isclose(t["row_copy_s_per_elem"],
+                        cal["terms"]["row_copy_s_per_elem"], rel_tol=1e-3)
+    # Copying whole rows ran 2.6-3.7x faster per value than the indexed
+    # gather on the same values.
+    for name in LAYERS:
+        terms = _data()["row_copy_calibration"][name]["terms"]
+        assert terms["row_copy_s_per_elem"] < 0.5 * terms["copy_s_per_elem"]
+
+
+def test_weight_row_gather_is_priced_as_row_copies():
+    """A compacted product whose b is not transposed gathers k_live whole
+    rows of op(b): one indexed access per row and a row copy per value. An
+    unknown row-copy term (0: statistics read back, older terms) or a
+    transposed b keep the indexed price."""
+    m, k, k_live, n = 1, 2048, 640, 2048
+    terms = _terms(dense_fixed_s=0.0, dense_rate=1e10, copy_s_per_elem=6e-10,
+                   row_copy_s_per_elem=2e-10)
+    prof = K.profile_from_row_nnz(np.array([k_live], np.int64), k, 32)
+    rows = K.matmul_split_shape(m, k, k_live, n, weight_rows=True)
+    indexed = K.matmul_split_shape(m, k, k_live, n)
+    flops = 2.0 * k_live * n / 1e10
+    gather_a = k_live * 6e-10
+    got = K.predict_plan_seconds(rows, prof, terms, -1, True)
+    want = flops + gather_a + k_live * n * 2e-10 + k_live * 6e-10
+    assert math.isclose(got, want, rel_tol=1e-9)
+    got = K.predict_plan_seconds(indexed, prof, terms, -1, True)
+    assert math.isclose(got, flops + gather_a + k_live * n * 6e-10,
+                        rel_tol=1e-9)
+    unknown = dict(terms, row_copy_s_per_elem=0.0)
+    assert math.isclose(K.predict_plan_seconds(rows, prof, unknown, -1, True),
+                        got, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_calibration_terms_compact_the_batch1_gemv(name):
+    """On the terms of a calibration that timed the row copy, the first
+    decision at batch 1 already compacts (the live rows of op(b) copied
+    whole); priced as an indexed gather (a transposed b, or without the
+    term) the hidden layer's 640 live rows of 2048 values kept the plain
+    GEMV until measured ratios moved the terms -- the plain GEMV ran at
+    1123 us, the compacted one at 778 us in the recording."""
+    cal = _data()["row_copy_calibration"][name]
+    dec = _data()["families"][name]["decide"]
+    m, k, k_live, n = dec["m"], dec["k"], dec["k_live"], dec["n"]
+    rows = np.zeros(33)
+    nnz = np.zeros(33)
+    for j, r, z in dec["profile"]:
+        rows[j], nnz[j] = r, z
+    shape = K.matmul_split_shape(m, k, k_live, n, weight_rows=True)
+    plan = K.decide_split(shape, (rows, nnz), cal["terms"])
+    assert plan["kind"] == "all_dense" and plan["compact"], plan
+    if name == "2048x2048":
+        indexed = K.matmul_split_shape(m, k, k_live, n)
+        plan = K.decide_split(indexed, (rows, nnz), cal["terms"])
+        assert plan["kind"] == "all_dense" and not plan["compact"], plan

@@ -566,3 +566,183 @@ def test_without_retiming_the_replay_keeps_the_slower_path(recording, name):
         rec, out = _replay(fam)
         late = out[len(out) // 2:]
         assert sum(key in good for _, key, *_ in late) >= 0.8 * len(late)
+
+
+# -- the analysis the ops run: back-off and re-time schedule in calls ---------
+#
+# The recorded benchmark calls (bench_*) ran with full_stats false: most
+# all-dense calls counted a sample or nothing and decided nothing. The
+# runtime (SplitCall over PlanMemory) keeps the re-time schedule in calls
+# for every op: a call without a decision counts in it
+# (note_all_dense_without_count), the call a re-time falls due on counts
+# fully (choose_analysis_and_backoff), and a full count the back-off led to
+# that stays all-dense continues the back-off (record_analysis's
+# continue_backoff_from). These replays run the same steps.
+
+# Counting cost per value of op(a): the order of one read at copy bandwidth
+# on these machines (4 bytes at ~41 GB/s) and twice that.
+COUNT_S_PER_ELEM = (1e-10, 2e-10)
+
+
+def _analysis_step(mem, shape, dense_shape, prof, terms, count_s, zero_rows,
+                   dead_cols, m):
+    """One automatic call's analysis and decision as SplitCall runs it:
+    returns (key of the path run, decided side, retimed, mode)."""
+    mode, before = mem.choose_analysis_and_backoff(dense_shape, terms,
+                                                   count_s)
+    # The sample's estimate: the call's own profile and live columns.
+    if mode == "sample" and K.sample_says_dense(shape, prof, terms):
+        mem.note_all_dense_without_count(sampled=True)
+        return _key(m, 0, False), 0, False, "sampled"
+    if mode == "skip":
+        mem.note_all_dense_without_count(sampled=False)
+        return _key(m, 0, False), 0, False, "skip"
+    backoff_full = mode == "sample" or before > 0
+    policy = {"analysis_s": count_s * shape["m"] * shape["k"]}
+    r = mem.decide_and_retime(shape, prof, terms, policy)
+    key = _plan_key(r["plan"], prof, m, shape)
+    cont = before if backoff_full and key[1] == 0 and not key[2] else -1
+    mem.record_analysis(True, zero_rows, dead_cols, continue_backoff_from=cont)
+    side = 0 if r["decided"]["kind"] == "all_dense" else 1
+    return key, side, r["retimed"], "full"
+
+
+def _replay_with_analysis(fam, count_s, repeat=4):
+    """_replay with the analysis the ops run (full_stats false)."""
+    calls = _calls(fam)
+    rec = _Recorded(calls)
+    model = K.SplitFamilyModel()
+    model.set_calibration(fam["calibrations"][0]["terms"])
+    d0 = _decides(fam)[0]
+    m, k, k_live, n = d0["m"], d0["k"], d0["k_live"], d0["n"]
+    shape = K.matmul_split_shape(m, k, k_live, n)
+    dense_shape = K.matmul_split_shape(m, k, k, n)
+    prof = _profile_of(d0)
+    zero_rows, dead_cols = prof[0][0] / m, (k - k_live) / k
+    mems = {}
+    out = []
+    for _ in range(repeat):
+        for c in calls:
+            mem = mems.setdefault(c["op"], K.SplitPlanMemory())
+            if c is calls[0] and not out:
+                # The calibrating call counted everything.
+                mem.record_analysis(True, zero_rows, dead_cols)
+            key, side, retimed, mode = _analysis_step(
+                mem, shape, dense_shape, prof, model.terms(), count_s,
+                zero_rows, dead_cols, m)
+            dense_s, sparse_s, nnz_sparse = rec.next(c["op"], key)
+            rows_dense, rows_sparse, compact = key
+            one_time = rows_dense == m and mem.note_dense_shape(
+                m, k_live if compact else k, compact)
+            model.record(shape, rows_dense, compact, dense_s, rows_sparse,
+                         nnz_sparse, sparse_s, dense_one_time=one_time)
+            out.append((c["op"], key, side, retimed, dense_s + sparse_s, mode))
+    return rec, out
+
+
+def _analysis_cases():
+    for case in _cases():
+        r, name = case.values
+        marks = case.marks
+        if (r, name) in (("forced_1", "2048x2048"), ("forced_2", "784x2048")):
+            # The calls a sample keeps all-dense decide nothing, so a change
+            # of side gets fewer decisions to be confirmed on, and the sparse
+            # estimate rests on fewer observations: forced_1's hidden layer
+            # leaves the dense plan only in the last quarter (0.48 of the
+            # late calls on the faster path); forced_2's input layer, whose
+            # sparse re-times draw the recording's first (burst) sparse
+            # calls, stays all-dense (0.75 against 1.00 ms recorded).
+            marks = (pytest.mark.xfail(strict=True, reason=(
+                "sampled all-dense calls decide nothing: fewer decisions to "
+                "confirm a change of side on")),)
+        yield pytest.param(r, name, marks=marks, id=f"{r}-{name}")
+
+
+@pytest.mark.parametrize("count_s", COUNT_S_PER_ELEM)
+@pytest.mark.parametrize("recording,name", list(_analysis_cases()))
+def test_replay_with_the_ops_analysis_converges(recording, name, count_s):
+    """The same convergence with the count back-off of the runtime (calls
+    that decide nothing count in the re-time schedule; the call a re-time
+    falls due on counts fully; a full count the back-off led to that stays
+    all-dense continues it), where the recorded timings allow it."""
+    fam = _families(recording)[name]
+    rec, out = _replay_with_analysis(fam, count_s)
+    medians, good = _good_paths(rec)
+    late = out[len(out) // 2:]
+    on_good = sum(o[1] in good for o in late) / len(late)
+    assert on_good >= 0.8, (medians, on_good)
+
+
+def _dense_near_families():
+    """(recording, layer) whose calibration terms decide all-dense on the
+    recorded profile with the all-sparse plan within the re-time range and
+    a sample that asks for the full count."""
+    out = []
+    for r in RECORDINGS:
+        for name, fam in _families(r).items():
+            d0 = _decides(fam)[0]
+            shape = K.matmul_split_shape(d0["m"], d0["k"], d0["k_live"],
+                                         d0["n"])
+            terms = fam["calibrations"][0]["terms"]
+            prof = _profile_of(d0)
+            plan = K.decide_split(shape, prof, terms)
+            if plan["kind"] != "all_dense":
+                continue
+            other = K.other_side_plan(shape, prof, terms, plan)
+            if other is None or other["predicted_s"] > 3 * plan["predicted_s"]:
+                continue
+            if K.sample_says_dense(shape, prof, terms):
+                continue
+            out.append((r, name))
+    return out
+
+
+def _matmul_retime_calls(fam, backoff, count_s, calls=120):
+    """The calls on which a replayed all-dense matmul re-times its sparse
+    path, on the family's calibration terms (constant: nothing recorded).
+    backoff: the ops' analysis (_analysis_step); else every call counts
+    fully and decides."""
+    d0 = _decides(fam)[0]
+    m, k, k_live, n = d0["m"], d0["k"], d0["k_live"], d0["n"]
+    shape = K.matmul_split_shape(m, k, k_live, n)
+    dense_shape = K.matmul_split_shape(m, k, k, n)
+    terms = fam["calibrations"][0]["terms"]
+    prof = _profile_of(d0)
+    zero_rows, dead_cols = prof[0][0] / m, (k - k_live) / k
+    mem = K.SplitPlanMemory()
+    mem.record_analysis(True, zero_rows, dead_cols)
+    out, modes = [], []
+    for i in range(calls):
+        if backoff:
+            _, side, retimed, mode = _analysis_step(
+                mem, shape, dense_shape, prof, terms, count_s, zero_rows,
+                dead_cols, m)
+        else:
+            policy = {"analysis_s": count_s * m * k}
+            r = mem.decide_and_retime(shape, prof, terms, policy)
+            side = 0 if r["decided"]["kind"] == "all_dense" else 1
+            retimed, mode = r["retimed"], "full"
+        assert side == 0
+        modes.append(mode)
+        if retimed:
+            out.append(i)
+    return out, modes
+
+
+@pytest.mark.parametrize("count_s", COUNT_S_PER_ELEM)
+def test_matmul_backoff_keeps_the_retime_schedule_in_calls(count_s):
+    """An all-dense matmul near the break-even (its samples ask for the
+    full count) backs off its full counts as the convolutions do, and its
+    sparse path is still re-timed on the calls of the every-call schedule
+    (4, 8, 16, 32 calls apart), not on every decision's."""
+    cases = _dense_near_families()
+    assert cases
+    for r, name in cases:
+        fam = _families(r)[name]
+        every, _ = _matmul_retime_calls(fam, backoff=False, count_s=count_s)
+        backed, modes = _matmul_retime_calls(fam, backoff=True,
+                                             count_s=count_s)
+        assert len(every) >= 4, (r, name, every)
+        assert backed == every, (r, name, backed, every)
+        # The back-off: most calls count a sample or nothing.
+        assert modes.count("full") <= len(modes) // 4, (r, name, modes)

@@ -74,8 +74,9 @@ def test_cost_problem_reads_back_the_shape_and_terms():
     p = op_model.cost_problem(v)
     assert p.calibrated
     assert p.shape == kernels().matmul_split_shape(256, 1024, 1024, 512)
-    # compact_scale is not in the statistics vector: read back as 1.
-    assert p.terms == dict(TERMS, compact_scale=1.0)
+    # compact_scale and the row-copy term are not in the statistics vector:
+    # read back as 1 and 0 (unknown: the copy term prices row copies).
+    assert p.terms == dict(TERMS, compact_scale=1.0, row_copy_s_per_elem=0.0)
     assert p.known(op_model.DENSE) and p.known(op_model.SPARSE)
     # Unknown rates (0), and garbage, read as unknown, never negative.
     v[S.TERM_SPARSE_RATE] = 0.0
@@ -234,7 +235,8 @@ def test_tuner_uses_the_op_terms_and_keeps_automatic_layers_automatic():
     # Rates reported are the op's terms, not a fit of the tuner's.
     assert e_fixed["dense_rate"] == TERMS["dense_rate"]
     assert e_fixed["sparse_overhead"] == TERMS["sparse_fixed_s"]
-    assert e_fixed["terms"] == dict(TERMS, compact_scale=1.0)
+    assert e_fixed["terms"] == dict(TERMS, compact_scale=1.0,
+                                    row_copy_s_per_elem=0.0)
     assert e_fixed["calibrated"]
     assert e_fixed["threshold_used"] == 0.0
 

@@ -74,7 +74,7 @@ Plan MakePlan(const SplitShape& s, const DensityProfile& p, int bucket,
 }  // namespace
 
 SplitShape MatMulSplitShape(int64_t m, int64_t k, int64_t k_live,
-                             int64_t n) {
+                             int64_t n, bool weight_rows) {
   SplitShape s;
   s.m = m;
   s.k = k;
@@ -83,6 +83,7 @@ SplitShape MatMulSplitShape(int64_t m, int64_t k, int64_t k_live,
   s.sparse_flops_per_nnz = 2.0 * static_cast<double>(n);
   s.row_copy_elems = static_cast<double>(n);
   s.weight_elems_per_col = static_cast<double>(n);
+  s.weight_run_elems = weight_rows ? static_cast<double>(n) : 0.0;
   return s;
 }
 
@@ -142,7 +143,17 @@ double PredictDenseSeconds(const SplitShape& s, const CostTerms& t,
   double copied = 0.0;
   const bool split = rows_dense < static_cast<double>(s.m);
   if (compact || split) copied += rows_dense * kc;  // gather of the rows
-  if (compact) copied += static_cast<double>(s.k_live) * s.weight_elems_per_col;
+  double weight_s = 0.0;
+  if (compact) {
+    const double w = static_cast<double>(s.k_live) * s.weight_elems_per_col;
+    if (s.weight_run_elems > 1.0 && t.row_copy_s_per_elem > 0.0) {
+      // Whole rows copied: one indexed access per run, a row copy per value.
+      weight_s = w * t.row_copy_s_per_elem +
+                 w / s.weight_run_elems * t.copy_s_per_elem;
+    } else {
+      copied += w;
+    }
+  }
   if (split) copied += rows_dense * s.row_copy_elems;
   const double rate = t.dense_rate > 0.0 ? t.dense_rate : 1.0;
   // The fixed term is the read of op(b) at small m: k_live of its k rows
@@ -150,7 +161,8 @@ double PredictDenseSeconds(const SplitShape& s, const CostTerms& t,
   const double fixed =
       compact && s.k > 0 ? t.dense_fixed_s * kc / static_cast<double>(s.k)
                          : t.dense_fixed_s;
-  const double seconds = fixed + flops / rate + copied * t.copy_s_per_elem;
+  const double seconds =
+      fixed + flops / rate + copied * t.copy_s_per_elem + weight_s;
   return compact && t.compact_scale > 0.0 ? seconds * t.compact_scale
                                           : seconds;
 }
@@ -410,6 +422,8 @@ CostTerms FitCalibration(const SplitShape& s, const CalibrationTimings& c) {
   }
   if (per_nnz > 0.0) t.sparse_rate = s.sparse_flops_per_nnz / per_nnz;
   if (c.copy_elems > 0.0) t.copy_s_per_elem = c.copy_s / c.copy_elems;
+  if (c.row_copy_elems > 0.0)
+    t.row_copy_s_per_elem = c.row_copy_s / c.row_copy_elems;
   return t;
 }
 
@@ -445,7 +459,8 @@ AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
                             const DecisionPolicy& policy,
                             const AnalysisPolicy& ap, const AnalysisHistory& h,
                             const Plan* previous, double count_s_per_elem,
-                            bool full_stats) {
+                            bool full_stats, bool* nothing_to_save) {
+  if (nothing_to_save != nullptr) *nothing_to_save = false;
   if (full_stats || !s.dense_allowed || !t.dense_known() ||
       !t.sparse_known() || !h.seen_full || !(count_s_per_elem > 0.0))
     return AnalysisMode::kFull;
@@ -466,8 +481,10 @@ AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
   const double all_save =
       MaxSavingSeconds(s, t, h.zero_row_frac, h.dead_col_frac);
   if (rows_save < MinGainSeconds(policy, dense_s) &&
-      all_save < policy.min_gain_s)
+      all_save < policy.min_gain_s) {
+    if (nothing_to_save != nullptr) *nothing_to_save = true;
     return AnalysisMode::kSkip;
+  }
   // Samples that kept saying all-dense come further apart (doubling up to
   // max_sample_period calls); the calls between count nothing.
   if (h.samples_dense > 0 && ap.max_sample_period > 1) {
@@ -708,10 +725,29 @@ double FamilyModel::CountSecondsPerElem() const {
   return hot_.count_s_per_elem;
 }
 
-void PlanMemory::RememberAllDense() {
+namespace {
+
+// NoteSampledFullStayedDense on a history (the caller holds the lock).
+void ContinueBackoff(AnalysisHistory* h, int64_t samples_dense) {
+  h->samples_dense = std::max<int64_t>(0, samples_dense) + 1;
+  h->calls_since_sample = 0;
+}
+
+// Whether the next decision on the all-dense side re-times (the caller
+// holds the lock).
+bool RetimeFallsDueOn(const RetimeState& r) {
+  return r.side == 0 && r.next_retime > 0 &&
+         r.calls_on_side + 1 == r.next_retime;
+}
+
+}  // namespace
+
+void PlanMemory::RememberAllDense(int64_t continue_backoff_from) {
   std::lock_guard<std::mutex> lock(mu_);
   last_ = Plan();
   has_last_ = true;
+  if (continue_backoff_from >= 0)
+    ContinueBackoff(&history_, continue_backoff_from);
 }
 
 void PlanMemory::NoteAllDenseWithoutCount(bool sampled) {
@@ -725,6 +761,8 @@ void PlanMemory::NoteAllDenseWithoutCount(bool sampled) {
   } else {
     ++history_.calls_since_sample;
   }
+  // A decision on the all-dense side that re-timed nothing.
+  if (retime_.side == 0) ++retime_.calls_on_side;
 }
 
 AnalysisMode PlanMemory::ChooseAnalysis(const SplitShape& s,
@@ -732,15 +770,24 @@ AnalysisMode PlanMemory::ChooseAnalysis(const SplitShape& s,
                                         const DecisionPolicy& policy,
                                         const AnalysisPolicy& ap,
                                         double count_s_per_elem,
-                                        bool full_stats) {
+                                        bool full_stats,
+                                        int64_t* samples_dense_before) {
   std::lock_guard<std::mutex> lock(mu_);
-  return tf_sparse_split::ChooseAnalysis(s, t, policy, ap, history_,
-                                         has_last_ ? &last_ : nullptr,
-                                         count_s_per_elem, full_stats);
+  bool nothing_to_save = false;
+  AnalysisMode mode = tf_sparse_split::ChooseAnalysis(
+      s, t, policy, ap, history_, has_last_ ? &last_ : nullptr,
+      count_s_per_elem, full_stats, &nothing_to_save);
+  if (mode != AnalysisMode::kFull && !nothing_to_save &&
+      RetimeFallsDueOn(retime_))
+    mode = AnalysisMode::kFull;
+  if (samples_dense_before != nullptr)
+    *samples_dense_before = history_.samples_dense;
+  return mode;
 }
 
 void PlanMemory::RecordAnalysis(bool full, double zero_row_frac,
-                                double dead_col_frac) {
+                                double dead_col_frac,
+                                int64_t continue_backoff_from) {
   std::lock_guard<std::mutex> lock(mu_);
   if (full) {
     history_.seen_full = true;
@@ -749,6 +796,8 @@ void PlanMemory::RecordAnalysis(bool full, double zero_row_frac,
     history_.dead_col_frac = dead_col_frac;
     history_.samples_dense = 0;
     history_.calls_since_sample = 0;
+    if (continue_backoff_from >= 0)
+      ContinueBackoff(&history_, continue_backoff_from);
   } else {
     ++history_.calls_since_full;
     ++history_.calls_since_sample;
@@ -757,8 +806,7 @@ void PlanMemory::RecordAnalysis(bool full, double zero_row_frac,
 
 void PlanMemory::NoteSampledFullStayedDense(int64_t samples_dense) {
   std::lock_guard<std::mutex> lock(mu_);
-  history_.samples_dense = std::max<int64_t>(0, samples_dense) + 1;
-  history_.calls_since_sample = 0;
+  ContinueBackoff(&history_, samples_dense);
 }
 
 void PlanMemory::NoteDenseCallWithoutDecision() {
@@ -768,8 +816,7 @@ void PlanMemory::NoteDenseCallWithoutDecision() {
 
 bool PlanMemory::RetimeFallsDue() {
   std::lock_guard<std::mutex> lock(mu_);
-  return retime_.side == 0 && retime_.next_retime > 0 &&
-         retime_.calls_on_side + 1 == retime_.next_retime;
+  return RetimeFallsDueOn(retime_);
 }
 
 AnalysisHistory PlanMemory::history() {

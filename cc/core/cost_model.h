@@ -57,6 +57,13 @@ struct SplitShape {
   double row_copy_elems = 0.0;
   // Weight values gathered per live column when compacting (matmul n).
   double weight_elems_per_col = 0.0;
+  // Contiguous values per run of that gather: n where it copies whole rows
+  // of op(b) (a product whose b is not transposed), else 0 (an indexed
+  // gather, every value at the copy term). A gather of runs of r values
+  // costs one indexed access per run (copy_s_per_elem) and a row copy per
+  // value (CostTerms::row_copy_s_per_elem). Not in the statistics vector
+  // (ReadCostStats gives 0).
+  double weight_run_elems = 0.0;
   bool can_compact = true;     // the dense path supports compaction
   bool dense_allowed = true;   // the dense path exists for this call
 };
@@ -64,8 +71,10 @@ struct SplitShape {
 // The shape of a product op(a) [m, k] * op(b) [k, n]: 2n flop per
 // multiplied value on both paths, an output row of n values scattered per
 // dense row of a split, a row of op(b) (n values) gathered per live column
-// when compacting.
-SplitShape MatMulSplitShape(int64_t m, int64_t k, int64_t k_live, int64_t n);
+// when compacting -- a copy of whole rows where b is not transposed
+// (`weight_rows`: weight_run_elems n), else an indexed gather.
+SplitShape MatMulSplitShape(int64_t m, int64_t k, int64_t k_live, int64_t n,
+                            bool weight_rows = false);
 
 // The shape of an SDDMM (mask [m, k], x [m, n], op(b) [k, n]; the rows of
 // the mask are split): 2n flop per output value on the dense path (a GEMM
@@ -102,6 +111,13 @@ struct CostTerms {
   double convert_s_per_elem = 0.0;  // per value of the rows sent sparse
   double sparse_rate = 0.0;         // useful sparse flop/s (0: unknown)
   double copy_s_per_elem = 0.0;     // gathers and scatters
+  // Per value of a copy of whole rows (memcpy), the gather of op(b)'s live
+  // rows when compacting (SplitShape::weight_run_elems); 0: unknown, priced
+  // at copy_s_per_elem. The indexed copy term priced that gather 4-6x
+  // above its time, and at batch 1 the hidden layer of an MLP (2048 ->
+  // 2048, 31% of its columns live) ran the plain GEMV, 1.4x slower than
+  // the compacted one. Not in the statistics vector (ReadCostStats gives 0).
+  double row_copy_s_per_elem = 0.0;
   bool heterogeneous = false;       // the two parts overlap (max, not sum)
   // Multiplies the predicted seconds of a dense part that compacts
   // (PredictDenseSeconds): the median of such parts' measured / predicted
@@ -316,6 +332,7 @@ struct CalibrationTimings {
   double nnz_full = 0, nnz_thin = 0, nnz_part = 0;
   double sparse_full_s = 0, sparse_thin_s = 0, sparse_part_s = 0;
   double copy_elems = 0, copy_s = 0;
+  double row_copy_elems = 0, row_copy_s = 0;  // whole rows copied (memcpy)
 };
 
 // Values the calibration's copy timing gathers at least (2^16). The copy
@@ -413,11 +430,14 @@ int FullCountPeriod(double count_s, double dense_s, const AnalysisPolicy& ap);
 // The analysis of one automatic call. `previous` is the op's last plan
 // (null: none yet), `count_s_per_elem` the family's counting cost per value
 // (0: unknown), `full_stats` whether the caller wants exact statistics.
+// `nothing_to_save` (may be null) receives whether a kSkip came from
+// MaxSavingSeconds (no plan but the plain GEMM could save its minimum),
+// not from the sample back-off.
 AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
                             const DecisionPolicy& policy,
                             const AnalysisPolicy& ap, const AnalysisHistory& h,
                             const Plan* previous, double count_s_per_elem,
-                            bool full_stats);
+                            bool full_stats, bool* nothing_to_save = nullptr);
 
 // Stride over the `phys_rows` physical rows (each `phys_cols` values) of a
 // sample that costs at most ap.sample_budget * dense_s at count_s_per_elem
@@ -626,35 +646,50 @@ class PlanMemory {
   // kConvSparseOneTimeCalls (conv_cost.h).
   bool NoteSparseShape(int64_t m, int64_t one_time_calls);
   static constexpr int kShapesRemembered = 64;
-  // Remembers an all-dense plan taken without a full count.
-  void RememberAllDense();
-  // RememberAllDense and RecordAnalysis(false) under one lock: what an
-  // automatic call that runs all-dense on a sample (`sampled`: a sample
-  // that said all-dense, AnalysisPolicy::max_sample_period) or no count
-  // notes.
+  // Remembers an all-dense plan taken without a full count (a veto of
+  // sparse rows). `continue_backoff_from` >= 0: the call's full count was
+  // one a sample asked for or one amid the sample back-off (ChooseAnalysis'
+  // *samples_dense_before), and the back-off goes on from it as after
+  // RecordAnalysis' `continue_backoff_from`.
+  void RememberAllDense(int64_t continue_backoff_from = -1);
+  // What an automatic call that runs all-dense on a sample (`sampled`: a
+  // sample that said all-dense, AnalysisPolicy::max_sample_period) or no
+  // count notes, under one lock: the all-dense plan, RecordAnalysis(false),
+  // and the call in the re-time schedule as a decision on the all-dense
+  // side that re-timed nothing (RetimeState::calls_on_side), so that the
+  // back-off does not stretch the schedule (ChooseAnalysis counts fully on
+  // the call a re-time falls due on).
   void NoteAllDenseWithoutCount(bool sampled = false);
 
-  // ChooseAnalysis against this op's history and last plan.
+  // ChooseAnalysis against this op's history and last plan, under one lock:
+  // the call at which a re-time falls due on the all-dense side
+  // (RetimeFallsDue) counts fully, for the decision a re-time needs,
+  // unless no plan but the GEMM could save its minimum (a kSkip of
+  // MaxSavingSeconds: its re-time waits for the next periodic full count).
+  // `samples_dense_before` (may be null) receives the history's
+  // samples_dense before this call (the back-off RecordAnalysis /
+  // RememberAllDense continue).
   AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
                               const DecisionPolicy& policy,
                               const AnalysisPolicy& ap,
-                              double count_s_per_elem, bool full_stats);
+                              double count_s_per_elem, bool full_stats,
+                              int64_t* samples_dense_before = nullptr);
   // Records the outcome of one automatic call's analysis: a full count
-  // (with its all-zero row and column fractions) or not.
-  void RecordAnalysis(bool full, double zero_row_frac, double dead_col_frac);
-  // After a full count that a sample asked for (SampleSaysDense false)
-  // decided all-dense again: counts it as one more sample that said
-  // all-dense, so that the back-off (AnalysisPolicy::max_sample_period)
-  // goes on from `samples_dense`, the count the full count reset
-  // (RecordAnalysis). The convolutions call it: near the break-even every
-  // sample asks for the full count, and an op kept all-dense by the
-  // decision's margins otherwise counted every value on every call.
+  // (with its all-zero row and column fractions) or not. A full count
+  // resets the sample back-off, unless `continue_backoff_from` >= 0: the
+  // count was one a sample asked for (SampleSaysDense false) or a periodic
+  // one amid the back-off, and the call ran all-dense without compaction;
+  // it then counts as one more sample that said all-dense, so that the
+  // back-off (AnalysisPolicy::max_sample_period) goes on from
+  // `continue_backoff_from` samples: near the break-even every sample asks
+  // for the full count, and an op kept all-dense by the decision's margins
+  // otherwise counted every value on every call (SplitCall::Decide passes
+  // it for every op).
+  void RecordAnalysis(bool full, double zero_row_frac, double dead_col_frac,
+                      int64_t continue_backoff_from = -1);
+  // The back-off continuation of RecordAnalysis alone (for replays).
   void NoteSampledFullStayedDense(int64_t samples_dense);
-  // A call of the all-dense side that ran without a decision (a sample or
-  // nothing counted) counts in the re-time schedule as a decision that
-  // re-timed nothing (RetimeState::calls_on_side), so that the back-off
-  // does not stretch the schedule; the caller counts fully on the call at
-  // which a re-time falls due (RetimeFallsDue). The convolutions use it.
+  // The re-time count of NoteAllDenseWithoutCount alone (for replays).
   void NoteDenseCallWithoutDecision();
   // Whether the next decision on the all-dense side is the one a re-time
   // falls due on (calls_on_side + 1 == next_retime).

@@ -957,25 +957,16 @@ struct ConvSplit {
     if (*done) return absl::OkStatus();
     FamilyModel& family =
         families->Family(op, tf::DataTypeToEnum<T>::value, g);
-    bool sample_asked_full = false;  // a sample led to the full count
-    int64_t samples_dense_before = 0;
     if (dense_allowed) {
+      // One lock of the op's PlanMemory: the analysis, with the call a
+      // re-time falls due on counted fully, and the back-off it continues
+      // (SplitCall::ChooseAnalysis; the calls without a decision count in
+      // the re-time schedule, SplitCall::SkipAnalysis / AcceptSample).
       const SplitShape dense_shape = ConvSplitShape(g, g.c_in, true);
-      AnalysisMode mode =
+      const AnalysisMode mode =
           call.ChooseAnalysis(dense_shape, &family, plans, full_stats);
-      // The back-off leaves most all-dense calls without a decision; they
-      // count in the re-time schedule, and the call a re-time falls due on
-      // counts fully (a re-time needs the decision).
-      if (mode != AnalysisMode::kFull && call.automatic() &&
-          plans->RetimeFallsDue())
-        mode = AnalysisMode::kFull;
-      if (mode != AnalysisMode::kSkip)
-        samples_dense_before = plans->history().samples_dense;
       if (mode == AnalysisMode::kSkip) {
         call.SkipAnalysis(dense_shape, &family, plans);
-      } else if (mode == AnalysisMode::kFull) {
-        // A periodic full count amid the back-off continues it.
-        sample_asked_full = samples_dense_before > 0;
       } else if (mode == AnalysisMode::kSample) {
         const int64_t stride = call.SampleStrideFor(
             dense_shape, &family, g.n * g.h * g.w, g.c_in);
@@ -999,10 +990,8 @@ struct ConvSplit {
             call.SkipAnalysis(dense_shape, &family, plans);
           }
         }
-        sample_asked_full = !call.dense_without_count();
       }
       if (call.dense_without_count()) {
-        plans->NoteDenseCallWithoutDecision();
         dense_now = true;
         rd = g.n;
         rs = 0;
@@ -1034,13 +1023,10 @@ struct ConvSplit {
     rs = call.rows_sparse();
     compact = call.compact();
     kc = compact ? an.c_live : g.c_in;
-    // A sample asked for this full count (or it is a periodic one amid the
-    // back-off) and the decision stayed all-dense: the next samples back
-    // off as after a sample that said all-dense (the full counts near the
-    // break-even cost 2-4% of a dense call that TF's kernel does not pay;
-    // at 32x56x56x64 -> 64, 1.5-2 ms a call).
-    if (sample_asked_full && rs == 0 && !compact)
-      plans->NoteSampledFullStayedDense(samples_dense_before);
+    // (A full count the back-off led to that stayed all-dense continued the
+    // back-off in Decide / VetoSparseRows: near the break-even such counts
+    // cost 2-4% of a dense call that TF's kernel does not pay; at
+    // 32x56x56x64 -> 64, 1.5-2 ms a call.)
     return absl::OkStatus();
   }
 

@@ -160,7 +160,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
 
     // --- How much to count: everything, a sample, or nothing. -------------
     if (m > 0 && n > 0 && k > 0) {
-      const SplitShape dense_shape = MatMulSplitShape(m, k, k, n);
+      const SplitShape dense_shape = MatMulSplitShape(m, k, k, n, !mm_.tb);
       const AnalysisMode mode =
           call.ChooseAnalysis(dense_shape, &family, &plans_, full_stats_);
       if (mode == AnalysisMode::kSkip) {
@@ -202,7 +202,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     // --- Decision (cost model, calibrated on the first automatic call). ---
     MatMulPaths<T> paths{ctx, a, b, mm_.ta, mm_.tb, k, n, mm_.gathered, pfor};
     OP_REQUIRES_OK(ctx, call.Decide<T>(ctx, paths,
-                                       MatMulSplitShape(m, k, k_live, n),
+                                       MatMulSplitShape(m, k, k_live, n, !mm_.tb),
                                        row_nnz.data(), &family, &plans_, pfor));
     const std::vector<int64_t>& dense_rows = call.split().dense_rows;
     const std::vector<int64_t>& sparse_rows = call.split().sparse_rows;

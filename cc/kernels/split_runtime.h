@@ -32,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
@@ -194,9 +195,11 @@ inline void LogCalibration(const char* what, const FamilyModel* family,
           << " dense_s " << c.dense_full_s << "/" << c.dense_part_s
           << " sparse_s " << c.sparse_full_s << "/" << c.sparse_thin_s << "/"
           << c.sparse_part_s << " copy " << c.copy_elems << "/" << c.copy_s
+          << " rowcopy " << c.row_copy_elems << "/" << c.row_copy_s
           << " | terms dense " << t.dense_fixed_s << " + 1/" << t.dense_rate
           << " sparse " << t.sparse_fixed_s << " + " << t.convert_s_per_elem
-          << "/elem + 1/" << t.sparse_rate << " copy " << t.copy_s_per_elem;
+          << "/elem + 1/" << t.sparse_rate << " copy " << t.copy_s_per_elem
+          << " rowcopy " << t.row_copy_s_per_elem;
 }
 
 }  // namespace split_runtime_internal
@@ -318,6 +321,13 @@ absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
                 copy_from + (r % rows_full + 1) * k, dst + r * k);
     copy_from = dst;
   }
+  // Copies of whole rows (the compaction's gather of op(b)'s live rows,
+  // CostTerms::row_copy_s_per_elem): every other row of the same values.
+  const int64_t row_copy_rows = std::max<int64_t>(1, copy_rows / 2);
+  c.row_copy_elems = static_cast<double>(row_copy_rows) * k;
+  tf::Tensor row_copy;
+  TF_RETURN_IF_ERROR(ctx->allocate_temp(
+      sample.dtype(), tf::TensorShape({row_copy_rows, k}), &row_copy));
   std::vector<std::function<absl::Status()>> fns = {
       [&] { return op.RunSparse(sample, nnz_full.data()); },
       [&] { return op.RunSparse(thin, nnz_thin.data()); },
@@ -331,6 +341,17 @@ absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
               y[r * half + j] = x[r * k + std::min(2 * j, k - 1)];
         });
         return absl::OkStatus();
+      },
+      [&] {
+        const T* x = copy_from;
+        T* y = row_copy.flat<T>().data();
+        pfor(row_copy_rows, 2 * k, [&](int64_t b, int64_t e) {
+          for (int64_t r = b; r < e; ++r) {
+            const int64_t src = (2 * r) % copy_rows;
+            std::memcpy(y + r * k, x + src * k, k * sizeof(T));
+          }
+        });
+        return absl::OkStatus();
       }};
   if (shape.dense_allowed) {
     fns.push_back([&] { return op.RunDense(sample); });
@@ -342,9 +363,10 @@ absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
   c.sparse_thin_s = best[1];
   c.sparse_part_s = best[2];
   c.copy_s = best[3];
+  c.row_copy_s = best[4];
   if (shape.dense_allowed) {
-    c.dense_full_s = best[4];
-    c.dense_part_s = best[5];
+    c.dense_full_s = best[5];
+    c.dense_part_s = best[6];
   }
   *terms = FitCalibration(shape, c);
   if (timings != nullptr) *timings = c;
@@ -389,8 +411,14 @@ class SplitCall {
 
   // How much of the analysis this call pays (cost_model.h, AnalysisMode):
   // kFull for a given threshold or when the caller wants exact statistics
-  // (full_stats); else the op's PlanMemory chooses from the family's terms.
-  // `shape` is the call's SplitShape with k_live = k (nothing counted yet).
+  // (full_stats); else the op's PlanMemory chooses from the family's terms
+  // (PlanMemory::ChooseAnalysis: the call a re-time falls due on counts
+  // fully). `shape` is the call's SplitShape with k_live = k (nothing
+  // counted yet). The runtime keeps the sample back-off and the re-time
+  // schedule for every op: a call without a full count counts in the
+  // schedule (SkipAnalysis, AcceptSample), and a full count that a sample
+  // asked for, or a periodic one amid the back-off, that runs all-dense
+  // without compaction continues the back-off (Decide, VetoSparseRows).
   AnalysisMode ChooseAnalysis(const SplitShape& shape, FamilyModel* family,
                               PlanMemory* memory, bool full_stats,
                               const AnalysisPolicy& ap = AnalysisPolicy()) {
@@ -404,8 +432,17 @@ class SplitCall {
     have_terms_ = true;
     count_s_per_elem_ = snap.count_s_per_elem;
     cheap_analysis_ = !full_stats;
-    return memory->ChooseAnalysis(shape, terms_, DecisionPolicy(), ap,
-                                  count_s_per_elem_, full_stats);
+    int64_t samples_dense = 0;
+    const AnalysisMode mode =
+        memory->ChooseAnalysis(shape, terms_, DecisionPolicy(), ap,
+                               count_s_per_elem_, full_stats, &samples_dense);
+    // A sample that does not say all-dense (AcceptSample false, or no
+    // stride) leads to the full count; so does a periodic one amid the
+    // back-off.
+    samples_dense_before_ = samples_dense;
+    backoff_full_ = mode == AnalysisMode::kSample ||
+                    (mode == AnalysisMode::kFull && samples_dense > 0);
+    return mode;
   }
 
   // The stride of this call's sample over `phys_rows` physical rows of
@@ -579,13 +616,18 @@ class SplitCall {
       }
       thr = plan.threshold;
       all_dense = plan.kind == PlanKind::kAllDense;
-      // What this full count saw, for the next calls' ChooseAnalysis.
+      TF_RETURN_IF_ERROR(Apply(row_nnz, thr, all_dense));
+      // What this full count saw, for the next calls' ChooseAnalysis; a
+      // full count the back-off led to that runs all-dense without
+      // compaction (a re-time runs sparse rows) continues the back-off.
       int64_t zero_rows = 0;
       for (int64_t i = 0; i < shape.m; ++i) zero_rows += row_nnz[i] == 0;
       memory->RecordAnalysis(
           true, shape.m > 0 ? static_cast<double>(zero_rows) / shape.m : 0.0,
           shape.k > 0 ? static_cast<double>(shape.k - shape.k_live) / shape.k
-                      : 0.0);
+                      : 0.0,
+          ContinueBackoffFrom());
+      return absl::OkStatus();
     }
     return Apply(row_nnz, thr, all_dense);
   }
@@ -635,7 +677,7 @@ class SplitCall {
         family_ != nullptr && family_->calibrated() ? family_->Terms()
                                                     : CostTerms();
     compact_ = ChooseCompaction(shape_, terms, static_cast<double>(shape_.m));
-    if (memory_ != nullptr) memory_->RememberAllDense();
+    if (memory_ != nullptr) memory_->RememberAllDense(ContinueBackoffFrom());
   }
 
   // For Apply() without Decide(): the call's shape and family.
@@ -756,6 +798,14 @@ class SplitCall {
     analyzed_ = Clock::now();
   }
 
+  // After a full count: the back-off count it continues from
+  // (PlanMemory::RecordAnalysis), or -1 (it resets the back-off).
+  int64_t ContinueBackoffFrom() const {
+    return backoff_full_ && rows_sparse() == 0 && !compact_
+               ? samples_dense_before_
+               : -1;
+  }
+
   Clock::time_point start_, analyzed_, dense_done_, sparse_done_;
   float threshold_in_;
   absl::Status status_;
@@ -772,6 +822,10 @@ class SplitCall {
   bool have_terms_ = false;  // terms_ set (read once per call)
   bool dense_now_ = false;   // all dense without a count (SetAllDense)
   bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
+  // ChooseAnalysis: the back-off led to a full count (a sample, or a
+  // periodic count amid it), and the history's samples_dense before it.
+  bool backoff_full_ = false;
+  int64_t samples_dense_before_ = 0;
   bool retimed_ = false;           // this call runs a re-timed plan
   int64_t dense_one_time_calls_ = 1;
   int64_t sparse_one_time_calls_ = 0;

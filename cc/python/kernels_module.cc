@@ -337,7 +337,8 @@ void RequireKeys(const py::dict& d, std::initializer_list<const char*> keys,
 SplitShape ShapeOf(const py::dict& d) {
   RequireKeys(d, {"m", "k", "k_live", "dense_flops_per_elem",
                   "sparse_flops_per_nnz", "row_copy_elems",
-                  "weight_elems_per_col", "can_compact", "dense_allowed"},
+                  "weight_elems_per_col", "weight_run_elems", "can_compact",
+                  "dense_allowed"},
               "shape");
   SplitShape s;
   s.m = Get<int64_t>(d, "m", 0);
@@ -347,6 +348,7 @@ SplitShape ShapeOf(const py::dict& d) {
   s.sparse_flops_per_nnz = Get<double>(d, "sparse_flops_per_nnz", 0.0);
   s.row_copy_elems = Get<double>(d, "row_copy_elems", 0.0);
   s.weight_elems_per_col = Get<double>(d, "weight_elems_per_col", 0.0);
+  s.weight_run_elems = Get<double>(d, "weight_run_elems", 0.0);
   s.can_compact = Get<bool>(d, "can_compact", true);
   s.dense_allowed = Get<bool>(d, "dense_allowed", true);
   if (s.m < 0 || s.k < 0 || s.k_live < 0 || s.k_live > s.k)
@@ -375,6 +377,7 @@ py::dict DictOf(const SplitShape& s) {
   d["sparse_flops_per_nnz"] = s.sparse_flops_per_nnz;
   d["row_copy_elems"] = s.row_copy_elems;
   d["weight_elems_per_col"] = s.weight_elems_per_col;
+  d["weight_run_elems"] = s.weight_run_elems;
   d["can_compact"] = s.can_compact;
   d["dense_allowed"] = s.dense_allowed;
   return d;
@@ -383,7 +386,7 @@ py::dict DictOf(const SplitShape& s) {
 CostTerms TermsOf(const py::dict& d) {
   RequireKeys(d, {"dense_fixed_s", "dense_rate", "sparse_fixed_s",
                   "convert_s_per_elem", "sparse_rate", "copy_s_per_elem",
-                  "heterogeneous", "compact_scale"},
+                  "row_copy_s_per_elem", "heterogeneous", "compact_scale"},
               "terms");
   CostTerms t;
   t.dense_fixed_s = Get<double>(d, "dense_fixed_s", 0.0);
@@ -392,12 +395,14 @@ CostTerms TermsOf(const py::dict& d) {
   t.convert_s_per_elem = Get<double>(d, "convert_s_per_elem", 0.0);
   t.sparse_rate = Get<double>(d, "sparse_rate", 0.0);
   t.copy_s_per_elem = Get<double>(d, "copy_s_per_elem", 0.0);
+  t.row_copy_s_per_elem = Get<double>(d, "row_copy_s_per_elem", 0.0);
   t.heterogeneous = Get<bool>(d, "heterogeneous", false);
   t.compact_scale = Get<double>(d, "compact_scale", 1.0);  // 0: unscaled
   if (!(t.compact_scale >= 0.0) || !std::isfinite(t.compact_scale))
     throw py::value_error("compact_scale must be finite and >= 0");
   for (double v : {t.dense_fixed_s, t.dense_rate, t.sparse_fixed_s,
-                   t.convert_s_per_elem, t.sparse_rate, t.copy_s_per_elem})
+                   t.convert_s_per_elem, t.sparse_rate, t.copy_s_per_elem,
+                   t.row_copy_s_per_elem})
     if (!(v >= 0.0) || !std::isfinite(v))
       throw py::value_error("cost terms must be finite and >= 0");
   return t;
@@ -411,6 +416,7 @@ py::dict DictOf(const CostTerms& t) {
   d["convert_s_per_elem"] = t.convert_s_per_elem;
   d["sparse_rate"] = t.sparse_rate;
   d["copy_s_per_elem"] = t.copy_s_per_elem;
+  d["row_copy_s_per_elem"] = t.row_copy_s_per_elem;
   d["heterogeneous"] = t.heterogeneous;
   d["compact_scale"] = t.compact_scale;
   return d;
@@ -516,13 +522,15 @@ py::tuple TupleOf(const DensityProfile& p) {
 
 void BindCostModel(py::module_& mod) {
   mod.def("matmul_split_shape",
-          [](int64_t m, int64_t k, int64_t k_live, int64_t n) {
+          [](int64_t m, int64_t k, int64_t k_live, int64_t n, bool weight_rows) {
             if (k_live < 0 || k_live > k) throw py::value_error("need 0 <= k_live <= k");
-            return DictOf(MatMulSplitShape(m, k, k_live, n));
+            return DictOf(MatMulSplitShape(m, k, k_live, n, weight_rows));
           },
           py::arg("m"), py::arg("k"), py::arg("k_live"), py::arg("n"),
+          py::arg("weight_rows") = false,
           "The cost model's shape dict of a product op(a) [m, k] * op(b) [k, n] "
-          "with k_live live columns (what SparseSplitMatMul uses).");
+          "with k_live live columns (what SparseSplitMatMul uses; weight_rows: "
+          "compaction copies whole rows of op(b), b not transposed).");
   mod.def("sddmm_split_shape",
           [](int64_t m, int64_t k, int64_t k_live, int64_t n) {
             if (k_live < 0 || k_live > k) throw py::value_error("need 0 <= k_live <= k");
@@ -578,7 +586,8 @@ void BindCostModel(py::module_& mod) {
           [](const py::dict& shape, const py::dict& t) {
             RequireKeys(t, {"rows_full", "rows_part", "dense_full_s", "dense_part_s",
                             "nnz_full", "nnz_thin", "nnz_part", "sparse_full_s",
-                            "sparse_thin_s", "sparse_part_s", "copy_elems", "copy_s"},
+                            "sparse_thin_s", "sparse_part_s", "copy_elems", "copy_s",
+                             "row_copy_elems", "row_copy_s"},
                         "calibration");
             CalibrationTimings c;
             c.rows_full = Get<double>(t, "rows_full", 0);
@@ -593,6 +602,8 @@ void BindCostModel(py::module_& mod) {
             c.sparse_part_s = Get<double>(t, "sparse_part_s", 0);
             c.copy_elems = Get<double>(t, "copy_elems", 0);
             c.copy_s = Get<double>(t, "copy_s", 0);
+            c.row_copy_elems = Get<double>(t, "row_copy_elems", 0);
+            c.row_copy_s = Get<double>(t, "row_copy_s", 0);
             return DictOf(FitCalibration(ShapeOf(shape), c));
           },
           py::arg("shape"), py::arg("timings"),
@@ -965,11 +976,38 @@ void BindAnalysis(py::module_& mod) {
       py::arg("count_s_per_elem"), py::arg("full_stats") = false,
       py::arg("policy") = py::none(), py::arg("analysis_policy") = py::none());
   mem.attr("record_analysis") = py::cpp_function(
-      [](PlanMemory& m, bool full, double zero_row_frac, double dead_col_frac) {
-        m.RecordAnalysis(full, zero_row_frac, dead_col_frac);
+      [](PlanMemory& m, bool full, double zero_row_frac, double dead_col_frac,
+         int64_t continue_backoff_from) {
+        m.RecordAnalysis(full, zero_row_frac, dead_col_frac,
+                         continue_backoff_from);
       },
       py::is_method(mem), py::arg("full"), py::arg("zero_row_frac") = 0.0,
-      py::arg("dead_col_frac") = 0.0);
+      py::arg("dead_col_frac") = 0.0, py::arg("continue_backoff_from") = -1,
+      "Records one automatic call's analysis (PlanMemory::RecordAnalysis); "
+      "continue_backoff_from >= 0: a full count the sample back-off led to "
+      "that ran all-dense continues the back-off from that many samples.");
+  mem.attr("choose_analysis_and_backoff") = py::cpp_function(
+      [](PlanMemory& m, const py::dict& shape, const py::dict& terms,
+         double count_s_per_elem, bool full_stats, const py::object& policy,
+         const py::object& ap) {
+        int64_t before = 0;
+        const AnalysisMode mode = m.ChooseAnalysis(
+            ShapeOf(shape), TermsOf(terms), PolicyOf(policy),
+            AnalysisPolicyOf(ap), count_s_per_elem, full_stats, &before);
+        return py::make_tuple(std::string(ModeName(mode)), before);
+      },
+      py::is_method(mem), py::arg("shape"), py::arg("terms"),
+      py::arg("count_s_per_elem"), py::arg("full_stats") = false,
+      py::arg("policy") = py::none(), py::arg("analysis_policy") = py::none(),
+      "choose_analysis and the history's samples_dense before the call, "
+      "from one lock (what SplitCall::ChooseAnalysis reads): (mode, "
+      "samples_dense_before).");
+  mem.attr("note_all_dense_without_count") = py::cpp_function(
+      [](PlanMemory& m, bool sampled) { m.NoteAllDenseWithoutCount(sampled); },
+      py::is_method(mem), py::arg("sampled") = false,
+      "What an automatic call that runs all-dense on an accepted sample or "
+      "no count notes (PlanMemory::NoteAllDenseWithoutCount): the all-dense "
+      "plan, the analysis history, and the call in the re-time schedule.");
   mem.attr("decide_and_retime") = py::cpp_function(
       [](PlanMemory& m, const py::dict& shape, const py::tuple& profile,
          const py::dict& terms, const py::object& policy,
@@ -1071,7 +1109,10 @@ void BindAnalysis(py::module_& mod) {
       "Whether the next all-dense decision is due to re-time "
       "(PlanMemory::RetimeFallsDue).");
   mem.attr("remember_all_dense") = py::cpp_function(
-      [](PlanMemory& m) { m.RememberAllDense(); }, py::is_method(mem));
+      [](PlanMemory& m, int64_t continue_backoff_from) {
+        m.RememberAllDense(continue_backoff_from);
+      },
+      py::is_method(mem), py::arg("continue_backoff_from") = -1);
   mem.attr("history") = py::cpp_function(
       [](PlanMemory& m) { return DictOf(m.history()); }, py::is_method(mem));
 }

@@ -56,6 +56,9 @@ def parse(lines):
             t = dict(zip(("dense_fixed_s", "dense_rate", "sparse_fixed_s",
                           "convert_s_per_elem", "sparse_rate",
                           "copy_s_per_elem"), nums))
+            row_copy = re.search(r" rowcopy (\S+)", terms)
+            if row_copy:  # the row-copy term (lines from later builds)
+                t["row_copy_s_per_elem"] = float(row_copy.group(1))
             f = _fields(head)
             fam["calibrations"].append(
                 {"kind": what, "m": int(f["m"]), "k": int(f["k"]),
