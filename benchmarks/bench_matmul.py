@@ -194,11 +194,10 @@ def run_case(m, k, n, sparsity, direction, reps, rng, dtype=tf.float32):
 
 
 KERNEL_HEADER = ("| M x K x N | direction | sparsity | nnz / k | tf.matmul bf16 (ms) | "
-                 "packed kernel | direct kernel | dot kernel | dot packed kernel | dot paired kernel | "
+                 "packed kernel | direct kernel | dot kernel | dot packed kernel | "
                  "per-call choice (kernel) | choice vs packed | choice vs direct |")
 
-_KERNEL_PATHS = {"packed": 0, "direct": 1, "dot": 2, "dot_packed": 3,
-                 "dot_paired": 4}
+_KERNEL_PATHS = {"packed": 0, "direct": 1, "dot": 2, "dot_packed": 3}
 
 
 def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
@@ -207,8 +206,7 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     run: ``_kernels.lowp_spmm`` (count, CSR build and CsrSpmm of the op's
     sparse part; uint16 bit patterns in and out) with the packed kernel
     (path 0), the direct one (path 1), the AVX512_BF16 dot kernels (path 2:
-    B in place, path 3: B copied to L1 per block, path 4: that copy
-    pair-blocked (rows 2j, 2j+1 interleaved); '--' where the CPU lacks
+    B in place, path 3: B copied to L1 per block; '--' where the CPU lacks
     AVX512_BF16) and the per-call choice (path -1, with the kernel it
     took); ``direction`` "fwd": ``a [m, k] @ b [k, n]``, "grad": the weight
     gradient ``a^T @ dY`` with ``dY [m, n]``; ``clock`` the timer
@@ -229,7 +227,7 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     b_tf = tf.bitcast(tf.constant(b_bits), tf.bfloat16)
     dense = tf.function(lambda: tf.matmul(a_tf, b_tf, transpose_a=ta))
     dot = bool(_kernels.bf16_dot_available())
-    paths = [0, 1] + ([2, 3, 4] if dot else []) + [-1]
+    paths = [0, 1] + ([2, 3] if dot else []) + [-1]
     # tf.matmul's result stays a tensor (CPU execution is synchronous): a
     # copy to numpy would add ~1 ms per 8 MB output to TF's column only.
     fns = [dense] + [
@@ -257,8 +255,8 @@ def kernel_row(m, k, n, sparsity, reps, rng, direction="fwd",
     rows_ = k if ta else m
     choice = _kernels.bf16_spmm_kernel(rows_, inner, n, nnz)
     col = {p: 1 + i for i, p in enumerate(paths)}
-    dots = (f"{ratio(0, col[2]):.2f}x | {ratio(0, col[3]):.2f}x | "
-            f"{ratio(0, col[4]):.2f}x" if dot else "-- | -- | --")
+    dots = (f"{ratio(0, col[2]):.2f}x | {ratio(0, col[3]):.2f}x" if dot
+            else "-- | --")
     return (f"| {m}x{k}x{n} | {'a^T @ dY' if ta else 'a @ b'} | "
             f"{sparsity:.2f} | {nnz / inner:.1f} | "
             f"{1e3 * statistics.median(times[0]):.3f} | {ratio(0, col[0]):.2f}x | "

@@ -2,10 +2,7 @@
 
 ``_kernels.lowp_spmm(..., path=2)`` forces the dot kernel (B's rows read in
 place), ``path=3`` the dot kernel with each K block of B copied to L1
-first, ``path=4`` with that copy pair-blocked (rows 2j, 2j + 1 of B
-interleaved, a row's nonzeros taken by pairs of K; a K block of B holding
-NaN or Inf falls back to path 3's copy); ``path=0`` / ``1`` are the
-float32-FMA packed / direct kernels.
+first; ``path=0`` / ``1`` are the float32-FMA packed / direct kernels.
 The contract (``cc/core/spmm.h``): each output is the ascending-k sum of
 its products, one rounding per product (``vdpbf16ps`` adds the odd
 bfloat16 of a pair first; the kernel puts the earlier nonzero there), so
@@ -64,10 +61,6 @@ def _spmm(a_bits, b_bits, path, transpose_a=False, isa=-1, threads=0):
                                 isa=isa, threads=threads, path=path)
 
 
-#: The dot kernels' forced paths: in place, L1 copy, pair-blocked L1 copy.
-DOT_PATHS = (2, 3, 4)
-
-
 def _tolerance(a64, b64, k):
     """|got - ref| bound: one bfloat16 rounding of the output plus float32
     accumulation of k products (gamma_k = k u / (1 - k u)), doubled."""
@@ -98,7 +91,7 @@ def test_dot_kernels_match_fma_bits_and_float64(shape, sparsity):
     b = rng.standard_normal((k, n)) * 4.0
     a_bits, b_bits = _bits(a), _bits(b)
     fma = _spmm(a_bits, b_bits, 0, isa=2)
-    for path in DOT_PATHS:
+    for path in (2, 3):
         got = _spmm(a_bits, b_bits, path)
         assert got.dtype == np.uint16 and got.shape == (m, n)
         # normal-range inputs: no denormal anywhere, so the FMA kernels' bits
@@ -121,7 +114,7 @@ def test_weight_gradient_shape_transposed(transpose_a, threads):
     a_in = a.T.copy() if transpose_a else a
     b = rng.standard_normal((k, n))
     ref_bits = _spmm(_bits(a_in), _bits(b), 0, transpose_a, isa=2)
-    for path in DOT_PATHS:
+    for path in (2, 3):
         got = _spmm(_bits(a_in), _bits(b), path, transpose_a, threads=threads)
         np.testing.assert_array_equal(got, ref_bits)
     ref, tol = _tolerance(_values(_bits(a)), _values(_bits(b)), k)
@@ -129,7 +122,7 @@ def test_weight_gradient_shape_transposed(transpose_a, threads):
 
 
 @needs_dot
-@pytest.mark.parametrize("path", DOT_PATHS)
+@pytest.mark.parametrize("path", [2, 3])
 def test_nan_inf_propagate_and_zeros_skip_inf(path):
     """NaN/Inf in the nonzeros and in B propagate; Inf in a row of B that
     only zeros of op(a) meet gives no NaN, also next to an unpaired
@@ -171,67 +164,7 @@ def test_nan_inf_propagate_and_zeros_skip_inf(path):
 
 
 @needs_dot
-@pytest.mark.parametrize("threads", [1, 2])
-def test_paired_copy_falls_back_per_k_block(threads):
-    """The pair-blocked kernel multiplies a pair-mate's row of B by zero
-    where only one of a pair (2j, 2j + 1) is a nonzero; a K block of B
-    holding Inf or NaN therefore takes the row-wise copy (those entries of
-    B meet only zeros of op(a) here, so every output stays finite), and the
-    other K blocks the pair-blocked one: the FMA kernels' bits, and the same
-    float64 bound."""
-    rng = np.random.default_rng(21)
-    m, k, n = 70, 601, 300     # K blocks of 128 (and of 256 for n < 128)
-    a = random_sparse((m, k), 0.6, rng)
-    b = rng.standard_normal((k, n)) * 2.0
-    a[:, [200, 331, 600]] = 0.0
-    a[:, 201] = 1.5            # mate of the Inf row 200 in every row
-    a[:, 330] = -0.5           # mate of the NaN row 331
-    a[:, 599] = 0.25           # the last row of B, its pair's single row
-    b[200, 3] = np.inf
-    b[331, 7] = np.nan
-    b[600, :] = np.inf         # odd k: its own pair, never met
-    a_bits, b_bits = _bits(a), _bits(b)
-    got = _values(_spmm(a_bits, b_bits, 4, threads=threads))
-    fma = _values(_spmm(a_bits, b_bits, 0, isa=2))
-    assert np.all(np.isfinite(got))
-    np.testing.assert_array_equal(got, fma)
-    fin_b = _values(b_bits)
-    fin_b[[200, 331, 600]] = 0.0
-    ref, tol = _tolerance(_values(a_bits), fin_b, k)
-    assert np.all(np.abs(got - ref) <= tol)
-
-
-@needs_dot
-@pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.7])
-def test_paired_kernel_on_adjacent_pairs(sparsity):
-    """Rows whose nonzeros come in adjacent pairs (2j, 2j + 1), singles at
-    even and odd k, and a row that is dense: path 4 gives path 3's bits,
-    one and two threads, a @ b and a^T @ dY (whose pairs run along a's
-    columns)."""
-    rng = np.random.default_rng(int(sparsity * 100))
-    m, k, n = 40, 260, 161
-    a = random_sparse((m, k), sparsity, rng)
-    a[0, :] = 0.0
-    a[0, 0::2] = 1.0           # every even k alone
-    a[1, :] = 0.0
-    a[1, 1::2] = -2.0          # every odd k alone
-    a[2, :] = 0.0
-    a[2, 10:20] = 0.5          # adjacent pairs, then one odd-started run
-    a[2, 31:36] = 0.75
-    a[3, :] = rng.standard_normal(k)
-    b = rng.standard_normal((k, n))
-    for transpose_a in (False, True):
-        # transpose_a: op(a) = a^T [k, m] times dY [m, n]
-        bb = rng.standard_normal((m, n)) if transpose_a else b
-        ref = _spmm(_bits(a), _bits(bb), 3, transpose_a)
-        for threads in (1, 2):
-            np.testing.assert_array_equal(
-                _spmm(_bits(a), _bits(bb), 4, transpose_a, threads=threads),
-                ref)
-
-
-@needs_dot
-@pytest.mark.parametrize("path", DOT_PATHS)
+@pytest.mark.parametrize("path", [2, 3])
 def test_denormals_flush_to_zero(path):
     """The documented difference: vdpbf16ps treats denormal inputs as zero
     and flushes denormal results whatever MXCSR says (the FMA kernels
@@ -259,7 +192,7 @@ def test_forced_lower_isa_runs_that_direct_kernel():
     a = random_sparse((20, 100), 0.8, rng)
     b = rng.standard_normal((100, 70))
     ref = _spmm(_bits(a), _bits(b), 1, isa=1)
-    for path in DOT_PATHS:
+    for path in (2, 3):
         np.testing.assert_array_equal(_spmm(_bits(a), _bits(b), path, isa=1),
                                       ref)
         np.testing.assert_array_equal(_spmm(_bits(a), _bits(b), path, isa=0),
@@ -268,7 +201,7 @@ def test_forced_lower_isa_runs_that_direct_kernel():
 
 def test_path_argument_checked():
     a = _bits(np.eye(4))
-    for bad in (5, -2):
+    for bad in (4, -2):
         with pytest.raises(ValueError, match="path"):
             _spmm(a, a, bad)
     if not _kernels().low_precision_isa()["avx512bf16"]:

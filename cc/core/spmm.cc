@@ -107,11 +107,9 @@ void SpmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
         ChooseBf16SpmmKernel(n_rows, k, n, csr.row_ptr[n_rows]);
 #if TFSS_SPMM_HAVE_DOT
     if (kernel == Bf16SpmmKernel::kDot ||
-        kernel == Bf16SpmmKernel::kDotPacked ||
-        kernel == Bf16SpmmKernel::kDotPaired) {
+        kernel == Bf16SpmmKernel::kDotPacked) {
       lp_avx512bf16::DotSpmmBf16(csr, out_rows, n_rows, b, k, n, ldb, c, ldc,
-                                 kernel != Bf16SpmmKernel::kDot,
-                                 kernel == Bf16SpmmKernel::kDotPaired, pfor);
+                                 kernel == Bf16SpmmKernel::kDotPacked, pfor);
       return;
     }
 #endif
@@ -263,8 +261,7 @@ Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
   const int forced = forced_bf16_kernel.load(std::memory_order_relaxed);
   if (forced >= 0) {
     const auto f = static_cast<Bf16SpmmKernel>(forced);
-    return (f == Bf16SpmmKernel::kDot || f == Bf16SpmmKernel::kDotPacked ||
-            f == Bf16SpmmKernel::kDotPaired) &&
+    return (f == Bf16SpmmKernel::kDot || f == Bf16SpmmKernel::kDotPacked) &&
                    !Bf16DotAvailable()
                ? Bf16SpmmKernel::kDirect
                : f;
@@ -275,7 +272,7 @@ Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
 }
 
 void ForceBf16SpmmKernel(int kernel) {
-  forced_bf16_kernel.store(kernel < 0 ? -1 : std::min(kernel, 4),
+  forced_bf16_kernel.store(kernel < 0 ? -1 : std::min(kernel, 3),
                            std::memory_order_relaxed);
 }
 

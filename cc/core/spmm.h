@@ -54,19 +54,7 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
 // (128 columns x 128 rows of B, 32 KB, copied once per row group) instead
 // of from B's rows in L2: worth its copy where each row of B serves
 // several nonzeros of a row group.
-// kDotPaired is kDotPacked with the copy pair-blocked: rows 2j and 2j + 1
-// of B interleaved word-wise once per K block and row group, so a row's
-// nonzeros at (2j, 2j + 1) take one vdpbf16ps per vector and no shuffle; a
-// nonzero whose pair-mate is zero takes a vdpbf16ps of its own (the zero
-// half multiplies the copy, which is why a K block holding a NaN or Inf
-// of B falls back to kDotPacked's copy). Same bits as kDotPacked.
-enum class Bf16SpmmKernel {
-  kPacked = 0,
-  kDirect = 1,
-  kDot = 2,
-  kDotPacked = 3,
-  kDotPaired = 4
-};
+enum class Bf16SpmmKernel { kPacked = 0, kDirect = 1, kDot = 2, kDotPacked = 3 };
 
 // The direct kernel is taken up to nnz = kDirectNnzPerK * k +
 // kDirectNnzPerRow * n_rows nonzeros (fitted to measured crossovers, see
@@ -108,15 +96,14 @@ Bf16SpmmKernel Bf16SpmmKernelRule(int64_t n_rows, int64_t k, int64_t n,
                                   double dot_rate_ratio);
 
 // The kernel a bfloat16 CsrSpmm of n_rows x k (nnz nonzeros) times k x n
-// takes: forced (ForceBf16SpmmKernel; a forced kDot, kDotPacked or
-// kDotPaired where
+// takes: forced (ForceBf16SpmmKernel; a forced kDot or kDotPacked where
 // Bf16DotAvailable() is false runs kDirect), else
 // Bf16SpmmKernelRule(..., Bf16DotAvailable(), Bf16DotRateRatio()).
 Bf16SpmmKernel ChooseBf16SpmmKernel(int64_t n_rows, int64_t k, int64_t n,
                                     int64_t nnz);
 
-// Forces the bfloat16 kernel (0 packed, 1 direct, 2 dot, 3 dot packed, 4
-// dot paired); a negative value
+// Forces the bfloat16 kernel (0 packed, 1 direct, 2 dot, 3 dot packed); a
+// negative value
 // restores the choice above. Not thread-safe with running kernels: for
 // tests and benchmarks.
 void ForceBf16SpmmKernel(int kernel);

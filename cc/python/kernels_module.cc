@@ -1334,15 +1334,14 @@ void Bind(py::module_& mod) {
       "lowp_spmm",
       [](const U16& a, const U16& b, const std::string& dtype, bool transpose_a,
          int isa, int threads, int path) {
-        if (path < -1 || path > 4)
+        if (path < -1 || path > 3)
           throw py::value_error("path must be -1 (automatic), 0 (packed), "
-                                "1 (direct), 2 (dot), 3 (dot packed) or 4 "
-                                "(dot paired)");
+                                "1 (direct), 2 (dot) or 3 (dot packed)");
         if (path >= 2 && !Cpu().avx512bf16)
-          throw py::value_error("paths 2-4 (the dot kernels) need "
+          throw py::value_error("paths 2 and 3 (the dot kernels) need "
                                 "AVX512_BF16, which this CPU lacks");
         if (path >= 2 && isa < 0 && !Bf16DotAvailable())
-          throw py::value_error("paths 2-4 (the dot kernels) are not "
+          throw py::value_error("paths 2 and 3 (the dot kernels) are not "
                                 "compiled in this build");
         return IsBf16(dtype)
                    ? SpmmT<bf16>(a, b, transpose_a, isa, threads, path)
@@ -1357,8 +1356,7 @@ void Bind(py::module_& mod) {
       "1 AVX2, 2 AVX-512 (clamped to what the CPU has). path (bfloat16 "
       "only; float16 always packs): -1 the kernel ChooseBf16SpmmKernel "
       "picks, 0 the packed kernel, 1 the direct kernel, 2 the dot kernel, "
-      "3 the dot kernel with B copied to L1 per block, 4 the dot kernel "
-      "with that copy pair-blocked (rows 2j, 2j+1 interleaved; vdpbf16ps; "
+      "3 the dot kernel with B copied to L1 per block (vdpbf16ps; "
       "ValueError where the CPU lacks AVX512_BF16; with isa forced below "
       "AVX-512 they run that copy's direct kernel).");
   mod.def("bf16_dot_available", &Bf16DotAvailable,
@@ -1393,16 +1391,14 @@ void Bind(py::module_& mod) {
             return std::string("dot");
           case Bf16SpmmKernel::kDotPacked:
             return std::string("dot_packed");
-          case Bf16SpmmKernel::kDotPaired:
-            return std::string("dot_paired");
           default:
             return std::string("packed");
         }
       },
       py::arg("n_rows"), py::arg("k"), py::arg("n"), py::arg("nnz"),
       py::arg("dot") = py::none(), py::arg("dot_rate_ratio") = py::none(),
-      "The bfloat16 CsrSpmm kernel ('packed', 'direct', 'dot', "
-      "'dot_packed' or 'dot_paired') a call of "
+      "The bfloat16 CsrSpmm kernel ('packed', 'direct', 'dot' or "
+      "'dot_packed') a call of "
       "n_rows CSR rows (nnz nonzeros) times a k x n matrix takes: on this "
       "CPU (dot=None: ChooseBf16SpmmKernel), or by the rule for a CPU with "
       "(dot=True) or without (dot=False) the dot kernel "
