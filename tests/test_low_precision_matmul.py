@@ -343,13 +343,19 @@ def test_kernel_paths_give_identical_bits(dtype, transpose_a):
         y_bits = _bits(rng.standard_normal((k, n)), tdt)
         sd = [_kernels.lowp_sddmm(mask_bits, x_bits, y_bits, dtype, isa=i)
               for i in (0, 1, 2)]
-        for o in sd[1:]:
+        # bfloat16 on a CPU with AVX512_BF16: the AVX-512 copy runs the
+        # vdpbf16ps dots (another summation order; tests/
+        # test_bf16_dot_sddmm.py), checked below against the bound only
+        same = (sd[1:2] if tdt == tf.bfloat16
+                and _kernels.bf16_dot_available() else sd[1:])
+        for o in same:
             np.testing.assert_array_equal(o, sd[0])
         x64, y64 = _from_bits(x_bits, tdt), _from_bits(y_bits, tdt)
         ref = np.where(_from_bits(mask_bits, tdt) != 0, x64 @ y64.T, 0.0)
         tol = EPS[tdt] * np.abs(ref) + (4 * n * EPS_F32) * (
             np.abs(x64) @ np.abs(y64.T)) + 1e-30
-        assert np.all(np.abs(_from_bits(sd[0], tdt) - ref) <= tol)
+        for o in sd:
+            assert np.all(np.abs(_from_bits(o, tdt) - ref) <= tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)

@@ -7,6 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -17,6 +21,19 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#include "cc/core/spmm.h"  // Bf16DotAvailable
+
+// The bfloat16 dots with vdpbf16ps need a compiler that knows AVX512_BF16
+// (as the SpMM dot kernels, spmm.cc); taken only where CPUID reports it.
+#if TFSS_SDDMM_X86 && \
+    ((defined(__clang__) && __clang_major__ >= 9) || \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
+#define TFSS_SDDMM_HAVE_DOT 1
+#include <immintrin.h>
+#else
+#define TFSS_SDDMM_HAVE_DOT 0
 #endif
 
 namespace tf_sparse_split {
@@ -137,6 +154,109 @@ constexpr bool kExactFma = false;
 
 typedef void (*DotsFn)(const float* const*, const float*, int64_t, float*);
 
+#if TFSS_SDDMM_HAVE_DOT
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+namespace lp_avx512bf16 {
+// res[r] = dot(xr[r][0..n_pad), y[0..n_pad)) for r < R, on the bfloat16
+// values as stored (n_pad a multiple of 32, rows zero-padded): lane l of
+// two float32 accumulators (32-value blocks alternating) takes the pairs
+// (2l, 2l + 1) of its blocks, vdpbf16ps adding the odd product, then the
+// even one, each rounded once; the two accumulators are added and the 16
+// lanes summed by the float32 dots' fixed tree. Fixed order (independent
+// of R and of threads); vdpbf16ps treats denormal inputs, products and
+// partial sums as zero.
+template <int R>
+void DotsBf16(const uint16_t* const* xr, const uint16_t* y, int64_t n_pad,
+              float* res) {
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 64 <= n_pad; t += 64) {
+    const __m512bh y0 = (__m512bh)_mm512_load_si512(y + t);
+    const __m512bh y1 = (__m512bh)_mm512_load_si512(y + t + 32);
+    for (int r = 0; r < R; ++r) {
+      a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_load_si512(xr[r] + t), y0);
+      a1[r] = _mm512_dpbf16_ps(a1[r], (__m512bh)_mm512_load_si512(xr[r] + t + 32), y1);
+    }
+  }
+  if (t < n_pad) {
+    const __m512bh y0 = (__m512bh)_mm512_load_si512(y + t);
+    for (int r = 0; r < R; ++r)
+      a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_load_si512(xr[r] + t), y0);
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float s[16];
+    _mm512_store_ps(s, _mm512_add_ps(a0[r], a1[r]));
+    for (int l = 0; l < 8; ++l) s[l] += s[l + 8];
+    for (int l = 0; l < 4; ++l) s[l] += s[l + 4];
+    s[0] += s[2];
+    s[1] += s[3];
+    res[r] = s[0] + s[1];
+  }
+}
+void Dots4Bf16(const uint16_t* const* xr, const uint16_t* y, int64_t n_pad,
+               float* res) {
+  DotsBf16<4>(xr, y, n_pad, res);
+}
+void Dots1Bf16(const uint16_t* const* xr, const uint16_t* y, int64_t n_pad,
+               float* res) {
+  DotsBf16<1>(xr, y, n_pad, res);
+}
+}  // namespace lp_avx512bf16
+#pragma GCC pop_options
+
+// CsrSddmmLowPrecision for bfloat16 with vdpbf16ps (Bf16DotAvailable()):
+// the rows of x and y are copied as bfloat16 (zero-padded to 32 values,
+// 64-byte aligned), not widened; half the bytes and instructions of the
+// float32 dots. Same traversal (columns of the CSC, rows in groups of 4).
+void CsrSddmmBf16Dot(const Csr<bf16>& csr, const int64_t* out_rows,
+                     int64_t n_rows, const bf16* x, int64_t ldx, const bf16* y,
+                     int64_t ldy, int64_t k, int64_t n, bf16* out, int64_t ldo,
+                     const std::vector<int64_t>& col_ptr,
+                     const int64_t* col_rows, const ParallelFor& pfor) {
+  const int64_t n_pad = (n + 31) / 32 * 32;
+  const int64_t nnz = csr.row_ptr[n_rows];
+  std::unique_ptr<uint16_t[]> xb_mem(new uint16_t[n_rows * n_pad + 32]);
+  uint16_t* xb = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(xb_mem.get()) + 63) & ~uintptr_t{63});
+  pfor(n_rows, n_pad, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* d = xb + r * n_pad;
+      std::memcpy(d, x + out_rows[r] * ldx, sizeof(uint16_t) * n);
+      std::fill(d + n, d + n_pad, uint16_t{0});
+    }
+  });
+  constexpr int kGroup = 4;
+  const int64_t cost = std::max<int64_t>(1, (nnz / k + 1) * n / 2);
+  pfor(k, cost, [&](int64_t j0, int64_t j1) {
+    std::unique_ptr<uint16_t[]> yb_mem(new uint16_t[n_pad + 32]);
+    uint16_t* yb = reinterpret_cast<uint16_t*>(
+        (reinterpret_cast<uintptr_t>(yb_mem.get()) + 63) & ~uintptr_t{63});
+    std::fill(yb + n, yb + n_pad, uint16_t{0});
+    const uint16_t* xr[kGroup];
+    float res[kGroup];
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t p0 = col_ptr[j], p1 = col_ptr[j + 1];
+      if (p0 == p1) continue;
+      std::memcpy(yb, y + j * ldy, sizeof(uint16_t) * n);
+      int64_t p = p0;
+      for (; p + kGroup <= p1; p += kGroup) {
+        for (int r = 0; r < kGroup; ++r) xr[r] = xb + col_rows[p + r] * n_pad;
+        lp_avx512bf16::Dots4Bf16(xr, yb, n_pad, res);
+        for (int r = 0; r < kGroup; ++r)
+          out[out_rows[col_rows[p + r]] * ldo + j] = FromFloat<bf16>(res[r]);
+      }
+      for (; p < p1; ++p) {
+        xr[0] = xb + col_rows[p] * n_pad;
+        lp_avx512bf16::Dots1Bf16(xr, yb, n_pad, res);
+        out[out_rows[col_rows[p]] * ldo + j] = FromFloat<bf16>(res[0]);
+      }
+    }
+  });
+}
+#endif  // TFSS_SDDMM_HAVE_DOT
+
 // CsrSddmm for bfloat16 / half: the rows of x are widened to float32 once
 // (zero-padded to a multiple of 32 values), each row of y when its column
 // is first visited; the dots accumulate in float32 and each output is
@@ -148,14 +268,6 @@ void CsrSddmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
                           int64_t ldo, const ParallelFor& pfor) {
   const int64_t nnz = csr.row_ptr[n_rows];
   const int64_t n_pad = (n + 31) / 32 * 32;
-  UninitVector<float> xf(static_cast<size_t>(n_rows) * n_pad);
-  pfor(n_rows, 2 * n_pad, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* d = xf.data() + r * n_pad;
-      WidenToFloat(x + out_rows[r] * ldx, d, n);
-      std::fill(d + n, d + n_pad, 0.0f);
-    }
-  });
   std::vector<int64_t> col_ptr(k + 1, 0);
   for (int64_t p = 0; p < nnz; ++p) ++col_ptr[csr.col_idx[p] + 1];
   for (int64_t j = 0; j < k; ++j) col_ptr[j + 1] += col_ptr[j];
@@ -166,6 +278,23 @@ void CsrSddmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
       for (int64_t p = csr.row_ptr[r]; p < csr.row_ptr[r + 1]; ++p)
         col_rows[cursor[csr.col_idx[p]]++] = r;
   }
+#if TFSS_SDDMM_HAVE_DOT
+  if constexpr (std::is_same<T, bf16>::value) {
+    if (Bf16DotAvailable()) {
+      CsrSddmmBf16Dot(csr, out_rows, n_rows, x, ldx, y, ldy, k, n, out, ldo,
+                      col_ptr, col_rows.data(), pfor);
+      return;
+    }
+  }
+#endif
+  UninitVector<float> xf(static_cast<size_t>(n_rows) * n_pad);
+  pfor(n_rows, 2 * n_pad, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* d = xf.data() + r * n_pad;
+      WidenToFloat(x + out_rows[r] * ldx, d, n);
+      std::fill(d + n, d + n_pad, 0.0f);
+    }
+  });
   DotsFn dots4 = lp_scalar::Dots4, dots1 = lp_scalar::Dots1;
 #if TFSS_SDDMM_X86
   switch (LowPrecisionIsa()) {

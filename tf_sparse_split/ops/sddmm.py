@@ -36,7 +36,10 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
     Args:
       mask: float32, float64, bfloat16 or float16 tensor ``[M, K]``; only
         its zero pattern is used (NaN/Inf count as nonzero). In the 16-bit
-        dtypes each dot is accumulated in float32 and rounded once.
+        dtypes each dot is accumulated in float32 and rounded once; in
+        bfloat16 on CPUs with AVX512_BF16 the sparse rows' dots use
+        ``vdpbf16ps``, which flushes float32 denormal inputs, products and
+        partial sums to zero.
       x: tensor of the same dtype, ``[M, N]``.
       b: tensor of the same dtype, ``[K, N]`` (``[N, K]`` if
         ``transpose_b``); ``op(b)`` is ``[K, N]``.
