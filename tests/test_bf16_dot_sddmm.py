@@ -14,8 +14,9 @@ Tests of the kernel itself skip on CPUs without AVX512_BF16.
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
+from test_bf16_dot_spmm import (_bits, _values, dot_kernels,  # noqa: F401
+                                needs_dot)
 from tf_sparse_split.testing import random_sparse
 
 pytestmark = pytest.mark.usefixtures("op_library")
@@ -27,24 +28,6 @@ U_F32 = 2.0 ** -24
 def _kernels():
     from tf_sparse_split import _kernels as k
     return k
-
-
-@pytest.fixture
-def dot_kernels(op_library):
-    if not _kernels().bf16_dot_available():
-        pytest.skip("the CPU lacks AVX512_BF16 (the dot kernels cannot run)")
-
-
-needs_dot = pytest.mark.usefixtures("dot_kernels")
-
-
-def _bits(x):
-    return tf.bitcast(tf.cast(tf.constant(x, tf.float32), tf.bfloat16),
-                      tf.uint16).numpy()
-
-
-def _values(u):
-    return tf.cast(tf.bitcast(tf.constant(u), tf.bfloat16), tf.float64).numpy()
 
 
 def _sddmm(mask, x, y, isa=-1, threads=0):

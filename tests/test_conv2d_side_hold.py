@@ -79,8 +79,11 @@ def _analysis_s(rec):
     return statistics.median(c["analyze_s"] for c in rec["auto_calls"])
 
 
-def _replay(rec, retime_policy, calls=CALLS):
-    """The (path, recorded seconds) of each replayed call."""
+def _replay(rec, retime_policy, calls=CALLS, sparse_one_time=False):
+    """The (path, recorded seconds) of each replayed call; with
+    ``sparse_one_time`` the sparse path's first full-batch run is kept out
+    of the family's ratios (PlanMemory::NoteSparseShape), as the
+    convolutions do."""
     shape, profile, n, k, nnz = _problem(rec)
     family = K.SplitFamilyModel()
     family.set_calibration(K.fit_calibration(shape, rec["calibration"]))
@@ -101,8 +104,10 @@ def _replay(rec, retime_policy, calls=CALLS):
         else:
             # Zeros i.i.d. at 50%: every image on one side of the split.
             assert r["plan"]["kind"] == "all_sparse", r["plan"]
+            one_time = sparse_one_time and memory.note_sparse_shape(
+                n, K.conv_sparse_one_time_calls)
             t = next(sparse)
-            family.record(shape, 0, False, 0.0, n, nnz, t)
+            family.record(shape, 0, False, 0.0, n, nnz, t, False, one_time)
             out.append(("sparse", t))
     return out
 

@@ -17,8 +17,7 @@ import statistics
 import pytest
 from _helpers import kernels_or_skip
 
-from test_conv2d_side_hold import (RECORDINGS, _analysis_s, _index, _problem,
-                                   _sequences)
+from test_conv2d_side_hold import RECORDINGS, _index, _problem, _replay
 
 K = kernels_or_skip()
 
@@ -64,36 +63,6 @@ def test_record_keeps_a_one_time_sparse_time_out():
     kept.record(shape, 0, False, 0.0, n, nnz,
                 statistics.median(rec["forced_sparse_s"]), False, False)
     assert kept.terms()["sparse_rate"] != pytest.approx(base["sparse_rate"])
-
-
-def _replay(rec, retime_policy, sparse_one_time, calls=60):
-    """The paths of the replayed calls, as test_conv2d_side_hold._replay,
-    with the sparse one-time rule when sparse_one_time."""
-    shape, profile, n, k, nnz = _problem(rec)
-    family = K.SplitFamilyModel()
-    family.set_calibration(K.fit_calibration(shape, rec["calibration"]))
-    memory = K.SplitPlanMemory()
-    policy = {"analysis_s": _analysis_s(rec)}
-    dense, sparse = _sequences(rec)
-    out = []
-    for _ in range(calls):
-        r = memory.decide_and_retime(shape, profile, family.terms(), policy,
-                                     retime_policy)
-        if r["plan"]["kind"] == "all_dense":
-            one_time = memory.note_dense_shape(
-                n, k, False,
-                1 if r["retimed"] else K.conv_dense_one_time_calls)
-            t = next(dense)
-            family.record(shape, n, False, t, 0, 0, 0.0, one_time)
-            out.append(("dense", t))
-        else:
-            assert r["plan"]["kind"] == "all_sparse", r["plan"]
-            one_time = sparse_one_time and memory.note_sparse_shape(
-                n, K.conv_sparse_one_time_calls)
-            t = next(sparse)
-            family.record(shape, 0, False, 0.0, n, nnz, t, False, one_time)
-            out.append(("sparse", t))
-    return out
 
 
 SPARSE_FIRST = [i for i, r in enumerate(RECORDINGS)

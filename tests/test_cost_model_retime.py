@@ -421,18 +421,24 @@ class _Recorded:
         return steady[(i - len(seq)) % len(steady)]
 
 
+def _replay_setup(fam):
+    """A recorded family's calls, their recorded seconds, a model with its
+    first calibration, its first deciding call and that call's SplitShape."""
+    calls = _calls(fam)
+    model = K.SplitFamilyModel()
+    model.set_calibration(fam["calibrations"][0]["terms"])
+    d0 = _decides(fam)[0]
+    shape = K.matmul_split_shape(d0["m"], d0["k"], d0["k_live"], d0["n"])
+    return calls, _Recorded(calls), model, d0, shape
+
+
 def _replay(fam, repeat=4, retime_policy=None, with_state=False):
     """Replays a recorded family `repeat` times over its recorded op order:
     decide_and_retime on each call's profile with the family's terms, the
     recorded seconds of the path the plan takes, record. Returns per call
     (op, key run, decided side, retimed, seconds)."""
-    calls = _calls(fam)
-    rec = _Recorded(calls)
-    model = K.SplitFamilyModel()
-    model.set_calibration(fam["calibrations"][0]["terms"])
-    d0 = _decides(fam)[0]
-    m, k, k_live, n = d0["m"], d0["k"], d0["k_live"], d0["n"]
-    shape = K.matmul_split_shape(m, k, k_live, n)
+    calls, rec, model, d0, shape = _replay_setup(fam)
+    m, k, k_live = d0["m"], d0["k"], d0["k_live"]
     # The benchmark calls the model on one batch: one profile throughout.
     prof = _profile_of(d0)
     mems = {}
@@ -609,13 +615,8 @@ def _analysis_step(mem, shape, dense_shape, prof, terms, count_s, zero_rows,
 
 def _replay_with_analysis(fam, count_s, repeat=4):
     """_replay with the analysis the ops run (full_stats false)."""
-    calls = _calls(fam)
-    rec = _Recorded(calls)
-    model = K.SplitFamilyModel()
-    model.set_calibration(fam["calibrations"][0]["terms"])
-    d0 = _decides(fam)[0]
+    calls, rec, model, d0, shape = _replay_setup(fam)
     m, k, k_live, n = d0["m"], d0["k"], d0["k_live"], d0["n"]
-    shape = K.matmul_split_shape(m, k, k_live, n)
     dense_shape = K.matmul_split_shape(m, k, k, n)
     prof = _profile_of(d0)
     zero_rows, dead_cols = prof[0][0] / m, (k - k_live) / k
