@@ -432,6 +432,19 @@ def _replay_setup(fam):
     return calls, _Recorded(calls), model, d0, shape
 
 
+def _record_path(rec, mem, model, op, key, shape, m, k, k_live):
+    """Records the recorded seconds of the path `key` takes in `op`'s
+    call into `model` (the dense path's first runs one-time, as the ops
+    do); returns the call's seconds."""
+    dense_s, sparse_s, nnz_sparse = rec.next(op, key)
+    rows_dense, rows_sparse, compact = key
+    one_time = rows_dense == m and mem.note_dense_shape(
+        m, k_live if compact else k, compact)
+    model.record(shape, rows_dense, compact, dense_s, rows_sparse,
+                 nnz_sparse, sparse_s, dense_one_time=one_time)
+    return dense_s + sparse_s
+
+
 def _replay(fam, repeat=4, retime_policy=None, with_state=False):
     """Replays a recorded family `repeat` times over its recorded op order:
     decide_and_retime on each call's profile with the family's terms, the
@@ -449,14 +462,10 @@ def _replay(fam, repeat=4, retime_policy=None, with_state=False):
             r = mem.decide_and_retime(shape, prof, model.terms(),
                                       retime_policy=retime_policy)
             key = _plan_key(r["plan"], prof, m, shape)
-            dense_s, sparse_s, nnz_sparse = rec.next(c["op"], key)
-            rows_dense, rows_sparse, compact = key
-            one_time = rows_dense == m and mem.note_dense_shape(
-                m, k_live if compact else k, compact)
-            model.record(shape, rows_dense, compact, dense_s, rows_sparse,
-                         nnz_sparse, sparse_s, dense_one_time=one_time)
+            seconds = _record_path(rec, mem, model, c["op"], key, shape, m, k,
+                                   k_live)
             out.append((c["op"], key, 0 if r["decided"]["kind"] == "all_dense"
-                        else 1, r["retimed"], dense_s + sparse_s))
+                        else 1, r["retimed"], seconds))
     if with_state:
         return rec, out, {op: mem.retime_state()["confirmations"]
                           for op, mem in mems.items()}
@@ -631,13 +640,9 @@ def _replay_with_analysis(fam, count_s, repeat=4):
             key, side, retimed, mode = _analysis_step(
                 mem, shape, dense_shape, prof, model.terms(), count_s,
                 zero_rows, dead_cols, m)
-            dense_s, sparse_s, nnz_sparse = rec.next(c["op"], key)
-            rows_dense, rows_sparse, compact = key
-            one_time = rows_dense == m and mem.note_dense_shape(
-                m, k_live if compact else k, compact)
-            model.record(shape, rows_dense, compact, dense_s, rows_sparse,
-                         nnz_sparse, sparse_s, dense_one_time=one_time)
-            out.append((c["op"], key, side, retimed, dense_s + sparse_s, mode))
+            seconds = _record_path(rec, mem, model, c["op"], key, shape, m, k,
+                                   k_live)
+            out.append((c["op"], key, side, retimed, seconds, mode))
     return rec, out
 
 
