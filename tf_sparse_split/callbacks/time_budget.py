@@ -786,6 +786,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self._t_epoch = self.clock()
         if self.controller is not None:
             self._last_epoch_from = self._step
+            # Only the last epoch's reads (and the latest few before it,
+            # for a short last epoch) are ever used.
+            self._settings_trace = self._settings_trace[-SETTLE_MIN_READS:]
         if self._plan is not None:
             self._plan.epoch_begin(self._t_epoch, epoch)
         self._epoch_steps = 0
