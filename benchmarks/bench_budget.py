@@ -441,7 +441,8 @@ def _reasons(cb):
     """The logged reasons of the decision that chose the most sparsity and
     of the last decision that changed the targets."""
     moves = [d for d in cb.decisions if d.action in ("reallocate",
-                                                     "unreachable")]
+                                                     "unreachable",
+                                                     "test fall")]
     if not moves:
         return "no change decided"
     top = max(moves, key=lambda d: sum(d.targets.values()))

@@ -113,6 +113,55 @@ def test_unreachable_leaves_a_layer_that_buys_no_time():
     assert "saves no predicted time" in last.reasons["b"]
 
 
+def test_unreachable_keeps_a_layer_that_buys_a_sliver_of_the_step():
+    """Under an unreachable budget a layer whose whole range saves less
+    than ``bound_gain`` of the step stays at its natural sparsity (with
+    the reason logged); with ``bound_gain=0`` it runs at the bound."""
+    out = {}
+    for bg in (0.05, 0.0):
+        c, plant, cur = _setup(max_sparsity=0.9)
+        c.bound_gain = bg
+        # "b" is a 16-way output layer: its op is a few percent of "a"'s.
+        small = _cost(n=64)
+        c.set_cost("b", small)
+        plant.true["b"] = small
+        cur, _ = _run(c, plant, cur, 0.05 * _plain(plant), 200)
+        out[bg] = (cur, [d for d in c.log if d.action == "unreachable"][-1])
+    cur, last = out[0.05]
+    assert cur["a"] == pytest.approx(0.9) and cur["b"] == pytest.approx(0.5)
+    assert "less than bound_gain=0.05" in last.reasons["b"]
+    assert not last.reachable
+    cur, _ = out[0.0]
+    assert cur["a"] == pytest.approx(0.9) and cur["b"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("model_err,frac", [(0.8, 0.6), (1.0, 0.8),
+                                            (1.5, 0.7), (2.0, 0.6),
+                                            (2.0, 0.7)])
+def test_test_falls_leave_a_setting_the_model_holds_under_the_band(
+        model_err, frac):
+    """A plant whose sparse path is ``model_err`` times as fast as the
+    cost model says: without test falls the controller stays at a setting
+    whose steps sit 5-10% under the budget (the model predicts that any
+    fall would break it); with them, the steps' median ends within the
+    +-5% of the budget."""
+    ratios = {}
+    for test_falls in (False, True):
+        c, plant, cur = _setup(model_err=model_err)
+        c.test_falls = test_falls
+        plant.outliers, plant.noise = 0.0, 0.03
+        budget = frac * _plain(plant)
+        cur, measured = _run(c, plant, cur, budget, 300)
+        ratios[test_falls] = np.median(measured[-150:]) / budget
+        tests = [d for d in c.log if d.action == "test fall"]
+        assert bool(tests) == test_falls
+    assert ratios[False] < 0.95, ratios
+    assert 0.95 <= ratios[True] <= 1.05, ratios
+    assert all("lowered one level to test" in r
+               for d in tests for r in d.reasons.values()
+               if r.startswith("lowered"))
+
+
 def test_never_moves_against_the_measurement():
     # The prediction says no layer buys time (the ops' rates moved), but
     # the steps are over the budget: no target may fall.
@@ -524,6 +573,9 @@ def test_controller_bad_arguments():
     for bad in (0, 1.5, True, "4"):
         with pytest.raises(ValueError, match="recheck"):
             B.BudgetController(["a"], recheck=bad)
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="bound_gain"):
+            B.BudgetController(["a"], bound_gain=bad)
     with pytest.raises(ValueError):
         B.robust_step_time([])
 
@@ -859,6 +911,9 @@ def test_callback_rejects_bad_arguments_and_unknown_steps():
         tfss.TimeBudgetCallback(step_time=1, gain=float("nan"))
     with pytest.raises(ValueError):
         tfss.TimeBudgetCallback(step_time=1, min_gain=0.5)
+    for bad in (1.0, -0.01, True, "x"):
+        with pytest.raises(ValueError, match="bound_gain"):
+            tfss.TimeBudgetCallback(step_time=1, bound_gain=bad)
     with pytest.raises(ValueError):
         tfss.TimeBudgetCallback(step_time=1, probe_steps=1)
     model = _mlp()
@@ -1253,6 +1308,7 @@ def test_a_burst_in_the_last_steps_does_not_set_the_trained_cutoffs(
     clock = PhaseClock(0.001, 0.05, slow_from=41)
     cb = tfss.TimeBudgetCallback(step_time=0.005, warmup_steps=4,
                                  min_samples=2, update_every=1, min_gain=0.0,
+                                 bound_gain=0.0,
                                  final_settings=final_settings, clock=clock)
     model.fit(x, y, batch_size=16, epochs=3, verbose=0,
               callbacks=[clock.callback(), cb])

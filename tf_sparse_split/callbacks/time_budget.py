@@ -421,7 +421,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
     machine is fast again they fall. A budget that the bounds cannot meet is
     logged (``verbose``; :attr:`decisions` ``action="unreachable"``) and the
     layers then run at ``max_sparsity`` -- those whose predicted time falls
-    with sparsity; a layer whose prediction stays flat up to the bound is
+    with sparsity by at least ``bound_gain`` of the step over their whole
+    range; a layer whose prediction stays flat up to the bound is
     left where it is (more zeros there would cost accuracy and buy no
     time).
 
@@ -501,6 +502,12 @@ class TimeBudgetCallback(keras.callbacks.Callback):
       min_gain: least predicted saving of a move, as a fraction of the
         measured step, in ``[0, 0.5)`` (default 0.01: sparsity that saves
         less than 1% of the step is not worth its accuracy).
+      bound_gain: while the budget is not reachable within the bounds, a
+        layer is raised toward ``max_sparsity`` only if its whole range is
+        predicted to save at least this fraction of the measured step, in
+        ``[0, 1)`` (default 0.05; the other layers stay at their natural
+        sparsity, since a budget missed anyway is not worth their
+        accuracy). 0 runs every layer that buys any time at the bound.
       sensitivity_data: optional held batch ``(x, y)`` for the sensitivity
         probe (module docstring): as many targets as examples, at least
         one; ``x`` of the model's input shape (checked at
@@ -570,7 +577,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                  warmup_steps=20, sensitivity_data=None, min_samples=8,
                  update_every=4, gain=0.5, probe_steps=8, min_gain=0.01,
                  log_dir=None, verbose=0, clock=time.perf_counter,
-                 final_settings="last_epoch"):
+                 final_settings="last_epoch", bound_gain=0.05):
         super().__init__()
         self.kind, self.seconds = _budget.validate_budget_args(
             step_time, epoch_time, deadline, max_sparsity, min_rate,
@@ -598,6 +605,15 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             raise ValueError("`min_gain` must be in [0, 0.5). Received: "
                              f"min_gain={min_gain!r}")
         self.min_gain = mg
+        try:
+            bg = (float(bound_gain) if not isinstance(bound_gain, bool)
+                  else -1.0)
+        except (TypeError, ValueError):
+            bg = float("nan")
+        if not 0.0 <= bg < 1.0:
+            raise ValueError("`bound_gain` must be in [0, 1). Received: "
+                             f"bound_gain={bound_gain!r}")
+        self.bound_gain = bg
         try:
             g = float(gain) if not isinstance(gain, bool) else float("nan")
         except (TypeError, ValueError):
@@ -748,7 +764,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.controller = _budget.BudgetController(
             [k.name for k in self._knobs], max_sparsity=self.max_sparsity,
             min_samples=self.min_samples, rates=rate_knobs,
-            min_gain=self.min_gain)
+            min_gain=self.min_gain, bound_gain=self.bound_gain)
         self.decisions = self.controller.log
         self.trace, self.history = [], []
         self._step = 0

@@ -516,7 +516,7 @@ def marginal_loss(sensitivity, floor, upper, s0, s1):
 
 def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
              step=0.05, start=None, rates=None, rate_step=0.05,
-             min_saving_s=0.0):
+             min_saving_s=0.0, fixed=None):
     """Per-layer sparsities (and dropout rates) that meet a predicted step
     time at the least predicted loss (greedy; module docstring).
 
@@ -544,6 +544,8 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
       rates: optional ``{name: RateKnob}``.
       rate_step: grid of rate levels (default 0.05).
       min_saving_s: least predicted seconds a move must save (default 0).
+      fixed: optional ``{layer: reason}``: layers kept where they start
+        (their reason is logged as given).
 
     Returns:
       :class:`Allocation`.
@@ -569,7 +571,9 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
     rlevels = {r: _levels(rfloor[r], rup[r], rate_step) for r in rnames}
     attached = {n: [r for r in rnames if rates[r].layer == n] for n in names}
     # Knobs as (kind, name): one table of settings, levels, loss weights.
-    knobs = [("act", n) for n in names] + [("rate", r) for r in rnames
+    fixed = dict(fixed or {})
+    knobs = [("act", n) for n in names if n not in fixed] + [
+        ("rate", r) for r in rnames
                                            if rates[r].layer in costs or
                                            rates[r].cost is not None]
 
@@ -644,6 +648,9 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
         v = settings(kind)[n]
         if kind == "act" and not costs[n].predicts:
             reasons[n] = "no cost prediction yet (op rates unknown)"
+            continue
+        if kind == "act" and n in fixed:
+            reasons[n] = fixed[n]
             continue
         if kind == "rate" and (kind, n) not in knobs:
             reasons[n] = "no prediction of its effect on the step time"
@@ -728,7 +735,8 @@ class Decision:
     Attributes: ``step`` (the controller's step count), ``budget_s``,
     ``measured_s`` (robust estimate), ``predicted_s`` (at the new targets),
     ``kappa``, ``targets`` (``{layer: sparsity}``), ``reachable``,
-    ``action`` (``"hold"``, ``"reallocate"``, ``"unreachable"``),
+    ``action`` (``"hold"``, ``"reallocate"``, ``"unreachable"``, or
+    ``"test fall"``: see :class:`BudgetController`'s ``test_falls``),
     ``reasons`` (``{layer or rate knob: text}``), ``rates`` (``{rate knob:
     rate}``), ``best_s`` (predicted step seconds at the allocation aimed at,
     before the limits on the change per decision: the fastest the bounds
@@ -790,6 +798,20 @@ class BudgetController:
         then still covers the last ``min_samples`` steps; deciding at
         every step would re-run the allocation (about a millisecond of
         Python on these machines) on a median that moved by one sample.
+      test_falls: when the measured median sits under the dead band and
+        the allocation keeps every setting (the step model predicts that
+        any fall would break the budget), lower one knob by one level
+        anyway (default True): the measurement, not the model's slope,
+        decides whether there is room. A fall that breaks the budget is
+        taken back by the next decision, with the model refitted on the
+        new point. The decision's action is ``"test fall"``.
+      bound_gain: when the budget is not reachable within the bounds, a
+        layer is raised toward ``max_sparsity`` only if raising it alone
+        from its natural sparsity to the bound is predicted to save at
+        least this fraction of the measured step (default 0.05). The
+        budget is missed either way; a layer that buys only a sliver of
+        the step (a small output layer) would spend accuracy on a miss a
+        few percent smaller.
 
     Raises:
       ValueError: bad arguments.
@@ -798,7 +820,7 @@ class BudgetController:
     def __init__(self, layers, max_sparsity=0.95, step=0.05, min_samples=8,
                  settle=3, window=32, band=0.03, max_change=0.15, model=None,
                  rates=None, max_rate_change=0.1, min_gain=0.01, shift=0.3,
-                 recheck=4):
+                 recheck=4, test_falls=True, bound_gain=0.05):
         self.layers = list(layers)
         self.rate_knobs = dict(rates or {})
         if not self.layers and not self.rate_knobs:
@@ -831,6 +853,8 @@ class BudgetController:
             raise ValueError(f"`recheck` must be an int >= 1. Received: "
                              f"recheck={recheck!r}")
         self.recheck = int(recheck)
+        self.test_falls = bool(test_falls)
+        self.bound_gain = _fraction(bound_gain, "bound_gain", hi=1.0)
         if not math.isfinite(self.shift) or self.shift <= 0:
             raise ValueError(f"`shift` must be > 0. Received: shift={shift!r}")
         for name, knob in self.rate_knobs.items():
@@ -928,13 +952,37 @@ class BudgetController:
             cost = self.costs.get(n)
             if cost is None or not cost.predicts:
                 continue
-            knobs = {r: k for r, k in self.rate_knobs.items()
-                     if k.layer == n}
-            saving = self.model.factor * (
-                _layer_seconds(cost, self.floors[n], knobs, self.rates) -
-                _layer_seconds(cost, self.max_sparsity, knobs, self.rates))
+            saving = self._bound_saving(n)
             if saving > 0 and saving >= 0.5 * self.min_gain * m:
                 out.append(n)
+        return out
+
+    def _bound_saving(self, n):
+        """Predicted step seconds (before ``kappa``) that layer ``n``
+        saves raised alone from its natural sparsity to ``max_sparsity``
+        (rates as in force)."""
+        knobs = {r: k for r, k in self.rate_knobs.items() if k.layer == n}
+        cost = self.costs[n]
+        return self.model.factor * (
+            _layer_seconds(cost, self.floors[n], knobs, self.rates) -
+            _layer_seconds(cost, self.max_sparsity, knobs, self.rates))
+
+    def _small_savers(self, kappa, m):
+        """``{layer: reason}`` for the layers whose whole range saves less
+        than ``bound_gain`` of the measured step ``m`` (kept at their
+        natural sparsity while the budget is unreachable)."""
+        out = {}
+        for n in self.layers:
+            cost = self.costs.get(n)
+            if cost is None or not cost.predicts:
+                continue
+            saving = kappa * self._bound_saving(n)
+            if 0 < saving < self.bound_gain * m:
+                out[n] = (f"kept at its natural sparsity: the budget is not "
+                          f"reachable, and raising it to the bound saves "
+                          f"{saving * 1e3:.2f} ms/step, less than bound_gain"
+                          f"={self.bound_gain:g} of the step "
+                          f"({m * 1e3:.2f} ms)")
         return out
 
     @property
@@ -1049,6 +1097,14 @@ class BudgetController:
                          self.max_sparsity, goal, self.model, kappa=kappa,
                          step=self.step, rates=rate_knobs,
                          min_saving_s=self.min_gain * m)
+        if not alloc.reachable and self.bound_gain > 0:
+            small = self._small_savers(kappa, m)
+            if small:
+                alloc = allocate(costs, self.floors, self.sensitivities,
+                                 self.max_sparsity, goal, self.model,
+                                 kappa=kappa, step=self.step,
+                                 rates=rate_knobs,
+                                 min_saving_s=self.min_gain * m, fixed=small)
         # Rises are limited to max_change per decision (none with
         # ``jump``), falls to half of it (a fall that overshoots breaks the
         # budget; one that is short only leaves a little accuracy for the
@@ -1116,6 +1172,16 @@ class BudgetController:
         changed = any(abs(new[n] - self.targets[n]) > 1e-9
                       for n in self.layers) or any(
             abs(new_rates[r] - self.rates[r]) > 1e-9 for r in new_rates)
+        if not changed and alloc.reachable and m < lo and self.test_falls:
+            probe = self._fall_probe(new, new_rates, m, lo)
+            if probe is not None:
+                n, v, why = probe
+                (new if n in new else new_rates)[n] = v
+                reasons[n] = why
+                action = "test fall"
+                changed = True
+                predicted = kappa * self.model.predict(
+                    self._x(new, new_rates), self._extra(new_rates))
         if not changed and alloc.reachable:
             action = "hold"
             reasons = {n: "allocation unchanged" for n in reasons}
@@ -1130,6 +1196,31 @@ class BudgetController:
             return dict(new)
         self._times = self._times[-self.min_samples:]
         return None
+
+    def _fall_probe(self, targets, rates, m, lo):
+        """One knob lowered by one level when the measured steps sit under
+        the dead band while the allocation keeps every setting: the step
+        model's slope is then off (it predicts the fall would break the
+        budget, the measurement says there is room). Rates first, then
+        the raised layer with the highest sensitivity (the order of
+        :func:`allocate`'s trimming pass). Returns ``(name, value,
+        reason)`` or None (everything at its floor)."""
+        why = (f"lowered one level to test the prediction: the steps "
+               f"measure {m * 1e3:.2f} ms, under the dead band "
+               f"(< {lo * 1e3:.2f} ms), and the allocation kept it")
+        for r, k in self.rate_knobs.items():
+            if r in rates and rates[r] > float(k.floor) + 1e-9:
+                below = [v for v in _levels(float(k.floor), float(k.upper),
+                                            0.05) if v < rates[r] - 1e-9]
+                return r, below[-1], why
+        raised = [n for n in self.layers
+                  if targets[n] > self.floors[n] + 1e-9]
+        if not raised:
+            return None
+        n = max(raised, key=lambda n: (self.sensitivities.get(n) or 0.0))
+        below = [v for v in _levels(self.floors[n], self.max_sparsity,
+                                    self.step) if v < targets[n] - 1e-9]
+        return n, below[-1], why
 
     def _record(self, budget, measured, predicted, kappa, action, reachable,
                 reasons, targets, rates, best_s=math.nan):
