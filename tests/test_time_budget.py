@@ -122,7 +122,7 @@ def test_unreachable_keeps_a_layer_that_buys_a_sliver_of_the_step():
         c, plant, cur = _setup(max_sparsity=0.9)
         c.bound_gain = bg
         # "b" is a 16-way output layer: its op is a few percent of "a"'s.
-        small = _cost(n=64)
+        small = _cost(n=16)
         c.set_cost("b", small)
         plant.true["b"] = small
         cur, _ = _run(c, plant, cur, 0.05 * _plain(plant), 200)
