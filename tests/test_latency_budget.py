@@ -89,6 +89,77 @@ def test_meets_budget_at_least_sparsity_and_reports_points():
     assert res["chosen"] == fastest
 
 
+class LagClock:
+    """Each call advances by the :class:`CutoffClock` time of the cutoffs
+    in force ``lag`` model calls earlier: the ops' decisions follow a
+    change of sparsity a few calls late. The model's calls are counted
+    (with the cutoffs they ran at) by a pass-through layer."""
+
+    def __init__(self, lag):
+        self.t, self.lag, self.fats, self.calls = 0.0, lag, [], []
+
+    def note_call(self):
+        self.calls.append(sum(f.cutoff for f in self.fats))
+
+    def __call__(self):
+        back = self.calls[-1 - self.lag] if len(self.calls) > self.lag \
+            else 0.0
+        self.t += 1e-3 / (1.0 + 10.0 * back)
+        return self.t
+
+
+def _counted_model(clock):
+    import keras
+    import tensorflow as tf
+
+    from tf_sparse_split.layers import SparseSplitDense
+
+    class Count(keras.layers.Layer):
+        def call(self, x):
+            def note(v):
+                clock.note_call()
+                return v
+            y = tf.py_function(note, [x], x.dtype)
+            y.set_shape(x.shape)
+            return y
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((16,)), Count(),
+        keras.layers.Dense(64, activation="relu", name="h1"),
+        SparseSplitDense(32, activation="relu", name="h2"),
+        SparseSplitDense(4, activation="softmax", name="out")])
+
+
+def test_settle_calls_time_each_setting_with_its_own_decisions():
+    """Ops that follow a change of sparsity two calls late: strictly
+    alternating calls (settle_calls=0) time every point at the original
+    cutoffs' speed, so no budget below it looks reachable; with the
+    default settle calls each point is timed at its own speed and the
+    budget is met at a raised cutoff."""
+    from tf_sparse_split.tools.latency_budget import fit_latency_budget
+
+    x, _ = _data()
+    res = {}
+    for settle in (0, 3):
+        clock = LagClock(lag=2)
+        model = _counted_model(clock)
+        fit_latency_budget(model, 1.0, x, rounds=2, warmup=1, clock=clock)
+        clock.fats = [l.activation for l in model.layers
+                      if l.name in ("h1", "h2")]
+        for f in clock.fats:
+            f.cutoff_var.assign(0.0)
+        res[settle] = fit_latency_budget(model, 0.5e-3, x, rounds=4,
+                                         warmup=1, clock=clock,
+                                         settle_calls=settle)
+    p50s = [p["p50_ms"] for p in res[0]["points"]]
+    assert max(p50s) == pytest.approx(min(p50s))
+    assert not res[0]["reachable"]
+    assert res[3]["reachable"] and res[3]["chosen"] > 0
+    pts = res[3]["points"]
+    assert pts[-1]["p50_ms"] < 0.5 * pts[0]["p50_ms"]
+
+
 def test_bad_arguments():
     import keras
 
@@ -101,6 +172,9 @@ def test_bad_arguments():
             fit_latency_budget(model, bad, x)
     with pytest.raises(ValueError):
         fit_latency_budget(model, 1.0, x, levels=(0.5, 1.0))
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(ValueError, match="settle_calls"):
+            fit_latency_budget(model, 1.0, x, settle_calls=bad)
     with pytest.raises(ValueError):
         fit_latency_budget(model, 1.0, np.zeros((0, 16), "float32"))
     plain = keras.Sequential([keras.Input((16,)),
