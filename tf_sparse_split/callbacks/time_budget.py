@@ -122,6 +122,19 @@ FINAL_SETTINGS = ("last_epoch", "last")
 SETTLE_MIN_READS = 4
 
 
+def _fraction_below(value, name, hi):
+    """``value`` as a float in ``[0, hi)``; ValueError otherwise (bools and
+    strings included)."""
+    try:
+        v = float(value) if not isinstance(value, (bool, str)) else -1.0
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not 0.0 <= v < hi:
+        raise ValueError(f"`{name}` must be in [0, {hi:g}). Received: "
+                         f"{name}={value!r}")
+    return v
+
+
 def _new_overhead():
     return {"step_s": 0.0, "steps": 0, "probe_s": 0.0, "probes": 0,
             "probes_skipped": 0, "epoch_end_s": 0.0}
@@ -597,23 +610,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.min_samples = validate_int(min_samples, "min_samples", 2)
         self.update_every = validate_int(update_every, "update_every", 1)
         self.probe_steps = validate_int(probe_steps, "probe_steps", 2)
-        try:
-            mg = float(min_gain) if not isinstance(min_gain, bool) else -1.0
-        except (TypeError, ValueError):
-            mg = float("nan")
-        if not 0.0 <= mg < 0.5:
-            raise ValueError("`min_gain` must be in [0, 0.5). Received: "
-                             f"min_gain={min_gain!r}")
-        self.min_gain = mg
-        try:
-            bg = (float(bound_gain) if not isinstance(bound_gain, bool)
-                  else -1.0)
-        except (TypeError, ValueError):
-            bg = float("nan")
-        if not 0.0 <= bg < 1.0:
-            raise ValueError("`bound_gain` must be in [0, 1). Received: "
-                             f"bound_gain={bound_gain!r}")
-        self.bound_gain = bg
+        self.min_gain = _fraction_below(min_gain, "min_gain", 0.5)
+        self.bound_gain = _fraction_below(bound_gain, "bound_gain", 1.0)
         try:
             g = float(gain) if not isinstance(gain, bool) else float("nan")
         except (TypeError, ValueError):
