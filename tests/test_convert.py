@@ -196,3 +196,51 @@ def test_sparse_split_model_filter_and_errors(op_library):
     assert convert.eligible_reason(keras.layers.Conv2D(4, 1, groups=2)) is None
     assert "data_format" in convert.eligible_reason(
         keras.layers.Conv2D(4, 1, data_format="channels_first"))
+
+
+def test_relu_layers_become_fatrelu_and_back(op_library):
+    """A plain keras.layers.ReLU becomes a FATReLU of the same name at
+    cutoff 0 (the same outputs, a cutoff the callbacks can raise); a capped
+    ReLU is copied unchanged; strip_sparse_split turns a FATReLU into
+    ReLU(threshold=cutoff)."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(32, name="d1"),
+        keras.layers.ReLU(name="r1"), keras.layers.Dense(8, name="d2"),
+        keras.layers.ReLU(max_value=6.0, name="r6"),
+        keras.layers.Dense(4, name="d3")])
+    x = np.random.default_rng(4).standard_normal((32, 16)).astype(np.float32)
+    want = model.predict(x, verbose=0)
+    split = tfss.sparse_split_model(model)
+    kinds = {l.name: type(l) for l in split.layers}
+    assert kinds["r1"] is tfss.layers.FATReLU
+    assert kinds["r6"] is keras.layers.ReLU
+    assert split.get_layer("r1").cutoff == 0.0
+    np.testing.assert_allclose(split.predict(x, verbose=0), want, rtol=1e-5,
+                               atol=1e-6)
+    # The ReLU is now controllable: found as the producer of d2's input.
+    from tf_sparse_split.callbacks._discovery import find_activation_producer
+    owner, kind = find_activation_producer(split.get_layer("d2"))
+    assert owner is split.get_layer("r1") and kind == "layer"
+    # A raised cutoff goes back as Keras' thresholded ReLU.
+    h = split.get_layer("r1")
+    h.cutoff_var.assign(0.5)
+    got = split.predict(x, verbose=0)
+    plain = tfss.strip_sparse_split(split)
+    r1 = plain.get_layer("r1")
+    assert type(r1) is keras.layers.ReLU
+    assert r1.get_config()["threshold"] == pytest.approx(0.5)
+    np.testing.assert_allclose(plain.predict(x, verbose=0), got, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_unconvertible_relu_layer_is_named_in_the_error(op_library):
+    """A model built with sparse-split layers behind a keras.layers.ReLU:
+    the callbacks and fit_latency_budget say which layer and what to use."""
+    model = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dense(32),
+        keras.layers.ReLU(name="plain_relu"), tfss.SparseSplitDense(4)])
+    x = np.zeros((4, 16), np.float32)
+    with pytest.raises(ValueError, match="keras.layers.ReLU layer "
+                                         "'plain_relu'.*FATReLU"):
+        tfss.fit_latency_budget(model, 1.0, x)

@@ -31,6 +31,8 @@ import contextlib
 
 import keras
 
+from tf_sparse_split.callbacks._discovery import is_plain_relu_layer
+from tf_sparse_split.layers.activations import FATReLU
 from tf_sparse_split.layers.base import SparseSplitLayer
 from tf_sparse_split.layers.conv2d import SparseSplitConv2D
 from tf_sparse_split.layers.dense import SparseSplitDense
@@ -160,6 +162,8 @@ def _clone(model, convert):
             raise ValueError(
                 f"layer {old.name!r} was not built in the copy; give the "
                 "model an Input (or call it once) before converting it")
+        if isinstance(old, FATReLU) != isinstance(new, FATReLU):
+            continue        # ReLU <-> FATReLU: the cutoff is in the config
         new.set_weights(old.get_weights())
         if getattr(old, "lora_enabled", False):
             # keras.layers.Dense.build enables LoRA with alpha = rank.
@@ -179,8 +183,15 @@ def sparse_split_model(model, layer_filter=None, threshold="auto"):
     ``groups``, activation, initializers, regularizers, constraints, dtype
     policy, LoRA rank and alpha) and weights (``lora_kernel_a``/``_b``
     included, the kernel frozen as in the original); every other layer is
-    copied unchanged with its weights. The copy computes the same values as
-    ``model`` to float rounding (the threshold changes speed only).
+    copied unchanged with its weights, except that a plain
+    ``keras.layers.ReLU`` (no ``max_value``, ``negative_slope`` or
+    ``threshold``) becomes a :class:`~tf_sparse_split.layers.FATReLU` of
+    the same name at cutoff 0 (the same function, with a cutoff that
+    :class:`~tf_sparse_split.callbacks.SparsityTargetCallback`,
+    :class:`~tf_sparse_split.TimeBudgetCallback` and
+    :func:`~tf_sparse_split.fit_latency_budget` can raise). The copy
+    computes the same values as ``model`` to float rounding (the threshold
+    changes speed only).
 
     Args:
       model: a built ``Sequential`` or functional ``keras.Model`` (nested
@@ -206,6 +217,10 @@ def sparse_split_model(model, layer_filter=None, threshold="auto"):
     accept = _filter(layer_filter, model)
 
     def convert(layer):
+        if is_plain_relu_layer(layer):
+            # The same function (cutoff 0), with a cutoff the callbacks and
+            # fit_latency_budget can raise.
+            return FATReLU(name=layer.name, dtype=layer.dtype_policy)
         if eligible_reason(layer) is not None or not accept(layer):
             return None
         config = layer.get_config()
@@ -222,8 +237,11 @@ def strip_sparse_split(model):
     """A copy of ``model`` with every ``SparseSplitDense``/``SparseSplitConv2D``
     replaced by ``keras.layers.Dense``/``keras.layers.Conv2D`` with the same
     configuration and weights (``groups`` and LoRA included; the threshold is
-    dropped). Other layers, the structured dropout layers included, are
-    copied unchanged.
+    dropped), and every :class:`~tf_sparse_split.layers.FATReLU` layer by
+    ``keras.layers.ReLU(threshold=cutoff)`` at its current cutoff (the same
+    function except at ``x == cutoff`` exactly, which Keras' ReLU keeps; its
+    target and L1 penalty, which act in training only, are dropped). Other
+    layers, the structured dropout layers included, are copied unchanged.
 
     Args:
       model: a built ``Sequential`` or functional ``keras.Model``.
@@ -238,6 +256,11 @@ def strip_sparse_split(model):
     _check_model(model, "strip_sparse_split")
 
     def convert(layer):
+        if isinstance(layer, FATReLU):
+            # where(x > c, x, 0) as Keras' ReLU(threshold=c) (which keeps an
+            # x equal to c).
+            return keras.layers.ReLU(threshold=layer.cutoff, name=layer.name,
+                                     dtype=layer.dtype_policy)
         if isinstance(layer, SparseSplitDense):
             cls = keras.layers.Dense
         elif isinstance(layer, SparseSplitConv2D):

@@ -46,6 +46,16 @@ def _is_passthrough(layer):
                                              SensitivityAwareDropout))
 
 
+def is_plain_relu_layer(layer):
+    """Whether ``layer`` is a ``keras.layers.ReLU`` computing ``max(x, 0)``
+    (no ``max_value``, ``negative_slope`` 0, ``threshold`` 0)."""
+    if not isinstance(layer, keras.layers.ReLU):
+        return False
+    cfg = layer.get_config()
+    return (cfg.get("max_value") is None and
+            not cfg.get("negative_slope") and not cfg.get("threshold"))
+
+
 def _parent(layer):
     """The layer whose output is ``layer``'s (single) input, or None."""
     nodes = getattr(layer, "_inbound_nodes", None) or []
@@ -90,12 +100,46 @@ def find_activation_producer(layer):
             name = getattr(act, "__name__", type(act).__name__)
             return None, (f"it is fed by layer {node.name!r} with activation "
                           f"{name!r}, not a ReLU or FATReLU")
+        if isinstance(node, keras.layers.ReLU):
+            plain = is_plain_relu_layer(node)
+            return None, (
+                f"it is fed by a keras.layers.ReLU layer {node.name!r}"
+                + (", which has no cutoff to raise: use "
+                   "tf_sparse_split.layers.FATReLU() there (the same "
+                   "function at cutoff 0; sparse_split_model converts it), "
+                   "or activation='relu' on the layer before it"
+                   if plain else
+                   " with max_value, negative_slope or threshold set: only "
+                   "a plain ReLU (or a FATReLU) keeps the zeros a cutoff "
+                   "controls"))
         if not _is_passthrough(node):
             return None, (f"it is fed by layer {node.name!r} "
                           f"({type(node).__name__}), which is neither a "
-                          "ReLU-family activation nor a zero-preserving layer")
+                          "ReLU-family activation (activation='relu', "
+                          "Activation('relu') or FATReLU) nor a "
+                          "zero-preserving layer")
         node = _parent(node)
     return None, "no inbound node (call the layer in a model first)"
+
+
+def no_control_message(who, model, what="is fed by a ReLU-family "
+                       "activation (activation='relu', Activation('relu') or "
+                       "FATReLU)"):
+    """The ValueError text for a model none of whose sparse-split layers
+    has an activation to control: ``"<who>: no sparse-split layer of the
+    model <what>"`` and why, per layer (at most 6 named)."""
+    from tf_sparse_split.callbacks.split_threshold import find_split_layers
+
+    layers = find_split_layers(model)
+    if not layers:
+        why = ("the model has no sparse-split layer (convert it with "
+               "tf_sparse_split.sparse_split_model first)")
+    else:
+        whys = [f"{layer.name}: {find_activation_producer(layer)[1]}"
+                for layer in layers[:6]]
+        more = len(layers) - len(whys)
+        why = "; ".join(whys) + (f"; and {more} more" if more > 0 else "")
+    return f"{who}: no sparse-split layer of the model {what} ({why})"
 
 
 def fatrelu_for(owner, kind):

@@ -35,6 +35,7 @@ import numpy as np
 from tf_sparse_split.callbacks._discovery import (fatrelu_for,
                                                   find_activation_producer,
                                                   mask_input_grad,
+                                                  no_control_message,
                                                   reset_compiled_functions,
                                                   select_split_layers)
 from tf_sparse_split.tuning import stats as _stats
@@ -236,9 +237,8 @@ class SparsityTargetCallback(keras.callbacks.Callback):
             converted = converted or changed
             controls.append(_Control(layer, owner, fat))
         if not controls:
-            raise ValueError(
-                "SparsityTargetCallback: no sparse-split layer of the model "
-                "is fed by a ReLU-family activation (relu or FATReLU)")
+            raise ValueError(no_control_message("SparsityTargetCallback",
+                                                self.model))
         if converted:
             # Rebuild the compiled functions so they trace the new activation.
             reset_compiled_functions(self.model)

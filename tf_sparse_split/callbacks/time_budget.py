@@ -82,6 +82,7 @@ from tf_sparse_split.callbacks._discovery import (_parent, fatrelu_for,
                                                   find_activation_producer,
                                                   find_lstm_layers,
                                                   mask_input_grad,
+                                                  no_control_message,
                                                   reset_compiled_functions,
                                                   select_split_layers)
 from tf_sparse_split.callbacks.sparsity_target import _Control
@@ -696,10 +697,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             knobs.append(_Knob(layer, owner, fat,
                                _dropouts_between(layer, owner)))
         if not knobs and not lstm_rates:
-            raise ValueError("TimeBudgetCallback: no sparse-split layer of "
-                             "the model is fed by a ReLU-family activation, "
-                             "and no SparseSplitLSTM has a compacted "
-                             "dropout pattern")
+            raise ValueError(
+                no_control_message("TimeBudgetCallback", self.model) +
+                ", and no SparseSplitLSTM has a compacted dropout pattern")
         if changed:
             reset_compiled_functions(self.model)
         return knobs, lstm_rates

@@ -114,6 +114,7 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
     import keras
     import tensorflow as tf
 
+    from tf_sparse_split.callbacks._discovery import no_control_message
     from tf_sparse_split.tools._model_io import stop_recording_stats
     from tf_sparse_split.tuning.budget import _finite_positive
     from tf_sparse_split.utils.validation import validate_int
@@ -161,10 +162,7 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
                 f"{y_arr.dtype}")
     controls = _controls(model)
     if not controls:
-        raise ValueError(
-            "fit_latency_budget: no sparse-split layer of the model is fed "
-            "by a ReLU-family activation (convert the model with "
-            "tf_sparse_split.sparse_split_model first)")
+        raise ValueError(no_control_message("fit_latency_budget", model))
     stop_recording_stats(model)
     fats = [fat for _, _, fat in controls]
     names = [owner.name for _, owner, _ in controls]
