@@ -127,3 +127,21 @@ def test_probe_skipped_when_one_layer_buys_time():
     assert cb.overhead["probes_skipped"] == 3
     assert "not probed" in cb._sens_note
     assert set(cb.controller.sensitivities) == {"h2", "out"}
+
+
+def test_probe_skipped_with_one_controlled_layer():
+    """One controlled layer: there is nothing to weigh its sensitivity
+    against, so the probe never runs, whatever its sparsity buys."""
+    import tf_sparse_split as tfss
+
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    y = rng.integers(0, 10, 64)
+    cb = tfss.TimeBudgetCallback(step_time=0.001, layers=["h2"],
+                                 warmup_steps=2, min_samples=2, min_gain=0.0,
+                                 sensitivity_data=(x[:32], y[:32]),
+                                 clock=_Clock())
+    _model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
+    assert [k.name for k in cb._knobs] == ["h2"]
+    assert cb.overhead["probes"] == 0 and cb.overhead["probe_s"] == 0.0
+    assert cb.overhead["probes_skipped"] == 3

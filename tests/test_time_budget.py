@@ -884,8 +884,19 @@ def test_fit_wiring_log_keys_and_bounds(tmp_path):
         assert all(0 <= v <= 0.8 + 1e-9 for v in entry["targets"].values())
         assert all(0 <= v <= 0.4 + 1e-9 for v in entry["rates"].values())
     assert max(cb.trace[-1]["targets"].values()) > 0.0
-    fat = cb._knobs[0].fat
-    assert 0.0 <= fat.target <= 0.999
+    # The FATReLUs' own targets (the controller's plus the correction for
+    # the cutoff's shortfall) never pass max_sparsity either.
+    assert cb._settings_trace
+    for _, reads in cb._settings_trace:
+        assert all(0.0 <= t <= 0.8 + 1e-9 for _, t in reads.values())
+    for k in cb._knobs:
+        assert 0.0 <= k.fat.target <= 0.8 + 1e-9
+    # ... also when the cutoff has fallen short of a target near the bound
+    # (a large correction).
+    k = cb._knobs[0]
+    k.offset = 0.3
+    cb._set_fat(k, 0.75)
+    assert k.fat.target == pytest.approx(0.8)
     # A further fit with the same callback starts afresh from the user's
     # dropout rate (0.2), within the bounds again.
     hist = model.fit(x, y, batch_size=16, epochs=1, verbose=0,

@@ -979,7 +979,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                         target > c.floors[k.name] + 0.01:
                     k.offset += self.gain * (target - measured)
                     k.offset = float(np.clip(k.offset, -target,
-                                             0.999 - target))
+                                             self.max_sparsity - target))
                     self._set_fat(k, target)
             k.window_zero = k.window_elems = 0.0
         if self._warm and self.final_settings == "last_epoch":
@@ -993,8 +993,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             k.fat.target_var.assign(0.0)
             k.fat.cutoff_var.assign(0.0)
         else:
+            # The offset corrects the cutoff's measured shortfall, but the
+            # FATReLU's own target never passes the bound either.
             k.fat.target_var.assign(float(np.clip(target + k.offset, 0.0,
-                                                  0.999)))
+                                                  self.max_sparsity)))
 
     def _apply(self, targets):
         c = self.controller
@@ -1020,7 +1022,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         x, y = self.sensitivity_data
         step = c.measured() or self._base_s or 0.0
         buy = c.layers_that_buy_time(step)
-        if len(buy) < 2 and len(self._knobs) > 1:
+        if len(buy) < 2:
             # The allocation weighs layers by sensitivity only between
             # layers whose sparsity buys time: with one (or none) the
             # probe cannot change its choice. Not probed (it costs a few
