@@ -664,7 +664,7 @@ def load_case(data, args, report, pngs):
         at = [t["seconds"] for t, a in items if a]
         b_med = float(np.median(at)) if len(at) >= 8 else float("nan")
         decs = [d for d in cb.decisions
-                if (start if key != "before" else 0) < d.step + args.warmup
+                if (start if key != "before" else 0) < d.step
                 <= (stop if key != "after" else total)]
         best = [d.best_s for d in decs if np.isfinite(d.best_s)]
         reach[key] = (b_med, float(np.median(best)) if best else float("nan"),

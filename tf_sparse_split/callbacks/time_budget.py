@@ -878,6 +878,9 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                        jump=self._plan is not None and c.at_floors,
                        fall_budget_s=self._fall_budget_now)
         if len(c.log) > logged:
+            # The fit's step (the controller counts only the steps it
+            # observed, after the warm-up).
+            c.log[-1].step = self._step
             self._on_decision(c.log[-1], new)
             self._check_deadline(c.log[-1], t_end)
         if new is not None:
@@ -1168,12 +1171,23 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             # Said once each time the budget becomes unreachable.
             self._last_reachable = d.reachable
             if not d.reachable and self.verbose:
+                floors = self.controller.floors
+                moving = [n for n, t in d.targets.items()
+                          if t > floors.get(n, 0.0) + 1e-9] + [
+                    r for r, v in d.rates.items()
+                    if v > self.controller.rate_knobs[r].floor + 1e-9]
+                what = ("running " + ", ".join(moving) + " toward the bounds"
+                        if moving else
+                        "no layer's sparsity is predicted to save enough "
+                        f"of the step to spend accuracy on (min_gain="
+                        f"{self.min_gain:g} per move, bound_gain="
+                        f"{self.bound_gain:g} per layer while unreachable): "
+                        "all stay at their natural sparsity")
                 print(f"TimeBudgetCallback: step budget "
                       f"{d.budget_s * 1e3:.2f} ms is not reachable within "
                       f"max_sparsity={self.max_sparsity} and max_rate="
                       f"{self.max_rate} (measured "
-                      f"{d.measured_s * 1e3:.2f} ms); running at the bounds",
-                      flush=True)
+                      f"{d.measured_s * 1e3:.2f} ms); {what}", flush=True)
         if new is not None and self.verbose:
             print(f"TimeBudgetCallback: step {self._step}: measured "
                   f"{d.measured_s * 1e3:.2f} ms, budget "

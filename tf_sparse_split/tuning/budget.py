@@ -732,7 +732,9 @@ def step_budget(kind, seconds, steps_per_epoch=None, epochs=None,
 class Decision:
     """One decision of :class:`BudgetController` (its ``log``).
 
-    Attributes: ``step`` (the controller's step count), ``budget_s``,
+    Attributes: ``step`` (the controller's step count: the steps it
+    observed; :class:`~tf_sparse_split.TimeBudgetCallback` records the
+    fit's training step, counted from 1, first step included), ``budget_s``,
     ``measured_s`` (robust estimate), ``predicted_s`` (at the new targets),
     ``kappa``, ``targets`` (``{layer: sparsity}``), ``reachable``,
     ``action`` (``"hold"``, ``"reallocate"``, ``"unreachable"``, or
@@ -1169,6 +1171,23 @@ class BudgetController:
             if n in reasons:
                 reasons[n] += (f" (held at {v:.2f}: the measured steps are "
                                f"{'over' if m > hi else 'under'} the budget)")
+        for cur, nxt, want, limit in (
+                (self.targets, new, alloc.targets, self.max_change),
+                (self.rates, new_rates, alloc.rates, self.max_rate_change)):
+            for n in nxt:
+                aim = want.get(n)
+                if n in held or n not in reasons or aim is None or \
+                        abs(nxt[n] - aim) <= 1e-9:
+                    continue
+                if abs(nxt[n] - cur[n]) <= 1e-9:
+                    how = "waits for the other knobs"
+                elif nxt[n] < aim:
+                    how = (f"a rise is limited to {rise * limit:.3g} per "
+                           "decision" if math.isfinite(rise) else
+                           "a rate waits for the activation targets")
+                else:
+                    how = f"a fall is limited to {fall * limit:.3g} per decision"
+                reasons[n] += f" (now {nxt[n]:.2f}, aiming at {aim:.2f}: {how})"
         changed = any(abs(new[n] - self.targets[n]) > 1e-9
                       for n in self.layers) or any(
             abs(new_rates[r] - self.rates[r]) > 1e-9 for r in new_rates)
