@@ -134,9 +134,9 @@ def _counted_model(clock):
 def test_settle_calls_time_each_setting_with_its_own_decisions():
     """Ops that follow a change of sparsity two calls late: strictly
     alternating calls (settle_calls=0) time every point at the original
-    cutoffs' speed, so no budget below it looks reachable; with the
-    default settle calls each point is timed at its own speed and the
-    budget is met at a raised cutoff."""
+    cutoffs' speed, so no raised cutoff is found to meet a budget below
+    it; with the default settle calls each point is timed at its own speed
+    and the budget is met at a raised cutoff."""
     from tf_sparse_split.tools.latency_budget import fit_latency_budget
 
     x, _ = _data()
@@ -154,7 +154,8 @@ def test_settle_calls_time_each_setting_with_its_own_decisions():
                                          settle_calls=settle)
     p50s = [p["p50_ms"] for p in res[0]["points"]]
     assert max(p50s) == pytest.approx(min(p50s))
-    assert not res[0]["reachable"]
+    # No raised cutoff is found to meet the budget.
+    assert not res[0]["reachable"] or res[0]["chosen"] == 0
     assert res[3]["reachable"] and res[3]["chosen"] > 0
     pts = res[3]["points"]
     assert pts[-1]["p50_ms"] < 0.5 * pts[0]["p50_ms"]
@@ -236,3 +237,79 @@ def test_profile_latency_budget(run_cli, tmp_path):
     assert "<- chosen" in out
     assert (tmp_path / "c.png").stat().st_size > 0
     assert (tmp_path / "out.keras").stat().st_size > 0
+    # Bad output paths fail before the search.
+    for flag, bad in (("--output", str(tmp_path / "nodir" / "o.keras")),
+                      ("--curve", str(tmp_path / "nodir" / "c.png"))):
+        rc, out, err = run_cli(["profile", path, "--latency-budget", "1000",
+                                "--input", str(tmp_path / "x.npy"), flag,
+                                bad])
+        assert rc != 0 and flag in err and "does not exist" in err, err
+        assert "latency budget" not in out
+
+
+class LoadClock(CutoffClock):
+    """A CutoffClock whose machine is 50x slower for the calls of the
+    points after the first ``fast_points`` (the load moves between
+    points, as on a shared machine; each point's two arms share it)."""
+
+    def __init__(self, reads_per_point, fast_points):
+        super().__init__()
+        self.reads, self.per, self.fast = 0, reads_per_point, fast_points
+
+    def __call__(self):
+        self.reads += 1
+        slow = 50.0 if self.reads > self.per * self.fast else 1.0
+        self.t += slow * 1e-3 / (1.0 + 10.0 * sum(f.cutoff
+                                                  for f in self.fats))
+        return self.t
+
+
+def test_points_are_judged_by_the_interleaved_ratio():
+    """A load that slows every call 50x from the third point on: by their
+    own p50 the later (sparser) points look slower than the model as
+    given, by the interleaved ratio they are faster, and the fastest point
+    is the sparsest."""
+    from tf_sparse_split.tools.latency_budget import fit_latency_budget
+
+    model = _model()
+    x, _ = _data()
+    clock = CutoffClock()
+    fit_latency_budget(model, 1.0, x, rounds=2, warmup=1, clock=clock)
+    fats = [l.activation for l in model.layers if l.name in ("h1", "h2")]
+    for f in fats:
+        f.cutoff_var.assign(0.0)
+    # 4 rounds of two timed calls, two clock reads each, per point.
+    clock = LoadClock(reads_per_point=16, fast_points=2)
+    clock.fats = fats
+    res = fit_latency_budget(model, 1e-9, x, rounds=4, warmup=1, clock=clock)
+    pts = res["points"]
+    assert pts[-1]["p50_ms"] > pts[0]["p50_ms"]       # the load
+    assert pts[-1]["ratio"] > 1.0
+    assert not res["reachable"]
+    assert res["chosen"] == len(pts) - 1
+    assert pts[-1]["est_p50_ms"] < pts[0]["est_p50_ms"]
+
+
+def test_bad_samples_and_accuracy_data_are_named():
+    from tf_sparse_split.tools.latency_budget import fit_latency_budget
+
+    model = _model()
+    x, y = _data()
+    bad = [
+        (dict(sample=None), "sample"),
+        (dict(sample=x[:, :8]), "sample"),
+        (dict(sample=x[:, 0]), "sample"),
+        (dict(accuracy_data=(x[:, :8], y)), "accuracy_data"),
+        (dict(accuracy_data=(np.full_like(x, np.nan), y)), "accuracy_data"),
+        (dict(accuracy_data=(x, y + 100)), r"classes in \[0, 4\)"),
+        (dict(accuracy_data=(x, y - 5)), r"classes in \[0, 4\)"),
+        (dict(clock=5), "clock"),
+        (dict(out=5), "out"),
+        (dict(settle_calls=10 ** 6), "settle_calls"),
+    ]
+    for kwargs, match in bad:
+        args = dict(sample=x)
+        args.update(kwargs)
+        sample = args.pop("sample")
+        with pytest.raises(ValueError, match=match):
+            fit_latency_budget(model, 1.0, sample, **args)

@@ -23,6 +23,10 @@ sparsity, as a model served at one setting has them), and with
 ``accuracy_data`` the
 accuracy. The model is left at the least sparse point whose p50 meets the
 budget, or, when none does, at its fastest point (``reachable`` False).
+Each point is judged by its interleaved ratio to the original cutoffs,
+scaled to the original cutoffs' median p50 over the whole search, not by
+its own p50: on a shared machine the load moves between points, and the
+ratio is what both arms of a point measured under the same load.
 """
 
 import math
@@ -55,6 +59,34 @@ def _controls(model):
     return out
 
 
+#: Most untimed calls after a switch of the cutoffs.
+MAX_SETTLE_CALLS = 100
+
+
+def _check_input_shape(model, shape, what):
+    """ValueError unless ``shape`` fits the model's (single) input: the
+    same rank, the same size wherever the model fixes one (batch aside)."""
+    inputs = getattr(model, "inputs", None) or []
+    if len(inputs) != 1:
+        return
+    want = tuple(inputs[0].shape)
+    got = tuple(shape)
+    if len(got) != len(want) or any(
+            w is not None and g is not None and int(w) != int(g)
+            for w, g in zip(want[1:], got[1:])):
+        raise ValueError(f"fit_latency_budget: `{what}` of shape {got} does "
+                         f"not fit the model's input {want}")
+
+
+def _num_classes(model):
+    """The classes the model's output scores: its last dimension, or 2
+    for a single (thresholded) output."""
+    shape = tuple(model.outputs[0].shape) if getattr(model, "outputs",
+                                                     None) else ()
+    last = shape[-1] if shape else None
+    return int(last) if last is not None and int(last) > 1 else 2
+
+
 def _accuracy(pred, y):
     pred = np.asarray(pred)
     y = np.asarray(y).reshape(-1)
@@ -82,14 +114,16 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
       accuracy_data: optional ``(x, y)`` with integer labels ``y``; each
         point's accuracy is measured on it (argmax of the output; a single
         output is thresholded at 0.5).
-      levels: target sparsities to try, in ``(0, 1)``.
+      levels: target sparsities to try, in ``(0, 1)`` (sorted, repeats
+        dropped).
       rounds: timed calls per point (>= 1; each alternates with a call at
         the original cutoffs).
       warmup: untimed calls per point (>= 1).
       out: a file to print the table to, or None.
       clock: a function returning seconds.
       settle_calls: untimed calls after each switch between the point's
-        and the original cutoffs, before the timed call (>= 0; default 3).
+        and the original cutoffs, before the timed call (0 to
+        ``MAX_SETTLE_CALLS`` = 100; default 3).
         A sparse-split op follows a change of its input's sparsity within
         a few calls (its decision memory and the back-off of its analysis
         are per op): strictly alternating calls would time each setting
@@ -102,14 +136,20 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
       is the model as given, ``target`` None), ``measured_sparsity`` (mean
       fraction of zeros of the activations on the sample), ``p50_ms``,
       ``p90_ms``, ``ratio`` (original p50 / this p50, interleaved),
+      ``est_p50_ms`` (the original cutoffs' median p50 over the whole
+      search divided by ``ratio``: the point's p50 at the search's typical
+      load; the budget is checked on it and the fastest point is the one
+      with the least),
       ``accuracy`` (NaN without data), ``cutoffs`` ({activation: cutoff})),
       ``chosen`` (index into ``points``), ``reachable``, ``budget_ms``.
 
     Raises:
-      ValueError: a bad budget, level, rounds, warm-up or settle_calls,
-        an empty sample or one holding NaN/Inf, ``accuracy_data`` not a
-        pair of as many ``x`` as integer labels ``y``, or no activation to
-        control.
+      ValueError: a bad budget, level, rounds, warm-up, settle_calls
+        (more than ``MAX_SETTLE_CALLS``), clock or out; a missing or empty
+        sample, one holding NaN/Inf or not of the model's input shape;
+        ``accuracy_data`` not a pair of as many ``x`` (finite, of the
+        input's shape) as integer labels ``y`` within the model's classes;
+        or no activation to control.
     """
     import keras
     import tensorflow as tf
@@ -123,18 +163,31 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
     rounds = validate_int(rounds, "rounds", 1)
     warmup = validate_int(warmup, "warmup", 1)
     settle_calls = validate_int(settle_calls, "settle_calls", 0)
+    if settle_calls > MAX_SETTLE_CALLS:
+        raise ValueError(f"`settle_calls` must be at most {MAX_SETTLE_CALLS}"
+                         f". Received: settle_calls={settle_calls}")
+    if not callable(clock):
+        raise ValueError(f"`clock` must be a function returning seconds. "
+                         f"Received: clock={clock!r}")
+    if out is not None and not callable(getattr(out, "write", None)):
+        raise ValueError(f"`out` must be a file (with a write method) or "
+                         f"None. Received: out={out!r}")
     try:
         if isinstance(levels, (str, bytes)):
             raise TypeError
-        levels = sorted(float(v) for v in levels)
+        levels = sorted({float(v) for v in levels})
     except (TypeError, ValueError):
         raise ValueError("levels must be a sequence of fractions in (0, 1), "
                          f"got {levels!r}") from None
     if not levels or any(not (0.0 < v < 1.0) for v in levels):
         raise ValueError(f"levels must be fractions in (0, 1), got {levels}")
+    if sample is None:
+        raise ValueError("fit_latency_budget needs a `sample` batch (got "
+                         "None)")
     x = tf.convert_to_tensor(sample)
     if x.shape.rank is None or x.shape.rank == 0 or int(tf.size(x)) == 0:
         raise ValueError("fit_latency_budget needs a non-empty sample batch")
+    _check_input_shape(model, x.shape, "sample")
     # The cutoffs are quantiles of the activations on the sample: a NaN
     # there would make every cutoff NaN (a FATReLU that zeroes everything).
     if x.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(x))):
@@ -160,6 +213,17 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
                 "`accuracy_data` labels y must be one integer class per "
                 f"example ([n] or [n, 1]); got shape {y_arr.shape}, dtype "
                 f"{y_arr.dtype}")
+        _check_input_shape(model, np.shape(ax), "accuracy_data x")
+        ax_arr = np.asarray(ax)
+        if np.issubdtype(ax_arr.dtype, np.floating) and \
+                not np.all(np.isfinite(ax_arr)):
+            raise ValueError("`accuracy_data` x holds NaN or Inf values")
+        classes = _num_classes(model)
+        if y_arr.size and (y_arr.min() < 0 or y_arr.max() >= classes):
+            raise ValueError(
+                f"`accuracy_data` labels y must be classes in [0, "
+                f"{classes}) for this model's output; got labels from "
+                f"{y_arr.min()} to {y_arr.max()}")
     controls = _controls(model)
     if not controls:
         raise ValueError(no_control_message("fit_latency_budget", model))
@@ -219,10 +283,20 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
         values = [max(float(np.quantile(a, s)), c) if s > z else c
                   for a, z, c in zip(base_acts, zeros, original)]
         points.append(dict(sparsity=s, **measure(values)))
-    meeting = [i for i, p in enumerate(points) if p["p50_ms"] <= budget * 1e3]
+    # Each point's p50 as it would be at the load of the whole search: the
+    # median p50 of the original cutoffs over all points divided by the
+    # point's interleaved ratio (its own p50 was taken at whatever load its
+    # rounds met; the ratio is the figure both arms shared).
+    base_ms = float(np.median([p["p50_ms"] * p["ratio"] for p in points
+                               if math.isfinite(p["ratio"])] or [math.nan]))
+    for p in points:
+        p["est_p50_ms"] = (base_ms / p["ratio"] if math.isfinite(base_ms)
+                           and p["ratio"] > 0 else p["p50_ms"])
+    meeting = [i for i, p in enumerate(points)
+               if p["est_p50_ms"] <= budget * 1e3]
     reachable = bool(meeting)
     chosen = meeting[0] if meeting else int(np.argmin(
-        [p["p50_ms"] for p in points]))
+        [p["est_p50_ms"] for p in points]))
     set_cutoffs(list(points[chosen]["cutoffs"].values()))
     result = {"points": points, "chosen": chosen, "reachable": reachable,
               "budget_ms": budget * 1e3, "activations": names}
@@ -236,18 +310,28 @@ def format_latency_budget(result, out):
     print(f"latency budget {result['budget_ms']:.3f} ms (p50); "
           f"activations: {', '.join(result['activations'])}", file=out)
     print(f"{'target':>8}{'zeros':>8}{'p50 ms':>10}{'p90 ms':>10}"
-          f"{'orig/this':>11}{'accuracy':>10}", file=out)
+          f"{'orig/this':>11}{'est. p50':>10}{'accuracy':>10}", file=out)
     for i, p in enumerate(result["points"]):
         t = "model" if p["sparsity"] is None else f"{p['sparsity']:.2f}"
         mark = "  <- chosen" if i == result["chosen"] else ""
         print(f"{t:>8}{p['measured_sparsity']:>8.3f}{p['p50_ms']:>10.3f}"
               f"{p['p90_ms']:>10.3f}{p['ratio']:>10.2f}x"
-              f"{p['accuracy']:>10.4f}{mark}", file=out)
+              f"{p['est_p50_ms']:>10.3f}{p['accuracy']:>10.4f}{mark}",
+              file=out)
     if not result["reachable"]:
-        print("the budget is not reachable with these cutoffs: the model is "
-              "left at its fastest point", file=out)
+        pts = result["points"]
+        ch = pts[result["chosen"]]
+        acc = ""
+        if math.isfinite(ch["accuracy"]) and math.isfinite(
+                pts[0]["accuracy"]):
+            acc = (f" (accuracy {ch['accuracy']:.4f}, against "
+                   f"{pts[0]['accuracy']:.4f} as given)")
+        print("warning: the budget is not reachable with these cutoffs: the "
+              f"model is left at its fastest point{acc}", file=out)
     print("orig/this = p50 at the model's own cutoffs / p50 here, "
-          "interleaved calls (> 1: faster)", file=out, flush=True)
+          "interleaved calls (> 1: faster); est. p50 = the own cutoffs' "
+          "median p50 over the search / orig/this (the budget is checked "
+          "on it)", file=out, flush=True)
 
 
 def latency_budget_command(args, out):
@@ -269,6 +353,14 @@ def latency_budget_command(args, out):
                                                  random_input)
     from tf_sparse_split.tools.latency import convert_to_sparse_split
 
+    from tf_sparse_split.tools.plots import check_plot_path
+
+    # Output paths first: a search is never lost to a bad path at its end.
+    if getattr(args, "curve", None):
+        check_plot_path(args.curve, flag="--curve")
+    if getattr(args, "output", None):
+        check_plot_path(args.output, flag="--output", suffix=".keras",
+                        what="a .keras model")
     load_library()
     if model_kind(args.model) != "keras":
         raise ValueError("--latency-budget needs a .keras model (its "

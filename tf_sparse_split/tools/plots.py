@@ -37,10 +37,11 @@ def _layer_series(history, key):
     return series
 
 
-def check_plot_path(path):
+def check_plot_path(path, flag="--plot", suffix=".png", what="a PNG file"):
     """Checks, before any training, that ``path`` can take the plot: a name
-    ending in ``.png`` whose directory exists and is writable, and not a
-    directory itself.
+    ending in ``suffix`` whose directory exists and is writable, and not a
+    directory itself (``flag`` and ``what`` name it in the message; other
+    output files are checked the same way).
 
     Raises:
       ValueError: saying what is wrong with ``path``.
@@ -48,18 +49,18 @@ def check_plot_path(path):
     import os
 
     path = str(path)
-    if not path.lower().endswith(".png"):
-        raise ValueError(f"--plot writes a PNG file; give a name ending in "
-                         f".png, got {path!r}")
+    if not path.lower().endswith(suffix):
+        raise ValueError(f"{flag} writes {what}; give a name ending in "
+                         f"{suffix}, got {path!r}")
     if os.path.isdir(path):
-        raise ValueError(f"--plot {path!r} is a directory; give a file name")
+        raise ValueError(f"{flag} {path!r} is a directory; give a file name")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ValueError(f"--plot {path!r}: directory {parent!r} does not "
+        raise ValueError(f"{flag} {path!r}: directory {parent!r} does not "
                          "exist")
     if not os.access(parent, os.W_OK | os.X_OK) or (
             os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"--plot {path!r}: not writable")
+        raise ValueError(f"{flag} {path!r}: not writable")
 
 
 def steady_mean(times):
