@@ -66,6 +66,29 @@ def test_time_budget_steps_per_execution_1_still_trains():
     assert cb.trace and cb.trace[-1]["step"] == 4
 
 
+def test_time_budget_bad_sensitivity_data_is_named():
+    """NaN or non-numeric held batches are refused when the callback is
+    made; labels outside the model's classes at on_train_begin, before
+    anything changes (TensorFlow's loss would fail only after the
+    warm-up, inside the probe's traced call)."""
+    x, y = _data()
+    for data, match in (((np.full_like(x, np.nan), y), "NaN"),
+                        (("a", "b"), "must be numbers"),
+                        ((x, np.full(64, np.inf)), "NaN")):
+        with pytest.raises(ValueError, match="sensitivity_data.*" + match):
+            tfss.TimeBudgetCallback(step_time=0.01, sensitivity_data=data)
+    model = _mlp()
+    model.compile("adam", "sparse_categorical_crossentropy",
+                  jit_compile=False)
+    cb = tfss.TimeBudgetCallback(step_time=0.01, warmup_steps=2,
+                                 min_samples=2, sensitivity_data=(x, y + 99))
+    with pytest.raises(ValueError, match=r"classes in \[0, 4\)"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
+    assert cb.trace == []
+    # verbose may be a bool, as Keras' own callbacks take it.
+    assert tfss.TimeBudgetCallback(step_time=0.01, verbose=True).verbose
+
+
 def test_time_budget_layer_of_another_model_is_refused():
     model, other = _mlp(), _mlp()
     model.compile("adam", "sparse_categorical_crossentropy",

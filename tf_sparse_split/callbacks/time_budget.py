@@ -261,6 +261,27 @@ def _check_sensitivity_x(model, x):
             f"{tuple(shape)}, the model takes {(None,) + want}")
 
 
+def _check_sensitivity_y(model, y):
+    """Raises ValueError when integer class labels ``y`` ([n] or [n, 1])
+    fall outside a single-output model's classes (its last dimension, when
+    above 1): TensorFlow's loss would fail only after the warm-up, deep in
+    the probe's traced call, without naming ``sensitivity_data``."""
+    outputs = getattr(model, "outputs", None) or []
+    arr = np.asarray(y)
+    if len(outputs) != 1 or arr.size == 0 or not np.issubdtype(
+            arr.dtype, np.integer) or arr.ndim > 2 or (
+                arr.ndim == 2 and arr.shape[1] != 1):
+        return
+    classes = tuple(outputs[0].shape)[-1]
+    if classes is None or int(classes) < 2:
+        return
+    if arr.min() < 0 or arr.max() >= int(classes):
+        raise ValueError(
+            f"TimeBudgetCallback: `sensitivity_data` labels y must be "
+            f"classes in [0, {int(classes)}) for this model's output; got "
+            f"labels from {arr.min()} to {arr.max()}")
+
+
 def _loss_fn(model):
     loss = getattr(model, "loss", None)
     if loss is None:
@@ -524,7 +545,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         accuracy). 0 runs every layer that buys any time at the bound.
       sensitivity_data: optional held batch ``(x, y)`` for the sensitivity
         probe (module docstring): as many targets as examples, at least
-        one; ``x`` of the model's input shape (checked at
+        one, numbers without NaN/Inf; ``x`` of the model's input shape and
+        integer labels ``y`` within its output's classes (checked at
         ``on_train_begin``).
       min_samples: steps measured per decision (int >= 2; default 8).
       update_every: steps between reads of the layers' statistics (int >= 1;
@@ -626,6 +648,20 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             except (TypeError, ValueError):
                 raise ValueError("`sensitivity_data` must be a pair (x, y)"
                                  ) from None
+            for what, v in (("x", sx), ("y", sy)):
+                arr = v if hasattr(v, "dtype") else np.asarray(v)
+                kind = getattr(getattr(arr, "dtype", None), "kind", None)
+                if kind is None and hasattr(arr, "dtype"):
+                    kind = "f" if arr.dtype.is_floating else (
+                        "i" if arr.dtype.is_integer else "O")
+                if kind not in ("f", "i", "u", "b"):
+                    raise ValueError(
+                        f"`sensitivity_data` {what} must be numbers. "
+                        f"Received dtype {getattr(arr, 'dtype', None)}")
+                if kind == "f" and not bool(np.all(np.isfinite(
+                        np.asarray(arr, np.float64)))):
+                    raise ValueError(f"`sensitivity_data` {what} holds NaN "
+                                     "or Inf values")
             sensitivity_data = (sx, sy)
             nx, ny = _batch_len(sx), _batch_len(sy)
             if nx == 0 or ny == 0 or (nx is not None and ny is not None
@@ -635,7 +671,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                     f"with as many targets as examples. Received: {nx} "
                     f"example(s) and {ny} target(s)")
         self.sensitivity_data = sensitivity_data
-        if verbose not in (0, 1) or isinstance(verbose, (bool, float)):
+        if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"`verbose` must be 0 or 1. Received: "
                              f"verbose={verbose!r}")
         self.verbose = int(verbose)
@@ -735,6 +771,7 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                              "needs a known number of steps per epoch")
         if self.sensitivity_data is not None:
             _check_sensitivity_x(self.model, self.sensitivity_data[0])
+            _check_sensitivity_y(self.model, self.sensitivity_data[1])
         self._knobs, self._lstm = self._discover()
         self._retraced = False
         rate_knobs = {}
