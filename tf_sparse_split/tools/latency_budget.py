@@ -397,7 +397,8 @@ def latency_budget_command(args, out):
         from tf_sparse_split.tools.plots import plot_latency_curve
 
         plot_latency_curve(result["points"], args.curve,
-                           budget_ms=result["budget_ms"])
+                           budget_ms=result["budget_ms"],
+                           chosen=result["chosen"])
         print(f"curve: {args.curve}", file=out)
     if getattr(args, "output", None):
         model.save(args.output)

@@ -217,18 +217,22 @@ def plot_budget(trace, path, title=None, window=9):
     return path
 
 
-def plot_latency_curve(points, path, budget_ms=None, title=None):
+def plot_latency_curve(points, path, budget_ms=None, title=None,
+                       chosen=None):
     """Writes accuracy against p50 latency of the points
     :func:`~tf_sparse_split.tools.latency_budget.fit_latency_budget` tried
     to the PNG file ``path``.
 
     Args:
       points: list of dicts with ``sparsity`` (target, None for the model
-        as given), ``measured_sparsity``, ``p50_ms`` and ``accuracy`` (NaN
-        without accuracy data: the measured sparsity is drawn instead).
+        as given), ``measured_sparsity``, ``p50_ms`` (or ``est_p50_ms``,
+        drawn where present: the p50 the search judged the point by) and
+        ``accuracy`` (NaN without accuracy data: the measured sparsity is
+        drawn instead).
       path: output file name (``.png``).
       budget_ms: the latency budget (a vertical line), or None.
       title: optional figure title.
+      chosen: index of the point the search chose (ringed), or None.
 
     Returns:
       ``path``.
@@ -241,19 +245,29 @@ def plot_latency_curve(points, path, budget_ms=None, title=None):
     check_plot_path(path)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    xs = [p["p50_ms"] for p in points]
+    xs = [p.get("est_p50_ms", p["p50_ms"]) for p in points]
     have_acc = not all(math.isnan(p.get("accuracy", math.nan))
                        for p in points)
     ys = [p["accuracy"] if have_acc else p["measured_sparsity"]
           for p in points]
     ax.plot(xs, ys, marker="o")
-    for p, x, y in zip(points, xs, ys):
+    for i, (p, x, y) in enumerate(zip(points, xs, ys)):
         label = ("as given" if p["sparsity"] is None
                  else f"{p['sparsity']:.2f}")
-        ax.annotate(label, (x, y), fontsize=7,
-                    textcoords="offset points", xytext=(3, 3))
+        # Labels alternate above and below the line: neighbouring points
+        # are often a few hundredths of a millisecond apart.
+        ax.annotate(label, (x, y), fontsize=7, textcoords="offset points",
+                    xytext=(4, 4) if i % 2 == 0 else (4, -11))
+    legend = False
+    if chosen is not None and 0 <= chosen < len(points):
+        ax.plot([xs[chosen]], [ys[chosen]], "o", markersize=13,
+                markerfacecolor="none", markeredgecolor="tab:green",
+                markeredgewidth=2, label="chosen")
+        legend = True
     if budget_ms is not None:
         ax.axvline(budget_ms, color="tab:red", label="latency budget")
+        legend = True
+    if legend:
         ax.legend(fontsize=8)
     ax.set(xlabel="p50 latency (ms)",
            ylabel="accuracy" if have_acc else "measured sparsity",
