@@ -282,6 +282,32 @@ def test_family_model_median_ignores_outliers_and_follows_real_change():
     assert fam.terms()["dense_rate"] == pytest.approx(base["dense_rate"] / 2)
 
 
+def test_family_model_scale_is_the_median_of_the_last_15_ratios():
+    """After every record the dense path's scale is the smallest of fewer
+    than 3 measured/predicted ratios, else the median of the last 15 (of an
+    even count, the mean of the two middle ones), through repeated values
+    and the window's wrap-around; the sparse path's scale is untouched."""
+    shape = K.matmul_split_shape(M, KDIM, KDIM, 16)
+    fam = K.SplitFamilyModel()
+    base = _terms()
+    fam.set_calibration(base)
+    pred = K.predict_plan_seconds(shape, _profile(np.full(M, KDIM)), base, -1)
+    rng = np.random.default_rng(3)
+    ratios = []
+    for i in range(60):
+        # Repeats (a few levels) and spread values, a long rise and a fall.
+        r = (float(rng.integers(1, 4)) if i % 3 == 0
+             else float(rng.uniform(0.2, 5.0)) * (1.0 + i / 20.0))
+        fam.record(shape, M, False, r * pred, 0, 0, 0.0)
+        ratios.append(r)
+        window = ratios[-15:]
+        want = min(window) if len(window) < 3 else float(np.median(window))
+        t = fam.terms()
+        assert t["dense_rate"] == pytest.approx(base["dense_rate"] / want,
+                                                rel=1e-9), i
+        assert t["sparse_rate"] == base["sparse_rate"]
+
+
 def test_uncalibrated_path_learns_from_its_first_observation():
     shape = K.matmul_split_shape(100, 1000, 1000, 10)
     fam = K.SplitFamilyModel()

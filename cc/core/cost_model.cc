@@ -538,6 +538,19 @@ bool SampleSaysDense(const SplitShape& s_est, const DensityProfile& p_est,
 
 void MedianWindow::Add(double v) {
   if (!(v > 0.0) || !std::isfinite(v)) return;
+  // The sorted copy: drop the value the ring overwrites (when full), then
+  // insert v in order.
+  int n = size_;
+  if (size_ == capacity_) {
+    const double old = values_[next_];
+    int i = 0;
+    while (sorted_[i] != old) ++i;  // present: every value is finite
+    for (; i + 1 < n; ++i) sorted_[i] = sorted_[i + 1];
+    --n;
+  }
+  int i = n;
+  for (; i > 0 && sorted_[i - 1] > v; --i) sorted_[i] = sorted_[i - 1];
+  sorted_[i] = v;
   values_[next_] = v;
   if (size_ < capacity_) ++size_;
   next_ = (next_ + 1) % capacity_;
@@ -545,19 +558,17 @@ void MedianWindow::Add(double v) {
 
 double MedianWindow::Median(double if_empty) const {
   if (size_ == 0) return if_empty;
-  std::array<double, kMaxCapacity> v = values_;
+  // The mid-th smallest; of an even count, the mean with the one below
+  // (the same expression nth_element + max_element gave).
   const int mid = size_ / 2;
-  std::nth_element(v.begin(), v.begin() + mid, v.begin() + size_);
-  double med = v[mid];
-  if (size_ % 2 == 0) {
-    med = 0.5 * (med + *std::max_element(v.begin(), v.begin() + mid));
-  }
+  double med = sorted_[mid];
+  if (size_ % 2 == 0) med = 0.5 * (med + sorted_[mid - 1]);
   return med;
 }
 
 double MedianWindow::Min(double if_empty) const {
   if (size_ == 0) return if_empty;
-  return *std::min_element(values_.begin(), values_.begin() + size_);
+  return sorted_[0];
 }
 
 FamilyModel::Snapshot FamilyModel::Get() const {
@@ -644,16 +655,25 @@ CostTerms Scaled(const CostTerms& base, double sd, double ss) {
   return t;
 }
 
+// A path's scale from its window: the median, or the smallest of fewer
+// than 3 ratios (see the header).
+double Robust(const MedianWindow& w) {
+  return w.size() < 3 ? w.Min(1.0) : w.Median(1.0);
+}
+
 }  // namespace
 
 void FamilyModel::Refresh() {
-  // The median, or the smallest of fewer than 3 ratios (see the header).
-  auto robust = [](const MedianWindow& w) {
-    return w.size() < 3 ? w.Min(1.0) : w.Median(1.0);
-  };
-  hot_.terms = Scaled(base_, robust(dense_ratio_), robust(sparse_ratio_));
-  hot_.terms.compact_scale = robust(compact_ratio_);
+  dense_scale_ = Robust(dense_ratio_);
+  sparse_scale_ = Robust(sparse_ratio_);
+  compact_scale_ = Robust(compact_ratio_);
+  RefreshTerms();
   hot_.count_s_per_elem = count_per_elem_.Median(0.0);
+}
+
+void FamilyModel::RefreshTerms() {
+  hot_.terms = Scaled(base_, dense_scale_, sparse_scale_);
+  hot_.terms.compact_scale = compact_scale_;
 }
 
 CostTerms FamilyModel::Terms() const {
@@ -683,12 +703,14 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
       const double pred = PredictDenseSeconds(s, now, rows_dense, true);
       if (pred > 0.0) {
         compact_ratio_.Add(dense_seconds / pred);
+        compact_scale_ = Robust(compact_ratio_);
         dense_recorded = true;
       }
     } else {
       const double pred = PredictDenseSeconds(s, base_, rows_dense, compact);
       if (pred > 0.0) {
         dense_ratio_.Add(dense_seconds / pred);
+        dense_scale_ = Robust(dense_ratio_);
         dense_recorded = true;
       }
     }
@@ -705,11 +727,14 @@ bool FamilyModel::Record(const SplitShape& s, double rows_dense, bool compact,
           PredictSparseSeconds(s, base_, rows_sparse, nnz_sparse);
       if (pred > 0.0) {
         sparse_ratio_.Add(sparse_seconds / pred);
+        sparse_scale_ = Robust(sparse_ratio_);
         sparse_recorded = true;
       }
     }
   }
-  if (dense_recorded || sparse_recorded) Refresh();
+  // Only the window that changed had its scale taken again (the counting
+  // cost's median is RecordCount's).
+  if (dense_recorded || sparse_recorded) RefreshTerms();
   return dense_recorded;
 }
 

@@ -149,10 +149,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     SplitCall call(ctx, 1, m, k, n, prob.threshold);
     OP_REQUIRES_OK(ctx, call.status());
     call.stats()[kStatHeterogeneous] = mm_.hetero ? kHeteroCpuFallback : kHeteroOff;
-    const tf::TensorShape out_shape({m, n});
     const CoreType<T>* a_ptr = AsCore(a.flat<T>().data());
     const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
-    ParallelFor pfor = TfParallelFor(ctx);
 
     const tf::DataType dt = tf::DataTypeToEnum<T>::value;
     FamilyModel& family =
@@ -170,7 +168,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
             call.SampleStrideFor(dense_shape, &family, a_rows, a_cols);
         if (stride > 1) {
           SampledCounts sc;
-          CountSample<CoreType<T>>(a_ptr, a_rows, a_cols, mm_.ta, stride, pfor, &sc);
+          CountSample<CoreType<T>>(a_ptr, a_rows, a_cols, mm_.ta, stride,
+                                   TfParallelFor(ctx), &sc);
           call.AcceptSample(dense_shape, sc, &family, &plans_);
         }
       }
@@ -181,6 +180,11 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     }
 
     // --- Analysis: densities, live columns. --------------------------------
+    // The thread-pool hook and the output shape are built here, after the
+    // all-dense return above, which needs neither (a small product's call
+    // is ~100 us, and its own time beyond TF's kernel is what it loses).
+    ParallelFor pfor = TfParallelFor(ctx);
+    const tf::TensorShape out_shape({m, n});
     std::vector<int64_t> row_nnz(m), col_nnz(k);
     const int64_t nnz =
         m > 0 && k > 0 ? CountNonzeros<CoreType<T>>(a_ptr, a_rows, a_cols, mm_.ta,
