@@ -162,6 +162,26 @@ def test_test_falls_leave_a_setting_the_model_holds_under_the_band(
                if r.startswith("lowered"))
 
 
+def test_a_test_fall_that_breaks_the_budget_is_taken_back():
+    """After a test fall from 0.8 to 0.75, steps over the band send the
+    knob back at least to 0.8, even where the model's allocation (here:
+    no predicted saving at all) would not raise it."""
+    c = B.BudgetController(["a"], max_sparsity=0.9, min_samples=4, settle=0)
+    c.set_cost("a", _cost(sparse_rate=1.0))
+    c.set_floor("a", 0.5)
+    c.set_sensitivity("a", 1.0)
+    c.targets["a"] = 0.75
+    c._test = ("a", 0.8)
+    for _ in range(4):
+        c.observe_step(0.05)
+    new = c.decide(0.02)
+    assert new == {"a": pytest.approx(0.8)}
+    # (The budget is unreachable for a layer that saves nothing: the action
+    # says so; the reason says the test fall was taken back.)
+    assert c.log[-1].action == "unreachable"
+    assert "test fall taken back to 0.80" in c.log[-1].reasons["a"]
+
+
 def test_never_moves_against_the_measurement():
     # The prediction says no layer buys time (the ops' rates moved), but
     # the steps are over the budget: no target may fall.

@@ -738,7 +738,8 @@ class Decision:
     ``measured_s`` (robust estimate), ``predicted_s`` (at the new targets),
     ``kappa``, ``targets`` (``{layer: sparsity}``), ``reachable``,
     ``action`` (``"hold"``, ``"reallocate"``, ``"unreachable"``, or
-    ``"test fall"``: see :class:`BudgetController`'s ``test_falls``),
+    ``"test fall"`` and ``"test fall undone"``: see
+    :class:`BudgetController`'s ``test_falls``),
     ``reasons`` (``{layer or rate knob: text}``), ``rates`` (``{rate knob:
     rate}``), ``best_s`` (predicted step seconds at the allocation aimed at,
     before the limits on the change per decision: the fastest the bounds
@@ -806,7 +807,11 @@ class BudgetController:
         anyway (default True): the measurement, not the model's slope,
         decides whether there is room. A fall that breaks the budget is
         taken back by the next decision, with the model refitted on the
-        new point. The decision's action is ``"test fall"``.
+        new point. The decision's action is ``"test fall"``. When the
+        steps after it measure over the band, the next decision puts that
+        knob back at least where it was (``"test fall undone"``), and
+        higher only as far as the allocation asks: the steps then
+        alternate around the budget between two neighbouring levels.
       bound_gain: when the budget is not reachable within the bounds, a
         layer is raised toward ``max_sparsity`` only if raising it alone
         from its natural sparsity to the bound is predicted to save at
@@ -879,6 +884,7 @@ class BudgetController:
         self._held = False      # the last decision changed nothing
         self._since_change = 0
         self._unreachable_logged = False
+        self._test = None           # (knob, value before) of a test fall
 
     # -- inputs ------------------------------------------------------------
     def observe_step(self, seconds):
@@ -1085,6 +1091,7 @@ class BudgetController:
             lo = min(budget_s * (1 - 2 * self.band), lo)
             hi = max(budget_s * (1 + self.band), m)
             cautious = True
+        test, self._test = self._test, None
         if lo <= m <= hi:
             why = ("within the dead band of the cautious budget"
                    if cautious else "within the dead band")
@@ -1171,6 +1178,20 @@ class BudgetController:
             if n in reasons:
                 reasons[n] += (f" (held at {v:.2f}: the measured steps are "
                                f"{'over' if m > hi else 'under'} the budget)")
+        undone = False
+        if test is not None and m > hi:
+            # The test fall broke the budget: at least back to where it
+            # was, whatever the model's allocation says (the model has now
+            # seen the point).
+            n, before = test
+            nxt = new if n in new else new_rates
+            if nxt[n] < before - 1e-9:
+                nxt[n] = before
+                undone = True
+                if n in reasons:
+                    reasons[n] += (f" (test fall taken back to {before:.2f}: "
+                                   f"the steps measured {m * 1e3:.2f} ms, "
+                                   "over the budget's band)")
         for cur, nxt, want, limit in (
                 (self.targets, new, alloc.targets, self.max_change),
                 (self.rates, new_rates, alloc.rates, self.max_rate_change)):
@@ -1191,10 +1212,13 @@ class BudgetController:
         changed = any(abs(new[n] - self.targets[n]) > 1e-9
                       for n in self.layers) or any(
             abs(new_rates[r] - self.rates[r]) > 1e-9 for r in new_rates)
+        if undone and action == "reallocate":
+            action = "test fall undone"
         if not changed and alloc.reachable and m < lo and self.test_falls:
             probe = self._fall_probe(new, new_rates, m, lo)
             if probe is not None:
                 n, v, why = probe
+                self._test = (n, (new if n in new else new_rates)[n])
                 (new if n in new else new_rates)[n] = v
                 reasons[n] = why
                 action = "test fall"
