@@ -329,8 +329,8 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
   for (int64_t r = 0; r < n_rows; ++r) pos[rows[r]] = r;
   const int64_t col_blocks = (phys_cols + kW - 1) / kW;
   // 16-bit values: tiles in registers from a density of 1/32 of the
-  // selected rows (1024 x 4096 bfloat16, one thread, Zen 4: 1.2-1.4x faster
-  // than one nonzero at a time at 50-90% zeros, 1.3x slower at 99%).
+  // selected rows (1024 x 4096 bfloat16, one thread, Zen 4: about 1.2x faster
+  // than one nonzero at a time at 50% and 90% zeros, 1.3x slower at 99%).
   const bool by_vector = nnz * 32 >= phys_rows * n_rows;
   pfor(col_blocks, phys_rows * kW * 2, [&](int64_t cb0, int64_t cb1) {
     // This shard's physical columns, walked row block by row block:
