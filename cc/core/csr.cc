@@ -24,7 +24,7 @@ struct TransposeCompressTile {
   static constexpr int64_t kSize = 16;
   static void Run(const T* src, int64_t ld, int64_t h, int64_t w, int64_t q0,
                   const int64_t* slot, int64_t* cursor, int32_t* ci,
-                  T* vals) {
+                  T* vals, bool /*by_vector*/) {
     for (int64_t t = 0; t < h; ++t) {
       const T* row = src + t * ld;
       for (int64_t j = 0; j < w; ++j) {
@@ -44,7 +44,7 @@ struct TransposeCompressTile<float> {
   static constexpr int64_t kSize = 16;
   static void Run(const float* src, int64_t ld, int64_t h, int64_t w,
                   int64_t q0, const int64_t* slot, int64_t* cursor,
-                  int32_t* ci, float* vals) {
+                  int32_t* ci, float* vals, bool /*by_vector*/) {
     __mmask16 sel = 0;
     for (int64_t j = 0; j < w; ++j)
       sel |= static_cast<__mmask16>((slot[j] >= 0 ? 1u : 0u) << j);
@@ -155,21 +155,88 @@ __attribute__((target("avx512f,avx512bw"))) int64_t CompressRow16Avx512(
   return p;
 }
 
+// A 16-bit tile is up to 32 columns wide: one 64-byte load per physical
+// row reads a whole cache line (16-column tiles read each line twice, and
+// at a power-of-two row stride the line is gone from L1 by the second read).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void
 TransposeCompress16Avx512(const uint16_t* src, int64_t ld, int64_t h, int64_t w,
                           int64_t q0, const int64_t* slot, int64_t* cursor,
                           int32_t* ci, uint16_t* vals) {
   uint32_t sel = 0;
   for (int64_t j = 0; j < w; ++j) sel |= (slot[j] >= 0 ? 1u : 0u) << j;
-  const __m256i abs = _mm256_set1_epi16(0x7fff);
+  const __m512i abs = _mm512_set1_epi16(0x7fff);
   for (int64_t t = 0; t < h; ++t) {
     const uint16_t* row = src + t * ld;
-    const __m256i v = _mm256_maskz_loadu_epi16(static_cast<__mmask16>(sel), row);
-    for (uint32_t mk = _mm256_mask_test_epi16_mask(static_cast<__mmask16>(sel), v, abs);
+    const __m512i v = _mm512_maskz_loadu_epi16(static_cast<__mmask32>(sel), row);
+    const int32_t idx = static_cast<int32_t>(q0 + t);
+    for (uint32_t mk = _mm512_mask_test_epi16_mask(static_cast<__mmask32>(sel), v, abs);
          mk != 0; mk &= mk - 1) {
       const int j = __builtin_ctz(mk);
-      ci[cursor[j]] = static_cast<int32_t>(q0 + t);
-      vals[cursor[j]++] = row[j];
+      const int64_t at = cursor[j]++;
+      ci[at] = idx;
+      vals[at] = row[j];
+    }
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BW__) && defined(__AVX512VBMI2__)
+#define TFSS_CSR_TRANSPOSE16_VECTOR 1
+// The 16-bit transposed tile in registers (h <= 32 physical rows, w <= 32
+// columns, in halves of 16 columns): physical rows 2i and 2i + 1 are
+// widened and merged into one vector of 16 32-bit words (row 2i in the low
+// halves), the 16 x 16 words are transposed (Transpose16x16), so that word
+// vector j holds the 32 entries of column j in row order; its nonzeros are
+// compressed in registers (vpcompressw / vpcompressd, no compress-store)
+// and appended with masked stores that write only the nonzeros.
+void TransposeCompress16Vector(const uint16_t* src, int64_t ld, int64_t h,
+                               int64_t w, int64_t q0, const int64_t* slot,
+                               int64_t* cursor, int32_t* ci, uint16_t* vals) {
+  const __m512i abs = _mm512_set1_epi16(0x7fff);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m512i base_lo = _mm512_add_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int32_t>(q0)));
+  const __m512i base_hi = _mm512_add_epi32(base_lo, _mm512_set1_epi32(16));
+  for (int64_t s = 0; s < w; s += 16) {
+    const int64_t sw = std::min<int64_t>(16, w - s);
+    unsigned sel = 0;
+    for (int64_t j = 0; j < sw; ++j) sel |= (slot[s + j] >= 0 ? 1u : 0u) << j;
+    if (sel == 0) continue;
+    const __mmask16 lm = static_cast<__mmask16>(sel);
+    __m512 r[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t t = 2 * i;
+      const __m256i e =
+          t < h ? _mm256_maskz_loadu_epi16(lm, src + t * ld + s) : zero;
+      const __m256i o =
+          t + 1 < h ? _mm256_maskz_loadu_epi16(lm, src + (t + 1) * ld + s)
+                    : zero;
+      r[i] = _mm512_castsi512_ps(
+          _mm512_or_si512(_mm512_cvtepu16_epi32(e),
+                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(o), 16)));
+    }
+    Transpose16x16(r);
+    for (unsigned m = sel; m != 0; m &= m - 1) {
+      const int j = __builtin_ctz(m);
+      const __m512i v = _mm512_castps_si512(r[j]);
+      const uint32_t mk = _mm512_test_epi16_mask(v, abs);
+      if (mk == 0) continue;
+      int64_t& cur = cursor[s + j];
+      const int n_lo = __builtin_popcount(mk & 0xffffu);
+      const int n = __builtin_popcount(mk);
+      _mm512_mask_storeu_epi32(
+          ci + cur, static_cast<__mmask16>((1u << n_lo) - 1u),
+          _mm512_maskz_compress_epi32(static_cast<__mmask16>(mk), base_lo));
+      _mm512_mask_storeu_epi32(
+          ci + cur + n_lo, static_cast<__mmask16>((1u << (n - n_lo)) - 1u),
+          _mm512_maskz_compress_epi32(static_cast<__mmask16>(mk >> 16),
+                                      base_hi));
+      _mm512_mask_storeu_epi16(
+          vals + cur, static_cast<__mmask32>((uint64_t{1} << n) - 1u),
+          _mm512_maskz_compress_epi16(static_cast<__mmask32>(mk), v));
+      cur += n;
     }
   }
 }
@@ -182,11 +249,21 @@ bool Has16BitCompressAvx512() {
 
 template <typename T>
 struct TransposeCompressTile16 {
-  static constexpr int64_t kSize = 16;
+  static constexpr int64_t kSize = 32;
+  // by_vector: the tile in registers (TransposeCompress16Vector, where
+  // compiled), else one nonzero at a time.
   static void Run(const T* src, int64_t ld, int64_t h, int64_t w, int64_t q0,
-                  const int64_t* slot, int64_t* cursor, int32_t* ci, T* vals) {
+                  const int64_t* slot, int64_t* cursor, int32_t* ci, T* vals,
+                  bool by_vector) {
+    (void)by_vector;
     const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
     uint16_t* v = reinterpret_cast<uint16_t*>(vals);
+#if defined(TFSS_CSR_TRANSPOSE16_VECTOR)
+    if (by_vector) {
+      TransposeCompress16Vector(s, ld, h, w, q0, slot, cursor, ci, v);
+      return;
+    }
+#endif
 #if defined(__x86_64__) || defined(__i386__)
     if (Has16BitCompressAvx512()) {
       TransposeCompress16Avx512(s, ld, h, w, q0, slot, cursor, ci, v);
@@ -251,6 +328,10 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
   std::vector<int64_t> pos(phys_cols, -1);
   for (int64_t r = 0; r < n_rows; ++r) pos[rows[r]] = r;
   const int64_t col_blocks = (phys_cols + kW - 1) / kW;
+  // 16-bit values: tiles in registers from a density of 1/32 of the
+  // selected rows (1024 x 4096 bfloat16, one thread, Zen 4: about 1.2x faster
+  // than one nonzero at a time at 50% and 90% zeros, 1.3x slower at 99%).
+  const bool by_vector = nnz * 32 >= phys_rows * n_rows;
   pfor(col_blocks, phys_rows * kW * 2, [&](int64_t cb0, int64_t cb1) {
     // This shard's physical columns, walked row block by row block:
     // contiguous row segments (prefetcher-friendly), every selected column
@@ -274,7 +355,8 @@ void BuildCsr(const T* a, int64_t phys_rows, int64_t phys_cols,
           const int64_t sw = std::min<int64_t>(kT, s_hi - s0);
           TransposeCompressTile<T>::Run(a + q0 * phys_cols + s0, phys_cols,
                                         h, sw, q0, slot + (s0 - s_lo),
-                                        cursor + (s0 - s_lo), ci, vals);
+                                        cursor + (s0 - s_lo), ci, vals,
+                                        by_vector);
         }
       }
     }

@@ -29,8 +29,9 @@ struct Csr {
 // indices ascend within each row. Cost: one read of the selected part of a
 // plus the CSR writes (no compress-store instructions: AVX-512 lanes are
 // packed by a mask-indexed permutation and a masked store). With
-// transpose_a, 16 x 16 tiles of the physical matrix are transposed in
-// registers and their columns packed straight into the CSR rows of op(a),
+// transpose_a, 16 x 16 tiles of the physical matrix (32 x 32 for 16-bit
+// values, at a density of 1/32 or more) are transposed in registers and
+// their columns packed straight into the CSR rows of op(a),
 // walking the physical rows in order (contiguous reads); each thread owns a
 // range of op(a) rows, so the result does not depend on the thread count.
 template <typename T>
