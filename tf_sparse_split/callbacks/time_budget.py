@@ -89,7 +89,9 @@ from tf_sparse_split.callbacks.sparsity_target import _Control
 from tf_sparse_split.tuning import budget as _budget
 from tf_sparse_split.tuning.deadline import WallTimePlan, median_over_mean
 from tf_sparse_split.utils.tracing import function_per_instance
-from tf_sparse_split.utils.validation import validate_int
+from tf_sparse_split.utils.validation import (check_fits_model_input,
+                                              check_labels_in_classes,
+                                              model_classes, validate_int)
 
 __all__ = ["TimeBudgetCallback", "SensitivityProbe", "layer_sensitivities"]
 
@@ -121,19 +123,6 @@ FINAL_SETTINGS = ("last_epoch", "last")
 #: Least statistics reads (``update_every`` steps apart) the last-epoch
 #: median is taken over; a shorter last epoch takes the latest reads.
 SETTLE_MIN_READS = 4
-
-
-def _fraction_below(value, name, hi):
-    """``value`` as a float in ``[0, hi)``; ValueError otherwise (bools and
-    strings included)."""
-    try:
-        v = float(value) if not isinstance(value, (bool, str)) else -1.0
-    except (TypeError, ValueError):
-        v = float("nan")
-    if not 0.0 <= v < hi:
-        raise ValueError(f"`{name}` must be in [0, {hi:g}). Received: "
-                         f"{name}={value!r}")
-    return v
 
 
 def _new_overhead():
@@ -241,45 +230,6 @@ def _batch_len(a):
     except TypeError:
         return None
     return None if n is None else int(n)
-
-
-def _check_sensitivity_x(model, x):
-    """Raises ValueError when a single-input model's input shape does not
-    take the held batch ``x`` (checked at ``on_train_begin``, not after the
-    warm-up, where the probe would fail deep inside its traced call)."""
-    inputs = getattr(model, "inputs", None) or []
-    shape = getattr(x, "shape", None)
-    if len(inputs) != 1 or shape is None:
-        return
-    want = tuple(inputs[0].shape)[1:]
-    got = tuple(shape)[1:]
-    if len(want) != len(got) or any(
-            w is not None and g is not None and int(w) != int(g)
-            for w, g in zip(want, got)):
-        raise ValueError(
-            "TimeBudgetCallback: `sensitivity_data` x has shape "
-            f"{tuple(shape)}, the model takes {(None,) + want}")
-
-
-def _check_sensitivity_y(model, y):
-    """Raises ValueError when integer class labels ``y`` ([n] or [n, 1])
-    fall outside a single-output model's classes (its last dimension, when
-    above 1): TensorFlow's loss would fail only after the warm-up, deep in
-    the probe's traced call, without naming ``sensitivity_data``."""
-    outputs = getattr(model, "outputs", None) or []
-    arr = np.asarray(y)
-    if len(outputs) != 1 or arr.size == 0 or not np.issubdtype(
-            arr.dtype, np.integer) or arr.ndim > 2 or (
-                arr.ndim == 2 and arr.shape[1] != 1):
-        return
-    classes = tuple(outputs[0].shape)[-1]
-    if classes is None or int(classes) < 2:
-        return
-    if arr.min() < 0 or arr.max() >= int(classes):
-        raise ValueError(
-            f"TimeBudgetCallback: `sensitivity_data` labels y must be "
-            f"classes in [0, {int(classes)}) for this model's output; got "
-            f"labels from {arr.min()} to {arr.max()}")
 
 
 def _loss_fn(model):
@@ -633,8 +583,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.min_samples = validate_int(min_samples, "min_samples", 2)
         self.update_every = validate_int(update_every, "update_every", 1)
         self.probe_steps = validate_int(probe_steps, "probe_steps", 2)
-        self.min_gain = _fraction_below(min_gain, "min_gain", 0.5)
-        self.bound_gain = _fraction_below(bound_gain, "bound_gain", 1.0)
+        self.min_gain = _budget._fraction(min_gain, "min_gain", hi=0.5)
+        self.bound_gain = _budget._fraction(bound_gain, "bound_gain")
         try:
             g = float(gain) if not isinstance(gain, bool) else float("nan")
         except (TypeError, ValueError):
@@ -770,8 +720,15 @@ class TimeBudgetCallback(keras.callbacks.Callback):
             raise ValueError(f"TimeBudgetCallback: the {self.kind} budget "
                              "needs a known number of steps per epoch")
         if self.sensitivity_data is not None:
-            _check_sensitivity_x(self.model, self.sensitivity_data[0])
-            _check_sensitivity_y(self.model, self.sensitivity_data[1])
+            # Checked here, not after the warm-up, where the probe would
+            # fail deep inside its traced call without naming the data.
+            sx, sy = self.sensitivity_data
+            check_fits_model_input(
+                self.model, getattr(sx, "shape", None),
+                "TimeBudgetCallback: `sensitivity_data` x")
+            check_labels_in_classes(
+                sy, model_classes(self.model),
+                "TimeBudgetCallback: `sensitivity_data` labels y")
         self._knobs, self._lstm = self._discover()
         self._retraced = False
         rate_knobs = {}

@@ -63,30 +63,6 @@ def _controls(model):
 MAX_SETTLE_CALLS = 100
 
 
-def _check_input_shape(model, shape, what):
-    """ValueError unless ``shape`` fits the model's (single) input: the
-    same rank, the same size wherever the model fixes one (batch aside)."""
-    inputs = getattr(model, "inputs", None) or []
-    if len(inputs) != 1:
-        return
-    want = tuple(inputs[0].shape)
-    got = tuple(shape)
-    if len(got) != len(want) or any(
-            w is not None and g is not None and int(w) != int(g)
-            for w, g in zip(want[1:], got[1:])):
-        raise ValueError(f"fit_latency_budget: `{what}` of shape {got} does "
-                         f"not fit the model's input {want}")
-
-
-def _num_classes(model):
-    """The classes the model's output scores: its last dimension, or 2
-    for a single (thresholded) output."""
-    shape = tuple(model.outputs[0].shape) if getattr(model, "outputs",
-                                                     None) else ()
-    last = shape[-1] if shape else None
-    return int(last) if last is not None and int(last) > 1 else 2
-
-
 def _accuracy(pred, y):
     pred = np.asarray(pred)
     y = np.asarray(y).reshape(-1)
@@ -157,7 +133,9 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
     from tf_sparse_split.callbacks._discovery import no_control_message
     from tf_sparse_split.tools._model_io import stop_recording_stats
     from tf_sparse_split.tuning.budget import _finite_positive
-    from tf_sparse_split.utils.validation import validate_int
+    from tf_sparse_split.utils.validation import (check_fits_model_input,
+                                                  check_labels_in_classes,
+                                                  model_classes, validate_int)
 
     budget = _finite_positive(seconds, "seconds")
     rounds = validate_int(rounds, "rounds", 1)
@@ -187,7 +165,7 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
     x = tf.convert_to_tensor(sample)
     if x.shape.rank is None or x.shape.rank == 0 or int(tf.size(x)) == 0:
         raise ValueError("fit_latency_budget needs a non-empty sample batch")
-    _check_input_shape(model, x.shape, "sample")
+    check_fits_model_input(model, x.shape, "fit_latency_budget: `sample`")
     # The cutoffs are quantiles of the activations on the sample: a NaN
     # there would make every cutoff NaN (a FATReLU that zeroes everything).
     if x.dtype.is_floating and not bool(tf.reduce_all(tf.math.is_finite(x))):
@@ -213,17 +191,15 @@ def fit_latency_budget(model, seconds, sample, accuracy_data=None,
                 "`accuracy_data` labels y must be one integer class per "
                 f"example ([n] or [n, 1]); got shape {y_arr.shape}, dtype "
                 f"{y_arr.dtype}")
-        _check_input_shape(model, np.shape(ax), "accuracy_data x")
+        check_fits_model_input(model, np.shape(ax),
+                               "fit_latency_budget: `accuracy_data` x")
         ax_arr = np.asarray(ax)
         if np.issubdtype(ax_arr.dtype, np.floating) and \
                 not np.all(np.isfinite(ax_arr)):
             raise ValueError("`accuracy_data` x holds NaN or Inf values")
-        classes = _num_classes(model)
-        if y_arr.size and (y_arr.min() < 0 or y_arr.max() >= classes):
-            raise ValueError(
-                f"`accuracy_data` labels y must be classes in [0, "
-                f"{classes}) for this model's output; got labels from "
-                f"{y_arr.min()} to {y_arr.max()}")
+        # A single output is thresholded at 0.5 (_accuracy): classes 0, 1.
+        check_labels_in_classes(y_arr, model_classes(model) or 2,
+                                "`accuracy_data` labels y")
     controls = _controls(model)
     if not controls:
         raise ValueError(no_control_message("fit_latency_budget", model))
@@ -352,7 +328,6 @@ def latency_budget_command(args, out):
     from tf_sparse_split.tools._model_io import (input_from_args, model_kind,
                                                  random_input)
     from tf_sparse_split.tools.latency import convert_to_sparse_split
-
     from tf_sparse_split.tools.plots import check_plot_path
 
     # Output paths first: a search is never lost to a bad path at its end.

@@ -805,13 +805,12 @@ class BudgetController:
         the allocation keeps every setting (the step model predicts that
         any fall would break the budget), lower one knob by one level
         anyway (default True): the measurement, not the model's slope,
-        decides whether there is room. A fall that breaks the budget is
-        taken back by the next decision, with the model refitted on the
-        new point. The decision's action is ``"test fall"``. When the
-        steps after it measure over the band, the next decision puts that
-        knob back at least where it was (``"test fall undone"``), and
-        higher only as far as the allocation asks: the steps then
-        alternate around the budget between two neighbouring levels.
+        decides whether there is room. The decision's action is ``"test
+        fall"``. When the steps after it measure over the band, the next
+        decision puts that knob back at least where it was (``"test fall
+        undone"``; higher only as far as the allocation asks, with the
+        model refitted on the new point): the steps then alternate around
+        the budget between two neighbouring levels.
       bound_gain: when the budget is not reachable within the bounds, a
         layer is raised toward ``max_sparsity`` only if raising it alone
         from its natural sparsity to the bound is predicted to save at
@@ -954,37 +953,33 @@ class BudgetController:
         Args:
           measured_s: the step seconds the saving is compared with.
         """
-        out = []
         m = float(measured_s) if measured_s else 0.0
+        return [n for n, saving in self._bound_savings().items()
+                if saving > 0 and saving >= 0.5 * self.min_gain * m]
+
+    def _bound_savings(self):
+        """``{layer: predicted step seconds (before kappa) it saves raised
+        alone from its natural sparsity to max_sparsity}`` (rates as in
+        force), for the layers whose cost predicts."""
+        out = {}
         for n in self.layers:
             cost = self.costs.get(n)
             if cost is None or not cost.predicts:
                 continue
-            saving = self._bound_saving(n)
-            if saving > 0 and saving >= 0.5 * self.min_gain * m:
-                out.append(n)
+            knobs = {r: k for r, k in self.rate_knobs.items()
+                     if k.layer == n}
+            out[n] = self.model.factor * (
+                _layer_seconds(cost, self.floors[n], knobs, self.rates) -
+                _layer_seconds(cost, self.max_sparsity, knobs, self.rates))
         return out
-
-    def _bound_saving(self, n):
-        """Predicted step seconds (before ``kappa``) that layer ``n``
-        saves raised alone from its natural sparsity to ``max_sparsity``
-        (rates as in force)."""
-        knobs = {r: k for r, k in self.rate_knobs.items() if k.layer == n}
-        cost = self.costs[n]
-        return self.model.factor * (
-            _layer_seconds(cost, self.floors[n], knobs, self.rates) -
-            _layer_seconds(cost, self.max_sparsity, knobs, self.rates))
 
     def _small_savers(self, kappa, m):
         """``{layer: reason}`` for the layers whose whole range saves less
         than ``bound_gain`` of the measured step ``m`` (kept at their
         natural sparsity while the budget is unreachable)."""
         out = {}
-        for n in self.layers:
-            cost = self.costs.get(n)
-            if cost is None or not cost.predicts:
-                continue
-            saving = kappa * self._bound_saving(n)
+        for n, saving in self._bound_savings().items():
+            saving *= kappa
             if 0 < saving < self.bound_gain * m:
                 out[n] = (f"kept at its natural sparsity: the budget is not "
                           f"reachable, and raising it to the bound saves "

@@ -21,6 +21,9 @@ __all__ = [
     "validate_positive_float",
     "validate_choice",
     "validate_nonnegative_float",
+    "check_fits_model_input",
+    "model_classes",
+    "check_labels_in_classes",
 ]
 
 #: The value an "automatic" threshold (``'auto'`` or any negative number) is
@@ -208,3 +211,49 @@ def validate_nonnegative_float(value, name):
     if not 0.0 <= v < math.inf:
         raise ValueError(msg)
     return v
+
+
+def check_fits_model_input(model, shape, what):
+    """ValueError unless a batch of ``shape`` fits a single-input model:
+    the same rank and the same size wherever the model fixes one (the
+    batch dimension aside). Models with several inputs are not checked.
+
+    ``what`` names the data in the message (e.g. ``"fit_latency_budget:
+    `sample`"``)."""
+    inputs = getattr(model, "inputs", None) or []
+    if len(inputs) != 1 or shape is None:
+        return
+    want = tuple(inputs[0].shape)
+    got = tuple(shape)
+    if len(got) != len(want) or any(
+            w is not None and g is not None and int(w) != int(g)
+            for w, g in zip(want[1:], got[1:])):
+        raise ValueError(f"{what} of shape {got} does not fit the model's "
+                         f"input {want}")
+
+
+def model_classes(model):
+    """The classes a single-output model scores (its output's last
+    dimension) when above 1, else None (several outputs, an unknown or a
+    single output)."""
+    outputs = getattr(model, "outputs", None) or []
+    if len(outputs) != 1:
+        return None
+    shape = tuple(outputs[0].shape)
+    last = shape[-1] if shape else None
+    return int(last) if last is not None and int(last) > 1 else None
+
+
+def check_labels_in_classes(y, classes, what):
+    """ValueError when integer class labels ``y`` ([n] or [n, 1]) fall
+    outside ``[0, classes)``; other labels (one-hot, float targets) and
+    ``classes`` None are not checked. ``what`` names them in the message."""
+    arr = np.asarray(y)
+    if classes is None or arr.size == 0 or not np.issubdtype(
+            arr.dtype, np.integer) or arr.ndim > 2 or (
+                arr.ndim == 2 and arr.shape[1] != 1):
+        return
+    if arr.min() < 0 or arr.max() >= classes:
+        raise ValueError(
+            f"{what} must be classes in [0, {classes}) for this model's "
+            f"output; got labels from {arr.min()} to {arr.max()}")
