@@ -479,6 +479,43 @@ def test_tile_not_dividing_is_reported_at_build():
         layer.build((None, 3, 12))
 
 
+@pytest.mark.parametrize("features,units,input_tile,recurrent_tile", [
+    (8, 128, 4, 32), (28, 128, 14, 32), (12, 20, 6, 10), (64, 96, 32, 32)])
+def test_default_tile_fits_each_mask(features, units, input_tile,
+                                     recurrent_tile):
+    # Without a tile_shape, each mask gets (32, w), w the largest divisor
+    # of its width up to 32 leaving two tiles across, so pattern="tile"
+    # trains on 8 or 28 input features, where one (32, 32) tile for both
+    # masks could not fit.
+    batch = 64
+    cell = SparseSplitLSTMCell(units, dropout=0.5, recurrent_dropout=0.5,
+                               pattern="tile", seed=3)
+    cell.build((None, features))
+    assert cell.get_config()["tile_shape"] is None
+    for which, width, tu in (("input", features, input_tile),
+                             ("recurrent", units, recurrent_tile)):
+        assert cell._tile(which) == (32, tu)
+        m = cell._pattern_mask(which, tf.ones((batch, width)))
+        m = tf.broadcast_to(m[0] if isinstance(m, list) else m,
+                            (batch, width)).numpy()
+        # constant within every 32 x tu tile, and some tiles dropped
+        blocks = m.reshape(batch // 32, 32, width // tu, tu)
+        assert (blocks == blocks[:, :1, :, :1]).all()
+        assert 0 < (m == 0).mean() < 1
+    layer = tfss.SparseSplitLSTM(units, dropout=0.5, recurrent_dropout=0.5,
+                                 pattern="tile", seed=3)
+    model = keras.Sequential([keras.Input((5, features)), layer,
+                              keras.layers.Dense(3)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    x = np.random.default_rng(0).random((batch, 5, features),
+                                        dtype=np.float32)
+    loss = model.train_on_batch(x, np.arange(batch) % 3)
+    assert np.isfinite(loss)
+    cfg = layer.get_config()
+    assert tfss.SparseSplitLSTM.from_config(cfg).get_config() == cfg
+
+
 @pytest.mark.parametrize("groups", [1, 8])
 def test_empty_batch_in_training_matches_keras(groups):
     # An empty batch (e.g. the last shard of a split) trains like Keras'

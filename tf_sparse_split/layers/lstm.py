@@ -269,8 +269,9 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
         self.recurrent_group_share = _check_group_share(
             recurrent_group_share, pattern)
         if pattern == "tile":
-            self.tile_shape = check_tile_shape(
-                (32, 32) if tile_shape is None else tile_shape)
+            # None: a default tile per masked dimension (``_tile``).
+            self.tile_shape = (None if tile_shape is None
+                               else check_tile_shape(tile_shape))
         else:
             if tile_shape is not None:
                 raise ValueError("`tile_shape` is only used with "
@@ -314,24 +315,38 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
             if rate > 0:
                 self._search(key, rate)
 
+    def _tile(self, key):
+        """The tile of the ``key`` mask (``"input"``/``"recurrent"``) for
+        ``pattern="tile"``: the given ``tile_shape``, else ``(32, w)`` with
+        ``w`` the largest divisor of the masked dimension up to 32 that
+        leaves at least two tile columns to drop from (4 for 8 input
+        features, 14 for 28, 32 for 128 units). None for other patterns."""
+        if self.pattern != "tile":
+            return None
+        if self.tile_shape is not None:
+            return self.tile_shape
+        dim = self._dims[key]
+        return (32, max(w for w in range(1, max(1, min(dim // 2, 32)) + 1)
+                        if dim % w == 0))
+
     def _search(self, key, rate):
         """Row/tile patterns: searches the distribution of ``rate`` and
         stores it in the key's pattern table (made on first use)."""
         dim = self._dims[key]
-        if self.pattern == "tile":
+        tile = self._tile(key)
+        if tile is not None:
             try:
-                check_tile_fits(self.tile_shape, dim)
+                check_tile_fits(tile, dim)
             except ValueError as e:
                 raise ValueError(f"{key} dropout of {self.name!r}: {e}; "
                                  "choose tile_shape accordingly") from None
         seed = 0 if self.seed is None else int(self.seed)
         dist = search_pattern_distribution(
             rate, dim, pattern=self.pattern, max_period=self.max_period,
-            tile_shape=self.tile_shape, seed=seed)
+            tile_shape=tile, seed=seed)
         table = self._tables.get(key)
         if table is None:
-            columns = (dim // self.tile_shape[1] if self.pattern == "tile"
-                       else dim)
+            columns = dim // tile[1] if tile is not None else dim
             self._tables[key] = PatternTable(
                 max(table_capacity(columns, self.max_period, (0.95, rate)),
                     len(dist.patterns)), name=f"{key}_patterns",
@@ -449,7 +464,7 @@ class SparseSplitLSTMCell(keras.layers.LSTMCell):
             keep = pattern_keep_mask(self._tables[which], None, dim,
                                      self.seed_generator,
                                      pattern=self.pattern,
-                                     tile_shape=self.tile_shape,
+                                     tile_shape=self._tile(which),
                                      batch_size=batch,
                                      groups=groups if groups > 1 else None,
                                      same_pattern=True)
@@ -521,10 +536,12 @@ class SparseSplitLSTM(keras.layers.LSTM):
         unchanged), ``"tile"`` (tile masks, no compaction)
         or ``"random"`` (Keras' element-wise masks; equals
         ``keras.layers.LSTM`` with the same seed).
-      tile_shape: ``(batch_rows, units)`` tile for ``pattern="tile"``
-        (default ``(32, 32)``); its units must divide both the input
-        features (if ``dropout > 0``) and ``units`` (if
-        ``recurrent_dropout > 0``).
+      tile_shape: ``(batch_rows, units)`` tile for ``pattern="tile"``;
+        its units must divide both the input features (if ``dropout > 0``)
+        and ``units`` (if ``recurrent_dropout > 0``). Default None: per
+        mask, ``(32, w)`` with ``w`` the largest divisor of its dimension
+        up to 32 that leaves at least two tiles across it (``(32, 4)`` on
+        8 input features, ``(32, 32)`` on 128 units).
       max_period: largest pattern period the search considers
         (``pattern="row"``/``"tile"``; >= 2, default
         ``DEFAULT_MAX_PERIOD`` = 4: shorter periods keep each batch's

@@ -294,8 +294,12 @@ def build_parser():
                             "--dropout)")
     train.add_argument("--tile-shape", type=parse_tile_shape, default=None,
                        metavar="ROWS,UNITS",
-                       help="tile of --dropout tile (default 32,32; UNITS "
-                            "must divide every hidden size)")
+                       help="tile of --dropout tile (default 32,32 for "
+                            "--model mlp, where UNITS must divide every "
+                            "hidden size; --model lstm: per mask, 32 rows "
+                            "by the largest divisor of its width up to 32 "
+                            "that leaves two tiles across, e.g. 32,4 on the "
+                            "digits' 8 features)")
     train.add_argument(
         "--target-sparsity", type=parse_target, default=None,
         metavar="S|none",
