@@ -220,6 +220,32 @@ def test_train_with_step_budget(run_cli, tmp_path):
     assert (tmp_path / "run_budget.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("steps,warmup,samples", [
+    (30, 5, 3), (10, 2, 2), (1, 2, 2), (90, 15, 8), (160, 20, 8),
+    (5000, 20, 8)])
+def test_budget_pacing_steers_short_runs(steps, warmup, samples):
+    from tf_sparse_split.tools.train import budget_pacing
+
+    assert budget_pacing(steps) == (warmup, samples)
+
+
+def test_cli_budget_callback_decides_within_the_default_digits_run():
+    import argparse
+
+    from tf_sparse_split.tools.train import make_budget_callback
+
+    # The default run on the embedded digits: 1438 examples, batch 256,
+    # 5 epochs = 30 steps; warm-up and one decision's samples fit in it.
+    args = argparse.Namespace(step_budget=30.0, time_budget=None,
+                              tensorboard=None, quiet=True, epochs=5,
+                              batch_size=256)
+    x = np.zeros((1438, 64), np.float32)
+    y = np.zeros(1438, np.int32)
+    cb = make_budget_callback(args, x, y, None)
+    assert cb.warmup_steps + cb.min_samples < 30
+    assert (cb.kind, cb.seconds) == ("step_time", pytest.approx(0.03))
+
+
 def test_profile_latency_budget(run_cli, tmp_path):
     model = _model()
     x, y = _data()

@@ -18,6 +18,7 @@ from tf_sparse_split.tools.models import build_cnn, build_mlp
 __all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printer",
            "steady_epoch_time", "input_sparsity", "describe_split",
            "step_speedup", "train_step_times", "make_budget_callback",
+           "budget_pacing",
            "budget_summary"]
 
 
@@ -274,7 +275,9 @@ def make_budget_callback(args, x_train, y_train, out):
     """The :class:`~tf_sparse_split.callbacks.TimeBudgetCallback` of
     ``--step-budget MS`` / ``--time-budget SECONDS`` (None without either):
     the first 512 training examples are its held batch for the
-    sensitivities; TensorBoard scalars go to ``<--tensorboard>/budget``."""
+    sensitivities; TensorBoard scalars go to ``<--tensorboard>/budget``.
+    A short run gets a shorter warm-up and fewer steps per decision
+    (:func:`budget_pacing`), so that it is steered within the run."""
     import os
 
     step_ms = getattr(args, "step_budget", None)
@@ -284,11 +287,27 @@ def make_budget_callback(args, x_train, y_train, out):
     from tf_sparse_split.callbacks import TimeBudgetCallback
 
     tb = getattr(args, "tensorboard", None)
+    steps = args.epochs * -(-len(x_train) // (args.batch_size or 32))
+    warmup, samples = budget_pacing(steps)
     return TimeBudgetCallback(
         step_time=None if step_ms is None else step_ms / 1e3,
         deadline=deadline, sensitivity_data=(x_train[:512], y_train[:512]),
         log_dir=os.path.join(tb, "budget") if tb else None,
+        warmup_steps=warmup, min_samples=samples,
         verbose=0 if (args.quiet or out is None) else 1)
+
+
+def budget_pacing(total_steps):
+    """``(warmup_steps, min_samples)`` of the CLI's
+    :class:`~tf_sparse_split.callbacks.TimeBudgetCallback` for a run of
+    ``total_steps`` training steps: the callback's defaults (20 and 8) from
+    160 steps on, a sixth and a tenth of the run below (at least 2 each).
+    With the defaults, the first decision comes after about 31 steps: after
+    the last step of the default run on the embedded digits (5 epochs of 6
+    steps), which the budget then never steered."""
+    total_steps = int(total_steps)
+    return (max(2, min(20, total_steps // 6)),
+            max(2, min(8, total_steps // 10)))
 
 
 def budget_summary(cb):
