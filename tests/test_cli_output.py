@@ -104,6 +104,48 @@ def test_describe_split(sparsity, threshold, text):
     assert describe_split(sparsity, threshold) == text
 
 
+@pytest.mark.parametrize("sparsity, rows_sparse, text", [
+    (0.24, 0.0, "dense: 24% zeros, below break-even: every row on the dense "
+                "GEMM (the op decides per call)"),
+    (0.92, 1.0, "sparse: 92% zeros, every row on the CSR kernel (the op "
+                "decides per call)"),
+    (0.6, 0.45, "split: 60% zeros, 45% of rows on the CSR kernel, the rest "
+                "dense (the op decides per call)"),
+    (0.6, None, "auto: 60% zeros, the op decides per call"),
+    (0.6, float("nan"), "auto: 60% zeros, the op decides per call"),
+])
+def test_describe_split_of_an_automatic_layer_says_what_ran(
+        sparsity, rows_sparse, text):
+    assert describe_split(sparsity, -1.0, rows_sparse) == text
+
+
+def test_epoch_line_of_an_automatic_layer_reads_the_rows_not_the_pick():
+    # The op's model may report a split threshold (0.875) for the epoch's
+    # mean histogram while the op ran every row dense: the line says what
+    # ran.
+    import io
+
+    from tf_sparse_split.tools.train import epoch_printer
+
+    out = io.StringIO()
+    printer = epoch_printer(1, ["hidden_2", "hidden_3"], out,
+                            auto_layers={"hidden_2"})
+    printer.on_epoch_begin(0)
+    printer.on_epoch_end(0, {"loss": 0.5, "accuracy": 0.9,
+                             "hidden_2/sparsity": 0.24,
+                             "hidden_2/threshold": 0.875,
+                             "hidden_2/rows_sparse": 0.0,
+                             "hidden_3/sparsity": 0.74,
+                             "hidden_3/threshold": 0.75,
+                             "hidden_3/rows_sparse": 0.5})
+    lines = out.getvalue().splitlines()
+    assert lines[1] == ("  hidden_2: dense: 24% zeros, below break-even: "
+                        "every row on the dense GEMM (the op decides per "
+                        "call)")
+    assert lines[2] == ("  hidden_3: split: 74% zeros, rows denser than "
+                        "0.750 dense, the rest CSR")
+
+
 def test_epoch_lines_say_dense_in_words(run_cli):
     rc, out, _ = run_cli(TRAIN + ["--threshold", "0", "--timing-rounds", "0",
                                   "--target-sparsity", "none"])

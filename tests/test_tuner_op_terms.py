@@ -319,6 +319,12 @@ def test_callback_leaves_automatic_mode_on():
         cb.history[-1]["layers"]["auto_layer"]["threshold"])
     assert hist.history["fixed_layer/threshold"][-1] == pytest.approx(
         model.get_layer("fixed_layer").threshold)
+    # What ran: the fraction of the epoch's rows sent to the sparse kernel.
+    for epoch, rec in enumerate(cb.history):
+        e = rec["layers"]["auto_layer"]
+        assert hist.history["auto_layer/rows_sparse"][epoch] == \
+            pytest.approx(e["rows_sparse"] / (e["rows_dense"] +
+                                              e["rows_sparse"]))
 
 
 # -- dependencies ---------------------------------------------------------------

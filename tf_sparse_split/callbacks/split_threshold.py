@@ -87,7 +87,9 @@ class SplitThresholdCallback(keras.callbacks.Callback):
       ``logs[f"{layer.name}/sparsity"]`` (fraction of zeros in the layer's
       input over the epoch) and ``logs[f"{layer.name}/threshold"]`` (the
       threshold for the next epoch; for an automatic layer the op model's
-      pick) so that ``History``, the progress bar and
+      pick) and, after an epoch with calls, ``logs[f"{layer.name}/
+      rows_sparse"]`` (the fraction of its rows the op sent to the sparse
+      kernel over the epoch), so that ``History``, the progress bar and
       ``keras.callbacks.TensorBoard`` (as ``epoch_<layer>/sparsity``...)
       show them.
     * With ``log_dir``: per layer and epoch, TensorBoard scalars
@@ -237,6 +239,9 @@ class SplitThresholdCallback(keras.callbacks.Callback):
             if logs is not None:
                 logs[f"{name}/sparsity"] = entry["sparsity"]
                 logs[f"{name}/threshold"] = entry["threshold"]
+                rows = entry["rows_dense"] + entry["rows_sparse"]
+                if rows > 0:
+                    logs[f"{name}/rows_sparse"] = entry["rows_sparse"] / rows
             if self.verbose:
                 print(
                     f"SplitThresholdCallback: {name}: sparsity "

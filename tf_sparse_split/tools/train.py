@@ -22,9 +22,10 @@ __all__ = ["run", "build_model", "train_command", "print_compare", "epoch_printe
            "budget_summary"]
 
 
-def describe_split(sparsity, threshold):
+def describe_split(sparsity, threshold, rows_sparse=None):
     """One layer's epoch line in words: what its input looked like and which
-    path it takes next epoch (the threshold the callback chose).
+    path it takes next epoch (the threshold the callback chose), or, for an
+    automatic layer, which path its rows took over the epoch.
 
     Args:
       sparsity: fraction of zeros of the layer's input over the epoch.
@@ -32,16 +33,31 @@ def describe_split(sparsity, threshold):
         automatic (the op decides per call), 0 = every nonzero row on the
         dense GEMM, 1 = every row on the CSR kernel, in between = rows
         denser than it go dense.
+      rows_sparse: for an automatic layer, the fraction of its rows (over
+        the epoch's calls) the op sent to the sparse kernel, in ``[0, 1]``;
+        None: unknown.
 
     Returns:
       e.g. ``"dense: 31% zeros, below break-even"``, ``"sparse: 92% zeros,
       every row on the CSR kernel"``, ``"split: 85% zeros, rows denser than
       0.120 dense, the rest CSR"``, ``"auto: 60% zeros, the op decides per
-      call"``.
+      call"``; automatic with ``rows_sparse``: ``"dense: 24% zeros, below
+      break-even: every row on the dense GEMM (the op decides per call)"``,
+      ``"split: 60% zeros, 45% of rows on the CSR kernel, the rest dense
+      (the op decides per call)"``.
     """
     zeros = f"{100.0 * sparsity:.0f}% zeros"
     if threshold < 0:
-        return f"auto: {zeros}, the op decides per call"
+        if rows_sparse is None or not 0.0 <= rows_sparse <= 1.0:
+            return f"auto: {zeros}, the op decides per call"
+        if rows_sparse <= 0.0:
+            return (f"dense: {zeros}, below break-even: every row on the "
+                    "dense GEMM (the op decides per call)")
+        if rows_sparse >= 1.0:
+            return (f"sparse: {zeros}, every row on the CSR kernel (the op "
+                    "decides per call)")
+        return (f"split: {zeros}, {100.0 * rows_sparse:.0f}% of rows on the "
+                "CSR kernel, the rest dense (the op decides per call)")
     if threshold <= 0.0:
         return f"dense: {zeros}, below break-even"
     if threshold >= 1.0:
@@ -50,7 +66,14 @@ def describe_split(sparsity, threshold):
             "rest CSR")
 
 
-def epoch_printer(epochs, layer_names, out):
+def epoch_printer(epochs, layer_names, out, auto_layers=()):
+    """The per-epoch lines of ``train``: a Keras callback printing each
+    epoch's time, loss and accuracy to ``out`` (nothing when None), the
+    budget line, and a line per layer of ``layer_names``
+    (:func:`describe_split`; for the names in ``auto_layers``, automatic
+    layers, the rows the op sent to each path, from
+    ``logs["<layer>/rows_sparse"]``). Its ``times`` are the epochs'
+    seconds."""
     import keras
 
     class EpochPrinter(keras.callbacks.Callback):
@@ -86,12 +109,16 @@ def epoch_printer(epochs, layer_names, out):
                 th = logs.get(f"{name}/threshold")
                 if sp is None or th is None:
                     continue
+                rows_sparse = None
+                if name in auto_layers:
+                    th, rows_sparse = -1.0, logs.get(f"{name}/rows_sparse")
                 fat = logs.get(f"{name}/fat_cutoff")
                 fat_text = ("" if fat is None else
                             f"; FATReLU cutoff {fat:.4f}, L1 activity "
                             f"penalty {logs.get(f'{name}/l1', 0.0):.3g} x "
                             "mean |activation|")
-                print(f"  {name}: {describe_split(sp, th)}{fat_text}",
+                print(f"  {name}: {describe_split(sp, th, rows_sparse)}"
+                      f"{fat_text}",
                       file=out, flush=True)
 
     return EpochPrinter()
@@ -204,8 +231,11 @@ def run(args, sparse, x_train, y_train, x_test, y_test, num_classes, out):
                   "hidden layer", file=out, flush=True)
     layer_names = [l.name for l in model.layers
                    if isinstance(l, SparseSplitLayer)] if sparse else []
+    auto_layers = {l.name for l in model.layers
+                   if isinstance(l, SparseSplitLayer) and l.threshold < 0} \
+        if sparse else set()
     printer = epoch_printer(args.epochs, layer_names,
-                             None if args.quiet else out)
+                            None if args.quiet else out, auto_layers)
     callbacks = []
     split_cb = None
     target = getattr(args, "target_sparsity", None)
