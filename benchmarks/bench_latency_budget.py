@@ -195,6 +195,8 @@ def main(argv=None):
         args.fractions, args.rounds = [0.9, 0.6], 5
     elif args.out_dir is None:
         args.out_dir = str(HERE / "results")
+    if args.out_dir:   # before the training, not after it
+        os.makedirs(args.out_dir, exist_ok=True)
     (x, y), (xt, yt), desc = _common.load_mnist_or_digits(args.data)
     results = [run_case(c, args, ((x, y), (xt, yt))) for c in cases]
     text = report(results, args, desc)

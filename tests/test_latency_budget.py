@@ -316,6 +316,58 @@ def test_points_are_judged_by_the_interleaved_ratio():
     assert pts[-1]["est_p50_ms"] < pts[0]["est_p50_ms"]
 
 
+def test_each_timed_function_sees_one_setting_of_the_cutoffs(monkeypatch):
+    """The original cutoffs are timed through one function and each point
+    through a new one of its own: every function (per input shape) runs
+    at one setting, so a sparse-split op instance's decision memory and
+    analysis back-off never carry one setting's plan into the other's
+    timed calls."""
+    import tf_sparse_split.tools.latency_budget as lb
+
+    model = _model()
+    x, y = _data()
+    lb.fit_latency_budget(model, 1.0, x, rounds=1, warmup=1)   # FATReLUs in
+    fats = [l.activation for l in model.layers if l.name in ("h1", "h2")]
+    seen, calls = {}, {}
+    real = lb.function_per_instance
+
+    class TogglingClock:   # odd reads start a timed call, even reads end it
+        reads = 0
+
+        def __call__(self):
+            self.reads += 1
+            return float(self.reads)
+
+    clock = TogglingClock()
+
+    made = []
+
+    def recording(fn, **kwargs):
+        f = real(fn, **kwargs)
+        made.append(f)   # kept alive: no id reused
+        serial = len(made)
+
+        def call(t):
+            key = (serial, tuple(np.shape(t)))
+            setting = tuple(round(v.cutoff, 9) for v in fats)
+            seen.setdefault(key, set()).add(setting)
+            if clock.reads % 2:   # a timed call
+                calls.setdefault(key, set()).add(setting)
+            return f(t)
+        return call
+
+    monkeypatch.setattr(lb, "function_per_instance", recording)
+    res = lb.fit_latency_budget(model, 1e-9, x, accuracy_data=(x, y),
+                                rounds=3, warmup=1, settle_calls=1,
+                                clock=clock)
+    assert len(res["points"]) >= 3
+    # the original setting, then one function per point, each timed at
+    # one setting and never called at another (the accuracy pass included)
+    assert len(calls) == 1 + len(res["points"])
+    for key, settings in calls.items():
+        assert len(settings) == 1 and seen[key] == settings, (key, seen)
+
+
 def test_bad_samples_and_accuracy_data_are_named():
     from tf_sparse_split.tools.latency_budget import fit_latency_budget
 
