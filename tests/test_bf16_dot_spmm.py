@@ -1,8 +1,9 @@
 """The bfloat16 dot SpMM kernels (AVX512_BF16 ``vdpbf16ps``).
 
 ``_kernels.lowp_spmm(..., path=2)`` forces the dot kernel (B's rows read in
-place), ``path=3`` the dot kernel with each K block of B copied to L1
-first; ``path=0`` / ``1`` are the float32-FMA packed / direct kernels.
+place), ``path=3`` the dot kernel with each K block of B copied first (to
+L1 from density 1/10, else to L2); ``path=0`` / ``1`` are the float32-FMA
+packed / direct kernels.
 The contract (``cc/core/spmm.h``): each output is the ascending-k sum of
 its products, one rounding per product (``vdpbf16ps`` adds the odd
 bfloat16 of a pair first; the kernel puts the earlier nonzero there), so
@@ -71,11 +72,13 @@ def _tolerance(a64, b64, k):
 
 SHAPES = [
     # (m, k, n): around the 32-column vector, the 128-column packed block
-    # and the 256-column in-place block, the 128/256-row K blocks (odd
-    # counts leave an unpaired nonzero) and the 512-row row groups
+    # and the 256-column in-place block, the 128/256/1024-row K blocks (odd
+    # counts leave an unpaired nonzero; the packed kernel's 32 KB copy of
+    # 128 rows from density 1/10, its 256 KB copy of 1024 rows below) and
+    # the 512-row row groups
     (1, 1, 32), (7, 13, 33), (33, 70, 63), (5, 300, 64), (40, 257, 255),
     (17, 256, 256), (9, 600, 257), (130, 31, 300), (3, 1000, 520),
-    (600, 64, 96), (2, 129, 129), (700, 127, 160),
+    (600, 64, 96), (2, 129, 129), (700, 127, 160), (6, 2100, 161),
 ]
 
 

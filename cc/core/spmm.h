@@ -51,9 +51,10 @@ void CsrSpmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
 // it adds each pair's products in ascending k, one rounding each, as the
 // fused multiply-adds of the other two do.
 // kDotPacked is kDot reading B from a per-tile copy of each K block
-// (128 columns x 1024 rows of B, 256 KB in L2, copied once per row group)
-// instead of from B's rows in place: worth its copy where each row of B
-// serves several nonzeros of a row group.
+// (128 columns x 1024 rows of B, 256 KB in L2; 128 rows, 32 KB in L1,
+// where the density is at least 1/10; copied once per row group) instead
+// of from B's rows in place: worth its copy where each row of B serves
+// several nonzeros of a row group.
 enum class Bf16SpmmKernel { kPacked = 0, kDirect = 1, kDot = 2, kDotPacked = 3 };
 
 // The direct kernel is taken up to nnz = kDirectNnzPerK * k +
