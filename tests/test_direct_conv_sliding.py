@@ -5,7 +5,8 @@ and against the tiled kernel (TFSS_DIRECT_FWD_KERNEL=tiles): partial input
 channel chunks (C_in not a multiple of 16), partial output vectors (C_out
 not a multiple of 16), several 64-channel output blocks, filter-row groups
 (KH > 3), one filter row a pass from output width 14 on (the 48-channel
-chunks), row strides and dilations, explicit paddings that put the first
+chunks; three rows when C_in fits one 16-channel chunk), row strides and
+dilations, explicit paddings that put the first
 or last input column outside every window, narrow rows, batch 1, NaN/Inf
 in the input and in the filter, and bits that do not depend on the thread
 count."""
@@ -42,6 +43,10 @@ CASES = [
     (2, 6, 14, 100, 40, 5, (1, 1), (1, 1), "SAME"),      # one row a pass, KH 5: 48 + 48 + 4
     (1, 9, 16, 20, 17, 3, (2, 1), (1, 1), "VALID"),      # out_w 14: one row, row stride 2
     (2, 5, 13, 33, 20, 3, (1, 1), (1, 1), "SAME"),       # out_w 13: three rows a pass
+    (2, 6, 28, 1, 64, 3, (1, 1), (1, 1), "SAME"),        # out_w 28, C_in 1: three rows, one pass
+    (2, 5, 14, 16, 32, 3, (1, 1), (1, 1), "SAME"),       # out_w 14, C_in 16: three rows, one pass
+    (1, 9, 15, 3, 20, 5, (1, 1), (1, 1), "SAME"),        # out_w 15, C_in 3, KH 5: rows 3 + 2
+    (2, 5, 14, 17, 18, 3, (1, 1), (1, 1), "SAME"),       # out_w 14, C_in 17: one row a pass
 ]
 
 

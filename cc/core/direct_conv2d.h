@@ -29,10 +29,30 @@
 
 #include <cstdint>
 
+#include "cc/core/epilogue.h"
 #include "cc/core/parallel_for.h"
 #include "cc/core/sparse_conv2d.h"
 
 namespace tf_sparse_split {
+
+// The bias + activation the forward kernel applies to each output value
+// once its sum is complete: y = act(y + bias[c]). With nan_to_zero, relu
+// and relu6 compute max(v, 0) (NaN -> 0, -0 -> +0) as oneDNN's post-ops;
+// otherwise as tf.nn.relu / tf.nn.relu6 (NaN stays NaN). Nothing is applied
+// when bias is null and act is kNone.
+template <typename T>
+struct DirectConvEpilogue {
+  const T* bias = nullptr;  // [C_out], or null: no bias
+  Activation act = Activation::kNone;
+  bool nan_to_zero = false;
+  bool active() const { return bias != nullptr || act != Activation::kNone; }
+};
+
+// y[p, :] = act(y[p, :] + bias) on `pixels` rows of c_out values, in place
+// (serial; e.g. the output of an all-zero image).
+template <typename T>
+void ApplyDirectConvEpilogue(T* y, int64_t pixels, int64_t c_out,
+                             const DirectConvEpilogue<T>& epilogue);
 
 // Forward: for i in [0, n_images), y[images[i]] = conv(x[images[i]], f)
 // (overwritten; other images of y untouched; images == null: all g.n).
@@ -62,10 +82,15 @@ namespace tf_sparse_split {
 // (up to 3 x V vectors per nonzero); otherwise output by output (V vectors
 // per nonzero and tap). The filter is repacked per call
 // ([block][KH][C_in][KW][16V], zero-padded lanes, 64-byte aligned).
+//
+// `epilogue` (optional): act(y + bias) applied by the task that completes
+// an output row, right after its last pass while the row is in L1 (no
+// separate pass over y); the values are those of a separate pass.
 template <typename T>
 void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
                          const int64_t* images, int64_t n_images, T* y,
-                         const ParallelFor& pfor);
+                         const ParallelFor& pfor,
+                         const DirectConvEpilogue<T>& epilogue = {});
 
 // Filter gradient: for every nonzero x[images[i], h, w, c] and every tap
 // (kh, kw) whose output (oh, ow) exists,

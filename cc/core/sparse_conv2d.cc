@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -106,6 +107,49 @@ inline int64_t CountPixel<f16>(const f16* px, int64_t n, uint8_t* live) {
     return CountPixelBitsAvx512(reinterpret_cast<const uint16_t*>(px), n, live);
 #endif
   return CountPixelBits(px, n, live);
+}
+
+// Nonzeros of the pixels p = 0, stride, 2 * stride, ... < hw of an image of
+// ci < 16 channels (float, double); sets live[c] = 1 for each nonzero
+// channel c. The channels' flags are bits of a register (CountPixel's byte
+// stores would chain every pixel through live[c]); at stride 1 with 16 % ci
+// == 0 (float, AVX-512) the image is counted 16 values per compare, lane l
+// being channel l % ci.
+template <typename T>
+inline int64_t CountImageFewChannels(const T* img, int64_t hw, int64_t ci,
+                                     int64_t stride, uint8_t* live) {
+  int64_t k = 0;
+  uint32_t seen = 0;
+  int64_t p = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, float>::value) {
+    if (stride == 1 && 16 % ci == 0) {
+      const __m512 zero = _mm512_setzero_ps();
+      const int64_t n = hw * ci;
+      int64_t j = 0;
+      uint32_t lanes = 0;
+      for (; j + 16 <= n; j += 16) {
+        const __mmask16 mk =
+            _mm512_cmp_ps_mask(_mm512_loadu_ps(img + j), zero, _CMP_NEQ_UQ);
+        k += __builtin_popcount(mk);
+        lanes |= mk;
+      }
+      for (int l = 0; l < 16; ++l)
+        if ((lanes >> l) & 1) seen |= uint32_t{1} << (l % ci);
+      p = j / ci;  // 16 % ci == 0: j is a whole number of pixels
+    }
+  }
+#endif
+  for (; p < hw; p += stride) {
+    const T* px = img + p * ci;
+    for (int64_t c = 0; c < ci; ++c) {
+      const bool nz = px[c] != T(0);
+      k += nz;
+      seen |= static_cast<uint32_t>(nz) << c;
+    }
+  }
+  for (int64_t c = 0; c < ci; ++c) live[c] |= (seen >> c) & 1;
+  return k;
 }
 
 // Most full vectors kept in registers per output chunk.
@@ -393,6 +437,13 @@ int64_t CountConvNonzerosStrided(const T* x, const Conv2DGeometry& g,
     for (int64_t n = b; n < e; ++n) {
       const T* img = x + n * hw * ci;
       uint8_t* lv = live.data() + n * ci;
+      if constexpr (std::is_same<T, float>::value ||
+                    std::is_same<T, double>::value) {
+        if (ci < 16) {
+          image_nnz[n] = CountImageFewChannels<T>(img, hw, ci, stride, lv);
+          continue;
+        }
+      }
       int64_t s = 0;
       for (int64_t p = 0; p < hw; p += stride)
         s += CountPixel<T>(img + p * ci, ci, lv);

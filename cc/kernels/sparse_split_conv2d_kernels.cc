@@ -664,14 +664,17 @@ bool HasWork(const Conv2DGeometry& g) {
          g.h * g.w * g.c_in > 0;
 }
 
-// Sparse forward of the listed images by the chosen kernel.
+// Sparse forward of the listed images by the chosen kernel. The direct
+// kernel applies `epilogue` itself (fused into its last pass); the caller
+// applies it after the pixel-CSR kernel.
 template <typename T>
 void SparseForwardBy(bool direct, const T* x, const Conv2DGeometry& g,
                      const int64_t* images, int64_t n_images,
                      const int64_t* image_nnz, const T* f, T* y,
-                     const ParallelFor& pfor) {
+                     const ParallelFor& pfor,
+                     const DirectConvEpilogue<T>& epilogue = {}) {
   if (direct) {
-    // All-zero images: zero output, no scan.
+    // All-zero images: zero output (then the epilogue), no scan.
     std::vector<int64_t> live;
     live.reserve(n_images);
     const int64_t out_img = g.out_h * g.out_w * g.c_out;
@@ -680,11 +683,14 @@ void SparseForwardBy(bool direct, const T* x, const Conv2DGeometry& g,
         live.push_back(images[i]);
       } else {
         std::fill_n(y + images[i] * out_img, out_img, T(0));
+        ApplyDirectConvEpilogue<T>(y + images[i] * out_img, g.out_h * g.out_w,
+                                   g.c_out, epilogue);
       }
     }
     if (live.empty()) return;
     DirectConv2DForward<T>(x, g, f, live.data(),
-                           static_cast<int64_t>(live.size()), y, pfor);
+                           static_cast<int64_t>(live.size()), y, pfor,
+                           epilogue);
     return;
   }
   PixelCsr<T> csr;
@@ -1198,8 +1204,17 @@ struct ConvForwardPaths : ConvSamples {
                           epilogue.nan_to_zero(), pfor);
       if (!in_float)
         epilogue.ApplyImages<T>(ctx, y, imgs, n, pixels, g.c_out, pfor);
+    } else if (direct) {
+      // The direct kernel applies act(y + bias) to each output row as it
+      // completes it (no second pass over the images).
+      DirectConvEpilogue<T> ep;
+      ep.bias = epilogue.BiasPtr<T>(ctx);
+      ep.act = epilogue.activation();
+      ep.nan_to_zero = epilogue.nan_to_zero();
+      SparseForwardBy<T>(true, xin, gs, imgs, n, image_nnz,
+                         f.flat<T>().data(), y, pfor, ep);
     } else {
-      SparseForwardBy<T>(direct, xin, gs, imgs, n, image_nnz,
+      SparseForwardBy<T>(false, xin, gs, imgs, n, image_nnz,
                          f.flat<T>().data(), y, pfor);
       epilogue.ApplyImages<T>(ctx, y, imgs, n, pixels, g.c_out, pfor);
     }
