@@ -157,6 +157,19 @@ def test_epoch_lines_say_dense_in_words(run_cli):
             "the model input), output (10 units)") in out
 
 
+def test_errors_after_parsing_show_the_subcommands_usage(run_cli):
+    # A conflict found after argparse (not by it) prints the usage of the
+    # subcommand the user ran, not the top-level "COMMAND ..." line.
+    rc, _, err = run_cli(["train", "--step-budget", "20",
+                          "--target-sparsity", "0.9"])
+    assert rc == 2
+    assert "usage: tf-sparse-split train" in err
+    assert "tf-sparse-split train: error: --step-budget" in err
+    rc, _, err = run_cli(["profile", "m.keras", "--input", "x.npy",
+                          "--batch-size", "4"])
+    assert rc == 2 and "usage: tf-sparse-split profile" in err
+
+
 # -- the one speed-up line ---------------------------------------------------
 class FakeClock:
     """A clock that advances only when a fake step runs."""

@@ -246,6 +246,40 @@ def test_cli_budget_callback_decides_within_the_default_digits_run():
     assert (cb.kind, cb.seconds) == ("step_time", pytest.approx(0.03))
 
 
+def test_latency_table_without_labels_prints_no_nan():
+    import io
+    import math
+
+    from tf_sparse_split.tools.latency_budget import format_latency_budget
+
+    point = dict(sparsity=None, measured_sparsity=0.5, p50_ms=1.0,
+                 p90_ms=1.2, ratio=1.0, est_p50_ms=1.0, accuracy=math.nan)
+    out = io.StringIO()
+    format_latency_budget({"points": [point, dict(point, sparsity=0.9)],
+                           "chosen": 1, "reachable": True, "budget_ms": 2.0,
+                           "activations": ["h1"]}, out)
+    rows = out.getvalue().splitlines()[2:4]
+    assert "nan" not in out.getvalue()
+    assert all(r.split()[6] == "-" for r in rows), rows
+
+
+def test_epoch_line_says_a_spent_time_budget_in_words():
+    import io
+
+    from tf_sparse_split.tools.train import epoch_printer
+
+    out = io.StringIO()
+    printer = epoch_printer(1, [], out)
+    printer.on_epoch_begin(0)
+    printer.on_epoch_end(0, {"loss": 0.5, "accuracy": 0.9,
+                             "budget/step_time": 0.05814,
+                             "budget/step_budget": 0.0,
+                             "budget/reachable": 0.0})
+    assert out.getvalue().splitlines()[1] == (
+        "  budget: median step 58.14 ms, the time budget is spent (not "
+        "reachable within the bounds)")
+
+
 def test_profile_latency_budget(run_cli, tmp_path):
     model = _model()
     x, y = _data()

@@ -325,3 +325,23 @@ def test_masked_input_grad_bad_type():
     with pytest.raises(TypeError, match="masked_input_grad"):
         tfss.sparse_split_matmul(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
                                  masked_input_grad="yes")
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_sparse_tensor_operand_is_refused_in_one_line(which):
+    # convert_to_tensor's own message prints the whole SparseTensor; the op
+    # says what to pass instead.
+    a = np.zeros((4, 6), np.float32)
+    a[0, 2] = 1.5
+    b = np.ones((6, 3), np.float32)
+    args = {"a": a, "b": b}
+    args[which] = tf.sparse.from_dense(args[which])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"{which} must be a dense tensor, got a "
+                             "SparseTensor") as e:
+        tfss.sparse_split_matmul(args["a"], args["b"])
+    assert len(str(e.value).splitlines()) == 1
+    assert "indices" not in str(e.value)
+    ragged = tf.ragged.constant([[1.0, 2.0], [3.0]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="RaggedTensor"):
+        tfss.ops.sparse_split_sddmm(ragged, a, b.T)

@@ -163,6 +163,17 @@ def test_fatrelu_old_keyword_warns_and_behaves_the_same():
     assert config["cutoff"] == pytest.approx(0.3) and "threshold" not in config
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, "x"])
+def test_fatrelu_bad_value_is_named_by_the_keyword_passed(bad):
+    with pytest.raises(ValueError, match="`cutoff`"):
+        tfss.FATReLU(cutoff=bad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError, match="`threshold`") as e:
+            tfss.FATReLU(threshold=bad)
+    assert "`cutoff`" not in str(e.value)
+
+
 def test_fatrelu_old_attributes_and_set_controls_warn():
     layer = tfss.FATReLU(cutoff=0.2)
     with pytest.warns(DeprecationWarning, match="cutoff"):

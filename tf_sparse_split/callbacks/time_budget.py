@@ -1177,11 +1177,20 @@ class TimeBudgetCallback(keras.callbacks.Callback):
                         f"{self.min_gain:g} per move, bound_gain="
                         f"{self.bound_gain:g} per layer while unreachable): "
                         "all stay at their natural sparsity")
-                print(f"TimeBudgetCallback: step budget "
-                      f"{d.budget_s * 1e3:.2f} ms is not reachable within "
-                      f"max_sparsity={self.max_sparsity} and max_rate="
-                      f"{self.max_rate} (measured "
-                      f"{d.measured_s * 1e3:.2f} ms); {what}", flush=True)
+                if self.kind != "step_time" and d.budget_s <= 0.0:
+                    # A wall-time budget already spent: no step budget is
+                    # left to state.
+                    print(f"TimeBudgetCallback: the {self.kind} budget of "
+                          f"{self.seconds:.3g} s is spent (measured step "
+                          f"{d.measured_s * 1e3:.2f} ms); {what}",
+                          flush=True)
+                else:
+                    print(f"TimeBudgetCallback: step budget "
+                          f"{d.budget_s * 1e3:.2f} ms is not reachable "
+                          f"within max_sparsity={self.max_sparsity} and "
+                          f"max_rate={self.max_rate} (measured "
+                          f"{d.measured_s * 1e3:.2f} ms); {what}",
+                          flush=True)
         if new is not None and self.verbose:
             print(f"TimeBudgetCallback: step {self._step}: measured "
                   f"{d.measured_s * 1e3:.2f} ms, budget "

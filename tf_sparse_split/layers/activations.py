@@ -176,11 +176,14 @@ class FATReLU(RenamedAttributes, keras.layers.Layer):
 
     def __init__(self, cutoff=0.0, l1=0.0, target=0.0, momentum=0.9,
                  sample_size=4096, threshold=None, track_every=1, **kwargs):
+        # A bad value is named by the argument the caller passed (the old
+        # name `threshold` too).
+        given = "cutoff" if threshold is None else "threshold"
         cutoff = renamed_kwarg("FATReLU", "threshold", "cutoff", threshold,
                                cutoff, 0.0)
         super().__init__(**kwargs)
         self._init_values = {
-            "cutoff": validate_nonnegative_float(cutoff, "cutoff"),
+            "cutoff": validate_nonnegative_float(cutoff, given),
             "l1": validate_nonnegative_float(l1, "l1"),
             "target": validate_fraction(target, "target"),
         }

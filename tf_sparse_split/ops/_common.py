@@ -29,6 +29,18 @@ def invalid(msg):
     return tf.errors.InvalidArgumentError(None, None, msg)
 
 
+def _refuse_sparse(value, op, name):
+    """A ``tf.SparseTensor`` / ``tf.RaggedTensor`` operand: a one-line
+    error (``convert_to_tensor``'s prints the whole tensor). The ops take
+    dense tensors and find the zeros themselves."""
+    if isinstance(value, (tf.SparseTensor, tf.RaggedTensor)):
+        raise invalid(
+            f"{op}: {name} must be a dense tensor, got a "
+            f"{type(value).__name__} of shape {value.shape}; the op finds "
+            "the zeros itself: pass tf.sparse.to_dense(...) "
+            "(SparseSplitDense takes SparseTensor inputs)")
+
+
 def float_operand(value, op, name, dtypes=FLOAT_DTYPES):
     """``value`` as a tensor, whose dtype must be one of ``dtypes``
     (default float32 or float64; the matmul, SDDMM and FATReLU wrappers pass
@@ -42,6 +54,7 @@ def float_operand(value, op, name, dtypes=FLOAT_DTYPES):
     if value is None:   # convert_to_tensor's message names no argument
         raise invalid(f"{op}: {name} must be a {_names(dtypes)} tensor, "
                       "got None")
+    _refuse_sparse(value, op, name)
     t = tf.convert_to_tensor(value)
     if t.dtype not in dtypes:
         raise invalid(f"{op}: {name} must be {_names(dtypes)}, got "
@@ -61,6 +74,7 @@ def operand_like(value, ref, op, name, ref_name):
     if value is None:
         raise invalid(f"{op}: {name} must be a tensor of {ref_name}'s dtype "
                       f"{ref.dtype.name}, got None")
+    _refuse_sparse(value, op, name)
     t = (tf.convert_to_tensor(value) if hasattr(value, "dtype")
          else tf.convert_to_tensor(value, dtype_hint=ref.dtype))
     if t.dtype != ref.dtype:

@@ -417,6 +417,9 @@ def build_parser():
         help="--end-to-end: a sparse-split version of the model (.keras) to "
              "time too (default: converted from a .keras model's Dense/"
              "Conv2D layers where possible)")
+    # The subcommands' parsers, for errors found after parsing (their
+    # usage line, not the top-level one).
+    parser.command_parsers = {"train": train, "profile": prof}
     return parser
 
 
@@ -592,7 +595,8 @@ def main(argv=None):
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        _check_combinations(parser, args)
+        _check_combinations(
+            parser.command_parsers.get(args.command, parser), args)
     except SystemExit as e:  # argparse: --help (0) or bad arguments (2)
         return int(e.code) if isinstance(e.code, int) else 2
     out = sys.stdout

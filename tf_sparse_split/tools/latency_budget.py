@@ -303,9 +303,12 @@ def format_latency_budget(result, out):
     for i, p in enumerate(result["points"]):
         t = "model" if p["sparsity"] is None else f"{p['sparsity']:.2f}"
         mark = "  <- chosen" if i == result["chosen"] else ""
+        # No accuracy without labels: "-", not nan.
+        acc = (f"{p['accuracy']:>10.4f}" if math.isfinite(p["accuracy"])
+               else f"{'-':>10}")
         print(f"{t:>8}{p['measured_sparsity']:>8.3f}{p['p50_ms']:>10.3f}"
               f"{p['p90_ms']:>10.3f}{p['ratio']:>10.2f}x"
-              f"{p['est_p50_ms']:>10.3f}{p['accuracy']:>10.4f}{mark}",
+              f"{p['est_p50_ms']:>10.3f}{acc}{mark}",
               file=out)
     if not result["reachable"]:
         pts = result["points"]

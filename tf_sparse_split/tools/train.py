@@ -98,9 +98,11 @@ def epoch_printer(epochs, layer_names, out, auto_layers=()):
                   f"accuracy {logs.get('accuracy', float('nan')):.4f}",
                   file=out, flush=True)
             if "budget/step_time" in logs:
+                left = logs["budget/step_budget"]
                 print(f"  budget: median step "
-                      f"{logs['budget/step_time'] * 1e3:.2f} ms, budget "
-                      f"{logs['budget/step_budget'] * 1e3:.2f} ms" +
+                      f"{logs['budget/step_time'] * 1e3:.2f} ms, " +
+                      (f"budget {left * 1e3:.2f} ms" if left > 0 else
+                       "the time budget is spent") +
                       ("" if logs.get("budget/reachable", 1.0) else
                        " (not reachable within the bounds)"), file=out,
                       flush=True)
