@@ -220,7 +220,10 @@ def test_dense_layer_stops_counting_everything():
 @pytest.mark.usefixtures("op_library")
 def test_tiny_conv_counts_nothing():
     """1x4x4x2 -> 3, 1x1: after the calibrating call nothing is counted
-    (NNZ NaN), and the output is still TF's."""
+    (NNZ NaN) on some call, and the output is always TF's. The skip rests
+    on the family's timed terms: a calibration slowed by another process
+    can keep the first calls counting until the measured ratios (a window
+    of 15) correct the terms, so the calls run well past that window."""
     rng = np.random.default_rng(9)
     f = rng.uniform(-1, 1, (1, 1, 2, 3)).astype(np.float32)
 
@@ -230,7 +233,7 @@ def test_tiny_conv_counts_nothing():
                                         return_stats=True, full_stats=False)
 
     modes = []
-    for _ in range(6):
+    for _ in range(40):
         x = random_sparse_images((1, 4, 4, 2), 0.5, rng)
         x[0, 0, 0, 0] = 1.0
         got, st = cheap(x)
