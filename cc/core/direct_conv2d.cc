@@ -135,65 +135,27 @@ TFSS_INLINE void StorePart(T* p, const typename DVec<T>::V& v, int64_t n) {
   }
 }
 
-// act(v + bias[j]) of p[0..n) in place (bias null: no bias), with the
-// semantics of DirectConvEpilogue.
+// act(c + bias) on n_rows rows of n values, ldc apart, serial, with the
+// semantics of DirectConvEpilogue (bias already offset to the rows' first
+// channel, or null).
 template <typename T>
-TFSS_INLINE void EpilogueScalar(T* p, int64_t n, const T* bias,
-                                Activation act, bool clamp) {
-  for (int64_t j = 0; j < n; ++j) {
-    T v = p[j];
-    if (bias != nullptr) v += bias[j];
-    if (act != Activation::kNone) {
-      if (clamp) {
-        v = v > T(0) ? v : T(0);
-        if (act == Activation::kRelu6) v = v < T(6) ? v : T(6);
-      } else {
-        v = v < T(0) ? T(0) : v;
-        if (act == Activation::kRelu6) v = v > T(6) ? T(6) : v;
-      }
-    }
-    p[j] = v;
+void EpilogueRows(T* c, int64_t ldc, int64_t n_rows, int64_t n,
+                  const T* bias, const DirectConvEpilogue<T>& ep) {
+  if (ep.nan_to_zero && ep.act != Activation::kNone) {
+    BiasClampRows<T>(c, ldc, n_rows, n, bias, ep.act);
+  } else {
+    BiasActivationRows<T>(c, ldc, nullptr, n_rows, n, bias, ep.act,
+                          SerialFor);
   }
 }
-
-template <typename T>
-TFSS_INLINE void EpilogueSeg(T* p, int64_t n, const T* bias, Activation act,
-                             bool clamp) {
-  EpilogueScalar<T>(p, n, bias, act, clamp);
-}
-
-#ifdef TFSS_DIRECT_AVX512
-// vmaxps / vminps return their second operand when either is NaN or both
-// are zeros: max(v, 0) is `v > 0 ? v : 0` (clamp), max(0, v) is
-// `v < 0 ? 0 : v`; min(v, 6) is `v < 6 ? v : 6`, min(6, v) `v > 6 ? 6 : v`.
-template <>
-TFSS_INLINE void EpilogueSeg<float>(float* p, int64_t n, const float* bias,
-                                    Activation act, bool clamp) {
-  const __m512 zero = _mm512_setzero_ps(), six = _mm512_set1_ps(6.0f);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    __m512 v = _mm512_loadu_ps(p + j);
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
-    if (act != Activation::kNone) {
-      v = clamp ? _mm512_max_ps(v, zero) : _mm512_max_ps(zero, v);
-      if (act == Activation::kRelu6)
-        v = clamp ? _mm512_min_ps(v, six) : _mm512_min_ps(six, v);
-    }
-    _mm512_storeu_ps(p + j, v);
-  }
-  EpilogueScalar<float>(p + j, n - j, bias != nullptr ? bias + j : nullptr,
-                        act, clamp);
-}
-#endif
 
 // The epilogue on channels [k0, k0 + kn) of the out_w pixels of one output
 // row (yrow points at channel k0 of its first pixel).
 template <typename T>
 void EpilogueRow(T* yrow, int64_t out_w, int64_t co, int64_t k0, int64_t kn,
                  const DirectConvEpilogue<T>& ep) {
-  const T* bias = ep.bias != nullptr ? ep.bias + k0 : nullptr;
-  for (int64_t ow = 0; ow < out_w; ++ow)
-    EpilogueSeg<T>(yrow + ow * co, kn, bias, ep.act, ep.nan_to_zero);
+  EpilogueRows<T>(yrow, co, out_w, kn,
+                  ep.bias != nullptr ? ep.bias + k0 : nullptr, ep);
 }
 
 // ---------------------------------------------------------------------------
@@ -1126,9 +1088,7 @@ template <typename T>
 void ApplyDirectConvEpilogue(T* y, int64_t pixels, int64_t c_out,
                              const DirectConvEpilogue<T>& epilogue) {
   if (!epilogue.active()) return;
-  for (int64_t p = 0; p < pixels; ++p)
-    EpilogueSeg<T>(y + p * c_out, c_out, epilogue.bias, epilogue.act,
-                   epilogue.nan_to_zero);
+  EpilogueRows<T>(y, c_out, pixels, c_out, epilogue.bias, epilogue);
 }
 
 template <typename T>

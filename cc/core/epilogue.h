@@ -148,6 +148,29 @@ void BiasActivationRows(T* c, int64_t ldc, const int64_t* rows,
   }
 }
 
+// The same on n_rows rows ldc apart (serial), with relu / relu6 as
+// oneDNN's eltwise post-ops compute them: v = c + bias; relu: v > 0 ? v : 0;
+// relu6: min of that and 6 (NaN -> 0, -0 -> +0). Used where the other part
+// of a split is oneDNN's fused kernel, so that both parts give the same
+// values.
+template <typename T>
+void BiasClampRows(T* c, int64_t ldc, int64_t n_rows, int64_t n,
+                   const T* bias, Activation act) {
+  const T six = T(6);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    T* __restrict row = c + r * ldc;
+    for (int64_t j = 0; j < n; ++j) {
+      T v = row[j];
+      if (bias != nullptr) v += bias[j];
+      if (act != Activation::kNone) {
+        v = v > T(0) ? v : T(0);
+        if (act == Activation::kRelu6) v = v < six ? v : six;
+      }
+      row[j] = v;
+    }
+  }
+}
+
 }  // namespace tf_sparse_split
 
 #endif  // TF_SPARSE_SPLIT_CC_CORE_EPILOGUE_H_

@@ -123,7 +123,7 @@ class BiasActivationEpilogue {
       const T* bias = BiasPtr<T>(ctx);
       const Activation act = act_;
       pfor(rows, 2 * n + 8, [&](int64_t b, int64_t e) {
-        ClampRows<T>(c + b * n, e - b, n, bias, act);
+        BiasClampRows<T>(c + b * n, n, e - b, n, bias, act);
       });
       return;
     }
@@ -147,7 +147,7 @@ class BiasActivationEpilogue {
       for (int64_t i = b; i < e; ++i) {
         T* img = c + images[i] * rows_per_image * n;
         if (clamp) {
-          ClampRows<T>(img, rows_per_image, n, bias, act);
+          BiasClampRows<T>(img, n, rows_per_image, n, bias, act);
         } else {
           BiasActivationRows<T>(img, n, nullptr, rows_per_image, n, bias, act,
                                 serial);
@@ -157,24 +157,6 @@ class BiasActivationEpilogue {
   }
 
  protected:
-  // rows x n contiguous values: v = c + bias; relu: v > 0 ? v : 0; relu6:
-  // v > 0 ? min(v, 6) : 0 (NaN -> 0, as oneDNN's post-ops).
-  template <typename T>
-  static void ClampRows(T* __restrict c, int64_t rows, int64_t n,
-                        const T* __restrict bias, Activation act) {
-    const T six = act == Activation::kRelu6 ? T(6) : T(0);
-    for (int64_t r = 0; r < rows; ++r) {
-      T* __restrict row = c + r * n;
-      for (int64_t j = 0; j < n; ++j) {
-        T v = row[j];
-        if (bias != nullptr) v += bias[j];
-        v = v > T(0) ? v : T(0);
-        if (act == Activation::kRelu6) v = v < six ? v : six;
-        row[j] = v;
-      }
-    }
-  }
-
   const char* op_;
   bool has_bias_ = false;
   bool nan_to_zero_ = false;
