@@ -34,13 +34,20 @@ double TotalRows(const DensityProfile& p) {
 // The faster compaction choice for `bucket`: returns its time, sets
 // *compact.
 double BestOfCompaction(const SplitShape& s, const DensityProfile& p,
-                        const CostTerms& t, int bucket, double min_gain_s,
-                        bool* compact) {
+                        const CostTerms& t, int bucket,
+                        const DecisionPolicy& policy, bool* compact) {
+  const double min_gain_s = policy.min_gain_s;
   const double plain = PredictPlanSeconds(s, p, t, bucket, false);
   *compact = false;
   if (s.can_compact && s.k_live > 0 && s.k_live < s.k) {
     const double packed = PredictPlanSeconds(s, p, t, bucket, true);
-    if (packed < plain - min_gain_s) {
+    const CostTerms& c = policy.calibration;
+    // The calibration's terms must agree (DecisionPolicy::calibration).
+    const bool agreed =
+        !c.dense_known() ||
+        PredictPlanSeconds(s, p, c, bucket, true) <
+            PredictPlanSeconds(s, p, c, bucket, false) - min_gain_s;
+    if (packed < plain - min_gain_s && agreed) {
       *compact = true;
       return packed;
     }
@@ -191,15 +198,29 @@ double PredictPlanSeconds(const SplitShape& s, const DensityProfile& p,
 }
 
 bool ChooseCompaction(const SplitShape& s, const CostTerms& t,
-                      double rows_dense, double min_gain_s) {
+                      double rows_dense, double min_gain_s,
+                      const CostTerms* calibration) {
   if (!s.can_compact || rows_dense <= 0.0 || s.k_live <= 0 || s.k_live >= s.k)
     return false;
   if (!t.dense_known()) {
     return rows_dense < static_cast<double>(s.m) ||
            (s.k - s.k_live) * 16 >= s.k;
   }
+  if (calibration != nullptr && calibration->dense_known() &&
+      !(PredictDenseSeconds(s, *calibration, rows_dense, true) <
+        PredictDenseSeconds(s, *calibration, rows_dense, false) - min_gain_s))
+    return false;
   return PredictDenseSeconds(s, t, rows_dense, true) <
          PredictDenseSeconds(s, t, rows_dense, false) - min_gain_s;
+}
+
+bool CalibrationAllows(const SplitShape& s, const DensityProfile& p,
+                       const DecisionPolicy& policy, int bucket) {
+  const CostTerms& c = policy.calibration;
+  if (bucket < 0 || !c.dense_known() || !c.sparse_known()) return true;
+  const double dense = PredictPlanSeconds(s, p, c, -1, false);
+  const double plan = PredictPlanSeconds(s, p, c, bucket, false);
+  return plan <= dense * (1.0 + policy.calibration_max_loss);
 }
 
 double MinGainSeconds(const DecisionPolicy& policy, double all_dense_s) {
@@ -228,8 +249,11 @@ bool BestSparsePlan(const SplitShape& s, const DensityProfile& p,
     SparseShare(p, j, &rows, &nnz);
     if (rows <= 0.0 || rows == prev_rows) continue;  // same split as j-1
     prev_rows = rows;
+    // A plan the calibration's terms predict a clear loss is no candidate
+    // (DecisionPolicy::calibration).
+    if (!CalibrationAllows(s, p, policy, j)) continue;
     bool c = false;
-    times[j] = BestOfCompaction(s, p, t, j, policy.min_gain_s, &c);
+    times[j] = BestOfCompaction(s, p, t, j, policy, &c);
     packs[j] = c;
     best = std::min(best, times[j]);
   }
@@ -263,7 +287,7 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   }
   bool dense_compact = false;
   const double all_dense =
-      t.dense_known() ? BestOfCompaction(s, p, t, -1, policy.min_gain_s, &dense_compact) : 0.0;
+      t.dense_known() ? BestOfCompaction(s, p, t, -1, policy, &dense_compact) : 0.0;
   Plan dense_plan = MakePlan(s, p, -1, dense_compact, all_dense);
   dense_plan.all_dense_s = all_dense;
   dense_plan.best_sparse_s = kInf;
@@ -292,10 +316,10 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   // The previous split, re-predicted on this call's rows.
   bool prev_compact = false;
   const double t_prev =
-      BestOfCompaction(s, p, t, previous->bucket, policy.min_gain_s,
-                       &prev_compact);
+      BestOfCompaction(s, p, t, previous->bucket, policy, &prev_compact);
   if (!(t_prev + analysis <= all_dense * (1.0 - policy.stay_margin)) ||
-      !(t_prev + analysis <= all_dense - 0.5 * min_gain)) {
+      !(t_prev + analysis <= all_dense - 0.5 * min_gain) ||
+      !CalibrationAllows(s, p, policy, previous->bucket)) {
     // The kept plan no longer wins safely; switch only to a plan that
     // passes the entry test, else go dense.
     return enters ? best_plan : dense_plan;
@@ -313,7 +337,7 @@ bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
   if (!s.dense_allowed || !t.dense_known() || !t.sparse_known()) return false;
   bool dense_compact = false;
   const double all_dense =
-      BestOfCompaction(s, p, t, -1, policy.min_gain_s, &dense_compact);
+      BestOfCompaction(s, p, t, -1, policy, &dense_compact);
   double best = kInf;
   Plan best_plan;
   const bool has_best = BestSparsePlan(s, p, t, policy, &best_plan, &best);
@@ -323,6 +347,10 @@ bool OtherSidePlan(const SplitShape& s, const DensityProfile& p,
     // fixed costs, not the sparse path's rate.
     const int b = p.buckets();
     if (!has_best || b < 0) return false;
+    // Nor when the calibration's terms predict it a clear loss: no call
+    // could then enter it (DecisionPolicy::calibration), and a re-time
+    // would cost up to max_ratio calls' time for nothing.
+    if (!CalibrationAllows(s, p, policy, b)) return false;
     *other = MakePlan(s, p, b, false, PredictPlanSeconds(s, p, t, b, false));
   } else {
     *other = MakePlan(s, p, -1, dense_compact, all_dense);

@@ -197,7 +197,40 @@ struct DecisionPolicy {
   // plan (parts predicted 58 us against 66-79 us dense) and ran at
   // 0.41-0.57x of TF's kernel, its full count taking 30-40 us per call.
   double analysis_s = 0.0;
+  // The family's calibration terms (FamilyModel::BaseTerms: both paths
+  // timed interleaved on the same rows, best of a few rounds, so a burst of
+  // load slows both), or unknown (the default: no check). When known, a
+  // plan with sparse rows is entered, kept or re-timed only where these
+  // terms too predict it no slower than all-dense (within
+  // calibration_max_loss), and a compaction only where they too predict it
+  // saving min_gain_s (CalibrationAllows, ChooseCompaction). The current
+  // terms are the calibration's scaled by each path's measured ratios, and
+  // a path gets ratios only while it runs, so a burst of load seen by one
+  // path alone moves the comparison: on the hidden layer of the CLI's MLP
+  // at its natural sparsity (76% nonzeros, 256 x 2048 -> 2048, under load)
+  // the dense ratios had put the plain GEMM at 53 ms and the compacted one
+  // at 26 ms, and a split sending 253 of the 256 rows sparse was entered
+  // at a predicted 23 ms; the calibration's terms put all-dense at 21 ms,
+  // every plan with sparse rows behind it (that split at 34 ms, the one
+  // sending the 13 sparsest rows at 22.5 ms) and the compaction 0.14 ms
+  // behind, and in the step the op's forward ran at 1.2x the time of TF's
+  // kernel. The matmul and SDDMM CPU kernels set it
+  // (SplitCall::set_calibration_check).
+  CostTerms calibration;
+  // 0: the calibration must not predict a loss. Conservative where its
+  // line fit is optimistic for the dense path (it takes the faster
+  // per-row point, since noise only inflates timings): at 50% nonzeros the
+  // same layer's calibration put all-sparse 12% behind all-dense although
+  // its own timings at the full sample had it 17% ahead (24 against 29 ms).
+  double calibration_max_loss = 0.0;
 };
+
+// Whether `policy.calibration` lets candidate `bucket` (>= 0: a plan with
+// sparse rows) of profile p run: true when those terms are unknown, else
+// when they predict it at most calibration_max_loss slower than all-dense
+// (both without compaction).
+bool CalibrationAllows(const SplitShape& s, const DensityProfile& p,
+                       const DecisionPolicy& policy, int bucket);
 
 // The least saving (seconds) a plan with sparse rows must promise against
 // an all-dense call predicted at `all_dense_s`: min(min_gain_s,
@@ -314,12 +347,14 @@ bool RetimeDue(RetimeState* st, int side, bool close, const RetimePolicy& rp);
 
 // Whether the dense part of `rows_dense` rows should compact the all-zero
 // columns: by predicted time (saving at least min_gain_s) when the terms are
-// known, else when at least
+// known -- by the `calibration` terms too when given and known
+// (DecisionPolicy::calibration) -- else when at least
 // 1/16 of the columns are dead or the rows are gathered anyway. Never when
 // every column is dead (the dense kernels refuse an empty inner dimension;
 // such rows are all-zero and cost nothing on the sparse path).
 bool ChooseCompaction(const SplitShape& s, const CostTerms& t,
-                      double rows_dense, double min_gain_s = kMinGainSeconds);
+                      double rows_dense, double min_gain_s = kMinGainSeconds,
+                      const CostTerms* calibration = nullptr);
 
 // Timings of one calibration (best of a few runs each) on a sample of the
 // call's own rows: the dense path on rows_full and rows_part rows, the

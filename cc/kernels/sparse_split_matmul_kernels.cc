@@ -149,6 +149,9 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     SplitCall call(ctx, 1, m, k, n, prob.threshold);
     OP_REQUIRES_OK(ctx, call.status());
     call.stats()[kStatHeterogeneous] = mm_.hetero ? kHeteroCpuFallback : kHeteroOff;
+    // Sparse rows and compaction only where the calibration's terms agree
+    // (DecisionPolicy::calibration, cost_model.h).
+    call.set_calibration_check(true);
     const CoreType<T>* a_ptr = AsCore(a.flat<T>().data());
     const int64_t a_rows = a.dim_size(0), a_cols = a.dim_size(1);
 

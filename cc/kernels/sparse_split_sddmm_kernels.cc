@@ -145,6 +145,9 @@ class SparseSplitSddmmOp : public tf::OpKernel {
     const int64_t m = prob.m, k = prob.k, n = prob.n;
     SplitCall call(ctx, 1, m, k, n, prob.threshold);
     OP_REQUIRES_OK(ctx, call.status());
+    // Sparse rows and compaction only where the calibration's terms agree
+    // (DecisionPolicy::calibration, cost_model.h).
+    call.set_calibration_check(true);
     const tf::TensorShape out_shape({m, k});
     const CoreType<T>* mask_ptr = AsCore(mask.flat<T>().data());
     ParallelFor pfor = TfParallelFor(ctx);

@@ -577,6 +577,12 @@ class SplitCall {
       // A plan with sparse rows counts every value on every call; an op
       // that may count cheaply counts (almost) nothing while all-dense.
       DecisionPolicy policy;
+      if (calibration_check_) {
+        // The calibration's terms must agree with a plan with sparse rows
+        // or a compaction (DecisionPolicy::calibration).
+        calibration_ = family->BaseTerms();
+        policy.calibration = calibration_;
+      }
       if (cheap_analysis_ && count_s_per_elem_ > 0.0)
         policy.analysis_s = count_s_per_elem_ *
                             static_cast<double>(shape.m) *
@@ -659,8 +665,10 @@ class SplitCall {
         if (snap.calibrated) terms = snap.terms;
       }
     }
-    compact_ = ChooseCompaction(shape_, terms,
-                                static_cast<double>(split_.dense_rows.size()));
+    compact_ = ChooseCompaction(
+        shape_, terms, static_cast<double>(split_.dense_rows.size()),
+        kMinGainSeconds,
+        calibration_check_ && have_terms_ ? &calibration_ : nullptr);
     analyzed_ = Clock::now();
     return absl::OkStatus();
   }
@@ -711,6 +719,11 @@ class SplitCall {
   // The re-time rule's policy of the op (default RetimePolicy(); the
   // convolutions hold a side for a few runs, ConvRetimePolicy).
   void set_retime_policy(const RetimePolicy& rp) { retime_policy_ = rp; }
+  // Whether an automatic call's plan with sparse rows or compaction must
+  // also be predicted a win by the family's calibration terms
+  // (DecisionPolicy::calibration; default false; the matmul and SDDMM
+  // CPU kernels set it).
+  void set_calibration_check(bool on) { calibration_check_ = on; }
   int64_t dense_one_time_calls() const { return dense_one_time_calls_; }
 
   void DenseDone() { dense_done_ = Clock::now(); }
@@ -820,6 +833,8 @@ class SplitCall {
   double nnz_estimate_ = 0.0;
   CostTerms terms_;          // the family's terms as this call read them
   bool have_terms_ = false;  // terms_ set (read once per call)
+  bool calibration_check_ = false;  // set_calibration_check
+  CostTerms calibration_;    // the family's calibration terms (Decide)
   bool dense_now_ = false;   // all dense without a count (SetAllDense)
   bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
   // ChooseAnalysis: the back-off led to a full count (a sample, or a

@@ -428,7 +428,7 @@ DecisionPolicy PolicyOf(const py::object& o) {
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"enter_margin", "stay_margin", "switch_margin", "tie_margin",
                   "min_gain_s", "min_gain_fraction", "min_gain_floor_s",
-                  "analysis_s"},
+                  "analysis_s", "calibration", "calibration_max_loss"},
               "policy");
   p.enter_margin = Get<double>(d, "enter_margin", p.enter_margin);
   p.stay_margin = Get<double>(d, "stay_margin", p.stay_margin);
@@ -441,6 +441,15 @@ DecisionPolicy PolicyOf(const py::object& o) {
   p.analysis_s = Get<double>(d, "analysis_s", p.analysis_s);
   if (!(p.analysis_s >= 0.0) || !std::isfinite(p.analysis_s))
     throw py::value_error("policy analysis_s must be finite and >= 0");
+  // The family's calibration terms (a terms dict; None or absent: unknown).
+  if (d.contains("calibration") && !d["calibration"].is_none())
+    p.calibration = TermsOf(d["calibration"].cast<py::dict>());
+  p.calibration_max_loss =
+      Get<double>(d, "calibration_max_loss", p.calibration_max_loss);
+  if (!(p.calibration_max_loss >= 0.0) ||
+      !std::isfinite(p.calibration_max_loss))
+    throw py::value_error(
+        "policy calibration_max_loss must be finite and >= 0");
   return p;
 }
 
