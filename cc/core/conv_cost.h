@@ -109,6 +109,36 @@ constexpr double kConvZeroFreeDensity = 0.95;
 // under load (its calibration saw 1.4-1.6x).
 constexpr double kConvZeroFreeMinSpeedup = 1.25;
 
+// The agreement rule of the convolutions, for inputs with zeros (below
+// kConvZeroFreeDensity): a plan with sparse images is run (not as a
+// re-time) only when the family's calibration terms and its current terms
+// both predict it at least kConvSplitMinSpeedup times faster than the
+// all-dense plan on the call's own profile (the slower prediction of the
+// plan against the faster of all-dense, as in the zero-free rule). Near
+// the break-even the ratio-scaled terms alone follow the machine's load:
+// cnn-small's second convolution of benchmarks/bench_inference.py (32x14x
+// 14x16 -> 32, 14% zeros) calibrated at 621 us dense against 646 us
+// sparse, a burst of load moved its dense terms to 839 us, and the op ran
+// all-sparse (668 us, plus a full count every call) on 74% of its later
+// calls, where TF's fused kernel ran in 642 us; the first convolution
+// (32x28x28x1 -> 16, 79% zeros; calibrated 295 us dense against 323 us
+// sparse) likewise on 47%. Where the sparse path really wins both term
+// sets say so (cnn-wide's second convolution at batch 1, 47% zeros:
+// calibrated 312 us dense against 207 us sparse), and a change of the
+// input's zeros is seen through the call's own profile. Re-timed calls
+// are exempt: they keep the current terms of the other side measured.
+constexpr double kConvSplitMinSpeedup = 1.05;
+
+// Whether both term sets (`base`: the family's calibration terms,
+// `current`: ratio-scaled) predict plan candidate `bucket` (DecideSplit's
+// j, threshold j / p.buckets(); -1 is all-dense and always agreed) with
+// the dense part compacted or not (`compact`) at least
+// kConvSplitMinSpeedup times faster than the all-dense plan on profile
+// `p`. Unknown terms: no.
+bool ConvSplitAgreed(const SplitShape& s, const DensityProfile& p,
+                     const CostTerms& base, const CostTerms& current,
+                     int bucket, bool compact);
+
 // Whether a call of shape `s`, profile `p` and density nnz / (m k) =
 // `density` may run images on the sparse path under the zero-free rule,
 // with the family's calibration terms `base` and current terms `current`

@@ -983,18 +983,25 @@ struct ConvSplit {
         const bool dense =
             sampled && call.AcceptSample(dense_shape, sc, &family, plans);
         if (sampled && !dense && !call.stats_consumed()) {
-          // A zero-free input the zero-free rule would veto anyway
-          // (conv_cost.h): no full count, no decision, TF's kernel.
+          // A sample near the break-even whose sparse images the zero-free
+          // rule would veto anyway, or (every channel live in the sample:
+          // no compaction to find) whose all-sparse plan the calibration
+          // and current terms do not both predict faster (the agreement
+          // rule, conv_cost.h): no full count, no decision, TF's kernel.
           const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
           const double density_est = sc.nnz_est / std::max(1.0, values);
-          if (density_est >= kConvZeroFreeDensity &&
-              !ConvSparseRowsAllowed(
-                  dense_shape,
-                  EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted,
-                                  g.n, dense_shape.k, kDecisionBuckets),
-                  family.BaseTerms(), family.Terms(), density_est)) {
-            call.SkipAnalysis(dense_shape, &family, plans);
-          }
+          const DensityProfile est =
+              EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted, g.n,
+                              dense_shape.k, kDecisionBuckets);
+          const bool vetoed =
+              density_est >= kConvZeroFreeDensity
+                  ? !ConvSparseRowsAllowed(dense_shape, est,
+                                           family.BaseTerms(), family.Terms(),
+                                           density_est)
+                  : sc.k_live_est >= dense_shape.k &&
+                        !ConvSplitAgreed(dense_shape, est, family.BaseTerms(),
+                                         family.Terms(), est.buckets(), false);
+          if (vetoed) call.SkipAnalysis(dense_shape, &family, plans);
         }
       }
       if (call.dense_without_count()) {
@@ -1014,16 +1021,32 @@ struct ConvSplit {
     // The zero-free rule (conv_cost.h): an input without (enough) zeros
     // goes sparse only where calibration found the sparse kernels much
     // faster on the same work.
+    // Below it, the agreement rule (conv_cost.h): sparse images only where
+    // the calibration's terms and the current ones both predict the plan
+    // faster. A re-time runs as decided where its time could change that
+    // (the calibration's terms alone agree; they stay until the family
+    // recalibrates): where they do not, no current terms can make the plan
+    // agreed, and the re-time would only cost its run (conv2 of cnn-small
+    // at batch 32: 4 sparse re-times of +50 us in its first 63 calls).
     if (call.automatic() && dense_allowed && call.rows_sparse() > 0) {
       const double density =
           static_cast<double>(an.nnz) /
           (static_cast<double>(g.n) * static_cast<double>(g.h * g.w * g.c_in));
-      if (!ConvSparseRowsAllowed(
-              shape,
-              ProfileFromRowNnz(an.image_nnz.data(), g.n, shape.k,
-                                kDecisionBuckets),
-              family.BaseTerms(), family.Terms(), density))
-        call.VetoSparseRows();
+      const DensityProfile profile = ProfileFromRowNnz(
+          an.image_nnz.data(), g.n, shape.k, kDecisionBuckets);
+      const CostTerms base = family.BaseTerms();
+      const int bucket = static_cast<int>(
+          std::lround(call.threshold() * kDecisionBuckets));
+      bool allowed;
+      if (density >= kConvZeroFreeDensity) {
+        allowed = ConvSparseRowsAllowed(shape, profile, base, family.Terms(),
+                                        density);
+      } else {
+        allowed = ConvSplitAgreed(shape, profile, base,
+                                  call.retimed() ? base : family.Terms(),
+                                  bucket, call.compact());
+      }
+      if (!allowed) call.VetoSparseRows();
     }
     rd = call.rows_dense();
     rs = call.rows_sparse();

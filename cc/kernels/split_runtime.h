@@ -697,6 +697,8 @@ class SplitCall {
   int64_t rows_sparse() const { return split_.sparse_rows.size(); }
   bool compact() const { return compact_; }
   double threshold() const { return threshold_; }
+  // Whether this call runs a re-timed plan (PlanMemory::DecideAndRetime).
+  bool retimed() const { return retimed_; }
   void set_compact(bool c) { compact_ = c; }
 
   // How many of the op instance's first all-dense calls at each shape hold
