@@ -61,14 +61,13 @@ bool ConvSplitAgreed(const SplitShape& s, const DensityProfile& p,
                      const CostTerms& base, const CostTerms& current,
                      int bucket, bool compact) {
   if (bucket < 0) return true;
-  for (const CostTerms* t : {&base, &current})
+  for (const CostTerms* t : {&base, &current}) {
     if (!t->dense_known() || !t->sparse_known()) return false;
-  const double dense = std::min(PredictPlanSeconds(s, p, base, -1, false),
-                                PredictPlanSeconds(s, p, current, -1, false));
-  const double split =
-      std::max(PredictPlanSeconds(s, p, base, bucket, compact),
-               PredictPlanSeconds(s, p, current, bucket, compact));
-  return split * kConvSplitMinSpeedup <= dense;
+    if (PredictPlanSeconds(s, p, *t, bucket, compact) * kConvSplitMinSpeedup >
+        PredictPlanSeconds(s, p, *t, -1, false))
+      return false;
+  }
+  return true;
 }
 
 }  // namespace tf_sparse_split

@@ -112,9 +112,14 @@ constexpr double kConvZeroFreeMinSpeedup = 1.25;
 // The agreement rule of the convolutions, for inputs with zeros (below
 // kConvZeroFreeDensity): a plan with sparse images is run (not as a
 // re-time) only when the family's calibration terms and its current terms
-// both predict it at least kConvSplitMinSpeedup times faster than the
-// all-dense plan on the call's own profile (the slower prediction of the
-// plan against the faster of all-dense, as in the zero-free rule). Near
+// each predict it at least kConvSplitMinSpeedup times faster than the
+// all-dense plan on the call's own profile (each set on its own: a set's
+// two paths were timed under the same conditions, while the calibration's
+// fit and the ratios can miss in opposite directions -- cnn-wide's second
+// convolution at batch 32, 2x faster sparse, was vetoed when the rule
+// compared across the sets as the zero-free rule does: its calibration's
+// fit put all-dense at 8.4 ms where it ran 11.8 ms, and bursts slowed the
+// sparse runs to 8.4 ms in the current terms). Near
 // the break-even the ratio-scaled terms alone follow the machine's load:
 // cnn-small's second convolution of benchmarks/bench_inference.py (32x14x
 // 14x16 -> 32, 14% zeros) calibrated at 621 us dense against 646 us
@@ -125,12 +130,14 @@ constexpr double kConvZeroFreeMinSpeedup = 1.25;
 // sparse) likewise on 47%. Where the sparse path really wins both term
 // sets say so (cnn-wide's second convolution at batch 1, 47% zeros:
 // calibrated 312 us dense against 207 us sparse), and a change of the
-// input's zeros is seen through the call's own profile. Re-timed calls
-// are exempt: they keep the current terms of the other side measured.
+// input's zeros is seen through the call's own profile. A re-time of a
+// plan with sparse images runs only where the calibration's terms agree
+// (where they do not, no current terms can change the verdict until the
+// family recalibrates, and the re-time would only cost its run).
 constexpr double kConvSplitMinSpeedup = 1.05;
 
-// Whether both term sets (`base`: the family's calibration terms,
-// `current`: ratio-scaled) predict plan candidate `bucket` (DecideSplit's
+// Whether each term set (`base`: the family's calibration terms,
+// `current`: ratio-scaled) predicts plan candidate `bucket` (DecideSplit's
 // j, threshold j / p.buckets(); -1 is all-dense and always agreed) with
 // the dense part compacted or not (`compact`) at least
 // kConvSplitMinSpeedup times faster than the all-dense plan on profile

@@ -905,6 +905,15 @@ absl::Status FinishIfEmpty(tf::OpKernelContext* ctx, const Conv2DGeometry& g,
   return absl::OkStatus();
 }
 
+// Whether any plan with sparse images (candidates 0..B of profile p, no
+// compaction) passes the agreement rule (ConvSplitAgreed, conv_cost.h).
+bool AnySplitAgreed(const SplitShape& s, const DensityProfile& p,
+                    const CostTerms& base, const CostTerms& current) {
+  for (int j = 0; j <= p.buckets(); ++j)
+    if (ConvSplitAgreed(s, p, base, current, j, false)) return true;
+  return false;
+}
+
 // TfParallelFor with four blocks per pool thread instead of one: the
 // convolutions' sparse kernels run for tens of milliseconds, and on a busy
 // machine a block that waits for its core would hold up the whole call
@@ -985,9 +994,10 @@ struct ConvSplit {
         if (sampled && !dense && !call.stats_consumed()) {
           // A sample near the break-even whose sparse images the zero-free
           // rule would veto anyway, or (every channel live in the sample:
-          // no compaction to find) whose all-sparse plan the calibration
-          // and current terms do not both predict faster (the agreement
-          // rule, conv_cost.h): no full count, no decision, TF's kernel.
+          // no compaction to find) where no plan with sparse images is
+          // predicted faster by both the calibration's and the current
+          // terms (the agreement rule, conv_cost.h): no full count, no
+          // decision, TF's kernel.
           const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
           const double density_est = sc.nnz_est / std::max(1.0, values);
           const DensityProfile est =
@@ -999,8 +1009,8 @@ struct ConvSplit {
                                            family.BaseTerms(), family.Terms(),
                                            density_est)
                   : sc.k_live_est >= dense_shape.k &&
-                        !ConvSplitAgreed(dense_shape, est, family.BaseTerms(),
-                                         family.Terms(), est.buckets(), false);
+                        !AnySplitAgreed(dense_shape, est, family.BaseTerms(),
+                                        family.Terms());
           if (vetoed) call.SkipAnalysis(dense_shape, &family, plans);
         }
       }
