@@ -174,3 +174,19 @@ def test_each_set_on_its_own():
              for t in (base, current)]
     assert max(split) * K.conv_split_min_speedup > min(dense)
     assert K.conv_split_agreed(shape, profile, base, current, j)
+
+
+def test_the_full_count_is_charged_to_the_split():
+    """The same convolution calibrated once at 687 us dense (a burst in its
+    dense sample; steady calls ran 629-655 us) against 623 us sparse: agreed
+    on the parts alone, vetoed once the full count that every call of a
+    plan with sparse images pays (30-40 us logged) is charged to it."""
+    rec = dict(SMALL_CONV2_B32, calibration=dict(
+        SMALL_CONV2_B32["calibration"], dense_full_s=687.358e-6,
+        dense_part_s=194.698e-6, sparse_full_s=623.503e-6,
+        sparse_thin_s=186.386e-6, sparse_part_s=154.419e-6))
+    shape, profile, base = _problem(rec)
+    j = _all_sparse(profile)
+    assert K.conv_split_agreed(shape, profile, base, base, j)
+    assert not K.conv_split_agreed(shape, profile, base, base, j,
+                                   split_extra_s=30e-6)

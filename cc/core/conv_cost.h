@@ -133,18 +133,24 @@ constexpr double kConvZeroFreeMinSpeedup = 1.25;
 // input's zeros is seen through the call's own profile. A re-time of a
 // plan with sparse images runs only where the calibration's terms agree
 // (where they do not, no current terms can change the verdict until the
-// family recalibrates, and the re-time would only cost its run).
-constexpr double kConvSplitMinSpeedup = 1.05;
+// family recalibrates, and the re-time would only cost its run). 1.10,
+// the decision's entry margin: a set's 5-10% is within a calibration's
+// noise under load (the same convolution once calibrated at 687 us dense,
+// a burst in its dense sample, against 623 us sparse, where its steady
+// calls ran 629-655 us dense and 663 us sparse, plus a 30-40 us full
+// count on every sparse call).
+constexpr double kConvSplitMinSpeedup = 1.10;
 
 // Whether each term set (`base`: the family's calibration terms,
 // `current`: ratio-scaled) predicts plan candidate `bucket` (DecideSplit's
 // j, threshold j / p.buckets(); -1 is all-dense and always agreed) with
-// the dense part compacted or not (`compact`) at least
-// kConvSplitMinSpeedup times faster than the all-dense plan on profile
-// `p`. Unknown terms: no.
+// the dense part compacted or not (`compact`), plus `split_extra_s`
+// seconds (the full count such a plan pays every call where all-dense
+// calls count a sample or nothing), at least kConvSplitMinSpeedup times
+// faster than the all-dense plan on profile `p`. Unknown terms: no.
 bool ConvSplitAgreed(const SplitShape& s, const DensityProfile& p,
                      const CostTerms& base, const CostTerms& current,
-                     int bucket, bool compact);
+                     int bucket, bool compact, double split_extra_s = 0.0);
 
 // Whether a call of shape `s`, profile `p` and density nnz / (m k) =
 // `density` may run images on the sparse path under the zero-free rule,

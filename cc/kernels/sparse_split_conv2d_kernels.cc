@@ -908,9 +908,11 @@ absl::Status FinishIfEmpty(tf::OpKernelContext* ctx, const Conv2DGeometry& g,
 // Whether any plan with sparse images (candidates 0..B of profile p, no
 // compaction) passes the agreement rule (ConvSplitAgreed, conv_cost.h).
 bool AnySplitAgreed(const SplitShape& s, const DensityProfile& p,
-                    const CostTerms& base, const CostTerms& current) {
+                    const CostTerms& base, const CostTerms& current,
+                    double split_extra_s) {
   for (int j = 0; j <= p.buckets(); ++j)
-    if (ConvSplitAgreed(s, p, base, current, j, false)) return true;
+    if (ConvSplitAgreed(s, p, base, current, j, false, split_extra_s))
+      return true;
   return false;
 }
 
@@ -1010,7 +1012,8 @@ struct ConvSplit {
                                            density_est)
                   : sc.k_live_est >= dense_shape.k &&
                         !AnySplitAgreed(dense_shape, est, family.BaseTerms(),
-                                        family.Terms());
+                                        family.Terms(),
+                                        family.CountSecondsPerElem() * values);
           if (vetoed) call.SkipAnalysis(dense_shape, &family, plans);
         }
       }
@@ -1052,9 +1055,16 @@ struct ConvSplit {
         allowed = ConvSparseRowsAllowed(shape, profile, base, family.Terms(),
                                         density);
       } else {
+        // Where all-dense calls may count cheaply, a plan with sparse
+        // images pays the full count on every call (as DecideSplit charges
+        // it, DecisionPolicy::analysis_s).
+        const double count_s =
+            full_stats ? 0.0
+                       : family.CountSecondsPerElem() * static_cast<double>(g.n) *
+                             static_cast<double>(g.h * g.w * g.c_in);
         allowed = ConvSplitAgreed(shape, profile, base,
                                   call.retimed() ? base : family.Terms(),
-                                  bucket, call.compact());
+                                  bucket, call.compact(), count_s);
       }
       if (!allowed) call.VetoSparseRows();
     }
