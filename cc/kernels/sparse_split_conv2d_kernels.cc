@@ -996,10 +996,9 @@ struct ConvSplit {
         if (sampled && !dense && !call.stats_consumed()) {
           // A sample near the break-even whose sparse images the zero-free
           // rule would veto anyway, or (every channel live in the sample:
-          // no compaction to find) where no plan with sparse images is
-          // predicted faster by both the calibration's and the current
-          // terms (the agreement rule, conv_cost.h): no full count, no
-          // decision, TF's kernel.
+          // no compaction to find) where no plan with sparse images passes
+          // the agreement rule (conv_cost.h) on the sample's estimate: no
+          // full count, no decision, TF's kernel.
           const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
           const double density_est = sc.nnz_est / std::max(1.0, values);
           const DensityProfile est =
@@ -1035,8 +1034,9 @@ struct ConvSplit {
     // goes sparse only where calibration found the sparse kernels much
     // faster on the same work.
     // Below it, the agreement rule (conv_cost.h): sparse images only where
-    // the calibration's terms and the current ones both predict the plan
-    // faster. A re-time runs as decided where its time could change that
+    // the calibration's terms and the current ones each predict the plan
+    // kConvSplitMinSpeedup faster. A re-time runs as decided where its time
+    // could change that
     // (the calibration's terms alone agree; they stay until the family
     // recalibrates): where they do not, no current terms can make the plan
     // agreed, and the re-time would only cost its run (conv2 of cnn-small
