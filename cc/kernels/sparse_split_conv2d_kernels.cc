@@ -1024,9 +1024,11 @@ struct ConvSplit {
         return absl::OkStatus();
       }
     }
+    const Clock::time_point count_start = Clock::now();
     an.Run<T>(x.flat<T>().data(), g, pfor);
     if (call.automatic())
-      call.CountDone(&family, static_cast<double>(g.n) * g.h * g.w * g.c_in);
+      call.CountDone(&family, static_cast<double>(g.n) * g.h * g.w * g.c_in,
+                     count_start);
     const SplitShape shape = ConvSplitShape(g, an.c_live, dense_allowed);
     TF_RETURN_IF_ERROR(call.Decide<T>(ctx, paths, shape, an.image_nnz.data(),
                                       &family, plans, pfor));
