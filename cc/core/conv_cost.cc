@@ -57,4 +57,19 @@ bool ConvSparseRowsAllowed(const SplitShape& s, const DensityProfile& p,
   return sparse * kConvZeroFreeMinSpeedup <= dense;
 }
 
+bool ConvSplitAgreed(const SplitShape& s, const DensityProfile& p,
+                     const CostTerms& base, const CostTerms& current,
+                     int bucket, bool compact, double split_extra_s) {
+  if (bucket < 0) return true;
+  const double extra = std::max(0.0, split_extra_s);
+  for (const CostTerms* t : {&base, &current}) {
+    if (!t->dense_known() || !t->sparse_known()) return false;
+    if ((PredictPlanSeconds(s, p, *t, bucket, compact) + extra) *
+            kConvSplitMinSpeedup >
+        PredictPlanSeconds(s, p, *t, -1, false))
+      return false;
+  }
+  return true;
+}
+
 }  // namespace tf_sparse_split

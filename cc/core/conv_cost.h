@@ -109,6 +109,49 @@ constexpr double kConvZeroFreeDensity = 0.95;
 // under load (its calibration saw 1.4-1.6x).
 constexpr double kConvZeroFreeMinSpeedup = 1.25;
 
+// The agreement rule of the convolutions, for inputs with zeros (below
+// kConvZeroFreeDensity): a plan with sparse images is run (not as a
+// re-time) only when the family's calibration terms and its current terms
+// each predict it at least kConvSplitMinSpeedup times faster than the
+// all-dense plan on the call's own profile (each set on its own: a set's
+// two paths were timed under the same conditions, while the calibration's
+// fit and the ratios can miss in opposite directions -- cnn-wide's second
+// convolution at batch 32, 2x faster sparse, was vetoed when the rule
+// compared across the sets as the zero-free rule does: its calibration's
+// fit put all-dense at 8.4 ms where it ran 11.8 ms, and bursts slowed the
+// sparse runs to 8.4 ms in the current terms). Near
+// the break-even the ratio-scaled terms alone follow the machine's load:
+// cnn-small's second convolution of benchmarks/bench_inference.py (32x14x
+// 14x16 -> 32, 14% zeros) calibrated at 621 us dense against 646 us
+// sparse, a burst of load moved its dense terms to 839 us, and the op ran
+// all-sparse (668 us, plus a full count every call) on 74% of its later
+// calls, where TF's fused kernel ran in 642 us; the first convolution
+// (32x28x28x1 -> 16, 79% zeros; calibrated 295 us dense against 323 us
+// sparse) likewise on 47%. Where the sparse path really wins both term
+// sets say so (cnn-wide's second convolution at batch 1, 47% zeros:
+// calibrated 312 us dense against 207 us sparse), and a change of the
+// input's zeros is seen through the call's own profile. A re-time of a
+// plan with sparse images runs only where the calibration's terms agree
+// (where they do not, no current terms can change the verdict until the
+// family recalibrates, and the re-time would only cost its run). 1.10,
+// the decision's entry margin: a set's 5-10% is within a calibration's
+// noise under load (the same convolution once calibrated at 687 us dense,
+// a burst in its dense sample, against 623 us sparse, where its steady
+// calls ran 629-655 us dense and 663 us sparse, plus a 30-40 us full
+// count on every sparse call).
+constexpr double kConvSplitMinSpeedup = 1.10;
+
+// Whether each term set (`base`: the family's calibration terms,
+// `current`: ratio-scaled) predicts plan candidate `bucket` (DecideSplit's
+// j, threshold j / p.buckets(); -1 is all-dense and always agreed) with
+// the dense part compacted or not (`compact`), plus `split_extra_s`
+// seconds (the full count such a plan pays every call where all-dense
+// calls count a sample or nothing), at least kConvSplitMinSpeedup times
+// faster than the all-dense plan on profile `p`. Unknown terms: no.
+bool ConvSplitAgreed(const SplitShape& s, const DensityProfile& p,
+                     const CostTerms& base, const CostTerms& current,
+                     int bucket, bool compact, double split_extra_s = 0.0);
+
 // Whether a call of shape `s`, profile `p` and density nnz / (m k) =
 // `density` may run images on the sparse path under the zero-free rule,
 // with the family's calibration terms `base` and current terms `current`

@@ -905,6 +905,17 @@ absl::Status FinishIfEmpty(tf::OpKernelContext* ctx, const Conv2DGeometry& g,
   return absl::OkStatus();
 }
 
+// Whether any plan with sparse images (candidates 0..B of profile p, no
+// compaction) passes the agreement rule (ConvSplitAgreed, conv_cost.h).
+bool AnySplitAgreed(const SplitShape& s, const DensityProfile& p,
+                    const CostTerms& base, const CostTerms& current,
+                    double split_extra_s) {
+  for (int j = 0; j <= p.buckets(); ++j)
+    if (ConvSplitAgreed(s, p, base, current, j, false, split_extra_s))
+      return true;
+  return false;
+}
+
 // TfParallelFor with four blocks per pool thread instead of one: the
 // convolutions' sparse kernels run for tens of milliseconds, and on a busy
 // machine a block that waits for its core would hold up the whole call
@@ -983,18 +994,26 @@ struct ConvSplit {
         const bool dense =
             sampled && call.AcceptSample(dense_shape, sc, &family, plans);
         if (sampled && !dense && !call.stats_consumed()) {
-          // A zero-free input the zero-free rule would veto anyway
-          // (conv_cost.h): no full count, no decision, TF's kernel.
+          // A sample near the break-even whose sparse images the zero-free
+          // rule would veto anyway, or (every channel live in the sample:
+          // no compaction to find) where no plan with sparse images passes
+          // the agreement rule (conv_cost.h) on the sample's estimate: no
+          // full count, no decision, TF's kernel.
           const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
           const double density_est = sc.nnz_est / std::max(1.0, values);
-          if (density_est >= kConvZeroFreeDensity &&
-              !ConvSparseRowsAllowed(
-                  dense_shape,
-                  EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted,
-                                  g.n, dense_shape.k, kDecisionBuckets),
-                  family.BaseTerms(), family.Terms(), density_est)) {
-            call.SkipAnalysis(dense_shape, &family, plans);
-          }
+          const DensityProfile est =
+              EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted, g.n,
+                              dense_shape.k, kDecisionBuckets);
+          const bool vetoed =
+              density_est >= kConvZeroFreeDensity
+                  ? !ConvSparseRowsAllowed(dense_shape, est,
+                                           family.BaseTerms(), family.Terms(),
+                                           density_est)
+                  : sc.k_live_est >= dense_shape.k &&
+                        !AnySplitAgreed(dense_shape, est, family.BaseTerms(),
+                                        family.Terms(),
+                                        family.CountSecondsPerElem() * values);
+          if (vetoed) call.SkipAnalysis(dense_shape, &family, plans);
         }
       }
       if (call.dense_without_count()) {
@@ -1005,25 +1024,51 @@ struct ConvSplit {
         return absl::OkStatus();
       }
     }
+    const Clock::time_point count_start = Clock::now();
     an.Run<T>(x.flat<T>().data(), g, pfor);
     if (call.automatic())
-      call.CountDone(&family, static_cast<double>(g.n) * g.h * g.w * g.c_in);
+      call.CountDone(&family, static_cast<double>(g.n) * g.h * g.w * g.c_in,
+                     count_start);
     const SplitShape shape = ConvSplitShape(g, an.c_live, dense_allowed);
     TF_RETURN_IF_ERROR(call.Decide<T>(ctx, paths, shape, an.image_nnz.data(),
                                       &family, plans, pfor));
     // The zero-free rule (conv_cost.h): an input without (enough) zeros
     // goes sparse only where calibration found the sparse kernels much
     // faster on the same work.
+    // Below it, the agreement rule (conv_cost.h): sparse images only where
+    // the calibration's terms and the current ones each predict the plan
+    // kConvSplitMinSpeedup faster. A re-time runs as decided where its time
+    // could change that
+    // (the calibration's terms alone agree; they stay until the family
+    // recalibrates): where they do not, no current terms can make the plan
+    // agreed, and the re-time would only cost its run (conv2 of cnn-small
+    // at batch 32: 4 sparse re-times of +50 us in its first 63 calls).
     if (call.automatic() && dense_allowed && call.rows_sparse() > 0) {
       const double density =
           static_cast<double>(an.nnz) /
           (static_cast<double>(g.n) * static_cast<double>(g.h * g.w * g.c_in));
-      if (!ConvSparseRowsAllowed(
-              shape,
-              ProfileFromRowNnz(an.image_nnz.data(), g.n, shape.k,
-                                kDecisionBuckets),
-              family.BaseTerms(), family.Terms(), density))
-        call.VetoSparseRows();
+      const DensityProfile profile = ProfileFromRowNnz(
+          an.image_nnz.data(), g.n, shape.k, kDecisionBuckets);
+      const CostTerms base = family.BaseTerms();
+      const int bucket = static_cast<int>(
+          std::lround(call.threshold() * kDecisionBuckets));
+      bool allowed;
+      if (density >= kConvZeroFreeDensity) {
+        allowed = ConvSparseRowsAllowed(shape, profile, base, family.Terms(),
+                                        density);
+      } else {
+        // Where all-dense calls may count cheaply, a plan with sparse
+        // images pays the full count on every call (as DecideSplit charges
+        // it, DecisionPolicy::analysis_s).
+        const double count_s =
+            full_stats ? 0.0
+                       : family.CountSecondsPerElem() * static_cast<double>(g.n) *
+                             static_cast<double>(g.h * g.w * g.c_in);
+        allowed = ConvSplitAgreed(shape, profile, base,
+                                  call.retimed() ? base : family.Terms(),
+                                  bucket, call.compact(), count_s);
+      }
+      if (!allowed) call.VetoSparseRows();
     }
     rd = call.rows_dense();
     rs = call.rows_sparse();

@@ -496,8 +496,16 @@ class SplitCall {
   // Records a full count of `elems` values that took since the call's
   // start (the family's counting cost, which ChooseAnalysis weighs).
   void CountDone(FamilyModel* family, double elems) {
+    CountDone(family, elems, start_);
+  }
+  // The same for a count that began at `since` (an op whose call does
+  // one-time work before its count: the convolutions calibrate their
+  // sparse-kernel choice on the family's first call, which a record from
+  // the call's start counted as the count's, 1.7 ms for a 784-value count
+  // of 2-3 us, and sparse plans were then charged that much a call).
+  void CountDone(FamilyModel* family, double elems, Clock::time_point since) {
     if (family != nullptr)
-      family->RecordCount(elems, Seconds(start_, Clock::now()));
+      family->RecordCount(elems, Seconds(since, Clock::now()));
   }
 
   // Whether the call runs all-dense without a full count (SkipAnalysis or
@@ -705,6 +713,8 @@ class SplitCall {
   int64_t rows_sparse() const { return split_.sparse_rows.size(); }
   bool compact() const { return compact_; }
   double threshold() const { return threshold_; }
+  // Whether this call runs a re-timed plan (PlanMemory::DecideAndRetime).
+  bool retimed() const { return retimed_; }
   void set_compact(bool c) { compact_ = c; }
 
   // How many of the op instance's first all-dense calls at each shape hold

@@ -726,6 +726,25 @@ void BindConvCost(py::module_& mod) {
           "ConvSparseRowsAllowed): whether a call of this shape, profile and "
           "density (nnz / (m k)) may run images sparse, given its family's "
           "calibration terms and current (ratio-scaled) terms.");
+  mod.attr("conv_split_min_speedup") = kConvSplitMinSpeedup;
+  mod.def("conv_split_agreed",
+          [](const py::dict& shape, const py::tuple& profile,
+             const py::dict& base_terms, const py::dict& terms, int bucket,
+             bool compact, double split_extra_s) {
+            return ConvSplitAgreed(ShapeOf(shape), ProfileOf(profile),
+                                   TermsOf(base_terms), TermsOf(terms), bucket,
+                                   compact, split_extra_s);
+          },
+          py::arg("shape"), py::arg("profile"), py::arg("base_terms"),
+          py::arg("terms"), py::arg("bucket"), py::arg("compact") = false,
+          py::arg("split_extra_s") = 0.0,
+          "The convolutions' agreement rule (cc/core/conv_cost.h "
+          "ConvSplitAgreed): whether the family's calibration terms and its "
+          "current (ratio-scaled) terms both predict plan candidate `bucket` "
+          "(threshold bucket / buckets; -1: all-dense, always true) at least "
+          "conv_split_min_speedup times faster than the all-dense plan on "
+          "this profile, the plan's seconds plus split_extra_s (its full "
+          "count where all-dense calls count cheaply).");
   mod.def("conv_split_shape",
           [geometry](int64_t n, int64_t h, int64_t w, int64_t c_in,
                      int64_t c_live, int64_t kh, int64_t kw, int64_t c_out,
