@@ -160,6 +160,32 @@ def test_csr_spmm_reading_b_in_place_gives_the_packed_bits(m, n):
     assert relative_error(direct, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("m,k,n,sparsity", [(8, 2048, 2048, 0.6), (32, 2048, 2048, 0.92),
+                                            (32, 784, 2048, 0.82), (64, 700, 300, 0.8),
+                                            (3, 1000, 64, 0.5), (33, 513, 1000, 0.95)])
+def test_csr_spmm_slab_kernel_gives_the_panel_bits(dtype, m, k, n, sparsity):
+    # A few rows with one to eight nonzeros per row of B go through the slab
+    # kernel (each K block of B packed for four full panels at once, a
+    # narrow tail panel by itself); the same rows under a tall stack of
+    # other rows (a row group past kSlabMaxRows: one panel per tile) give
+    # the same bits, NaN and inf included.
+    rng = np.random.default_rng([m, k, n, int(sparsity * 100)])
+    a = random_sparse((m, k), sparsity, rng, dtype)
+    assert np.count_nonzero(a) >= k             # packed, not B in place
+    b = rng.standard_normal((k, n)).astype(dtype)
+    b[5, 3], b[k - 1, n - 1] = np.nan, np.inf
+    slab = K.csr_matrix(a).spmm(b, threads=2)
+    tall = np.vstack([a, random_sparse((300, k), 0.5, rng, dtype)])
+    panel = K.csr_matrix(tall).spmm(b, threads=2)
+    np.testing.assert_array_equal(slab, panel[:m])
+    finite = np.isfinite(b).all(axis=1)
+    ref = a[:, finite].astype(np.float64) @ b[finite].astype(np.float64)
+    rows = ~(a[:, ~finite] != 0).any(axis=1)
+    assert relative_error(slab[rows], ref[rows]) <= (1e-5 if dtype == np.float32 else 1e-12)
+    assert np.isnan(slab[a[:, 5] != 0, 3]).all()
+
+
 @pytest.mark.parametrize("sparsity", [0.5, 0.99])
 def test_csr_spmm_k_blocks_and_empty_rows(sparsity):
     # k large enough for several K blocks; rows empty in the first block,
