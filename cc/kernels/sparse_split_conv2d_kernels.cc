@@ -1140,8 +1140,10 @@ absl::Status FamilySparseKernelChoice(tf::OpKernelContext* ctx, FamilyOp op,
   SparseKernelChoice& choice =
       families->Choice(op, tf::DataTypeToEnum<T>::value, g);
   *out = &choice;
-  if (!HasWork(g) || thr_in == 0.0f || SparseKernelOverride() != 0 ||
-      choice.calibrated() || !s.call.status().ok()) {
+  // The choice is read first: once calibrated (every call after the
+  // family's first), a call reads no environment variable here.
+  if (choice.calibrated() || !HasWork(g) || thr_in == 0.0f ||
+      SparseKernelOverride() != 0 || !s.call.status().ok()) {
     return absl::OkStatus();
   }
   return CalibrateSparseChoice<T>(
