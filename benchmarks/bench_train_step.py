@@ -16,7 +16,11 @@ fixed tensors:
 * ``dW <layer>`` / ``dX <layer>``: the layer's kernel (with bias) gradient /
   input gradient from the gradient at its pre-activation, with the products
   the registered gradients run (see ``Variant.make_parts``);
-* ``optimizer``: ``optimizer.apply`` of fixed gradients to all weights;
+* ``optimizer``: ``optimizer.apply`` of fixed gradients to all weights
+  (the same Keras code in both models: a sentence under the table says
+  whether the two graphs hold the same ops and get gradients of the same
+  dtypes and shapes, and gives this part's per-round ratio, the run's
+  noise for memory-bound work that costs the same in both);
 * ``loss``: the loss (forward) on fixed probabilities;
 * ``call overhead``: an empty ``tf.function`` call (paid once per part
   here, once per step in ``step``);
@@ -246,6 +250,57 @@ class Variant:
         parts["call overhead"] = (tf.function(lambda v: v), (y,))
         parts["step"] = (self.make_step(), (x, y))
         self.parts = parts
+
+
+def _op_type_counts(fn, args):
+    """``{op type: count}`` of the graph ``fn`` (a ``tf.function``) traces
+    for ``args``."""
+    graph = fn.get_concrete_function(*args).graph
+    out = {}
+    for op in graph.get_operations():
+        out[op.type] = out.get(op.type, 0) + 1
+    return out
+
+
+def _grads_desc(grads):
+    """``"6 float32 Tensor"``-style summary of a gradient list: count per
+    (dtype, Python type)."""
+    kinds = {}
+    for g in grads:
+        key = f"{g.dtype.name} {type(g).__name__.replace('EagerTensor', 'Tensor')}"
+        kinds[key] = kinds.get(key, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+
+
+def _optimizer_control(ref, ours, ref_times, our_times):
+    """One sentence on the ``optimizer`` part: whether the two models'
+    ``optimizer.apply`` graphs hold the same ops and get gradients of the
+    same dtypes, types and shapes, and the part's per-round ratio
+    keras/ours (median, range). Where both hold, that part runs the same
+    code on the same sizes in both models, so its ratio is the run's noise
+    floor for memory-bound work, not a property of the layers."""
+    fn_r, g_r = ref.parts["optimizer"]
+    fn_o, g_o = ours.parts["optimizer"]
+    c_r, c_o = _op_type_counts(fn_r, g_r), _op_type_counts(fn_o, g_o)
+    same_graph = c_r == c_o
+    same_grads = ([(g.dtype, type(g), tuple(g.shape)) for g in g_r] ==
+                  [(g.dtype, type(g), tuple(g.shape)) for g in g_o])
+    ratios = [a / b for a, b in zip(ref_times, our_times)]
+    ratio = (f"its per-round ratio keras/ours is {statistics.median(ratios):.2f}"
+             f" (range {min(ratios):.2f}-{max(ratios):.2f})")
+    if same_graph and same_grads:
+        return (f"Optimizer part: both models' `optimizer.apply` graphs hold "
+                f"the same ops ({sum(c_r.values())}, counted by type) and get the same gradients "
+                f"({_grads_desc(g_r)}, same shapes): the same code on the same "
+                f"sizes, so {ratio}: this run's noise for that part, not the "
+                "layers'.")
+    diff = {t: (c_r.get(t, 0), c_o.get(t, 0)) for t in set(c_r) | set(c_o)
+            if c_r.get(t, 0) != c_o.get(t, 0)}
+    return (f"Optimizer part: the two models' `optimizer.apply` graphs "
+            f"{'hold the same ops' if same_graph else f'differ (op type: keras, ours) {sorted(diff.items())}'}; "
+            f"gradients keras {_grads_desc(g_r)}, ours {_grads_desc(g_o)}"
+            f"{'' if same_grads else ' (different dtypes, types or shapes)'}; "
+            f"{ratio}.")
 
 
 def _compiled_pair(seed):
@@ -610,6 +665,8 @@ def main(argv=None):
                     f"skipped {int(s['zero_cols_skipped'])}/{int(s['k'])}")
     lines += ["", "SparseSplitDense statistics of the last call: " +
               "; ".join(dens) + "."]
+    lines += ["", _optimizer_control(ref, ours, res["keras Dense"]["optimizer"],
+                                     res["SparseSplitDense"]["optimizer"])]
     md = markdown_table(
         "| part | keras Dense (ms) | SparseSplitDense (ms) | ratio keras/ours |",
         lines, title)
