@@ -267,7 +267,8 @@ def _grads_desc(grads):
     (dtype, Python type)."""
     kinds = {}
     for g in grads:
-        key = f"{g.dtype.name} {type(g).__name__.replace('EagerTensor', 'Tensor')}"
+        kind = type(g).__name__.replace("EagerTensor", "Tensor")
+        key = f"{g.dtype.name} {kind}"
         kinds[key] = kinds.get(key, 0) + 1
     return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
 
@@ -290,17 +291,20 @@ def _optimizer_control(ref, ours, ref_times, our_times):
              f" (range {min(ratios):.2f}-{max(ratios):.2f})")
     if same_graph and same_grads:
         return (f"Optimizer part: both models' `optimizer.apply` graphs hold "
-                f"the same ops ({sum(c_r.values())}, counted by type) and get the same gradients "
+                f"the same ops ({sum(c_r.values())}, counted by type) and get "
+                "the same gradients "
                 f"({_grads_desc(g_r)}, same shapes): the same code on the same "
                 f"sizes, so {ratio}: this run's noise for that part, not the "
                 "layers'.")
-    diff = {t: (c_r.get(t, 0), c_o.get(t, 0)) for t in set(c_r) | set(c_o)
-            if c_r.get(t, 0) != c_o.get(t, 0)}
+    diff = sorted((t, (c_r.get(t, 0), c_o.get(t, 0)))
+                  for t in set(c_r) | set(c_o)
+                  if c_r.get(t, 0) != c_o.get(t, 0))
+    graphs = ("hold the same ops" if same_graph
+              else f"differ (op type: keras, ours) {diff}")
+    grads = (f"gradients keras {_grads_desc(g_r)}, ours {_grads_desc(g_o)}"
+             + ("" if same_grads else " (different dtypes, types or shapes)"))
     return (f"Optimizer part: the two models' `optimizer.apply` graphs "
-            f"{'hold the same ops' if same_graph else f'differ (op type: keras, ours) {sorted(diff.items())}'}; "
-            f"gradients keras {_grads_desc(g_r)}, ours {_grads_desc(g_o)}"
-            f"{'' if same_grads else ' (different dtypes, types or shapes)'}; "
-            f"{ratio}.")
+            f"{graphs}; {grads}; {ratio}.")
 
 
 def _compiled_pair(seed):
