@@ -1,11 +1,13 @@
-"""``benchmarks/bench_train_step.py``'s sentence on the breakdown's
-optimizer part: it says the two update graphs and gradients are the same
-when they are, names what differs when they are not, and gives the part's
-per-round ratio (medians and ranges of given times, no timing here)."""
+"""``benchmarks/bench_train_step.py``'s lines under the breakdown: the
+sentence on the optimizer part (it says the two update graphs and
+gradients are the same when they are, names what differs when they are
+not, and gives the part's per-round ratio: medians and ranges of given
+times, no timing here) and the plans of our backward products."""
 
 import importlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import keras
 import numpy as np
@@ -84,3 +86,25 @@ def test_a_different_update_is_named(bench, rng, mixed_bfloat16):
     text = bench._optimizer_control(ref, ours, [1.0], [1.0])
     assert "differ (op type: keras, ours)" in text
     assert "noise" not in text
+
+
+def test_plans_are_recorded_from_the_statistics(bench):
+    from tf_sparse_split.tuning import stats
+
+    def vector(rows_dense, rows_sparse):
+        v = np.zeros(stats.NUM_STATS)
+        v[stats.ROWS_DENSE], v[stats.ROWS_SPARSE] = rows_dense, rows_sparse
+        return tf.constant(v)
+
+    holder = SimpleNamespace(plans={})
+    outs = iter([(tf.ones([2]), tf.zeros([2]), vector(4, 0)),
+                 (tf.ones([2]), tf.zeros([2]), vector(1, 3)),
+                 (tf.ones([2]), tf.zeros([2]), vector(0, 4))])
+    d_w = bench.Variant._recording(holder, "dW h2", lambda: next(outs))
+    for _ in range(3):
+        prod, bias_grad = d_w()   # the statistics are not returned
+    d_x = bench.Variant._recording(
+        holder, "dX h2", lambda: (tf.ones([2]), vector(0, 0)))
+    assert d_x().shape == [2]
+    assert holder.plans == {"dW h2": ["dense", "split", "sparse"],
+                            "dX h2": ["dense"]}
