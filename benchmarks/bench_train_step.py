@@ -15,8 +15,15 @@ fixed tensors:
   record their statistics, as in ``fit``);
 * ``dW <layer>`` / ``dX <layer>``: the layer's kernel (with bias) gradient /
   input gradient from the gradient at its pre-activation, with the products
-  the registered gradients run (see ``Variant.make_parts``);
-* ``optimizer``: ``optimizer.apply`` of fixed gradients to all weights;
+  the registered gradients run (see ``Variant.make_parts``); our products
+  also return their statistics (not counted in full, as in the gradient),
+  and a line under the table counts the plans they chose in the timed
+  calls (all rows dense, split, all rows sparse);
+* ``optimizer``: ``optimizer.apply`` of fixed gradients to all weights
+  (the same Keras code in both models: a sentence under the table says
+  whether the two graphs hold the same ops and get gradients of the same
+  dtypes and shapes, and gives this part's per-round ratio, the run's
+  noise for memory-bound work that costs the same in both);
 * ``loss``: the loss (forward) on fixed probabilities;
 * ``call overhead``: an empty ``tf.function`` call (paid once per part
   here, once per step in ``step``);
@@ -91,6 +98,7 @@ from tf_sparse_split.ops.sddmm import sparse_split_sddmm
 from tf_sparse_split.tools.cli import (parse_nonnegative_int,
                                        parse_positive_int, parse_rate)
 from tf_sparse_split.tools.models import build_mlp
+from tf_sparse_split.tuning import stats as tfss_stats
 
 HERE = Path(__file__).resolve().parent
 BATCH = 128
@@ -144,6 +152,23 @@ class Variant:
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
         self.optimizer.build(self.model.trainable_variables)
         self.parts = {}
+        #: {part: [plan of each call]} of the parts whose product returns
+        #: its statistics (ours): "dense", "split" or "sparse" rows.
+        self.plans = {}
+
+    def _recording(self, name, fn):
+        """For ``fn`` returning a tuple whose last element is a product's
+        statistics vector, a callable returning the other outputs that
+        records each call's plan in ``self.plans[name]``."""
+        def call(*args):
+            out = fn(*args)
+            st = out[-1].numpy()
+            rd, rs = st[tfss_stats.ROWS_DENSE], st[tfss_stats.ROWS_SPARSE]
+            self.plans.setdefault(name, []).append(
+                "sparse" if rd == 0 and rs > 0 else
+                "dense" if rs == 0 else "split")
+            return out[:-1] if len(out) > 2 else out[0]
+        return call
 
     def dense_weights(self):
         """kernel, bias of every layer (no thresholds)."""
@@ -208,15 +233,21 @@ class Variant:
                 thr = layer.threshold_var
                 live_only = layer.masked_input_grad
 
+                # The products return their statistics too (full_stats
+                # False, as in the registered gradient) for the plans
+                # they chose (``plans``).
                 def d_w(h, dp, thr=thr):
-                    return (tfss.sparse_split_matmul(h, dp, tf.convert_to_tensor(thr),
-                                                     transpose_a=True),
-                            tf.reduce_sum(dp, axis=0))
+                    prod, st = tfss.sparse_split_matmul(
+                        h, dp, tf.convert_to_tensor(thr), transpose_a=True,
+                        return_stats=True, full_stats=False)
+                    return prod, tf.reduce_sum(dp, axis=0), st
 
                 def d_x(h, dp, layer=layer, live_only=live_only):
                     w = tf.cast(layer.kernel, dt)
                     if live_only:  # SDDMM: (h != 0) * (dp @ w^T)
-                        return sparse_split_sddmm(h, dp, w, -1.0)
+                        return sparse_split_sddmm(h, dp, w, -1.0,
+                                                  return_stats=True,
+                                                  full_stats=False)
                     return _dy_product(dp, w, True, False)
             else:
                 def d_w(h, dp):
@@ -227,10 +258,15 @@ class Variant:
                     return tf.matmul(dp, tf.cast(layer.kernel, dt),
                                      transpose_b=True)
 
+            d_w, d_x = tf.function(d_w), tf.function(d_x)
+            if sparse:
+                d_w = self._recording(f"dW {short}", d_w)
+                if layer.masked_input_grad:
+                    d_x = self._recording(f"dX {short}", d_x)
             parts[f"fwd {short}"] = (tf.function(fwd), (h,))
-            parts[f"dW {short}"] = (tf.function(d_w), (h, dp))
+            parts[f"dW {short}"] = (d_w, (h, dp))
             if i > 0:  # the first layer's input gradient is never needed
-                parts[f"dX {short}"] = (tf.function(d_x), (h, dp))
+                parts[f"dX {short}"] = (d_x, (h, dp))
         variables = model.trainable_variables
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
@@ -246,6 +282,61 @@ class Variant:
         parts["call overhead"] = (tf.function(lambda v: v), (y,))
         parts["step"] = (self.make_step(), (x, y))
         self.parts = parts
+
+
+def _op_type_counts(fn, args):
+    """``{op type: count}`` of the graph ``fn`` (a ``tf.function``) traces
+    for ``args``."""
+    graph = fn.get_concrete_function(*args).graph
+    out = {}
+    for op in graph.get_operations():
+        out[op.type] = out.get(op.type, 0) + 1
+    return out
+
+
+def _grads_desc(grads):
+    """``"6 float32 Tensor"``-style summary of a gradient list: count per
+    (dtype, Python type)."""
+    kinds = {}
+    for g in grads:
+        kind = type(g).__name__.replace("EagerTensor", "Tensor")
+        key = f"{g.dtype.name} {kind}"
+        kinds[key] = kinds.get(key, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+
+
+def _optimizer_control(ref, ours, ref_times, our_times):
+    """One sentence on the ``optimizer`` part: whether the two models'
+    ``optimizer.apply`` graphs hold the same ops and get gradients of the
+    same dtypes, types and shapes, and the part's per-round ratio
+    keras/ours (median, range). Where both hold, that part runs the same
+    code on the same sizes in both models, so its ratio is the run's noise
+    floor for memory-bound work, not a property of the layers."""
+    fn_r, g_r = ref.parts["optimizer"]
+    fn_o, g_o = ours.parts["optimizer"]
+    c_r, c_o = _op_type_counts(fn_r, g_r), _op_type_counts(fn_o, g_o)
+    same_graph = c_r == c_o
+    same_grads = ([(g.dtype, type(g), tuple(g.shape)) for g in g_r] ==
+                  [(g.dtype, type(g), tuple(g.shape)) for g in g_o])
+    ratios = [a / b for a, b in zip(ref_times, our_times)]
+    ratio = (f"its per-round ratio keras/ours is {statistics.median(ratios):.2f}"
+             f" (range {min(ratios):.2f}-{max(ratios):.2f})")
+    if same_graph and same_grads:
+        return (f"Optimizer part: both models' `optimizer.apply` graphs hold "
+                f"the same ops ({sum(c_r.values())}, counted by type) and get "
+                "the same gradients "
+                f"({_grads_desc(g_r)}, same shapes): the same code on the same "
+                f"sizes, so {ratio}: this run's noise for that part, not the "
+                "layers'.")
+    diff = sorted((t, (c_r.get(t, 0), c_o.get(t, 0)))
+                  for t in set(c_r) | set(c_o)
+                  if c_r.get(t, 0) != c_o.get(t, 0))
+    graphs = ("hold the same ops" if same_graph
+              else f"differ (op type: keras, ours) {diff}")
+    grads = (f"gradients keras {_grads_desc(g_r)}, ours {_grads_desc(g_o)}"
+             + ("" if same_grads else " (different dtypes, types or shapes)"))
+    return (f"Optimizer part: the two models' `optimizer.apply` graphs "
+            f"{graphs}; {grads}; {ratio}.")
 
 
 def _compiled_pair(seed):
@@ -560,6 +651,8 @@ def main(argv=None):
         v.make_parts(xb, yb)
         for fn, a in v.parts.values():  # trace + warm up every part
             _time(fn, a, 2)
+    for v in variants:
+        v.plans.clear()  # the timed calls' plans only
     names = list(ref.parts)
     res = {v.name: {n: [] for n in names} for v in variants}
     for r in range(args.rounds):
@@ -610,6 +703,14 @@ def main(argv=None):
                     f"skipped {int(s['zero_cols_skipped'])}/{int(s['k'])}")
     lines += ["", "SparseSplitDense statistics of the last call: " +
               "; ".join(dens) + "."]
+    if ours.plans:
+        lines += ["", "Plans of our backward products in the timed calls "
+                  "(all rows dense / split / all rows sparse): " + "; ".join(
+                      f"{n} {p.count('dense')}/{p.count('split')}/"
+                      f"{p.count('sparse')}" for n, p in ours.plans.items())
+                  + "."]
+    lines += ["", _optimizer_control(ref, ours, res["keras Dense"]["optimizer"],
+                                     res["SparseSplitDense"]["optimizer"])]
     md = markdown_table(
         "| part | keras Dense (ms) | SparseSplitDense (ms) | ratio keras/ours |",
         lines, title)

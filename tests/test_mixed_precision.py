@@ -358,6 +358,87 @@ def _mlp(sparse, seed=0):
               **extra)])
 
 
+def _relu_mlp(sparse, seed=0):
+    """784-style MLP of the bench, small: ReLU hidden layers, softmax out;
+    ours with ``masked_input_grad`` after a ReLU, as ``build_mlp`` does."""
+    keras.utils.set_random_seed(seed)
+    Dense = tfss.SparseSplitDense if sparse else keras.layers.Dense
+    extra = dict(masked_input_grad=True) if sparse else {}
+    return keras.Sequential([
+        keras.Input((40,)),
+        Dense(64, activation="relu", name="h1"),
+        Dense(48, activation="relu", name="h2", **extra),
+        Dense(4, activation="softmax", name="out", **extra)])
+
+
+def _op_types(fn, *args):
+    """``{op type: count}`` of the graph ``fn`` traces for ``args``."""
+    out = {}
+    for op in fn.get_concrete_function(*args).graph.get_operations():
+        out[op.type] = out.get(op.type, 0) + 1
+    return out
+
+
+def _step_parts(model, loss_fn):
+    """``(gradients(x, y), apply(*grads))``: a training step's gradient
+    and Adam update, each its own ``tf.function``."""
+    variables = model.trainable_variables
+    opt = keras.optimizers.Adam(1e-3)
+    opt.build(variables)
+
+    @tf.function
+    def gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return tape.gradient(loss, variables)
+
+    @tf.function
+    def apply(*g):
+        opt.apply(list(g), variables)
+
+    return gradients, apply
+
+
+def test_optimizer_gets_the_gradients_keras_dense_gives(policy, rng):
+    """What the layers hand ``optimizer.apply`` under a mixed policy is
+    what ``keras.layers.Dense`` hands it: one dense float32 ``tf.Tensor``
+    per trainable variable (no IndexedSlices, no 16-bit gradient that the
+    optimizer would cast), the same shapes, values within the dtype's
+    tolerance; the optimizer's update graph is then the same ops, and the
+    training step casts each variable and each gradient once, as Keras
+    does (no extra pass over weight-sized tensors)."""
+    dtype = _compute(policy)
+    x = tf.constant(np.abs(sparse_normal(rng, (32, 40), 0.6)))
+    y = tf.constant(rng.integers(0, 4, 32))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    models = [_relu_mlp(sparse=True), _relu_mlp(sparse=False)]
+    models[1].set_weights(models[0].get_weights())
+    grads, apply_ops, var_casts = [], [], []
+    for m in models:
+        variables = m.trainable_variables
+        gradients, apply = _step_parts(m, loss_fn)
+        g = gradients(x, y)
+        grads.append(g)
+        apply_ops.append(_op_types(apply, *g))
+        # Casts whose output has a variable's shape: the autocast of each
+        # variable in the forward pass and the cast of its gradient back.
+        shapes = [tuple(v.shape) for v in variables]
+        graph = gradients.get_concrete_function(x, y).graph
+        var_casts.append(sorted(
+            tuple(op.outputs[0].shape) for op in graph.get_operations()
+            if op.type == "Cast" and tuple(op.outputs[0].shape) in shapes))
+    ours, ref = grads
+    assert len(ours) == len(ref) == 6
+    for a, b, v in zip(ours, ref, models[0].trainable_variables):
+        assert type(a) is type(b) and isinstance(a, tf.Tensor)
+        assert a.dtype == b.dtype == v.dtype == tf.float32
+        assert a.shape == b.shape == v.shape
+        _assert_close(a, b, dtype, 8.0)
+    assert apply_ops[0] == apply_ops[1]
+    assert var_casts[0] == var_casts[1]
+    assert len(var_casts[0]) == 2 * len(shapes)
+
+
 def test_keras_round_trip_under_policy(policy, rng, tmp_path):
     model = _mlp(sparse=True)
     x = tf.constant(sparse_normal(rng, (9, 40), 0.5))
