@@ -607,7 +607,7 @@ def run_case(case, data, args, report, pngs):
 def _budget_kind(cb, later, budget):
     """'generous', 'unreachable' or 'binding' (see run_case's report)."""
     floors = cb.controller.floors if cb.controller is not None else {}
-    at_floor = [all(v <= floors.get(n, 0.0) + 0.01
+    at_floor = [all(v <= t.get("floors", floors).get(n, 0.0) + 0.01
                     for n, v in t["targets"].items()) for t in later]
     st = [t["seconds"] for t in later]
     if at_floor and np.mean(at_floor) >= 0.9 and np.median(st) <= budget:
@@ -642,7 +642,7 @@ def _binding_ratio(cb, later, budget, window=9):
     run = _running_median(st, window)
     keep = []
     for t, r in zip(later, run):
-        bought = any(v > floors.get(n, 0.0) + 0.01
+        bought = any(v > t.get("floors", floors).get(n, 0.0) + 0.01
                      for n, v in t["targets"].items()) or any(
             v > rfloors.get(n, v) + 0.01 for n, v in t["rates"].items()
             if n in rfloors)
