@@ -152,7 +152,7 @@ def test_fine_trim_aims_at_the_middle_of_the_band(model_err, frac):
     assert 0.95 <= np.median(measured[-150:]) / budget <= 1.05
     aims = [d.best_s / budget for d in c.log if d.action == "reallocate"]
     assert aims
-    assert all(0.95 <= a <= 1 - c.band / 2 + 1e-9 for a in aims), aims
+    assert all(0.95 <= a <= 1 - c.aim * c.band + 1e-9 for a in aims), aims
 
 
 def test_natural_sparsity_is_followed_at_the_floor():
@@ -691,6 +691,12 @@ def test_controller_bad_arguments():
     for bad in (-0.1, 1.0, float("nan")):
         with pytest.raises(ValueError, match="bound_gain"):
             B.BudgetController(["a"], bound_gain=bad)
+    for bad in (-0.1, 2.5, float("nan"), True, "x"):
+        with pytest.raises(ValueError, match="aim"):
+            B.BudgetController(["a"], aim=bad)
+    for bad in (0.0, -0.01, 0.6):
+        with pytest.raises(ValueError, match="fine_step"):
+            B.BudgetController(["a"], fine_step=bad)
     with pytest.raises(ValueError):
         B.robust_step_time([])
 

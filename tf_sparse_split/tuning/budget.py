@@ -785,8 +785,10 @@ class BudgetController:
         follows its target with a moving average).
       window: most recent steps the median is taken over (default 32).
       band: dead band: no change while ``budget * (1 - 2 band) <= measured
-        <= budget * (1 + band)`` (default 0.03); a change aims at the
-        band's middle, ``budget * (1 - band / 2)``.
+        <= budget * (1 + band)`` (default 0.03).
+      aim: a change aims at ``budget * (1 - aim * band)`` (in ``[0, 2]``;
+        default 0.5: the band's middle, so the next median lands inside
+        it whichever way the noise moves it).
       max_change: largest rise of one layer's target per decision
         (default 0.15; a fall is limited to half of it).
       model: a :class:`StepModel` (default ``StepModel()``).
@@ -844,7 +846,7 @@ class BudgetController:
                  settle=3, window=32, band=0.03, max_change=0.15, model=None,
                  rates=None, max_rate_change=0.1, min_gain=0.01, shift=0.3,
                  recheck=4, test_falls=True, bound_gain=0.05,
-                 track_natural=True, fine_step=None):
+                 track_natural=True, fine_step=None, aim=0.5):
         self.layers = list(layers)
         self.rate_knobs = dict(rates or {})
         if not self.layers and not self.rate_knobs:
@@ -879,6 +881,12 @@ class BudgetController:
         self.recheck = int(recheck)
         self.test_falls = bool(test_falls)
         self.bound_gain = _fraction(bound_gain, "bound_gain", hi=1.0)
+        try:
+            self.aim = math.nan if isinstance(aim, bool) else float(aim)
+        except (TypeError, ValueError):
+            self.aim = math.nan
+        if not 0.0 <= self.aim <= 2.0:
+            raise ValueError(f"`aim` must be in [0, 2]. Received: aim={aim!r}")
         self.track_natural = bool(track_natural)
         self.fine_step = (self.step / 5 if fine_step is None else
                           _fraction(fine_step, "fine_step", hi=0.5))
@@ -1121,10 +1129,11 @@ class BudgetController:
                          self.targets, self.rates)
             self._times = self._times[-self.min_samples:]
             return None
-        # Aim at the middle of the band, so that the next measurement lands
-        # in it whichever way the noise moves it (the trimming pass on
-        # ``fine_step`` ends the prediction just under the aim).
-        goal = budget_s * (1 - 0.5 * self.band)
+        # Aim at the middle of the band (``aim``), so that the next
+        # measurement lands in it whichever way the noise moves it (the
+        # trimming pass on ``fine_step`` ends the prediction just under the
+        # aim).
+        goal = budget_s * (1 - self.aim * self.band)
         alloc = allocate(costs, self.floors, self.sensitivities,
                          self.max_sparsity, goal, self.model, kappa=kappa,
                          step=self.step, rates=rate_knobs,
