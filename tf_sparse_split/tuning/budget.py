@@ -827,8 +827,7 @@ class BudgetController:
         the step (a small output layer) would spend accuracy on a miss a
         few percent smaller.
       track_natural: at each decision, a layer whose target is at its
-        floor (its cutoff off), or that measures more than one ``step``
-        over its target, takes the sparsity it measures
+        floor (its cutoff off) takes the sparsity it measures there
         (:meth:`set_actual`) as its floor and target (default True). A
         ReLU layer's natural sparsity grows as it trains: a floor kept at
         the warm-up's value makes every prediction at the floor, and at
@@ -1304,19 +1303,16 @@ class BudgetController:
         off: the sparsity they measure (:meth:`set_actual`) is their
         natural sparsity now, which becomes their floor and target (it
         grows as a ReLU layer trains; a floor left at the warm-up's value
-        would make the allocation keep sparsity that buys nothing). So
-        does a raised layer that measures more than one ``step`` above
-        its target."""
+        would make the allocation keep sparsity that buys nothing)."""
         for n in self.layers:
             a = self.actual.get(n)
             if a is None:
                 continue
             # Within 0.01 of the floor TimeBudgetCallback turns the cutoff
-            # off too. A raised layer that measures more than a ``step``
-            # over its target has outgrown it: a cutoff adds zeros to the
-            # ReLU's, never takes any away.
-            if self.targets[n] <= self.floors[n] + 0.01 + 1e-9 or \
-                    a > self.targets[n] + self.step:
+            # off too. (A raised layer's measured sparsity says nothing of
+            # its natural one: after a fall it runs over its target for a
+            # while, as the cutoff follows its target with a lag.)
+            if self.targets[n] <= self.floors[n] + 0.01 + 1e-9:
                 self.floors[n] = self.targets[n] = min(max(a, 0.0),
                                                        self.max_sparsity)
 
