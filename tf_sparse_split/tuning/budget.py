@@ -51,7 +51,9 @@ The pieces, each a small class or function:
   (median of the steps since the last change, at least ``min_samples`` of
   them, the first ``settle`` after a change left out), a dead band around
   the budget, re-allocation from the layers' natural sparsity each time it
-  is left (so sparsity falls again when the machine gets faster), limits
+  is left (so sparsity falls again when the machine gets faster; the
+  natural sparsity measured again whenever a layer sits at it, since it
+  grows as the layer trains), aimed at the band's middle, limits
   on the change per decision (a fall: half a rise; no limit on rises for
   the first move of a deadline from the natural sparsity, whose steps short
   of the allocation are lost time; falls judged against a cautious budget
