@@ -363,9 +363,9 @@ def matched_fixed_run(case, x, y, xt, yt, cb, spe, budget_med, args,
     3.). Returns a dict: targets, rates, median, mean, acc, tries,
     matched."""
     later = _after_first_epoch(cb, spe)
-    mean = _mean_targets(later)
+    mean = _mean_targets(later, _warmup_floors(cb))
     rates = _mean_rates(later)
-    floors = dict(cb.controller.floors)
+    floors = _warmup_floors(cb) or dict(cb.controller.floors)
     upper = cb.max_sparsity
     tried = []                              # (alpha, median, mean, acc, t)
     alpha = 0.0
@@ -414,11 +414,32 @@ def _mean_target(trace):
                           for t in trace]))
 
 
-def _mean_targets(trace):
-    """Each layer's mean sparsity target over the steps of a trace."""
+def _warmup_floors(cb):
+    """The layers' natural sparsity measured in the warm-up (the floors
+    of the first controlled step; the controller's floors follow the
+    natural sparsity as the layers train)."""
+    return dict(cb.trace[0].get("floors", {})) if cb.trace else {}
+
+
+def _mean_targets(trace, base=None):
+    """Each layer's mean sparsity target over the steps of a trace. With
+    ``base`` (``{layer: sparsity}``, :func:`_warmup_floors`), a step whose
+    target is at the floor in force (cutoff off: the layer at its natural
+    sparsity, whatever it has grown to) counts as ``base``: a fixed-target
+    run given that mean adds no zeros where the budget run added none,
+    rather than the natural sparsity of the later epochs from the start."""
     if not trace:
         return {}
-    return {n: float(np.mean([t["targets"][n] for t in trace]))
+    base = base or {}
+
+    def value(t, n):
+        v = t["targets"][n]
+        fl = t.get("floors", {})
+        if n in base and n in fl and v <= fl[n] + 0.01:
+            return base[n]
+        return v
+
+    return {n: float(np.mean([value(t, n) for t in trace]))
             for n in trace[0]["targets"]}
 
 
@@ -490,7 +511,7 @@ def run_case(case, data, args, report, pngs):
                                         seed=seed)
             later = _after_first_epoch(cb, spe)
             st = np.array([t["seconds"] for t in later])
-            mean_t = _mean_targets(later)
+            mean_t = _mean_targets(later, _warmup_floors(cb))
             mean_r = _mean_rates(later)
             fx = matched_fixed_run(case, x, y, xt, yt, cb, spe,
                                    float(np.median(st)), args, seed=seed)
@@ -579,7 +600,9 @@ def run_case(case, data, args, report, pngs):
         "(points) |", rows))
     report.append(
         "\nThe fixed-target run has the budget run's per-layer mean targets "
-        "(and mean dropout rates) after epoch 1, with the same seed"
+        "(and mean dropout rates) after epoch 1 (a step with a layer's "
+        "target at its floor, the cutoff off, counts as the natural "
+        "sparsity measured in the warm-up), with the same seed"
         + (f", then up to {args.match_tries} fits matching "
            "its median step" if args.match_tries > 1 else "") +
         f"; '(not matched)' marks a fixed run whose median step is more "
@@ -607,7 +630,7 @@ def run_case(case, data, args, report, pngs):
 def _budget_kind(cb, later, budget):
     """'generous', 'unreachable' or 'binding' (see run_case's report)."""
     floors = cb.controller.floors if cb.controller is not None else {}
-    at_floor = [all(v <= floors.get(n, 0.0) + 0.01
+    at_floor = [all(v <= t.get("floors", floors).get(n, 0.0) + 0.01
                     for n, v in t["targets"].items()) for t in later]
     st = [t["seconds"] for t in later]
     if at_floor and np.mean(at_floor) >= 0.9 and np.median(st) <= budget:
@@ -642,7 +665,7 @@ def _binding_ratio(cb, later, budget, window=9):
     run = _running_median(st, window)
     keep = []
     for t, r in zip(later, run):
-        bought = any(v > floors.get(n, 0.0) + 0.01
+        bought = any(v > t.get("floors", floors).get(n, 0.0) + 0.01
                      for n, v in t["targets"].items()) or any(
             v > rfloors.get(n, v) + 0.01 for n, v in t["rates"].items()
             if n in rfloors)

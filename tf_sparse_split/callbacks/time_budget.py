@@ -524,7 +524,10 @@ class TimeBudgetCallback(keras.callbacks.Callback):
       decisions: its log (list of
         :class:`~tf_sparse_split.tuning.budget.Decision`).
       trace: one dict per timed step: ``step``, ``seconds``, ``budget_s``,
-        ``targets`` (``{layer: sparsity}``), ``rates`` (``{layer: rate}``).
+        ``targets`` (``{layer: sparsity}``), ``rates`` (``{layer: rate}``),
+        ``floors`` (``{layer: sparsity}``: the natural sparsity the
+        controller holds for each layer then; it follows the layer's
+        measured sparsity while its target is at the floor).
       history: one dict per epoch with the logged values.
       elapsed_s: seconds from ``on_train_begin`` to ``on_train_end`` (after
         the fit).
@@ -882,7 +885,8 @@ class TimeBudgetCallback(keras.callbacks.Callback):
         self.trace.append({"step": self._step, "seconds": dt,
                            "budget_s": budget,
                            "targets": dict(c.targets),
-                           "rates": self._rates()})
+                           "rates": self._rates(),
+                           "floors": dict(c.floors)})
 
     # -- warm-up: natural sparsity, then one probe per LSTM rate -------------
     def _warmup_step(self):

@@ -51,7 +51,9 @@ The pieces, each a small class or function:
   (median of the steps since the last change, at least ``min_samples`` of
   them, the first ``settle`` after a change left out), a dead band around
   the budget, re-allocation from the layers' natural sparsity each time it
-  is left (so sparsity falls again when the machine gets faster), limits
+  is left (so sparsity falls again when the machine gets faster; the
+  natural sparsity measured again whenever a layer sits at it, since it
+  grows as the layer trains), aimed at the band's middle, limits
   on the change per decision (a fall: half a rise; no limit on rises for
   the first move of a deadline from the natural sparsity, whose steps short
   of the allocation are lost time; falls judged against a cautious budget
@@ -516,7 +518,7 @@ def marginal_loss(sensitivity, floor, upper, s0, s1):
 
 def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
              step=0.05, start=None, rates=None, rate_step=0.05,
-             min_saving_s=0.0, fixed=None):
+             min_saving_s=0.0, fixed=None, fine_step=None):
     """Per-layer sparsities (and dropout rates) that meet a predicted step
     time at the least predicted loss (greedy; module docstring).
 
@@ -527,7 +529,8 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
     saving the measurement cannot see). Once the goal is met, a trimming
     pass lowers each knob as far as the goal still allows -- rates first,
     then the layers from the most sensitive -- since a greedy move past an
-    op's break-even can overshoot.
+    op's break-even can overshoot; the layers' targets on a grid of
+    ``fine_step``, so the prediction ends just under the goal.
 
     Args:
       costs: ``{layer: LayerCost}``.
@@ -546,6 +549,8 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
       min_saving_s: least predicted seconds a move must save (default 0).
       fixed: optional ``{layer: reason}``: layers kept where they start
         (their reason is logged as given).
+      fine_step: grid of the layers' targets in the trimming pass
+        (default ``step``: the greedy grid).
 
     Returns:
       :class:`Allocation`.
@@ -632,7 +637,9 @@ def allocate(costs, floors, sensitivities, upper, goal_s, model, kappa=1.0,
         order = [k for k in knobs if k[0] == "rate"] + sorted(
             (k for k in knobs if k[0] == "act"), key=lambda k: -sens[k[1]])
         for kind, n in order:
-            _, _, lv_list, _ = bounds(kind, n)
+            lo, hi, lv_list, _ = bounds(kind, n)
+            if kind == "act" and fine_step:
+                lv_list = _levels(lo, hi, fine_step)
             c0 = settings(kind)[n]
             for lv in lv_list:
                 if lv >= c0 - 1e-9:
@@ -781,6 +788,9 @@ class BudgetController:
       window: most recent steps the median is taken over (default 32).
       band: dead band: no change while ``budget * (1 - 2 band) <= measured
         <= budget * (1 + band)`` (default 0.03).
+      aim: a change aims at ``budget * (1 - aim * band)`` (in ``[0, 2]``;
+        default 0.5: the band's middle, so the next median lands inside
+        it whichever way the noise moves it).
       max_change: largest rise of one layer's target per decision
         (default 0.15; a fall is limited to half of it).
       model: a :class:`StepModel` (default ``StepModel()``).
@@ -818,6 +828,16 @@ class BudgetController:
         budget is missed either way; a layer that buys only a sliver of
         the step (a small output layer) would spend accuracy on a miss a
         few percent smaller.
+      track_natural: at each decision, a layer whose target is at its
+        floor (its cutoff off) takes the sparsity it measures there
+        (:meth:`set_actual`) as its floor and target (default True). A
+        ReLU layer's natural sparsity grows as it trains: a floor kept at
+        the warm-up's value makes every prediction at the floor, and at
+        the levels between it and the natural sparsity now, too slow, and
+        the allocation then keeps sparsity the budget does not need.
+      fine_step: grid of the trimming pass of :func:`allocate` (default
+        ``step / 5``): the targets end just under the goal rather than up
+        to one ``step`` below it.
 
     Raises:
       ValueError: bad arguments.
@@ -826,7 +846,8 @@ class BudgetController:
     def __init__(self, layers, max_sparsity=0.95, step=0.05, min_samples=8,
                  settle=3, window=32, band=0.03, max_change=0.15, model=None,
                  rates=None, max_rate_change=0.1, min_gain=0.01, shift=0.3,
-                 recheck=4, test_falls=True, bound_gain=0.05):
+                 recheck=4, test_falls=True, bound_gain=0.05,
+                 track_natural=True, fine_step=None, aim=0.5):
         self.layers = list(layers)
         self.rate_knobs = dict(rates or {})
         if not self.layers and not self.rate_knobs:
@@ -861,6 +882,18 @@ class BudgetController:
         self.recheck = int(recheck)
         self.test_falls = bool(test_falls)
         self.bound_gain = _fraction(bound_gain, "bound_gain", hi=1.0)
+        try:
+            self.aim = math.nan if isinstance(aim, bool) else float(aim)
+        except (TypeError, ValueError):
+            self.aim = math.nan
+        if not 0.0 <= self.aim <= 2.0:
+            raise ValueError(f"`aim` must be in [0, 2]. Received: aim={aim!r}")
+        self.track_natural = bool(track_natural)
+        self.fine_step = (self.step / 5 if fine_step is None else
+                          _fraction(fine_step, "fine_step", hi=0.5))
+        if self.fine_step <= 0:
+            raise ValueError(f"`fine_step` must be > 0. Received: "
+                             f"fine_step={fine_step!r}")
         if not math.isfinite(self.shift) or self.shift <= 0:
             raise ValueError(f"`shift` must be > 0. Received: shift={shift!r}")
         for name, knob in self.rate_knobs.items():
@@ -1054,6 +1087,8 @@ class BudgetController:
             return None
         self._fresh = 0
         self._held = True
+        if self.track_natural:
+            self._track_natural()
         budget_s = float(budget_s)
         m = self.measured()
         x_now = self._x({n: self.actual.get(n, self.targets[n])
@@ -1095,12 +1130,16 @@ class BudgetController:
                          self.targets, self.rates)
             self._times = self._times[-self.min_samples:]
             return None
-        # Aim a little inside the band so the next measurement lands in it.
-        goal = budget_s * (1 - self.band)
+        # Aim at the middle of the band (``aim``), so that the next
+        # measurement lands in it whichever way the noise moves it (the
+        # trimming pass on ``fine_step`` ends the prediction just under the
+        # aim).
+        goal = budget_s * (1 - self.aim * self.band)
         alloc = allocate(costs, self.floors, self.sensitivities,
                          self.max_sparsity, goal, self.model, kappa=kappa,
                          step=self.step, rates=rate_knobs,
-                         min_saving_s=self.min_gain * m)
+                         min_saving_s=self.min_gain * m,
+                         fine_step=self.fine_step)
         if not alloc.reachable and self.bound_gain > 0:
             small = self._small_savers(kappa, m)
             if small:
@@ -1108,7 +1147,8 @@ class BudgetController:
                                  self.max_sparsity, goal, self.model,
                                  kappa=kappa, step=self.step,
                                  rates=rate_knobs,
-                                 min_saving_s=self.min_gain * m, fixed=small)
+                                 min_saving_s=self.min_gain * m, fixed=small,
+                                 fine_step=self.fine_step)
         # Rises are limited to max_change per decision (none with
         # ``jump``), falls to half of it (a fall that overshoots breaks the
         # budget; one that is short only leaves a little accuracy for the
@@ -1256,9 +1296,27 @@ class BudgetController:
         if not raised:
             return None
         n = max(raised, key=lambda n: (self.sensitivities.get(n) or 0.0))
-        below = [v for v in _levels(self.floors[n], self.max_sparsity,
-                                    self.step) if v < targets[n] - 1e-9]
-        return n, below[-1], why
+        # One ``step`` down (the trimming pass leaves targets off the
+        # greedy grid), not below the floor.
+        return n, max(targets[n] - self.step, self.floors[n]), why
+
+    def _track_natural(self):
+        """Layers whose target is at the floor run with their cutoff
+        off: the sparsity they measure (:meth:`set_actual`) is their
+        natural sparsity now, which becomes their floor and target (it
+        grows as a ReLU layer trains; a floor left at the warm-up's value
+        would make the allocation keep sparsity that buys nothing)."""
+        for n in self.layers:
+            a = self.actual.get(n)
+            if a is None:
+                continue
+            # Within 0.01 of the floor TimeBudgetCallback turns the cutoff
+            # off too. (A raised layer's measured sparsity says nothing of
+            # its natural one: after a fall it runs over its target for a
+            # while, as the cutoff follows its target with a lag.)
+            if self.targets[n] <= self.floors[n] + 0.01 + 1e-9:
+                self.floors[n] = self.targets[n] = min(max(a, 0.0),
+                                                       self.max_sparsity)
 
     def _record(self, budget, measured, predicted, kappa, action, reachable,
                 reasons, targets, rates, best_s=math.nan):
