@@ -77,3 +77,14 @@ def rw():
     rewrite.reset_counters()
     rewrite.log(clear=True)
     rewrite._take_missed()
+
+
+@pytest.fixture
+def mixed_bfloat16_policy():
+    """Keras' global dtype policy set to ``mixed_bfloat16`` for the test,
+    the previous one restored after it."""
+    import keras
+    old = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    yield
+    keras.mixed_precision.set_global_policy(old)

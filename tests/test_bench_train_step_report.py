@@ -53,20 +53,13 @@ class _Variant:
         self.parts = {"optimizer": (apply, grads)}
 
 
-@pytest.fixture
-def mixed_bfloat16():
-    old = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    yield
-    keras.mixed_precision.set_global_policy(old)
-
-
 def _data(rng):
     x = tf.constant(np.abs(rng.standard_normal((8, 12))).astype(np.float32))
     return x, tf.constant(rng.integers(0, 3, 8))
 
 
-def test_same_update_is_reported_as_noise(bench, rng, mixed_bfloat16):
+def test_same_update_is_reported_as_noise(bench, rng,
+                                          mixed_bfloat16_policy):
     x, y = _data(rng)
     ref = _Variant(False, keras.optimizers.Adam(1e-3), x, y)
     ours = _Variant(True, keras.optimizers.Adam(1e-3), x, y)
@@ -79,7 +72,7 @@ def test_same_update_is_reported_as_noise(bench, rng, mixed_bfloat16):
     assert "noise" in text
 
 
-def test_a_different_update_is_named(bench, rng, mixed_bfloat16):
+def test_a_different_update_is_named(bench, rng, mixed_bfloat16_policy):
     x, y = _data(rng)
     ref = _Variant(False, keras.optimizers.Adam(1e-3), x, y)
     ours = _Variant(True, keras.optimizers.Adam(1e-3, clipnorm=1.0), x, y)

@@ -22,14 +22,6 @@ _OURS = ("TfSparseSplit>SparseSplitMatMul", "TfSparseSplit>SparseSplitSddmm",
          "TfSparseSplit>BiasFatRelu", "TfSparseSplit>BiasFatReluGrad")
 
 
-@pytest.fixture
-def bf16_policy():
-    old = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    yield
-    keras.mixed_precision.set_global_policy(old)
-
-
 def _mlp(fat):
     """784 -> 32 -> 32 -> 10 of SparseSplitDense; hidden activations
     FATReLU (``fat``) or relu; inputs of the second and third layer
@@ -72,7 +64,8 @@ def _producer(graph, tensor_name):
 
 
 @pytest.mark.parametrize("fat", [False, True], ids=["relu", "fatrelu"])
-def test_no_float32_round_trips_around_our_ops(bf16_policy, rng, fat):
+def test_no_float32_round_trips_around_our_ops(mixed_bfloat16_policy, rng,
+                                               fat):
     model = _mlp(fat)
     x = tf.constant(np.abs(sparse_normal(rng, (16, 48), 0.6)), tf.float32)
     y = tf.constant(rng.integers(0, 10, 16), tf.int32)
@@ -108,7 +101,7 @@ def test_no_float32_round_trips_around_our_ops(bf16_policy, rng, fat):
     assert np.isfinite(loss.numpy())
 
 
-def test_fatrelu_fused_with_bias_in_train_step(bf16_policy, rng):
+def test_fatrelu_fused_with_bias_in_train_step(mixed_bfloat16_policy, rng):
     model = _mlp(True)
     x = tf.constant(np.abs(sparse_normal(rng, (16, 48), 0.6)), tf.float32)
     y = tf.constant(rng.integers(0, 10, 16), tf.int32)
