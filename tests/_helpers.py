@@ -53,6 +53,20 @@ def mnist_dir():
     return Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
 
 
+def import_benchmark(name):
+    """The module ``benchmarks/<name>.py`` (the scripts import their shared
+    ``_common`` from their own directory, which is on ``sys.path`` only
+    while they are imported)."""
+    import importlib
+
+    path = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, path)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(path)
+
+
 def kernels_or_skip():
     """The pybind11 module of the core kernels, for a test module's
     import: without a built library the whole module is skipped with the

@@ -280,16 +280,9 @@ def test_time_budget_clock_must_be_callable():
 ])
 def test_bench_train_step_refuses_bad_flags_before_running(argv, flag,
                                                            capsys):
-    import importlib
-    import sys
-    from pathlib import Path
+    from _helpers import import_benchmark
 
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        mod = importlib.import_module("bench_train_step")
-    finally:
-        sys.path.remove(str(bench))
+    mod = import_benchmark("bench_train_step")
     with pytest.raises(SystemExit) as e:
         mod.main(argv)
     assert e.value.code == 2

@@ -3,24 +3,17 @@ table row per first op and next width, the next layer's time after TF's
 own kernel as the ratios' reference, finite positive times (what is timed
 is not checked: timings belong to the benchmarks)."""
 
-import importlib
 import re
-import sys
-from pathlib import Path
 
 import pytest
+from _helpers import import_benchmark
 
 pytestmark = pytest.mark.usefixtures("op_library")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(path))
-    try:
-        return importlib.import_module("bench_downstream")
-    finally:
-        sys.path.remove(str(path))
+    return import_benchmark("bench_downstream")
 
 
 def test_report_has_a_row_per_first_op_and_next_width(bench, tmp_path):

@@ -4,15 +4,13 @@ gradients are the same when they are, names what differs when they are
 not, and gives the part's per-round ratio: medians and ranges of given
 times, no timing here) and the plans of our backward products."""
 
-import importlib
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _helpers import import_benchmark
 
 import tf_sparse_split as tfss
 
@@ -21,12 +19,7 @@ pytestmark = pytest.mark.usefixtures("op_library")
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(path))
-    try:
-        return importlib.import_module("bench_train_step")
-    finally:
-        sys.path.remove(str(path))
+    return import_benchmark("bench_train_step")
 
 
 class _Variant:
