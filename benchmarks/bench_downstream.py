@@ -12,8 +12,9 @@ the same with ``a_is_sparse=True`` (the alternative a user has), and
 (threshold -1), forced all-sparse (threshold 1) and forced all-dense
 (threshold 0) -- it times two ``tf.function``s: the first op alone, and the
 first op followed by the next layer ``relu(h @ w1 + b1)`` (TensorFlow's
-op). In every round the variants run in a shuffled order, ``--reps`` calls
-each; the next layer's time after a first op is the round's chain time minus
+op). In every round the variants run in turn, ``--reps`` calls each, the
+order rotated from round to round (``interleaved_blocks``); the next
+layer's time after a first op is the round's chain time minus
 its first-op time, and the table gives the median over rounds, its
 interquartile range, and its ratio to the next layer's time after
 TensorFlow's first op in the same rounds (> 1: the next layer is slower).
@@ -30,11 +31,11 @@ Usage: ``python benchmarks/bench_downstream.py [--batch 32] [--k 784]
 
 import argparse
 import os
-import time
 
 import numpy as np
 
-from _common import load_mnist_or_digits, markdown_table, tf_machine_desc, write_report
+from _common import (interleaved_blocks, load_mnist_or_digits, markdown_table,
+                     tf_machine_desc, write_report)
 
 FIRSTS = (("tf", None), ("tf a_is_sparse", "a_is_sparse"),
           ("ours auto", -1.0), ("ours all-sparse", 1.0),
@@ -87,18 +88,9 @@ def run(args):
         for f in fns.values():
             for _ in range(args.warmup):
                 f()
-        times = {key: [] for key in fns}
-        keys = list(fns)
-        order = np.random.default_rng(args.seed + 1)
-        for _ in range(args.rounds):
-            order.shuffle(keys)
-            for key in keys:
-                f = fns[key]
-                t0 = time.perf_counter()
-                for _ in range(args.reps):
-                    out = f()
-                out.numpy()
-                times[key].append((time.perf_counter() - t0) / args.reps)
+        times = interleaved_blocks(
+            {key: (lambda i, f=f: f()) for key, f in fns.items()},
+            args.rounds, args.reps)
         nxt = {name: np.array(times[(name, "chain")]) - np.array(times[(name, "alone")])
                for name, _ in FIRSTS}
         for name, _ in FIRSTS:
