@@ -1,6 +1,8 @@
 """The convolution ops' cheap analysis (``full_stats=False``: a strided
 sample of every image's pixels, or no count at all, on calls the cost model
-keeps all-dense; then TF's (fused) kernel on the op's inputs).
+keeps all-dense, then TF's (fused) kernel on the op's inputs; and a sample
+that the forward's all-sparse calls decide on when their sparse kernel, the
+direct one, needs no counts).
 
 The decision tests run the ops' cost model (cc/core/cost_model.h,
 ChooseAnalysis and its helpers) through the pybind11 module on the
@@ -125,6 +127,42 @@ def test_pixel_sample_stride_and_estimate():
         assert K.sample_says_dense(shape, est, terms) is dense, density
 
 
+def test_all_sparse_plan_decides_on_a_sample_between_full_counts():
+    """An op whose sparse kernel reads no counts (the forward's direct
+    kernel: AnalysisPolicy sample_all_sparse) decides its all-sparse plan
+    on a sample of the pixels, with a full count every FullCountPeriod
+    calls (weighed against the plan's predicted time); a split, a
+    compaction, exact statistics or an op that needs the counts (the
+    policy's default, the matmul ops' CSR) count everything."""
+    r = _record("conv_2", 32)
+    terms, shape = _terms(r), _shape(r)
+    ap = dict(K.analysis_policy_defaults(), sample_all_sparse=True)
+    assert K.analysis_policy_defaults()["sample_all_sparse"] is False
+    sparse = dict(kind="all_sparse", bucket=32, threshold=1.0, compact=False,
+                  predicted_s=2.5e-3)
+    choose = lambda h, prev, **kw: K.choose_analysis(  # noqa: E731
+        shape, terms, h, prev, COUNT_S, **kw)
+    assert choose(_history(), sparse, analysis_policy=ap) == "sample_sparse"
+    assert choose(_history(), sparse) == "full"
+    assert choose(_history(), sparse, analysis_policy=ap,
+                  full_stats=True) == "full"
+    assert choose(_history(), dict(sparse, compact=True),
+                  analysis_policy=ap) == "full"
+    split = dict(kind="split", bucket=10, threshold=10 / 32, compact=False)
+    assert choose(_history(), split, analysis_policy=ap) == "full"
+    # The all-dense regime is unchanged by the policy.
+    assert choose(_history(), ALL_DENSE, analysis_policy=ap) == "sample"
+    # Nothing counted yet: the first call counts fully.
+    first = _history(seen_full=False, calls_since_full=0)
+    assert choose(first, sparse, analysis_policy=ap) == "full"
+    period = K.full_count_period(COUNT_S * 32 * 28 * 28 * 32, 2.5e-3, ap)
+    assert period >= 2
+    assert choose(_history(calls_since_full=period - 2), sparse,
+                  analysis_policy=ap) == "sample_sparse"
+    assert choose(_history(calls_since_full=period - 1), sparse,
+                  analysis_policy=ap) == "full"
+
+
 def test_tiny_layer_skips_the_count():
     """A layer whose whole dense call is below the policy's minimum gain
     cannot gain from any plan: its calls count nothing."""
@@ -146,10 +184,17 @@ def _check_stats(st, n, k, nnz):
         assert st[S.NNZ] == nnz
         assert st[S.HISTOGRAM].sum() == n
         return mode
-    assert st[S.ROWS_DENSE] == n and st[S.ROWS_SPARSE] == 0
-    assert st[S.NNZ_SPARSE] == 0 and st[S.ZERO_COLS_SKIPPED] == 0
-    assert st[S.THRESHOLD] == 0.0
+    # Without a full count nothing is compacted; a sample either said
+    # all-dense or (the forward's all-sparse plan, decided on the sample's
+    # estimate) sends images to the direct kernel.
+    assert st[S.ZERO_COLS_SKIPPED] == 0
+    if st[S.ROWS_SPARSE] == 0:
+        assert st[S.NNZ_SPARSE] == 0 and st[S.THRESHOLD] == 0.0
+    else:
+        assert mode == S.ANALYSIS_SAMPLED
+        assert 0 < st[S.NNZ_SPARSE] <= st[S.NNZ]
     if mode == S.ANALYSIS_SKIPPED:
+        assert st[S.ROWS_DENSE] == n and st[S.ROWS_SPARSE] == 0
         assert np.isnan(st[S.NNZ]) and st[S.HISTOGRAM].sum() == 0
     else:
         assert st[S.HISTOGRAM].sum() == pytest.approx(n)
@@ -318,3 +363,113 @@ def test_layer_asks_full_stats_only_when_recording(training, want):
     (op,) = [o for o in graph.get_operations()
              if o.type == "TfSparseSplit>SparseSplitConv2D"]
     assert op.get_attr("full_stats") is want
+
+
+def _off_sample_images(rng, n, h, w, ci):
+    """ReLU-like images, one all-zero and two whose nonzeros lie only on
+    pixels a strided sample from pixel 0 with a stride of 16 or more skips
+    (raster pixels 1 and H*W - 2)."""
+    x = random_sparse_images((n, h, w, ci), 0.7, rng)
+    x[1] = 0.0
+    x[2] = 0.0
+    x[2, 0, 1, :] = rng.uniform(0.5, 1.5, ci)
+    x[3] = 0.0
+    x[3, h - 1, w - 2, : ci // 2] = rng.uniform(0.5, 1.5, ci // 2)
+    return x
+
+
+@pytest.mark.usefixtures("op_library")
+@pytest.mark.parametrize("fused", [False, True])
+def test_given_threshold_one_samples_and_runs_every_image(fused, monkeypatch):
+    """A given threshold of 1 (every image sparse) without full_stats
+    counts only a sample when the sparse kernel is the direct one: the
+    statistics say sampled with an estimated nnz, every image runs (an
+    all-zero one and images whose nonzeros the sample misses included) and
+    the output equals the reference; with full_stats every value is
+    counted. The pixel-CSR kernel, which is sized by exact counts, always
+    gets them."""
+    rng = np.random.default_rng([7, fused])
+    n, h, w, ci, co = 6, 20, 20, 16, 24
+    f = rng.uniform(-0.5, 0.5, (3, 3, ci, co)).astype(np.float32)
+    b = rng.uniform(-1, 1, co).astype(np.float32)
+    kw = dict(bias=b, activation="relu") if fused else {}
+    x = _off_sample_images(rng, n, h, w, ci)
+    ref = (reference_conv2d_bias_act(x, f, b, "relu", 1, "SAME") if fused
+           else reference_conv2d(x, f, 1, "SAME"))
+    nnz = np.count_nonzero(x)
+    monkeypatch.setenv("TFSS_CONV_SPARSE_KERNEL", "direct")
+    for _ in range(3):
+        got, st = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=1.0,
+                                           return_stats=True,
+                                           full_stats=False, **kw)
+        st = st.numpy()
+        assert relative_error(got, ref) <= 1e-5
+        assert st[S.ANALYSIS] == S.ANALYSIS_SAMPLED
+        assert st[S.ROWS_SPARSE] == n and st[S.ROWS_DENSE] == 0
+        assert st[S.HISTOGRAM].sum() == pytest.approx(n)
+        assert st[S.ZERO_COLS_SKIPPED] == 0
+        # Estimated: every image at least one nonzero, at most all values.
+        assert n <= st[S.NNZ] <= n * h * w * ci
+    got, st = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=1.0,
+                                       return_stats=True, full_stats=True,
+                                       **kw)
+    assert relative_error(got, ref) <= 1e-5
+    assert st.numpy()[S.ANALYSIS] == S.ANALYSIS_FULL
+    assert st.numpy()[S.NNZ] == nnz
+    monkeypatch.setenv("TFSS_CONV_SPARSE_KERNEL", "csr")
+    got, st = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=1.0,
+                                       return_stats=True, full_stats=False,
+                                       **kw)
+    assert relative_error(got, ref) <= 1e-5
+    assert st.numpy()[S.ANALYSIS] == S.ANALYSIS_FULL
+    assert st.numpy()[S.NNZ] == nnz
+
+
+@pytest.mark.usefixtures("op_library")
+def test_automatic_calls_equal_reference_on_off_sample_images(monkeypatch):
+    """Automatic calls without full_stats on 97%-zero batches (the plan may
+    go all-sparse and then decide on samples) equal the reference on fresh
+    batches that hold an all-zero image and images whose nonzeros a sample
+    misses, whatever each call counted."""
+    rng = np.random.default_rng(11)
+    n, h, w, ci, co = 8, 20, 20, 16, 24
+    f = rng.uniform(-0.5, 0.5, (3, 3, ci, co)).astype(np.float32)
+    monkeypatch.setenv("TFSS_CONV_SPARSE_KERNEL", "direct")
+
+    @tf.function
+    def cheap(x):
+        return tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=-1.0,
+                                        return_stats=True, full_stats=False)
+
+    for _ in range(40):
+        x = _off_sample_images(rng, n, h, w, ci)
+        x[4:] *= rng.random(x[4:].shape) < 0.1
+        got, st = cheap(x)
+        assert relative_error(got, reference_conv2d(x, f, 1, "SAME")) <= 1e-5
+        _check_stats(st.numpy(), n, h * w * ci, np.count_nonzero(x))
+
+
+@pytest.mark.usefixtures("op_library")
+def test_filter_grad_given_threshold_one_samples(monkeypatch):
+    """The filter gradient with a given threshold of 1 and full_stats false
+    counts a sample when the direct kernel runs; the gradient equals the
+    reference on images the sample misses (and on an all-zero one)."""
+    lib = load_library()
+    rng = np.random.default_rng(23)
+    n, h, w, ci, co = 6, 20, 20, 16, 24
+    fsize = [3, 3, ci, co]
+    x = _off_sample_images(rng, n, h, w, ci)
+    dy = rng.uniform(-1, 1, (n, h, w, co)).astype(np.float32)
+    ref = reference_conv2d_filter_grad(x, fsize, dy, 1, "SAME")
+    monkeypatch.setenv("TFSS_CONV_SPARSE_KERNEL", "direct")
+    for full_stats, mode in ((False, S.ANALYSIS_SAMPLED),
+                             (True, S.ANALYSIS_FULL)):
+        got, st = lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+            x, fsize, dy, 1.0, strides=[1, 1, 1, 1], padding="SAME",
+            full_stats=full_stats)
+        st = st.numpy()
+        assert relative_error(got, ref) <= 1e-5
+        assert st[S.ANALYSIS] == mode
+        assert st[S.ROWS_SPARSE] == n
+        if full_stats:
+            assert st[S.NNZ] == np.count_nonzero(x)

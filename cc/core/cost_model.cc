@@ -492,6 +492,17 @@ AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
   if (full_stats || !s.dense_allowed || !t.dense_known() ||
       !t.sparse_known() || !h.seen_full || !(count_s_per_elem > 0.0))
     return AnalysisMode::kFull;
+  if (previous != nullptr && previous->kind == PlanKind::kAllSparse &&
+      !previous->compact && ap.sample_all_sparse) {
+    // An all-sparse plan decides on a sample's estimate between periodic
+    // full counts (weighed against the plan's own predicted time).
+    const double count_s = count_s_per_elem * static_cast<double>(s.m) *
+                           static_cast<double>(s.k);
+    if (h.calls_since_full + 1 >=
+        FullCountPeriod(count_s, previous->predicted_s, ap))
+      return AnalysisMode::kFull;
+    return AnalysisMode::kSampleSparse;
+  }
   // In a regime with sparse rows or compaction the exact counts decide.
   if (previous == nullptr || previous->kind != PlanKind::kAllDense ||
       previous->compact)

@@ -510,7 +510,21 @@ class SplitCall {
 
   // Whether the call runs all-dense without a full count (SkipAnalysis or
   // AcceptSample).
-  bool dense_without_count() const { return stats_[kStatAnalysis] != kAnalysisFull; }
+  bool dense_without_count() const { return dense_now_; }
+
+  // The op counted a strided sample instead of every value and goes on to
+  // Decide on its estimated row counts (AnalysisMode::kSampleSparse, or a
+  // given threshold of 1 where the op's sparse kernel needs no counts):
+  // the statistics say kAnalysisSampled (kStatNnz the estimate Finish is
+  // given), and the op's memory counts the call as one without a full
+  // count (its periodic full count comes on schedule).
+  void MarkSampledCount() {
+    stats_[kStatAnalysis] = kAnalysisSampled;
+    sampled_count_ = true;
+  }
+  bool sampled_count() const { return sampled_count_; }
+  // The threshold the call was given (< 0: automatic).
+  float threshold_in() const { return threshold_in_; }
 
   // Statistics of a call with no work on m rows whose nonzeros are
   // row_nnz[m] (null: none counted, every row in the lowest bin).
@@ -637,7 +651,8 @@ class SplitCall {
       int64_t zero_rows = 0;
       for (int64_t i = 0; i < shape.m; ++i) zero_rows += row_nnz[i] == 0;
       memory->RecordAnalysis(
-          true, shape.m > 0 ? static_cast<double>(zero_rows) / shape.m : 0.0,
+          !sampled_count_,
+          shape.m > 0 ? static_cast<double>(zero_rows) / shape.m : 0.0,
           shape.k > 0 ? static_cast<double>(shape.k - shape.k_live) / shape.k
                       : 0.0,
           ContinueBackoffFrom());
@@ -846,6 +861,7 @@ class SplitCall {
   bool calibration_check_ = false;  // set_calibration_check
   CostTerms calibration_;    // the family's calibration terms (Decide)
   bool dense_now_ = false;   // all dense without a count (SetAllDense)
+  bool sampled_count_ = false;  // MarkSampledCount
   bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
   // ChooseAnalysis: the back-off led to a full count (a sample, or a
   // periodic count amid it), and the history's samples_dense before it.

@@ -503,6 +503,7 @@ Plan PlanOf(const py::dict& d) {
   p.bucket = Get<int>(d, "bucket", -1);
   p.threshold = Get<double>(d, "threshold", 0.0);
   p.compact = Get<bool>(d, "compact", false);
+  p.predicted_s = Get<double>(d, "predicted_s", 0.0);
   return p;
 }
 
@@ -790,8 +791,11 @@ AnalysisPolicy AnalysisPolicyOf(const py::object& o) {
   if (o.is_none()) return p;
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"min_period", "max_period", "full_budget", "sample_budget",
-                  "min_sample_rows", "near_margin", "max_sample_period"},
+                  "min_sample_rows", "near_margin", "max_sample_period",
+                  "sample_all_sparse"},
               "analysis policy");
+  p.sample_all_sparse =
+      Get<bool>(d, "sample_all_sparse", p.sample_all_sparse);
   p.min_period = Get<int>(d, "min_period", p.min_period);
   p.max_period = Get<int>(d, "max_period", p.max_period);
   p.full_budget = Get<double>(d, "full_budget", p.full_budget);
@@ -833,6 +837,7 @@ const char* ModeName(AnalysisMode m) {
     case AnalysisMode::kFull: return "full";
     case AnalysisMode::kSample: return "sample";
     case AnalysisMode::kSkip: return "skip";
+    case AnalysisMode::kSampleSparse: return "sample_sparse";
   }
   return "?";
 }
@@ -915,8 +920,8 @@ void BindAnalysis(py::module_& mod) {
           py::arg("previous") = py::none(), py::arg("count_s_per_elem") = 0.0,
           py::arg("full_stats") = false, py::arg("policy") = py::none(),
           py::arg("analysis_policy") = py::none(),
-          "How much an automatic call counts: 'full', 'sample' or 'skip' "
-          "(cc/core/cost_model.h, ChooseAnalysis).");
+          "How much an automatic call counts: 'full', 'sample', 'skip' or "
+          "'sample_sparse' (cc/core/cost_model.h, ChooseAnalysis).");
   mod.def("sample_stride",
           [](int64_t phys_rows, int64_t phys_cols, double dense_s,
              double count_s_per_elem, const py::object& ap) {
@@ -979,6 +984,7 @@ void BindAnalysis(py::module_& mod) {
     d["min_sample_rows"] = p.min_sample_rows;
     d["near_margin"] = p.near_margin;
     d["max_sample_period"] = p.max_sample_period;
+    d["sample_all_sparse"] = p.sample_all_sparse;
     return d;
   }, "The AnalysisPolicy the ops use.");
   auto fam = py::reinterpret_borrow<py::object>(mod.attr("SplitFamilyModel"));
