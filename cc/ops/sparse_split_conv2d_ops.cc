@@ -91,7 +91,9 @@ full_stats: with an automatic threshold, false lets a call that the cost
   pixels, or nothing (cc/core/cost_model.h, ChooseAnalysis), and run
   TensorFlow's (fused) kernel on the inputs at once; its statistics then
   hold estimates (kStatAnalysis says which; kStatNnz NaN when nothing was
-  counted). True (the default) counts every value on every call.
+  counted). An all-sparse plan whose sparse kernel is the direct one, or
+  a given threshold of 1, counts a sample of every image's pixels. True
+  (the default) counts every value on every call.
 stats: float64 [kNumStats] per-call statistics, laid out as in
   cc/core/stats.h (tf_sparse_split/tuning/stats.py).
 )doc");

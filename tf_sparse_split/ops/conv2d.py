@@ -222,8 +222,11 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     where no plan but the dense kernel can save the policy's minimum gain
     whatever the zeros, nothing, and runs TensorFlow's (fused) kernel on the
     inputs; a full count still runs every 16-256 calls to keep the cost
-    model fresh. The result is the same; the statistics then hold
-    estimates, flagged in their ``ANALYSIS`` entry.
+    model fresh. An automatic all-sparse plan whose sparse kernel is the
+    direct one decides on a sample of about 1/16 of the pixels between
+    those full counts, and so does ``threshold=1`` (the direct kernel
+    tests every value itself). The result is the same; the statistics then
+    hold estimates, flagged in their ``ANALYSIS`` entry.
 
     Dtypes: float32, float64, bfloat16 and float16. In bfloat16 / float16
     (e.g. under ``keras.mixed_precision`` policies) the contract is
@@ -280,8 +283,9 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         bias. NaN stays NaN.
       full_stats: bool or None. True: every call counts every value of
         ``input`` (exact statistics, what the layers ask for while their
-        statistics are recorded). False: an automatic call may count a
-        sample or nothing (above); its ``NNZ`` and ``HISTOGRAM`` are then
+        statistics are recorded). False: an automatic call, and one with
+        ``threshold`` 1, may count a sample or nothing (above); its
+        ``NNZ`` and ``HISTOGRAM`` are then
         estimates (``stats.ANALYSIS_SAMPLED``) or NaN / zeros
         (``stats.ANALYSIS_SKIPPED``). None (default): the value of
         ``return_stats``.
