@@ -39,9 +39,11 @@ enum StatIndex : int {
   // or kAnalysisSkipped below. Under kAnalysisSampled, kStatNnz and the
   // histogram are estimates scaled up from the counted sample (fractional
   // row counts); under kAnalysisSkipped, kStatNnz is NaN and the histogram
-  // is all zero (nothing was counted). The other fields are exact either
-  // way: such a call runs every row dense and compacts nothing, so
-  // kStatRowsSparse, kStatNnzSparse and kStatZeroColsSkipped are 0.
+  // is all zero (nothing was counted). Such a call compacts nothing
+  // (kStatZeroColsSkipped 0) and, except a convolution that decided its
+  // all-sparse plan on the sample (AnalysisMode::kSampleSparse: rows split
+  // by the estimated counts, kStatNnzSparse an estimate too), runs every
+  // row dense (kStatRowsSparse and kStatNnzSparse 0).
   kStatAnalysis = 13 + kDensityBins,
   // The call's cost problem, as the op's cost model (cost_model.h) saw it:
   // the SplitShape of the call and its problem family's CostTerms after the
@@ -89,7 +91,9 @@ constexpr double kHeteroCpuFallback = 2.0;  // requested, but the CPU kernel
 // Values of stats[kStatAnalysis].
 constexpr double kAnalysisFull = 0.0;     // every value counted: exact
 constexpr double kAnalysisSampled = 1.0;  // a strided sample of the rows
-                                          // counted; all-dense
+                                          // counted; all-dense (or a
+                                          // convolution's sampled
+                                          // all-sparse plan)
 constexpr double kAnalysisSkipped = 2.0;  // nothing counted (the cost model
                                           // showed no other plan can win);
                                           // all-dense

@@ -29,9 +29,12 @@ ANALYSIS            how the call counted op(a): ANALYSIS_FULL (every value:
                     exact), ANALYSIS_SAMPLED (a strided sample of its rows:
                     NNZ and HISTOGRAM are estimates scaled from it, the
                     histogram's row counts fractional) or ANALYSIS_SKIPPED
-                    (nothing: NNZ is NaN, HISTOGRAM zeros). The last two run
-                    every row dense, so ROWS_SPARSE, NNZ_SPARSE and
-                    ZERO_COLS_SKIPPED are exact (0) either way. Callers that
+                    (nothing: NNZ is NaN, HISTOGRAM zeros). The last two
+                    compact nothing (ZERO_COLS_SKIPPED 0) and run every row
+                    dense (ROWS_SPARSE, NNZ_SPARSE 0) -- except a
+                    convolution whose all-sparse plan decided on its sample
+                    (the direct kernel needs no counts): its rows are split
+                    by the estimate, NNZ_SPARSE estimated too. Callers that
                     want exact counts pass ``full_stats=True`` (the default
                     when ``return_stats`` is True)
 K_LIVE              values per row of op(a) outside its all-zero columns
