@@ -20,7 +20,12 @@ the outputs):
   weights, automatic threshold, statistics off as in ``predict``);
 * ``rewrite``: the plain model in a new ``tf.function`` first called inside
   ``tfss.rewrite.enabled()``, so the pass replaces its ReLU-fed
-  ``MatMul``/``Conv2D`` nodes (the number replaced is reported).
+  ``MatMul``/``Conv2D`` nodes (the number replaced is reported);
+* ``plain again``: a second ``tf.function`` of the plain model, made and
+  called like ``plain`` -- an A/A control: its ratio is this harness's own
+  bias and noise on this machine, the floor under which a difference of
+  the other two variants means nothing (on the 2-core Xeon, the MLP at
+  batch 32: 0.95-0.97 in five processes, at batch 256 0.995).
 
 Timing: after warm-up, ``--rounds`` interleaved rounds (the order of the
 variants rotated every round); each round times ``--reps`` calls of each
@@ -57,7 +62,7 @@ from _common import (cpus_desc, load_mnist_or_digits, markdown_table,  # noqa: E
 from tf_sparse_split._loader import build_info  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("plain", "converted", "rewrite")
+VARIANTS = ("plain", "converted", "rewrite", "plain again")
 
 
 def build(name):
@@ -110,7 +115,8 @@ def variants(model, converted):
     """``{variant: new tf.function(x)}`` (not yet called)."""
     return {"plain": tf.function(lambda x: model(x, training=False)),
             "converted": tf.function(lambda x: converted(x, training=False)),
-            "rewrite": tf.function(lambda x: model(x, training=False))}
+            "rewrite": tf.function(lambda x: model(x, training=False)),
+            "plain again": tf.function(lambda x: model(x, training=False))}
 
 
 def instantiate(fns, x):
@@ -119,7 +125,7 @@ def instantiate(fns, x):
     from tf_sparse_split import rewrite
 
     outs = {}
-    for name in ("plain", "converted"):
+    for name in ("plain", "converted", "plain again"):
         outs[name] = fns[name](x).numpy()
     # The plain graphs above were instantiated with the pass off on purpose.
     rewrite._take_missed()
@@ -151,7 +157,8 @@ def time_variants(fns, x, rounds, reps, warmup):
 
 
 def plot(rows, path):
-    """Bar chart of the ratios (converted, rewrite) per model and batch."""
+    """Bar chart of the ratios (converted, rewrite, the A/A control) per
+    model and batch."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -160,14 +167,17 @@ def plot(rows, path):
     labels = [f"{r['model']}\nbatch {r['batch']}" for r in rows]
     xs = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
-    for k, v in enumerate(("converted", "rewrite")):
+    shown = ("converted", "rewrite", "plain again")
+    width = 0.8 / len(shown)
+    for k, v in enumerate(shown):
         ratios = [r[v]["ratio"] for r in rows]
         # The p50 ratio (over all calls) can lie outside the range of the
         # per-round ratios of medians: clip the bars at the bar's height.
         lo = [max(0.0, r[v]["ratio"] - r[v]["lo"]) for r in rows]
         hi = [max(0.0, r[v]["hi"] - r[v]["ratio"]) for r in rows]
-        ax.bar(xs + (k - 0.5) * 0.38, ratios, 0.38, yerr=[lo, hi],
-               capsize=3, label=v)
+        ax.bar(xs + (k - (len(shown) - 1) / 2) * width, ratios, width,
+               yerr=[lo, hi], capsize=3,
+               label=v + (" (A/A control)" if v == "plain again" else ""))
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(xs, labels, fontsize=8)
     ax.set_ylabel("plain p50 / variant p50 (> 1: faster)")
@@ -251,6 +261,8 @@ def main(argv=None):
                 r = row[v]
                 cells.append(f"{r['p50']:.3f} | **{r['ratio']:.2f}** "
                              f"({r['lo']:.2f}-{r['hi']:.2f})")
+            r = row["plain again"]
+            cells.append(f"{r['ratio']:.2f} ({r['lo']:.2f}-{r['hi']:.2f})")
             lines.append(f"| {name} | {b} | {' | '.join(cells)} | {rw} | "
                          f"{max(row['converted']['diff'], row['rewrite']['diff']):.1e} |")
             print(lines[-1], flush=True)
@@ -261,6 +273,8 @@ def main(argv=None):
              f"(test accuracy: {accs}); p50 of {rounds} interleaved rounds x "
              f"{reps} calls (ms); ratio = plain p50 / variant p50 (> 1: "
              f"faster), in brackets the range of the per-round ratios; "
+             f"'plain again' is a second function of the plain model, timed "
+             f"in the same rounds (an A/A control: the harness's own bias); "
              f"TensorFlow {tf.__version__}, {cpus_desc()}, library built with "
              f"{build_info()['MARCH']}; load average "
              f"{os.getloadavg()[0]:.1f} at the end (other jobs on the machine "
@@ -273,7 +287,8 @@ def main(argv=None):
                   "and range show this run's noise."]
     md = markdown_table(
         "| model | batch | plain p50 ms | converted p50 ms | converted ratio "
-        "| rewrite p50 ms | rewrite ratio | nodes rewritten | max abs diff |",
+        "| rewrite p50 ms | rewrite ratio | plain again ratio (A/A) "
+        "| nodes rewritten | max abs diff |",
         lines, title)
     print(md)
     if out:
