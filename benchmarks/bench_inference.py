@@ -24,8 +24,8 @@ the outputs):
 * ``plain again``: a second ``tf.function`` of the plain model, made and
   called like ``plain`` -- an A/A control: its ratio is this harness's own
   bias and noise on this machine, the floor under which a difference of
-  the other two variants means nothing (on the 2-core Xeon, the MLP at
-  batch 32: 0.95-0.97 in five processes, at batch 256 0.995).
+  the other two variants means nothing (on the quiet 2-core Xeon, three
+  runs: 0.97-1.05, the MLP at batch 32 0.98-0.99).
 
 Timing: after warm-up, ``--rounds`` interleaved rounds (the order of the
 variants rotated every round); each round times ``--reps`` calls of each
