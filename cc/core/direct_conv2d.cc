@@ -1,6 +1,7 @@
 // CPU implementations of the kernels declared in direct_conv2d.h.
 #include "cc/core/direct_conv2d.h"
 #include "cc/core/simd_vec.h"
+#include "cc/core/uninit_vector.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -48,29 +49,10 @@ struct Aligned64 {
 template <typename T>
 using AVector = std::vector<T, Aligned64<T>>;
 
-// Aligned64 whose value-less construct() default-initialises: resize()
-// leaves new values unwritten (cc/core/uninit_vector.h), for the packed
-// filters, whose Build writes every value itself.
+// Aligned64 whose resize() leaves new values unwritten (uninit_vector.h),
+// for the packed filters, whose Build writes every value itself.
 template <typename T>
-struct Aligned64Uninit : Aligned64<T> {
-  template <typename U>
-  struct rebind {
-    using other = Aligned64Uninit<U>;
-  };
-  Aligned64Uninit() = default;
-  template <typename U>
-  Aligned64Uninit(const Aligned64Uninit<U>&) noexcept {}
-  template <typename U>
-  void construct(U* p) noexcept(std::is_nothrow_default_constructible<U>::value) {
-    ::new (static_cast<void*>(p)) U;
-  }
-  template <typename U, typename... Args>
-  void construct(U* p, Args&&... args) {
-    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-  }
-};
-template <typename T>
-using AUninitVector = std::vector<T, Aligned64Uninit<T>>;
+using AUninitVector = std::vector<T, DefaultInitOf<Aligned64, T>>;
 
 // Writes the kn values at src to dst and zeros dst[kn, vl): one slot of a
 // packed filter (its lanes past C_out stay zero).

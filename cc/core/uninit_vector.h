@@ -12,19 +12,21 @@
 
 namespace tf_sparse_split {
 
-// std::allocator whose value-less construct() default-initialises: resize()
-// of a vector of ints or floats leaves the new elements unwritten instead of
-// zeroing them (the CSR build overwrites every entry anyway; zeroing was a
-// whole extra write pass over the arrays).
-template <typename T>
-struct DefaultInitAllocator : std::allocator<T> {
+// Allocator Base<T> whose value-less construct() default-initialises:
+// resize() of a vector of ints or floats leaves the new elements unwritten
+// instead of zeroing them (the CSR build overwrites every entry anyway;
+// zeroing was a whole extra write pass over the arrays). Base: any
+// allocator template (std::allocator; the direct convolution's 64-byte
+// aligned one for its packed filters).
+template <template <typename> class Base, typename T>
+struct DefaultInitOf : Base<T> {
   template <typename U>
   struct rebind {
-    using other = DefaultInitAllocator<U>;
+    using other = DefaultInitOf<Base, U>;
   };
-  DefaultInitAllocator() = default;
+  DefaultInitOf() = default;
   template <typename U>
-  DefaultInitAllocator(const DefaultInitAllocator<U>&) noexcept {}
+  DefaultInitOf(const DefaultInitOf<Base, U>&) noexcept {}
   template <typename U>
   void construct(U* p) noexcept(std::is_nothrow_default_constructible<U>::value) {
     ::new (static_cast<void*>(p)) U;
@@ -34,6 +36,9 @@ struct DefaultInitAllocator : std::allocator<T> {
     ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
   }
 };
+
+template <typename T>
+using DefaultInitAllocator = DefaultInitOf<std::allocator, T>;
 
 // A vector whose resize() does not zero new elements (see above).
 template <typename T>
