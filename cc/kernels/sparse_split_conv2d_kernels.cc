@@ -883,9 +883,6 @@ tf::Tensor FilterSizes(const Conv2DGeometry& g, int64_t c) {
 struct ConvAnalysis {
   std::vector<int64_t> image_nnz, chan_nnz, live;
   int64_t nnz = 0, c_live = 0;
-  // Counted (Run), not estimated from a sample (Estimate): only exact
-  // counts may size the pixel CSR or skip an image as all-zero.
-  bool exact = true;
 
   template <typename T>
   void Run(const T* x, const Conv2DGeometry& g, const ParallelFor& pfor) {
@@ -895,7 +892,6 @@ struct ConvAnalysis {
                                       chan_nnz.data(), pfor);
     live = LiveColumns(chan_nnz.data(), g.c_in);
     c_live = static_cast<int64_t>(live.size());
-    exact = true;
   }
 
   // The analysis estimated from a strided sample (ConvSample, `stride` the
@@ -920,7 +916,6 @@ struct ConvAnalysis {
     live.resize(g.c_in);
     std::iota(live.begin(), live.end(), int64_t{0});
     c_live = g.c_in;
-    exact = false;
   }
 };
 
@@ -1006,9 +1001,9 @@ struct ConvSplit {
   // minimum gain whatever the zeros. full_stats: the caller wants exact
   // statistics (every value counted).
   //
-  // sparse_without_counts (empty: never): whether the sparse kernel that
-  // `values` input values with an estimated `nnz` nonzeros would run needs
-  // no counts (the forward's direct kernel). Where it does, an all-sparse
+  // sample_choice (null: never): the op's sparse-kernel choice, whose
+  // direct kernel needs no counts (UseDirectKernel on the sample's
+  // estimate). Where the sample picks it, an all-sparse
   // plan of an automatic call, and a given threshold of 1 (every image
   // sparse) without full_stats, decide on a sample's estimate
   // (AnalysisMode::kSampleSparse, ConvAnalysis::Estimate) instead of a
@@ -1019,7 +1014,7 @@ struct ConvSplit {
       const tf::TensorShape& out_shape, FamilyOp op, bool dense_allowed,
       Paths& paths, PlanMemory* plans, ConvFamilyCache* families,
       bool full_stats, bool* done,
-      const std::function<bool(double, double)>& sparse_without_counts = {}) {
+      const SparseKernelChoice* sample_choice = nullptr) {
     TF_RETURN_IF_ERROR(call.status());
     TF_RETURN_IF_ERROR(FinishIfEmpty<T>(ctx, g, out_shape, &call, done));
     if (*done) return absl::OkStatus();
@@ -1033,11 +1028,11 @@ struct ConvSplit {
       // the re-time schedule, SplitCall::SkipAnalysis / AcceptSample).
       const SplitShape dense_shape = ConvSplitShape(g, g.c_in, true);
       AnalysisPolicy ap;
-      ap.sample_all_sparse = static_cast<bool>(sparse_without_counts);
+      ap.sample_all_sparse = sample_choice != nullptr;
       const AnalysisMode mode =
           call.ChooseAnalysis(dense_shape, &family, plans, full_stats, ap);
       if (mode == AnalysisMode::kSampleSparse) {
-        sampled = SampleForSparse<T>(x, g, sparse_without_counts);
+        sampled = SampleForSparse<T>(x, g, *sample_choice);
       } else if (mode == AnalysisMode::kSkip) {
         call.SkipAnalysis(dense_shape, &family, plans);
       } else if (mode == AnalysisMode::kSample) {
@@ -1081,10 +1076,10 @@ struct ConvSplit {
       }
     }
     if (!sampled && !call.automatic() && call.threshold_in() >= 1.0f &&
-        !full_stats && sparse_without_counts) {
+        !full_stats && sample_choice != nullptr) {
       // Every image sparse whatever its counts: the sample only estimates
       // the statistics and picks the kernel.
-      sampled = SampleForSparse<T>(x, g, sparse_without_counts);
+      sampled = SampleForSparse<T>(x, g, *sample_choice);
     }
     if (sampled) {
       call.MarkSampledCount();
@@ -1148,20 +1143,31 @@ struct ConvSplit {
   }
 
   // Fills `an` from a sample of every kSparseSampleStride-th pixel of each
-  // image (ConvSample) when `ok` says the sparse kernel for its estimate
-  // needs no counts; false (nothing changed) when the images are too small
-  // to sample or it does not.
+  // image (ConvSample) when `choice` picks the direct kernel (which needs
+  // no counts) for its estimate; false (nothing changed) when the images
+  // are too small to sample or it does not.
   template <typename T>
   bool SampleForSparse(const tf::Tensor& x, const Conv2DGeometry& g,
-                       const std::function<bool(double, double)>& ok) {
+                       const SparseKernelChoice& choice) {
     SampledCounts sc;
     const int64_t stride =
         ConvSample<T>(x.flat<T>().data(), g, kSparseSampleStride, pfor, &sc);
     if (stride < 2) return false;
-    if (!ok(static_cast<double>(g.n) * g.h * g.w * g.c_in, sc.nnz_est))
+    if (!UseDirectKernel(choice, static_cast<double>(g.n) * g.h * g.w * g.c_in,
+                         sc.nnz_est))
       return false;
     an.Estimate(sc, g, stride);
     return true;
+  }
+
+  // Whether the sparse images run the direct kernel: always on a sample's
+  // estimated counts (only exact counts may size the pixel CSR or skip an
+  // image as all-zero), else as `choice` picks for the sparse part.
+  bool SparseRunsDirect(const SparseKernelChoice& choice,
+                        const Conv2DGeometry& g) const {
+    return call.sampled_count() ||
+           UseDirectKernel(choice, static_cast<double>(rs) * g.h * g.w * g.c_in,
+                           call.split().nnz_sparse);
   }
 
   // The dense part's input: the dense images of x with the kept channels,
@@ -1655,11 +1661,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
     // runs it may decide on a sample's estimate.
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, out_shape, kFamilyConv2DForward,
                                      true, paths, &plans_, &families_,
-                                     full_stats_, &done,
-                                     [&](double values, double nnz) {
-                                       return UseDirectKernel(*choice, values,
-                                                              nnz);
-                                     }));
+                                     full_stats_, &done, choice));
     if (!done && s.dense_now) {
       // Counted a sample or nothing: exactly TF's (fused) convolution.
       OP_REQUIRES_OK(ctx, paths.DenseOnInputs());
@@ -1701,11 +1703,7 @@ class SparseSplitConv2DOp : public tf::OpKernel {
 
     // --- Sparse part, then the epilogue on its images. ----------------------
     if (rs > 0) {
-      // Estimated counts (a sample) only ever run the direct kernel.
-      const bool direct =
-          !s.an.exact ||
-          UseDirectKernel(*choice, static_cast<double>(rs) * g.h * g.w * g.c_in,
-                          s.call.split().nnz_sparse);
+      const bool direct = s.SparseRunsDirect(*choice, g);
       paths.Sparse(direct, xp, g, s.sparse().data(), rs, s.an.image_nnz.data(),
                    out->flat<T>().data());
     }
@@ -1827,11 +1825,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
     // As the forward: the direct kernel needs no counts.
     OP_REQUIRES_OK(ctx, s.Prepare<T>(ctx, x, g, fshape, kFamilyConv2DFilterGrad,
                                      dense_ok_, paths, &plans_, &families_,
-                                     full_stats_, &done,
-                                     [&](double values, double nnz) {
-                                       return UseDirectKernel(*choice, values,
-                                                              nnz);
-                                     }));
+                                     full_stats_, &done, choice));
     if (done) {
       // No filter gradient to compute (an empty dimension); dY may still
       // have values (e.g. C_in = 0).
@@ -1918,11 +1912,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
           }
         }
         s.call.DenseDone();
-        const bool direct = !s.an.exact ||
-                            UseDirectKernel(*choice,
-                                            static_cast<double>(rs) * g.h *
-                                                g.w * g.c_in,
-                                            s.call.split().nnz_sparse);
+        const bool direct = s.SparseRunsDirect(*choice, g);
         SparseFilterGradLow<T>(direct, xp, g, s.sparse().data(), rs,
                                s.an.image_nnz.data(), dy.flat<T>().data(),
                                df.data(), s.pfor);
@@ -1959,10 +1949,7 @@ class SparseSplitConv2DBackpropFilterOp : public tf::OpKernel {
 
     // --- Sparse part: adds the sparse images' contribution. -----------------
     if (sparse_adds) {
-      const bool direct =
-          !s.an.exact ||
-          UseDirectKernel(*choice, static_cast<double>(rs) * g.h * g.w * g.c_in,
-                          s.call.split().nnz_sparse);
+      const bool direct = s.SparseRunsDirect(*choice, g);
       SparseFilterGradAny<T>(direct, xp, g, s.sparse().data(), rs,
                              s.an.image_nnz.data(), dy.flat<T>().data(),
                              out->flat<T>().data(), s.pfor);
