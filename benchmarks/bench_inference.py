@@ -17,15 +17,25 @@ the outputs):
 * ``plain``: ``tf.function(lambda x: model(x, training=False))``, as
   ``predict`` runs it;
 * ``converted``: the same on ``tfss.sparse_split_model(model)`` (same
-  weights, automatic threshold, statistics off as in ``predict``);
-* ``rewrite``: the plain model in a new ``tf.function`` first called inside
-  ``tfss.rewrite.enabled()``, so the pass replaces its ReLU-fed
-  ``MatMul``/``Conv2D`` nodes (the number replaced is reported);
-* ``plain again``: a second ``tf.function`` of the plain model, made and
-  called like ``plain`` -- an A/A control: its ratio is this harness's own
-  bias and noise on this machine, the floor under which a difference of
-  the other two variants means nothing (on the quiet 2-core Xeon, three
-  runs: 0.97-1.05, the MLP at batch 32 0.98-0.99).
+  weight values, automatic threshold, statistics off as in ``predict``);
+* ``rewrite``: a copy of the plain model in a new ``tf.function`` first
+  called inside ``tfss.rewrite.enabled()``, so the pass replaces its
+  ReLU-fed ``MatMul``/``Conv2D`` nodes (the number replaced is reported);
+* ``plain again``: another copy of the plain model, made and called like
+  ``plain`` -- an A/A control: its ratio is this harness's own bias and
+  noise on this machine, the floor under which a difference of the other
+  two variants means nothing.
+
+Each variant reads weights of its own (the copies are
+``keras.models.clone_model`` with the same values): in the rotated order
+every variant then follows one that read other weight buffers. Sharing
+them biased the comparison -- ``plain`` and ``plain again`` each ran right
+after a variant that had just read the same weights, and found them in
+the cache, while ``converted`` and ``rewrite`` did not (MLP at batch 32 on
+the 2-core Xeon: the first call of a block 2.9 ms warm against 4.3 ms
+cold; with shared weights the converted MLP read 0.80-0.92 and the
+control 0.99, a copy of the plain model timed in the same position as
+the converted one 0.82-0.85).
 
 Timing: after warm-up, ``--rounds`` interleaved rounds (the order of the
 variants rotated every round); each round times ``--reps`` calls of each
@@ -111,12 +121,28 @@ def convert(model):
     return converted
 
 
+def copy_of(model):
+    """A plain Keras model computing what ``model`` does, with weights of
+    its own (not shared variables)."""
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    return twin
+
+
 def variants(model, converted):
-    """``{variant: new tf.function(x)}`` (not yet called)."""
+    """``{variant: new tf.function(x)}`` (not yet called). Every variant
+    reads weights of its own: a variant run right after one that read the
+    same weight buffers finds them in the cache, one run after another
+    model's does not (the MLP at batch 32 on the 2-core Xeon: 2.9 ms
+    against 4.3 ms for the first call of a round's block, the next calls
+    converging over about five), so shared weights favour the variants
+    the rotation puts after their twins."""
+    rewrite_model, again_model = copy_of(model), copy_of(model)
     return {"plain": tf.function(lambda x: model(x, training=False)),
             "converted": tf.function(lambda x: converted(x, training=False)),
-            "rewrite": tf.function(lambda x: model(x, training=False)),
-            "plain again": tf.function(lambda x: model(x, training=False))}
+            "rewrite": tf.function(lambda x: rewrite_model(x, training=False)),
+            "plain again": tf.function(
+                lambda x: again_model(x, training=False))}
 
 
 def instantiate(fns, x):
@@ -273,8 +299,9 @@ def main(argv=None):
              f"(test accuracy: {accs}); p50 of {rounds} interleaved rounds x "
              f"{reps} calls (ms); ratio = plain p50 / variant p50 (> 1: "
              f"faster), in brackets the range of the per-round ratios; "
-             f"'plain again' is a second function of the plain model, timed "
-             f"in the same rounds (an A/A control: the harness's own bias); "
+             f"'plain again' is a copy of the plain model (weights of its "
+             f"own, as every variant's), timed in the same rounds (an A/A "
+             f"control: the harness's own bias); "
              f"TensorFlow {tf.__version__}, {cpus_desc()}, library built with "
              f"{build_info()['MARCH']}; load average "
              f"{os.getloadavg()[0]:.1f} at the end (other jobs on the machine "
