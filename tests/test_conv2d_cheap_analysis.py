@@ -127,6 +127,67 @@ def test_pixel_sample_stride_and_estimate():
         assert K.sample_says_dense(shape, est, terms) is dense, density
 
 
+#: The calibration of 32x56x56x64 -> 64 (3x3 SAME) at 50% ReLU-like zeros,
+#: logged (TF_CPP_VMODULE=split_runtime=2) by the forward op on the quiet
+#: 2-core Xeon; its full count took 1.9-2.0 ms of a 22-23 ms call.
+MAIN_CONV_50 = dict(
+    conv=(32, 56, 56, 64, 64),
+    calibration=dict(rows_full=6, rows_part=1, nnz_full=602769,
+                     nnz_thin=75348, nnz_part=100367,
+                     dense_full_s=4.48407e-3, dense_part_s=0.820463e-3,
+                     sparse_full_s=3.98644e-3, sparse_thin_s=1.4387e-3,
+                     sparse_part_s=0.682043e-3, copy_elems=602112,
+                     copy_s=0.254817e-3, row_copy_elems=602112,
+                     row_copy_s=0.196666e-3),
+    count_s=2.0e-3)
+
+
+def test_vetoed_samples_back_off_like_dense_ones():
+    """Near the break-even a sample asks for the full count, and the
+    agreement rule vetoes every plan with sparse images on the sample's
+    estimate (the full count charged: the predicted 1.11x of the all-sparse
+    plan is under the 1.10x margin once it pays it), so the op runs TF's
+    kernel without counting further. Such a sample counts as one that said
+    all-dense (SplitCall::AcceptVetoedSample): over 64 calls the op samples
+    on a handful and counts nothing on the rest. Counted as a skip, it
+    sampled on every call (0.4-0.6 ms of each 22-23 ms call: the automatic
+    op at 0.97x of TF's kernel)."""
+    rec = MAIN_CONV_50
+    n, h, w, ci, co = rec["conv"]
+    shape = K.conv_split_shape(n, h, w, ci, ci, 3, 3, co, h, w)
+    terms = K.fit_calibration(shape, rec["calibration"])
+    k = h * w * ci
+    count_per_value = rec["count_s"] / (n * k)
+    # The sample (every 17th pixel: 185 of each image's 3136) at 50% zeros.
+    counted = -(-h * w // 17) * ci
+    est = K.estimate_profile(np.full(n, counted // 2, np.int64), counted, n,
+                             k, len(K.profile_from_row_nnz(
+                                 np.full(n, k, np.int64), k)[0]) - 1)
+    assert not K.sample_says_dense(shape, est, terms)
+    buckets = len(est[0]) - 1
+    # The veto of the kernel (AnySplitAgreed with the full count charged)...
+    assert not any(K.conv_split_agreed(shape, est, terms, terms, j, False,
+                                       rec["count_s"])
+                   for j in range(buckets + 1))
+    # ... where the parts alone would pass the margin.
+    assert K.conv_split_agreed(shape, est, terms, terms, buckets, False, 0.0)
+    # The op's memory, replayed as the forward op drives it.
+    mem = K.SplitPlanMemory()
+    modes = []
+    for call in range(64):
+        mode, before = mem.choose_analysis_and_backoff(shape, terms,
+                                                       count_per_value)
+        modes.append(mode)
+        if mode == "full":  # decided all-dense on the full count
+            mem.remember_all_dense(before if before > 0 else -1)
+            mem.record_analysis(True, 0.0, 0.0, before if before > 0 else -1)
+        else:  # a vetoed sample, or nothing counted
+            mem.note_all_dense_without_count(sampled=mode == "sample")
+    assert modes[0] == "full"
+    assert modes.count("sample") + modes.count("full") <= 12, modes
+    assert modes[-16:].count("skip") >= 14, modes
+
+
 def test_all_sparse_plan_decides_on_a_sample_between_full_counts():
     """An op whose sparse kernel reads no counts (the forward's direct
     kernel: AnalysisPolicy sample_all_sparse) decides its all-sparse plan

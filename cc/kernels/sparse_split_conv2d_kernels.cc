@@ -1049,7 +1049,9 @@ struct ConvSplit {
           // rule would veto anyway, or (every channel live in the sample:
           // no compaction to find) where no plan with sparse images passes
           // the agreement rule (conv_cost.h) on the sample's estimate: no
-          // full count, no decision, TF's kernel.
+          // full count, no decision, TF's kernel; the sample counts as one
+          // that said all-dense (SplitCall::AcceptVetoedSample: the
+          // back-off goes on).
           const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
           const double density_est = sc.nnz_est / std::max(1.0, values);
           const DensityProfile est =
@@ -1064,7 +1066,7 @@ struct ConvSplit {
                         !AnySplitAgreed(dense_shape, est, family.BaseTerms(),
                                         family.Terms(),
                                         family.CountSecondsPerElem() * values);
-          if (vetoed) call.SkipAnalysis(dense_shape, &family, plans);
+          if (vetoed) call.AcceptVetoedSample(dense_shape, sc, &family, plans);
         }
       }
       if (call.dense_without_count()) {
