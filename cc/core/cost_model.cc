@@ -528,7 +528,9 @@ AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
   // max_sample_period calls); the calls between count nothing.
   if (h.samples_dense > 0 && ap.max_sample_period > 1) {
     const int64_t period = std::min<int64_t>(
-        ap.max_sample_period,
+        h.near_break_even ? std::min<int64_t>(ap.max_sample_period,
+                                              int64_t{1} << kNearBreakEvenSampleRun)
+                          : ap.max_sample_period,
         int64_t{1} << std::min<int64_t>(h.samples_dense, 30));
     if (h.calls_since_sample + 1 < period) return AnalysisMode::kSkip;
   }
@@ -810,17 +812,18 @@ void PlanMemory::RememberAllDense(int64_t continue_backoff_from) {
   std::lock_guard<std::mutex> lock(mu_);
   last_ = Plan();
   has_last_ = true;
-  if (continue_backoff_from >= 0)
+  if (continue_backoff_from >= 0 && !change_pending_)
     ContinueBackoff(&history_, continue_backoff_from);
 }
 
-void PlanMemory::NoteAllDenseWithoutCount(bool sampled) {
+void PlanMemory::NoteAllDenseWithoutCount(bool sampled, bool near_break_even) {
   std::lock_guard<std::mutex> lock(mu_);
   last_ = Plan();
   has_last_ = true;
   ++history_.calls_since_full;
   if (sampled) {
     ++history_.samples_dense;
+    history_.near_break_even = near_break_even;
     history_.calls_since_sample = 0;
   } else {
     ++history_.calls_since_sample;
@@ -860,8 +863,10 @@ void PlanMemory::RecordAnalysis(bool full, double zero_row_frac,
     history_.dead_col_frac = dead_col_frac;
     history_.samples_dense = 0;
     history_.calls_since_sample = 0;
-    if (continue_backoff_from >= 0)
+    if (continue_backoff_from >= 0 && !change_pending_)
       ContinueBackoff(&history_, continue_backoff_from);
+    else
+      history_.near_break_even = false;
   } else {
     ++history_.calls_since_full;
     ++history_.calls_since_sample;
@@ -913,6 +918,7 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
     ++retime_.side_runs;
     ++retime_.holds;
     ++retime_.calls_on_side;
+    change_pending_ = true;
     if (decided != nullptr) *decided = last_;
     return last_;
   }
@@ -923,10 +929,12 @@ Plan PlanMemory::DecideAndRetime(const SplitShape& s, const DensityProfile& p,
     ++retime_.other_runs;
     ++retime_.confirmations;
     ++retime_.calls_on_side;
+    change_pending_ = true;
     if (decided != nullptr) *decided = last_;
     *retimed = true;
     return fresh;
   }
+  change_pending_ = false;
   const Plan plan = fresh;
   last_ = plan;
   has_last_ = true;

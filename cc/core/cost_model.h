@@ -461,6 +461,17 @@ struct AnalysisPolicy {
 };
 
 // What an op instance's last full count saw, and calls since.
+// After a near-break-even sample that the op's rules kept all-dense
+// (PlanMemory::NoteAllDenseWithoutCount's near_break_even), the back-off
+// period is capped at 2^kNearBreakEvenSampleRun = 4 calls (until a sample
+// says all-dense clearly or a full count resets the back-off). A layer near the
+// break-even may cross it with its next batches, and a sample every 16
+// calls hid a change for that long: the forward at 32x56x56x64 -> 64,
+// moved from 50% to 70% zeros on the same op, ran its next 12-20 calls
+// all-dense (1.00x of TF's kernel, where all-sparse ran 1.6x); every 4
+// calls, the sample costs ~0.5% of the dense call there.
+constexpr int64_t kNearBreakEvenSampleRun = 2;
+
 struct AnalysisHistory {
   bool seen_full = false;
   int64_t calls_since_full = 0;
@@ -468,6 +479,9 @@ struct AnalysisHistory {
   double dead_col_frac = 0.0;  // all-zero columns of op(a) / k
   int64_t samples_dense = 0;   // samples in a row that said all-dense
   int64_t calls_since_sample = 0;  // calls since the last of them
+  // The last of them was near the break-even, kept all-dense by the op's
+  // rules (kNearBreakEvenSampleRun caps the back-off).
+  bool near_break_even = false;
 };
 
 // Upper bound of the seconds any plan other than plain all-dense can save
@@ -725,7 +739,13 @@ class PlanMemory {
   // side that re-timed nothing (RetimeState::calls_on_side), so that the
   // back-off does not stretch the schedule (ChooseAnalysis counts fully on
   // the call a re-time falls due on).
-  void NoteAllDenseWithoutCount(bool sampled = false);
+  // `near_break_even`: a sample that did not say all-dense but whose
+  // estimate the op's own rules keep all-dense anyway (the convolutions'
+  // vetoed samples, SplitCall::AcceptVetoedSample): it counts as a sample
+  // that said all-dense, but the next sample comes at most four calls
+  // later (kNearBreakEvenSampleRun).
+  void NoteAllDenseWithoutCount(bool sampled = false,
+                                bool near_break_even = false);
 
   // ChooseAnalysis against this op's history and last plan, under one lock:
   // the call at which a re-time falls due on the all-dense side
@@ -750,7 +770,13 @@ class PlanMemory {
   // `continue_backoff_from` samples: near the break-even every sample asks
   // for the full count, and an op kept all-dense by the decision's margins
   // otherwise counted every value on every call (SplitCall::Decide passes
-  // it for every op).
+  // it for every op). Not when the call's decision wanted the other side
+  // and was held or confirming (change_pending_): the back-off resets, so
+  // the decisions that complete the change come on the next calls -- a
+  // forward at 32x56x56x64 -> 64 moved from 50% to 70% zeros on the same
+  // op otherwise stayed all-dense for 20 calls (one decision a back-off
+  // period apart, three held ones needed), at 1.00x of TF's kernel where
+  // all-sparse ran 1.6x.
   void RecordAnalysis(bool full, double zero_row_frac, double dead_col_frac,
                       int64_t continue_backoff_from = -1);
   // The back-off continuation of RecordAnalysis alone (for replays).
@@ -775,6 +801,12 @@ class PlanMemory {
   AnalysisHistory history_;
   Plan last_;
   RetimeState retime_;
+  // The last DecideAndRetime wanted the other side but held the remembered
+  // plan or ran the new side as a confirming re-time: a full count on such
+  // a call does not continue the sample back-off (RecordAnalysis,
+  // RememberAllDense), so the decisions that complete the change come on
+  // the next calls, not a back-off period apart.
+  bool change_pending_ = false;
   OpCalibrationRecord calibration_;
   // NoteDenseShape / NoteSparseShape on the key (m, kc, c).
   bool NoteShape(int64_t m, int64_t kc, int64_t c, int64_t one_time_calls);

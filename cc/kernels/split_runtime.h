@@ -492,13 +492,14 @@ class SplitCall {
   // convolutions' agreement and zero-free rules veto every plan with
   // sparse images on it): the call runs all-dense as on a sample that said
   // so -- kStatNnz and the histogram estimated, and the op's back-off goes
-  // on (the next sample comes 2, 4, ... 16 calls later, the calls between
-  // counting nothing). Marked skipped instead, such a layer sampled on
-  // every call: 32x56x56x64 -> 64 at 50% zeros on the 2-core Xeon, 0.4-0.6
-  // ms of a 22-23 ms call (the automatic op at 0.97x of TF's kernel).
+  // on, near the break-even only up to a sample every 4 calls
+  // (kNearBreakEvenSampleRun), the calls between counting nothing. Marked
+  // skipped instead, such a layer sampled on every call: 32x56x56x64 -> 64
+  // at 50% zeros on the 2-core Xeon, 0.4-0.6 ms of a 22-23 ms call (the
+  // automatic op at 0.97x of TF's kernel).
   void AcceptVetoedSample(const SplitShape& shape, const SampledCounts& c,
                           FamilyModel* family, PlanMemory* memory) {
-    RunSampleAllDense(shape, c, family, memory);
+    RunSampleAllDense(shape, c, family, memory, true);
   }
 
   // Records a full count of `elems` values that took since the call's
@@ -833,18 +834,21 @@ class SplitCall {
   // All dense on sample `c` (c.rows > 0, c.k_counted > 0): the histogram
   // estimated from its rows, kStatNnz from c.nnz_est.
   void RunSampleAllDense(const SplitShape& shape, const SampledCounts& c,
-                         FamilyModel* family, PlanMemory* memory) {
+                         FamilyModel* family, PlanMemory* memory,
+                         bool near_break_even = false) {
     const double scale =
         static_cast<double>(shape.m) / static_cast<double>(c.rows);
     for (int64_t i = 0; i < c.rows; ++i)
       stats_[kStatHistogram +
              DensityBin(static_cast<double>(c.row_nnz[i]) / c.k_counted)] +=
           scale;
-    SetAllDense(shape, family, memory, kAnalysisSampled, c.nnz_est);
+    SetAllDense(shape, family, memory, kAnalysisSampled, c.nnz_est,
+                near_break_even);
   }
 
   void SetAllDense(const SplitShape& shape, FamilyModel* family,
-                   PlanMemory* memory, double analysis, double nnz_estimate) {
+                   PlanMemory* memory, double analysis, double nnz_estimate,
+                   bool near_break_even = false) {
     shape_ = shape;
     family_ = family;
     dense_now_ = true;  // every row dense: no row lists (rows_dense())
@@ -853,7 +857,8 @@ class SplitCall {
     nnz_estimate_ = nnz_estimate;
     stats_[kStatAnalysis] = analysis;
     memory_ = memory;
-    memory->NoteAllDenseWithoutCount(analysis == kAnalysisSampled);
+    memory->NoteAllDenseWithoutCount(analysis == kAnalysisSampled,
+                                     near_break_even);
     analyzed_ = Clock::now();
   }
 

@@ -728,6 +728,7 @@ void BindConvCost(py::module_& mod) {
           "density (nnz / (m k)) may run images sparse, given its family's "
           "calibration terms and current (ratio-scaled) terms.");
   mod.attr("conv_split_min_speedup") = kConvSplitMinSpeedup;
+  mod.attr("near_break_even_sample_run") = kNearBreakEvenSampleRun;
   mod.def("conv_split_agreed",
           [](const py::dict& shape, const py::tuple& profile,
              const py::dict& base_terms, const py::dict& terms, int bucket,
@@ -818,6 +819,7 @@ AnalysisHistory HistoryOf(const py::dict& d) {
   h.dead_col_frac = Get<double>(d, "dead_col_frac", 0.0);
   h.samples_dense = Get<int64_t>(d, "samples_dense", 0);
   h.calls_since_sample = Get<int64_t>(d, "calls_since_sample", 0);
+  h.near_break_even = Get<bool>(d, "near_break_even", false);
   return h;
 }
 
@@ -829,6 +831,7 @@ py::dict DictOf(const AnalysisHistory& h) {
   d["dead_col_frac"] = h.dead_col_frac;
   d["samples_dense"] = h.samples_dense;
   d["calls_since_sample"] = h.calls_since_sample;
+  d["near_break_even"] = h.near_break_even;
   return d;
 }
 
@@ -1037,11 +1040,16 @@ void BindAnalysis(py::module_& mod) {
       "from one lock (what SplitCall::ChooseAnalysis reads): (mode, "
       "samples_dense_before).");
   mem.attr("note_all_dense_without_count") = py::cpp_function(
-      [](PlanMemory& m, bool sampled) { m.NoteAllDenseWithoutCount(sampled); },
+      [](PlanMemory& m, bool sampled, bool near_break_even) {
+        m.NoteAllDenseWithoutCount(sampled, near_break_even);
+      },
       py::is_method(mem), py::arg("sampled") = false,
+      py::arg("near_break_even") = false,
       "What an automatic call that runs all-dense on an accepted sample or "
       "no count notes (PlanMemory::NoteAllDenseWithoutCount): the all-dense "
-      "plan, the analysis history, and the call in the re-time schedule.");
+      "plan, the analysis history, and the call in the re-time schedule; "
+      "near_break_even: a sample the op's own rules kept all-dense (a "
+      "back-off period of at most 2^kNearBreakEvenSampleRun calls).");
   mem.attr("decide_and_retime") = py::cpp_function(
       [](PlanMemory& m, const py::dict& shape, const py::tuple& profile,
          const py::dict& terms, const py::object& policy,
