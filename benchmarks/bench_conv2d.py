@@ -151,7 +151,14 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
     dy = tf.cast(rng.normal(size=(n, h, w, co)).astype(np.float32), dt)
     fsize = tf.constant([k, k, ci, co])
     strides = [1, 1, 1, 1]
-    fns = {
+    # New functions (new op instances: their plan memories start empty;
+    # the families' calibrations are per process) for every sparsity: an
+    # op carried from the previous row starts a row with that row's plan
+    # and sample back-off, and a row of 10-20 calls then times mostly the
+    # transition -- from 50% to 70% zeros the automatic forward stayed
+    # all-dense for 8-9 calls (its samples 16 calls apart, the sparse plan
+    # confirmed over 3 more) and read 0.92-1.00x where all-sparse ran 1.5x.
+    make_fns = lambda: {
         "tf_fwd": tf.function(lambda x: tf.nn.conv2d(x, f, 1, "SAME")),
         "auto_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
             x, f, 1, "SAME", threshold=-1.0)),
@@ -172,12 +179,12 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
             lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
                 x, fsize, dy, 0.0, strides=strides, padding="SAME")[0]),
     }
-    variants = VARIANTS
-    if ab_tiles:
-        fns["tiles_fwd"] = _with_tiled_forward(fns["sparse_fwd"])
-        variants = VARIANTS + ("tiles_fwd",)
+    variants = VARIANTS + (("tiles_fwd",) if ab_tiles else ())
     rows = []
     for sp in sparsities:
+        fns = make_fns()
+        if ab_tiles:
+            fns["tiles_fwd"] = _with_tiled_forward(fns["sparse_fwd"])
         x = tf.cast(make_input((n, h, w, ci), sp, rng, dist), dt)
         # Same answer (cheap insurance for the numbers below).
         for a, b in (("tf_fwd", "auto_fwd"), ("tf_dF", "auto_dF")):
