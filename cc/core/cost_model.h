@@ -460,18 +460,18 @@ struct AnalysisPolicy {
   bool sample_all_sparse = false;
 };
 
-// What an op instance's last full count saw, and calls since.
 // After a near-break-even sample that the op's rules kept all-dense
 // (PlanMemory::NoteAllDenseWithoutCount's near_break_even), the back-off
 // period is capped at 2^kNearBreakEvenSampleRun = 4 calls (until a sample
-// says all-dense clearly or a full count resets the back-off). A layer near the
-// break-even may cross it with its next batches, and a sample every 16
+// says all-dense clearly or a full count resets the back-off). A layer
+// near the break-even may cross it with its next batches, and a sample every 16
 // calls hid a change for that long: the forward at 32x56x56x64 -> 64,
 // moved from 50% to 70% zeros on the same op, ran its next 12-20 calls
 // all-dense (1.00x of TF's kernel, where all-sparse ran 1.6x); every 4
 // calls, the sample costs ~0.5% of the dense call there.
 constexpr int64_t kNearBreakEvenSampleRun = 2;
 
+// What an op instance's last full count saw, and calls since.
 struct AnalysisHistory {
   bool seen_full = false;
   int64_t calls_since_full = 0;
