@@ -158,27 +158,28 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
     # transition -- from 50% to 70% zeros the automatic forward stayed
     # all-dense for 8-9 calls (its samples 16 calls apart, the sparse plan
     # confirmed over 3 more) and read 0.92-1.00x where all-sparse ran 1.5x.
-    make_fns = lambda: {
-        "tf_fwd": tf.function(lambda x: tf.nn.conv2d(x, f, 1, "SAME")),
-        "auto_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
-            x, f, 1, "SAME", threshold=-1.0)),
-        "sparse_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
-            x, f, 1, "SAME", threshold=1.0)),
-        "dense_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
-            x, f, 1, "SAME", threshold=0.0)),
-        "tf_dF": tf.function(lambda x: tf.raw_ops.Conv2DBackpropFilter(
-            input=x, filter_sizes=fsize, out_backprop=dy, strides=strides,
-            padding="SAME")),
-        "auto_dF": tf.function(
-            lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
-                x, fsize, dy, -1.0, strides=strides, padding="SAME")[0]),
-        "sparse_dF": tf.function(
-            lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
-                x, fsize, dy, 1.0, strides=strides, padding="SAME")[0]),
-        "dense_dF": tf.function(
-            lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
-                x, fsize, dy, 0.0, strides=strides, padding="SAME")[0]),
-    }
+    def make_fns():
+        return {
+            "tf_fwd": tf.function(lambda x: tf.nn.conv2d(x, f, 1, "SAME")),
+            "auto_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
+                x, f, 1, "SAME", threshold=-1.0)),
+            "sparse_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
+                x, f, 1, "SAME", threshold=1.0)),
+            "dense_fwd": tf.function(lambda x: tfss.sparse_split_conv2d(
+                x, f, 1, "SAME", threshold=0.0)),
+            "tf_dF": tf.function(lambda x: tf.raw_ops.Conv2DBackpropFilter(
+                input=x, filter_sizes=fsize, out_backprop=dy, strides=strides,
+                padding="SAME")),
+            "auto_dF": tf.function(
+                lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+                    x, fsize, dy, -1.0, strides=strides, padding="SAME")[0]),
+            "sparse_dF": tf.function(
+                lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+                    x, fsize, dy, 1.0, strides=strides, padding="SAME")[0]),
+            "dense_dF": tf.function(
+                lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
+                    x, fsize, dy, 0.0, strides=strides, padding="SAME")[0]),
+        }
     variants = VARIANTS + (("tiles_fwd",) if ab_tiles else ())
     rows = []
     for sp in sparsities:

@@ -142,6 +142,14 @@ MAIN_CONV_50 = dict(
     count_s=2.0e-3)
 
 
+def _main_conv_50():
+    """(shape, calibration terms) of MAIN_CONV_50 (3x3 SAME, all channels
+    live)."""
+    n, h, w, ci, co = MAIN_CONV_50["conv"]
+    shape = K.conv_split_shape(n, h, w, ci, ci, 3, 3, co, h, w)
+    return shape, K.fit_calibration(shape, MAIN_CONV_50["calibration"])
+
+
 def test_vetoed_samples_back_off_to_every_fourth_call():
     """Near the break-even a sample asks for the full count, and the
     agreement rule vetoes every plan with sparse images on the sample's
@@ -156,9 +164,8 @@ def test_vetoed_samples_back_off_to_every_fourth_call():
     of TF's kernel); backed off as far as a clear sample (16 calls), a jump
     to 70% zeros went unseen for the 12-20 calls of a benchmark row."""
     rec = MAIN_CONV_50
-    n, h, w, ci, co = rec["conv"]
-    shape = K.conv_split_shape(n, h, w, ci, ci, 3, 3, co, h, w)
-    terms = K.fit_calibration(shape, rec["calibration"])
+    n, h, w, ci, _ = rec["conv"]
+    shape, terms = _main_conv_50()
     k = h * w * ci
     count_per_value = rec["count_s"] / (n * k)
     buckets = len(K.profile_from_row_nnz(np.full(n, k, np.int64), k)[0]) - 1
@@ -217,9 +224,8 @@ def test_full_count_of_a_held_change_resets_the_backoff():
     made one such decision a back-off period apart and stayed all-dense
     for the 20 calls measured (1.00x where all-sparse ran 1.6x)."""
     rec = MAIN_CONV_50
-    n, h, w, ci, co = rec["conv"]
-    shape = K.conv_split_shape(n, h, w, ci, ci, 3, 3, co, h, w)
-    terms = K.fit_calibration(shape, rec["calibration"])
+    n, h, w, ci, _ = rec["conv"]
+    shape, terms = _main_conv_50()
     k = h * w * ci
     policy = {"analysis_s": rec["count_s"]}
     at = {z: K.profile_from_row_nnz(np.full(n, int((1 - z) * k), np.int64), k)

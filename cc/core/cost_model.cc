@@ -527,11 +527,11 @@ AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
   // Samples that kept saying all-dense come further apart (doubling up to
   // max_sample_period calls); the calls between count nothing.
   if (h.samples_dense > 0 && ap.max_sample_period > 1) {
+    int64_t longest = ap.max_sample_period;
+    if (h.near_break_even)
+      longest = std::min<int64_t>(longest, int64_t{1} << kNearBreakEvenSampleRun);
     const int64_t period = std::min<int64_t>(
-        h.near_break_even ? std::min<int64_t>(ap.max_sample_period,
-                                              int64_t{1} << kNearBreakEvenSampleRun)
-                          : ap.max_sample_period,
-        int64_t{1} << std::min<int64_t>(h.samples_dense, 30));
+        longest, int64_t{1} << std::min<int64_t>(h.samples_dense, 30));
     if (h.calls_since_sample + 1 < period) return AnalysisMode::kSkip;
   }
   return AnalysisMode::kSample;
