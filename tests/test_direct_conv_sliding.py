@@ -1,7 +1,9 @@
 """The sliding-window forward kernel of the direct convolution
 (cc/core/direct_conv2d.h: KW == 3, stride 1 and dilation 1 in width) through
 the pybind11 module, against the float64 reference of test_direct_conv.py
-and against the tiled kernel (TFSS_DIRECT_FWD_KERNEL=tiles): partial input
+in both of its sweeps (two input columns a step, the default, and one:
+TFSS_DIRECT_FWD_KERNEL=columns) and against the tiled kernel
+(TFSS_DIRECT_FWD_KERNEL=tiles): partial input
 channel chunks (C_in not a multiple of 16), partial output vectors (C_out
 not a multiple of 16), several 64-channel output blocks, filter-row groups
 (KH > 3), one filter row a pass from output width 14 on (the 48-channel
@@ -61,7 +63,11 @@ def _forward(x, f, s, d, p, **kw):
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 @pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.7, 1.0])
-def test_sliding_forward_matches_reference(case, sparsity):
+@pytest.mark.parametrize("sweep", ["pairs", "columns"])
+def test_sliding_forward_matches_reference(case, sparsity, sweep,
+                                           monkeypatch):
+    if sweep == "columns":
+        monkeypatch.setenv("TFSS_DIRECT_FWD_KERNEL", "columns")
     n, h, w, ci, co, kh, s, d, p = case
     s, d = (s[0], 1), (d[0], 1)
     rng = np.random.default_rng(abs(hash((_id(case), sparsity, 5))) % 2**32)
@@ -85,12 +91,37 @@ def test_sliding_and_tiled_kernels_agree(case, monkeypatch):
     x = _sparse_x((n, h, w, ci), 0.5, rng, np.float64)
     f = rng.standard_normal((kh, 3, ci, co))
     sliding = _forward(x, f, s, d, p)
+    monkeypatch.setenv("TFSS_DIRECT_FWD_KERNEL", "columns")
+    columns = _forward(x, f, s, d, p)
     monkeypatch.setenv("TFSS_DIRECT_FWD_KERNEL", "tiles")
     tiled = _forward(x, f, s, d, p)
     monkeypatch.delenv("TFSS_DIRECT_FWD_KERNEL")
     assert relative_error(sliding, tiled) <= 1e-12
-    # The variable is read on every call: unset, the sliding kernel again.
+    assert relative_error(columns, tiled) <= 1e-12
+    # The variable is read on every call: unset, the paired sweep again.
     np.testing.assert_array_equal(_forward(x, f, s, d, p), sliding)
+
+
+def test_paired_sweep_reads_both_pixels_of_a_step():
+    # Hand-made columns: in one row, a channel nonzero in both pixels of a
+    # step, one nonzero only in the first, one only in the second, and a
+    # lone nonzero in the last column (an odd width: its step's second
+    # column lies outside the row); every output is checked against the
+    # float64 reference, which catches a product credited to the wrong
+    # pixel or output.
+    x = np.zeros((1, 1, 7, 20), np.float64)
+    x[0, 0, 2, 3] = 1.5     # step (2, 3): both
+    x[0, 0, 3, 3] = -2.0
+    x[0, 0, 2, 5] = 0.75    # first pixel only
+    x[0, 0, 3, 17] = 3.0    # second pixel only
+    x[0, 0, 6, 11] = -1.25  # last column
+    x[0, 0, 0, 0] = 2.5     # first column
+    rng = np.random.default_rng(12)
+    f = rng.standard_normal((1, 3, 20, 70))
+    for p in ("SAME", "VALID", (0, 0, 2, 1)):
+        np.testing.assert_allclose(_forward(x, f, (1, 1), (1, 1), p),
+                                   ref_conv(x, f, (1, 1), (1, 1), p),
+                                   rtol=1e-12, atol=1e-12)
 
 
 def test_tiled_kernel_variable_selects_another_summation_order(monkeypatch):

@@ -530,6 +530,42 @@ TFSS_INLINE void SlideFlush(typename DVec<T>::V (&acc)[V], T* yo, int64_t kn) {
   Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[v] = Vt{}; });
 }
 
+// The nonzero bits of column jc / C_in of a pass: bit kl * chunk + c is
+// channel c of the pass (cn of them) in filter row kl (xr[kl], null where
+// the row is padding).
+template <typename T>
+TFSS_INLINE uint64_t ColumnMask(const T* const* xr, int64_t nkh, int64_t chunk,
+                                int64_t cn, int64_t jc) {
+  uint64_t m = 0;
+  if (cn == 16) {
+    for (int64_t kl = 0; kl < nkh; ++kl)
+      if (xr[kl] != nullptr)
+        m |= NonzeroMask<T>(xr[kl] + jc, 16) << (kl * chunk);
+  } else {
+    for (int64_t kl = 0; kl < nkh; ++kl) {
+      if (xr[kl] == nullptr) continue;
+      for (int64_t c = 0; c < cn; c += 16)
+        m |= NonzeroMask<T>(xr[kl] + jc + c, std::min<int64_t>(16, cn - c))
+             << (kl * chunk + c);
+    }
+  }
+  return m;
+}
+
+// xoff[bit]: offset of the bit's value from the returned base (the first
+// row that is not padding) + column * C_in.
+template <typename T>
+const T* BitOffsets(const T* const* xr, int64_t nkh, int64_t chunk,
+                    int64_t* xoff) {
+  const T* xbase = nullptr;
+  for (int64_t kl = 0; kl < nkh; ++kl)
+    if (xr[kl] != nullptr && xbase == nullptr) xbase = xr[kl];
+  for (int64_t kl = 0; kl < nkh; ++kl)
+    for (int64_t c = 0; c < chunk; ++c)
+      xoff[kl * chunk + c] = xr[kl] != nullptr ? (xr[kl] - xbase) + c : 0;
+  return xbase;
+}
+
 // Column j of the sweep, ring rotation R = (j + pl) mod 3: slot R takes
 // kw = 0, slot (R + 2) % 3 kw = 1, slot (R + 1) % 3 kw = 2 (and leaves the
 // ring afterwards as output o = j + pl - 2). Checked: j may lie outside the
@@ -546,21 +582,8 @@ TFSS_INLINE void SlideStep(const T* const* xr, int64_t nkh, int64_t chunk,
   constexpr int RW = 3 * V * L;  // packed values per (filter row, channel)
   constexpr int S0 = R, S1 = (R + 2) % 3, S2 = (R + 1) % 3;
   if (!Checked || (j >= 0 && j < w_in)) {
-    // Bit kl * chunk + c: channel c of the pass in filter row kl.
-    uint64_t m = 0;
     const int64_t jc = j * ci;
-    if (cn == 16) {
-      for (int64_t kl = 0; kl < nkh; ++kl)
-        if (xr[kl] != nullptr)
-          m |= NonzeroMask<T>(xr[kl] + jc, 16) << (kl * chunk);
-    } else {
-      for (int64_t kl = 0; kl < nkh; ++kl) {
-        if (xr[kl] == nullptr) continue;
-        for (int64_t c = 0; c < cn; c += 16)
-          m |= NonzeroMask<T>(xr[kl] + jc + c, std::min<int64_t>(16, cn - c))
-               << (kl * chunk + c);
-      }
-    }
+    uint64_t m = ColumnMask<T>(xr, nkh, chunk, cn, jc);
     auto madd = [&](const Vt xv, const T* wr) TFSS_INLINE_LAMBDA {
       asm("" : "+r"(wr));  // base + offset addressing (see FwdColumnS1)
       Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
@@ -593,6 +616,139 @@ TFSS_INLINE void SlideStep(const T* const* xr, int64_t nkh, int64_t chunk,
   }
 }
 
+// Columns j and j + 1 of the paired sweep (step t = j + pl, even; ring
+// rotation R = t mod 4, 0 or 2): slot R holds output t, (R + 3) % 4 output
+// t - 1, (R + 2) % 4 output t - 2 and (R + 1) % 4 output t + 1. Column j
+// feeds outputs t, t - 1, t - 2 (kw = 0, 1, 2), column j + 1 outputs t + 1,
+// t, t - 1. The channels nonzero in both pixels load each filter vector
+// once for two multiply-adds (one per pixel); those nonzero in one pixel
+// only run the single-column multiply-adds: no product with a zero. After
+// the step outputs t - 2 and t - 1 (o and o + 1) are complete and leave
+// the ring. Checked: either column may lie outside the input and either
+// output outside the row.
+template <typename T, int V, int R, bool Checked, bool First, bool Full>
+TFSS_INLINE void SlidePairStep(const T* const* xr, int64_t nkh, int64_t chunk,
+                               int64_t cn, int64_t ci, int64_t j,
+                               int64_t w_in, int64_t o, int64_t ow_n,
+                               const T* wq, T* yrow, int64_t co, int64_t kn,
+                               const T* xbase, const int64_t* xoff,
+                               typename DVec<T>::V (&acc)[4][V]) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  constexpr int RW = 3 * V * L;  // packed values per (filter row, channel)
+  constexpr int SA = R, SB = (R + 3) % 4, SC = (R + 2) % 4, SD = (R + 1) % 4;
+  const bool in0 = !Checked || (j >= 0 && j < w_in);
+  const bool in1 = !Checked || (j + 1 >= 0 && j + 1 < w_in);
+  if (in0 || in1) {
+    const int64_t jc = j * ci;
+    const uint64_t m0 = in0 ? ColumnMask<T>(xr, nkh, chunk, cn, jc) : 0;
+    const uint64_t m1 = in1 ? ColumnMask<T>(xr, nkh, chunk, cn, jc + ci) : 0;
+    auto sweep = [&](auto one_row) TFSS_INLINE_LAMBDA {
+      // The bit's value in column j (p = its row) or j + 1 (p + C_in).
+      const T* p = (one_row ? xr[0] : xbase) + jc;
+      auto at = [&](const T* q, int64_t b) TFSS_INLINE_LAMBDA {
+        return one_row ? q[b] : q[xoff[b]];
+      };
+      uint64_t both = m0 & m1, only0 = m0 & ~m1, only1 = m1 & ~m0;
+      while (both) {
+        const int64_t b = __builtin_ctzll(both);
+        both &= both - 1;
+        const Vt x0 = Bcast<T>(at(p, b)), x1 = Bcast<T>(at(p + ci, b));
+        const T* wr = wq + b * RW;
+        asm("" : "+r"(wr));  // base + offset addressing (see FwdColumnS1)
+        Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+          const Vt w0 = LoadV<Vt>(wr + v * L);
+          const Vt w1 = LoadV<Vt>(wr + (V + v) * L);
+          const Vt w2 = LoadV<Vt>(wr + (2 * V + v) * L);
+          acc[SA][v] += x0 * w0;
+          acc[SB][v] += x0 * w1;
+          acc[SC][v] += x0 * w2;
+          acc[SD][v] += x1 * w0;
+          acc[SA][v] += x1 * w1;
+          acc[SB][v] += x1 * w2;
+        });
+      }
+      while (only0) {
+        const int64_t b = __builtin_ctzll(only0);
+        only0 &= only0 - 1;
+        const Vt x0 = Bcast<T>(at(p, b));
+        const T* wr = wq + b * RW;
+        asm("" : "+r"(wr));
+        Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+          acc[SA][v] += x0 * LoadV<Vt>(wr + v * L);
+          acc[SB][v] += x0 * LoadV<Vt>(wr + (V + v) * L);
+          acc[SC][v] += x0 * LoadV<Vt>(wr + (2 * V + v) * L);
+        });
+      }
+      while (only1) {
+        const int64_t b = __builtin_ctzll(only1);
+        only1 &= only1 - 1;
+        const Vt x1 = Bcast<T>(at(p + ci, b));
+        const T* wr = wq + b * RW;
+        asm("" : "+r"(wr));
+        Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+          acc[SD][v] += x1 * LoadV<Vt>(wr + v * L);
+          acc[SA][v] += x1 * LoadV<Vt>(wr + (V + v) * L);
+          acc[SB][v] += x1 * LoadV<Vt>(wr + (2 * V + v) * L);
+        });
+      }
+    };
+    if (nkh == 1)
+      sweep(std::true_type{});
+    else
+      sweep(std::false_type{});
+  }
+  auto leave = [&](auto s, int64_t out) TFSS_INLINE_LAMBDA {
+    if (!Checked || (out >= 0 && out < ow_n))
+      SlideFlush<T, V, First, Full>(acc[s], yrow + out * co, kn);
+    else
+      Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[s][v] = Vt{}; });
+  };
+  leave(std::integral_constant<int, SC>{}, o);
+  leave(std::integral_constant<int, SB>{}, o + 1);
+}
+
+// SlideRow's sweep two columns a step (SlidePairStep): steps t = 0, 2, ...
+// (columns t - pl and t + 1 - pl, completing outputs t - 2 and t - 1); the
+// steps with both columns and both outputs inside the row run unchecked,
+// two at a time (rotations 0 and 2).
+template <typename T, int V, bool First, bool Full>
+void SlideRowPairs(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
+                   const Conv2DGeometry& g, const T* wq, T* yrow, int64_t kn) {
+  using Vt = typename DVec<T>::V;
+  int64_t xoff[64];
+  const T* xbase = BitOffsets<T>(xr, nkh, chunk, xoff);
+  Vt acc[4][V];
+  Unroll<4>([&](auto s) TFSS_INLINE_LAMBDA {
+    Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[s][v] = Vt{}; });
+  });
+  const int64_t pl = g.pad_left, steps = g.out_w + 2;
+  const int64_t ci = g.c_in, w_in = g.w, ow_n = g.out_w, co = g.c_out;
+  const int64_t t_lo = std::max<int64_t>(pl, 2);
+  const int64_t t_hi = std::min<int64_t>(w_in + pl, ow_n + 2);
+  auto checked = [&](int64_t t) TFSS_INLINE_LAMBDA {
+    if (t % 4 == 0)
+      SlidePairStep<T, V, 0, true, First, Full>(xr, nkh, chunk, cn, ci, t - pl,
+                                                w_in, t - 2, ow_n, wq, yrow,
+                                                co, kn, xbase, xoff, acc);
+    else
+      SlidePairStep<T, V, 2, true, First, Full>(xr, nkh, chunk, cn, ci, t - pl,
+                                                w_in, t - 2, ow_n, wq, yrow,
+                                                co, kn, xbase, xoff, acc);
+  };
+  int64_t t = 0;
+  for (; t < steps && (t < t_lo || t % 4 != 0); t += 2) checked(t);
+  for (; t + 4 <= t_hi; t += 4) {
+    SlidePairStep<T, V, 0, false, First, Full>(xr, nkh, chunk, cn, ci, t - pl,
+                                               w_in, t - 2, ow_n, wq, yrow, co,
+                                               kn, xbase, xoff, acc);
+    SlidePairStep<T, V, 2, false, First, Full>(xr, nkh, chunk, cn, ci,
+                                               t + 2 - pl, w_in, t, ow_n, wq,
+                                               yrow, co, kn, xbase, xoff, acc);
+  }
+  for (; t < steps; t += 2) checked(t);
+}
+
 // One output row of one pass (xr: the input rows of the pass's filter
 // rows, null where the row is padding; at least one is not). Step t of the
 // sweep is input column j = t - pl and completes output o = t - 2
@@ -602,14 +758,8 @@ template <typename T, int V, bool First, bool Full>
 void SlideRow(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
               const Conv2DGeometry& g, const T* wq, T* yrow, int64_t kn) {
   using Vt = typename DVec<T>::V;
-  // xoff[bit]: offset of the bit's value from xbase (+ column * C_in).
   int64_t xoff[64];
-  const T* xbase = nullptr;  // the first row that is not padding
-  for (int64_t kl = 0; kl < nkh; ++kl)
-    if (xr[kl] != nullptr && xbase == nullptr) xbase = xr[kl];
-  for (int64_t kl = 0; kl < nkh; ++kl)
-    for (int64_t c = 0; c < chunk; ++c)
-      xoff[kl * chunk + c] = xr[kl] != nullptr ? (xr[kl] - xbase) + c : 0;
+  const T* xbase = BitOffsets<T>(xr, nkh, chunk, xoff);
   Vt acc[3][V];
   Unroll<3>([&](auto s) TFSS_INLINE_LAMBDA {
     Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[s][v] = Vt{}; });
@@ -655,9 +805,24 @@ void SlideRow(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
 }
 
 template <typename T, int V>
-void SlideRowBy(bool first, bool full, const T* const* xr, int64_t nkh,
+void SlideRowBy(bool pairs, bool first, bool full, const T* const* xr,
+                int64_t nkh,
                 int64_t chunk, int64_t cn, const Conv2DGeometry& g,
                 const T* wq, T* yrow, int64_t kn) {
+  if (pairs) {
+    if (full) {
+      if (first)
+        SlideRowPairs<T, V, true, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+      else
+        SlideRowPairs<T, V, false, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+    } else {
+      if (first)
+        SlideRowPairs<T, V, true, false>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+      else
+        SlideRowPairs<T, V, false, false>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+    }
+    return;
+  }
   if (full) {
     if (first)
       SlideRow<T, V, true, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
@@ -677,7 +842,7 @@ void SlideRowBy(bool first, bool full, const T* const* xr, int64_t nkh,
 template <typename T, int V>
 void SlideRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
                int64_t r0, int64_t r1, const SlidePlan<T>& plan, int64_t b,
-               T* y, const DirectConvEpilogue<T>& ep) {
+               bool pairs, T* y, const DirectConvEpilogue<T>& ep) {
   constexpr int L = DVec<T>::kLanes;
   const int64_t k0 = b * plan.vecs * L;
   const int64_t kn = std::min<int64_t>(g.c_out - k0, V * L);
@@ -713,7 +878,7 @@ void SlideRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
           if (last) EpilogueRow<T>(yrow, g.out_w, g.c_out, k0, kn, ep);
           continue;
         }
-        SlideRowBy<T, V>(first, kn == V * L, xr, plan.nkh, plan.chunk, cn, g,
+        SlideRowBy<T, V>(pairs, first, kn == V * L, xr, plan.nkh, plan.chunk, cn, g,
                          wq, yrow, kn);
         // The row's sums are complete: the epilogue while it is in L1.
         if (last) EpilogueRow<T>(yrow, g.out_w, g.c_out, k0, kn, ep);
@@ -1090,9 +1255,13 @@ bool DirectPredictedFaster(const SparseKernelRate& direct,
   return direct.Seconds(values, nnz) <= csr.Seconds(values, nnz);
 }
 
-bool DirectForwardSlidingEnabled() {
+DirectForwardKernel DirectForwardKernelChoice() {
   const char* v = std::getenv("TFSS_DIRECT_FWD_KERNEL");
-  return v == nullptr || std::string(v) != "tiles";
+  if (v == nullptr) return DirectForwardKernel::kSlidingPairs;
+  const std::string s(v);
+  if (s == "tiles") return DirectForwardKernel::kTiles;
+  if (s == "columns") return DirectForwardKernel::kSlidingColumns;
+  return DirectForwardKernel::kSlidingPairs;
 }
 
 bool DirectConv2DUsesAvx512() {
@@ -1128,8 +1297,10 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
   }
   constexpr int L = DVec<T>::kLanes;
   const int64_t rows = n_images * g.out_h;
+  const DirectForwardKernel kernel = DirectForwardKernelChoice();
   if (g.kw == 3 && g.stride_w == 1 && g.dil_w == 1 &&
-      DirectForwardSlidingEnabled()) {
+      kernel != DirectForwardKernel::kTiles) {
+    const bool pairs = kernel == DirectForwardKernel::kSlidingPairs;
     SlidePlan<T> plan;
     plan.Build(f, g);
     // Rows per task: about 224 output pixels (a pass's filter slice is
@@ -1146,10 +1317,10 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
         const int64_t b = t / groups, q = t % groups;
         const int64_t r0 = q * group, r1 = std::min(rows, r0 + group);
         switch (plan.Vecs(b, g)) {
-          case 4: SlideRows<T, 4>(x, g, images, r0, r1, plan, b, y, epilogue); break;
-          case 3: SlideRows<T, 3>(x, g, images, r0, r1, plan, b, y, epilogue); break;
-          case 2: SlideRows<T, 2>(x, g, images, r0, r1, plan, b, y, epilogue); break;
-          default: SlideRows<T, 1>(x, g, images, r0, r1, plan, b, y, epilogue); break;
+          case 4: SlideRows<T, 4>(x, g, images, r0, r1, plan, b, pairs, y, epilogue); break;
+          case 3: SlideRows<T, 3>(x, g, images, r0, r1, plan, b, pairs, y, epilogue); break;
+          case 2: SlideRows<T, 2>(x, g, images, r0, r1, plan, b, pairs, y, epilogue); break;
+          default: SlideRows<T, 1>(x, g, images, r0, r1, plan, b, pairs, y, epilogue); break;
         }
       }
     });

@@ -62,7 +62,16 @@ void ApplyDirectConvEpilogue(T* y, int64_t pixels, int64_t c_out,
 // of output rows) tasks; an output row is swept left to right with the
 // three output pixels its current input column feeds in registers (3 x V
 // vectors, V <= 4), so every nonzero of an interior column is one
-// broadcast and 3V multiply-adds, with no tile edges. The work runs in
+// broadcast and 3V multiply-adds, with no tile edges. By default the
+// sweep takes two input columns a step (four output pixels in registers):
+// a channel nonzero in both pixels loads each of its 3V filter vectors
+// once for two multiply-adds, one nonzero in one pixel only runs that
+// pixel's 3V (no product with a zero). This halves the filter loads where
+// both are nonzero; the single-column sweep is bound by them (one vector
+// load per multiply-add). Kernel time against the single-column sweep on
+// the 2-core Xeon (both cores, 9 interleaved rounds): 0.91 on
+// 32x56x56x64 -> 64 and 28x28x128 -> 128 at 50% zeros, 0.94-0.96 at 70%,
+// 0.86-0.89 on 32x7x7x512 -> 512 at 50% and 0.75-0.78 at 90%. The work runs in
 // passes over (up to 3 filter rows, 16 input channels; from output width
 // 14 on, 1 filter row and up to 48 channels) whose packed filter slice
 // ([row][channel][kw][16V], <= 36 KB) stays in cache; the nonzeros of
@@ -142,11 +151,15 @@ bool DirectPredictedFaster(const SparseKernelRate& direct,
 // Whether the kernels above use their AVX-512 code (the build's ISA).
 bool DirectConv2DUsesAvx512();
 
-// Whether DirectConv2DForward uses the sliding-window kernel where the
-// geometry allows it: true unless the environment variable
-// TFSS_DIRECT_FWD_KERNEL is "tiles" (read on every call; then the tiled
-// kernel runs for every geometry: A/B benchmarks and tests).
-bool DirectForwardSlidingEnabled();
+// The forward kernel DirectConv2DForward runs where the geometry allows the
+// sliding window (KW == 3, stride 1 and dilation 1 in width), from the
+// environment variable TFSS_DIRECT_FWD_KERNEL, read on every call (A/B
+// benchmarks and tests): unset (or any other value), the sliding window
+// two input columns a step ("pairs": a filter vector loaded once serves
+// both pixels where a channel is nonzero in both); "columns", the sliding
+// window one column a step; "tiles", the tiled kernel for every geometry.
+enum class DirectForwardKernel { kSlidingPairs, kSlidingColumns, kTiles };
+DirectForwardKernel DirectForwardKernelChoice();
 
 }  // namespace tf_sparse_split
 
