@@ -51,13 +51,15 @@ sample or nothing.
 32x28x28x128->128, 1x14x14x256->256 at batch 1, 32x7x7x512->512) at 50%
 and 70% zeros, i.i.d. and ReLU-like, all-sparse and automatic, with
 wall-clock and process-CPU ratios; written to ``<out>_natural.md``.
-``--layers 0,2`` picks some of them; ``--ab-tiles`` adds, in the same
-interleaved rounds, the all-sparse forward with the direct kernel's tiled
-forward (``TFSS_DIRECT_FWD_KERNEL=tiles``) in place of its sliding-window
-one: the before/after of that kernel in one process.
+``--layers 0,2`` picks some of them; ``--ab-kernel columns`` (or
+``tiles``) adds, in the same interleaved rounds, the all-sparse forward with
+another forward kernel of the direct convolution
+(``TFSS_DIRECT_FWD_KERNEL=columns``: the sliding window one input column a
+step instead of two; ``tiles``: the tiled kernel): the before/after of that
+kernel in one process (``--ab-tiles`` = ``--ab-kernel tiles``).
 
 Usage: ``python benchmarks/bench_conv2d.py [--rounds 7] [--all-shapes]
-[--natural [--layers 0,1] [--ab-tiles]] [--fused] [--dtypes float32,bfloat16]
+[--natural [--layers 0,1] [--ab-kernel columns|tiles]] [--fused] [--dtypes float32,bfloat16]
 [--sparsities 0,0.5,0.9] [--record-family PATH]``
 """
 
@@ -86,6 +88,7 @@ SPARSITIES = [0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99]
 NATURAL_SHAPES = [
     MAIN_SHAPE,
     ("32x28x28x128->128 3x3", 32, 28, 28, 128, 128, 3),
+    ("32x14x14x64->128 3x3", 32, 14, 14, 64, 128, 3),
     ("1x14x14x256->256 3x3 (batch 1)", 1, 14, 14, 256, 256, 3),
     ("32x7x7x512->512 3x3", 32, 7, 7, 512, 512, 3),
 ]
@@ -122,13 +125,14 @@ def make_input(shape, sparsity, rng, dist="iid"):
     return T.random_sparse_images(shape, sparsity, rng)
 
 
-def _with_tiled_forward(fn):
-    """fn run with the direct forward's tiled kernel (TFSS_DIRECT_FWD_KERNEL
-    =tiles, read by the kernel on every call) instead of the sliding-window
-    one: the before/after A/B of --ab-tiles in one process."""
+def _with_forward_kernel(fn, kernel):
+    """fn run with the direct forward kernel ``kernel`` (``columns`` or
+    ``tiles``: TFSS_DIRECT_FWD_KERNEL, read by the kernel on every call)
+    instead of the default paired sliding window: the before/after A/B of
+    --ab-kernel in one process."""
     def run(x):
         old = os.environ.get("TFSS_DIRECT_FWD_KERNEL")
-        os.environ["TFSS_DIRECT_FWD_KERNEL"] = "tiles"
+        os.environ["TFSS_DIRECT_FWD_KERNEL"] = kernel
         try:
             y = fn(x)
             y.numpy()
@@ -142,7 +146,7 @@ def _with_tiled_forward(fn):
 
 
 def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
-              sparsities=SPARSITIES, dist="iid", ab_tiles=False):
+              sparsities=SPARSITIES, dist="iid", ab_kernel=None):
     name, n, h, w, ci, co, k = shape
     lib = tfss.load_library()
     rng = np.random.default_rng(0)
@@ -180,12 +184,12 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
                 lambda x: lib.tf_sparse_split_sparse_split_conv2d_backprop_filter(
                     x, fsize, dy, 0.0, strides=strides, padding="SAME")[0]),
         }
-    variants = VARIANTS + (("tiles_fwd",) if ab_tiles else ())
+    variants = VARIANTS + (("ab_fwd",) if ab_kernel else ())
     rows = []
     for sp in sparsities:
         fns = make_fns()
-        if ab_tiles:
-            fns["tiles_fwd"] = _with_tiled_forward(fns["sparse_fwd"])
+        if ab_kernel:
+            fns["ab_fwd"] = _with_forward_kernel(fns["sparse_fwd"], ab_kernel)
         x = tf.cast(make_input((n, h, w, ci), sp, rng, dist), dt)
         # Same answer (cheap insurance for the numbers below).
         for a, b in (("tf_fwd", "auto_fwd"), ("tf_dF", "auto_dF")):
@@ -210,7 +214,7 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
         for kind in ("fwd", "dF"):
             for key, t in (("", times), ("cpu_", cpu)):
                 tf_t = t[f"tf_{kind}"]
-                for v in ("auto", "sparse", "dense", "tiles"):
+                for v in ("auto", "sparse", "dense", "ab"):
                     if f"{v}_{kind}" not in t:
                         continue
                     per_round = [a / b for a, b in zip(tf_t, t[f"{v}_{kind}"])]
@@ -230,8 +234,8 @@ def run_shape(shape, rounds, out=sys.stdout, dtype="float32",
               f"{ratio['auto_dF'][2]:.2f}] sparse {ratio['sparse_dF'][0]:5.2f}x"
               f" (cpu {ratio['cpu_sparse_dF'][0]:5.2f}x)"
               f" dense {ratio['dense_dF'][0]:5.2f}x" +
-              (f" | fwd tiled kernel {ratio['tiles_fwd'][0]:5.2f}x (cpu "
-               f"{ratio['cpu_tiles_fwd'][0]:5.2f}x)" if ab_tiles else ""),
+              (f" | fwd {ab_kernel} kernel {ratio['ab_fwd'][0]:5.2f}x (cpu "
+               f"{ratio['cpu_ab_fwd'][0]:5.2f}x)" if ab_kernel else ""),
               file=out, flush=True)
     return rows
 
@@ -458,19 +462,20 @@ def markdown(rows, rounds, header):
     return "\n".join(lines) + "\n"
 
 
-def markdown_natural(rows, rounds, header):
+def markdown_natural(rows, rounds, header, ab_kernel=None):
     """The --natural table: all-sparse and automatic calls against TF's
     ops, wall-clock and process-CPU ratios."""
     def f(r):
         return f"{r[0]:.2f} [{r[1]:.2f}-{r[2]:.2f}]"
-    ab = bool(rows) and "tiles_fwd" in rows[0]
+    ab = bool(rows) and "ab_fwd" in rows[0]
     lines = [
         header, "",
         "| layer | zeros | sparsity | tf.nn.conv2d (ms) | fwd all-sparse | "
         "fwd all-sparse, CPU | fwd all-dense | fwd auto | "
         "Conv2DBackpropFilter (ms) | dF all-sparse | dF all-sparse, CPU | "
         "dF all-dense | dF auto |" +
-        (" fwd all-sparse, tiled kernel | tiled, CPU |" if ab else ""),
+        (f" fwd all-sparse, {ab_kernel} kernel | {ab_kernel}, CPU |"
+         if ab else ""),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" +
         ("---:|---:|" if ab else ""),
     ]
@@ -483,7 +488,7 @@ def markdown_natural(rows, rounds, header):
             f"{r['tf_dF_ms']:.2f} | {f(r['sparse_dF'])} | "
             f"{f(r['cpu_sparse_dF'])} | {f(r['dense_dF'])} | "
             f"{f(r['auto_dF'])} |" +
-            (f" {f(r['tiles_fwd'])} | {f(r['cpu_tiles_fwd'])} |" if ab else ""))
+            (f" {f(r['ab_fwd'])} | {f(r['cpu_ab_fwd'])} |" if ab else ""))
     lines += ["", f"Ratios are TF time / our time (> 1: ours faster), through "
               f"the ops with TF's thread pool: median [min-max] over {rounds} "
               "interleaved rounds of wall-clock seconds per call, and (CPU) "
@@ -494,9 +499,11 @@ def markdown_natural(rows, rounds, header):
               "through the sparse kernel the op picks); 'all-dense': "
               "threshold=0; 'auto': threshold=-1."]
     if ab:
-        lines[-1] += (" 'tiled kernel': the all-sparse forward with "
-                      "TFSS_DIRECT_FWD_KERNEL=tiles (the direct kernel's tiled "
-                      "forward instead of its sliding-window one), in the same "
+        lines[-1] += (f" '{ab_kernel} kernel': the all-sparse forward with "
+                      f"TFSS_DIRECT_FWD_KERNEL={ab_kernel} (the direct "
+                      "kernel's " + ("tiled forward" if ab_kernel == "tiles"
+                                     else "one-column sliding window") +
+                      " instead of its paired sliding window), in the same "
                       "rounds.")
     return "\n".join(lines) + "\n"
 
@@ -554,10 +561,12 @@ def main(argv=None):
     p.add_argument("--natural", action="store_true",
                    help="time the layers of NATURAL_SHAPES at 50%% and 70%% "
                         "zeros, i.i.d. and ReLU-like (writes <out>_natural.md)")
-    p.add_argument("--ab-tiles", action="store_true",
+    p.add_argument("--ab-kernel", choices=("columns", "tiles"), default=None,
                    help="with --natural: also time the all-sparse forward "
-                        "with the direct kernel's tiled forward "
-                        "(TFSS_DIRECT_FWD_KERNEL=tiles), in the same rounds")
+                        "with this forward kernel of the direct convolution "
+                        "(TFSS_DIRECT_FWD_KERNEL), in the same rounds")
+    p.add_argument("--ab-tiles", action="store_true",
+                   help="the same as --ab-kernel tiles")
     p.add_argument("--layers", default=None,
                    help="with --natural: comma-separated indices into "
                         "NATURAL_SHAPES (default: all)")
@@ -600,6 +609,7 @@ def main(argv=None):
     if args.record_family:
         record_family(args.record_family)
         return 0
+    ab_kernel = args.ab_kernel or ("tiles" if args.ab_tiles else None)
     if args.natural:
         rows = []
         layers = NATURAL_SHAPES
@@ -609,8 +619,8 @@ def main(argv=None):
             for dist in ("iid", "relu"):
                 rows += run_shape(shape, args.rounds, dist=dist,
                                   sparsities=sparsities or NATURAL_SPARSITIES,
-                                  ab_tiles=args.ab_tiles)
-        table = markdown_natural(rows, args.rounds, header)
+                                  ab_kernel=ab_kernel)
+        table = markdown_natural(rows, args.rounds, header, ab_kernel)
         print()
         print(table)
         write_report(args.out + "_natural.md", table)
