@@ -64,7 +64,7 @@ CONFIGS = (
 
 SPEEDUP = re.compile(
     r"speed-up vs plain Keras: ([0-9.]+)x \(median of (\d+) interleaved "
-    r"blocks of (\d+) steps, range ([0-9.]+)-([0-9.]+)x; ([0-9.]+) ms vs "
+    r"blocks of (\d+) steps?, range ([0-9.]+)-([0-9.]+)x; ([0-9.]+) ms vs "
     r"([0-9.]+) ms per step\)")
 ACCURACY = re.compile(r"^test accuracy\s+([0-9.]+)\s+([0-9.]+)\s*$", re.M)
 

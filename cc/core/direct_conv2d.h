@@ -69,9 +69,10 @@ void ApplyDirectConvEpilogue(T* y, int64_t pixels, int64_t c_out,
 // pixel's 3V (no product with a zero). This halves the filter loads where
 // both are nonzero; the single-column sweep is bound by them (one vector
 // load per multiply-add). Kernel time against the single-column sweep on
-// the 2-core Xeon (both cores, 9 interleaved rounds): 0.91 on
-// 32x56x56x64 -> 64 and 28x28x128 -> 128 at 50% zeros, 0.94-0.96 at 70%,
-// 0.86-0.89 on 32x7x7x512 -> 512 at 50% and 0.75-0.78 at 90%. The work runs in
+// the 2-core Xeon (both cores, 9 interleaved rounds, i.i.d. and ReLU-like
+// zeros): 0.91-0.92 on 32x56x56x64 -> 64 and 0.91-0.95 on 28x28x128 -> 128
+// at 50% zeros, 0.94-1.01 at 70%, 0.96-1.05 at 90%; 0.86-0.89 on
+// 32x7x7x512 -> 512 at 50% and 0.75-0.78 at 90%. The work runs in
 // passes over (up to 3 filter rows, 16 input channels; from output width
 // 14 on, 1 filter row and up to 48 channels) whose packed filter slice
 // ([row][channel][kw][16V], <= 36 KB) stays in cache; the nonzeros of
