@@ -306,6 +306,91 @@ struct FwdColumnsGeneric<T, V, B, BEnd, BEnd> {
                               typename DVec<T>::V (&)[B][V]) {}
 };
 
+// Columns Bi and Bi + 1 of a generic tile (FwdColumnsGeneric), with the
+// paired sweep's idea: a channel nonzero in both pixels loads each filter
+// vector once for both; the channels nonzero in one pixel only are taken
+// one of each pixel per iteration while both pixels have some, so that the
+// two pixels' accumulator chains alternate (one pixel's V multiply-adds a
+// nonzero wait on the latency of its previous ones: at V = 4 and KW = 1,
+// four multiply-adds a nonzero, half the FMA ports' rate).
+template <typename T, int V, int B, int Bi, int BEnd>
+struct FwdColumnPairsGeneric {
+  static TFSS_INLINE void Run(const T* xrow, int64_t w_first, int64_t sw,
+                              int64_t w_in, int nb, int64_t ci, int64_t cb,
+                              int64_t ce, int64_t rw, const T* wk,
+                              typename DVec<T>::V (&acc)[B][V]) {
+    if constexpr (Bi + 1 >= BEnd) {
+      if constexpr (Bi < BEnd)
+        FwdColumnsGeneric<T, V, B, Bi, BEnd>::Run(xrow, w_first, sw, w_in, nb,
+                                                  ci, cb, ce, rw, wk, acc);
+    } else {
+      using Vt = typename DVec<T>::V;
+      constexpr int L = DVec<T>::kLanes;
+      const int64_t w0 = w_first + Bi * sw, w1 = w0 + sw;
+      const bool in0 = Bi < nb && w0 >= 0 && w0 < w_in;
+      const bool in1 = Bi + 1 < nb && w1 >= 0 && w1 < w_in;
+      if (in0 || in1) {
+        const T* p0 = xrow + (in0 ? w0 : 0) * ci;
+        const T* p1 = xrow + (in1 ? w1 : 0) * ci;
+        for (int64_t c0 = cb; c0 < ce; c0 += 64) {
+          const int64_t n = std::min<int64_t>(64, ce - c0);
+          const uint64_t m0 = in0 ? NonzeroMask<T>(p0 + c0, n) : 0;
+          const uint64_t m1 = in1 ? NonzeroMask<T>(p1 + c0, n) : 0;
+          uint64_t both = m0 & m1, only0 = m0 & ~m1, only1 = m1 & ~m0;
+          while (both) {
+            const int64_t c = c0 + __builtin_ctzll(both);
+            both &= both - 1;
+            const Vt x0 = Bcast<T>(p0[c]), x1 = Bcast<T>(p1[c]);
+            const T* wr = wk + c * rw;
+            asm("" : "+r"(wr));  // base + offset addressing (see above)
+            Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+              const Vt wv = LoadV<Vt>(wr + v * L);
+              acc[Bi][v] += x0 * wv;
+              acc[Bi + 1][v] += x1 * wv;
+            });
+          }
+          while (only0 && only1) {
+            const int64_t c = c0 + __builtin_ctzll(only0);
+            const int64_t d = c0 + __builtin_ctzll(only1);
+            only0 &= only0 - 1;
+            only1 &= only1 - 1;
+            const Vt x0 = Bcast<T>(p0[c]), x1 = Bcast<T>(p1[d]);
+            const T* wr = wk + c * rw;
+            const T* ws = wk + d * rw;
+            asm("" : "+r"(wr), "+r"(ws));
+            Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+              acc[Bi][v] += x0 * LoadV<Vt>(wr + v * L);
+              acc[Bi + 1][v] += x1 * LoadV<Vt>(ws + v * L);
+            });
+          }
+          while (only0) {
+            const int64_t c = c0 + __builtin_ctzll(only0);
+            only0 &= only0 - 1;
+            const Vt x0 = Bcast<T>(p0[c]);
+            const T* wr = wk + c * rw;
+            asm("" : "+r"(wr));
+            Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+              acc[Bi][v] += x0 * LoadV<Vt>(wr + v * L);
+            });
+          }
+          while (only1) {
+            const int64_t d = c0 + __builtin_ctzll(only1);
+            only1 &= only1 - 1;
+            const Vt x1 = Bcast<T>(p1[d]);
+            const T* ws = wk + d * rw;
+            asm("" : "+r"(ws));
+            Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+              acc[Bi + 1][v] += x1 * LoadV<Vt>(ws + v * L);
+            });
+          }
+        }
+      }
+      FwdColumnPairsGeneric<T, V, B, Bi + 2, BEnd>::Run(
+          xrow, w_first, sw, w_in, nb, ci, cb, ce, rw, wk, acc);
+    }
+  }
+};
+
 // Output rows [r0, r1) (row r = image r / OH of the list, output row
 // r % OH) of one channel block [k0, k0 + kn): tiles of B columns, their
 // B x V accumulators in registers. When the packed filter slice of all
@@ -319,7 +404,7 @@ template <typename T, int V>
 void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
              int64_t r0, int64_t r1, const T* wp, T* y, int64_t k0,
              int64_t kn, int64_t chunk, AVector<T>* acc_buf,
-             const DirectConvEpilogue<T>& ep) {
+             const DirectConvEpilogue<T>& ep, bool pairs) {
   using Vt = typename DVec<T>::V;
   constexpr int L = DVec<T>::kLanes;
   constexpr int B = TileWidth<V>::value;
@@ -360,10 +445,17 @@ void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
               FwdColumnsS1<T, V, B, 3, 0, B + 2>::Run(
                   xrow, ow0 - g.pad_left, g.w, ci, cb, ce, wk, acc);
             } else {
-              for (int64_t kw = 0; kw < g.kw; ++kw)
-                FwdColumnsGeneric<T, V, B, 0, B>::Run(
-                    xrow, ow0 * g.stride_w - g.pad_left + kw * g.dil_w,
-                    g.stride_w, g.w, nb, ci, cb, ce, rw, wk + kw * V * L, acc);
+              for (int64_t kw = 0; kw < g.kw; ++kw) {
+                const int64_t wf = ow0 * g.stride_w - g.pad_left + kw * g.dil_w;
+                if (pairs)
+                  FwdColumnPairsGeneric<T, V, B, 0, B>::Run(
+                      xrow, wf, g.stride_w, g.w, nb, ci, cb, ce, rw,
+                      wk + kw * V * L, acc);
+                else
+                  FwdColumnsGeneric<T, V, B, 0, B>::Run(
+                      xrow, wf, g.stride_w, g.w, nb, ci, cb, ce, rw,
+                      wk + kw * V * L, acc);
+              }
             }
           }
           if (last) {
@@ -1326,6 +1418,7 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
     });
     return;
   }
+  const bool pairs_tiles = kernel != DirectForwardKernel::kSlidingColumns;
   FwdBlocks<T> blocks;
   blocks.Build(f, g);
   // Input-channel chunk of a pass: the whole C_in when its filter slice
@@ -1352,10 +1445,10 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
       const int64_t kn = std::min<int64_t>(g.c_out - k0, blocks.vecs * L);
       const T* wp = blocks.packed.data() + blocks.offset[b];
       switch (blocks.Vecs(b, g)) {
-        case 4: FwdRows<T, 4>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue); break;
-        case 3: FwdRows<T, 3>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue); break;
-        case 2: FwdRows<T, 2>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue); break;
-        default: FwdRows<T, 1>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue); break;
+        case 4: FwdRows<T, 4>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
+        case 3: FwdRows<T, 3>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
+        case 2: FwdRows<T, 2>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
+        default: FwdRows<T, 1>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
       }
     }
   });
