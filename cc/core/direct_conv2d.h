@@ -96,8 +96,9 @@ void ApplyDirectConvEpilogue(T* y, int64_t pixels, int64_t c_out,
 // instead of waiting on one pixel's; TFSS_DIRECT_FWD_KERNEL=columns: one
 // pixel at a time). Kernel time on 1x1 convolutions at 50% zeros on the
 // 2-core Xeon (16x16x16x256 -> 64, 16x8x8x512 -> 128, 16x4x4x1024 -> 256,
-// 32x28x28x96 -> 16, 16x2x2x2048 -> 512): 0.83-0.94 of one pixel at a time. The filter is repacked per call
-// ([block][KH][C_in][KW][16V], zero-padded lanes, 64-byte aligned).
+// 32x28x28x96 -> 16, 16x2x2x2048 -> 512): 0.83-0.94 of one pixel at a
+// time. The filter is repacked per call ([block][KH][C_in][KW][16V],
+// zero-padded lanes, 64-byte aligned).
 //
 // `epilogue` (optional): act(y + bias) applied by the task that completes
 // an output row, right after its last pass while the row is in L1 (no
