@@ -363,3 +363,31 @@ def test_terms_learned_at_m1_do_not_decide_at_m32():
                            K.profile_from_row_nnz(a_nnz, k),
                            family(1).terms())
     assert stale["kind"] == "all_dense"       # recorded 2x slower
+
+
+def test_full_counts_a_sample_asks_for_are_rationed():
+    """A sample near the break-even asks for a full count; such counts may
+    cost at most escalate_budget (2%) of the predicted dense time per call
+    since the last full count. A 1x1 convolution whose count is half its
+    dense call (recorded on the 2-core Xeon: 0.3 ms against 0.6 ms) may
+    count again 25 calls after the last one -- near the break-even it
+    counted every 4-8 calls, 4% of its time; 32x56x56x64 -> 64 (2 ms count,
+    22 ms dense) every fifth call; a pending change of side is never
+    held back, nor an op that has not counted yet."""
+    assert DEFAULT["escalate_budget"] == 0.02
+
+    def allowed(count_s, dense_s, calls, pending=False, **h):
+        return K.sample_may_count_fully(
+            count_s, dense_s, _history(calls_since_full=calls, **h), pending)
+
+    assert [allowed(0.3e-3, 0.6e-3, c) for c in (0, 10, 23, 24, 40)] == \
+        [False, False, False, True, True]
+    assert [allowed(2e-3, 22e-3, c) for c in (0, 3, 4)] == [False, False, True]
+    assert allowed(0.3e-3, 0.6e-3, 0, pending=True)
+    assert allowed(0.3e-3, 0.6e-3, 0, seen_full=False)
+    # Unknown costs (nothing measured yet) do not hold a count back.
+    assert allowed(0.0, 0.6e-3, 0) and allowed(0.3e-3, 0.0, 0)
+    # The budget is the policy's.
+    assert K.sample_may_count_fully(
+        0.3e-3, 0.6e-3, _history(calls_since_full=0), False,
+        dict(DEFAULT, escalate_budget=0.5))

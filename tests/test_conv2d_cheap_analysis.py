@@ -249,6 +249,7 @@ def test_full_count_of_a_held_change_resets_the_backoff():
     assert r["plan"]["kind"] == "all_dense" and not r["retimed"]
     mem.record_analysis(True, 0.0, 0.0, 1)
     assert mem.history()["samples_dense"] == 2
+    assert not mem.change_pending()
     # At 70% it wants all-sparse, held on the dense plan: reset.
     mem = memory_backed_off()
     r = mem.decide_and_retime(shape, at[0.7], terms, policy,
@@ -257,6 +258,9 @@ def test_full_count_of_a_held_change_resets_the_backoff():
     assert r["decided"]["kind"] == "all_dense"
     mem.record_analysis(True, 0.0, 0.0, 1)
     assert mem.history()["samples_dense"] == 0
+    # The change is pending: a sample's full count is not rationed
+    # (sample_may_count_fully).
+    assert mem.change_pending()
     # The next decisions at 70% complete the change within a few calls.
     kinds = []
     for _ in range(8):

@@ -483,6 +483,16 @@ int FullCountPeriod(double count_s, double dense_s, const AnalysisPolicy& ap) {
   return std::max(lo, static_cast<int>(want));
 }
 
+bool SampleMayCountFully(double count_s, double dense_s,
+                         const AnalysisHistory& h, bool change_pending,
+                         const AnalysisPolicy& ap) {
+  if (change_pending || !h.seen_full) return true;
+  if (!(count_s > 0.0) || !(dense_s > 0.0) || !(ap.escalate_budget > 0.0))
+    return true;
+  return count_s <= ap.escalate_budget * dense_s *
+                        static_cast<double>(h.calls_since_full + 1);
+}
+
 AnalysisMode ChooseAnalysis(const SplitShape& s, const CostTerms& t,
                             const DecisionPolicy& policy,
                             const AnalysisPolicy& ap, const AnalysisHistory& h,
@@ -891,6 +901,11 @@ bool PlanMemory::RetimeFallsDue() {
 AnalysisHistory PlanMemory::history() {
   std::lock_guard<std::mutex> lock(mu_);
   return history_;
+}
+
+bool PlanMemory::change_pending() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return change_pending_;
 }
 
 Plan PlanMemory::Decide(const SplitShape& s, const DensityProfile& p,

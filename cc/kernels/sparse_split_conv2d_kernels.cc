@@ -1066,7 +1066,10 @@ struct ConvSplit {
                         !AnySplitAgreed(dense_shape, est, family.BaseTerms(),
                                         family.Terms(),
                                         family.CountSecondsPerElem() * values);
-          if (vetoed) call.AcceptVetoedSample(dense_shape, sc, &family, plans);
+          // Full counts asked for by samples that keep coming out near the
+          // break-even are rationed (SplitCall::SampleMayCountFully).
+          if (vetoed || !call.SampleMayCountFully(dense_shape, &family, plans))
+            call.AcceptVetoedSample(dense_shape, sc, &family, plans);
         }
       }
       if (call.dense_without_count()) {

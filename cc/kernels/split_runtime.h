@@ -487,6 +487,26 @@ class SplitCall {
     return true;
   }
 
+  // Whether a sample that did not say all-dense (AcceptSample false) may
+  // lead to this call's full count: the op's rationing of such counts
+  // (cost_model.h, SampleMayCountFully: their cost since the last full
+  // count within AnalysisPolicy::escalate_budget of the predicted dense
+  // time per call, unless a change of side is pending). Call after
+  // ChooseAnalysis; false: the caller runs the call all-dense on the sample
+  // (AcceptVetoedSample).
+  bool SampleMayCountFully(const SplitShape& shape, FamilyModel* family,
+                           PlanMemory* memory,
+                           const AnalysisPolicy& ap = AnalysisPolicy()) const {
+    if (memory == nullptr) return true;
+    const double m = static_cast<double>(shape.m);
+    const double dense_s = PredictDenseSeconds(
+        shape, have_terms_ ? terms_ : family->Terms(), m, false);
+    const double count_s =
+        count_s_per_elem_ * m * static_cast<double>(shape.k);
+    return ::tf_sparse_split::SampleMayCountFully(
+        count_s, dense_s, memory->history(), memory->change_pending(), ap);
+  }
+
   // After a sampled count that did not say all-dense (AcceptSample false)
   // but whose estimate the op's own rules keep all-dense anyway (the
   // convolutions' agreement and zero-free rules veto every plan with

@@ -793,7 +793,7 @@ AnalysisPolicy AnalysisPolicyOf(const py::object& o) {
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"min_period", "max_period", "full_budget", "sample_budget",
                   "min_sample_rows", "near_margin", "max_sample_period",
-                  "sample_all_sparse"},
+                  "sample_all_sparse", "escalate_budget"},
               "analysis policy");
   p.sample_all_sparse =
       Get<bool>(d, "sample_all_sparse", p.sample_all_sparse);
@@ -803,6 +803,7 @@ AnalysisPolicy AnalysisPolicyOf(const py::object& o) {
   p.sample_budget = Get<double>(d, "sample_budget", p.sample_budget);
   p.min_sample_rows = Get<int64_t>(d, "min_sample_rows", p.min_sample_rows);
   p.near_margin = Get<double>(d, "near_margin", p.near_margin);
+  p.escalate_budget = Get<double>(d, "escalate_budget", p.escalate_budget);
   p.max_sample_period =
       Get<int>(d, "max_sample_period", p.max_sample_period);
   return p;
@@ -907,6 +908,17 @@ void BindAnalysis(py::module_& mod) {
           py::arg("analysis_policy") = py::none(),
           "Calls between full counts for a full count of count_s seconds and a "
           "predicted dense call of dense_s seconds.");
+  mod.def("sample_may_count_fully",
+          [](double count_s, double dense_s, const py::dict& history,
+             bool change_pending, const py::object& ap) {
+            return SampleMayCountFully(count_s, dense_s, HistoryOf(history),
+                                       change_pending, AnalysisPolicyOf(ap));
+          },
+          py::arg("count_s"), py::arg("dense_s"), py::arg("history"),
+          py::arg("change_pending") = false,
+          py::arg("analysis_policy") = py::none(),
+          "Whether a sample that did not say all-dense may lead to a full "
+          "count (cc/core/cost_model.h, SampleMayCountFully).");
   mod.def("choose_analysis",
           [](const py::dict& shape, const py::dict& terms, const py::dict& history,
              const py::object& previous, double count_s_per_elem, bool full_stats,
@@ -986,6 +998,7 @@ void BindAnalysis(py::module_& mod) {
     d["sample_budget"] = p.sample_budget;
     d["min_sample_rows"] = p.min_sample_rows;
     d["near_margin"] = p.near_margin;
+    d["escalate_budget"] = p.escalate_budget;
     d["max_sample_period"] = p.max_sample_period;
     d["sample_all_sparse"] = p.sample_all_sparse;
     return d;
@@ -1012,6 +1025,10 @@ void BindAnalysis(py::module_& mod) {
       py::is_method(mem), py::arg("shape"), py::arg("terms"),
       py::arg("count_s_per_elem"), py::arg("full_stats") = false,
       py::arg("policy") = py::none(), py::arg("analysis_policy") = py::none());
+  mem.attr("change_pending") = py::cpp_function(
+      [](PlanMemory& m) { return m.change_pending(); }, py::is_method(mem),
+      "Whether the last full count's decision wanted the other side and was "
+      "held or confirming (PlanMemory::change_pending).");
   mem.attr("record_analysis") = py::cpp_function(
       [](PlanMemory& m, bool full, double zero_row_frac, double dead_col_frac,
          int64_t continue_backoff_from) {
