@@ -708,6 +708,26 @@ TFSS_INLINE void SlideStep(const T* const* xr, int64_t nkh, int64_t chunk,
   }
 }
 
+// The bounds of a sweep over one output row: step t reads input column
+// t - pl and completes output t - 2 (steps [0, steps)); the steps in
+// [t_lo, t_hi) have both inside the row.
+struct SweepBounds {
+  int64_t pl, steps, ci, w_in, ow_n, co, t_lo, t_hi;
+  explicit SweepBounds(const Conv2DGeometry& g)
+      : pl(g.pad_left), steps(g.out_w + 2), ci(g.c_in), w_in(g.w),
+        ow_n(g.out_w), co(g.c_out), t_lo(std::max<int64_t>(g.pad_left, 2)),
+        t_hi(std::min<int64_t>(g.w + g.pad_left, g.out_w + 2)) {}
+};
+
+// Zeroes a ring of S output pixels x V accumulator vectors.
+template <typename T, int S, int V>
+TFSS_INLINE void ZeroRing(typename DVec<T>::V (&acc)[S][V]) {
+  using Vt = typename DVec<T>::V;
+  Unroll<S>([&](auto r) TFSS_INLINE_LAMBDA {
+    Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[r][v] = Vt{}; });
+  });
+}
+
 // Columns j and j + 1 of the paired sweep (step t = j + pl, even; ring
 // rotation R = t mod 4, 0 or 2): slot R holds output t, (R + 3) % 4 output
 // t - 1, (R + 2) % 4 output t - 2 and (R + 1) % 4 output t + 1. Column j
@@ -807,17 +827,12 @@ TFSS_INLINE void SlidePairStep(const T* const* xr, int64_t nkh, int64_t chunk,
 template <typename T, int V, bool First, bool Full>
 void SlideRowPairs(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
                    const Conv2DGeometry& g, const T* wq, T* yrow, int64_t kn) {
-  using Vt = typename DVec<T>::V;
   int64_t xoff[64];
   const T* xbase = BitOffsets<T>(xr, nkh, chunk, xoff);
-  Vt acc[4][V];
-  Unroll<4>([&](auto s) TFSS_INLINE_LAMBDA {
-    Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[s][v] = Vt{}; });
-  });
-  const int64_t pl = g.pad_left, steps = g.out_w + 2;
-  const int64_t ci = g.c_in, w_in = g.w, ow_n = g.out_w, co = g.c_out;
-  const int64_t t_lo = std::max<int64_t>(pl, 2);
-  const int64_t t_hi = std::min<int64_t>(w_in + pl, ow_n + 2);
+  typename DVec<T>::V acc[4][V];
+  ZeroRing<T, 4, V>(acc);
+  const SweepBounds b(g);
+  const int64_t pl = b.pl, ci = b.ci, w_in = b.w_in, ow_n = b.ow_n, co = b.co;
   auto checked = [&](int64_t t) TFSS_INLINE_LAMBDA {
     if (t % 4 == 0)
       SlidePairStep<T, V, 0, true, First, Full>(xr, nkh, chunk, cn, ci, t - pl,
@@ -829,8 +844,8 @@ void SlideRowPairs(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
                                                 co, kn, xbase, xoff, acc);
   };
   int64_t t = 0;
-  for (; t < steps && (t < t_lo || t % 4 != 0); t += 2) checked(t);
-  for (; t + 4 <= t_hi; t += 4) {
+  for (; t < b.steps && (t < b.t_lo || t % 4 != 0); t += 2) checked(t);
+  for (; t + 4 <= b.t_hi; t += 4) {
     SlidePairStep<T, V, 0, false, First, Full>(xr, nkh, chunk, cn, ci, t - pl,
                                                w_in, t - 2, ow_n, wq, yrow, co,
                                                kn, xbase, xoff, acc);
@@ -838,7 +853,7 @@ void SlideRowPairs(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
                                                t + 2 - pl, w_in, t, ow_n, wq,
                                                yrow, co, kn, xbase, xoff, acc);
   }
-  for (; t < steps; t += 2) checked(t);
+  for (; t < b.steps; t += 2) checked(t);
 }
 
 // One output row of one pass (xr: the input rows of the pass's filter
@@ -849,17 +864,13 @@ void SlideRowPairs(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
 template <typename T, int V, bool First, bool Full>
 void SlideRow(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
               const Conv2DGeometry& g, const T* wq, T* yrow, int64_t kn) {
-  using Vt = typename DVec<T>::V;
   int64_t xoff[64];
   const T* xbase = BitOffsets<T>(xr, nkh, chunk, xoff);
-  Vt acc[3][V];
-  Unroll<3>([&](auto s) TFSS_INLINE_LAMBDA {
-    Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA { acc[s][v] = Vt{}; });
-  });
-  const int64_t pl = g.pad_left, steps = g.out_w + 2;
-  const int64_t ci = g.c_in, w_in = g.w, ow_n = g.out_w, co = g.c_out;
-  const int64_t t_lo = std::max<int64_t>(pl, 2);
-  const int64_t t_hi = std::min<int64_t>(w_in + pl, ow_n + 2);
+  typename DVec<T>::V acc[3][V];
+  ZeroRing<T, 3, V>(acc);
+  const SweepBounds b(g);
+  const int64_t pl = b.pl, ci = b.ci, w_in = b.w_in, ow_n = b.ow_n, co = b.co;
+  const int64_t steps = b.steps, t_lo = b.t_lo, t_hi = b.t_hi;
   auto checked = [&](int64_t t) TFSS_INLINE_LAMBDA {
     const int64_t j = t - pl, o = t - 2;
     switch (t % 3) {
