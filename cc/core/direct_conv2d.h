@@ -165,7 +165,8 @@ bool DirectConv2DUsesAvx512();
 // benchmarks and tests): unset (or any other value), the sliding window
 // two input columns a step ("pairs": a filter vector loaded once serves
 // both pixels where a channel is nonzero in both); "columns", the sliding
-// window one column a step; "tiles", the tiled kernel for every geometry.
+// window one column a step (and the tiled kernel one output pixel at a
+// time); "tiles", the tiled kernel for every geometry.
 enum class DirectForwardKernel { kSlidingPairs, kSlidingColumns, kTiles };
 DirectForwardKernel DirectForwardKernelChoice();
 
