@@ -907,35 +907,30 @@ void SlideRow(const T* const* xr, int64_t nkh, int64_t chunk, int64_t cn,
   for (; t < steps; ++t) checked(t);
 }
 
+// One output row of one pass by the paired or the one-column sweep, with
+// the row's first-pass and full-block flags as template arguments.
 template <typename T, int V>
 void SlideRowBy(bool pairs, bool first, bool full, const T* const* xr,
-                int64_t nkh,
-                int64_t chunk, int64_t cn, const Conv2DGeometry& g,
-                const T* wq, T* yrow, int64_t kn) {
-  if (pairs) {
-    if (full) {
-      if (first)
-        SlideRowPairs<T, V, true, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
-      else
-        SlideRowPairs<T, V, false, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
-    } else {
-      if (first)
-        SlideRowPairs<T, V, true, false>(xr, nkh, chunk, cn, g, wq, yrow, kn);
-      else
-        SlideRowPairs<T, V, false, false>(xr, nkh, chunk, cn, g, wq, yrow, kn);
-    }
-    return;
-  }
+                int64_t nkh, int64_t chunk, int64_t cn,
+                const Conv2DGeometry& g, const T* wq, T* yrow, int64_t kn) {
+  auto run = [&](auto first_c, auto full_c) {
+    constexpr bool kFirst = decltype(first_c)::value;
+    constexpr bool kFull = decltype(full_c)::value;
+    if (pairs)
+      SlideRowPairs<T, V, kFirst, kFull>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+    else
+      SlideRow<T, V, kFirst, kFull>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+  };
   if (full) {
     if (first)
-      SlideRow<T, V, true, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+      run(std::true_type{}, std::true_type{});
     else
-      SlideRow<T, V, false, true>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+      run(std::false_type{}, std::true_type{});
   } else {
     if (first)
-      SlideRow<T, V, true, false>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+      run(std::true_type{}, std::false_type{});
     else
-      SlideRow<T, V, false, false>(xr, nkh, chunk, cn, g, wq, yrow, kn);
+      run(std::false_type{}, std::false_type{});
   }
 }
 
