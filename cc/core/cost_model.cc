@@ -908,6 +908,13 @@ bool PlanMemory::change_pending() {
   return change_pending_;
 }
 
+bool PlanMemory::SampleMayCountFully(double count_s, double dense_s,
+                                     const AnalysisPolicy& ap) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ::tf_sparse_split::SampleMayCountFully(count_s, dense_s, history_,
+                                                change_pending_, ap);
+}
+
 Plan PlanMemory::Decide(const SplitShape& s, const DensityProfile& p,
                         const CostTerms& t, const DecisionPolicy& policy) {
   std::lock_guard<std::mutex> lock(mu_);

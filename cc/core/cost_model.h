@@ -811,6 +811,10 @@ class PlanMemory {
   // Whether the last full count's decision wanted the other side and was
   // held or confirming (the back-off reset it caused is still in force).
   bool change_pending();
+  // SampleMayCountFully (above) on this op's history and pending change,
+  // read under one lock.
+  bool SampleMayCountFully(double count_s, double dense_s,
+                           const AnalysisPolicy& ap);
 
   // This op instance's record of the recalibration rule (guarded by the
   // caller's lock on the family records, not by this object's mutex).

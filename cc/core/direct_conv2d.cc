@@ -363,26 +363,21 @@ struct FwdColumnPairsGeneric {
               acc[Bi + 1][v] += x1 * LoadV<Vt>(ws + v * L);
             });
           }
-          while (only0) {
-            const int64_t c = c0 + __builtin_ctzll(only0);
-            only0 &= only0 - 1;
-            const Vt x0 = Bcast<T>(p0[c]);
-            const T* wr = wk + c * rw;
-            asm("" : "+r"(wr));
-            Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
-              acc[Bi][v] += x0 * LoadV<Vt>(wr + v * L);
-            });
-          }
-          while (only1) {
-            const int64_t d = c0 + __builtin_ctzll(only1);
-            only1 &= only1 - 1;
-            const Vt x1 = Bcast<T>(p1[d]);
-            const T* ws = wk + d * rw;
-            asm("" : "+r"(ws));
-            Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
-              acc[Bi + 1][v] += x1 * LoadV<Vt>(ws + v * L);
-            });
-          }
+          // The rest of one pixel's channels (column b of the tile).
+          auto rest = [&](uint64_t m, const T* px, auto b) TFSS_INLINE_LAMBDA {
+            while (m) {
+              const int64_t c = c0 + __builtin_ctzll(m);
+              m &= m - 1;
+              const Vt xv = Bcast<T>(px[c]);
+              const T* wr = wk + c * rw;
+              asm("" : "+r"(wr));
+              Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+                acc[b][v] += xv * LoadV<Vt>(wr + v * L);
+              });
+            }
+          };
+          rest(only0, p0, std::integral_constant<int, Bi>{});
+          rest(only1, p1, std::integral_constant<int, Bi + 1>{});
         }
       }
       FwdColumnPairsGeneric<T, V, B, Bi + 2, BEnd>::Run(
@@ -780,30 +775,27 @@ TFSS_INLINE void SlidePairStep(const T* const* xr, int64_t nkh, int64_t chunk,
           acc[SB][v] += x1 * w2;
         });
       }
-      while (only0) {
-        const int64_t b = __builtin_ctzll(only0);
-        only0 &= only0 - 1;
-        const Vt x0 = Bcast<T>(at(p, b));
-        const T* wr = wq + b * RW;
-        asm("" : "+r"(wr));
-        Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
-          acc[SA][v] += x0 * LoadV<Vt>(wr + v * L);
-          acc[SB][v] += x0 * LoadV<Vt>(wr + (V + v) * L);
-          acc[SC][v] += x0 * LoadV<Vt>(wr + (2 * V + v) * L);
-        });
-      }
-      while (only1) {
-        const int64_t b = __builtin_ctzll(only1);
-        only1 &= only1 - 1;
-        const Vt x1 = Bcast<T>(at(p + ci, b));
-        const T* wr = wq + b * RW;
-        asm("" : "+r"(wr));
-        Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
-          acc[SD][v] += x1 * LoadV<Vt>(wr + v * L);
-          acc[SA][v] += x1 * LoadV<Vt>(wr + (V + v) * L);
-          acc[SB][v] += x1 * LoadV<Vt>(wr + (2 * V + v) * L);
-        });
-      }
+      // The channels nonzero in one column only (q: its values), into the
+      // slots of its outputs for kw = 0, 1, 2.
+      auto one = [&](uint64_t m, const T* q, auto s0, auto s1, auto s2)
+          TFSS_INLINE_LAMBDA {
+        while (m) {
+          const int64_t b = __builtin_ctzll(m);
+          m &= m - 1;
+          const Vt xv = Bcast<T>(at(q, b));
+          const T* wr = wq + b * RW;
+          asm("" : "+r"(wr));
+          Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+            acc[s0][v] += xv * LoadV<Vt>(wr + v * L);
+            acc[s1][v] += xv * LoadV<Vt>(wr + (V + v) * L);
+            acc[s2][v] += xv * LoadV<Vt>(wr + (2 * V + v) * L);
+          });
+        }
+      };
+      using SlotA = std::integral_constant<int, SA>;
+      using SlotB = std::integral_constant<int, SB>;
+      one(only0, p, SlotA{}, SlotB{}, std::integral_constant<int, SC>{});
+      one(only1, p + ci, std::integral_constant<int, SD>{}, SlotA{}, SlotB{});
     };
     if (nkh == 1)
       sweep(std::true_type{});

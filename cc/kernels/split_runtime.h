@@ -503,8 +503,7 @@ class SplitCall {
         shape, have_terms_ ? terms_ : family->Terms(), m, false);
     const double count_s =
         count_s_per_elem_ * m * static_cast<double>(shape.k);
-    return ::tf_sparse_split::SampleMayCountFully(
-        count_s, dense_s, memory->history(), memory->change_pending(), ap);
+    return memory->SampleMayCountFully(count_s, dense_s, ap);
   }
 
   // After a sampled count that did not say all-dense (AcceptSample false)
