@@ -1,5 +1,6 @@
-"""SparseSplitLSTM: equality with keras.layers.LSTM, the compacted
-row-pattern loop, the pattern masks' rates, serialization, arguments."""
+"""SparseSplitLSTM: equality with keras.layers.LSTM, its own training
+loop (compacted and masked), when it compacts, the pattern masks' rates,
+serialization, arguments."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,9 @@ import tf_sparse_split as tfss
 from tf_sparse_split.layers.lstm import (DEFAULT_PATTERN_GROUPS,
                                          DEFAULT_RECURRENT_GROUP_SHARE,
                                          DEFAULT_SUBSET_GROUPS,
+                                         COMPACTION_MIN_ROWS,
                                          SparseSplitLSTMCell,
+                                         compaction_pays,
                                          split_recurrent_rate)
 
 pytestmark = pytest.mark.usefixtures("op_library")
@@ -41,10 +44,29 @@ def _run(layer, x, training):
     ({"go_backwards": True, "return_state": True}, True),
 ])
 def test_equals_keras_lstm_without_dropout(rng, options, training):
+    """Without dropout: Keras' loop at inference (the same bits); in
+    training (on CPUs) the layer's own loop, equal to float rounding."""
     x = tf.constant(rng.standard_normal((5, 7, 12)).astype("float32"))
     ref, ours = _pair(x.shape, **options)
+    assert ours._use_own_loop(None, training) == training
     y_ref, g_ref = _run(ref, x, training)
     y, g = _run(ours, x, training)
+    check = (lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                     atol=1e-6)) \
+        if training else np.testing.assert_array_equal
+    check(y, y_ref)
+    for a, b in zip(g, g_ref):
+        check(a, b)
+
+
+def test_without_dropout_other_activations_run_keras_loop(rng):
+    """The own loop without dropout runs only with the fused gate math
+    (tanh, sigmoid); other activations keep Keras' loop, bit for bit."""
+    x = tf.constant(rng.standard_normal((5, 7, 12)).astype("float32"))
+    ref, ours = _pair(x.shape, activation="relu")
+    assert not ours._use_own_loop(None, True)
+    y_ref, g_ref = _run(ref, x, True)
+    y, g = _run(ours, x, True)
     np.testing.assert_array_equal(y, y_ref)
     for a, b in zip(g, g_ref):
         np.testing.assert_array_equal(a, b)
@@ -107,13 +129,16 @@ def test_pattern_random_equals_keras_lstm_with_seed(rng, return_sequences):
      {"recurrent_group_share": 0.5,
       "recurrent_activation": "hard_sigmoid"}),
 ])
-def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
-                                                 go_backwards, rates, groups,
-                                                 batch, options):
-    """The compacted products give the values (and gradients) of Keras' own
-    loop run with the same pattern masks (per-group masks included)."""
-    _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
-                            groups, batch, options, graph=False)
+@pytest.mark.parametrize("compaction", [True, False])
+def test_own_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
+                                           go_backwards, rates, groups,
+                                           batch, options, compaction):
+    """The compacted products, and the full products times the masks, give
+    the values (and gradients) of Keras' own loop run with the same pattern
+    masks (per-group masks included)."""
+    _compare_own_loop(rng, pattern, tile_shape, go_backwards, rates,
+                      groups, batch, options, graph=False,
+                      compaction=compaction)
 
 
 @pytest.mark.parametrize("pattern,tile_shape,go_backwards,rates,groups,batch,"
@@ -127,28 +152,32 @@ def test_compacted_loop_equals_masked_keras_loop(rng, pattern, tile_shape,
     ("subset", None, False, (0.5, 0.5), 4, 13,
      {"recurrent_group_share": 1.0}),
 ])
-def test_compacted_loop_equals_masked_keras_loop_in_graph(
+@pytest.mark.parametrize("compaction", [True, False])
+def test_own_loop_equals_masked_keras_loop_in_graph(
         rng, pattern, tile_shape, go_backwards, rates, groups, batch,
-        options):
+        options, compaction):
     """The same inside a tf.function (graph while loops, as in fit)."""
-    _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
-                            groups, batch, options, graph=True)
+    _compare_own_loop(rng, pattern, tile_shape, go_backwards, rates,
+                      groups, batch, options, graph=True,
+                      compaction=compaction)
 
 
-def test_compacted_loop_tf_gates_path(rng, monkeypatch):
+def test_own_loop_tf_gates_path(rng, monkeypatch):
     """The step math in TensorFlow ops (what runs when a GPU is visible)
     gives the same values and gradients as Keras' masked loop."""
     from tf_sparse_split.layers import _lstm_recurrence as rec
     monkeypatch.setattr(rec, "_gates_ops",
                         lambda: (rec._tf_gates, rec._tf_gates_grad))
-    _compare_compacted_loop(rng, "row", None, True, (0.5, 0.5), 4, 13, {},
-                            graph=True)
-    _compare_compacted_loop(rng, "tile", (2, 4), False, (0.5, 0.5), 1, 6,
-                            {}, graph=False)
+    _compare_own_loop(rng, "row", None, True, (0.5, 0.5), 4, 13, {},
+                      graph=True)
+    _compare_own_loop(rng, "subset", None, False, (0.5, 0.5), 4, 13, {},
+                      graph=True, compaction=False)
+    _compare_own_loop(rng, "tile", (2, 4), False, (0.5, 0.5), 1, 6,
+                      {}, graph=False)
 
 
-def _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
-                            groups, batch, options, graph):
+def _compare_own_loop(rng, pattern, tile_shape, go_backwards, rates,
+                      groups, batch, options, graph, compaction=True):
     x = tf.constant(rng.standard_normal((batch, 7, 12)).astype("float32"))
     options = dict(options)
     loss_on_c = options.pop("loss_on_c", True)
@@ -156,9 +185,9 @@ def _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
     layer = tfss.SparseSplitLSTM(
         16, dropout=rates[0], recurrent_dropout=rates[1], seed=1,
         pattern=pattern, tile_shape=tile_shape, go_backwards=go_backwards,
-        pattern_groups=groups, **options)
+        pattern_groups=groups, compaction=compaction, **options)
     layer.build(x.shape)
-    assert layer._use_compacted_loop(None, True)
+    assert layer._use_own_loop(None, True)
     state = [tf.constant(rng.standard_normal((batch, 16)).astype("float32"))
              for _ in range(2)]
     wrt = layer.trainable_weights + [x] + state
@@ -167,7 +196,7 @@ def _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
         with tf.GradientTape(persistent=True) as tape:
             tape.watch([x] + state)
             layer._maybe_config_dropout_masks(layer.cell, x[:, 0, :], state)
-            _, out, (h, c) = layer._compacted_loop(x, state)
+            _, out, (h, c) = layer._own_loop(x, state)
             _, ref, (h_ref, c_ref) = keras.layers.LSTM.inner_loop(
                 layer, x, state, None, training=True)
             if not options["return_sequences"]:
@@ -187,6 +216,8 @@ def _compare_compacted_loop(rng, pattern, tile_shape, go_backwards, rates,
     # would convert the unbound Keras inner_loop call wrongly.
     ours, refs, grads, grads_ref = (
         tf.function(run, autograph=False) if graph else run)()
+    assert layer._traced_compaction[2] == (
+        compaction and pattern != "tile")
     steps = 7 if options["return_sequences"] else 1
     assert ours[0].shape == refs[0].shape == (batch, steps, 16)
     for a, b in zip(ours, refs):     # outputs, h, c
@@ -408,7 +439,8 @@ def test_saved_row_pattern_configs_load_with_their_values(rng, tmp_path):
     layer = tfss.SparseSplitLSTM.from_config(old)
     assert layer.pattern == "row" and layer.cell.pattern_groups == 8
     assert layer.get_config() == {**old, "name": layer.name,
-                                  "recurrent_group_share": 1.0}
+                                  "recurrent_group_share": 1.0,
+                                  "compaction": "auto"}
     model = keras.Sequential([keras.Input((5, 6)), layer])
     path = tmp_path / "row.keras"
     model.save(path)
@@ -612,3 +644,92 @@ def test_set_rates_in_fit_keeps_the_layer_exact(rng, tmp_path):
     np.testing.assert_allclose(
         keras.models.load_model(path)(x).numpy(), model(x).numpy(),
         rtol=1e-5, atol=1e-6)
+
+
+# Training steps of SparseSplitLSTM (fused gate ops, 28 input features,
+# both rates 0.5, pattern "row", batch 256) on the 2-core Xeon, interleaved
+# medians in ms: (steps, units, groups) -> (compacted, masked).
+RECORDED_STEP_MS = {
+    (8, 128, 1): (10.2, 10.8), (8, 128, 2): (11.1, 11.1),
+    (8, 128, 4): (11.6, 11.0), (8, 128, 8): (13.5, 11.4),
+    (8, 512, 1): (48.0, 69.7), (8, 512, 2): (53.6, 70.6),
+    (8, 512, 4): (66.9, 72.0), (8, 512, 8): (90.2, 72.2),
+    (28, 128, 1): (29.8, 35.6), (28, 128, 2): (33.7, 36.3),
+    (28, 128, 4): (35.8, 36.7), (28, 128, 8): (39.0, 36.9),
+    (28, 512, 1): (159.3, 233.3), (28, 512, 2): (165.9, 234.4),
+    (28, 512, 4): (187.8, 233.5), (28, 512, 8): (224.6, 235.7),
+}
+
+
+def test_compaction_choice_on_recorded_step_times():
+    """On recorded step times, the automatic choice never takes the path
+    that ran more than 10% slower, and takes the faster one wherever the
+    two differ by more than 10%."""
+    for (steps, units, groups), (compacted, masked) in \
+            RECORDED_STEP_MS.items():
+        pays = compaction_pays(steps, 256, groups, 0.5)
+        chosen, other = (compacted, masked) if pays else (masked, compacted)
+        assert chosen <= 1.10 * other, (steps, units, groups, pays)
+
+
+def test_compaction_pays_rule():
+    assert not compaction_pays(8, 256, 8, 0.5)       # 8 * 32 = 256 rows
+    assert compaction_pays(8, 256, 1, 0.5)           # 2048
+    assert compaction_pays(8, 256, 8, 0.9)           # 256 * 9 = 2304
+    assert not compaction_pays(8, 256, 1, 0.0)       # nothing dropped
+    assert compaction_pays(None, 256, 8, 0.5)        # unknown sizes
+    assert compaction_pays(8, None, 8, 0.5)
+    # ceil(batch / G) rows per group (padded groups)
+    assert compaction_pays(COMPACTION_MIN_ROWS // 2, 9, 8, 0.5)
+    assert not compaction_pays(COMPACTION_MIN_ROWS // 2 - 1, 9, 8, 0.5)
+
+
+@pytest.mark.parametrize("pattern,rates,groups,batch,steps,want", [
+    ("row", (0.5, 0.5), 8, 256, 8, False),
+    ("row", (0.5, 0.5), 1, 256, 8, True),
+    ("row", (0.5, 0.0), 1, 256, 8, True),      # the input rate decides
+    ("subset", (0.5, 0.5), 4, 256, 8, False),  # group rate 0.159
+    ("subset", (0.0, 0.5), 1, 512, 28, True),
+    ("subset", (0.5, 0.0), 1, 512, 28, False),  # input masks: per example
+])
+def test_automatic_compaction_follows_the_traced_sizes(
+        rng, pattern, rates, groups, batch, steps, want):
+    x = tf.constant(rng.standard_normal((batch, steps, 3)).astype("float32"))
+    layer = tfss.SparseSplitLSTM(4, dropout=rates[0],
+                                 recurrent_dropout=rates[1], seed=1,
+                                 pattern=pattern, pattern_groups=groups)
+    y = layer(x, training=True)
+    assert y.shape == (batch, 4)
+    assert layer._traced_compaction == (steps, batch, want)
+
+
+def test_set_rates_asks_for_a_retrace_when_the_compaction_choice_changes(
+        rng):
+    x = tf.constant(rng.standard_normal((256, 8, 3)).astype("float32"))
+    layer = tfss.SparseSplitLSTM(16, recurrent_dropout=0.5, seed=1,
+                                 pattern="row", pattern_groups=8)
+    layer(x, training=True)
+    assert layer._traced_compaction[2] is False
+    assert layer.set_rates(recurrent_dropout=0.6) is False  # 384 rows
+    assert layer.set_rates(recurrent_dropout=0.9) is True   # 2304 rows
+    layer(x, training=True)
+    assert layer._traced_compaction[2] is True
+    assert layer.set_rates(recurrent_dropout=0.85) is False
+    fixed = tfss.SparseSplitLSTM(16, recurrent_dropout=0.5, seed=1,
+                                 pattern="row", pattern_groups=8,
+                                 compaction=False)
+    fixed(x, training=True)
+    assert fixed.set_rates(recurrent_dropout=0.9) is False
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, 0.5])
+def test_compaction_argument_is_checked(bad):
+    with pytest.raises(ValueError, match="compaction"):
+        tfss.SparseSplitLSTM(4, compaction=bad)
+
+
+@pytest.mark.parametrize("compaction", ["auto", True, False])
+def test_compaction_round_trips_through_the_config(compaction):
+    cfg = tfss.SparseSplitLSTM(4, compaction=compaction).get_config()
+    assert cfg["compaction"] == compaction
+    assert tfss.SparseSplitLSTM.from_config(cfg).compaction == compaction

@@ -147,6 +147,38 @@ DEFAULT_SUBSET_GROUPS = 4
 #: recurrent dropout by group subsets, as such layers were saved.
 LEGACY_RECURRENT_GROUP_SHARE = 1.0
 
+#: ``compaction="auto"`` compacts a batch's products when ``steps * rows per
+#: group * r / (1 - r)`` reaches this (module docstring, "When compaction
+#: pays"; measured on the 2-core Xeon, float32).
+COMPACTION_MIN_ROWS = 1024
+
+
+def compaction_pays(steps, batch, groups, rate):
+    """Whether compacting the dropped units out of an LSTM's products is
+    predicted to be faster than multiplying by the masks (module
+    docstring, "When compaction pays").
+
+    Args:
+      steps: time steps ``T`` (int, or None if unknown at trace time).
+      batch: batch size (int, or None if unknown).
+      groups: ``pattern_groups`` ``G`` (int >= 1).
+      rate: the compacted rate ``r`` in ``[0, 1)``: the share of units
+        each group drops from its products.
+
+    Returns:
+      True when ``T * ceil(batch / G) * r / (1 - r) >=
+      COMPACTION_MIN_ROWS``, or when ``T`` or the batch is unknown (the
+      larger sizes are the ones compaction was built for); False at
+      ``r = 0``.
+    """
+    if rate <= 0.0:
+        return False
+    if steps is None or batch is None:
+        return True
+    rows = -(-int(batch) // int(groups))
+    return steps * rows * rate / (1.0 - rate) >= COMPACTION_MIN_ROWS
+
+
 
 def _with_group_share(config):
     """A copy of a saved config; one saved before ``recurrent_group_share``
@@ -197,6 +229,15 @@ def _check_pattern(pattern):
         raise ValueError(f"`pattern` must be one of {LSTM_PATTERNS}. "
                          f"Received: pattern={pattern!r}")
     return pattern
+
+
+@tf.custom_gradient
+def _dense_gradient(w):
+    """``w``, whose gradient is passed on as a dense tensor: the row
+    gathers of the loop would otherwise hand the optimizer
+    ``IndexedSlices``, whose sparse update (deduplicating the indices
+    every step) costs more than the dense one for weights read whole."""
+    return tf.identity(w), lambda dy: tf.convert_to_tensor(dy)
 
 
 def _first(mask):
@@ -603,7 +644,11 @@ class SparseSplitLSTM(keras.layers.LSTM):
                  go_backwards=False, stateful=False, unroll=False,
                  use_cudnn="auto", pattern="subset", tile_shape=None,
                  max_period=DEFAULT_MAX_PERIOD, pattern_groups=None,
-                 recurrent_group_share=None, **kwargs):
+                 recurrent_group_share=None, compaction="auto",
+                 **kwargs):
+        if not (isinstance(compaction, bool) or compaction == "auto"):
+            raise ValueError("`compaction` must be 'auto', True or False. "
+                             f"Received: compaction={compaction!r}")
         cell = SparseSplitLSTMCell(
             units, pattern=pattern, tile_shape=tile_shape,
             max_period=max_period, pattern_groups=pattern_groups,
@@ -639,6 +684,10 @@ class SparseSplitLSTM(keras.layers.LSTM):
                 f"{use_cudnn}")
         self.use_cudnn = use_cudnn
         self.supports_jit = False
+        self.compaction = compaction
+        # (steps, batch, compacted) of the last training trace: set_rates
+        # asks for a retrace when a new rate would change the choice.
+        self._traced_compaction = None
 
     @property
     def pattern(self):
@@ -651,19 +700,34 @@ class SparseSplitLSTM(keras.layers.LSTM):
         from one that was 0 when the training step was traced).
 
         Returns:
-          True if the compiled step must be retraced to see the change.
+          True if the compiled step must be retraced to see the change
+          (also when, with ``compaction="auto"``, the new rate changes
+          whether the traced step's shapes compact).
 
         Raises:
           ValueError: a rate outside ``[0, 1)``.
         """
-        return self.cell.set_rates(dropout=dropout,
-                                   recurrent_dropout=recurrent_dropout)
+        retrace = self.cell.set_rates(dropout=dropout,
+                                      recurrent_dropout=recurrent_dropout)
+        traced = self._traced_compaction
+        if traced is not None and \
+                self._compacts(traced[0], traced[1]) != traced[2]:
+            retrace = True
+        return retrace
 
-    def _use_compacted_loop(self, mask, training):
+    def _use_own_loop(self, mask, training):
         cell = self.cell
-        return bool(training) and cell.pattern != "random" and (
-            cell.dropout > 0 or cell.recurrent_dropout > 0) and \
-            mask is None and not self.unroll
+        if not training or cell.pattern == "random" or mask is not None \
+                or self.unroll:
+            return False
+        if cell.dropout > 0 or cell.recurrent_dropout > 0:
+            return True
+        # No dropout: the fused gate ops and the written-out backward pass
+        # still beat Keras' loop on CPUs (module docstring, "Without
+        # dropout"); where a GPU is visible Keras runs cuDNN's kernel.
+        return (cell.activation is keras.activations.tanh
+                and cell.recurrent_activation is keras.activations.sigmoid
+                and not tf.config.list_logical_devices("GPU"))
 
     def inner_loop(self, sequences, initial_state, mask, training=False):
         if isinstance(mask, (list, tuple)):
@@ -674,21 +738,49 @@ class SparseSplitLSTM(keras.layers.LSTM):
             self.cell._masked = {k for k, r in (
                 ("input", self.cell.dropout),
                 ("recurrent", self.cell.recurrent_dropout)) if r > 0}
-        if not self._use_compacted_loop(mask, training):
+        if not self._use_own_loop(mask, training):
             return super().inner_loop(sequences, initial_state, mask=mask,
                                       training=training)
-        return self._compacted_loop(sequences, initial_state)
+        return self._own_loop(sequences, initial_state)
 
-    def _compacted_loop(self, sequences, initial_state):
+    def _compacted_rate(self):
+        """The share of units each group drops from the products: the
+        recurrent rate (its group part with ``pattern="subset"``), else
+        the input rate of row patterns."""
+        cell = self.cell
+        if cell.recurrent_dropout > 0:
+            if cell.pattern == "subset":
+                return split_recurrent_rate(cell.recurrent_dropout,
+                                            cell.recurrent_group_share)[0]
+            return float(cell.recurrent_dropout)
+        return float(cell.dropout) if cell.pattern == "row" else 0.0
+
+    def _compacts(self, steps, batch):
+        """Whether a training step of these static sizes compacts
+        (``compaction``; "auto": :func:`compaction_pays`)."""
+        if self.cell.pattern not in GROUPED_PATTERNS:
+            return False
+        if self.compaction != "auto":
+            return self.compaction
+        return compaction_pays(steps, batch, self.cell.pattern_groups,
+                               self._compacted_rate())
+
+    def _own_loop(self, sequences, initial_state):
         cell = self.cell
         units = cell.units
         x = tf.convert_to_tensor(sequences)
         dtype = x.dtype
-        kernel = tf.cast(tf.convert_to_tensor(cell.kernel), dtype)
-        rkernel = tf.cast(tf.convert_to_tensor(cell.recurrent_kernel), dtype)
-        bias = (tf.cast(tf.convert_to_tensor(cell.bias), dtype)
+        kernel = _dense_gradient(tf.cast(tf.convert_to_tensor(cell.kernel),
+                                         dtype))
+        rkernel = _dense_gradient(tf.cast(
+            tf.convert_to_tensor(cell.recurrent_kernel), dtype))
+        bias = (_dense_gradient(tf.cast(tf.convert_to_tensor(cell.bias),
+                                        dtype))
                 if cell.use_bias else None)
-        row = cell.pattern in GROUPED_PATTERNS   # whole units: compacted
+        # Whole units dropped per group: compacted where that pays, else
+        # (and for tile masks) the masks multiply the full products.
+        row = self._compacts(x.shape[1], x.shape[0])
+        self._traced_compaction = (x.shape[1], x.shape[0], row)
         # The batch runs as G groups of ``rows`` examples ([G, rows, ...]),
         # each with its own row patterns (tile masks: one group); a batch
         # that G does not divide is padded with zero examples, whose
@@ -739,7 +831,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
         if self.go_backwards:
             x = tf.reverse(x, [1])
         kernel = kernel[None]                                 # [1, F, 4U]
-        if dp is not None and cell.pattern == "row":
+        if dp is not None and row and cell.pattern == "row":
             in_perm, n_in, in_scale = _kept_first(
                 _group_masks(dp, groups, rows))
             kept_in = in_perm[:, :n_in]
@@ -778,7 +870,10 @@ class SparseSplitLSTM(keras.layers.LSTM):
         else:
             r = _gather_cols(rkernel[None], cols)             # [1, U, 4U]
             n_kept = units if rdp is None else None
-            hmask = grouped(rdp) if rdp is not None else None  # tile masks
+            # Tile masks and uncompacted row/subset masks: [batch, U],
+            # or [1, U] for one pattern over the whole batch.
+            hmask = (None if rdp is None else rdp[None]
+                     if rdp.shape[0] == 1 else grouped(rdp))
         h, c, hs = _recurrence(zx, h0, c0, r, n_kept, hmask,
                                cell.activation, cell.recurrent_activation,
                                self.return_sequences, units)
@@ -806,7 +901,8 @@ class SparseSplitLSTM(keras.layers.LSTM):
                        "max_period": self.cell.max_period,
                        "pattern_groups": self.cell.pattern_groups,
                        "recurrent_group_share":
-                           self.cell.recurrent_group_share})
+                           self.cell.recurrent_group_share,
+                       "compaction": self.compaction})
         return config
 
     @classmethod
