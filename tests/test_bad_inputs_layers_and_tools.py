@@ -103,7 +103,7 @@ def test_lstm_good_rates_are_kept():
 
 
 def test_lstm_inputs_with_no_features():
-    """The compacted loop's bias column (``ones_like(x[..., :1])``) was
+    """The own loop's bias column (``ones_like(x[..., :1])``) was
     empty for 0 features: a BatchMatMul shape error, where
     ``keras.layers.LSTM`` runs (its output is then the bias' alone)."""
     x = np.zeros((4, 3, 0), np.float32)

@@ -333,7 +333,7 @@ def test_lstm_gate_ops_run_in_compute_dtype(policy, rng):
 
 
 def test_lstm_fit_under_policy(policy, rng):
-    """Training (the compacted loop, fused gate ops in the compute dtype;
+    """Training (the own loop, fused gate ops in the compute dtype;
     loss scaling under mixed_float16) runs and gives finite weights."""
     x = rng.standard_normal((32, 5, 7)).astype(np.float32)
     y = rng.integers(0, 3, 32)

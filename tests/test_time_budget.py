@@ -1099,7 +1099,7 @@ def test_epoch_budget_in_fit_and_unknown_steps():
 class RateClock:
     """A fake clock whose steps take ``fixed + work * kept(rate)`` seconds
     (times ``load`` while ``loaded()``), ``rate`` read from the layer when
-    the step ends: the plant of an LSTM whose compacted loop shrinks with
+    the step ends: the plant of an LSTM whose own loop shrinks with
     its recurrent dropout. Every call advances it by a step, so the
     interval the callback measures (from the read at a step's begin to the
     one at its end) is one step."""

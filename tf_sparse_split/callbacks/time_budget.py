@@ -42,8 +42,11 @@ those named in ``layers``) with ``pattern`` ``"subset"`` or ``"row"``: its
 recurrent dropout rate (and with ``"row"`` its input dropout rate, the
 input product being compacted then too), within ``[min_rate, max_rate]``
 (:meth:`~tf_sparse_split.layers.SparseSplitLSTM.set_rates`, variables the
-compiled step reads). No op statistics describe the compacted loop, so its
-cost is measured: after the warm-up each LSTM rate runs ``probe_steps``
+compiled step reads; with ``compaction="auto"`` a rate that changes
+whether the step compacts retraces it). No op statistics describe the
+LSTM's own loop, so its cost is measured (a rate whose step multiplies by
+the masks instead of compacting buys no time, and the probe measures
+that): after the warm-up each LSTM rate runs ``probe_steps``
 steps at a second rate (its floor + 0.2, or - 0.2 at the top), and the
 step seconds per unit of kept work come from the two medians
 (:class:`~tf_sparse_split.tuning.budget.RateCost`; kept work ``(1 -

@@ -1,5 +1,5 @@
 """The recurrence of :class:`~tf_sparse_split.layers.SparseSplitLSTM`'s
-compacted loop: the forward loop over time steps (fused ``LstmGates`` ops on
+own training loop (compacted or masked products): the forward loop over time steps (fused ``LstmGates`` ops on
 the CPU, TensorFlow ops where a GPU is visible) and its backward pass
 written out by hand, plus the per-group GEMM and column gathers it runs on.
 
@@ -21,7 +21,7 @@ import tensorflow as tf
 from tf_sparse_split.ops.lstm_gates import lstm_gates, lstm_gates_grad
 
 def _recurrence(zx, h0, c0, r, k, hmask, act, rec_act, keep_all, units):
-    """The LSTM recurrence of the compacted loop, in grouped layout.
+    """The LSTM recurrence of the own loop, in grouped layout.
 
     Per step ``t``: ``z = zx[:, t] + (h[..., :k] * hmask) @ r`` (per group;
     gates in the order i, f, o, c), ``c = f * c + i * act(c~)``,

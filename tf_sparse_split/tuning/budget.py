@@ -32,7 +32,7 @@ The pieces, each a small class or function:
   (a load came or went) restarts the fit (:meth:`StepModel.restart`).
 * :class:`RateCost` -- step seconds of a component against its dropout
   rate, ``slope * kept(rate)``, from two measured medians (for a
-  ``SparseSplitLSTM``, whose compacted loop no op statistic describes);
+  ``SparseSplitLSTM``, whose own loop no op statistic describes);
   :class:`RateKnob` -- a rate's bounds and what predicts it.
 * :func:`allocate` -- the per-layer sparsities that meet a predicted step
   time at the least predicted accuracy loss: greedy on a grid, each move the
@@ -386,7 +386,7 @@ def activation_sparsity(measured, rates=()):
 
 class RateCost:
     """Step seconds of a component whose work shrinks with a dropout rate
-    and that no op statistic describes (the compacted loop of
+    and that no op statistic describes (the own loop of
     :class:`~tf_sparse_split.layers.SparseSplitLSTM`):
     ``seconds(r) = slope_s * kept(r)``, ``kept(r)`` the fraction of the
     component's compactable work left at rate ``r`` (e.g. the units a
