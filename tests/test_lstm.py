@@ -733,3 +733,65 @@ def test_compaction_round_trips_through_the_config(compaction):
     cfg = tfss.SparseSplitLSTM(4, compaction=compaction).get_config()
     assert cfg["compaction"] == compaction
     assert tfss.SparseSplitLSTM.from_config(cfg).compaction == compaction
+
+
+@pytest.mark.parametrize("batch,pays", [(130, True), (5, False)])
+def test_compaction_decided_per_call_when_the_batch_is_unknown(
+        rng, batch, pays):
+    """Traced with a None batch (as Keras' fit traces its step), the
+    automatic choice is made per call from the run-time batch; both
+    branches give the values and gradients of Keras' loop with the same
+    masks."""
+    layer = tfss.SparseSplitLSTM(16, dropout=0.5, recurrent_dropout=0.5,
+                                 seed=1, pattern="row", pattern_groups=1,
+                                 return_sequences=True)
+    layer.build((None, 8, 6))
+    spec = tf.TensorSpec((None, 8, 6), tf.float32)
+
+    @tf.function(input_signature=[spec], autograph=False)
+    def run(x):
+        state = [tf.zeros([tf.shape(x)[0], 16])] * 2
+        # One tape each, one after the other (the masks are drawn once and
+        # held until the reset): a tape that records while another computes
+        # or records the conditional's gradient would ask for a
+        # second-order gradient, which the fused gate ops do not have.
+        layer._maybe_config_dropout_masks(layer.cell, x[:, 0, :], state)
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            _, out, _ = layer._own_loop(x, state)
+            loss = tf.reduce_sum(out * out)
+        with tf.GradientTape() as tape_ref:
+            tape_ref.watch(x)
+            _, ref, _ = keras.layers.LSTM.inner_loop(layer, x, state, None,
+                                                     training=True)
+            loss_ref = tf.reduce_sum(ref * ref)
+        layer._maybe_reset_dropout_masks(layer.cell)
+        wrt = layer.trainable_weights + [x]
+        return (out, ref, [tf.convert_to_tensor(g)
+                           for g in tape.gradient(loss, wrt)],
+                [tf.convert_to_tensor(g)
+                 for g in tape_ref.gradient(loss_ref, wrt)],
+                layer._compaction_pays_now(x))
+
+    x = tf.constant(rng.standard_normal((batch, 8, 6)).astype("float32"))
+    out, ref, grads, grads_ref, chose = run(x)
+    assert layer._traced_compaction == (8, None, None)
+    assert bool(chose) == pays == compaction_pays(8, batch, 1, 0.5)
+    np.testing.assert_allclose(out.numpy(), ref.numpy(), atol=1e-5)
+    for a, b in zip(grads, grads_ref):   # sums over up to 130 x 8 terms
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5,
+                                   atol=2e-5)
+
+
+def test_fit_with_a_partial_batch_traces_the_per_call_choice(rng):
+    x = rng.standard_normal((70, 5, 3)).astype("float32")
+    y = rng.integers(0, 2, 70)
+    lstm = tfss.SparseSplitLSTM(8, dropout=0.3, recurrent_dropout=0.3,
+                                seed=1, pattern="row")
+    model = keras.Sequential([keras.Input((5, 3)), lstm,
+                              keras.layers.Dense(2)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    hist = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    assert np.all(np.isfinite(hist.history["loss"]))
+    assert lstm._traced_compaction == (5, None, None)

@@ -799,17 +799,41 @@ class SparseSplitLSTM(keras.layers.LSTM):
 
     def _compacts(self, steps, batch):
         """Whether a training step of these static sizes compacts
-        (``compaction``; "auto": :func:`compaction_pays`)."""
+        (``compaction``; "auto": :func:`compaction_pays`), or None: "auto"
+        with ``steps`` or ``batch`` unknown, decided per call
+        (:meth:`_compaction_pays_now`)."""
         if self.cell.pattern not in GROUPED_PATTERNS:
             return False
         if self.compaction != "auto":
             return self.compaction
+        if steps is None or batch is None:
+            return None
         return compaction_pays(steps, batch, self.cell.pattern_groups,
                                self._compacted_rate())
 
+    def _compaction_pays_now(self, x):
+        """:func:`compaction_pays` as a boolean tensor, on ``x``'s run-time
+        sizes and the rates in force (the cell's rate variables)."""
+        cell = self.cell
+        if cell.recurrent_dropout > 0:
+            rate = cell._rate("recurrent")
+            if cell.pattern == "subset":
+                rate = _split_rate_tensor(rate,
+                                          cell.recurrent_group_share)[0]
+        elif cell.pattern == "row" and cell.dropout > 0:
+            rate = cell._rate("input")
+        else:
+            return tf.constant(False)
+        rate = tf.cast(rate, tf.float64)
+        shape = tf.shape(x)
+        rows = tf.cast(_ceil_div(shape[0], cell.pattern_groups), tf.float64)
+        steps = tf.cast(shape[1], tf.float64)
+        return tf.logical_and(
+            rate > 0.0,
+            steps * rows * rate >= COMPACTION_MIN_ROWS * (1.0 - rate))
+
     def _own_loop(self, sequences, initial_state):
         cell = self.cell
-        units = cell.units
         x = tf.convert_to_tensor(sequences)
         dtype = x.dtype
         kernel = _dense_gradient(tf.cast(tf.convert_to_tensor(cell.kernel),
@@ -819,10 +843,35 @@ class SparseSplitLSTM(keras.layers.LSTM):
         bias = (_dense_gradient(tf.cast(tf.convert_to_tensor(cell.bias),
                                         dtype))
                 if cell.use_bias else None)
+        h0 = tf.convert_to_tensor(initial_state[0])
+        c0 = tf.convert_to_tensor(initial_state[1])
+        dp = (_first(cell.get_dropout_mask(x[:, 0, :]))
+              if cell.dropout > 0 else None)
+        rdp = (_first(cell.get_recurrent_dropout_mask(h0))
+               if cell.recurrent_dropout > 0 else None)
         # Whole units dropped per group: compacted where that pays, else
-        # (and for tile masks) the masks multiply the full products.
+        # (and for tile masks) the masks multiply the full products. With
+        # a batch size or step count unknown at trace time (Keras' fit
+        # traces its step with a None batch) the choice is made per call.
         row = self._compacts(x.shape[1], x.shape[0])
         self._traced_compaction = (x.shape[1], x.shape[0], row)
+
+        def body(row):
+            return self._loop_body(row, x, h0, c0, dp, rdp, kernel, rkernel,
+                                   bias)
+
+        if row is None:
+            h, c, outputs = tf.cond(self._compaction_pays_now(x),
+                                    lambda: body(True), lambda: body(False))
+        else:
+            h, c, outputs = body(row)
+        return h, outputs, [h, c]
+
+    def _loop_body(self, row, x, h0, c0, dp, rdp, kernel, rkernel, bias):
+        """The own loop after the masks are drawn, compacted (``row``) or
+        masked; returns ``(h, c, outputs)``."""
+        cell = self.cell
+        units = cell.units
         # The batch runs as G groups of ``rows`` examples ([G, rows, ...]),
         # each with its own row patterns (tile masks: one group); a batch
         # that G does not divide is padded with zero examples, whose
@@ -831,12 +880,6 @@ class SparseSplitLSTM(keras.layers.LSTM):
         batch = tf.shape(x)[0]
         rows = _ceil_div(batch, groups)
         pad = groups * rows - batch
-        h0 = tf.convert_to_tensor(initial_state[0])
-        c0 = tf.convert_to_tensor(initial_state[1])
-        dp = (_first(cell.get_dropout_mask(x[:, 0, :]))
-              if cell.dropout > 0 else None)
-        rdp = (_first(cell.get_recurrent_dropout_mask(h0))
-               if cell.recurrent_dropout > 0 else None)
 
         def grouped(t):      # [batch, ...] -> [G, rows, ...]
             t = tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1))
@@ -933,7 +976,7 @@ class SparseSplitLSTM(keras.layers.LSTM):
             outputs = ungrouped(tf.transpose(hs, [1, 2, 0, 3]))
         else:
             outputs = h[:, None, :]
-        return h, outputs, [h, c]
+        return h, c, outputs
 
     def get_config(self):
         config = super().get_config()
