@@ -51,7 +51,9 @@ the recurrent rate, its group part with ``pattern="subset"``, else the
 input rate of row patterns), and :func:`compaction_pays` compacts from
 ``COMPACTION_MIN_ROWS`` = 1024 on; below that the layer multiplies the
 full products by the masks (one GEMM of the whole batch per step, the same
-values to float rounding). Training steps on the 2-core Xeon (both rates
+values to float rounding). The choice is static where the trace knows the
+sizes, and made per call (a ``tf.cond`` holding both loops) where it does
+not, as in Keras' ``fit``, whose step is traced with a None batch. Training steps on the 2-core Xeon (both rates
 0.5, row patterns, batch 256, interleaved medians, compacted / masked ms):
 8 steps x 128 units 10.2 / 10.8 with one group, 13.5 / 11.4 with 8; 8 x
 512 48.0 / 69.7 with one group, 66.9 / 72.0 with 4, 90.2 / 72.2 with 8; 28
@@ -640,7 +642,10 @@ class SparseSplitLSTM(keras.layers.LSTM):
         rounding). ``"auto"`` decides per trace from the static sizes and
         the rate (:func:`compaction_pays`; module docstring, "When
         compaction pays"), and :meth:`set_rates` asks for a retrace when a
-        new rate changes that choice.
+        new rate changes that choice; where the batch size or the step
+        count is unknown at trace time (Keras' ``fit`` traces its step
+        with a None batch) the step holds both and chooses per call from
+        the run-time sizes and the rates in force (``tf.cond``).
 
     The layer's own loop (fused gate ops, written-out backward pass,
     compacted or masked products) runs in training with ``pattern="subset"``,
