@@ -81,6 +81,8 @@ def test_pattern_list():
     (dict(rate=-0.1, num_units=8), "rate"),
     (dict(rate=float("nan"), num_units=8), "rate"),
     (dict(rate=0.95, num_units=10), "not reachable"),
+    (dict(rate=0.6, num_units=64, pattern="tile", tile_shape=(32, 32)),
+     r"not reachable .*narrower tile_shape \(now \(32, 32\)\)"),
     (dict(rate=0.5, num_units=0), "num_units"),
     (dict(rate=0.5, num_units=8, pattern="column"), "pattern"),
     (dict(rate=0.5, num_units=64, pattern="tile"), "tile_shape"),

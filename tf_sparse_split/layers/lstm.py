@@ -749,7 +749,9 @@ class SparseSplitLSTM(keras.layers.LSTM):
         Returns:
           True if the compiled step must be retraced to see the change
           (also when, with ``compaction="auto"``, the new rate changes
-          whether the traced step's shapes compact).
+          whether the traced step's static shapes compact): e.g.
+          ``model.make_train_function(force=True)`` before the next
+          ``fit``, as :class:`~tf_sparse_split.TimeBudgetCallback` does.
 
         Raises:
           ValueError: a rate outside ``[0, 1)``.

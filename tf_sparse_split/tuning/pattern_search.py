@@ -222,9 +222,12 @@ def search_pattern_distribution(rate, num_units, pattern="row", max_period=8,
             f"got {num_columns}")
     top_rate = 1.0 - 1.0 / num_columns
     if rate > top_rate + 1e-12:
+        hint = (f"; a narrower tile_shape (now {tuple(tile_shape)}) "
+                "gives more columns" if pattern == "tile" else "")
         raise ValueError(
             f"rate {rate} is not reachable with {num_columns} units (tile "
-            f"columns): the highest pattern rate is 1 - 1/{num_columns}")
+            f"columns): the highest pattern rate is 1 - 1/{num_columns}"
+            + hint)
     # Make sure the target is inside the range of the candidates' rates.
     need = int(math.ceil(1.0 / (1.0 - rate) - 1e-9))
     max_period = max(max_period, 2 * need)
