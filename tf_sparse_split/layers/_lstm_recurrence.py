@@ -1,7 +1,8 @@
 """The recurrence of :class:`~tf_sparse_split.layers.SparseSplitLSTM`'s
-own training loop (compacted or masked products): the forward loop over time steps (fused ``LstmGates`` ops on
-the CPU, TensorFlow ops where a GPU is visible) and its backward pass
-written out by hand, plus the per-group GEMM and column gathers it runs on.
+own training loop (compacted or masked products): the forward loop over
+time steps (fused ``LstmGates`` ops on the CPU, TensorFlow ops where a GPU
+is visible) and its backward pass written out by hand, plus the per-group
+GEMM and column gathers it runs on.
 
 The layout is grouped: ``G`` groups of consecutive examples, each with its
 own compacted recurrent kernel (the rows of the units its recurrent mask

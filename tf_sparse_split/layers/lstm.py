@@ -53,8 +53,9 @@ input rate of row patterns), and :func:`compaction_pays` compacts from
 full products by the masks (one GEMM of the whole batch per step, the same
 values to float rounding). The choice is static where the trace knows the
 sizes, and made per call (a ``tf.cond`` holding both loops) where it does
-not, as in Keras' ``fit``, whose step is traced with a None batch. Training steps on the 2-core Xeon (both rates
-0.5, row patterns, batch 256, interleaved medians, compacted / masked ms):
+not, as in Keras' ``fit``, whose step is traced with a None batch.
+Training steps on the 2-core Xeon (both rates 0.5, row patterns, batch
+256, interleaved medians, compacted / masked ms):
 8 steps x 128 units 10.2 / 10.8 with one group, 13.5 / 11.4 with 8; 8 x
 512 48.0 / 69.7 with one group, 66.9 / 72.0 with 4, 90.2 / 72.2 with 8; 28
 x 512 187.8 / 233.5 with 4, 224.6 / 235.7 with 8 (the rule never picks
@@ -209,7 +210,6 @@ def compaction_pays(steps, batch, groups, rate):
         return True
     rows = -(-int(batch) // int(groups))
     return steps * rows * rate / (1.0 - rate) >= COMPACTION_MIN_ROWS
-
 
 
 def _with_group_share(config):
