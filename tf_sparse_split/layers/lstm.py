@@ -204,12 +204,15 @@ def compaction_pays(steps, batch, groups, rate):
       larger sizes are the ones compaction was built for); False at
       ``r = 0``.
     """
-    if rate <= 0.0:
-        return False
     if steps is None or batch is None:
-        return True
-    rows = -(-int(batch) // int(groups))
-    return steps * rows * rate / (1.0 - rate) >= COMPACTION_MIN_ROWS
+        return rate > 0.0
+    return bool(_compaction_rule(steps, -(-int(batch) // int(groups)), rate))
+
+
+def _compaction_rule(steps, rows, rate):
+    """``steps * rows * r / (1 - r) >= COMPACTION_MIN_ROWS``, without the
+    division (false at ``r = 0``), on Python numbers or float64 tensors."""
+    return steps * rows * rate >= COMPACTION_MIN_ROWS * (1.0 - rate)
 
 
 def _with_group_share(config):
@@ -792,17 +795,23 @@ class SparseSplitLSTM(keras.layers.LSTM):
                                       training=training)
         return self._own_loop(sequences, initial_state)
 
-    def _compacted_rate(self):
+    def _compacted_rate(self, live=False):
         """The share of units each group drops from the products: the
         recurrent rate (its group part with ``pattern="subset"``), else
-        the input rate of row patterns."""
+        the input rate of row patterns, else 0. A Python float from the
+        rates set, or (``live``) a float64 tensor read from the cell's rate
+        variables in the traced step."""
         cell = self.cell
         if cell.recurrent_dropout > 0:
+            rate = (cell._rate("recurrent") if live
+                    else float(cell.recurrent_dropout))
             if cell.pattern == "subset":
-                return split_recurrent_rate(cell.recurrent_dropout,
-                                            cell.recurrent_group_share)[0]
-            return float(cell.recurrent_dropout)
-        return float(cell.dropout) if cell.pattern == "row" else 0.0
+                split = _split_rate_tensor if live else split_recurrent_rate
+                rate = split(rate, cell.recurrent_group_share)[0]
+            return rate
+        if cell.pattern == "row" and cell.dropout > 0:
+            return cell._rate("input") if live else float(cell.dropout)
+        return 0.0
 
     def _compacts(self, steps, batch):
         """Whether a training step of these static sizes compacts
@@ -821,23 +830,12 @@ class SparseSplitLSTM(keras.layers.LSTM):
     def _compaction_pays_now(self, x):
         """:func:`compaction_pays` as a boolean tensor, on ``x``'s run-time
         sizes and the rates in force (the cell's rate variables)."""
-        cell = self.cell
-        if cell.recurrent_dropout > 0:
-            rate = cell._rate("recurrent")
-            if cell.pattern == "subset":
-                rate = _split_rate_tensor(rate,
-                                          cell.recurrent_group_share)[0]
-        elif cell.pattern == "row" and cell.dropout > 0:
-            rate = cell._rate("input")
-        else:
-            return tf.constant(False)
-        rate = tf.cast(rate, tf.float64)
         shape = tf.shape(x)
-        rows = tf.cast(_ceil_div(shape[0], cell.pattern_groups), tf.float64)
-        steps = tf.cast(shape[1], tf.float64)
-        return tf.logical_and(
-            rate > 0.0,
-            steps * rows * rate >= COMPACTION_MIN_ROWS * (1.0 - rate))
+        rows = _ceil_div(shape[0], self.cell.pattern_groups)
+        return _compaction_rule(tf.cast(shape[1], tf.float64),
+                                tf.cast(rows, tf.float64),
+                                tf.cast(self._compacted_rate(live=True),
+                                        tf.float64))
 
     def _own_loop(self, sequences, initial_state):
         cell = self.cell
