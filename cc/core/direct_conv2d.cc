@@ -268,6 +268,27 @@ struct FwdColumnsS1<T, V, B, KW, JEnd, JEnd> {
                               int64_t, const T*, typename DVec<T>::V (&)[B][V]) {}
 };
 
+// The channels of one input pixel px whose bits are set in m (bit i =
+// channel c0 + i), each multiplied into column b of the tile: one
+// broadcast and V multiply-adds a nonzero.
+template <typename T, int V, int B, int Bc>
+TFSS_INLINE void FwdPixelBits(uint64_t m, int64_t c0, const T* px,
+                              const T* wk, int64_t rw,
+                              typename DVec<T>::V (&acc)[B][V]) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  while (m) {
+    const int64_t c = c0 + __builtin_ctzll(m);
+    m &= m - 1;
+    const Vt xv = Bcast<T>(px[c]);
+    const T* wr = wk + c * rw;
+    asm("" : "+r"(wr));  // base + offset addressing (see FwdColumnS1)
+    Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+      acc[Bc][v] += xv * LoadV<Vt>(wr + v * L);
+    });
+  }
+}
+
 // Generic column b of a tile (any stride, dilation, KW): one tap (kh, kw)
 // of output ow0 + b.
 template <typename T, int V, int B, int Bi, int BEnd>
@@ -276,24 +297,13 @@ struct FwdColumnsGeneric {
                               int64_t w_in, int nb, int64_t ci, int64_t cb,
                               int64_t ce, int64_t rw, const T* wk,
                               typename DVec<T>::V (&acc)[B][V]) {
-    using Vt = typename DVec<T>::V;
-    constexpr int L = DVec<T>::kLanes;
     const int64_t w = w_first + Bi * sw;
     if (Bi < nb && w >= 0 && w < w_in) {
       const T* px = xrow + w * ci;
-      for (int64_t c0 = cb; c0 < ce; c0 += 64) {
-        uint64_t m = NonzeroMask<T>(px + c0, std::min<int64_t>(64, ce - c0));
-        while (m) {
-          const int64_t c = c0 + __builtin_ctzll(m);
-          m &= m - 1;
-          const Vt xv = Bcast<T>(px[c]);
-          const T* wr = wk + c * rw;
-          asm("" : "+r"(wr));  // base + offset addressing (see above)
-#pragma GCC unroll 4
-          for (int v = 0; v < V; ++v)
-            acc[Bi][v] += xv * LoadV<Vt>(wr + v * L);
-        }
-      }
+      for (int64_t c0 = cb; c0 < ce; c0 += 64)
+        FwdPixelBits<T, V, B, Bi>(
+            NonzeroMask<T>(px + c0, std::min<int64_t>(64, ce - c0)), c0, px,
+            wk, rw, acc);
     }
     FwdColumnsGeneric<T, V, B, Bi + 1, BEnd>::Run(xrow, w_first, sw, w_in, nb,
                                                   ci, cb, ce, rw, wk, acc);
@@ -363,21 +373,9 @@ struct FwdColumnPairsGeneric {
               acc[Bi + 1][v] += x1 * LoadV<Vt>(ws + v * L);
             });
           }
-          // The rest of one pixel's channels (column b of the tile).
-          auto rest = [&](uint64_t m, const T* px, auto b) TFSS_INLINE_LAMBDA {
-            while (m) {
-              const int64_t c = c0 + __builtin_ctzll(m);
-              m &= m - 1;
-              const Vt xv = Bcast<T>(px[c]);
-              const T* wr = wk + c * rw;
-              asm("" : "+r"(wr));
-              Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
-                acc[b][v] += xv * LoadV<Vt>(wr + v * L);
-              });
-            }
-          };
-          rest(only0, p0, std::integral_constant<int, Bi>{});
-          rest(only1, p1, std::integral_constant<int, Bi + 1>{});
+          // The rest of one pixel's channels.
+          FwdPixelBits<T, V, B, Bi>(only0, c0, p0, wk, rw, acc);
+          FwdPixelBits<T, V, B, Bi + 1>(only1, c0, p1, wk, rw, acc);
         }
       }
       FwdColumnPairsGeneric<T, V, B, Bi + 2, BEnd>::Run(
