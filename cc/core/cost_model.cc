@@ -223,6 +223,21 @@ bool CalibrationAllows(const SplitShape& s, const DensityProfile& p,
   return plan <= dense * (1.0 + policy.calibration_max_loss);
 }
 
+bool BucketAllSparse(const DensityProfile& p, int bucket) {
+  if (bucket < 0) return false;
+  double rows, nnz;
+  SparseShare(p, bucket, &rows, &nnz);
+  return rows >= TotalRows(p);
+}
+
+double PlanAnalysisSeconds(const DecisionPolicy& policy,
+                           const DensityProfile& p, int bucket) {
+  if (bucket < 0) return 0.0;
+  if (policy.all_sparse_analysis_s >= 0.0 && BucketAllSparse(p, bucket))
+    return policy.all_sparse_analysis_s;
+  return std::max(0.0, policy.analysis_s);
+}
+
 double MinGainSeconds(const DecisionPolicy& policy, double all_dense_s) {
   double rel = policy.min_gain_fraction * all_dense_s;
   if (!(rel >= 0.0)) rel = policy.min_gain_s;  // NaN (0 * inf)
@@ -298,7 +313,22 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   const bool has_best = BestSparsePlan(s, p, t, policy, &best_plan, &best);
   dense_plan.best_sparse_s = best;
   if (!has_best) return dense_plan;
-  const double t_best = best_plan.predicted_s;
+  double t_best = best_plan.predicted_s;
+  // Each plan pays its own analysis (DecisionPolicy::all_sparse_analysis_s):
+  // where an all-sparse call counts only a sample, the all-sparse plan may
+  // beat a faster split that counts every value.
+  double analysis = PlanAnalysisSeconds(policy, p, best_plan.bucket);
+  if (best_plan.kind != PlanKind::kAllSparse &&
+      policy.all_sparse_analysis_s >= 0.0 && b >= 0 &&
+      CalibrationAllows(s, p, policy, b)) {
+    const double t_all = PredictPlanSeconds(s, p, t, b, false);
+    const double a_all = PlanAnalysisSeconds(policy, p, b);
+    if (t_all + a_all < t_best + analysis) {
+      best_plan = MakePlan(s, p, b, false, t_all);
+      t_best = t_all;
+      analysis = a_all;
+    }
+  }
   best_plan.all_dense_s = all_dense;
   best_plan.best_sparse_s = best;
 
@@ -308,7 +338,6 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   // Entry into a plan with sparse rows: only for a safe predicted win,
   // its analysis included (DecisionPolicy::analysis_s).
   const double min_gain = MinGainSeconds(policy, all_dense);
-  const double analysis = std::max(0.0, policy.analysis_s);
   const bool enters =
       t_best + analysis <= all_dense * (1.0 - policy.enter_margin) &&
       t_best + analysis <= all_dense - min_gain;
@@ -317,14 +346,17 @@ Plan DecideSplit(const SplitShape& s, const DensityProfile& p,
   bool prev_compact = false;
   const double t_prev =
       BestOfCompaction(s, p, t, previous->bucket, policy, &prev_compact);
-  if (!(t_prev + analysis <= all_dense * (1.0 - policy.stay_margin)) ||
-      !(t_prev + analysis <= all_dense - 0.5 * min_gain) ||
+  const double prev_analysis = PlanAnalysisSeconds(policy, p, previous->bucket);
+  if (!(t_prev + prev_analysis <= all_dense * (1.0 - policy.stay_margin)) ||
+      !(t_prev + prev_analysis <= all_dense - 0.5 * min_gain) ||
       !CalibrationAllows(s, p, policy, previous->bucket)) {
     // The kept plan no longer wins safely; switch only to a plan that
     // passes the entry test, else go dense.
     return enters ? best_plan : dense_plan;
   }
-  if (t_best < t_prev * (1.0 - policy.switch_margin)) return best_plan;
+  if (t_best + analysis - prev_analysis <
+      t_prev * (1.0 - policy.switch_margin))
+    return best_plan;
   Plan kept = MakePlan(s, p, previous->bucket, prev_compact, t_prev);
   kept.all_dense_s = all_dense;
   kept.best_sparse_s = best;
@@ -481,6 +513,13 @@ int FullCountPeriod(double count_s, double dense_s, const AnalysisPolicy& ap) {
   const double want = std::ceil(count_s / (ap.full_budget * dense_s));
   if (!(want < hi)) return hi;
   return std::max(lo, static_cast<int>(want));
+}
+
+double SampledAllSparseCountShare(const AnalysisPolicy& ap,
+                                  int64_t sample_stride) {
+  const double period = static_cast<double>(std::max(1, ap.min_period));
+  const double stride = static_cast<double>(std::max<int64_t>(1, sample_stride));
+  return std::min(1.0, 1.0 / period + 1.0 / stride);
 }
 
 bool SampleMayCountFully(double count_s, double dense_s,

@@ -197,6 +197,19 @@ struct DecisionPolicy {
   // plan (parts predicted 58 us against 66-79 us dense) and ran at
   // 0.41-0.57x of TF's kernel, its full count taking 30-40 us per call.
   double analysis_s = 0.0;
+  // Seconds of analysis an all-sparse plan pays per call instead of
+  // analysis_s, where the op decides such calls on a sample
+  // (AnalysisMode::kSampleSparse: the convolutions' direct kernel reads no
+  // counts) and counts fully only every FullCountPeriod calls: the sample
+  // plus the periodic full count, amortised. Negative: analysis_s. The
+  // entry and stay tests charge each plan its own analysis, and an
+  // all-sparse plan that beats the best plan once both analyses are
+  // added is taken instead. Measured on the filter gradient of 32x56x56x64
+  // -> 64 at 50% zeros (2-core Xeon): the all-sparse calls ran 20-22 ms
+  // against 23.5-27 ms all-dense, but the full count (1.4 ms) charged on
+  // every call kept the plan out, and the automatic op ran at 1.00x of
+  // TF's kernel where all-sparse ran 1.17x.
+  double all_sparse_analysis_s = -1.0;
   // The family's calibration terms (FamilyModel::BaseTerms: both paths
   // timed interleaved on the same rows, best of a few rounds, so a burst of
   // load slows both), or unknown (the default: no check). When known, a
@@ -236,6 +249,16 @@ bool CalibrationAllows(const SplitShape& s, const DensityProfile& p,
 // an all-dense call predicted at `all_dense_s`: min(min_gain_s,
 // max(min_gain_floor_s, min_gain_fraction * all_dense_s)).
 double MinGainSeconds(const DecisionPolicy& policy, double all_dense_s);
+
+// Whether candidate `bucket` of profile p sends every row sparse (a plan
+// of kind kAllSparse; -1 never does).
+bool BucketAllSparse(const DensityProfile& p, int bucket);
+
+// The analysis seconds a plan of candidate `bucket` pays per call beyond
+// the all-dense plan's (DecisionPolicy::analysis_s, or
+// all_sparse_analysis_s for an all-sparse candidate when that is set).
+double PlanAnalysisSeconds(const DecisionPolicy& policy,
+                           const DensityProfile& p, int bucket);
 
 // Predicted seconds of the dense part with `rows_dense` rows (compacted or
 // not) and of the sparse part with `rows_sparse` rows holding `nnz_sparse`.
@@ -509,6 +532,14 @@ double MaxSavingSeconds(const SplitShape& s, const CostTerms& t,
 // Full-count period of an op instance whose full count costs `count_s` and
 // whose dense call is predicted `dense_s` (see AnalysisPolicy).
 int FullCountPeriod(double count_s, double dense_s, const AnalysisPolicy& ap);
+
+// The share of a full count that an all-sparse plan deciding on samples
+// (AnalysisMode::kSampleSparse) pays per call, at most: its full count
+// every FullCountPeriod calls (>= ap.min_period) plus a sample of every
+// `sample_stride`-th value on the others (DecisionPolicy::
+// all_sparse_analysis_s = this share times the full count's seconds).
+double SampledAllSparseCountShare(const AnalysisPolicy& ap,
+                                  int64_t sample_stride);
 
 // Whether a sample that did not say all-dense may lead to a full count of
 // `count_s` seconds on a call predicted `dense_s` all-dense, given the op's

@@ -944,13 +944,28 @@ absl::Status FinishIfEmpty(tf::OpKernelContext* ctx, const Conv2DGeometry& g,
 
 // Whether any plan with sparse images (candidates 0..B of profile p, no
 // compaction) passes the agreement rule (ConvSplitAgreed, conv_cost.h).
+// split_extra_s: the analysis seconds such a plan pays per call;
+// all_sparse_extra_s those of an all-sparse candidate (BucketAllSparse).
 bool AnySplitAgreed(const SplitShape& s, const DensityProfile& p,
                     const CostTerms& base, const CostTerms& current,
-                    double split_extra_s) {
+                    double split_extra_s, double all_sparse_extra_s) {
   for (int j = 0; j <= p.buckets(); ++j)
-    if (ConvSplitAgreed(s, p, base, current, j, false, split_extra_s))
+    if (ConvSplitAgreed(s, p, base, current, j, false,
+                        BucketAllSparse(p, j) ? all_sparse_extra_s
+                                              : split_extra_s))
       return true;
   return false;
+}
+
+// The share of a full count that this op's automatic all-sparse calls pay
+// (SplitCall::set_all_sparse_count_share), or -1: with a sparse-kernel
+// choice (the forward and the filter gradient) whose direct kernel would
+// run `values` values holding `nnz` nonzeros, such calls decide on
+// samples (AnalysisMode::kSampleSparse) between periodic full counts.
+double AllSparseCountShare(const SparseKernelChoice* choice, double values,
+                           double nnz) {
+  if (choice == nullptr || !UseDirectKernel(*choice, values, nnz)) return -1.0;
+  return SampledAllSparseCountShare(AnalysisPolicy(), kSparseSampleStride);
 }
 
 // TfParallelFor with four blocks per pool thread instead of one: the
@@ -1057,6 +1072,11 @@ struct ConvSplit {
           const DensityProfile est =
               EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted, g.n,
                               dense_shape.k, kDecisionBuckets);
+          const double count_s = family.CountSecondsPerElem() * values;
+          const double share =
+              full_stats ? -1.0
+                         : AllSparseCountShare(sample_choice, values,
+                                               sc.nnz_est);
           const bool vetoed =
               density_est >= kConvZeroFreeDensity
                   ? !ConvSparseRowsAllowed(dense_shape, est,
@@ -1064,8 +1084,9 @@ struct ConvSplit {
                                            density_est)
                   : sc.k_live_est >= dense_shape.k &&
                         !AnySplitAgreed(dense_shape, est, family.BaseTerms(),
-                                        family.Terms(),
-                                        family.CountSecondsPerElem() * values);
+                                        family.Terms(), count_s,
+                                        share >= 0.0 ? count_s * share
+                                                     : count_s);
           // Full counts asked for by samples that keep coming out near the
           // break-even are rationed (SplitCall::SampleMayCountFully).
           if (vetoed || !call.SampleMayCountFully(dense_shape, &family, plans))
@@ -1096,6 +1117,11 @@ struct ConvSplit {
                        count_start);
     }
     const SplitShape shape = ConvSplitShape(g, an.c_live, dense_allowed);
+    const double values =
+        static_cast<double>(g.n) * static_cast<double>(g.h * g.w * g.c_in);
+    if (call.automatic() && dense_allowed && !full_stats)
+      call.set_all_sparse_count_share(AllSparseCountShare(
+          sample_choice, values, static_cast<double>(an.nnz)));
     TF_RETURN_IF_ERROR(call.Decide<T>(ctx, paths, shape, an.image_nnz.data(),
                                       &family, plans, pfor));
     // The zero-free rule (conv_cost.h): an input without (enough) zeros
@@ -1110,9 +1136,7 @@ struct ConvSplit {
     // agreed, and the re-time would only cost its run (conv2 of cnn-small
     // at batch 32: 4 sparse re-times of +50 us in its first 63 calls).
     if (call.automatic() && dense_allowed && call.rows_sparse() > 0) {
-      const double density =
-          static_cast<double>(an.nnz) /
-          (static_cast<double>(g.n) * static_cast<double>(g.h * g.w * g.c_in));
+      const double density = static_cast<double>(an.nnz) / values;
       const DensityProfile profile = ProfileFromRowNnz(
           an.image_nnz.data(), g.n, shape.k, kDecisionBuckets);
       const CostTerms base = family.BaseTerms();
@@ -1124,12 +1148,14 @@ struct ConvSplit {
                                         density);
       } else {
         // Where all-dense calls may count cheaply, a plan with sparse
-        // images pays the full count on every call (as DecideSplit charges
-        // it, DecisionPolicy::analysis_s).
+        // images pays the full count on every call, an all-sparse one on
+        // the direct kernel its sampled share (as DecideSplit charges
+        // them, DecisionPolicy::analysis_s / all_sparse_analysis_s).
         const double count_s =
             full_stats ? 0.0
-                       : family.CountSecondsPerElem() * static_cast<double>(g.n) *
-                             static_cast<double>(g.h * g.w * g.c_in);
+                       : call.SparsePlanAnalysisSeconds(
+                             family.CountSecondsPerElem() * values,
+                             call.rows_dense() == 0);
         allowed = ConvSplitAgreed(shape, profile, base,
                                   call.retimed() ? base : family.Terms(),
                                   bucket, call.compact(), count_s);

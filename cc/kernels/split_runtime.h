@@ -551,6 +551,26 @@ class SplitCall {
     sampled_count_ = true;
   }
   bool sampled_count() const { return sampled_count_; }
+
+  // Before Decide, by an op that runs an automatic all-sparse plan on a
+  // sample's estimate between periodic full counts (AnalysisMode::
+  // kSampleSparse): the share of the full count such a plan pays per call
+  // (SampledAllSparseCountShare), so that the decision charges it that
+  // instead of a full count (DecisionPolicy::all_sparse_analysis_s).
+  // Negative (the default): every call of a plan with sparse rows counts
+  // fully.
+  void set_all_sparse_count_share(double share) {
+    all_sparse_count_share_ = share;
+  }
+  // The analysis seconds a plan with sparse rows pays per call on top of
+  // the all-dense plan's, for a full count of `count_s` seconds: count_s,
+  // or its all-sparse share for an all-sparse plan (`all_sparse`) where
+  // set_all_sparse_count_share set one.
+  double SparsePlanAnalysisSeconds(double count_s, bool all_sparse) const {
+    return all_sparse && all_sparse_count_share_ >= 0.0
+               ? count_s * all_sparse_count_share_
+               : count_s;
+  }
   // The threshold the call was given (< 0: automatic).
   float threshold_in() const { return threshold_in_; }
 
@@ -633,10 +653,14 @@ class SplitCall {
         calibration_ = family->BaseTerms();
         policy.calibration = calibration_;
       }
-      if (cheap_analysis_ && count_s_per_elem_ > 0.0)
+      if (cheap_analysis_ && count_s_per_elem_ > 0.0) {
         policy.analysis_s = count_s_per_elem_ *
                             static_cast<double>(shape.m) *
                             static_cast<double>(shape.k);
+        if (all_sparse_count_share_ >= 0.0)
+          policy.all_sparse_analysis_s =
+              SparsePlanAnalysisSeconds(policy.analysis_s, true);
+      }
       const Plan plan =
           memory->DecideAndRetime(shape, profile, terms, policy,
                                   retime_policy_, &retimed_, &decided);
@@ -908,6 +932,7 @@ class SplitCall {
   bool dense_now_ = false;   // all dense without a count (SetAllDense)
   bool sampled_count_ = false;  // MarkSampledCount
   bool cheap_analysis_ = false;  // ChooseAnalysis ran with full_stats false
+  double all_sparse_count_share_ = -1.0;  // set_all_sparse_count_share
   // ChooseAnalysis: the back-off led to a full count (a sample, or a
   // periodic count amid it), and the history's samples_dense before it.
   bool backoff_full_ = false;

@@ -428,7 +428,8 @@ DecisionPolicy PolicyOf(const py::object& o) {
   const py::dict d = o.cast<py::dict>();
   RequireKeys(d, {"enter_margin", "stay_margin", "switch_margin", "tie_margin",
                   "min_gain_s", "min_gain_fraction", "min_gain_floor_s",
-                  "analysis_s", "calibration", "calibration_max_loss"},
+                  "analysis_s", "all_sparse_analysis_s", "calibration",
+                  "calibration_max_loss"},
               "policy");
   p.enter_margin = Get<double>(d, "enter_margin", p.enter_margin);
   p.stay_margin = Get<double>(d, "stay_margin", p.stay_margin);
@@ -441,6 +442,11 @@ DecisionPolicy PolicyOf(const py::object& o) {
   p.analysis_s = Get<double>(d, "analysis_s", p.analysis_s);
   if (!(p.analysis_s >= 0.0) || !std::isfinite(p.analysis_s))
     throw py::value_error("policy analysis_s must be finite and >= 0");
+  p.all_sparse_analysis_s =
+      Get<double>(d, "all_sparse_analysis_s", p.all_sparse_analysis_s);
+  if (!std::isfinite(p.all_sparse_analysis_s))
+    throw py::value_error(
+        "policy all_sparse_analysis_s must be finite (negative: analysis_s)");
   // The family's calibration terms (a terms dict; None or absent: unknown).
   if (d.contains("calibration") && !d["calibration"].is_none())
     p.calibration = TermsOf(d["calibration"].cast<py::dict>());
@@ -989,6 +995,16 @@ void BindAnalysis(py::module_& mod) {
           py::arg("family_op"), py::arg("dtype"), py::arg("m"), py::arg("k"),
           py::arg("n"), py::arg("transpose_b") = false,
           "Family key of a SparseSplitMatMul / SparseSplitSddmm CPU call.");
+  mod.def("sampled_all_sparse_count_share",
+          [](int64_t sample_stride, const py::object& ap) {
+            return SampledAllSparseCountShare(AnalysisPolicyOf(ap),
+                                              sample_stride);
+          },
+          py::arg("sample_stride"), py::arg("analysis_policy") = py::none(),
+          "The share of a full count an all-sparse plan deciding on samples "
+          "of every sample_stride-th value pays per call "
+          "(DecisionPolicy.all_sparse_analysis_s = share * full count "
+          "seconds).");
   mod.def("analysis_policy_defaults", [] {
     const AnalysisPolicy p;
     py::dict d;
