@@ -1135,13 +1135,28 @@ void PackDyRow(const T* src, int64_t ow_n, int64_t cop, int64_t VL,
                int64_t kb0, int64_t kb1, T* dst) {
   using Vt = typename DVec<T>::V;
   constexpr int L = DVec<T>::kLanes;
+  // One or two vectors a pixel (the kernel's blocks), copied by explicit
+  // vector moves: as a loop over vk, GCC turned each pixel's copy into a
+  // call of memcpy (64-128 bytes), 3.6% of the filter gradient's samples
+  // under perf on 32x56x56x64 -> 64 at 50% zeros (kernel time 20.9-21.5
+  // ms after, 21.2-22.2 before, three runs each on the 2-core Xeon).
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int64_t k0 = kb * VL, vk = std::min(VL, cop - k0) / L;
     T* d = dst + (kb - kb0) * ow_n * VL;
-    for (int64_t ow = 0; ow < ow_n; ++ow) {
-      const T* sp = src + ow * cop + k0;
-      for (int64_t v = 0; v < vk; ++v)
-        StoreV(d + ow * VL + v * L, LoadV<Vt>(sp + v * L));
+    const T* sp = src + k0;
+    if (vk == 2) {
+      for (int64_t ow = 0; ow < ow_n; ++ow, sp += cop, d += VL) {
+        const Vt a = LoadV<Vt>(sp), b = LoadV<Vt>(sp + L);
+        StoreV(d, a);
+        StoreV(d + L, b);
+      }
+    } else if (vk == 1) {
+      for (int64_t ow = 0; ow < ow_n; ++ow, sp += cop, d += VL)
+        StoreV(d, LoadV<Vt>(sp));
+    } else {
+      for (int64_t ow = 0; ow < ow_n; ++ow, sp += cop, d += VL)
+        for (int64_t v = 0; v < vk; ++v)
+          StoreV(d + v * L, LoadV<Vt>(sp + v * L));
     }
   }
 }
