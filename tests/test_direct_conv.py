@@ -95,6 +95,10 @@ CASES = [
     (5, 7, 9, 6, 65, 2, 3, (1, 2), (1, 1), "SAME"),        # non-square
     (1, 14, 14, 32, 64, 3, 3, (1, 1), (1, 1), "SAME"),     # batch 1
     (2, 3, 4, 3, 5, 5, 5, (1, 1), (1, 1), "SAME"),         # filter > input
+    # 1x1 with C_out a multiple of 128: 8-vector blocks of 3-pixel tiles.
+    (2, 9, 10, 70, 128, 1, 1, (1, 1), (1, 1), "SAME"),     # C_in > 64
+    (2, 9, 9, 24, 256, 1, 1, (2, 2), (1, 1), "VALID"),     # stride 2, 2 blocks
+    (1, 5, 13, 200, 128, 1, 1, (1, 1), (1, 1), "SAME"),    # passes over C_in
 ]
 
 

@@ -29,6 +29,7 @@ CASES = [
     ((2, 7, 14, 70), (3, 3, 70, 130), 1),   # sliding, one row a pass, 2 chunks, 3 blocks
     ((2, 8, 9, 20), (3, 3, 20, 24), 1),     # sliding, out_w 9: three rows, 2 chunks
     ((2, 11, 10, 6), (5, 5, 6, 19), 2),     # tiled kernel
+    ((2, 6, 7, 80), (1, 1, 80, 256), 1),    # 1x1: 8-vector blocks, 2 passes
 ]
 
 

@@ -175,6 +175,33 @@ void EpilogueRow(T* yrow, int64_t out_w, int64_t co, int64_t k0, int64_t kn,
 // ---------------------------------------------------------------------------
 // Forward.
 
+// Whether a 1x1 convolution's forward takes blocks of 8 vectors (tiles of
+// 3 pixels, 24 accumulators) instead of 4 (tiles of 7 pixels): C_out a
+// multiple of 8 vectors (128 floats). A 1x1 filter gives each input
+// nonzero one tap, so a block of V vectors is V multiply-adds per
+// broadcast and bit-scan step; at V = 4 one pixel's chain of nonzeros
+// waits on the FMA latency (4 multiply-adds a nonzero) and every block
+// scans the pixel's bits again. Kernel time at 50% zeros (ReLU of a
+// Gaussian), 8-vector against 4-vector blocks, two runs each on the
+// 2-core Xeon: 16x16x16x64 -> 256 0.74-0.76 / 0.92-1.00 ms, 32x28x28x64
+// -> 256 3.8-4.1 / 4.4-5.4 ms, 32x14x14x256 -> 1024 12.8-13.0 / 16.5-17.1
+// ms, 16x8x8x256 -> 1024 2.3-3.7 / 4.1-4.3 ms; 16x16x16x128 -> 512 and
+// 16x8x8x512 -> 128 even within the runs' spread.
+template <typename T>
+bool WideOneByOneBlocks(const Conv2DGeometry& g) {
+  constexpr int64_t L = DVec<T>::kLanes;
+  return g.kh == 1 && g.kw == 1 && g.c_out % (8 * L) == 0;
+}
+
+// The L1 budget (bytes) of a forward pass's packed filter slice: 48 KB,
+// 32 KB for 8-vector blocks (whose 48 KB slices, 96 channels of 512
+// bytes, left too little of L1 to the input rows and the outputs: at
+// 16x16x16x128 -> 512, 2.9-3.4 ms in passes of 96 + 32 channels against
+// 2.4-3.6 ms in two of 64).
+inline int64_t FwdSliceBudget(int64_t vecs) {
+  return (vecs >= 8 ? 32 : 48) * 1024;
+}
+
 // Output-channel blocking of the forward kernel: blocks of kVecs vectors
 // (the last one may hold fewer), each with its packed filter
 // [KH][C_in][KW][V*lanes].
@@ -190,6 +217,7 @@ struct FwdBlocks {
     const int64_t co = g.c_out;
     const int64_t total_vecs = (co + L - 1) / L;
     vecs = std::min<int64_t>(4, std::max<int64_t>(1, total_vecs));
+    if (WideOneByOneBlocks<T>(g)) vecs = 8;
     count = (total_vecs + vecs - 1) / vecs;
     offset.assign(count + 1, 0);
     const int64_t taps_c = g.kh * g.c_in * g.kw;
@@ -216,7 +244,8 @@ struct FwdBlocks {
 // Output columns per tile for V vectors: B*V accumulators <= 28 of 32 zmm.
 template <int V>
 struct TileWidth {
-  static constexpr int value = V >= 4 ? 7 : V == 3 ? 9 : V == 2 ? 12 : 16;
+  static constexpr int value =
+      V >= 8 ? 3 : V >= 4 ? 7 : V == 3 ? 9 : V == 2 ? 12 : 16;
 };
 
 // Column j of a stride-1, dilation-1 tile: the nonzeros of input pixel px
@@ -1433,14 +1462,16 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
   FwdBlocks<T> blocks;
   blocks.Build(f, g);
   // Input-channel chunk of a pass: the whole C_in when its filter slice
-  // (C_in * KW * V vectors) fits in 48 KB, else multiples of 16 channels
-  // within 48 KB (64 channels at V = 4 and KW = 3: a 64-bit mask per
+  // (C_in * KW * V vectors) fits in 48 KB (32 KB for 8-vector blocks,
+  // FwdSliceBudget), else multiples of 16 channels within it (64
+  // channels at V = 4 and KW = 3: a 64-bit mask per
   // column; 32-channel chunks doubled the column loops and measured 3-18%
   // slower on 28x28x128 and 7x7x512 layers).
   const int64_t per_chan = g.kw * blocks.vecs * L * sizeof(T);
   int64_t chunk = g.c_in;
-  if (g.c_in * per_chan > 48 * 1024)
-    chunk = std::max<int64_t>(16, (48 * 1024 / per_chan) / 16 * 16);
+  const int64_t budget = FwdSliceBudget(blocks.vecs);
+  if (g.c_in * per_chan > budget)
+    chunk = std::max<int64_t>(16, (budget / per_chan) / 16 * 16);
   // Rows per task: enough tiles (about 8) to reuse each pass's filter slice.
   const int64_t tiles = (g.out_w + 6) / 7;
   const int64_t group = std::max<int64_t>(1, std::min<int64_t>(8, (8 + tiles - 1) / tiles));
@@ -1456,6 +1487,7 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
       const int64_t kn = std::min<int64_t>(g.c_out - k0, blocks.vecs * L);
       const T* wp = blocks.packed.data() + blocks.offset[b];
       switch (blocks.Vecs(b, g)) {
+        case 8: FwdRows<T, 8>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
         case 4: FwdRows<T, 4>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
         case 3: FwdRows<T, 3>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
         case 2: FwdRows<T, 2>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
