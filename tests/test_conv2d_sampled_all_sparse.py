@@ -19,9 +19,11 @@ call and the automatic op ran at 1.00x of TF's kernel (all-sparse: 1.17x).
 Nothing is timed here.
 """
 
-import numpy as np
 import pytest
 from _helpers import kernels_or_skip
+# The recorded convolution's shape, profile and fitted calibration terms,
+# and its all-sparse candidate: as the agreement rule's tests build them.
+from test_conv2d_split_agreement import _all_sparse, _problem
 
 K = kernels_or_skip()
 
@@ -42,19 +44,8 @@ FILTER_GRAD_50 = dict(
 SAMPLE_STRIDE = 16
 
 
-def _problem(rec):
-    n, h, w, ci, co = rec["conv"]
-    shape = K.conv_split_shape(n, h, w, ci, ci, 3, 3, co, h, w)
-    k = h * w * ci
-    row_nnz = np.concatenate([np.full(c, v, np.int64)
-                              for c, v in rec["images"]])
-    assert row_nnz.size == n
-    return shape, K.profile_from_row_nnz(row_nnz, k), K.fit_calibration(
-        shape, rec["calibration"])
-
-
 def _all_sparse_plan(profile, predicted_s):
-    b = len(profile[0]) - 1
+    b = _all_sparse(profile)
     return {"kind": "all_sparse", "bucket": b, "threshold": 1.0,
             "compact": False, "predicted_s": predicted_s}
 
@@ -78,7 +69,7 @@ def test_the_sampled_share_keeps_the_recorded_all_sparse_plan():
     rec = FILTER_GRAD_50
     shape, profile, terms = _problem(rec)
     sparse_s = K.predict_plan_seconds(shape, profile, terms,
-                                      len(profile[0]) - 1)
+                                      _all_sparse(profile))
     dense_s = K.predict_plan_seconds(shape, profile, terms, -1)
     # The recorded numbers: all-sparse ahead of all-dense by 10-15%, by less
     # than the full count.
@@ -94,7 +85,7 @@ def test_the_sampled_share_keeps_the_recorded_all_sparse_plan():
     assert plan["kind"] == "all_sparse", plan
     # The agreement rule with the same charges (the calibration's terms as
     # both sets): vetoed with the full count, agreed with the share.
-    b = len(profile[0]) - 1
+    b = _all_sparse(profile)
     assert not K.conv_split_agreed(shape, profile, terms, terms, b, False,
                                    rec["count_s"])
     assert K.conv_split_agreed(shape, profile, terms, terms, b, False,
@@ -107,15 +98,11 @@ def test_an_all_sparse_plan_beats_a_faster_split_once_analyses_count():
     all-sparse plan pays only a sample, it is taken when its time plus that
     share is below the split's time plus the full count, never a split
     charged less than the full count."""
-    rec = FILTER_GRAD_50
-    n, h, w, ci, co = rec["conv"]
+    _, h, w, ci, _ = FILTER_GRAD_50["conv"]
     k = h * w * ci
-    shape = K.conv_split_shape(n, h, w, ci, ci, 3, 3, co, h, w)
-    terms = K.fit_calibration(shape, rec["calibration"])
-    row_nnz = np.concatenate([np.full(16, int(0.88 * k), np.int64),
-                              np.full(16, int(0.02 * k), np.int64)])
-    profile = K.profile_from_row_nnz(row_nnz, k)
-    b = len(profile[0]) - 1
+    shape, profile, terms = _problem(
+        FILTER_GRAD_50, images=((16, int(0.88 * k)), (16, int(0.02 * k))))
+    b = _all_sparse(profile)
     split = K.decide_split(shape, profile, terms)
     assert split["kind"] == "split", split
     t_split = split["predicted_s"]

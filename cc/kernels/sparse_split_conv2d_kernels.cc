@@ -1035,6 +1035,8 @@ struct ConvSplit {
     if (*done) return absl::OkStatus();
     FamilyModel& family =
         families->Family(op, tf::DataTypeToEnum<T>::value, g);
+    const double values =
+        static_cast<double>(g.n) * static_cast<double>(g.h * g.w * g.c_in);
     bool sampled = false;  // `an` is a sample's estimate
     if (dense_allowed) {
       // One lock of the op's PlanMemory: the analysis, with the call a
@@ -1067,16 +1069,13 @@ struct ConvSplit {
           // full count, no decision, TF's kernel; the sample counts as one
           // that said all-dense (SplitCall::AcceptVetoedSample: the
           // back-off goes on).
-          const double values = static_cast<double>(g.n) * g.h * g.w * g.c_in;
           const double density_est = sc.nnz_est / std::max(1.0, values);
           const DensityProfile est =
               EstimateProfile(sc.row_nnz.data(), sc.rows, sc.k_counted, g.n,
                               dense_shape.k, kDecisionBuckets);
           const double count_s = family.CountSecondsPerElem() * values;
-          const double share =
-              full_stats ? -1.0
-                         : AllSparseCountShare(sample_choice, values,
-                                               sc.nnz_est);
+          call.set_all_sparse_count_share(
+              AllSparseCountShare(sample_choice, values, sc.nnz_est));
           const bool vetoed =
               density_est >= kConvZeroFreeDensity
                   ? !ConvSparseRowsAllowed(dense_shape, est,
@@ -1085,8 +1084,8 @@ struct ConvSplit {
                   : sc.k_live_est >= dense_shape.k &&
                         !AnySplitAgreed(dense_shape, est, family.BaseTerms(),
                                         family.Terms(), count_s,
-                                        share >= 0.0 ? count_s * share
-                                                     : count_s);
+                                        call.SparsePlanAnalysisSeconds(
+                                            count_s, true));
           // Full counts asked for by samples that keep coming out near the
           // break-even are rationed (SplitCall::SampleMayCountFully).
           if (vetoed || !call.SampleMayCountFully(dense_shape, &family, plans))
@@ -1113,12 +1112,9 @@ struct ConvSplit {
       const Clock::time_point count_start = Clock::now();
       an.Run<T>(x.flat<T>().data(), g, pfor);
       if (call.automatic())
-        call.CountDone(&family, static_cast<double>(g.n) * g.h * g.w * g.c_in,
-                       count_start);
+        call.CountDone(&family, values, count_start);
     }
     const SplitShape shape = ConvSplitShape(g, an.c_live, dense_allowed);
-    const double values =
-        static_cast<double>(g.n) * static_cast<double>(g.h * g.w * g.c_in);
     if (call.automatic() && dense_allowed && !full_stats)
       call.set_all_sparse_count_share(AllSparseCountShare(
           sample_choice, values, static_cast<double>(an.nnz)));
