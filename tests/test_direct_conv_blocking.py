@@ -117,3 +117,33 @@ def test_nan_in_one_row_of_a_group_stays_in_its_taps():
     assert np.isnan(got[:, :, 2, :]).all()
     fin = np.isfinite(ref)
     assert relative_error(got[fin], ref[fin]) <= 1e-5
+
+
+# The forward's (channel block, row group) tasks run row groups outer when
+# the call's input outweighs its filter and blocks outer otherwise: each
+# case below has several channel blocks and row groups, on the sliding
+# (3x3, stride 1) and the tiled (1x1, strided) kernels, in both orders.
+FORWARD_ORDER_CASES = [
+    # (x shape, kh, kw, c_out, strides): input values vs filter values
+    ((8, 12, 12, 16), 3, 3, 96, (1, 1)),    # 18432 >= 13824: rows outer
+    ((1, 6, 6, 16), 3, 3, 200, (1, 1)),     # 576 < 28800: blocks outer
+    ((4, 10, 10, 32), 1, 1, 256, (1, 1)),   # 12800 >= 8192, 8-vector blocks
+    ((1, 5, 5, 64), 1, 1, 384, (1, 1)),     # 1600 < 24576, 8-vector blocks
+    ((6, 14, 14, 8), 3, 3, 96, (2, 2)),     # 9408 >= 6912, strided tiles
+    ((1, 9, 9, 24), 3, 3, 160, (2, 2)),     # 1944 < 34560, strided tiles
+]
+
+
+@pytest.mark.parametrize("shape, kh, kw, co, strides", FORWARD_ORDER_CASES)
+def test_forward_task_order_covers_every_block_and_row(shape, kh, kw, co,
+                                                       strides):
+    rng = np.random.default_rng(sum(shape) + co)
+    x = _sparse_x(shape, 0.5, rng, np.float32, relu=True)
+    f = rng.standard_normal((kh, kw, shape[3], co)).astype(np.float32)
+    y1 = K.direct_conv2d(x, f, strides=strides, threads=1)
+    ref = ref_conv(x, f, strides, (1, 1), "SAME")
+    assert y1.shape == ref.shape
+    assert relative_error(y1, ref) <= 1e-5
+    for t in (2, 3):
+        np.testing.assert_array_equal(
+            K.direct_conv2d(x, f, strides=strides, threads=t), y1)
