@@ -147,3 +147,48 @@ def test_forward_task_order_covers_every_block_and_row(shape, kh, kw, co,
     for t in (2, 3):
         np.testing.assert_array_equal(
             K.direct_conv2d(x, f, strides=strides, threads=t), y1)
+
+
+# 1x1 filter gradients take output-channel blocks of up to 8 vectors (one
+# tap: every nonzero of x feeds 8 accumulators); C_out below covers 1..8
+# vectors per block, a tail block, C_out padded to whole vectors, image
+# blocks (n > 1) and the in-place channel-group tasks (n = 1).
+ONE_TAP_CASES = [
+    # (n, h, w, c_in, c_out, strides)
+    (3, 5, 6, 7, 48, (1, 1)),     # 3 vectors (float32)
+    (2, 4, 9, 20, 128, (1, 1)),   # 8 vectors
+    (2, 6, 5, 9, 144, (1, 1)),    # 8 + 1 vectors
+    (1, 7, 7, 70, 200, (1, 1)),   # n = 1, C_out padded, 8 + 5 vectors
+    (4, 9, 9, 16, 96, (2, 2)),    # strided
+    (2, 3, 70, 5, 80, (1, 1)),    # W > 64: two segments
+]
+
+
+@pytest.mark.parametrize("case", ONE_TAP_CASES)
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9])
+def test_one_tap_filter_grad_blocks_match_reference(case, sparsity):
+    n, h, w, ci, co, s = case
+    rng = np.random.default_rng(sum(case[:5]) + int(sparsity * 10))
+    _, oh, ow = _geometry((n, h, w, ci), 1, 1, s, (1, 1), "SAME")
+    for dtype, tol in ((np.float32, 1e-5), (np.float64, 1e-12)):
+        x = _sparse_x((n, h, w, ci), sparsity, rng, dtype, relu=True)
+        dy = rng.standard_normal((n, oh, ow, co)).astype(dtype)
+        ref = ref_filter_grad(x, dy, 1, 1, s, (1, 1), "SAME")
+        got = K.direct_conv2d_backprop_filter(x, dy, 1, 1, strides=s)
+        assert got.shape == ref.shape
+        assert relative_error(got, ref) <= tol, dtype
+        for t in (1, 3):
+            np.testing.assert_array_equal(
+                K.direct_conv2d_backprop_filter(x, dy, 1, 1, strides=s,
+                                                threads=t), got)
+
+
+def test_one_tap_filter_grad_large_filter_in_place_tasks():
+    # df of 1100 x 2000 values (> 2^21) takes the channel-group tasks that
+    # write df in place, 8-vector blocks of C_out.
+    rng = np.random.default_rng(21)
+    x = _sparse_x((2, 2, 3, 1100), 0.5, rng, np.float32, relu=True)
+    dy = rng.standard_normal((2, 2, 3, 2000)).astype(np.float32)
+    got = K.direct_conv2d_backprop_filter(x, dy, 1, 1)
+    ref = ref_filter_grad(x, dy, 1, 1, (1, 1), (1, 1), "SAME")
+    assert relative_error(got, ref) <= 1e-5

@@ -165,7 +165,8 @@ void SparseConv2DBackpropFilterPixels(const PixelCsr<T>& csr,
                                       const ParallelFor& pfor);
 
 // Number of private df copies SparseConv2DBackpropFilterPixels uses:
-// min(n_images, 16, 4M elements / df size), at least 1.
+// min(n_images, 16, 4M elements / df size), at least 1; for a 1x1 filter
+// min(n_images, 16, 1M elements / df size, input pixels / 1024).
 int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images);
 
 // The copies and scatters below are also instantiated for the 16-bit storage
