@@ -335,23 +335,21 @@ inline void PixelTap(const int64_t b, const int64_t e, const int32_t* chan,
 
 int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images) {
   const int64_t fsize = std::max<int64_t>(1, g.kh * g.kw * g.c_in * g.c_out);
-  if (g.kh == 1 && g.kw == 1) {
-    // One tap: a pixel's work is one pass over its df rows, so a private
-    // copy (zeroed, then added into df) costs as much as the work of
-    // ~1000 pixels; at most 1M copied values and at least 1024 input
-    // pixels a block. Direct kernel at 50% zeros, 2-core Xeon, against the
-    // general rule: 16x8x8x128 -> 512 0.67-0.78 / 1.04-1.29 ms,
-    // 16x4x4x256 -> 1024 0.83-0.86 / 2.25-2.47 ms, 16x16x16x128 -> 512
-    // 2.02-2.03 / 2.55-2.57 ms, 16x8x8x512 -> 128 0.91-0.92 / 1.21-1.26
-    // ms; 32x14x14x256 -> 1024 and 32x28x28x64 -> 256 even.
-    const int64_t by_memory = std::max<int64_t>(1, (int64_t{1} << 20) / fsize);
-    const int64_t by_pixels =
-        std::max<int64_t>(1, n_images * g.h * g.w / 1024);
-    return std::max<int64_t>(
-        1, std::min<int64_t>({n_images, 16, by_memory, by_pixels}));
-  }
-  const int64_t by_memory = std::max<int64_t>(1, (int64_t{1} << 22) / fsize);
-  return std::max<int64_t>(1, std::min<int64_t>({n_images, 16, by_memory}));
+  // One tap (1x1): a pixel's work is one pass over its df rows, so a
+  // private copy (zeroed, then added into df) costs as much as the work of
+  // ~1000 pixels; at most 1M copied values and at least 1024 input pixels
+  // a block. Direct kernel at 50% zeros, 2-core Xeon, against the general
+  // rule (4M values, any pixels): 16x8x8x128 -> 512 0.67-0.78 / 1.04-1.29
+  // ms, 16x4x4x256 -> 1024 0.83-0.86 / 2.25-2.47 ms, 16x16x16x128 -> 512
+  // 2.02-2.03 / 2.55-2.57 ms, 16x8x8x512 -> 128 0.91-0.92 / 1.21-1.26 ms;
+  // 32x14x14x256 -> 1024 and 32x28x28x64 -> 256 even.
+  const bool one_tap = g.kh == 1 && g.kw == 1;
+  const int64_t by_memory =
+      std::max<int64_t>(1, (int64_t{1} << (one_tap ? 20 : 22)) / fsize);
+  const int64_t by_pixels =
+      one_tap ? std::max<int64_t>(1, n_images * g.h * g.w / 1024) : n_images;
+  return std::max<int64_t>(
+      1, std::min<int64_t>({n_images, 16, by_memory, by_pixels}));
 }
 
 template <typename T>
