@@ -192,3 +192,50 @@ def test_one_tap_filter_grad_large_filter_in_place_tasks():
     got = K.direct_conv2d_backprop_filter(x, dy, 1, 1)
     ref = ref_filter_grad(x, dy, 1, 1, (1, 1), (1, 1), "SAME")
     assert relative_error(got, ref) <= 1e-5
+
+
+# Image blocks of the filter gradient: a power of two within the memory cap
+# (4M values of private df copies, 1M for 1x1), none of them empty.
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 7, 16, 24, 30, 32, 33, 64])
+@pytest.mark.parametrize("kh, ci, co, hw", [
+    (3, 64, 64, 56), (3, 256, 256, 14), (3, 512, 512, 7), (3, 256, 256, 4),
+    (1, 256, 1024, 14), (1, 128, 512, 8), (3, 3, 8, 5)])
+def test_filter_grad_blocks_are_equal_and_within_the_cap(n, kh, ci, co, hw):
+    blocks = K.filter_grad_blocks(n, kh, kh, ci, co, hw, hw)
+    fsize = kh * kh * ci * co
+    cap = min(max(n, 1), 16, max(1, (1 << (20 if kh == 1 else 22)) // fsize))
+    if kh == 1:
+        cap = min(cap, max(1, n * hw * hw // 1024))
+    assert 1 <= blocks <= cap
+    if n <= 1:
+        assert blocks == 1
+        return
+    per = -(-n // blocks)
+    assert per * (blocks - 1) < n <= per * blocks  # no empty block
+    pow2 = 1 << (cap.bit_length() - 1)
+    assert per == -(-n // pow2)  # the power of two's block size
+
+
+def test_filter_grad_blocks_rejects_negative_sizes():
+    with pytest.raises(ValueError):
+        K.filter_grad_blocks(-1, 3, 3, 8, 8, 5, 5)
+
+
+# 3x3 filter gradients whose memory cap is not a power of two (df of
+# 3*3*256*256 values: a cap of 7 copies), at batch sizes that left empty or
+# uneven blocks before: equal to the reference, bitwise the same over
+# thread counts, direct and pixel-CSR kernels.
+@pytest.mark.parametrize("n", [3, 7, 12])
+@pytest.mark.parametrize("pixel_csr", [False, True])
+def test_filter_grad_uneven_cap_matches_reference(n, pixel_csr):
+    rng = np.random.default_rng(n + 10 * pixel_csr)
+    x = _sparse_x((n, 3, 4, 256), 0.5, rng, np.float32, relu=True)
+    dy = rng.standard_normal((n, 3, 4, 256)).astype(np.float32)
+    assert K.filter_grad_blocks(n, 3, 3, 256, 256, 3, 4) >= 2
+    ref = ref_filter_grad(x, dy, 3, 3, (1, 1), (1, 1), "SAME")
+    got = K.direct_conv2d_backprop_filter(x, dy, 3, 3, pixel_csr=pixel_csr)
+    assert relative_error(got, ref) <= 1e-5
+    for t in (1, 3):
+        np.testing.assert_array_equal(
+            K.direct_conv2d_backprop_filter(x, dy, 3, 3, pixel_csr=pixel_csr,
+                                            threads=t), got)

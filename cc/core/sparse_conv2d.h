@@ -164,9 +164,12 @@ void SparseConv2DBackpropFilterPixels(const PixelCsr<T>& csr,
                                       const T* dy, T* df,
                                       const ParallelFor& pfor);
 
-// Number of private df copies SparseConv2DBackpropFilterPixels uses:
-// min(n_images, 16, 4M elements / df size), at least 1; for a 1x1 filter
-// min(n_images, 16, 1M elements / df size, input pixels / 1024).
+// Number of private df copies SparseConv2DBackpropFilterPixels (and the
+// direct filter gradient) uses. The cap is min(n_images, 16, 4M elements /
+// df size), at least 1; for a 1x1 filter min(n_images, 16, 1M elements /
+// df size, input pixels / 1024). The count is the largest power of two
+// within the cap, less any blocks left empty: blocks of per = ceil(n_images
+// / count) images, all full but the last, so threads get equal shares.
 int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images);
 
 // The copies and scatters below are also instantiated for the 16-bit storage
