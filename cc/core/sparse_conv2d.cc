@@ -337,10 +337,11 @@ int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images) {
   if (n_images <= 1) return 1;
   const int64_t fsize = std::max<int64_t>(1, g.kh * g.kw * g.c_in * g.c_out);
   // A private copy (zeroed, then added into df) costs about as much as
-  // one pass over its df values per input pixel of the block, so blocks
-  // take at least 3136 input pixels (16 images of 14x14) -- but there are
-  // at least two blocks (work for two threads) where there are two images
-  // -- and at most 4M copied values. Direct kernel, 3x3, 50% zeros, 2-core Xeon, two interleaved
+  // one pass over its df values per input pixel of the block, so where df
+  // is over 16K values (64 KB in float32; smaller copies stay in L2 and
+  // cost little) blocks take at least 3136 input pixels (16 images of
+  // 14x14) -- but there are at least two blocks (work for two threads)
+  // where there are two images -- and at most 4M copied values. Direct kernel, 3x3, 50% zeros, 2-core Xeon, two interleaved
   // runs, against blocks of any size (up to 16): 16x16x16x64 -> 64
   // 1.19-1.29 / 2.30-2.67 ms, 16x8x8x128 -> 128 1.38-1.50 / 2.13-2.58 ms,
   // 16x8x8x256 -> 256 5.2-5.4 / 6.1-6.2 ms, 32x14x14x64 -> 128 3.0-3.1 /
@@ -357,8 +358,10 @@ int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images) {
   const int64_t pixels = n_images * g.h * g.w;
   const int64_t by_memory =
       std::max<int64_t>(1, (int64_t{1} << (one_tap ? 20 : 22)) / fsize);
-  const int64_t by_pixels = one_tap ? std::max<int64_t>(1, pixels / 1024)
-                                    : std::max<int64_t>(2, pixels / 3136);
+  const int64_t by_pixels =
+      one_tap ? std::max<int64_t>(1, pixels / 1024)
+      : fsize > 16384 ? std::max<int64_t>(2, pixels / 3136)
+                      : n_images;
   const int64_t cap = std::max<int64_t>(
       1, std::min<int64_t>({n_images, 16, by_memory, by_pixels}));
   // Equal blocks: the largest power of two within the cap, and no empty
