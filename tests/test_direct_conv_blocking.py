@@ -200,8 +200,8 @@ def test_one_tap_filter_grad_large_filter_in_place_tasks():
 # none of them empty.
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 7, 16, 24, 30, 32, 33, 64])
 @pytest.mark.parametrize("kh, ci, co, hw", [
-    (3, 64, 64, 56), (3, 128, 128, 28), (3, 256, 256, 14), (3, 512, 512, 7), (3, 256, 256, 4),
-    (1, 256, 1024, 14), (1, 128, 512, 8), (3, 3, 8, 5)])
+    (3, 64, 64, 56), (3, 128, 128, 28), (3, 256, 256, 14), (3, 512, 512, 7),
+    (3, 256, 256, 4), (1, 256, 1024, 14), (1, 128, 512, 8), (3, 3, 8, 5)])
 def test_filter_grad_blocks_are_equal_and_within_the_cap(n, kh, ci, co, hw):
     blocks = K.filter_grad_blocks(n, kh, kh, ci, co, hw, hw)
     fsize = kh * kh * ci * co
@@ -226,12 +226,12 @@ def test_filter_grad_blocks_rejects_negative_sizes():
 
 
 # 3x3 filter gradients in image blocks whose last block is shorter (two
-# blocks of ceil(n / 2) images on these small maps; 32 images of 28x28 take
-# 8 blocks of 4): equal to the reference, bitwise the same over thread
-# counts, direct and pixel-CSR kernels.
+# blocks of ceil(n / 2) images on these small maps): equal to the
+# reference, bitwise the same over thread counts, direct and pixel-CSR
+# kernels.
 @pytest.mark.parametrize("n", [3, 7, 12])
 @pytest.mark.parametrize("pixel_csr", [False, True])
-def test_filter_grad_uneven_cap_matches_reference(n, pixel_csr):
+def test_filter_grad_short_last_block_matches_reference(n, pixel_csr):
     rng = np.random.default_rng(n + 10 * pixel_csr)
     x = _sparse_x((n, 3, 4, 256), 0.5, rng, np.float32, relu=True)
     dy = rng.standard_normal((n, 3, 4, 256)).astype(np.float32)

@@ -337,21 +337,22 @@ int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images) {
   if (n_images <= 1) return 1;
   const int64_t fsize = std::max<int64_t>(1, g.kh * g.kw * g.c_in * g.c_out);
   // A private copy (zeroed, then added into df) costs about as much as
-  // one pass over its df values per input pixel of the block, so where df
+  // one pass over its df values per input pixel of the block. So where df
   // is over 16K values (64 KB in float32; smaller copies stay in L2 and
-  // cost little) blocks take at least 3136 input pixels (16 images of
-  // 14x14) -- but there are at least two blocks (work for two threads)
-  // where there are two images -- and at most 4M copied values. Direct kernel, 3x3, 50% zeros, 2-core Xeon, two interleaved
-  // runs, against blocks of any size (up to 16): 16x16x16x64 -> 64
-  // 1.19-1.29 / 2.30-2.67 ms, 16x8x8x128 -> 128 1.38-1.50 / 2.13-2.58 ms,
-  // 16x8x8x256 -> 256 5.2-5.4 / 6.1-6.2 ms, 32x14x14x64 -> 128 3.0-3.1 /
-  // 3.6-3.9 ms, 8x28x28x128 -> 128 5.4-5.5 / 6.1-6.4 ms, 4x14x14x256 ->
-  // 256 3.8-3.9 / 4.6-4.7 ms; 32x28x28x128, 32x14x14x256 and 32x56x56x64
-  // even. One tap (1x1): its work per pixel is one pass over its df rows,
-  // so at least 1024 pixels and at most 1M copied values a block; against
-  // the rule before it (4M values, any pixels): 16x8x8x128 -> 512
-  // 0.67-0.78 / 1.04-1.29 ms, 16x4x4x256 -> 1024 0.83-0.86 / 2.25-2.47
-  // ms, 16x16x16x128 -> 512 2.02-2.03 / 2.55-2.57 ms, 16x8x8x512 -> 128
+  // cost little) a block takes at least 3136 input pixels (16 images of
+  // 14x14), with at least two blocks (work for two threads) where there
+  // are two images; at most 4M copied values. Direct kernel, 3x3, 50%
+  // zeros, 2-core Xeon, two interleaved runs, against blocks of any size
+  // (up to 16): 16x16x16x64 -> 64 1.19-1.29 / 2.30-2.67 ms, 16x8x8x128 ->
+  // 128 1.38-1.50 / 2.13-2.58 ms, 16x8x8x256 -> 256 5.2-5.4 / 6.1-6.2 ms,
+  // 32x14x14x64 -> 128 3.0-3.1 / 3.6-3.9 ms, 8x28x28x128 -> 128 5.4-5.5 /
+  // 6.1-6.4 ms, 4x14x14x256 -> 256 3.8-3.9 / 4.6-4.7 ms; 32x28x28x128,
+  // 32x14x14x256 and 32x56x56x64 even.
+  // One tap (1x1): its work per pixel is one pass over its df rows, so at
+  // least 1024 pixels and at most 1M copied values a block; against the
+  // rule before it (4M values, any pixels): 16x8x8x128 -> 512 0.67-0.78 /
+  // 1.04-1.29 ms, 16x4x4x256 -> 1024 0.83-0.86 / 2.25-2.47 ms,
+  // 16x16x16x128 -> 512 2.02-2.03 / 2.55-2.57 ms, 16x8x8x512 -> 128
   // 0.91-0.92 / 1.21-1.26 ms; 32x14x14x256 -> 1024 and 32x28x28x64 -> 256
   // even.
   const bool one_tap = g.kh == 1 && g.kw == 1;

@@ -166,11 +166,11 @@ void SparseConv2DBackpropFilterPixels(const PixelCsr<T>& csr,
 
 // Number of private df copies SparseConv2DBackpropFilterPixels (and the
 // direct filter gradient) uses. The cap is min(n_images, 16, 4M elements /
-// df size, max(2, input pixels / 3136) where df size > 16K), at least 1;
-// for a 1x1 filter
-// min(n_images, 16, 1M elements / df size, input pixels / 1024). The count is the largest power of two
-// within the cap, less any blocks left empty: blocks of per = ceil(n_images
-// / count) images, all full but the last, so threads get equal shares.
+// df size, and max(2, input pixels / 3136) where df size > 16K), at least
+// 1; for a 1x1 filter min(n_images, 16, 1M elements / df size, input
+// pixels / 1024). The count is the largest power of two within the cap,
+// less any blocks left empty: blocks of per = ceil(n_images / count)
+// images, all full but the last, so threads get equal shares.
 int64_t FilterGradBlocks(const Conv2DGeometry& g, int64_t n_images);
 
 // The copies and scatters below are also instantiated for the 16-bit storage
