@@ -220,9 +220,12 @@ def test_filter_grad_blocks_are_equal_and_within_the_cap(n, kh, ci, co, hw):
     assert per == -(-n // pow2)  # the power of two's block size
 
 
-def test_filter_grad_blocks_rejects_negative_sizes():
+@pytest.mark.parametrize("args", [
+    (-1, 3, 3, 8, 8, 5, 5), (2, 3, 3, 8, 8, -5, 5), (2, 0, 3, 8, 8, 5, 5),
+    (2, 3, 3, 8, -8, 5, 5)])
+def test_filter_grad_blocks_rejects_bad_sizes(args):
     with pytest.raises(ValueError):
-        K.filter_grad_blocks(-1, 3, 3, 8, 8, 5, 5)
+        K.filter_grad_blocks(*args)
 
 
 # 3x3 filter gradients in image blocks whose last block is shorter (two

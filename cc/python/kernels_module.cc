@@ -1609,19 +1609,21 @@ PYBIND11_MODULE(_kernels, mod) {
       "filter_grad_blocks",
       [](int64_t n, int64_t kh, int64_t kw, int64_t c_in, int64_t c_out,
          int64_t h, int64_t w) {
-        if (n < 0 || kh < 1 || kw < 1 || c_in < 0 || c_out < 0 || h < 0 ||
-            w < 0)
-          throw py::value_error("sizes must be >= 0 (filter sizes >= 1)");
-        tf_sparse_split::Conv2DGeometry g;
-        g.n = n; g.h = h; g.w = w; g.c_in = c_in; g.c_out = c_out;
-        g.kh = kh; g.kw = kw;
-        return tf_sparse_split::FilterGradBlocks(g, n);
+        // The input sizes here; ConvGeometryOf checks the filter's.
+        if (n < 0 || h < 0 || w < 0 || c_in < 0)
+          throw py::value_error("input sizes must be >= 0");
+        const auto ones = py::make_tuple(1, 1);
+        return tf_sparse_split::FilterGradBlocks(
+            tf_sparse_split::ConvGeometryOf({n, h, w, c_in}, kh, kw, c_out,
+                                            ones, ones, py::str("SAME")),
+            n);
       },
       py::arg("n"), py::arg("kh"), py::arg("kw"), py::arg("c_in"),
       py::arg("c_out"), py::arg("h"), py::arg("w"),
       "Number of image blocks (private df copies) the filter-gradient "
       "kernels sum n images in: blocks of ceil(n / blocks) images, none "
-      "empty. Raises ValueError on negative sizes.");
+      "empty. Raises ValueError on negative sizes or a filter size below "
+      "1.");
   mod.def("direct_conv2d_uses_avx512", &tf_sparse_split::DirectConv2DUsesAvx512,
           "Whether the direct convolution kernels were built with AVX-512.");
   mod.def(
