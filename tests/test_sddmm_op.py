@@ -61,6 +61,28 @@ def test_kernel_deterministic_bits_across_threads(dtype, n):
         np.testing.assert_array_equal(K.sddmm(mask, x, y, threads=threads), first)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("sparsity", [0.5, 0.95])
+def test_kernel_row_blocks_keep_every_dot_whole(dtype, sparsity):
+    # 16 KB rows of x: 64 rows per 1 MB block, five blocks, the last short.
+    # Each dot is summed whole whatever block holds its row: the rows
+    # computed alone (one block) give the same bits.
+    m, k, n = 300, 97, 16384 // np.dtype(dtype).itemsize
+    rng = np.random.default_rng([m, int(sparsity * 100)])
+    mask = _mask(rng, m, k, sparsity, dtype)
+    x = rng.standard_normal((m, n)).astype(dtype)
+    y = rng.standard_normal((k, n)).astype(dtype)
+    got = K.sddmm(mask, x, y, threads=2)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert relative_error(got, _ref(mask, x, y)) <= tol
+    assert np.all(got[mask == 0] == 0)
+    for threads in (1, 3):
+        np.testing.assert_array_equal(K.sddmm(mask, x, y, threads=threads), got)
+    for lo, hi in ((0, 7), (60, 70), (250, 300)):
+        np.testing.assert_array_equal(
+            K.sddmm(mask[lo:hi], x[lo:hi], y, threads=1), got[lo:hi])
+
+
 def test_kernel_nan_inf_reach_only_the_sampled_dots():
     rng = np.random.default_rng(8)
     mask = _mask(rng, 6, 9, 0.5)
