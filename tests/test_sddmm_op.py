@@ -83,6 +83,38 @@ def test_kernel_row_blocks_keep_every_dot_whole(dtype, sparsity):
             K.sddmm(mask[lo:hi], x[lo:hi], y, threads=1), got[lo:hi])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_kernel_row_blocks_keep_every_dot_whole(dtype):
+    # Rows widened to float32 (or copied as bfloat16 for the vdpbf16ps dots)
+    # of 16-32 KB: 32-64 rows per 1 MB block, several blocks. Every ISA's
+    # copy gives the rows computed alone (one block) the same bits.
+    m, k, n = 150, 41, 8192
+    rng = np.random.default_rng(21)
+
+    def bits(a):
+        if dtype == "float16":
+            return a.astype(np.float16).view(np.uint16)
+        return (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    def values(b):
+        if dtype == "float16":
+            return b.view(np.float16).astype(np.float64)
+        return (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    mask = bits(_mask(rng, m, k, 0.6))
+    x, y = bits(rng.standard_normal((m, n))), bits(rng.standard_normal((k, n)))
+    ref = np.where(values(mask) != 0, values(x) @ values(y).T, 0.0)
+    bound = np.abs(values(x)) @ np.abs(values(y)).T
+    for isa in (-1, 0, 1, 2):
+        got = K.lowp_sddmm(mask, x, y, dtype, isa=isa, threads=2)
+        err = np.abs(values(got) - ref)
+        assert np.all(err <= 1e-2 * np.abs(ref) + 4 * n * 2.0 ** -24 * bound + 1e-30)
+        for lo, hi in ((0, 5), (30, 40), (140, 150)):
+            np.testing.assert_array_equal(
+                K.lowp_sddmm(mask[lo:hi], x[lo:hi], y, dtype, isa=isa,
+                             threads=1), got[lo:hi])
+
+
 def test_kernel_nan_inf_reach_only_the_sampled_dots():
     rng = np.random.default_rng(8)
     mask = _mask(rng, 6, 9, 0.5)

@@ -126,21 +126,69 @@ struct SddmmDots<double> {
 #endif  // __AVX512F__
 
 
-// Rows of x per row block of the float32/float64 CsrSddmm: their bytes fit
-// in kSddmmBlockBytes, half of a core's L2 on the machines measured, so
-// that the dots of a block find them in L2 while y streams through once
-// per block. Without blocks, x is read from L3 for every column once it
-// outgrows L2. On the 2-core Xeon (pybind kernel with CSR build, 2 threads,
-// two interleaved runs): 1024 x 1024 x 1024 at 60% zeros 28.2-29.0 ms ->
-// 13.7 ms (256 KB blocks: 14.6, 2 MB: 15.8); 256 x 2048 x 2048 (2 MB of x)
-// 17.7-18.3 -> 15.6-15.9 ms at 50% zeros, 11.1 -> 9.7-9.9 at 70%, 3.6-3.7
-// -> 3.0-3.2 at 90%. Depends on the sizes only.
+// Rows per row block of CsrSddmm (each rows' copy of x in the
+// low-precision paths): their bytes fit in kSddmmBlockBytes, half of a
+// core's L2 on the machines measured, so that the dots of a block find
+// them in L2 while y streams through once per block. Without blocks, x is
+// read from L3 for every column once it outgrows L2. On the 2-core Xeon
+// (float32 pybind kernel with CSR build, 2 threads, two interleaved runs):
+// 1024 x 1024 x 1024 at 60% zeros 28.2-29.0 ms -> 13.7 ms (256 KB blocks:
+// 14.6, 2 MB: 15.8); 256 x 2048 x 2048 (2 MB of x) 17.7-18.3 -> 15.6-15.9
+// ms at 50% zeros, 11.1 -> 9.7-9.9 at 70%, 3.6-3.7 -> 3.0-3.2 at 90%.
+// Depends on the sizes only.
 constexpr int64_t kSddmmBlockBytes = int64_t{1} << 20;
-inline int64_t SddmmBlockRows(int64_t n_rows, int64_t n, size_t elem) {
-  const int64_t row_bytes =
-      std::max<int64_t>(1, n * static_cast<int64_t>(elem));
+inline int64_t SddmmBlockRows(int64_t n_rows, int64_t row_bytes) {
   return std::max<int64_t>(
-      1, std::min<int64_t>(n_rows, kSddmmBlockBytes / row_bytes));
+      1, std::min<int64_t>(n_rows,
+                           kSddmmBlockBytes / std::max<int64_t>(1, row_bytes)));
+}
+
+// The CSR's pattern by columns (CSC: the transpose, by a counting sort),
+// in row blocks: pos[Begin(b, j) .. End(b, j)) are the CSR positions r
+// (ascending) of block b (r in [b * rows, (b + 1) * rows)) holding column j.
+struct SddmmColumns {
+  int64_t k = 0, rows = 1, blocks = 0;
+  std::vector<int64_t> col_ptr;  // [k + 1]
+  UninitVector<int64_t> pos;     // [nnz]
+  std::vector<int64_t> blk;      // [blocks * k]: where block b starts in j
+  int64_t Begin(int64_t b, int64_t j) const { return blk[b * k + j]; }
+  int64_t End(int64_t b, int64_t j) const {
+    return b + 1 < blocks ? blk[(b + 1) * k + j] : col_ptr[j + 1];
+  }
+};
+
+template <typename T>
+void BuildSddmmColumns(const Csr<T>& csr, int64_t n_rows, int64_t k,
+                       int64_t row_bytes, SddmmColumns* c) {
+  const int64_t nnz = csr.row_ptr[n_rows];
+  c->k = k;
+  c->rows = SddmmBlockRows(n_rows, row_bytes);
+  c->blocks = (n_rows + c->rows - 1) / c->rows;
+  c->col_ptr.assign(k + 1, 0);
+  for (int64_t p = 0; p < nnz; ++p) ++c->col_ptr[csr.col_idx[p] + 1];
+  for (int64_t j = 0; j < k; ++j) c->col_ptr[j + 1] += c->col_ptr[j];
+  c->pos.resize(nnz);
+  c->blk.resize(static_cast<size_t>(c->blocks) * k);
+  std::vector<int64_t> cursor(c->col_ptr.begin(), c->col_ptr.end() - 1);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    if (r % c->rows == 0)
+      std::copy(cursor.begin(), cursor.end(), c->blk.begin() + (r / c->rows) * k);
+    for (int64_t p = csr.row_ptr[r]; p < csr.row_ptr[r + 1]; ++p)
+      c->pos[cursor[csr.col_idx[p]]++] = r;
+  }
+}
+
+// visit(j, p0, p1) for the columns j in [j0, j1) of every row block, blocks
+// outer, where the block holds column j (p0 < p1): a thread's y[j] is read
+// once per block, the block's rows of x stay in L2 across its columns.
+template <typename F>
+void WalkSddmmColumns(const SddmmColumns& c, int64_t j0, int64_t j1,
+                      F&& visit) {
+  for (int64_t b = 0; b < c.blocks; ++b)
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t p0 = c.Begin(b, j), p1 = c.End(b, j);
+      if (p0 < p1) visit(j, p0, p1);
+    }
 }
 
 // The low-precision dots, one copy per instruction set (sddmm_lp_dots.inc),
@@ -226,14 +274,16 @@ void Dots1Bf16(const uint16_t* const* xr, const uint16_t* y, int64_t n_pad,
 // CsrSddmmLowPrecision for bfloat16 with vdpbf16ps (Bf16DotAvailable()):
 // the rows of x and y are copied as bfloat16 (zero-padded to 32 values,
 // 64-byte aligned), not widened; half the bytes and instructions of the
-// float32 dots. Same traversal (columns of the CSC, rows in groups of 4).
+// float32 dots. Same traversal (row blocks, columns of the CSC, rows in
+// groups of 4).
 void CsrSddmmBf16Dot(const Csr<bf16>& csr, const int64_t* out_rows,
                      int64_t n_rows, const bf16* x, int64_t ldx, const bf16* y,
                      int64_t ldy, int64_t k, int64_t n, bf16* out, int64_t ldo,
-                     const std::vector<int64_t>& col_ptr,
-                     const int64_t* col_rows, const ParallelFor& pfor) {
+                     const ParallelFor& pfor) {
   const int64_t n_pad = (n + 31) / 32 * 32;
   const int64_t nnz = csr.row_ptr[n_rows];
+  SddmmColumns cols;
+  BuildSddmmColumns(csr, n_rows, k, n_pad * 2, &cols);
   std::unique_ptr<uint16_t[]> xb_mem(new uint16_t[n_rows * n_pad + 32]);
   uint16_t* xb = reinterpret_cast<uint16_t*>(
       (reinterpret_cast<uintptr_t>(xb_mem.get()) + 63) & ~uintptr_t{63});
@@ -253,30 +303,29 @@ void CsrSddmmBf16Dot(const Csr<bf16>& csr, const int64_t* out_rows,
     std::fill(yb + n, yb + n_pad, uint16_t{0});
     const uint16_t* xr[kGroup];
     float res[kGroup];
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t p0 = col_ptr[j], p1 = col_ptr[j + 1];
-      if (p0 == p1) continue;
+    const int64_t* pos = cols.pos.data();
+    WalkSddmmColumns(cols, j0, j1, [&](int64_t j, int64_t p0, int64_t p1) {
       std::memcpy(yb, y + j * ldy, sizeof(uint16_t) * n);
       int64_t p = p0;
       for (; p + kGroup <= p1; p += kGroup) {
-        for (int r = 0; r < kGroup; ++r) xr[r] = xb + col_rows[p + r] * n_pad;
+        for (int r = 0; r < kGroup; ++r) xr[r] = xb + pos[p + r] * n_pad;
         lp_avx512bf16::Dots4Bf16(xr, yb, n_pad, res);
         for (int r = 0; r < kGroup; ++r)
-          out[out_rows[col_rows[p + r]] * ldo + j] = FromFloat<bf16>(res[r]);
+          out[out_rows[pos[p + r]] * ldo + j] = FromFloat<bf16>(res[r]);
       }
       for (; p < p1; ++p) {
-        xr[0] = xb + col_rows[p] * n_pad;
+        xr[0] = xb + pos[p] * n_pad;
         lp_avx512bf16::Dots1Bf16(xr, yb, n_pad, res);
-        out[out_rows[col_rows[p]] * ldo + j] = FromFloat<bf16>(res[0]);
+        out[out_rows[pos[p]] * ldo + j] = FromFloat<bf16>(res[0]);
       }
-    }
+    });
   });
 }
 #endif  // TFSS_SDDMM_HAVE_DOT
 
 // CsrSddmm for bfloat16 / half: the rows of x are widened to float32 once
 // (zero-padded to a multiple of 32 values), each row of y when its column
-// is first visited; the dots accumulate in float32 and each output is
+// is visited (once per row block); the dots accumulate in float32 and each output is
 // rounded once to T.
 template <typename T>
 void CsrSddmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
@@ -285,25 +334,17 @@ void CsrSddmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
                           int64_t ldo, const ParallelFor& pfor) {
   const int64_t nnz = csr.row_ptr[n_rows];
   const int64_t n_pad = (n + 31) / 32 * 32;
-  std::vector<int64_t> col_ptr(k + 1, 0);
-  for (int64_t p = 0; p < nnz; ++p) ++col_ptr[csr.col_idx[p] + 1];
-  for (int64_t j = 0; j < k; ++j) col_ptr[j + 1] += col_ptr[j];
-  UninitVector<int64_t> col_rows(nnz);  // positions r, ascending per column
-  {
-    std::vector<int64_t> cursor(col_ptr.begin(), col_ptr.end() - 1);
-    for (int64_t r = 0; r < n_rows; ++r)
-      for (int64_t p = csr.row_ptr[r]; p < csr.row_ptr[r + 1]; ++p)
-        col_rows[cursor[csr.col_idx[p]]++] = r;
-  }
 #if TFSS_SDDMM_HAVE_DOT
   if constexpr (std::is_same<T, bf16>::value) {
     if (Bf16DotAvailable()) {
       CsrSddmmBf16Dot(csr, out_rows, n_rows, x, ldx, y, ldy, k, n, out, ldo,
-                      col_ptr, col_rows.data(), pfor);
+                      pfor);
       return;
     }
   }
 #endif
+  SddmmColumns cols;
+  BuildSddmmColumns(csr, n_rows, k, n_pad * 4, &cols);
   UninitVector<float> xf(static_cast<size_t>(n_rows) * n_pad);
   pfor(n_rows, 2 * n_pad, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -334,23 +375,22 @@ void CsrSddmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
     std::fill(yf.data() + n, yf.data() + n_pad, 0.0f);
     const float* xr[kGroup];
     float res[kGroup];
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t p0 = col_ptr[j], p1 = col_ptr[j + 1];
-      if (p0 == p1) continue;
+    const int64_t* pos = cols.pos.data();
+    WalkSddmmColumns(cols, j0, j1, [&](int64_t j, int64_t p0, int64_t p1) {
       WidenToFloat(y + j * ldy, yf.data(), n);
       int64_t p = p0;
       for (; p + kGroup <= p1; p += kGroup) {
-        for (int r = 0; r < kGroup; ++r) xr[r] = xf.data() + col_rows[p + r] * n_pad;
+        for (int r = 0; r < kGroup; ++r) xr[r] = xf.data() + pos[p + r] * n_pad;
         dots4(xr, yf.data(), n_pad, res);
         for (int r = 0; r < kGroup; ++r)
-          out[out_rows[col_rows[p + r]] * ldo + j] = FromFloat<T>(res[r]);
+          out[out_rows[pos[p + r]] * ldo + j] = FromFloat<T>(res[r]);
       }
       for (; p < p1; ++p) {
-        xr[0] = xf.data() + col_rows[p] * n_pad;
+        xr[0] = xf.data() + pos[p] * n_pad;
         dots1(xr, yf.data(), n_pad, res);
-        out[out_rows[col_rows[p]] * ldo + j] = FromFloat<T>(res[0]);
+        out[out_rows[pos[p]] * ldo + j] = FromFloat<T>(res[0]);
       }
-    }
+    });
   });
 }
 
@@ -369,54 +409,38 @@ void CsrSddmm(const Csr<T>& csr, const int64_t* out_rows, int64_t n_rows,
                             ldo, pfor);
     return;
   } else {
-  // The pattern transposed (CSC): col_ptr[k + 1], and per column the
-  // positions r (ascending) of the rows holding it.
-  std::vector<int64_t> col_ptr(k + 1, 0);
-  for (int64_t p = 0; p < nnz; ++p) ++col_ptr[csr.col_idx[p] + 1];
-  for (int64_t j = 0; j < k; ++j) col_ptr[j + 1] += col_ptr[j];
-  // Row blocks of the CSR whose rows of x fit in half of a core's L2
-  // (kSddmmBlockBytes): blk[b * k + j] is where block b starts in column j
-  // of col_rows (it ends where block b + 1 starts).
-  const int64_t rb = SddmmBlockRows(n_rows, n, sizeof(T));
-  const int64_t nb = (n_rows + rb - 1) / rb;
-  std::vector<int64_t> blk(static_cast<size_t>(nb) * k);
-  UninitVector<int64_t> col_rows(nnz);
-  {
-    std::vector<int64_t> cursor(col_ptr.begin(), col_ptr.end() - 1);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      if (r % rb == 0)
-        std::copy(cursor.begin(), cursor.end(), blk.begin() + (r / rb) * k);
-      for (int64_t p = csr.row_ptr[r]; p < csr.row_ptr[r + 1]; ++p)
-        col_rows[cursor[csr.col_idx[p]]++] = out_rows[r];
-    }
-  }
-  // Each thread walks a range of columns, block by block: y[j] is read
-  // once per block (then from L1 for every group of dots of column j), the
-  // block's rows of x are reused from L2 across the columns. A dot is
-  // computed whole by one call, so the blocking does not change its bits.
+  SddmmColumns cols;
+  BuildSddmmColumns(csr, n_rows, k, n * static_cast<int64_t>(sizeof(T)),
+                    &cols);
+  // Each thread walks a range of columns, block by block (WalkSddmmColumns):
+  // y[j] is read once per block, then from L1 for every group of dots of
+  // column j. A dot is computed whole by one call, so neither the blocks
+  // nor the groups change its bits.
   constexpr int kGroup = 4;
   const int64_t cost = std::max<int64_t>(1, (nnz / k + 1) * n);
   pfor(k, cost, [&](int64_t j0, int64_t j1) {
     const T* xr[kGroup];
     T res[kGroup];
-    for (int64_t b = 0; b < nb; ++b) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t p0 = blk[b * k + j];
-        const int64_t p1 = b + 1 < nb ? blk[(b + 1) * k + j] : col_ptr[j + 1];
-        const T* yj = y + j * ldy;
-        int64_t p = p0;
-        for (; p + kGroup <= p1; p += kGroup) {
-          for (int r = 0; r < kGroup; ++r) xr[r] = x + col_rows[p + r] * ldx;
-          SddmmDots<T>::template Run<kGroup>(xr, yj, n, res);
-          for (int r = 0; r < kGroup; ++r) out[col_rows[p + r] * ldo + j] = res[r];
+    int64_t rows[kGroup];
+    const int64_t* pos = cols.pos.data();
+    WalkSddmmColumns(cols, j0, j1, [&](int64_t j, int64_t p0, int64_t p1) {
+      const T* yj = y + j * ldy;
+      int64_t p = p0;
+      for (; p + kGroup <= p1; p += kGroup) {
+        for (int r = 0; r < kGroup; ++r) {
+          rows[r] = out_rows[pos[p + r]];
+          xr[r] = x + rows[r] * ldx;
         }
-        for (; p < p1; ++p) {
-          xr[0] = x + col_rows[p] * ldx;
-          SddmmDots<T>::template Run<1>(xr, yj, n, res);
-          out[col_rows[p] * ldo + j] = res[0];
-        }
+        SddmmDots<T>::template Run<kGroup>(xr, yj, n, res);
+        for (int r = 0; r < kGroup; ++r) out[rows[r] * ldo + j] = res[r];
       }
-    }
+      for (; p < p1; ++p) {
+        rows[0] = out_rows[pos[p]];
+        xr[0] = x + rows[0] * ldx;
+        SddmmDots<T>::template Run<1>(xr, yj, n, res);
+        out[rows[0] * ldo + j] = res[0];
+      }
+    });
   });
   }
 }
