@@ -356,6 +356,83 @@ def test_gradient_graph_has_no_rotated_filter(fs, padding, dil):
     assert T.relative_error(gf, rf) <= 1e-5
 
 
+# ---- strided 1x1 convolutions: the product, spread to the strided pixels ----
+@pytest.mark.parametrize("hw, strides, padding", [
+    ((8, 8), 2, "SAME"), ((7, 9), 2, "SAME"), ((9, 7), 2, "VALID"),
+    ((10, 11), 3, "VALID"), ((5, 6), (2, 3), "SAME"), ((6, 6), 2, "EXPLICIT"),
+    ((1, 1), 2, "SAME"),
+])
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("sparsity", [0.0, 0.7])
+def test_strided_one_by_one_input_gradient(hw, strides, padding, dtype,
+                                            sparsity):
+    """A 1x1 convolution with a stride and no padding: dX is the matmul of
+    grad with the filter, at the pixels the convolution read, zero
+    elsewhere; against TensorFlow's gradient of tf.nn.conv2d (first and
+    second order) on inputs with real zeros, and the graph runs the product
+    instead of Conv2DBackpropInput."""
+    rng = np.random.default_rng([hw[0], hw[1], int(sparsity * 10)])
+    sh, sw = (strides, strides) if isinstance(strides, int) else strides
+    pad = [[0, 0]] * 4 if padding == "EXPLICIT" else padding
+    x = tf.constant(T.random_sparse((3 * hw[0] * hw[1], 5), sparsity, rng)
+                    .reshape(3, *hw, 5), dtype)
+    f = tf.constant(rng.normal(size=(1, 1, 5, 7)) * 0.3, dtype)
+
+    def grads(conv):
+        with tf.GradientTape() as outer:
+            outer.watch(x)
+            with tf.GradientTape() as tape:
+                tape.watch([x, f])
+                y = conv(x, f)
+                loss = tf.reduce_sum(tf.sin(y) * y)
+            gx, gf = tape.gradient(loss, [x, f])
+            s = tf.reduce_sum(gx * gx)
+        return gx, gf, outer.gradient(s, x)
+
+    ours = grads(lambda a, b: tfss.sparse_split_conv2d(
+        a, b, [sh, sw], pad))
+    ref = grads(lambda a, b: tf.nn.conv2d(a, b, [1, sh, sw, 1], pad))
+    tol = 1e-5 if dtype == tf.float32 else 1e-12
+    for got, want in zip(ours, ref):
+        assert got.shape == want.shape
+        assert T.relative_error(got, want) <= tol
+    # Rows and columns the convolution never read get no gradient.
+    read = np.zeros(hw, bool)
+    read[::sh, ::sw] = True
+    assert np.all(ours[0].numpy()[:, ~read, :] == 0)
+
+    @tf.function
+    def dx_only(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch(a)
+            y = tfss.sparse_split_conv2d(a, b, [sh, sw], pad)
+        return tape.gradient(y, a, output_gradients=tf.ones_like(y))
+
+    types = [op.type for op in
+             dx_only.get_concrete_function(x, f).graph.get_operations()]
+    assert "Conv2DBackpropInput" not in types
+    assert "TfSparseSplit>SparseSplitMatMul" in types
+
+
+def test_strided_one_by_one_with_padding_keeps_tensorflows_kernel():
+    """Explicit nonzero padding on a strided 1x1 convolution shifts the
+    pixels it reads: TensorFlow's Conv2DBackpropInput (same values)."""
+    rng = np.random.default_rng(3)
+    x = tf.constant(rng.normal(size=(2, 6, 6, 3)), tf.float32)
+    f = tf.constant(rng.normal(size=(1, 1, 3, 4)), tf.float32)
+    pad = [[0, 0], [1, 0], [0, 1], [0, 0]]
+
+    def dx(conv):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = conv(x, f)
+        return tape.gradient(y, x, output_gradients=tf.ones_like(y) * 0.5)
+
+    got = dx(lambda a, b: tfss.sparse_split_conv2d(a, b, 2, pad))
+    want = dx(lambda a, b: tf.nn.conv2d(a, b, 2, pad))
+    assert T.relative_error(got, want) <= 1e-6
+
+
 # ---- the rewrite pass (opt-in "Conv2DBackpropInput") ------------------------
 @pytest.mark.filterwarnings("ignore:.*already instantiated while the pass")
 def test_rewrite_replaces_relu_masked_input_gradient(rw):
