@@ -356,62 +356,82 @@ def test_gradient_graph_has_no_rotated_filter(fs, padding, dil):
     assert T.relative_error(gf, rf) <= 1e-5
 
 
-# ---- strided 1x1 convolutions: the product, spread to the strided pixels ----
+# ---- strided 1x1 convolutions: products on the matmul op -------------------
 @pytest.mark.parametrize("hw, strides, padding", [
     ((8, 8), 2, "SAME"), ((7, 9), 2, "SAME"), ((9, 7), 2, "VALID"),
     ((10, 11), 3, "VALID"), ((5, 6), (2, 3), "SAME"), ((6, 6), 2, "EXPLICIT"),
     ((1, 1), 2, "SAME"),
 ])
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
-@pytest.mark.parametrize("sparsity", [0.0, 0.7])
-def test_strided_one_by_one_input_gradient(hw, strides, padding, dtype,
-                                            sparsity):
+@pytest.mark.parametrize("sparsity, fused", [(0.0, False), (0.7, False),
+                                             (0.7, True)])
+def test_strided_one_by_one_gradients(hw, strides, padding, dtype, sparsity,
+                                      fused):
     """A 1x1 convolution with a stride and no padding: dX is the matmul of
-    grad with the filter, at the pixels the convolution read, zero
-    elsewhere; against TensorFlow's gradient of tf.nn.conv2d (first and
-    second order) on inputs with real zeros, and the graph runs the product
-    instead of Conv2DBackpropInput."""
-    rng = np.random.default_rng([hw[0], hw[1], int(sparsity * 10)])
+    grad with the filter at the pixels the convolution read, zero
+    elsewhere, and dF the product of those pixels with grad; against
+    TensorFlow's gradients of tf.nn.conv2d (dX, dF, db and the second
+    order through dX) on inputs with real zeros, and the graph runs the
+    products instead of TensorFlow's strided backprop kernels."""
+    rng = np.random.default_rng([hw[0], hw[1], int(sparsity * 10), fused])
     sh, sw = (strides, strides) if isinstance(strides, int) else strides
     pad = [[0, 0]] * 4 if padding == "EXPLICIT" else padding
     x = tf.constant(T.random_sparse((3 * hw[0] * hw[1], 5), sparsity, rng)
                     .reshape(3, *hw, 5), dtype)
     f = tf.constant(rng.normal(size=(1, 1, 5, 7)) * 0.3, dtype)
+    b = tf.constant(rng.normal(size=(7,)) * 0.1, dtype)
+
+    def ours(a, w, c):
+        return tfss.sparse_split_conv2d(
+            a, w, [sh, sw], pad, bias=c if fused else None,
+            activation="relu" if fused else None)
+
+    def ref(a, w, c):
+        y = tf.nn.conv2d(a, w, [1, sh, sw, 1], pad)
+        return tf.nn.relu(y + c) if fused else y
 
     def grads(conv):
         with tf.GradientTape() as outer:
             outer.watch(x)
             with tf.GradientTape() as tape:
-                tape.watch([x, f])
-                y = conv(x, f)
+                tape.watch([x, f, b])
+                y = conv(x, f, b)
                 loss = tf.reduce_sum(tf.sin(y) * y)
-            gx, gf = tape.gradient(loss, [x, f])
+            gx, gf, gb = tape.gradient(loss, [x, f, b])
             s = tf.reduce_sum(gx * gx)
-        return gx, gf, outer.gradient(s, x)
+        return [gx, gf, outer.gradient(s, x)] + ([gb] if fused else [])
 
-    ours = grads(lambda a, b: tfss.sparse_split_conv2d(
-        a, b, [sh, sw], pad))
-    ref = grads(lambda a, b: tf.nn.conv2d(a, b, [1, sh, sw, 1], pad))
+    got, want = grads(ours), grads(ref)
     tol = 1e-5 if dtype == tf.float32 else 1e-12
-    for got, want in zip(ours, ref):
-        assert got.shape == want.shape
-        assert T.relative_error(got, want) <= tol
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        assert T.relative_error(g, r) <= tol
     # Rows and columns the convolution never read get no gradient.
     read = np.zeros(hw, bool)
     read[::sh, ::sw] = True
-    assert np.all(ours[0].numpy()[:, ~read, :] == 0)
+    assert np.all(got[0].numpy()[:, ~read, :] == 0)
 
-    @tf.function
-    def dx_only(a, b):
+    # Unknown spatial sizes: the strided pixels are gathered.
+    spec = tf.TensorSpec([None, None, None, 5], dtype)
+
+    @tf.function(input_signature=[spec])
+    def both(a):
         with tf.GradientTape() as tape:
-            tape.watch(a)
-            y = tfss.sparse_split_conv2d(a, b, [sh, sw], pad)
-        return tape.gradient(y, a, output_gradients=tf.ones_like(y))
+            tape.watch([a, f])
+            y = ours(a, f, b)
+        return tape.gradient(y, [a, f], output_gradients=tf.ones_like(y))
 
-    types = [op.type for op in
-             dx_only.get_concrete_function(x, f).graph.get_operations()]
+    with tf.GradientTape() as tape:
+        tape.watch([x, f])
+        y = ref(x, f, b)
+    want = tape.gradient(y, [x, f], output_gradients=tf.ones_like(y))
+    for g, r in zip(both(x), want):
+        assert T.relative_error(g, r) <= tol
+    types = [op.type for op in both.get_concrete_function().graph
+             .get_operations()]
     assert "Conv2DBackpropInput" not in types
-    assert "TfSparseSplit>SparseSplitMatMul" in types
+    assert not [t for t in types if "BackpropFilter" in t]
+    assert types.count("TfSparseSplit>SparseSplitMatMul") == 2
 
 
 def test_strided_one_by_one_with_padding_keeps_tensorflows_kernel():

@@ -589,6 +589,29 @@ def _spread_strided(dx2, x, sh, sw):
     return d[:, :xs[1], :xs[2], :]
 
 
+def _strided_pixels(x, sh, sw):
+    """``x[:, ::sh, ::sw, :]``, the pixels a strided 1x1 convolution reads,
+    ``[N, ceil(H / sh), ceil(W / sw), C]``. Where H and W are known
+    multiples of the strides: a reshape to ``[N, H/sh, sh, W/sw, sw, C]``
+    and a slice of the first of each block; otherwise one gather of the
+    pixels' rows. TensorFlow's strided 4-D slice copied value by value,
+    10-50x slower (0.6-2.1 ms against 16-194 us on ResNet50's shapes)."""
+    n, h, w, c = x.shape
+    if h is not None and w is not None and c is not None and \
+            h % sh == 0 and w % sw == 0:
+        xs = tf.shape(x)
+        y = tf.reshape(x, tf.stack([xs[0], h // sh, sh, w // sw, sw, c]))
+        return y[:, :, 0, :, 0, :]
+    xs = tf.shape(x)
+    oh, ow = (xs[1] + sh - 1) // sh, (xs[2] + sw - 1) // sw
+    pix = tf.reshape((tf.range(oh) * (sh * xs[2]))[:, None] +
+                     (tf.range(ow) * sw)[None, :], [-1])
+    idx = tf.reshape(tf.range(xs[0])[:, None] * (xs[1] * xs[2]) +
+                     pix[None, :], [-1])
+    rows = tf.gather(tf.reshape(x, tf.stack([-1, xs[3]])), idx)
+    return tf.reshape(rows, tf.stack([xs[0], oh, ow, xs[3]]))
+
+
 def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
                       return_stats=False):
     """Input gradient ``dX`` of ``conv2d(x, f)`` for the output gradient
@@ -729,11 +752,29 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
     BiasAdd``, measured slower). The branch over ``grad`` sums it with
     ``BiasAddGrad`` (float32 for the 16-bit dtypes).
 
+    A 1x1 filter with a stride above 1 and no padding is the product of
+    the strided pixels of ``x`` (transposed) with ``grad`` on the matmul
+    op instead, and ``db`` a ``BiasAddGrad``.
+
     Returns:
       ``dF`` ``[KH, KW, C_in, C_out]`` of ``x``'s dtype; with ``bias``,
       ``(dF, db)``, ``db`` ``[C_out]``.
     """
     lib = load_library()
+    st = _strided_one_by_one(f, strides, padding, explicit)
+    if st is not None:
+        # A strided 1x1 convolution without padding: x's strided pixels
+        # [P, C_in] transposed times grad [P, C_out], on the matmul op (its
+        # a^T dY product, over the pixels' zeros where that pays). oneDNN's
+        # strided filter gradient ran 1.5-3.4x the product's time on
+        # ResNet50's shapes (16x4x4x1024 -> 2048: 3.5-4.7 ms against 1.0).
+        ci, co = int(f.shape[2]), int(f.shape[3])
+        df = sparse_split_matmul(
+            tf.reshape(_strided_pixels(x, *st), [-1, ci]),
+            tf.reshape(grad, [-1, co]), threshold, transpose_a=True,
+            full_stats=False)
+        df = tf.reshape(df, [1, 1, ci, co])
+        return (df, _bias_grad(grad)) if bias else df
 
     def over_x():
         if bias:
