@@ -596,7 +596,7 @@ def _strided_pixels(x, sh, sw):
     and a slice of the first of each block; otherwise one gather of the
     pixels' rows. TensorFlow's strided 4-D slice copied value by value,
     10-50x slower (0.6-2.1 ms against 16-194 us on ResNet50's shapes)."""
-    n, h, w, c = x.shape
+    _, h, w, c = x.shape
     if h is not None and w is not None and c is not None and \
             h % sh == 0 and w % sw == 0:
         xs = tf.shape(x)
@@ -635,9 +635,9 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
     ``transpose_b``: no rotated filter); at a larger stride without
     padding (ResNet's downsampling 1x1 convolutions) the same product on
     ``grad[N*OH*OW, C_out]``, spread to the pixels the convolution read,
-    zero elsewhere (oneDNN's strided Conv2DBackpropInput ran 1.4-3.5x the
-    product's time on ResNet50's six at batch 16, 64x64). Otherwise ``Conv2DBackpropInput``
-    (dense); with dilations > 1 in float64 or with EXPLICIT padding, which
+    zero elsewhere (oneDNN's strided Conv2DBackpropInput ran 1.6-3.5x the
+    product's time on ResNet50's six at batch 16, 64x64). Otherwise
+    ``Conv2DBackpropInput`` (dense); with dilations > 1 in float64 or with EXPLICIT padding, which
     TensorFlow 2.21's CPU kernel refuses, an im2col formulation (slower,
     exact).
 
@@ -766,7 +766,7 @@ def conv2d_filter_grad(x, f, grad, threshold, strides, padding, explicit,
         # A strided 1x1 convolution without padding: x's strided pixels
         # [P, C_in] transposed times grad [P, C_out], on the matmul op (its
         # a^T dY product, over the pixels' zeros where that pays). oneDNN's
-        # strided filter gradient ran 1.5-3.4x the product's time on
+        # strided filter gradient ran 1.3-3.6x the product's time on
         # ResNet50's shapes (16x4x4x1024 -> 2048: 3.5-4.7 ms against 1.0).
         ci, co = int(f.shape[2]), int(f.shape[3])
         df = sparse_split_matmul(
