@@ -280,7 +280,11 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         output pixel (default None: no bias).
       activation: ``None`` or ``"none"`` (default), ``"relu"`` (``max(x,
         0)``) or ``"relu6"`` (``min(max(x, 0), 6)``), applied after the
-        bias. NaN stays NaN.
+        bias. NaN stays NaN, except with a bias in float32, bfloat16 and
+        float16 where TensorFlow's fused kernel is oneDNN's: its relu and
+        relu6 map NaN to 0, as TensorFlow's own fused graph does, and the
+        sparse images' epilogue does the same (the threshold never changes
+        the answer).
       full_stats: bool or None. True: every call counts every value of
         ``input`` (exact statistics, what the layers ask for while their
         statistics are recorded). False: an automatic call, and one with
@@ -586,7 +590,9 @@ def _spread_strided(dx2, x, sh, sw):
     if None not in (h, w, oh, ow) and oh * sh == h and ow * sw == w:
         return d
     xs = tf.shape(x)
-    return d[:, :xs[1], :xs[2], :]
+    d = d[:, :xs[1], :xs[2], :]
+    d.set_shape(x.shape)  # the slice keeps no size of x's static shape
+    return d
 
 
 def _strided_pixels(x, sh, sw):

@@ -30,8 +30,9 @@ def sparse_split_sddmm(mask, x, b, threshold=-1.0, transpose_b=False,
     of ``x``) and then masked; the others by a CSR SDDMM that walks the
     nonzeros of ``mask`` column by column (one dot of length ``N`` per
     nonzero, each row of ``op(b)`` read once). The result is the same to
-    float rounding at any threshold, and its bits do not depend on the
-    thread count.
+    float rounding at any threshold. The sparse rows' bits do not depend
+    on the thread count; the dense rows' are TensorFlow's GEMM's, whose
+    summation order may.
 
     Args:
       mask: float32, float64, bfloat16 or float16 tensor ``[M, K]``; only
