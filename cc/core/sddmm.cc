@@ -126,7 +126,7 @@ struct SddmmDots<double> {
 #endif  // __AVX512F__
 
 
-// Rows per row block of CsrSddmm (each rows' copy of x in the
+// Rows per row block of CsrSddmm (of the rows' copies of x in the
 // low-precision paths): their bytes fit in kSddmmBlockBytes, half of a
 // core's L2 on the machines measured, so that the dots of a block find
 // them in L2 while y streams through once per block. Without blocks, x is
@@ -325,8 +325,8 @@ void CsrSddmmBf16Dot(const Csr<bf16>& csr, const int64_t* out_rows,
 
 // CsrSddmm for bfloat16 / half: the rows of x are widened to float32 once
 // (zero-padded to a multiple of 32 values), each row of y when its column
-// is visited (once per row block); the dots accumulate in float32 and each output is
-// rounded once to T.
+// is visited (once per row block); the dots accumulate in float32 and each
+// output is rounded once to T.
 template <typename T>
 void CsrSddmmLowPrecision(const Csr<T>& csr, const int64_t* out_rows,
                           int64_t n_rows, const T* x, int64_t ldx, const T* y,

@@ -603,12 +603,11 @@ def _strided_pixels(x, sh, sw):
     pixels' rows. TensorFlow's strided 4-D slice copied value by value,
     10-50x slower (0.6-2.1 ms against 16-194 us on ResNet50's shapes)."""
     _, h, w, c = x.shape
+    xs = tf.shape(x)
     if h is not None and w is not None and c is not None and \
             h % sh == 0 and w % sw == 0:
-        xs = tf.shape(x)
         y = tf.reshape(x, tf.stack([xs[0], h // sh, sh, w // sw, sw, c]))
         return y[:, :, 0, :, 0, :]
-    xs = tf.shape(x)
     oh, ow = (xs[1] + sh - 1) // sh, (xs[2] + sw - 1) // sw
     pix = tf.reshape((tf.range(oh) * (sh * xs[2]))[:, None] +
                      (tf.range(ow) * sw)[None, :], [-1])
@@ -643,9 +642,9 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
     ``grad[N*OH*OW, C_out]``, spread to the pixels the convolution read,
     zero elsewhere (oneDNN's strided Conv2DBackpropInput ran 1.6-3.5x the
     product's time on ResNet50's six at batch 16, 64x64). Otherwise
-    ``Conv2DBackpropInput`` (dense); with dilations > 1 in float64 or with EXPLICIT padding, which
-    TensorFlow 2.21's CPU kernel refuses, an im2col formulation (slower,
-    exact).
+    ``Conv2DBackpropInput`` (dense); with dilations > 1 in float64 or with
+    EXPLICIT padding, which TensorFlow 2.21's CPU kernel refuses, an im2col
+    formulation (slower, exact).
 
     Returns:
       ``dX``, same shape and dtype as ``x``; with ``return_stats``,
@@ -655,26 +654,25 @@ def conv2d_input_grad(x, f, grad, strides, padding, explicit, dilations,
       ``NNZ`` counts ``grad``'s nonzeros), None on the other paths.
     """
     tc = _transposed_conv(f, strides, dilations, padding, explicit)
-    if tc is not None and _is_one_by_one(f):
-        # A 1x1 convolution at stride 1 (no padding fits a 1x1 filter) is
-        # the product grad[N*H*W, C_out] @ f[C_in, C_out]^T: the matmul op
-        # skips grad's zero rows and columns, and needs no rotated filter.
-        ci, co = int(f.shape[2]), int(f.shape[3])
-        dx2, stats = sparse_split_matmul(
-            tf.reshape(grad, [-1, co]), tf.reshape(f, [ci, co]),
-            transpose_b=True, return_stats=True, full_stats=False)
-        dx = tf.reshape(dx2, tf.shape(x))
-        return (dx, stats) if return_stats else dx
-    st = _strided_one_by_one(f, strides, padding, explicit)
+    st = (1, 1) if tc is not None and _is_one_by_one(f) else \
+        _strided_one_by_one(f, strides, padding, explicit)
     if st is not None:
+        # A 1x1 convolution without padding (none fits a 1x1 filter at
+        # stride 1) is the product grad[N*OH*OW, C_out] @ f[C_in, C_out]^T
+        # at the pixels it read: the matmul op skips grad's zero rows and
+        # columns, and needs no rotated filter. At stride 1 those pixels
+        # are all of x's; at a larger stride the product is spread to them.
         ci, co = int(f.shape[2]), int(f.shape[3])
         dx2, stats = sparse_split_matmul(
             tf.reshape(grad, [-1, co]), tf.reshape(f, [ci, co]),
             transpose_b=True, return_stats=True, full_stats=False)
-        gs = tf.shape(grad)
-        dx2 = tf.reshape(dx2, tf.stack([gs[0], gs[1], gs[2], ci]))
-        dx2.set_shape(grad.shape[:3].concatenate([ci]))
-        dx = _spread_strided(dx2, x, *st)
+        if st == (1, 1):
+            dx = tf.reshape(dx2, tf.shape(x))
+        else:
+            gs = tf.shape(grad)
+            dx2 = tf.reshape(dx2, tf.stack([gs[0], gs[1], gs[2], ci]))
+            dx2.set_shape(grad.shape[:3].concatenate([ci]))
+            dx = _spread_strided(dx2, x, *st)
         return (dx, stats) if return_stats else dx
     if tc is not None:
         # The op splits grad's images: dense ones through TensorFlow's
