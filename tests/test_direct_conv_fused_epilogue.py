@@ -3,7 +3,8 @@ bias + activation fused into its last pass (cc/core/direct_conv2d.h,
 DirectConvEpilogue): the values are exactly those of a separate pass
 act(conv + bias) over the kernel's output (bitwise), on the sliding kernel
 (3x3, stride 1; one and several passes; one filter row a pass and three),
-the tiled kernel (stride 2, 5x5), partial output vectors, all-zero images;
+the tiled kernel (stride 2, 5x5), the row scatter (thin inputs: C_in 1
+and 2, 5x5 at stride 1), partial output vectors, all-zero images;
 NaN follows TF's graph for the dtype (float32: oneDNN's post-op maps NaN to
 0; float64: propagated). Also the nonzero counts of inputs with fewer than
 16 channels (the count's register-mask path), NaN and -0.0 included."""
@@ -30,6 +31,9 @@ CASES = [
     ((2, 8, 9, 20), (3, 3, 20, 24), 1),     # sliding, out_w 9: three rows, 2 chunks
     ((2, 11, 10, 6), (5, 5, 6, 19), 2),     # tiled kernel
     ((2, 6, 7, 80), (1, 1, 80, 256), 1),    # 1x1: 8-vector blocks, 2 passes
+    ((3, 10, 28, 1), (3, 3, 1, 16), 1),     # row scatter, C_in 1
+    ((2, 9, 12, 2), (3, 3, 2, 20), 1),      # row scatter, partial 2nd vector
+    ((2, 11, 10, 6), (5, 5, 6, 19), 1),     # row scatter, 5x5
 ]
 
 

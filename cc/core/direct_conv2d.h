@@ -167,8 +167,24 @@ bool DirectConv2DUsesAvx512();
 // both pixels where a channel is nonzero in both); "columns", the sliding
 // window one column a step (and the tiled kernel one output pixel at a
 // time); "tiles", the tiled kernel for every geometry.
-enum class DirectForwardKernel { kSlidingPairs, kSlidingColumns, kTiles };
+// The forward kernel TFSS_DIRECT_FWD_KERNEL selects (read on every call):
+// unset: kAuto (the row scatter for thin inputs, ScatterForward; the
+// paired sliding window for 3-wide filters at stride 1 in width; the tiled
+// kernel otherwise); "pairs": kSlidingPairs (kAuto without the row
+// scatter); "columns": the one-column sliding window; "tiles": the tiled
+// kernel; "scatter": the row scatter wherever the width's stride and
+// dilation are 1.
+enum class DirectForwardKernel {
+  kAuto, kSlidingPairs, kSlidingColumns, kTiles, kScatter
+};
 DirectForwardKernel DirectForwardKernelChoice();
+
+// Whether DirectConv2DForward runs the row scatter for this geometry under
+// `kernel`: stride 1 and dilation 1 in width, and kScatter, or kAuto with
+// thin inputs (filters 4 or more wide: C_in <= 16; any width: C_in <= 2
+// and C_out <= 32), where its measured kernel time is below the other
+// kernels' (direct_conv2d.cc).
+bool ScatterForward(const Conv2DGeometry& g, DirectForwardKernel kernel);
 
 }  // namespace tf_sparse_split
 
