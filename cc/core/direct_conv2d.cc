@@ -540,27 +540,85 @@ constexpr int64_t kScatterWideMaxCin = 16;   // filters 4 or more wide
 constexpr int64_t kScatterThinMaxCin = 2;    // any width, with
 constexpr int64_t kScatterThinMaxCout = 32;  // at most this C_out
 
-// act(s + bias) on one vector with the semantics of EpilogueRows (the same
-// operations in the same order, so the same values): bias null for none;
-// with nan_to_zero, relu / relu6 as max(v, 0) (NaN -> 0, -0 -> +0), else as
-// tf.nn.relu / tf.nn.relu6 (NaN stays NaN).
-template <typename T>
-TFSS_INLINE typename DVec<T>::V EpilogueVec(typename DVec<T>::V s,
-                                            const T* bias,
-                                            const DirectConvEpilogue<T>& ep) {
+// act(s + b) on one vector with the semantics of EpilogueRows (the same
+// operations in the same order, so the same values): with kNanToZero, relu
+// and relu6 as max(v, 0) (NaN -> 0, -0 -> +0), else as tf.nn.relu /
+// tf.nn.relu6 (NaN stays NaN).
+template <typename T, Activation kAct, bool kNanToZero>
+TFSS_INLINE typename DVec<T>::V ActVec(typename DVec<T>::V s) {
   using Vt = typename DVec<T>::V;
-  if (bias != nullptr) s += LoadV<Vt>(bias);
-  if (ep.act == Activation::kNone) return s;
+  if (kAct == Activation::kNone) return s;
   const Vt zero{};
   const Vt six = zero + T(6);
-  if (ep.nan_to_zero) {
+  if (kNanToZero) {
     s = s > zero ? s : zero;
-    if (ep.act == Activation::kRelu6) s = s < six ? s : six;
+    if (kAct == Activation::kRelu6) s = s < six ? s : six;
   } else {
     s = s < zero ? zero : s;
-    if (ep.act == Activation::kRelu6) s = s > six ? six : s;
+    if (kAct == Activation::kRelu6) s = s > six ? six : s;
   }
   return s;
+}
+
+// y[o, (0, kn)] = act(buf[o] + bias) for the ow_n pixels of one output row
+// of a channel block (pixel stride co in y, V*lanes in buf); bias: the
+// block's V vectors (lanes past C_out zero), or null.
+template <typename T, int V, Activation kAct, bool kNanToZero, bool kBias>
+void ScatterCopyOut(const T* buf, T* yrow, int64_t ow_n, int64_t co,
+                    int64_t kn, const T* bias) {
+  using Vt = typename DVec<T>::V;
+  constexpr int L = DVec<T>::kLanes;
+  constexpr int VL = V * L;
+  Vt bv[V];
+  Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+    bv[v] = kBias ? LoadV<Vt>(bias + v * L) : Vt{};
+  });
+  // No bias: nothing added (a -0.0 sum stays -0.0, as in EpilogueRows).
+  auto val = [&](int64_t o, int v) TFSS_INLINE_LAMBDA {
+    const Vt s = LoadV<Vt>(buf + o * VL + v * L);
+    return ActVec<T, kAct, kNanToZero>(kBias ? s + bv[v] : s);
+  };
+  if (kn == VL) {
+    for (int64_t o = 0; o < ow_n; ++o)
+      Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
+        StoreV(yrow + o * co + v * L, val(o, v));
+      });
+  } else {
+    for (int64_t o = 0; o < ow_n; ++o)
+      for (int v = 0; v < V; ++v)
+        StorePart<T>(yrow + o * co + v * L, val(o, v), kn - v * L);
+  }
+}
+
+template <typename T, int V, bool kBias>
+void ScatterCopyOutAct(const T* buf, T* yrow, int64_t ow_n, int64_t co,
+                       int64_t kn, const T* bias,
+                       const DirectConvEpilogue<T>& ep) {
+  const bool z = ep.nan_to_zero;
+  switch (ep.act) {
+    case Activation::kRelu:
+      if (z) ScatterCopyOut<T, V, Activation::kRelu, true, kBias>(buf, yrow, ow_n, co, kn, bias);
+      else ScatterCopyOut<T, V, Activation::kRelu, false, kBias>(buf, yrow, ow_n, co, kn, bias);
+      break;
+    case Activation::kRelu6:
+      if (z) ScatterCopyOut<T, V, Activation::kRelu6, true, kBias>(buf, yrow, ow_n, co, kn, bias);
+      else ScatterCopyOut<T, V, Activation::kRelu6, false, kBias>(buf, yrow, ow_n, co, kn, bias);
+      break;
+    default:
+      ScatterCopyOut<T, V, Activation::kNone, false, kBias>(buf, yrow, ow_n, co, kn, bias);
+  }
+}
+
+// The epilogue's activation and bias as template arguments (no branch or
+// reload per pixel: under perf the runtime form took a third of the
+// kernel's samples on 32x28x28x1 -> 16).
+template <typename T, int V>
+void ScatterCopyOutAs(const T* buf, T* yrow, int64_t ow_n, int64_t co,
+                      int64_t kn, const T* bias, const DirectConvEpilogue<T>& ep) {
+  if (bias != nullptr)
+    ScatterCopyOutAct<T, V, true>(buf, yrow, ow_n, co, kn, bias, ep);
+  else
+    ScatterCopyOutAct<T, V, false>(buf, yrow, ow_n, co, kn, bias, ep);
 }
 
 template <typename T, int V>
@@ -606,22 +664,8 @@ void ScatterRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
         }
       }
     }
-    T* yrow = y + ((img * g.out_h + oh) * ow_n) * g.c_out + k0;
-    if (kn == VL) {
-      for (int64_t o = 0; o < ow_n; ++o)
-        Unroll<V>([&](auto v) TFSS_INLINE_LAMBDA {
-          StoreV(yrow + o * g.c_out + v * L,
-                 EpilogueVec<T>(LoadV<Vt>(buf + o * VL + v * L),
-                                bias ? bias + v * L : nullptr, ep));
-        });
-    } else {
-      for (int64_t o = 0; o < ow_n; ++o)
-        for (int v = 0; v < V; ++v)
-          StorePart<T>(yrow + o * g.c_out + v * L,
-                       EpilogueVec<T>(LoadV<Vt>(buf + o * VL + v * L),
-                                      bias ? bias + v * L : nullptr, ep),
-                       kn - v * L);
-    }
+    ScatterCopyOutAs<T, V>(buf, y + ((img * g.out_h + oh) * ow_n) * g.c_out + k0,
+                           ow_n, g.c_out, kn, bias, ep);
   }
 }
 
@@ -1634,8 +1678,14 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
     int64_t group = std::max<int64_t>(1, (224 + g.out_w - 1) / g.out_w);
     group = std::max<int64_t>(1, std::min(group, rows * blocks.count / 16));
     const int64_t groups = (rows + group - 1) / group;
+    // Cost per task in the pool's units (1e6 ~ 100 us of work): about 70
+    // a pixel and vector at 3x3, C_in 1 (32x28x28x1 -> 16: 170 us on one
+    // thread). Estimated low, a call of that size ran inline on the
+    // calling thread, and its whole output then sat in one core's L2: the
+    // next op's threads read it across cores (a Mul reading the 1.6 MB
+    // output took 125 us against 85 us after TF's convolution).
     const int64_t cost = 1 + group * g.out_w * blocks.vecs *
-                                 (3 + g.kh * g.kw * g.c_in / 2);
+                                 (30 + 4 * g.kh * g.kw * g.c_in);
     const bool rows_outer = RowGroupsOuter(g, n_images);
     // The bias of each block, its lanes past C_out zero (whole vectors).
     AVector<T> bias_pad(epilogue.bias ? blocks.count * blocks.vecs * L : 0,
@@ -1673,8 +1723,15 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
     group = std::max<int64_t>(
         1, std::min(group, rows * plan.count / 16));
     const int64_t groups = (rows + group - 1) / group;
-    const int64_t cost = 1 + group * g.out_w * g.kh * 3 *
-                                 (g.c_in / 2 + 1) * plan.vecs * 2;
+    // Cost per task (1e6 ~ 100 us): the multiply-adds, and about 150 a
+    // pixel, vector and pass for the column's mask, bit-scan and flush
+    // (32x28x28x1 -> 16 at 80% zeros: 19 ns a pixel on one thread), so
+    // that small calls of many pixels do not run inline (see the scatter's
+    // cost above).
+    const int64_t cost =
+        1 + group * g.out_w *
+                (g.kh * 3 * (g.c_in / 2 + 1) * plan.vecs * 2 +
+                 150 * plan.vecs * plan.ngroups * plan.nchunks);
     const bool rows_outer = RowGroupsOuter(g, n_images);
     pfor(plan.count * groups, cost, [&](int64_t tb, int64_t te) {
       for (int64_t t = tb; t < te; ++t) {
