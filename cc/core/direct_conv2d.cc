@@ -522,6 +522,7 @@ void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
 // costs one compare per 16 values. Each output value is summed in a fixed
 // order (kh, then input column and channel, then kw), whatever the
 // sharding.
+
 // When kAuto takes the row scatter (ScatterForward). Kernel time against
 // the paired sliding window (3-wide filters) or the tiled kernel (other
 // widths) on the 2-core Xeon, 2 threads, 32x28x28 inputs at 50 / 80 / 95%
