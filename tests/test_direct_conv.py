@@ -71,6 +71,16 @@ def ref_filter_grad(x, dy, kh, kw, strides, dilations, padding):
     return df
 
 
+def assert_forward_matches(got, ref, dtype, tol, all_zero):
+    """``got`` (a forward kernel's output) has the reference's dtype and
+    shape and is within ``tol`` relative error of it; all zeros where the
+    input was all zeros."""
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert relative_error(got, ref) <= tol, dtype
+    if all_zero:
+        np.testing.assert_array_equal(got, np.zeros_like(got))
+
+
 def _sparse_x(shape, sparsity, rng, dtype, relu=False):
     if relu:
         # ReLU of a Gaussian whose bias puts `sparsity` of the mass below 0.

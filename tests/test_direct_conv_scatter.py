@@ -15,7 +15,8 @@ import pytest
 from tf_sparse_split._loader import kernels
 from tf_sparse_split.testing import relative_error
 
-from test_direct_conv import _same_nonfinite, _sparse_x, ref_conv
+from test_direct_conv import (_same_nonfinite, _sparse_x,
+                              assert_forward_matches, ref_conv)
 
 K = kernels()
 
@@ -60,12 +61,8 @@ def test_scatter_forward_matches_reference(case, sparsity, monkeypatch):
         x = _sparse_x((n, h, w, ci), sparsity, rng, dtype,
                       relu=sparsity == 0.5)
         f = rng.standard_normal((kh, kw, ci, co)).astype(dtype)
-        ref = ref_conv(x, f, s, d, p)
-        got = _forward(x, f, s, d, p)
-        assert got.dtype == dtype and got.shape == ref.shape
-        assert relative_error(got, ref) <= tol, dtype
-        if sparsity == 1.0:
-            np.testing.assert_array_equal(got, np.zeros_like(got))
+        assert_forward_matches(_forward(x, f, s, d, p), ref_conv(x, f, s, d, p),
+                               dtype, tol, sparsity == 1.0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)

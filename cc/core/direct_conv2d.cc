@@ -1648,6 +1648,25 @@ inline std::pair<int64_t, int64_t> ForwardTask(int64_t t, int64_t blocks,
                     : std::make_pair(t / groups, t % groups);
 }
 
+// Task t of the forward's (channel block, row group) tasks over FwdBlocks:
+// block b (channels [k0, k0 + kn), packed filter wp) and rows [r0, r1).
+template <typename T>
+struct BlockTask {
+  int64_t b, r0, r1, k0, kn;
+  const T* wp;
+  BlockTask(const FwdBlocks<T>& blocks, const Conv2DGeometry& g, int64_t t,
+            int64_t groups, int64_t group, int64_t rows, bool rows_outer) {
+    constexpr int L = DVec<T>::kLanes;
+    const auto [bb, q] = ForwardTask(t, blocks.count, groups, rows_outer);
+    b = bb;
+    r0 = q * group;
+    r1 = std::min(rows, r0 + group);
+    k0 = b * blocks.vecs * L;
+    kn = std::min<int64_t>(g.c_out - k0, blocks.vecs * L);
+    wp = blocks.packed.data() + blocks.offset[b];
+  }
+};
+
 template <typename T>
 void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
                          const int64_t* images, int64_t n_images, T* y,
@@ -1695,18 +1714,14 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
     pfor(blocks.count * groups, cost, [&](int64_t tb, int64_t te) {
       AVector<T> buf(g.out_w * blocks.vecs * L);
       for (int64_t t = tb; t < te; ++t) {
-        const auto [b, q] = ForwardTask(t, blocks.count, groups, rows_outer);
-        const int64_t r0 = q * group, r1 = std::min(rows, r0 + group);
-        const int64_t k0 = b * blocks.vecs * L;
-        const int64_t kn = std::min<int64_t>(g.c_out - k0, blocks.vecs * L);
-        const T* wp = blocks.packed.data() + blocks.offset[b];
-        const T* bias = epilogue.bias ? bias_pad.data() + k0 : nullptr;
-        switch (blocks.Vecs(b, g)) {
-          case 8: ScatterRows<T, 8>(x, g, images, r0, r1, wp, col_of.data(), y, k0, kn, buf.data(), bias, epilogue); break;
-          case 4: ScatterRows<T, 4>(x, g, images, r0, r1, wp, col_of.data(), y, k0, kn, buf.data(), bias, epilogue); break;
-          case 3: ScatterRows<T, 3>(x, g, images, r0, r1, wp, col_of.data(), y, k0, kn, buf.data(), bias, epilogue); break;
-          case 2: ScatterRows<T, 2>(x, g, images, r0, r1, wp, col_of.data(), y, k0, kn, buf.data(), bias, epilogue); break;
-          default: ScatterRows<T, 1>(x, g, images, r0, r1, wp, col_of.data(), y, k0, kn, buf.data(), bias, epilogue); break;
+        const BlockTask<T> k(blocks, g, t, groups, group, rows, rows_outer);
+        const T* bias = epilogue.bias ? bias_pad.data() + k.k0 : nullptr;
+        switch (blocks.Vecs(k.b, g)) {
+          case 8: ScatterRows<T, 8>(x, g, images, k.r0, k.r1, k.wp, col_of.data(), y, k.k0, k.kn, buf.data(), bias, epilogue); break;
+          case 4: ScatterRows<T, 4>(x, g, images, k.r0, k.r1, k.wp, col_of.data(), y, k.k0, k.kn, buf.data(), bias, epilogue); break;
+          case 3: ScatterRows<T, 3>(x, g, images, k.r0, k.r1, k.wp, col_of.data(), y, k.k0, k.kn, buf.data(), bias, epilogue); break;
+          case 2: ScatterRows<T, 2>(x, g, images, k.r0, k.r1, k.wp, col_of.data(), y, k.k0, k.kn, buf.data(), bias, epilogue); break;
+          default: ScatterRows<T, 1>(x, g, images, k.r0, k.r1, k.wp, col_of.data(), y, k.k0, k.kn, buf.data(), bias, epilogue); break;
         }
       }
     });
@@ -1772,17 +1787,13 @@ void DirectConv2DForward(const T* x, const Conv2DGeometry& g, const T* f,
   pfor(blocks.count * groups, cost, [&](int64_t tb, int64_t te) {
     AVector<T> acc_buf;
     for (int64_t t = tb; t < te; ++t) {
-      const auto [b, q] = ForwardTask(t, blocks.count, groups, rows_outer);
-      const int64_t r0 = q * group, r1 = std::min(rows, r0 + group);
-      const int64_t k0 = b * blocks.vecs * L;
-      const int64_t kn = std::min<int64_t>(g.c_out - k0, blocks.vecs * L);
-      const T* wp = blocks.packed.data() + blocks.offset[b];
-      switch (blocks.Vecs(b, g)) {
-        case 8: FwdRows<T, 8>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
-        case 4: FwdRows<T, 4>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
-        case 3: FwdRows<T, 3>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
-        case 2: FwdRows<T, 2>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
-        default: FwdRows<T, 1>(x, g, images, r0, r1, wp, y, k0, kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
+      const BlockTask<T> k(blocks, g, t, groups, group, rows, rows_outer);
+      switch (blocks.Vecs(k.b, g)) {
+        case 8: FwdRows<T, 8>(x, g, images, k.r0, k.r1, k.wp, y, k.k0, k.kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
+        case 4: FwdRows<T, 4>(x, g, images, k.r0, k.r1, k.wp, y, k.k0, k.kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
+        case 3: FwdRows<T, 3>(x, g, images, k.r0, k.r1, k.wp, y, k.k0, k.kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
+        case 2: FwdRows<T, 2>(x, g, images, k.r0, k.r1, k.wp, y, k.k0, k.kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
+        default: FwdRows<T, 1>(x, g, images, k.r0, k.r1, k.wp, y, k.k0, k.kn, chunk, &acc_buf, epilogue, pairs_tiles); break;
       }
     }
   });

@@ -189,8 +189,14 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
     the matching filter rows, vectorised over C_out). Input channels that are
     zero in every image are compacted away from the dense part, with the
     matching filter slices. The result equals ``tf.nn.conv2d``'s to float
-    rounding at any threshold; only the speed changes. Results are
-    deterministic (independent of the thread count).
+    rounding at any threshold; only the speed changes. At a fixed
+    threshold the results are deterministic (independent of the thread
+    count); the automatic threshold splits by measured timings, so its bits
+    may differ between runs within float rounding. An input smaller than
+    the dilated filter under VALID padding gives an empty output (an output
+    side of 0) eagerly and where the traced sizes are unknown; traced with
+    known sizes, shape inference refuses it (``ValueError``) as it does
+    ``tf.nn.conv2d``'s.
 
     Gradients are registered and exploit the zeros of both operands (R. Sun
     and L. Zhang, "Dynamic Sparse Method for Deep Learning Execution",
@@ -309,8 +315,7 @@ def sparse_split_conv2d(input, filters, strides, padding, dilations=1,  # noqa: 
         positive or not 1 on the batch/channel dimensions, strides,
         dilations or explicit paddings that are not ints (floats, strings),
         a bad padding (unknown string, explicit list not 8 values /
-        negative / above 2^30 / nonzero on N or C), an input smaller than
-        the dilated filter with VALID padding, a dilated filter side
+        negative / above 2^30 / nonzero on N or C), a dilated filter side
         ``(K - 1) * dilation + 1`` or a padded input side above 2^30
         (TensorFlow's CPU kernel, the dense part, crashes there), a threshold above 1, NaN or not scalar, a ``bias`` that is
         not a vector ``[C_out]`` of the input's dtype.
