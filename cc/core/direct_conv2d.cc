@@ -528,8 +528,10 @@ void FwdRows(const T* x, const Conv2DGeometry& g, const int64_t* images,
 // widths) on the 2-core Xeon, 2 threads, 32x28x28 inputs at 50 / 80 / 95%
 // zeros, interleaved, two runs where given:
 //   3x3, C_in 1 -> 16: 0.54-0.62 / 0.57-0.74 / 0.59-0.74 of the time;
-//   C_in 1 -> 32: 0.76-1.04 / 0.74-1.04 / 0.68-0.90; C_in 1 -> 64:
-//   1.19 / 1.15 / 0.95 (not taken); C_in 2 -> 16: 0.90 / 0.62 / 0.53;
+//   C_in 1 -> 32: 0.76-1.02 / 0.74-1.04 / 0.68-0.90; C_in 1 -> 64:
+//   1.19 / 1.15 / 0.95 (not taken); C_in 2 -> 16: 0.90 / 0.62 / 0.53
+//   (32x14x14x2 -> 16: 0.88 / 0.60 / 0.45; 8x14x14x2 -> 16: 1.22 / 0.78 /
+//   0.63, the rule's slower edge, 35 against 29 us);
 //   C_in 3 -> 32: 1.47 / 1.05 / 1.03 (not taken);
 //   5x5 and 7x7 (the tiled kernel's): C_in 1 -> 32 0.22 / 0.18 / 0.16,
 //   C_in 3 -> 32 0.33 / 0.26 / 0.18, C_in 8 -> 32 0.55 / 0.40 / 0.22,
