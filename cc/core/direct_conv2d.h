@@ -170,21 +170,17 @@ bool DirectPredictedFaster(const SparseKernelRate& direct,
 // Whether the kernels above use their AVX-512 code (the build's ISA).
 bool DirectConv2DUsesAvx512();
 
-// The forward kernel DirectConv2DForward runs where the geometry allows the
-// sliding window (KW == 3, stride 1 and dilation 1 in width), from the
-// environment variable TFSS_DIRECT_FWD_KERNEL, read on every call (A/B
-// benchmarks and tests): unset (or any other value), the sliding window
-// two input columns a step ("pairs": a filter vector loaded once serves
-// both pixels where a channel is nonzero in both); "columns", the sliding
-// window one column a step (and the tiled kernel one output pixel at a
-// time); "tiles", the tiled kernel for every geometry.
-// The forward kernel TFSS_DIRECT_FWD_KERNEL selects (read on every call):
-// unset: kAuto (the row scatter for thin inputs, ScatterForward; the
-// paired sliding window for 3-wide filters at stride 1 in width; the tiled
-// kernel otherwise); "pairs": kSlidingPairs (kAuto without the row
-// scatter); "columns": the one-column sliding window; "tiles": the tiled
-// kernel; "scatter": the row scatter wherever the width's stride and
-// dilation are 1.
+// The forward kernel DirectConv2DForward runs, from the environment
+// variable TFSS_DIRECT_FWD_KERNEL, read on every call (A/B benchmarks and
+// tests): unset (or any other value), kAuto: the row scatter for thin
+// inputs (ScatterForward), else the sliding window two input columns a
+// step where the geometry allows it (KW == 3, stride 1 and dilation 1 in
+// width; a filter vector loaded once serves both pixels where a channel is
+// nonzero in both), else the tiled kernel; "pairs", kSlidingPairs: kAuto
+// without the row scatter; "columns", the sliding window one column a step
+// (and the tiled kernel one output pixel at a time); "tiles", the tiled
+// kernel for every geometry; "scatter", the row scatter wherever the
+// width's stride and dilation are 1.
 enum class DirectForwardKernel {
   kAuto, kSlidingPairs, kSlidingColumns, kTiles, kScatter
 };
