@@ -52,7 +52,9 @@ def test_profile_keras_file_with_input(keras_model, tmp_path, capsys):
     first = next(r for n, r in rows.items() if "h1" in n)
     second = next(r for n, r in rows.items() if "out" in n)
     assert first[2] == "40x12x24" and second[2] == "40x24x5"
-    assert first[4] == "no" and second[3] == "Relu" and second[4] == "yes"
+    # The first layer reads the model's input ("Input", a default producer).
+    assert first[3] == "Input" and first[4] == "yes"
+    assert second[3] == "Relu" and second[4] == "yes"
     assert float(first[5]) == pytest.approx(0.75, abs=1e-3)
     assert float(first[6]) == pytest.approx(0.75, abs=1e-3)
     w, b = model.get_layer("h1").get_weights()
@@ -60,15 +62,14 @@ def test_profile_keras_file_with_input(keras_model, tmp_path, capsys):
     assert float(second[5]) == pytest.approx(float(np.mean(h == 0)), abs=1e-3)
     for r in (first, second):  # dense ms, split ms, speed-up
         assert float(r[7]) > 0 and float(r[8]) > 0 and r[9].endswith("x")
-    # The headline covers only the node the pass would replace (the second;
-    # the first reads the model input, not a ReLU).
+    # The headline covers the nodes the pass would replace: both.
     m = re.search(r"total \(pass=yes nodes\)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+"
                   r"\d+\.\d+x", out)
     assert m, out
-    assert float(m.group(1)) == pytest.approx(float(second[7]), abs=2e-3)
-    assert "headline: the 1 node(s) the rewrite pass would replace" in out
-    assert re.search(r"not replaced: \S*h1\S*: activation input comes from "
-                     r"Placeholder", out), out
+    assert float(m.group(1)) == pytest.approx(
+        float(first[7]) + float(second[7]), abs=2e-3)
+    assert "headline: the 2 node(s) the rewrite pass would replace" in out
+    assert "not replaced" not in out, out
     assert re.search(r"whole model, end to end \(one call, rewrite pass off "
                      r"vs on\): \d+\.\d+ ms vs \d+\.\d+ ms, \d+\.\d+x", out)
     assert "jit_compile=False" in out
@@ -106,11 +107,13 @@ def test_profile_saved_model_random_inputs(tmp_path, capsys):
     sparsities = sorted(float(r[5]) for r in mm)
     assert any(abs(s - 0.8) < 0.1 for s in sparsities), out  # input x
     # The pass's own answer: the Conv2D reads relu(img) and is replaced by
-    # default (enable() rewrites Conv2D too); the MatMuls read the input and
-    # relu(...) + sum, and are not.
+    # default (enable() rewrites Conv2D too); of the MatMuls, the one that
+    # reads the signature's input is replaced ("Input"), the one that reads
+    # relu(...) + sum is not.
     conv = next(r for r in rows.values() if r[1] == "Conv2D")
     assert conv[-7] == "Relu" and conv[-6] == "yes", out
-    assert sorted(r[4] for r in mm) == ["no", "no"], out
+    assert sorted((r[3], r[4]) for r in mm) == [("AddV2", "no"),
+                                                ("Input", "yes")], out
     assert "total (pass=yes nodes)" in out
 
 

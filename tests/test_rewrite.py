@@ -78,23 +78,23 @@ def test_forward_and_gradients_match_unrewritten(rw, dtype, rtol):
     _assert_close(y1, y0, rtol)
     for a, b in zip(g1, g0):
         _assert_close(a, b, rtol)
-    # Forward l2, l3 (ReLU inputs); backward dW2 = h1^T dZ2 and dW3 = h2^T dY
+    # Forward l1 and its dW1 = x^T dZ1 read the graph input x ("Input");
+    # forward l2, l3 (ReLU inputs); backward dW2 = h1^T dZ2 and dW3 = h2^T dY
     # (transpose_a, ReLU outputs); dH2 = dY W3^T and dH1 = dZ2 W2^T feed
     # only ReluGrad(., h2) / ReluGrad(., h1): SDDMMs masked by h2 / h1.
-    assert rw.counters() == {"MatMul": 6}
+    assert rw.counters() == {"MatMul": 8}
     done = _records("rewritten")
-    assert len(done) == 6
-    assert [r["producer"] for r in done] == ["Relu"] * 6
-    assert sum(r["transpose_a"] == "1" for r in done) == 2
+    assert len(done) == 8
+    assert sorted(r["producer"] for r in done) == ["Input"] * 2 + ["Relu"] * 6
+    assert sum(r["transpose_a"] == "1" for r in done) == 3
     sddmm = [r for r in done if r["kind"] == "sddmm"]
     assert len(sddmm) == 2
     assert {r["new_op"] for r in sddmm} == {"TfSparseSplit>SparseSplitSddmm"}
     assert {r["new_op"] for r in done if r["kind"] != "sddmm"} == {
         "TfSparseSplit>SparseSplitMatMul"}
     fwd = {r["name"] for r in done if "gradient" not in r["name"]}
-    assert fwd == {"l2", "l3"}
-    declined = {r["name"] for r in _records("declined")}
-    assert "l1" in declined  # its input is the function argument
+    assert fwd == {"l1", "l2", "l3"}  # l1 reads the function argument
+    assert _records("declined") == []
 
 
 def test_pass_off_by_default():
@@ -347,7 +347,8 @@ def test_saved_model_round_trip(rw, tmp_path):
     loaded = tf.saved_model.load(path)
     got = loaded(x)
     _assert_close(got, want, 1e-5)
-    assert rw.counters() == {"MatMul": 1}
+    # Both: the first reads the signature's input, the second a ReLU.
+    assert rw.counters() == {"MatMul": 2}
 
 
 def test_conv2d_entry_when_op_registered(rw):
@@ -474,9 +475,13 @@ def test_dry_run_answers_like_the_pass(rw):
         tf.matmul(tf.cast(tf.nn.relu(h), tf.int32), tf.ones([4, 4], tf.int32),
                   name="int")
     rec = {r["name"]: r for r in rewrite.dry_run(g)}
-    assert rec["from_input"]["action"] == "declined"
-    assert rec["from_input"]["producer"] == "Placeholder"
-    assert "not a listed sparse producer" in rec["from_input"]["reason"]
+    assert rec["from_input"]["action"] == "would_rewrite"
+    assert rec["from_input"]["producer"] == "Input"
+    relu_only = tuple(p for p in rewrite.DEFAULT_PRODUCERS if p != "Input")
+    (off,) = [r for r in rewrite.dry_run(g, producers=relu_only)
+              if r["name"] == "from_input"]
+    assert off["action"] == "declined" and off["producer"] == "Placeholder"
+    assert "not a listed sparse producer" in off["reason"]
     assert rec["from_relu"]["action"] == "would_rewrite"
     assert rec["from_relu"]["producer"] == "Relu"
     assert rec["from_dropout"]["producer"] == "Dropout"

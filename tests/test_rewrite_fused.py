@@ -110,8 +110,8 @@ def test_look_through_op_is_rewritten_with_identical_output(rw, op):
     (lambda x: tf.raw_ops.PadV2(input=tf.nn.relu(x[:, :12]),
                                 paddings=[[0, 0], [2, 2]],
                                 constant_values=tf.constant(1.0)), "PadV2"),
-    (lambda x: tf.concat([tf.nn.relu(x[:, :10]), x[:, 10:16]], axis=1),
-     "Placeholder"),
+    (lambda x: tf.concat([tf.nn.relu(x[:, :10]), tf.tanh(x[:, 10:16])],
+                         axis=1), "Tanh"),
     (lambda x: tf.pad(tf.nn.relu(x[:, :14]), [[0, 0], [1, 1]], "REFLECT"),
      "MirrorPad"),
 ])
@@ -249,17 +249,22 @@ def test_keras_mlp_inference_graph_is_fused(rw, act):
     got = tf.function(lambda t: m(t, training=False))(x)
     _assert_close(got, want)
     fused = [r for r in _records() if r["kind"] == "fuse"]
-    # Layer 1 reads the model input (not sparse); layers 2 and 3 are fused.
-    # Keras 3 writes its bias add as BiasAdd (TF backend's add()).
+    # Layer 1 (ReLU whatever `act` is) reads the model input ("Input"),
+    # layer 2 layer 1's ReLU, layer 3 layer 2's activation: all three are
+    # fused. Keras 3 writes its bias add as BiasAdd (TF backend's add()).
+    act_op = {"relu": "Relu", "relu6": "Relu6"}[act]
     assert sorted(r["fused"] for r in fused) == sorted(
-        ["BiasAdd", "BiasAdd+" + {"relu": "Relu", "relu6": "Relu6"}[act]])
-    assert rw.counters() == {"MatMul": 2}
+        ["BiasAdd+Relu", "BiasAdd+" + act_op, "BiasAdd"])
+    assert sorted(r["producer"] for r in fused) == sorted(
+        ["Input", "Relu", act_op])
+    assert rw.counters() == {"MatMul": 3}
 
 
 def test_keras_convnet_inference_and_saved_model(rw, tmp_path):
-    """Conv->ReLU->MaxPool->Conv->ReLU->MaxPool->Flatten->Dense: the second
-    conv (input from MaxPool) and the dense layer (Flatten of MaxPool) are
-    rewritten, each with its bias (and ReLU) when the op can take them."""
+    """Conv->ReLU->MaxPool->Conv->ReLU->MaxPool->Flatten->Dense: the first
+    conv (the model's input), the second (input from MaxPool) and the dense
+    layer (Flatten of MaxPool) are rewritten, each with its bias (and ReLU)
+    when the op can take them."""
     m = _convnet(2)
     x = tf.constant(np.random.default_rng(27).standard_normal((5, 12, 12, 3))
                     .astype(np.float32))
@@ -271,26 +276,29 @@ def test_keras_convnet_inference_and_saved_model(rw, tmp_path):
     _assert_close(got, want)
     conv_fused = _conv_has_epilogue()
 
-    def check():
+    def check(via_input):
         recs = _records()
         dense = [r for r in recs if r["op"] == "MatMul"]
         conv = [r for r in recs if r["op"] == "Conv2D"]
         assert len(dense) == 1 and dense[0]["kind"] == "fuse", recs
         assert dense[0]["fused"] == "BiasAdd", dense
         assert dense[0]["via"] == "Reshape,MaxPool", dense
-        assert len(conv) == 1 and conv[0]["via"] == "MaxPool", recs
-        if conv_fused:
-            assert conv[0]["kind"] == "fuse", conv
-            assert conv[0]["fused"] == "BiasAdd+Relu", conv
-        else:
-            assert conv[0]["kind"] == "replace", conv
-            assert "has no bias input" in conv[0]["unfused"], conv
+        assert len(conv) == 2, recs
+        assert sorted((r["producer"], r["via"]) for r in conv) == [
+            ("Input", via_input), ("Relu", "MaxPool")], conv
+        for r in conv:
+            if conv_fused:
+                assert r["kind"] == "fuse", conv
+                assert r["fused"] == "BiasAdd+Relu", conv
+            else:
+                assert r["kind"] == "replace", conv
+                assert "has no bias input" in r["unfused"], conv
 
-    check()
+    check("")
     rw.log(clear=True)
     loaded = tf.saved_model.load(path)
     _assert_close(loaded.serve(x), want)
-    check()
+    check("Identity")  # the serving signature reads its input through one
 
 
 def test_conv2d_bias_relu_fused(rw):
@@ -405,23 +413,31 @@ def test_keras_training_matches_unrewritten(rw):
         if build is _mlp:
             assert "sddmm" in kinds, kinds
         else:
-            # The second conv's filter gradient reads the first MaxPool.
-            (dw,) = [r for r in _records() if r["op"] == "Conv2DBackpropFilter"]
-            assert dw["via"] == "MaxPool" and dw["producer"] == "Relu", dw
-            assert dw["new_op"] == "TfSparseSplit>SparseSplitConv2DBackpropFilter"
+            # The first conv's filter gradient reads the model's input, the
+            # second's the first MaxPool.
+            dws = sorted((r for r in _records()
+                          if r["op"] == "Conv2DBackpropFilter"),
+                         key=lambda r: r["producer"])
+            assert [(r["producer"], r["via"]) for r in dws] == [
+                ("Input", ""), ("Relu", "MaxPool")], dws
+            for dw in dws:
+                assert dw["new_op"] == (
+                    "TfSparseSplit>SparseSplitConv2DBackpropFilter")
 
 
 def test_input_producer_counts_graph_inputs(rw):
-    """producers + ("Input",) counts a graph input (here a Placeholder) as
-    sparse; the defaults do not."""
+    """The default producers count a graph input (here a Placeholder) as
+    sparse ("Input"); without "Input" it is not."""
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [4, 16])
         tf.matmul(x, tf.ones([16, 5]), name="from_input")
+    assert "Input" in rewrite.DEFAULT_PRODUCERS
     (rec,) = rewrite.dry_run(g)
-    assert rec["action"] == "declined" and rec["producer"] == "Placeholder"
-    (rec,) = rewrite.dry_run(g, producers=rewrite.DEFAULT_PRODUCERS + ("Input",))
     assert rec["action"] == "would_rewrite" and rec["producer"] == "Input"
+    relu_only = tuple(p for p in rewrite.DEFAULT_PRODUCERS if p != "Input")
+    (rec,) = rewrite.dry_run(g, producers=relu_only)
+    assert rec["action"] == "declined" and rec["producer"] == "Placeholder"
 
 
 def test_fused_and_sddmm_nodes_inside_a_while_loop(rw):
@@ -518,7 +534,9 @@ def test_replaced_consumer_leaves_producer_relu_fusable(rw):
     off, want = _session_partition_ops(build, [6, 24])
     rw.log(clear=True)
     rw._take_missed()   # the pass-off session graph: no warning wanted
-    rw.enable()
+    # mm1 reads the graph's input: keep it TF's (producers without "Input").
+    rw.enable(producers=tuple(p for p in rewrite.DEFAULT_PRODUCERS
+                              if p != "Input"))
     on, got = _session_partition_ops(build, [6, 24])
     _assert_close(got, want)
     (rec,) = _records()
