@@ -385,15 +385,22 @@ def _sources(*patterns):
 
 
 CORE = _sources("cc/core/*.cc")
+# Any source may include any of these: listed as both extensions' depends,
+# so that `build_ext --inplace` after a change to a header alone rebuilds
+# (setuptools skips an extension whose file is newer than its sources and
+# depends; _parallel_compile then recompiles what the header touches).
+HEADERS = _sources("cc/**/*.h", "cc/**/*.inc")
 ops_ext = Extension(
     "tf_sparse_split._sparse_split_ops",
     sources=CORE + _sources("cc/ops/*.cc", "cc/kernels/*.cc", "cc/rewrite/*.cc"),
+    depends=HEADERS,
     include_dirs=["."],
     language="c++",
 )
 kernels_ext = Extension(
     "tf_sparse_split._kernels",
     sources=CORE + _sources("cc/python/*.cc"),
+    depends=HEADERS,
     include_dirs=["."],
     language="c++",
 )
