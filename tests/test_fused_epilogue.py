@@ -136,22 +136,35 @@ def test_all_zero_and_empty_operands(act, op_library):
 
 
 def test_non_finite_values_through_the_epilogue(op_library):
+    """NaN/Inf rows at every threshold: what TF's graph gives for
+    act(matmul + bias) in the dtype -- float32: oneDNN's fused kernel,
+    whose relu/relu6 post-op maps NaN to 0; float64: MatMul, BiasAdd and
+    Relu, which keep it. The split plans' epilogue follows the fused
+    kernel, so the threshold never changes the answer."""
     # 40 columns: the vectorised loop and its scalar tail both see them.
     a = np.array([[np.nan, 0.0], [1.0, 0.0], [np.inf, 0.0], [-np.inf, 0.0]],
                  np.float32)
     b = np.ones((2, 40), np.float32)
     bias = np.linspace(-8, 8, 40).astype(np.float32)
+    tf_acts = {"none": lambda v: v, "relu": tf.nn.relu, "relu6": tf.nn.relu6}
     for dtype in (np.float32, np.float64):
+        ad, bd, cd = a.astype(dtype), b.astype(dtype), bias.astype(dtype)
         for act in ACTS:
-            got = sparse_split_matmul(a.astype(dtype), b.astype(dtype),
-                                      threshold=0.0, bias=bias.astype(dtype),
-                                      activation=act).numpy()
-            assert np.isnan(got[0]).all()
-            np.testing.assert_array_equal(
-                got[1], _activation_ref(1.0 + bias.astype(dtype), act))
-            want_inf = {"none": np.inf, "relu": np.inf, "relu6": 6.0}[act]
-            np.testing.assert_array_equal(got[2], want_inf)
-            np.testing.assert_array_equal(got[3], -np.inf if act == "none" else 0.0)
+            tf_graph = tf.function(lambda x, w, c, f=tf_acts[act]: f(
+                tf.nn.bias_add(tf.matmul(x, w), c)))(ad, bd, cd).numpy()
+            for thr in THRESHOLDS:
+                got = sparse_split_matmul(ad, bd, threshold=thr, bias=cd,
+                                          activation=act).numpy()
+                np.testing.assert_array_equal(got, tf_graph)
+                nan_kept = act == "none" or dtype == np.float64
+                assert np.isnan(got[0]).all() == nan_kept, (dtype, act, thr)
+                assert not np.isnan(got[0]).any() or nan_kept
+                np.testing.assert_array_equal(
+                    got[1], _activation_ref(1.0 + cd, act))
+                want_inf = {"none": np.inf, "relu": np.inf, "relu6": 6.0}[act]
+                np.testing.assert_array_equal(got[2], want_inf)
+                np.testing.assert_array_equal(
+                    got[3], -np.inf if act == "none" else 0.0)
 
 
 def test_deterministic_bits(op_library):

@@ -239,6 +239,50 @@ def _convnet(seed):
         keras.layers.Dense(4)])
 
 
+@pytest.mark.parametrize("pre", [tf.identity, tf.nn.relu])
+def test_grouped_conv2d_is_left_to_tensorflow(rw, pre):
+    """A grouped Conv2D (input channels a multiple of the filter's) runs in
+    TF; SparseSplitConv2D does not take it, so the pass declines it (on
+    the function's input and on a ReLU output alike)."""
+    rng = np.random.default_rng(44)
+    x = rng.random((2, 7, 6, 4)).astype(np.float32)
+    x[x < 0.5] = 0.0
+    k = rng.standard_normal((3, 3, 2, 6)).astype(np.float32)
+
+    def body(x, k):
+        return tf.nn.conv2d(pre(x), k, 1, "SAME")
+
+    off, on = _off_then_on(rw, body, x, k)
+    assert on.shape == (2, 7, 6, 6)
+    _assert_close(on, off)
+    assert _records() == []
+    (rec,) = [r for r in _records("declined") if r["op"] == "Conv2D"]
+    assert "grouped convolution (input channels 4, filter input channels 2)" \
+        in rec["reason"], rec
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("act", [tf.nn.relu, tf.nn.relu6])
+def test_fused_matmul_nan_rows_match_the_fused_graph(rw, dtype, act):
+    """A NaN in the input of act(x @ w + b): the rewritten graph gives what
+    the graph without the pass gives -- float32: Grappler's oneDNN fused
+    kernel, whose relu/relu6 map NaN to 0; float64: unfused ops, NaN."""
+    x = np.ones((6, 8), dtype)
+    x[1, 2] = np.nan
+    x[3, :5] = 0.0
+    w = np.linspace(-1, 1, 24).reshape(8, 3).astype(dtype)
+    b = np.array([0.5, -0.5, 7.0], dtype)
+
+    def body(x, w, b):
+        return act(tf.nn.bias_add(tf.matmul(x, w), b))
+
+    off, on = _off_then_on(rw, body, x, w, b)
+    np.testing.assert_array_equal(on, off)
+    assert np.isnan(off[1]).any() == (dtype == np.float64)
+    (rec,) = _records()
+    assert rec["kind"] == "fuse" and rec["producer"] == "Input", rec
+
+
 @pytest.mark.parametrize("act", ["relu", "relu6"])
 def test_keras_mlp_inference_graph_is_fused(rw, act):
     x = tf.constant(np.random.default_rng(26).standard_normal((10, 20))

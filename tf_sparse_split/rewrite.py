@@ -75,7 +75,8 @@ What the pass does:
   (``TF_CPP_VMODULE=sparse_split_rewrite=1``) and in :func:`log` -- what it
   cannot replace exactly: dtypes the replacement op has no kernel for
   (it takes float32, float64, bfloat16 and float16; not integer or
-  complex products), nodes on a
+  complex products), grouped convolutions (input channels a multiple of
+  the filter's), nodes on a
   device without a kernel of ours (GPU, TPU), nodes with no device on a
   machine with a GPU (the placer would put ``MatMul`` there), XLA-compiled
   functions (``jit_compile=True``, ``_XlaCompile``/``_xla*`` attributes),

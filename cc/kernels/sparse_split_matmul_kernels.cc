@@ -125,22 +125,31 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, mm_.Init(ctx, tf::DEVICE_CPU, tf::DataTypeToEnum<T>::value));
     OP_REQUIRES_OK(ctx, epilogue_.Init(ctx));  // optional bias + activation
     OP_REQUIRES_OK(ctx, ctx->GetAttr("full_stats", &full_stats_));
-    // TF's fused kernel for the all-dense calls with a bias and no
-    // activation: BiasAdd as its post-op. Not with Relu/Relu6 post-ops:
-    // oneDNN's eltwise ReLU maps NaN to 0 (as tf.function graphs that
-    // Grappler fused do), while the epilogue and the split paths keep NaN
-    // -- the answer would depend on the plan. Those run MatMul + the
-    // epilogue's one pass (no fused kernel: the same).
+    // TF's fused kernel for the all-dense calls with a bias: BiasAdd, and
+    // Relu/Relu6, as its post-ops -- what a tf.function graph that
+    // Grappler fused runs. With an activation only oneDNN's kernel: its
+    // eltwise relu/relu6 maps NaN to 0 (max(x, 0)), and the epilogue of the
+    // split and sparse plans then does the same (set_nan_to_zero), so the
+    // answer never depends on the plan and equals the fused graph's. Where
+    // TF has no oneDNN kernel for the dtype (float64; float16 on CPUs
+    // without it) its graph runs MatMul, BiasAdd and Relu, which keep NaN:
+    // so do all plans here (MatMul + the epilogue's one pass).
     int num_bias = 0;
     std::string act;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_bias", &num_bias));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &act));
-    if (num_bias == 1 && act == "none") {
+    if (num_bias == 1) {
+      std::vector<std::string> fused_ops = {"BiasAdd"};
+      if (act == "relu") fused_ops.push_back("Relu");
+      if (act == "relu6") fused_ops.push_back("Relu6");
+      bool onednn = false;
       if (!InitTfFusedMatMul(ctx, tf::DEVICE_CPU, tf::DataTypeToEnum<T>::value,
-                             mm_.ta, mm_.tb, {"BiasAdd"}, &fused_)
-               .ok()) {
+                             mm_.ta, mm_.tb, fused_ops, &fused_, &onednn)
+               .ok() ||
+          (fused_ops.size() > 1 && !onednn)) {
         fused_ = TfKernel();
       }
+      epilogue_.set_nan_to_zero(fused_.ok() && fused_ops.size() > 1);
     }
   }
 

@@ -208,22 +208,25 @@ inline absl::Status InitTfMatMul(::tensorflow::OpKernelConstruction* ctx,
 // runs MatMul, BiasAdd and Relu). `fused_ops` is {"BiasAdd"} or {"BiasAdd",
 // "Relu"} / {"BiasAdd", "Relu6"}. An error (no such kernel) leaves *kernel
 // unusable (ok() false); callers fall back to MatMul plus their own
-// epilogue.
+// epilogue. *onednn (optional): whether the kernel is oneDNN's, whose
+// relu/relu6 post-ops compute max(x, 0) (NaN -> 0).
 inline absl::Status InitTfFusedMatMul(
     ::tensorflow::OpKernelConstruction* ctx,
     const ::tensorflow::DeviceType& device_type, ::tensorflow::DataType dtype,
     bool ta, bool tb, const std::vector<std::string>& fused_ops,
-    TfKernel* kernel) {
+    TfKernel* kernel, bool* onednn = nullptr) {
   namespace tf = ::tensorflow;
   auto attrs = [&](tf::NodeDef* def) {
     AddMatMulAttrs(dtype, ta, tb, def);
     tf::AddNodeAttr("num_args", 1, def);
     tf::AddNodeAttr("fused_ops", fused_ops, def);
   };
+  if (onednn != nullptr) *onednn = false;
   if (device_type == tf::DEVICE_CPU && OneDnnRunsDtype(dtype) &&
       kernel->Init(ctx, device_type, "_MklNativeFusedMatMul",
                    "MklNameChangeOp", 3, attrs)
           .ok()) {
+    if (onednn != nullptr) *onednn = true;
     return absl::OkStatus();
   }
   return kernel->Init(ctx, device_type, "_FusedMatMul", "", 3, attrs);

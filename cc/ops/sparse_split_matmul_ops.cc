@@ -69,13 +69,15 @@ threshold: scalar float32 row-density threshold in [0, 1]; rows of op(a)
   does not depend on it.
 bias: optional (num_bias = 1) vector [n] added to every row of the product.
 product: [m, n], act(op(a) * op(b) + bias): by TF's fused MatMul + BiasAdd
-  kernel when every row is dense, nothing is compacted and there is a bias
-  but no activation (float32), else by the
+  (+ Relu/Relu6) kernel when every row is dense, nothing is compacted and
+  there is a bias (with an activation: oneDNN's kernel only), else by the
   epilogue (cc/kernels/epilogue.h) after both parts of the split have
   written their rows.
 num_bias: 0 (no bias) or 1.
 activation: 'none', 'relu' (max(x, 0)) or 'relu6' (min(max(x, 0), 6)),
-  applied after the bias; NaN propagates.
+  applied after the bias; NaN propagates, except with a bias where TF's
+  fused kernel is oneDNN's (float32, bfloat16): its post-ops map NaN to 0,
+  as TF's fused graph does, and so do the split plans.
 heterogeneous: on the GPU kernel, multiply the sparse rows on the CPU (copied
   to host memory) while the dense rows run on the GPU (Peng 2017). The CPU
   kernel ignores it (normal CPU split) and records kHeteroCpuFallback in the

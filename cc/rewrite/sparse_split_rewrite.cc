@@ -845,6 +845,29 @@ std::string BackpropInputReason(const tf::Graph& g, const tf::Node* n,
 
 // The reason to leave a source-op node alone, or "" (then *cand is filled
 // for the replacement). `refiner` is created on first use.
+// Why the Conv2D `n` cannot become SparseSplitConv2D because it is a
+// grouped convolution, or "": TF's Conv2D convolves an input of C_in
+// channels with a filter of C_in / groups input channels, which the
+// sparse-split op does not take (it would raise where TF computes). Judged
+// on the static shapes; unknown channel counts are not declined.
+std::string GroupedConvReason(const tf::Graph& g, const tf::Node* n,
+                              std::unique_ptr<tf::ShapeRefiner>* refiner) {
+  int xport = 0, fport = 0;
+  const tf::Node* x = InputNode(n, 0, &xport);
+  const tf::Node* f = InputNode(n, 1, &fport);
+  if (x == nullptr || f == nullptr) return "";
+  tf::ShapeRefiner* r = RefinerFor(g, refiner);
+  std::vector<int64_t> xd, fd;
+  if (!StaticShape(r, x, xport, &xd) || !StaticShape(r, f, fport, &fd) ||
+      xd.size() != 4 || fd.size() != 4 || xd[3] < 0 || fd[2] < 0 ||
+      xd[3] == fd[2]) {
+    return "";
+  }
+  return absl::StrCat("grouped convolution (input channels ", xd[3],
+                      ", filter input channels ", fd[2],
+                      "): not supported by SparseSplitConv2D");
+}
+
 std::string Decide(const tf::Graph& g, const tf::Node* n,
                    const RewriteEntry& entry, const GraphContext& ctx,
                    const RewriteConfig& cfg,
@@ -884,6 +907,10 @@ std::string Decide(const tf::Graph& g, const tf::Node* n,
   }
   if (n->type_string() == "Conv2DBackpropInput") {
     const std::string why = BackpropInputReason(g, n, refiner);
+    if (!why.empty()) return why;
+  }
+  if (n->type_string() == "Conv2D") {
+    const std::string why = GroupedConvReason(g, n, refiner);
     if (!why.empty()) return why;
   }
   if (!TrySddmm(n, ctx, cfg, cand)) {

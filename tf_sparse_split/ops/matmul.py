@@ -78,13 +78,13 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
     Fused epilogue (``bias``, ``activation``): the op adds ``bias`` to every
     row of the product and applies the activation, as
     ``tf.nn.relu(tf.matmul(a, b) + bias)`` would. When every row goes dense
-    and nothing is compacted (float32, a bias and no activation), the op runs
-    TF's own fused kernel (``_FusedMatMul``, oneDNN's
-    ``_MklNativeFusedMatMul`` with its BiasAdd post-op: what Grappler fuses
-    ``tf.matmul(a, b) + bias`` into); otherwise one pass over the output rows
-    after the dense and sparse parts have written them (also for ReLU/ReLU6
-    on an all-dense call: oneDNN's fused ReLU maps NaN to 0, the other paths
-    keep NaN, and the answer must not depend on the plan). The gradient masks the incoming
+    and nothing is compacted and there is a bias, the op runs TF's own fused
+    kernel (``_FusedMatMul``, oneDNN's ``_MklNativeFusedMatMul`` with its
+    BiasAdd and Relu/Relu6 post-ops: what Grappler fuses
+    ``tf.nn.relu(tf.matmul(a, b) + bias)`` into; with an activation only
+    where the dtype has oneDNN's kernel, float32 and bfloat16 on CPUs that
+    run it); otherwise one pass over the output rows after the dense and
+    sparse parts have written them. The gradient masks the incoming
     gradient with the output (relu: ``out > 0``; relu6: ``0 < out < 6``, as
     TF's ``ReluGrad``/``Relu6Grad``) and sums it over rows for ``bias``.
 
@@ -155,7 +155,10 @@ def sparse_split_matmul(a, b, threshold=-1.0, transpose_a=False,
         of the product (default None: no bias).
       activation: ``None`` or ``"none"`` (default), ``"relu"`` (``max(x,
         0)``) or ``"relu6"`` (``min(max(x, 0), 6)``), applied after the bias.
-        NaN stays NaN.
+        NaN stays NaN, except with a bias where TensorFlow's fused kernel is
+        oneDNN's (float32; bfloat16 on CPUs that run it): its relu and relu6
+        map NaN to 0, as TensorFlow's own fused graph does, and every plan
+        does the same (the threshold never changes the answer).
       full_stats: bool or None. True: every call counts every value of
         ``a`` (exact statistics: what the layers ask for while their
         statistics are recorded, for ``SplitThresholdCallback``,
