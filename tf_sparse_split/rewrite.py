@@ -136,7 +136,8 @@ __all__ = ["enable", "disable", "enabled", "is_enabled", "config",
 #: without zeros the op's sampled analysis sends every call to TensorFlow's
 #: kernel (whole models on random inputs without zeros, 2-core Xeon: 0.96-
 #: 1.02x the time of the same graph rewritten without "Input").
-DEFAULT_PRODUCERS = ("Relu", "Relu6", "ReluGrad", "Relu6Grad", "Dropout", "Input")
+DEFAULT_PRODUCERS = ("Relu", "Relu6", "ReluGrad", "Relu6Grad", "Dropout",
+                     "Input")
 #: Source op types the pass knows (Conv2D and Conv2DBackpropFilter are
 #: active only when ``SparseSplitConv2D`` / ``SparseSplitConv2DBackpropFilter``
 #: are registered). ``Conv2DBackpropFilter`` is the filter gradient of a

@@ -8,7 +8,8 @@ warm-up:
 * ``plain``: the model's function as TensorFlow runs it, the rewrite pass off;
 * ``rewrite``: the same model loaded again and first called with the graph
   rewrite pass on (:mod:`tf_sparse_split.rewrite`, ``MatMul`` and, when
-  registered, ``Conv2D``), so its products fed by a ReLU or the model input run as sparse-split ops;
+  registered, ``Conv2D``), so its products fed by a ReLU or the model
+  input run as sparse-split ops;
 * ``sparse-split``: a model with sparse-split layers: the one given with
   ``--sparse-model``, or for a ``.keras`` model of ``Dense``/``Conv2D``
   layers (Sequential or functional) a copy converted layer by layer
