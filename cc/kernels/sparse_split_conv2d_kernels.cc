@@ -1218,21 +1218,6 @@ struct ConvSplit {
   }
 };
 
-// An output buffer of `elems` values for a timed calibration run of a
-// sparse kernel: from TF's allocator and left unwritten, as the op's own
-// output is (the kernels write every value of the images they are given).
-// A zero-filled std::vector paid the fill and, at 1.6 MB (MNIST's first
-// convolution at batch 32: 32x28x28 -> 16), fresh pages on every run: the
-// calibration timed the row scatter at 377 us where its calls ran 100-310
-// us (median ~150), against 331 us for TF's kernel, and the family stayed
-// all-dense; in four processes after the change it timed 103-196 us.
-template <typename T>
-absl::Status CalibrationOutput(tf::OpKernelContext* ctx, int64_t elems,
-                               tf::Tensor* out) {
-  return ctx->allocate_temp(tf::DataTypeToEnum<T>::value,
-                            tf::TensorShape({elems}), out);
-}
-
 // The calibration functors (split_runtime.h) of the two convolution ops:
 // samples are the first images of x (contiguous NHWC, H*W*C_in values per
 // row); the dense path is TF's kernel on them, the sparse path the kernels

@@ -77,12 +77,8 @@ struct MatMulPaths {
     tf::Tensor bt_t;
     const T* bd = nullptr;
     TF_RETURN_IF_ERROR(OperandB(&bt_t, &bd));
-    // Unwritten, from TF's allocator, as the op's output (CsrSpmm
-    // overwrites the rows it is given): a zero-filled vector paid the fill
-    // and fresh pages on every timed run, which the real calls do not.
-    tf::Tensor c;
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(sample.dtype(), tf::TensorShape({rows, n}), &c));
+    tf::Tensor c;  // CsrSpmm overwrites the rows it is given
+    TF_RETURN_IF_ERROR(CalibrationOutput<T>(ctx, rows * n, &c));
     CsrSpmm<CoreType<T>>(csr, idx.data(), rows, AsCore(bd), k, n, n,
                       AsCore(c.flat<T>().data()), n, pfor);
     return absl::OkStatus();
@@ -142,14 +138,15 @@ class SparseSplitMatMulOp : public tf::OpKernel {
       std::vector<std::string> fused_ops = {"BiasAdd"};
       if (act == "relu") fused_ops.push_back("Relu");
       if (act == "relu6") fused_ops.push_back("Relu6");
+      const bool with_act = fused_ops.size() > 1;
       bool onednn = false;
       if (!InitTfFusedMatMul(ctx, tf::DEVICE_CPU, tf::DataTypeToEnum<T>::value,
                              mm_.ta, mm_.tb, fused_ops, &fused_, &onednn)
                .ok() ||
-          (fused_ops.size() > 1 && !onednn)) {
+          (with_act && !onednn)) {
         fused_ = TfKernel();
       }
-      epilogue_.set_nan_to_zero(fused_.ok() && fused_ops.size() > 1);
+      epilogue_.set_nan_to_zero(fused_.ok() && with_act);
     }
   }
 

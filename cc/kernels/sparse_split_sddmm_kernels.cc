@@ -111,11 +111,8 @@ struct SddmmPaths {
     tf::Tensor bt_t;
     const T* y = nullptr;
     TF_RETURN_IF_ERROR(OperandY(&bt_t, &y));
-    // Unwritten, from TF's allocator, as the op's output (CsrSddmm writes
-    // every value of its rows, zeros included).
-    tf::Tensor c;
-    TF_RETURN_IF_ERROR(
-        ctx->allocate_temp(sample.dtype(), tf::TensorShape({rows, k}), &c));
+    tf::Tensor c;  // CsrSddmm writes every value of its rows, zeros too
+    TF_RETURN_IF_ERROR(CalibrationOutput<T>(ctx, rows * k, &c));
     CsrSddmm<CoreType<T>>(csr, idx.data(), rows, AsCore(x.flat<T>().data()), n,
                        AsCore(y), n, k, n, AsCore(c.flat<T>().data()), k,
                        pfor);

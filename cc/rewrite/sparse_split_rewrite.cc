@@ -843,8 +843,6 @@ std::string BackpropInputReason(const tf::Graph& g, const tf::Node* n,
   return "";
 }
 
-// The reason to leave a source-op node alone, or "" (then *cand is filled
-// for the replacement). `refiner` is created on first use.
 // Why the Conv2D `n` cannot become SparseSplitConv2D because it is a
 // grouped convolution, or "": TF's Conv2D convolves an input of C_in
 // channels with a filter of C_in / groups input channels, which the
@@ -868,6 +866,8 @@ std::string GroupedConvReason(const tf::Graph& g, const tf::Node* n,
                       "): not supported by SparseSplitConv2D");
 }
 
+// The reason to leave a source-op node alone, or "" (then *cand is filled
+// for the replacement). `refiner` is created on first use.
 std::string Decide(const tf::Graph& g, const tf::Node* n,
                    const RewriteEntry& entry, const GraphContext& ctx,
                    const RewriteConfig& cfg,
