@@ -277,3 +277,35 @@ def test_explicit_padding_as_pairs_matches_tf():
     ref = tf.nn.conv2d(x, f, 1, pad).numpy()
     y = tfss.sparse_split_conv2d(x, f, 1, pad, threshold=1.0)
     assert T.relative_error(y, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("c_in", [1, 2, 3, 5, 6, 7, 9, 12, 15, 16])
+def test_full_count_of_few_channel_inputs(c_in, device):
+    """The full count of an input with under 16 channels (vectorised in
+    chunks of lcm(16, C_in) values in float32) gives the exact nnz, the
+    images' nonzeros (a threshold between two densities splits them) and
+    the all-zero channels, with pixels left over after the last chunk."""
+    with tf.device(device):
+        rng = np.random.default_rng(c_in)
+        n, h, w = 4, 7, 5 + c_in  # h * w * c_in: not a multiple of 16 * c_in
+        x = np.zeros((n, h, w, c_in), np.float32)
+        for i in range(n):
+            x[i] = T.random_sparse_images((h, w, c_in),
+                                          0.9 if i % 2 else 0.15, rng)  # zeros
+        x[0, -1, -1, c_in - 1] = 3.0  # the last value: in the tail
+        x[1, 0, 0, 0] = np.nan        # NaN counts as a nonzero
+        dead = c_in // 2 if c_in > 1 else None
+        if dead is not None:
+            x[..., dead] = 0
+        f = rng.normal(size=(3, 3, c_in, 8)).astype(np.float32)
+        y, st = tfss.sparse_split_conv2d(x, f, 1, "SAME", threshold=0.3,
+                                         return_stats=True, full_stats=True)
+        st = st.numpy()
+        assert st[S.ANALYSIS] == S.ANALYSIS_FULL
+        assert st[S.NNZ] == np.count_nonzero(x)
+        assert st[S.ROWS_DENSE] == 2 and st[S.ROWS_SPARSE] == 2
+        assert st[S.NNZ_SPARSE] == np.count_nonzero(x[[1, 3]])  # 90% zeros
+        assert st[S.ZERO_COLS_SKIPPED] == (h * w if dead is not None else 0)
+        ok = ~np.isnan(x).any(axis=(1, 2, 3))
+        ref = T.reference_conv2d(x, f, 1, "SAME")
+        assert T.relative_error(y.numpy()[ok], ref[ok]) <= 1e-5

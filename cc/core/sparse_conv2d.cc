@@ -112,9 +112,13 @@ inline int64_t CountPixel<f16>(const f16* px, int64_t n, uint8_t* live) {
 // Nonzeros of the pixels p = 0, stride, 2 * stride, ... < hw of an image of
 // ci < 16 channels (float, double); sets live[c] = 1 for each nonzero
 // channel c. The channels' flags are bits of a register (CountPixel's byte
-// stores would chain every pixel through live[c]); at stride 1 with 16 % ci
-// == 0 (float, AVX-512) the image is counted 16 values per compare, lane l
-// being channel l % ci.
+// stores would chain every pixel through live[c]); at stride 1 (float,
+// AVX-512) the image is counted 16 values per compare, in chunks of
+// lcm(16, ci) values (a whole number of pixels: ci / gcd(16, ci) vectors,
+// one lane mask kept per vector), lane l of the chunk's vector v being
+// channel (16 v + l) % ci. RGB inputs (ci = 3, every image model's first
+// convolution) took the scalar loop before: 16x64x64x3, the full count of
+// a training call, ran ~0.5 ms on Zen 4.
 template <typename T>
 inline int64_t CountImageFewChannels(const T* img, int64_t hw, int64_t ci,
                                      int64_t stride, uint8_t* live) {
@@ -123,20 +127,26 @@ inline int64_t CountImageFewChannels(const T* img, int64_t hw, int64_t ci,
   int64_t p = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same<T, float>::value) {
-    if (stride == 1 && 16 % ci == 0) {
+    if (stride == 1) {
       const __m512 zero = _mm512_setzero_ps();
       const int64_t n = hw * ci;
+      int64_t period = ci;  // vectors per chunk: ci / gcd(16, ci)
+      while (period % 2 == 0) period /= 2;
+      const int64_t chunk = 16 * period;
+      uint32_t lanes[16] = {0};
       int64_t j = 0;
-      uint32_t lanes = 0;
-      for (; j + 16 <= n; j += 16) {
-        const __mmask16 mk =
-            _mm512_cmp_ps_mask(_mm512_loadu_ps(img + j), zero, _CMP_NEQ_UQ);
-        k += __builtin_popcount(mk);
-        lanes |= mk;
+      for (; j + chunk <= n; j += chunk) {
+        for (int64_t v = 0; v < period; ++v) {
+          const __mmask16 mk = _mm512_cmp_ps_mask(
+              _mm512_loadu_ps(img + j + 16 * v), zero, _CMP_NEQ_UQ);
+          k += __builtin_popcount(mk);
+          lanes[v] |= mk;
+        }
       }
-      for (int l = 0; l < 16; ++l)
-        if ((lanes >> l) & 1) seen |= uint32_t{1} << (l % ci);
-      p = j / ci;  // 16 % ci == 0: j is a whole number of pixels
+      for (int64_t v = 0; v < period; ++v)
+        for (int l = 0; l < 16; ++l)
+          if ((lanes[v] >> l) & 1) seen |= uint32_t{1} << ((16 * v + l) % ci);
+      p = j / ci;  // j is a multiple of lcm(16, ci): whole pixels
     }
   }
 #endif
