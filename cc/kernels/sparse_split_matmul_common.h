@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <vector>
@@ -81,16 +82,19 @@ class FamilyCache {
 // output 0 (no copy). Otherwise the dense rows (`dense_rows`, or all m when
 // rd == m) and, when compacting, the kc live columns (`live_cols`) of op(a)
 // are gathered, with the matching rows of op(b); their product is output 0
-// when rd == m, else it is scattered into *out.
+// when rd == m, else it is scattered into *out. `gathered_product`, when
+// given, computes the uncompacted product of the gathered rows and b
+// instead of `mm.gathered` (the CPU's choice of how to run it with a
+// transposed b, transposed_product.h).
 template <typename Dev>
-absl::Status RunMatMulDensePart(::tensorflow::OpKernelContext* ctx,
-                                const MatMulKernels& mm,
-                                const ::tensorflow::Tensor& a,
-                                const ::tensorflow::Tensor& b, int64_t m,
-                                int64_t n, int64_t rd, bool compact, int64_t kc,
-                                const int64_t* dense_rows,
-                                const int64_t* live_cols, Dev& dev,
-                                ::tensorflow::Tensor* out) {
+absl::Status RunMatMulDensePart(
+    ::tensorflow::OpKernelContext* ctx, const MatMulKernels& mm,
+    const ::tensorflow::Tensor& a, const ::tensorflow::Tensor& b, int64_t m,
+    int64_t n, int64_t rd, bool compact, int64_t kc, const int64_t* dense_rows,
+    const int64_t* live_cols, Dev& dev, ::tensorflow::Tensor* out,
+    const std::function<absl::Status(const ::tensorflow::Tensor&,
+                                     ::tensorflow::Tensor*)>*
+        gathered_product = nullptr) {
   namespace tf = ::tensorflow;
   if (rd == 0) return absl::OkStatus();
   if (rd == m && !compact) {
@@ -110,6 +114,8 @@ absl::Status RunMatMulDensePart(::tensorflow::OpKernelContext* ctx,
         ctx->allocate_temp(b.dtype(), tf::TensorShape({kc, n}), &bc_t));
     TF_RETURN_IF_ERROR(dev.Gather(b, mm.tb, live_cols, kc, nullptr, n, &bc_t));
     TF_RETURN_IF_ERROR(mm.compacted.Run(ctx, {&ad_t, &bc_t}, &cd_t));
+  } else if (gathered_product != nullptr) {
+    TF_RETURN_IF_ERROR((*gathered_product)(ad_t, &cd_t));
   } else {
     TF_RETURN_IF_ERROR(mm.gathered.Run(ctx, {&ad_t, &b}, &cd_t));
   }

@@ -28,6 +28,7 @@
 #include "cc/kernels/split_runtime.h"
 #include "cc/kernels/tf_kernel.h"
 #include "cc/kernels/tf_parallel_for.h"
+#include "cc/kernels/transposed_product.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 
@@ -50,6 +51,7 @@ struct MatMulPaths {
   int64_t k, n;
   const TfKernel& gemm_gathered;  // op(sample) = sample, op(b) as given
   const ParallelFor& pfor;
+  TransposedProductChoice* swap;  // how to run sample b^T (tb)
 
   absl::Status Sample(int64_t rows, tf::Tensor* sample) {
     if (!ta) {
@@ -66,6 +68,9 @@ struct MatMulPaths {
 
   absl::Status RunDense(const tf::Tensor& sample) {
     tf::Tensor product;
+    if (tb)
+      return RunTransposedProduct<T>(ctx, gemm_gathered, sample, b, swap,
+                                     &product);
     return gemm_gathered.Run(ctx, {&sample, &b}, &product);
   }
 
@@ -218,7 +223,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const int64_t k_live = static_cast<int64_t>(live_cols.size());
 
     // --- Decision (cost model, calibrated on the first automatic call). ---
-    MatMulPaths<T> paths{ctx, a, b, mm_.ta, mm_.tb, k, n, mm_.gathered, pfor};
+    MatMulPaths<T> paths{ctx,  a,          b,    mm_.ta, mm_.tb,
+                         k,    n,          mm_.gathered, pfor, &swap_};
     OP_REQUIRES_OK(ctx, call.Decide<T>(ctx, paths,
                                        MatMulSplitShape(m, k, k_live, n, !mm_.tb),
                                        row_nnz.data(), &family, &plans_, pfor));
@@ -246,13 +252,20 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     }
     if (rd == m && !compact) {
       // Every row dense, nothing compacted: TF's MatMul on a and b as they
-      // are, on this op's context (TfKernel::RunOnContext).
-      OP_REQUIRES_OK(ctx, mm_.direct.RunOnContext(ctx));
+      // are, on this op's context (TfKernel::RunOnContext), or swapped.
+      OP_REQUIRES_OK(ctx, RunDirect(ctx, a, b));
     } else {
       CpuDevice<T> dev{pfor};
-      OP_REQUIRES_OK(ctx, RunMatMulDensePart(ctx, mm_, a, b, m, n, rd, compact,
-                                             kc, dense_rows.data(),
-                                             live_cols.data(), dev, out));
+      // Gathered rows of op(a) times b^T: as is or swapped (tb).
+      const std::function<absl::Status(const tf::Tensor&, tf::Tensor*)>
+          gathered_product = [&](const tf::Tensor& ad, tf::Tensor* cd) {
+            return RunTransposedProduct<T>(ctx, mm_.gathered, ad, b, &swap_,
+                                           cd);
+          };
+      OP_REQUIRES_OK(ctx, RunMatMulDensePart(
+                              ctx, mm_, a, b, m, n, rd, compact, kc,
+                              dense_rows.data(), live_cols.data(), dev, out,
+                              mm_.tb ? &gathered_product : nullptr));
     }
     call.DenseDone();
 
@@ -299,10 +312,7 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     if (fused_.ok()) {
       TF_RETURN_IF_ERROR(RunFused(ctx, a, b));
     } else {
-      // TF's MatMul on this op's own context: a and b are its inputs 0
-      // and 1, its output 0 is ours (same dtype), as TfKernel::RunOnContext
-      // needs; no sub-context, no output copy.
-      TF_RETURN_IF_ERROR(mm_.direct.RunOnContext(ctx));
+      TF_RETURN_IF_ERROR(RunDirect(ctx, a, b));
     }
     call->DenseDone();
     call->SparseDone();
@@ -311,7 +321,29 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     return absl::OkStatus();
   }
 
+  // op(a) op(b) on the inputs as given, as output 0: TF's MatMul on this
+  // op's own context (a and b are its inputs 0 and 1, its output 0 is ours,
+  // as TfKernel::RunOnContext needs; no sub-context, no output copy), or,
+  // for a b read transposed, the way this op chose for the shape
+  // (transposed_product.h).
+  absl::Status RunDirect(tf::OpKernelContext* ctx, const tf::Tensor& a,
+                         const tf::Tensor& b) {
+    using Way = TransposedProductChoice::Way;
+    const Way forced = swap_.forced();
+    if (!mm_.ta && mm_.tb && forced != Way::kDirect &&
+        (forced == Way::kSwapped ||
+         SwapCandidate(a.dim_size(0), a.dim_size(1), b.dim_size(0)))) {
+      tf::Tensor product;
+      TF_RETURN_IF_ERROR(
+          RunTransposedProduct<T>(ctx, mm_.direct, a, b, &swap_, &product));
+      ctx->set_output(0, product);
+      return absl::OkStatus();
+    }
+    return mm_.direct.RunOnContext(ctx);
+  }
+
   MatMulKernels mm_;  // attrs and TF's MatMul kernels
+  TransposedProductChoice swap_;  // per shape, for b read transposed
   MatMulEpilogue epilogue_;
   TfKernel fused_;    // TF's _FusedMatMul (bias given, float32), else unset
   FamilyCache families_;  // the cost-model family of the last call's sizes

@@ -23,6 +23,7 @@
 #include "cc/kernels/core_types.h"
 #include "cc/kernels/split_runtime.h"
 #include "cc/kernels/tf_kernel.h"
+#include "cc/kernels/transposed_product.h"
 #include "cc/kernels/tf_parallel_for.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -86,6 +87,7 @@ struct SddmmPaths {
   int64_t k, n;
   const TfKernel& gemm;  // x * op(b)^T
   const ParallelFor& pfor;
+  TransposedProductChoice* swap;  // how to run x b^T (b [k, n], !tb)
 
   absl::Status Sample(int64_t rows, tf::Tensor* sample) {
     *sample = mask.Slice(0, rows);
@@ -96,7 +98,9 @@ struct SddmmPaths {
     const int64_t rows = sample.dim_size(0);
     const tf::Tensor xs = x.Slice(0, rows);
     tf::Tensor product;
-    TF_RETURN_IF_ERROR(gemm.Run(ctx, {&xs, &b}, &product));
+    TF_RETURN_IF_ERROR(
+        tb ? gemm.Run(ctx, {&xs, &b}, &product)
+           : RunTransposedProduct<T>(ctx, gemm, xs, b, swap, &product));
     CoreType<T>* c = AsCore(product.flat<T>().data());
     MaskedCopyRows<CoreType<T>>(AsCore(sample.flat<T>().data()), k, nullptr, rows, c,
                              c, k, pfor);
@@ -175,7 +179,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
       if (call.dense_without_count()) {
         // TF's GEMM on every row, then masked (the mask is read anyway).
         tf::Tensor product;
-        OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&x, &b}, &product));
+        OP_REQUIRES_OK(ctx, Product(ctx, x, b, &product));
         CoreType<T>* c = AsCore(product.flat<T>().data());
         MaskedCopyRows<CoreType<T>>(mask_ptr, k, nullptr, m, c, c, k, pfor);
         ctx->set_output(0, product);
@@ -206,7 +210,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
                       [](int64_t c) { return c != 0; }));
 
     // --- Decision (cost model, calibrated on the first automatic call). ---
-    SddmmPaths<T> paths{ctx, mask, x, b, tb_, k, n, gemm_, pfor};
+    SddmmPaths<T> paths{ctx, mask, x, b, tb_, k, n, gemm_, pfor, &swap_};
     OP_REQUIRES_OK(ctx, call.Decide<T>(ctx, paths,
                                        SddmmSplitShape(m, k, k_live, n),
                                        row_nnz.data(), &family, &plans_, pfor));
@@ -218,7 +222,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
     tf::Tensor* out = nullptr;
     if (rd == m) {
       tf::Tensor product;
-      OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&x, &b}, &product));
+      OP_REQUIRES_OK(ctx, Product(ctx, x, b, &product));
       CoreType<T>* c = AsCore(product.flat<T>().data());
       MaskedCopyRows<CoreType<T>>(mask_ptr, k, nullptr, m, c, c, k, pfor);
       ctx->set_output(0, product);
@@ -231,7 +235,7 @@ class SparseSplitSddmmOp : public tf::OpKernel {
         GatherSubmatrix<CoreType<T>>(AsCore(x.flat<T>().data()), m, n, false,
                                   dense_rows.data(), rd, nullptr, n,
                                   AsCore(xd.flat<T>().data()), pfor);
-        OP_REQUIRES_OK(ctx, gemm_.Run(ctx, {&xd, &b}, &cd));
+        OP_REQUIRES_OK(ctx, Product(ctx, xd, b, &cd));
         MaskedCopyRows<CoreType<T>>(mask_ptr, k, dense_rows.data(), rd,
                                  AsCore(cd.flat<T>().data()),
                                  AsCore(out->flat<T>().data()), k, pfor);
@@ -260,9 +264,18 @@ class SparseSplitSddmmOp : public tf::OpKernel {
   }
 
  private:
+  // x op(b)^T by TF's MatMul: with b [k, n] read transposed (!tb_), as is
+  // or swapped, the way this op chose for the shape (transposed_product.h).
+  absl::Status Product(tf::OpKernelContext* ctx, const tf::Tensor& x,
+                       const tf::Tensor& b, tf::Tensor* product) {
+    if (tb_) return gemm_.Run(ctx, {&x, &b}, product);
+    return RunTransposedProduct<T>(ctx, gemm_, x, b, &swap_, product);
+  }
+
   bool tb_ = false;
   bool full_stats_ = true;
   TfKernel gemm_;
+  TransposedProductChoice swap_;  // per shape, for b read transposed
   FamilyCache families_;  // the cost-model family of the last call's sizes
   PlanMemory plans_;  // this op's last plan (hysteresis)
 };

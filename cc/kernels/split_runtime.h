@@ -45,6 +45,7 @@
 #include "cc/core/parallel_for.h"
 #include "cc/core/sparse_matmul.h"
 #include "cc/core/stats.h"
+#include "cc/kernels/interleaved_timing.h"
 #include "cc/kernels/row_split.h"
 #include "cc/kernels/sparse_split_matmul_common.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -52,12 +53,6 @@
 #include "tensorflow/core/platform/logging.h"
 
 namespace tf_sparse_split {
-
-using Clock = std::chrono::steady_clock;
-
-inline double Seconds(Clock::time_point t0, Clock::time_point t1) {
-  return std::chrono::duration<double>(t1 - t0).count();
-}
 
 // Density buckets of the automatic decision (thresholds j / 32).
 constexpr int kDecisionBuckets = 32;
@@ -92,37 +87,7 @@ enum FamilyOp : int64_t {
 
 namespace split_runtime_internal {
 
-// Times every function of `fns` once per round, round after round, and
-// keeps each one's best wall-clock seconds in best[i]. Interleaving makes a
-// burst of load on the (shared) machine hit all of them alike instead of
-// biasing one path. The first round holds the one-time costs (TF's oneDNN
-// primitive creation for each sample shape, the first touch of fresh
-// buffers), so the number of rounds is chosen from the second: three more
-// rounds, two when it takes over 50 ms, one over 300 ms (the calibration
-// must stay cheap). Choosing from the first round left two rounds in all
-// at a 32x28x28x1 -> 16 convolution (primitive creation made the first
-// round ~100 ms): the dense path was timed on its second run, 1.5-1.9x its
-// steady time, while the sparse path, with nothing to create, was timed at
-// 1.1x, and the family took the sparse plan, 1.3x slower.
-inline absl::Status BestSecondsInterleaved(
-    const std::vector<std::function<absl::Status()>>& fns,
-    std::vector<double>* best) {
-  best->assign(fns.size(), 1e30);
-  int rounds = 2;
-  for (int round = 0; round < rounds; ++round) {
-    const auto r0 = Clock::now();
-    for (size_t i = 0; i < fns.size(); ++i) {
-      const auto t0 = Clock::now();
-      TF_RETURN_IF_ERROR(fns[i]());
-      (*best)[i] = std::min((*best)[i], Seconds(t0, Clock::now()));
-    }
-    if (round == 1) {
-      const double took = Seconds(r0, Clock::now());
-      rounds = took > 0.3 ? 2 : took > 0.05 ? 3 : 4;
-    }
-  }
-  return absl::OkStatus();
-}
+using ::tf_sparse_split::BestSecondsInterleaved;
 
 template <typename T>
 int64_t CountRows(const T* x, int64_t rows, int64_t k, int64_t* row_nnz) {
