@@ -478,3 +478,81 @@ def test_time_budget_log_dir_must_be_a_path(log_dir):
 def test_time_budget_log_dir_accepts_a_pathlib_path(tmp_path):
     cb = tfss.TimeBudgetCallback(step_time=0.1, log_dir=tmp_path / "tb")
     assert cb.log_dir == str(tmp_path / "tb")
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["train", "--hidden", "8,,8"], "--hidden"),
+    (["train", "--hidden", "8,"], "--hidden"),
+    (["train", "--model", "cnn", "--filters", ",16"], "--filters"),
+])
+def test_cli_empty_size_entry_is_a_usage_error(argv, flag, capsys):
+    """An empty entry of a size list is refused, not dropped (``8,,8``
+    built a 64-8-8-10 model)."""
+    from tf_sparse_split.tools import cli
+
+    assert cli.main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert flag in last and "empty entry" in last
+
+
+def test_cli_dropout_with_cnn_names_the_models_that_take_it(capsys):
+    from tf_sparse_split.tools import cli
+
+    assert cli.main(["train", "--model", "cnn", "--dropout", "row"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--model mlp and --model lstm" in last
+
+
+def test_profile_of_a_file_that_is_not_a_keras_archive(tmp_path):
+    """A ``.keras`` path that exists but is no zip archive: the error says
+    so (Keras' own message said the file was not found)."""
+    from tf_sparse_split.tools._model_io import model_kind
+
+    bad = tmp_path / "bad.keras"
+    bad.write_text("x")
+    with pytest.raises(ValueError, match="not a valid .keras file"):
+        model_kind(str(bad))
+
+
+@pytest.mark.usefixtures("op_library")
+def test_rewrite_warns_about_producers_that_are_no_op_type():
+    from tf_sparse_split import rewrite
+
+    with pytest.warns(UserWarning, match=r"\['Bogus', 'relu'\]"):
+        rewrite.enable(producers=("Bogus", "relu", "Relu", "Dropout",
+                                  "Input"))
+    rewrite.disable()
+    import warnings
+
+    with warnings.catch_warnings():
+        # (the pass's RuntimeWarning about graphs instantiated before it
+        # was on is another matter)
+        warnings.simplefilter("error", UserWarning)
+        rewrite.enable()     # the defaults: no warning about producers
+        rewrite.disable()
+
+
+@pytest.mark.usefixtures("op_library")
+def test_backprop_input_errors_name_the_function():
+    """Its argument errors name ``sparse_split_conv2d_backprop_input``, and
+    a stride given where the padding goes (the argument order of
+    ``tf.nn.conv2d_backprop_input``) says the function takes none."""
+    rng = np.random.default_rng(2)
+    f, dy = _operands(rng)
+    sizes = [dy.shape[0], dy.shape[1], dy.shape[2], f.shape[2]]
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="sparse_split_conv2d_backprop_input: padding.*"
+                             "takes no strides"):
+        tfss.sparse_split_conv2d_backprop_input(sizes, f, dy, 1, "SAME")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="^sparse_split_conv2d_backprop_input: dilations"):
+        tfss.sparse_split_conv2d_backprop_input(sizes, f, dy, "SAME", "x")
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="^sparse_split_conv2d_backprop_input: padding"):
+        tfss.sparse_split_conv2d_backprop_input(sizes, f, dy, "FULL")
+
+
+def test_dir_lists_no_standard_library_modules():
+    names = dir(tfss)
+    assert not {"importlib", "sys", "threading", "warnings"} & set(names)
+    assert "sparse_split_matmul" in names and "layers" in names

@@ -128,7 +128,12 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC) | set(_SUBMODULES))
+    # The package's names, without the standard-library modules this file
+    # imports for itself (importlib, sys, threading, warnings).
+    own = {k for k, v in globals().items()
+           if not isinstance(v, type(sys))
+           or v.__name__.startswith(f"{__name__}.")}
+    return sorted(own | set(_PUBLIC) | set(_SUBMODULES))
 
 
 # -- registration with TensorFlow and Keras --------------------------------

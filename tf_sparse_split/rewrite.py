@@ -138,6 +138,8 @@ __all__ = ["enable", "disable", "enabled", "is_enabled", "config",
 #: 1.02x the time of the same graph rewritten without "Input").
 DEFAULT_PRODUCERS = ("Relu", "Relu6", "ReluGrad", "Relu6Grad", "Dropout",
                      "Input")
+#: Producer names that stand for a pattern, not an op type.
+_PATTERN_PRODUCERS = ("Dropout", "Input", "*")
 #: Source op types the pass knows (Conv2D and Conv2DBackpropFilter are
 #: active only when ``SparseSplitConv2D`` / ``SparseSplitConv2DBackpropFilter``
 #: are registered). ``Conv2DBackpropFilter`` is the filter gradient of a
@@ -219,7 +221,26 @@ def _validate(threshold, min_flops, ops, producers):
                                     for p in producers):
             raise ValueError("producers must be a non-empty sequence of op "
                              f"type names or 'any', got {producers!r}")
+        _warn_unregistered(producers)
     return min_flops, ops, producers
+
+
+def _warn_unregistered(producers):
+    """Warns (``UserWarning``) about producer names that are neither the
+    pass's own ("Dropout", "Input", "*") nor an op type registered in this
+    process (a typo, or ``"relu"`` for ``"Relu"``): the pass compares them
+    with the graphs' op types, so such a name matches nothing. Not an
+    error: an op library loaded later may register it."""
+    from tensorflow.python.framework import op_def_registry
+
+    unknown = [p for p in producers if p not in _PATTERN_PRODUCERS
+               and op_def_registry.get(p) is None]
+    if unknown:
+        warnings.warn(
+            f"rewrite producers {unknown} are not op types registered in "
+            "this process (op type names are case-sensitive, e.g. 'Relu'); "
+            "they match no node until an op library registers them",
+            UserWarning, stacklevel=4)
 
 
 def enable(threshold="auto", min_flops=0.0, ops=DEFAULT_OPS,

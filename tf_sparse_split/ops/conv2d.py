@@ -25,15 +25,15 @@ __all__ = ["sparse_split_conv2d", "sparse_split_conv2d_backprop_input"]
 CONV_DTYPES = (tf.float32, tf.float64, tf.bfloat16, tf.float16)
 
 
-def _conv_operand(value, name):
+def _conv_operand(value, name, where="sparse_split_conv2d"):
     """``value`` as a tensor of one of :data:`CONV_DTYPES`."""
     if value is None:
-        raise invalid(f"sparse_split_conv2d: {name} must be a float32, "
+        raise invalid(f"{where}: {name} must be a float32, "
                       "float64, bfloat16 or float16 tensor, got None")
     t = tf.convert_to_tensor(value)
     if t.dtype not in CONV_DTYPES:
         raise invalid(
-            f"sparse_split_conv2d: {name} must be float32, float64, bfloat16 "
+            f"{where}: {name} must be float32, float64, bfloat16 "
             f"or float16, got {t.dtype.name}")
     return t
 
@@ -56,7 +56,7 @@ def _is_int(v):
             tf.as_dtype(dtype).is_integer)
 
 
-def _int_entries(value, what, low, high):
+def _int_entries(value, what, low, high, where="sparse_split_conv2d"):
     """``value`` (an int or an iterable of ints; not a string) as a list of
     Python ints in ``[low, high]``, else ``InvalidArgumentError`` naming
     ``what`` (floats are refused, not truncated)."""
@@ -70,31 +70,31 @@ def _int_entries(value, what, low, high):
         except TypeError:
             vals = None
     if vals is None or not all(_is_int(v) for v in vals):
-        raise invalid(f"sparse_split_conv2d: {what} must be ints, got "
+        raise invalid(f"{where}: {what} must be ints, got "
                       f"{value!r}")
     vals = [int(v) for v in vals]
     if any(not low <= v <= high for v in vals):
-        raise invalid(f"sparse_split_conv2d: {what} must be in [{low}, "
+        raise invalid(f"{where}: {what} must be in [{low}, "
                       f"{high}], got {vals}")
     return vals
 
 
-def _conv_list(value, name):
+def _conv_list(value, name, where="sparse_split_conv2d"):
     """strides / dilations as tf.nn.conv2d takes them (int, or 1, 2 or 4
     ints) -> the NHWC list of 4 ints."""
     if isinstance(value, (bool, np.bool_)):
-        raise invalid(f"sparse_split_conv2d: {name} must be ints, got {value!r}")
+        raise invalid(f"{where}: {name} must be ints, got {value!r}")
     if _is_int(value):
         v = int(value)
         if not 0 < v <= _INT32_MAX:
-            raise invalid(f"sparse_split_conv2d: {name} must be positive "
+            raise invalid(f"{where}: {name} must be positive "
                           f"(at most 2^31 - 1), got {v}")
         return [1, v, v, 1]
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise invalid(
-            f"sparse_split_conv2d: {name} must be an int or a list of 1, 2 or "
+            f"{where}: {name} must be an int or a list of 1, 2 or "
             f"4 ints, got {value!r}")
-    vals = _int_entries(value, name, -_INT32_MAX - 1, _INT32_MAX)
+    vals = _int_entries(value, name, -_INT32_MAX - 1, _INT32_MAX, where)
     if len(vals) == 1:
         return [1, vals[0], vals[0], 1]
     if len(vals) == 2:
@@ -102,14 +102,14 @@ def _conv_list(value, name):
     if len(vals) == 4:
         return vals
     raise invalid(
-        f"sparse_split_conv2d: {name} must have 1, 2 or 4 entries, got {vals}")
+        f"{where}: {name} must have 1, 2 or 4 entries, got {vals}")
 
 
-def _conv_padding(padding, explicit_paddings):
+def _conv_padding(padding, explicit_paddings, where="sparse_split_conv2d"):
     """padding as tf.nn.conv2d takes it -> (padding string, flat list of 8)."""
     if isinstance(padding, (list, tuple)):
         if explicit_paddings is not None:
-            raise invalid("sparse_split_conv2d: give explicit paddings either "
+            raise invalid(f"{where}: give explicit paddings either "
                            "as the padding list or as explicit_paddings")
         try:
             flat = [p for pair in padding for p in pair]
@@ -117,58 +117,59 @@ def _conv_padding(padding, explicit_paddings):
             flat = None
         if flat is None or not all(_is_int(p) for p in flat):
             raise invalid(
-                "sparse_split_conv2d: explicit padding must be 4 pairs of "
+                f"{where}: explicit padding must be 4 pairs of "
                 "ints [[0, 0], [top, bottom], [left, right], [0, 0]], got "
                 f"{padding!r}")
         flat = [int(p) for p in flat]
         if len(padding) != 4 or len(flat) != 8:
             raise invalid(
-                "sparse_split_conv2d: explicit padding must be 4 pairs "
+                f"{where}: explicit padding must be 4 pairs "
                 f"[[0, 0], [top, bottom], [left, right], [0, 0]], got {padding!r}")
         return "EXPLICIT", flat
     if not isinstance(padding, str) or padding.upper() not in (
             "SAME", "VALID", "EXPLICIT"):
         raise invalid(
-            "sparse_split_conv2d: padding must be 'SAME', 'VALID', 'EXPLICIT' "
+            f"{where}: padding must be 'SAME', 'VALID', 'EXPLICIT' "
             f"or a list of 4 [before, after] pairs, got {padding!r}")
     padding = padding.upper()
     if padding == "EXPLICIT":
         if explicit_paddings is None:
-            raise invalid("sparse_split_conv2d: padding 'EXPLICIT' needs "
+            raise invalid(f"{where}: padding 'EXPLICIT' needs "
                            "explicit_paddings (8 ints)")
         flat = _int_entries(explicit_paddings, "explicit_paddings",
-                            -_INT32_MAX - 1, _INT32_MAX)
+                            -_INT32_MAX - 1, _INT32_MAX, where)
         return "EXPLICIT", flat
     if explicit_paddings:
         raise invalid(
-            "sparse_split_conv2d: explicit_paddings must be empty unless "
+            f"{where}: explicit_paddings must be empty unless "
             f"padding is 'EXPLICIT', got {explicit_paddings!r} with {padding!r}")
     return padding, []
 
 
-def _check_conv_attrs(strides, dilations, padding, explicit):
+def _check_conv_attrs(strides, dilations, padding, explicit,
+                      where="sparse_split_conv2d"):
     for name, v in (("strides", strides), ("dilations", dilations)):
         if v[0] != 1 or v[3] != 1:
             raise invalid(
-                f"sparse_split_conv2d: {name} on the batch and channel "
+                f"{where}: {name} on the batch and channel "
                 f"dimensions must be 1, got {v}")
         if v[1] <= 0 or v[2] <= 0:
-            raise invalid(f"sparse_split_conv2d: {name} must be positive, got {v}")
+            raise invalid(f"{where}: {name} must be positive, got {v}")
     if padding == "EXPLICIT":
         if len(explicit) != 8:
             raise invalid(
-                "sparse_split_conv2d: explicit_paddings must have 8 entries "
+                f"{where}: explicit_paddings must have 8 entries "
                 f"(before/after for N, H, W, C), got {explicit}")
         if any(p < 0 for p in explicit):
             raise invalid(
-                f"sparse_split_conv2d: explicit paddings must be >= 0, got {explicit}")
+                f"{where}: explicit paddings must be >= 0, got {explicit}")
         if any(p > _MAX_EXPLICIT_PADDING for p in explicit):
             raise invalid(
-                "sparse_split_conv2d: explicit paddings must be at most 2^30, "
+                f"{where}: explicit paddings must be at most 2^30, "
                 f"got {explicit}")
         if explicit[0] or explicit[1] or explicit[6] or explicit[7]:
             raise invalid(
-                "sparse_split_conv2d: explicit paddings on the batch and "
+                f"{where}: explicit paddings on the batch and "
                 f"channel dimensions must be 0, got {explicit}")
 
 
@@ -427,16 +428,24 @@ def sparse_split_conv2d_backprop_input(input_sizes, filters, out_backprop,
     """
     lib = load_library()
     with tf.name_scope(name or "SparseSplitConv2DBackpropInput"):
-        f = _conv_operand(filters, "filters")
+        where = "sparse_split_conv2d_backprop_input"
+        f = _conv_operand(filters, "filters", where)
         # An array or tensor keeps its dtype (a mismatch is an error, as in
         # the matmul and forward wrappers); a Python list takes the filter's.
-        dy = operand_like(out_backprop, f,
-                          "sparse_split_conv2d_backprop_input",
-                          "out_backprop", "filters")
+        dy = operand_like(out_backprop, f, where, "out_backprop", "filters")
         sizes = _input_sizes_int32(input_sizes)
-        dilations = _conv_list(dilations, "dilations")
-        pad, explicit = _conv_padding(padding, explicit_paddings)
-        _check_conv_attrs([1, 1, 1, 1], dilations, pad, explicit)
+        if _is_int(padding) or isinstance(padding, (bool, np.bool_)):
+            # tf.nn.conv2d_backprop_input order (..., strides, padding):
+            # this function has no strides.
+            raise invalid(
+                f"{where}: padding must be 'SAME', 'VALID', 'EXPLICIT' or a "
+                f"list of 4 [before, after] pairs, got {padding!r}; the "
+                "function takes no strides (the gradient of a stride-1 "
+                "convolution): call it as (input_sizes, filters, "
+                "out_backprop, padding, dilations=...)")
+        dilations = _conv_list(dilations, "dilations", where)
+        pad, explicit = _conv_padding(padding, explicit_paddings, where)
+        _check_conv_attrs([1, 1, 1, 1], dilations, pad, explicit, where)
         dx, stats = lib.tf_sparse_split_sparse_split_conv2d_backprop_input(
             sizes, f, dy, as_threshold(threshold), strides=[1, 1, 1, 1],
             padding=pad, explicit_paddings=explicit, dilations=dilations,

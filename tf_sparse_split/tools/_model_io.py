@@ -3,6 +3,7 @@
 variant (:mod:`.latency`)."""
 
 import os
+import zipfile
 
 import numpy as np
 
@@ -13,11 +14,17 @@ def model_kind(path):
 
     Raises:
       FileNotFoundError: if ``path`` does not exist.
-      ValueError: if it is neither.
+      ValueError: if it is neither, or a ``.keras`` file that is not a zip
+        archive (what Keras writes; Keras' own error for such a file says
+        the file was not found).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such model: {path}")
     if path.endswith(".keras") and os.path.isfile(path):
+        if not zipfile.is_zipfile(path):
+            raise ValueError(f"{path} is not a valid .keras file (not a zip "
+                             "archive: a .keras model is what "
+                             "model.save('name.keras') writes)")
         return "keras"
     if os.path.isdir(path) and os.path.exists(
             os.path.join(path, "saved_model.pb")):

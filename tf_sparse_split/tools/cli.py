@@ -154,11 +154,16 @@ def parse_seed(text):
 
 
 def parse_int_list(text):
-    """argparse type: comma-separated integers > 0 (e.g. ``512,512``)."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
+    """argparse type: comma-separated integers > 0 (e.g. ``512,512``); an
+    empty entry (``8,,8``, ``8,``) is an error, not skipped."""
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
         raise argparse.ArgumentTypeError(
             "give at least one hidden size, e.g. 512,512")
+    if not all(parts):
+        raise argparse.ArgumentTypeError(
+            f"empty entry in {text!r}: give comma-separated sizes, e.g. "
+            "512,512")
     return [parse_positive_int(p) for p in parts]
 
 
@@ -485,7 +490,7 @@ def _check_combinations(parser, args):
                 parser.error("--hidden applies to --model mlp; --model cnn "
                              "takes --filters")
             if args.dropout != "none":
-                parser.error("--dropout applies to --model mlp only")
+                parser.error("--dropout applies to --model mlp and --model lstm")
         elif given("filters"):
             parser.error("--filters applies to --model cnn")
         if args.model == "lstm":

@@ -148,7 +148,7 @@ def build_model(args, sparse, x_train, x_test, num_classes):
             args, sparse, x_train, x_test, num_classes)
     elif getattr(args, "model", "mlp") == "cnn":
         if args.dropout != "none":
-            raise ValueError("--dropout applies to --model mlp only")
+            raise ValueError("--dropout applies to --model mlp and --model lstm")
         side = int(round(x_train.shape[1] ** 0.5))
         if side * side != x_train.shape[1]:
             raise ValueError(f"--model cnn needs square images, got "
