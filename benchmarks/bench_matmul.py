@@ -27,9 +27,13 @@ kernel, shown as ``--``; nor are the fused columns in float16, where
 TF's fused CPU kernel did not finish a call in 100 s). The title names the instruction-set path the
 16-bit sparse kernels took (``_kernels.low_precision_isa()``).
 
-Both directions are timed: the forward product ``a @ b`` (``b`` is
+Both directions are timed by default: the forward product ``a @ b`` (``b`` is
 ``[K, N]``) and the weight gradient ``a^T @ dY`` (``transpose_a=True``, ``dY``
-is ``[M, N]``; the product is ``[K, N]``; no fused columns). Ratios are
+is ``[M, N]``; the product is ``[K, N]``; no fused columns). ``--directions
+dx`` adds the input gradient ``dY W^T`` as ``a @ b^T`` (``transpose_b=True``,
+``a`` the ReLU-masked ``dY`` [M, K], ``b`` the weights [N, K]; no fused
+columns), where TF's oneDNN kernel reorders the transposed ``b`` on every
+call and the op may run the product swapped. Ratios are
 ``t(tf.matmul) / t(column)`` (> 1: faster than the dense GEMM), the median of
 the per-round ratios, with the spread (min..max of the per-round ratios of
 our automatic column). The last columns give the op's own analysis time
@@ -77,32 +81,39 @@ COLUMNS = ["tf.matmul", "a_is_sparse", "ours auto", "ours auto full stats",
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+#: The product each --directions entry times (a: the sparse operand).
+_DIRECTION_LABELS = {"fwd": "a @ b", "grad": "a^T @ dY", "dx": "a @ b^T"}
+
+
 def _functions(direction, dtype=tf.float32):
     """The tf.functions of one direction, each (x, y, bias) -> product; the
     a_is_sparse entry is None where TF's SparseMatMul lacks the dtype."""
     ta = direction == "grad"
+    tb = direction == "dx"
 
     @tf.function
     def dense(x, y, bias):
-        return tf.matmul(x, y, transpose_a=ta)
+        return tf.matmul(x, y, transpose_a=ta, transpose_b=tb)
 
     @tf.function
     def a_is_sparse(x, y, bias):
-        return tf.matmul(x, y, transpose_a=ta, a_is_sparse=True)
+        return tf.matmul(x, y, transpose_a=ta, transpose_b=tb,
+                         a_is_sparse=True)
 
     @tf.function
     def ours_auto(x, y, bias):
         return tfss.sparse_split_matmul(x, y, -1.0, transpose_a=ta,
-                                        full_stats=False)
+                                        transpose_b=tb, full_stats=False)
 
     @tf.function
     def ours_auto_full(x, y, bias):
         return tfss.sparse_split_matmul(x, y, -1.0, transpose_a=ta,
-                                        full_stats=True)
+                                        transpose_b=tb, full_stats=True)
 
     @tf.function
     def ours_sparse(x, y, bias):
-        return tfss.sparse_split_matmul(x, y, 1.0, transpose_a=ta)
+        return tfss.sparse_split_matmul(x, y, 1.0, transpose_a=ta,
+                                        transpose_b=tb)
 
     fns = [dense, a_is_sparse if dtype in (tf.float32, tf.bfloat16) else None,
            ours_auto, ours_auto_full, ours_sparse]
@@ -123,14 +134,14 @@ def _functions(direction, dtype=tf.float32):
     return fns
 
 
-def _analysis_seconds(a, y, ta, full_stats, reps):
+def _analysis_seconds(a, y, ta, full_stats, reps, tb=False):
     """Median TIME_ANALYZE of the op (automatic threshold) over reps calls."""
     from tf_sparse_split.tuning import stats as S
 
     @tf.function
     def f(x, w):
         return tfss.sparse_split_matmul(x, w, -1.0, transpose_a=ta,
-                                        return_stats=True,
+                                        transpose_b=tb, return_stats=True,
                                         full_stats=full_stats)[1]
 
     for _ in range(2):
@@ -144,7 +155,8 @@ def run_case(m, k, n, sparsity, direction, reps, rng, dtype=tf.float32):
     """Median times (s) per column, per-round auto ratios, analysis times."""
     a = tf.cast(tf.constant(random_sparse((m, k), sparsity, rng, np.float32)),
                 dtype)
-    other = rng.standard_normal((m if direction == "grad" else k, n)).astype(np.float32)
+    other_shape = {"grad": (m, n), "dx": (n, k)}.get(direction, (k, n))
+    other = rng.standard_normal(other_shape).astype(np.float32)
     y = tf.cast(tf.constant(other), dtype)
     bias = tf.cast(tf.constant(rng.standard_normal(n).astype(np.float32)), dtype)
     fns = _functions(direction, dtype)
@@ -176,9 +188,9 @@ def run_case(m, k, n, sparsity, direction, reps, rng, dtype=tf.float32):
         return statistics.median(b / c for b, c in zip(times[base], times[col]))
 
     per_round = [d / s for d, s in zip(times[0], times[2])]
-    ta = direction == "grad"
-    full_an, _ = _analysis_seconds(a, y, ta, True, reps)
-    cheap_an, mode = _analysis_seconds(a, y, ta, False, reps)
+    ta, tb = direction == "grad", direction == "dx"
+    full_an, _ = _analysis_seconds(a, y, ta, True, reps, tb)
+    cheap_an, mode = _analysis_seconds(a, y, ta, False, reps, tb)
     ratio = [round_ratio(0, i) for i in range(5)]
     if len(med) > 5:
         ratio += [1.0, round_ratio(5, 6)]
@@ -284,7 +296,7 @@ def row_markdown(r):
         return "--" if v != v else f"{v:.2f}x"  # NaN: column not run
 
     return (f"| {r['shape']} | {r.get('dtype', 'float32')} | "
-            f"{'a @ b' if r['direction'] == 'fwd' else 'a^T @ dY'} | "
+            f"{_DIRECTION_LABELS[r['direction']]} | "
             f"{r['sparsity']:.2f} | {ms[0]:.3f} | {x(ratio[1])} | **{ratio[2]:.2f}x** | "
             f"{lo:.2f}..{hi:.2f} | {x(r.get('vs_a_is_sparse', float('nan')))} | "
             f"{ratio[3]:.2f}x | {ratio[4]:.2f}x | {fused} | "
@@ -322,7 +334,7 @@ def plot(rows, path, title):
         ax.set_yscale("log")
         ax.set_xlabel("sparsity of a (%)")
         ax.set_ylabel("speed-up vs tf.matmul")
-        ax.set_title(f"{shape} {dtype}, {'a @ b' if direction == 'fwd' else 'a^T @ dY'}")
+        ax.set_title(f"{shape} {dtype}, {_DIRECTION_LABELS[direction]}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(keys):]:
@@ -351,7 +363,9 @@ def main(argv=None):
                    help="comma-separated dtypes of the cases (float32, "
                         "bfloat16, float16); each against tf.matmul in it")
     p.add_argument("--directions", default="fwd,grad",
-                   help="fwd (a @ b), grad (a^T @ dY) or both")
+                   help="comma-separated: fwd (a @ b), grad (a^T @ dY), dx "
+                        "(a @ b^T, b [N, K]: the input gradient dY W^T); "
+                        "--bf16-kernels takes fwd and grad")
     p.add_argument("--no-small-n", action="store_true",
                    help="skip the float32 small-N shapes")
     p.add_argument("--sparsities", default=None,
@@ -406,8 +420,8 @@ def main(argv=None):
         if d not in (tf.float32, tf.bfloat16, tf.float16):
             p.error(f"--dtypes: {d.name} is not float32, bfloat16 or float16")
     directions = [d.strip() for d in args.directions.split(",") if d.strip()]
-    if not set(directions) <= {"fwd", "grad"}:
-        p.error("--directions: fwd and/or grad")
+    if not set(directions) <= set(_DIRECTION_LABELS):
+        p.error("--directions: fwd, grad and/or dx")
     rng = np.random.default_rng(args.seed)
     cases = []
     for dt in dtypes:
