@@ -14,7 +14,8 @@
 // loses (0.7-0.9x). So each op instance times both ways on the first call
 // of each shape (best of interleaved runs, BestSecondsInterleaved) and
 // keeps the faster, the swap only where it is at least
-// kSwapMinSpeedup faster; products whose transposed operand has fewer
+// kSwapMinSpeedup faster (timed again on the shape's 16th and 256th calls
+// after the first); products whose transposed operand has fewer
 // than kSwapMinOperandElems values always run as is. The environment
 // variable TFSS_TRANSPOSED_PRODUCT=as_is or =swapped, read when the op's
 // kernel is created, fixes the way for every such product of the op, of
@@ -61,10 +62,20 @@ class TransposedProductChoice {
   // The way TFSS_TRANSPOSED_PRODUCT fixes, else kUnknown.
   Way forced() const { return forced_; }
 
+  // The way for the shape, counting the call; kUnknown for a shape not
+  // timed yet, and again on its kRetimeCalls-th calls: a first timing
+  // taken while other ops of the step loaded the cores, or before the
+  // kernels' steady state, is not kept for good.
   Way Get(int64_t r, int64_t k, int64_t c) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const Entry& e : entries_)
-      if (e.r == r && e.k == k && e.c == c) return e.way;
+    for (Entry& e : entries_) {
+      if (e.r == r && e.k == k && e.c == c) {
+        ++e.calls;
+        for (int64_t at : kRetimeCalls)
+          if (e.calls == at) return Way::kUnknown;
+        return e.way;
+      }
+    }
     return Way::kUnknown;
   }
 
@@ -79,14 +90,19 @@ class TransposedProductChoice {
     // A layer calls with one or two shapes (its batch, the last partial
     // batch); an op fed ever new shapes forgets the oldest.
     if (entries_.size() >= kMaxShapes) entries_.erase(entries_.begin());
-    entries_.push_back({r, k, c, way});
+    entries_.push_back({r, k, c, way, 0});
   }
+
+  // The calls of a shape (after its first) on which both ways are timed
+  // again.
+  static constexpr int64_t kRetimeCalls[] = {16, 256};
 
  private:
   static constexpr size_t kMaxShapes = 16;
   struct Entry {
     int64_t r, k, c;
     Way way;
+    int64_t calls;  // calls of the shape since its first timing
   };
   Way forced_ = Way::kUnknown;
   std::mutex mu_;
