@@ -32,8 +32,8 @@ Both directions are timed by default: the forward product ``a @ b`` (``b`` is
 is ``[M, N]``; the product is ``[K, N]``; no fused columns). ``--directions
 dx`` adds the input gradient ``dY W^T`` as ``a @ b^T`` (``transpose_b=True``,
 ``a`` the ReLU-masked ``dY`` [M, K], ``b`` the weights [N, K]; no fused
-columns), where TF's oneDNN kernel reorders the transposed ``b`` on every
-call and the op may run the product swapped. Ratios are
+columns), where TF's oneDNN kernel runs the transposed ``b`` far below its
+rate and the op may run the product swapped. Ratios are
 ``t(tf.matmul) / t(column)`` (> 1: faster than the dense GEMM), the median of
 the per-round ratios, with the spread (min..max of the per-round ratios of
 our automatic column). The last columns give the op's own analysis time

@@ -3,13 +3,14 @@
 // as is or swapped, (y x^T)^T -- the same kernel on the operands in the
 // other order, its [c, r] result transposed into [r, c].
 //
-// Why: TF's oneDNN MatMul treats its second operand as the weights and
-// reorders a transposed one (oneDNN's "ba" layout) on every call. Where
-// that operand is a large matrix and the product has few rows, the reorder
-// dominates: dY [32, 2048] times a 2048 x 2048 kernel transposed (the input
-// gradient of a Dense layer, dY W^T, which Keras' own graph runs the same
-// way) took 4.0x the swapped product's time, 1.4-1.8x at 64-128 rows on
-// 0.5-16 MB; swapped, the small operand is the one reordered. At thousands
+// Why: TF's oneDNN MatMul treats its second operand as the weights, and
+// with that operand read transposed (oneDNN's "ba" weights layout, known
+// to be slow there) it runs far below its rate on the same operand as is.
+// Where that operand is a large matrix and the product has few rows:
+// dY [32, 2048] times a 2048 x 2048 kernel transposed (the input gradient
+// of a Dense layer, dY W^T, which Keras' own graph runs the same way) took
+// 4.0x the swapped product's time, 1.4-1.8x at 64-128 rows on 0.5-16 MB;
+// swapped, the transposed operand is the small one. At thousands
 // of rows or on a small matrix the swap's extra transpose of the result
 // loses (0.7-0.9x). So each op instance times both ways on the first call
 // of each shape (best of interleaved runs, BestSecondsInterleaved) and
@@ -41,7 +42,7 @@
 namespace tf_sparse_split {
 
 // Below this many values in the transposed operand the product runs as is
-// (the reorder is cheap there, and timing both ways would cost more than
+// (the transposed read costs little there, and timing both ways more than
 // the swap could save).
 constexpr int64_t kSwapMinOperandElems = int64_t{1} << 17;
 // The swapped product must time at least this much faster.
