@@ -657,7 +657,7 @@ absl::Status CalibrateSparseChoice(tf::OpKernelContext* ctx,
       [&] { return run(false, sample, nnz_full.data()); },
       [&] { return run(false, thin, nnz_thin.data()); }};
   std::vector<double> best;
-  TF_RETURN_IF_ERROR(split_runtime_internal::BestSecondsInterleaved(fns, &best));
+  TF_RETURN_IF_ERROR(BestSecondsInterleaved(fns, &best));
   const double values = static_cast<double>(rows) * k;
   choice->Set(FitSparseKernel(values, full, best[0], thinned, best[1]),
               FitSparseKernel(values, full, best[2], thinned, best[3]));

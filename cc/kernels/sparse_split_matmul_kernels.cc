@@ -223,8 +223,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     const int64_t k_live = static_cast<int64_t>(live_cols.size());
 
     // --- Decision (cost model, calibrated on the first automatic call). ---
-    MatMulPaths<T> paths{ctx,  a,          b,    mm_.ta, mm_.tb,
-                         k,    n,          mm_.gathered, pfor, &swap_};
+    MatMulPaths<T> paths{ctx, a,    b,           mm_.ta, mm_.tb,
+                         k,   n,    mm_.gathered, pfor,  &swap_};
     OP_REQUIRES_OK(ctx, call.Decide<T>(ctx, paths,
                                        MatMulSplitShape(m, k, k_live, n, !mm_.tb),
                                        row_nnz.data(), &family, &plans_, pfor));
@@ -257,11 +257,14 @@ class SparseSplitMatMulOp : public tf::OpKernel {
     } else {
       CpuDevice<T> dev{pfor};
       // Gathered rows of op(a) times b^T: as is or swapped (tb).
-      const std::function<absl::Status(const tf::Tensor&, tf::Tensor*)>
-          gathered_product = [&](const tf::Tensor& ad, tf::Tensor* cd) {
-            return RunTransposedProduct<T>(ctx, mm_.gathered, ad, b, &swap_,
-                                           cd);
-          };
+      std::function<absl::Status(const tf::Tensor&, tf::Tensor*)>
+          gathered_product;
+      if (mm_.tb) {
+        gathered_product = [&](const tf::Tensor& ad, tf::Tensor* cd) {
+          return RunTransposedProduct<T>(ctx, mm_.gathered, ad, b, &swap_,
+                                         cd);
+        };
+      }
       OP_REQUIRES_OK(ctx, RunMatMulDensePart(
                               ctx, mm_, a, b, m, n, rd, compact, kc,
                               dense_rows.data(), live_cols.data(), dev, out,
@@ -328,11 +331,8 @@ class SparseSplitMatMulOp : public tf::OpKernel {
   // (transposed_product.h).
   absl::Status RunDirect(tf::OpKernelContext* ctx, const tf::Tensor& a,
                          const tf::Tensor& b) {
-    using Way = TransposedProductChoice::Way;
-    const Way forced = swap_.forced();
-    if (!mm_.ta && mm_.tb && forced != Way::kDirect &&
-        (forced == Way::kSwapped ||
-         SwapCandidate(a.dim_size(0), a.dim_size(1), b.dim_size(0)))) {
+    if (!mm_.ta && mm_.tb &&
+        swap_.MaySwap(a.dim_size(0), a.dim_size(1), b.dim_size(0))) {
       tf::Tensor product;
       TF_RETURN_IF_ERROR(
           RunTransposedProduct<T>(ctx, mm_.direct, a, b, &swap_, &product));

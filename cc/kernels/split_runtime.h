@@ -87,8 +87,6 @@ enum FamilyOp : int64_t {
 
 namespace split_runtime_internal {
 
-using ::tf_sparse_split::BestSecondsInterleaved;
-
 template <typename T>
 int64_t CountRows(const T* x, int64_t rows, int64_t k, int64_t* row_nnz) {
   int64_t total = 0;
@@ -339,7 +337,7 @@ absl::Status Calibrate(tensorflow::OpKernelContext* ctx, Functor& op,
     fns.push_back([&] { return op.RunDense(part); });
   }
   std::vector<double> best;
-  TF_RETURN_IF_ERROR(split_runtime_internal::BestSecondsInterleaved(fns, &best));
+  TF_RETURN_IF_ERROR(BestSecondsInterleaved(fns, &best));
   c.sparse_full_s = best[0];
   c.sparse_thin_s = best[1];
   c.sparse_part_s = best[2];

@@ -63,6 +63,15 @@ class TransposedProductChoice {
   // The way TFSS_TRANSPOSED_PRODUCT fixes, else kUnknown.
   Way forced() const { return forced_; }
 
+  // Whether x [r, k] times y^T, y [c, k], may run swapped: not an empty
+  // product nor one fixed as is; fixed swapped, or (the way unfixed) a
+  // transposed operand of at least kSwapMinOperandElems values, where the
+  // two ways are timed. Otherwise it runs as is.
+  bool MaySwap(int64_t r, int64_t k, int64_t c) const {
+    if (r == 0 || k == 0 || c == 0 || forced_ == Way::kDirect) return false;
+    return forced_ == Way::kSwapped || c * k >= kSwapMinOperandElems;
+  }
+
   // The way for the shape, counting the call; kUnknown for a shape not
   // timed yet, and again on its kRetimeCalls-th calls: a first timing
   // taken while other ops of the step loaded the cores, or before the
@@ -134,12 +143,6 @@ absl::Status RunSwapped(::tensorflow::OpKernelContext* ctx,
 
 }  // namespace transposed_product_internal
 
-// Whether x [r, k] times y^T, y [c, k], is worth deciding between the two
-// ways (else it runs as is).
-inline bool SwapCandidate(int64_t r, int64_t k, int64_t c) {
-  return r > 0 && k > 0 && c * k >= kSwapMinOperandElems;
-}
-
 // *out = x y^T, [r, c], for x [r, k] and y [c, k] (row-major, the dtype
 // T of both): `gemm` is TF's MatMul with transpose_a false and
 // transpose_b true. The way is this op's choice for the shape, timed on
@@ -153,13 +156,10 @@ absl::Status RunTransposedProduct(::tensorflow::OpKernelContext* ctx,
                                   ::tensorflow::Tensor* out) {
   using Way = TransposedProductChoice::Way;
   const int64_t r = x.dim_size(0), k = x.dim_size(1), c = y.dim_size(0);
-  if (choice == nullptr || r == 0 || k == 0 || c == 0)
+  if (choice == nullptr || !choice->MaySwap(r, k, c))
     return gemm.Run(ctx, {&x, &y}, out);
   Way way = choice->forced();
-  if (way == Way::kUnknown) {
-    if (!SwapCandidate(r, k, c)) return gemm.Run(ctx, {&x, &y}, out);
-    way = choice->Get(r, k, c);
-  }
+  if (way == Way::kUnknown) way = choice->Get(r, k, c);
   if (way == Way::kDirect) return gemm.Run(ctx, {&x, &y}, out);
   if (way == Way::kSwapped)
     return transposed_product_internal::RunSwapped<T>(ctx, gemm, x, y, out);
